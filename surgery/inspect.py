@@ -1,0 +1,115 @@
+"""Attention statistics of a checkpoint, from config.json, surgery.json and safetensors headers only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .source import load_config
+from .tensors import CheckpointReader, dtype_size
+
+_KEYS = {
+    "heads": ("num_attention_heads", "n_head"),
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "layers": ("num_hidden_layers", "n_layer"),
+}
+
+
+def _first(config: dict, keys: tuple[str, ...]) -> int:
+    for k in keys:
+        if config.get(k) is not None:
+            return int(config[k])
+    raise KeyError(keys[0])
+
+
+def attention_shape(config: dict) -> dict:
+    """heads, stored K/V heads, head_dim, hidden size, layers — for any transformer config."""
+    heads = _first(config, _KEYS["heads"])
+    hidden = _first(config, _KEYS["hidden"])
+    if config.get("model_type") == "gpt_bigcode":
+        kv = 1 if config.get("multi_query", True) else heads
+    else:
+        kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    return {"layers": _first(config, _KEYS["layers"]), "hidden": hidden, "heads": heads, "kv_heads": kv, "head_dim": head_dim}
+
+
+def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = None) -> dict:
+    config = load_config(folder)
+    shape = attention_shape(config)
+    with CheckpointReader(folder, allow_pickle=True) as reader:
+        tensors = list(reader.tensors.values())
+    params = sum(t.numel for t in tensors)
+    floats = [t for t in tensors if t.dtype.is_floating_point]
+    # The KV cache is kept in the weights' dtype: the dtype holding most parameters.
+    bytes_per_value = dtype_size(max(floats, key=lambda t: t.numel).dtype) if floats else 2
+    record = json.loads((Path(folder) / "surgery.json").read_text()) if (Path(folder) / "surgery.json").exists() else {}
+    L, h, kv, d, H = shape["layers"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["hidden"]
+    kv_bytes = 2 * L * kv * d * bytes_per_value
+    proj_macs = L * (H * h * d + 2 * H * kv * d + h * d * H)
+    core_macs = L * 2 * h * d * context  # QKᵀ and AV for one query over `context` keys
+    return {
+        "checkpoint": label or str(folder),
+        "model_type": config.get("model_type"),
+        "surgery": record.get("kind"),
+        **shape,
+        "distinct_kv_heads": record.get("kv_heads", {}).get("after", kv),
+        "parameters": params,
+        "dtype_bytes": bytes_per_value,
+        "kv_cache_bytes_per_token": kv_bytes,
+        "kv_cache_bytes_per_context": kv_bytes * context,
+        "context": context,
+        "attention_proj_macs_per_token": proj_macs,
+        "attention_core_macs_per_token": core_macs,
+        "attention_macs_per_token": proj_macs + core_macs,
+    }
+
+
+def _human(n: float | None, unit: str = "") -> str:
+    if n is None:
+        return "-"
+    for prefix in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000:
+            return f"{n:.4g}{prefix}{unit}"
+        n /= 1000
+    return f"{n:.4g}P{unit}"
+
+
+def print_inspection(stats: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    base = stats[0]
+    table = Table(show_header=True)
+    table.add_column("")
+    for s in stats:
+        table.add_column(s["checkpoint"], justify="right")
+    ctx = base["context"]
+    rows = [
+        ("model_type", "model_type", None),
+        ("surgery", "surgery", None),
+        ("layers", "layers", None),
+        ("heads", "heads", None),
+        ("K/V heads (stored)", "kv_heads", None),
+        ("K/V heads (distinct)", "distinct_kv_heads", None),
+        ("head_dim", "head_dim", None),
+        ("parameters", "parameters", ""),
+        ("KV cache / token", "kv_cache_bytes_per_token", "B"),
+        (f"KV cache / {ctx} ctx", "kv_cache_bytes_per_context", "B"),
+        ("attn MACs / token (proj)", "attention_proj_macs_per_token", ""),
+        (f"attn MACs / token (core @{ctx})", "attention_core_macs_per_token", ""),
+        ("attn MACs / token (total)", "attention_macs_per_token", ""),
+    ]
+    for title, key, unit in rows:
+        cells = []
+        for s in stats:
+            value = s.get(key)
+            if unit is None:
+                cells.append(str(value if value is not None else "-"))
+                continue
+            text = _human(value, unit)
+            if s is not base and value is not None and base.get(key):
+                text += f" ({value / base[key]:.2f}x)"
+            cells.append(text)
+        table.add_row(title, *cells)
+    Console().print(table)

