@@ -12,6 +12,11 @@ from surgery import __version__
 from surgery.errors import SurgeryError
 
 
+def optgroup(title: str):
+    """Marks where a group of kind-specific options starts (for readers of this file; click shows them flat)."""
+    return lambda f: f
+
+
 def _fail(message: str, code: int = 2) -> None:
     click.echo(f"surgery: error: {message}", err=True)
     sys.exit(code)
@@ -29,43 +34,91 @@ def cli() -> None:
 
 @cli.command()
 @click.argument("source")
-@click.option("--to", "kind", type=click.Choice(["mqa", "gqa"]), required=True, help="Target attention.")
-@click.option("--kv-heads", type=int, help="K/V heads after conversion (gqa); must divide the source's.")
-@click.option("--method", type=click.Choice(["mean", "first", "random"]), default="mean", show_default=True,
-              help="How each group's K/V heads are pooled: mean (GQA paper), first head, or random init.")
+@click.option("--to", "kind", type=click.Choice(["mqa", "gqa", "talking-heads", "switchhead"]), required=True,
+              help="Target attention.")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder (written atomically).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @click.option("--revision", help="Hub revision (branch, tag or commit) when SOURCE is a hub id.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="Output dtype of floating tensors (auto keeps the source's).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for --method random.")
 @click.option("--allow-pickle", is_flag=True, help="Accept pickle .bin weights (loaded with weights_only=True).")
-def convert(source, kind, kv_heads, method, out, force, revision, dtype, max_shard_size, seed, allow_pickle):
-    """Convert SOURCE to multi-query (mqa) or grouped-query (gqa) attention.
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for random choices.")
+@optgroup("mqa / gqa")
+@click.option("--kv-heads", type=int, help="[gqa] K/V heads after conversion; must divide the source's.")
+@click.option("--merge", "--method", "method", type=click.Choice(["mean", "first", "random", "aligned"]), default="mean",
+              show_default=True, help="[mqa/gqa] How each group's K/V heads are merged: mean (GQA paper), first "
+              "head, random init (the paper's ablations), or aligned (activation-aware, RoPE-compatible).")
+@optgroup("calibration (aligned merge, switchhead)")
+@click.option("--calib", default="pydoc", show_default=True, help="Calibration text (same forms as check --data).")
+@click.option("--calib-tokens", type=int, default=8192, show_default=True, help="Calibration tokens.")
+@optgroup("talking-heads")
+@click.option("--logits-mixing/--no-logits-mixing", default=True, show_default=True,
+              help="[talking-heads] Mix heads' attention logits before the softmax.")
+@click.option("--weights-mixing/--no-weights-mixing", default=True, show_default=True,
+              help="[talking-heads] Mix heads' attention weights after the softmax.")
+@click.option("--heads-logits", type=int, help="[talking-heads] Heads after logits mixing (h_k; default h).")
+@click.option("--heads-weights", type=int, help="[talking-heads] Heads after weights mixing (h_v; default h).")
+@click.option("--chunk-size", type=int, default=512, show_default=True,
+              help="[talking-heads] Query chunk for the attention computation (memory O(h*chunk*S)).")
+@optgroup("switchhead")
+@click.option("--heads", type=int, help="[switchhead] Attention heads after conversion (H).")
+@click.option("--experts", type=int, help="[switchhead] Experts per head (E).")
+@click.option("--topk", type=int, help="[switchhead] Experts selected per token (k).")
+def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pickle, seed, kv_heads, method, calib,
+            calib_tokens, logits_mixing, weights_mixing, heads_logits, heads_weights, chunk_size, heads, experts,
+            topk):
+    """Convert SOURCE to another attention: mqa, gqa, talking-heads or switchhead.
 
-    Pure tensor surgery, streamed tensor by tensor: the model is never built, so memory stays near the
-    largest tensor. The output is a standard checkpoint that plain transformers loads.
+    mqa/gqa with mean/first/random merges is pure tensor surgery, streamed tensor by tensor: the model is
+    never built, so memory stays near the largest tensor. The output is a standard checkpoint that plain
+    transformers (and vLLM) loads. talking-heads and switchhead outputs carry their own modeling code
+    (load with trust_remote_code=True).
     """
-    from surgery.convert_kv import KVOptions, convert_to_kv_heads, parse_size
+    from surgery.atomic import check_output_path
+    from surgery.convert_kv import parse_size
     from surgery.source import resolve_source
 
-    if kind == "mqa":
-        if kv_heads not in (None, 1):
-            raise SurgeryError("--to mqa means one K/V head; use --to gqa --kv-heads N for more")
-        kv_heads = 1
-    elif kv_heads is None:
-        raise SurgeryError("--to gqa needs --kv-heads N")
-    options = KVOptions(kv_heads=kv_heads, method=method, seed=seed, dtype=None if dtype == "auto" else dtype,
-                        max_shard_bytes=parse_size(max_shard_size), allow_pickle=allow_pickle)
-    from surgery.atomic import check_output_path
-
+    common = dict(dtype=None if dtype == "auto" else dtype, max_shard_bytes=parse_size(max_shard_size),
+                  allow_pickle=allow_pickle, seed=seed)
     check_output_path(out, force)
-    src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
-    record = convert_to_kv_heads(src, out, options, force=force)
-    kv = record["kv_heads"]
-    click.echo(f"wrote {out}: {record['kind']} ({kv['before']} -> {kv['after']} K/V heads, {method} pooling) "
-               f"in {record['seconds']:.1f}s")
+    if kind in ("mqa", "gqa"):
+        if kind == "mqa":
+            if kv_heads not in (None, 1):
+                raise SurgeryError("--to mqa means one K/V head; use --to gqa --kv-heads N for more")
+            kv_heads = 1
+        elif kv_heads is None:
+            raise SurgeryError("--to gqa needs --kv-heads N")
+        src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
+        if method == "aligned":
+            from surgery.merge import convert_aligned
+
+            record = convert_aligned(src, out, kv_heads=kv_heads, calib=calib, calib_tokens=calib_tokens,
+                                     force=force, **common)
+        else:
+            from surgery.convert_kv import KVOptions, convert_to_kv_heads
+
+            record = convert_to_kv_heads(src, out, KVOptions(kv_heads=kv_heads, method=method, **common), force=force)
+        kv = record["kv_heads"]
+        click.echo(f"wrote {out}: {record['kind']} ({kv['before']} -> {kv['after']} K/V heads, {method} merge) "
+                   f"in {record['seconds']:.1f}s")
+    elif kind == "talking-heads":
+        from surgery.talking_heads import convert_to_talking_heads
+
+        src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
+        record = convert_to_talking_heads(src, out, logits_mixing=logits_mixing, weights_mixing=weights_mixing,
+                                          heads_logits=heads_logits, heads_weights=heads_weights,
+                                          chunk_size=chunk_size, force=force, **common)
+        click.echo(f"wrote {out}: talking-heads in {record['seconds']:.1f}s")
+    else:
+        from surgery.switchhead import convert_to_switchhead
+
+        if None in (heads, experts, topk):
+            raise SurgeryError("--to switchhead needs --heads H --experts E --topk K")
+        src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
+        record = convert_to_switchhead(src, out, heads=heads, experts=experts, topk=topk, calib=calib,
+                                       calib_tokens=calib_tokens, force=force, **common)
+        click.echo(f"wrote {out}: switchhead in {record['seconds']:.1f}s")
 
 
 @cli.command()
