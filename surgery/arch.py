@@ -101,7 +101,7 @@ SPECS: tuple[ArchSpec, ...] = (
         o="dense",
         kv_heads_key=None,
         head_dim_key=None,
-        drop_pattern=r"attention\.(bias|masked_bias|rotary_emb\.inv_freq)$",
+        drop_pattern=r"(?:^|\.)attention\.(bias|masked_bias|rotary_emb\.inv_freq)$",
         notes="transformers' GPTNeoX has no num_key_value_heads: the pooled K/V heads are stored repeated once per "
         "query head, so the output computes grouped-query attention but its KV cache is not smaller.",
     ),
@@ -118,7 +118,7 @@ SPECS: tuple[ArchSpec, ...] = (
         layers_key="n_layer",
         head_dim_key=None,
         conv1d_pattern=r"(?:^|\.)h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$",
-        drop_pattern=r"attn\.(bias|masked_bias)$",
+        drop_pattern=r"(?:^|\.)attn\.(bias|masked_bias)$",
         notes="converted into GPTBigCode (multi_query=True for MQA), a standard architecture that stores one K/V "
         "head; GPTBigCode has only MQA and MHA, so G must be 1 or the number of heads.",
     ),

@@ -1,0 +1,36 @@
+"""Uptraining: short continued training of a (converted) causal LM to win back quality.
+
+`surgery uptrain DIR --data SPEC --tokens N --out OUT` runs `uptrain(UptrainOptions(...))`:
+
+- `data.py`     documents -> tokens (EOS between) -> fixed-length windows; held-out split; per-step sharding.
+- `losses.py`   next-token LM loss, KL distillation to a teacher (temperature), and their mix.
+- `params.py`   which parameters train (`--train all|attention|new`).
+- `model_io.py` loading the student and the teacher; writing the final checkpoint and its surgery.json.
+- `state.py`    atomic accelerate checkpoints (model, optimizer, RNG, data position), last K kept, resume.
+- `metrics.py`  metrics.jsonl; `plot.py` the PNG of loss and perplexity against tokens.
+- `loop.py`     the training loop on accelerate (CPU, one GPU, or `accelerate launch` with DDP/FSDP/DeepSpeed).
+
+Contract with the converters: `surgery.json` may list the parameters a conversion introduced, which is what
+`--train new` trains (and `--train attention` trains on top of the attention projections):
+
+    "new_parameters": ["model.layers.*.self_attn.logits_mix", "model.layers.*.self_attn.router.*"]
+
+Each entry is a shell-style pattern (`fnmatch`, case-sensitive; `*` also crosses dots) over the parameter names
+of the model as `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True).named_parameters()` yields
+them. A pattern matches a name when it matches the whole name or a suffix of it that starts right after a dot, so
+the `model.` prefix may be left out (`layers.*.self_attn.logits_mix` works too), and checkpoint tensor names work
+for architectures whose in-memory names equal them. Every pattern must match at least one parameter, else the
+run stops with an error. A record without the key (or with an empty list) means the conversion added nothing
+trainable of its own (MQA/GQA pooling), and `--train new` is refused.
+"""
+
+from .options import UptrainOptions
+
+__all__ = ["UptrainOptions", "uptrain"]
+
+
+def uptrain(options: UptrainOptions) -> dict:
+    """Run (or resume) one uptraining run; returns the uptraining record written into OUT/surgery.json."""
+    from .loop import run
+
+    return run(options)

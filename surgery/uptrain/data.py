@@ -1,0 +1,130 @@
+"""Training data: documents tokenized, joined with an EOS between them, and packed into fixed-length windows.
+
+The first documents form the held-out split (whole documents, at least `eval_tokens` tokens, cut to whole
+windows); the rest form the training split, read only as far as the run needs. Training windows are visited
+in a seeded random order, a fresh one each epoch when the run needs more tokens than the data holds.
+
+Optimizer step `s` reads the windows `s*B .. (s+1)*B - 1` of that order (B = sequences per step); of those,
+process `r` of `W` takes the `r`-th contiguous slice of B/W windows. So every window of a step is read by
+exactly one process, and the data position of a run is nothing more than its step count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from ..errors import SurgeryError
+
+TOKENIZE_BATCH = 256  # documents per tokenizer call
+
+
+@dataclass
+class PackedData:
+    train: torch.Tensor  # [windows, seq_len] int32
+    eval: torch.Tensor  # [windows, seq_len] int32 (0 windows when evaluation is off)
+    seed: int = 0
+
+    def __post_init__(self):
+        self._perm_epoch = -1
+        self._perm = None
+
+    @property
+    def seq_len(self) -> int:
+        return self.train.shape[1]
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm, self._perm_epoch = torch.randperm(self.train.shape[0], generator=g), epoch
+        return self._perm
+
+    def window_indices(self, start: int, count: int) -> torch.Tensor:
+        """Indices into `train` of the global sequences start .. start+count-1 of the run."""
+        n = self.train.shape[0]
+        out = torch.empty(count, dtype=torch.long)
+        for i in range(count):
+            epoch, pos = divmod(start + i, n)
+            out[i] = self._order(epoch)[pos]
+        return out
+
+    def step_batch(self, step: int, sequences_per_step: int, rank: int, world: int) -> torch.Tensor:
+        """This process's share of optimizer step `step`: [sequences_per_step / world, seq_len] int64."""
+        share = sequences_per_step // world
+        idx = self.window_indices(step * sequences_per_step + rank * share, share)
+        return self.train[idx].long()
+
+    def eval_shard(self, rank: int, world: int) -> torch.Tensor:
+        return self.eval[rank::world].long()
+
+
+def _documents(texts: Iterable[str], tokenizer) -> Iterator[list[int]]:
+    batch: list[str] = []
+    for text in texts:
+        if text and text.strip():
+            batch.append(text)
+        if len(batch) == TOKENIZE_BATCH:
+            yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
+            batch = []
+    if batch:
+        yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
+
+
+def pack(texts: Iterable[str], tokenizer, seq_len: int, eval_tokens: int, train_tokens: int, seed: int = 0) -> PackedData:
+    """Tokenize documents until the held-out split has `eval_tokens` and the training split `train_tokens`."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise SurgeryError("the tokenizer has no EOS token to put between documents")
+    eval_need = -(-eval_tokens // seq_len) * seq_len
+    parts: dict[str, list[np.ndarray]] = {"eval": [], "train": []}
+    have = {"eval": 0, "train": 0}
+    documents = 0
+    for ids in _documents(texts, tokenizer):
+        documents += 1
+        split = "eval" if have["eval"] < eval_need else "train"
+        parts[split].append(np.asarray(ids + [eos], dtype=np.int32))
+        have[split] += len(ids) + 1
+        if have["train"] >= train_tokens + seq_len:
+            break
+    if documents == 0:
+        raise SurgeryError("the data holds no text")
+    if have["eval"] < eval_need:
+        raise SurgeryError(f"the data holds only {have['eval']} tokens, fewer than --eval-tokens {eval_tokens}")
+    train = _windows(parts["train"], seq_len)
+    if train.shape[0] == 0:
+        raise SurgeryError(
+            f"no training data left: the data's {have['eval'] + have['train']} tokens give "
+            f"{have['train']} after the {eval_need} held out (need at least --seq-len {seq_len}); lower --eval-tokens")
+    return PackedData(train=train, eval=_windows(parts["eval"], seq_len)[: eval_need // seq_len], seed=seed)
+
+
+def _windows(parts: list[np.ndarray], seq_len: int) -> torch.Tensor:
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    n = flat.size // seq_len
+    return torch.from_numpy(flat[: n * seq_len].reshape(n, seq_len).copy())
+
+
+def cache_key(**fields) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def load_or_pack(cache: Path, key: str, build, seed: int) -> PackedData:
+    """Read the packed data from `cache` when it was built with the same key, else build and write it."""
+    if cache.exists():
+        try:
+            saved = torch.load(cache, weights_only=True)
+            if saved.get("key") == key:
+                return PackedData(saved["train"], saved["eval"], seed=seed)
+        except Exception:  # a stale or unreadable cache is rebuilt
+            pass
+    data = build()
+    tmp = cache.with_name(cache.name + ".tmp")
+    torch.save({"key": key, "train": data.train, "eval": data.eval}, tmp)
+    tmp.replace(cache)
+    return data

@@ -1,0 +1,303 @@
+"""The uptraining loop, on accelerate: CPU, one GPU, or several processes under `accelerate launch`.
+
+One optimizer step = `batch_tokens` tokens = B windows of `seq_len`, split over W processes and, within each,
+into micro-batches of `micro_batch` windows (gradient accumulation makes up the rest). Losses are means over
+positions and DDP averages gradients over processes, so a step computes the same update however it is split.
+AdamW over the trainable parameters, linear warmup then cosine decay (the learning rate is a function of the step
+alone), gradient clipping. bf16 autocast on CUDA, fp32 on CPU. Only the main process logs and writes files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ..atomic import atomic_output_dir, check_output_path
+from ..errors import SurgeryError
+from ..source import resolve_source
+from . import model_io
+from .data import cache_key, load_or_pack, pack
+from .losses import Objective
+from .metrics import MetricsLog
+from .options import UptrainOptions
+from .params import select_trainable
+from .plot import plot_metrics
+from .state import Checkpoints, RunState
+
+OOM_MARKERS = ("out of memory", "can't allocate memory", "CUDA error: out of memory")
+
+
+def lr_at(step: int, o: UptrainOptions) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine down to lr * min_lr_ratio."""
+    warmup, total = o.warmup, o.steps
+    if step < warmup:
+        return o.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def make_accelerator():
+    from accelerate import Accelerator
+
+    precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    return Accelerator(mixed_precision=precision)
+
+
+def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
+    teacher_known = bool(o.teacher or (record.get("source") or {}).get("spec") or (record.get("source") or {}).get("folder"))
+    kind = o.loss if o.loss != "auto" else ("kd" if teacher_known else "lm")
+    if kind in ("kd", "mix") and not teacher_known:
+        raise SurgeryError(f"--loss {kind} needs a teacher: the input has no surgery.json naming its source; pass --teacher")
+    return Objective(kind, temperature=o.temperature, kd_weight=o.kd_weight)
+
+
+def prepare_run_dir(o: UptrainOptions, trajectory: dict, main: bool) -> None:
+    """Check (and on the main process create) the run folder: fresh, resumable, or replaced with --force."""
+    run_json = o.run_dir / "run.json"
+    if o.resume:
+        if not run_json.exists():
+            raise SurgeryError(f"--resume: {o.run_dir} holds no run to resume (no run.json)")
+        saved = json.loads(run_json.read_text())
+        diff = sorted(k for k in trajectory if saved.get(k) != trajectory[k])
+        if diff:
+            detail = ", ".join(f"{k}: {saved.get(k)!r} -> {trajectory[k]!r}" for k in diff[:4])
+            raise SurgeryError(f"--resume with different options than the run in {o.run_dir} ({detail})")
+        return
+    if o.run_dir.exists() and any(o.run_dir.iterdir()):
+        if not o.force:
+            raise SurgeryError(f"run folder {o.run_dir} holds an earlier run: --resume to continue it or --force to start over")
+        if main and not (o.run_dir / "run.json").exists():
+            raise SurgeryError(f"--force would delete {o.run_dir}, which is not a surgery uptraining run folder")
+    if main:
+        if o.run_dir.exists():
+            shutil.rmtree(o.run_dir)
+        o.run_dir.mkdir(parents=True)
+        (o.run_dir / "run.json").write_text(json.dumps(trajectory, indent=2) + "\n")
+
+
+@torch.no_grad()
+def evaluate(model, data, acc, micro_batch: int) -> dict:
+    """Held-out next-token loss and perplexity; windows sharded over processes, sums reduced."""
+    from .losses import lm_loss
+
+    was_training = model.training
+    model.eval()
+    shard = data.eval_shard(acc.process_index, acc.num_processes)
+    total = torch.zeros(2, dtype=torch.float64, device=acc.device)  # [nll sum, targets]
+    for i in range(0, shard.shape[0], micro_batch):
+        ids = shard[i : i + micro_batch].to(acc.device)
+        with acc.autocast():
+            logits = model(input_ids=ids, use_cache=False).logits
+        n = ids.shape[0] * (ids.shape[1] - 1)
+        total += torch.tensor([lm_loss(logits, ids).double().item() * n, n], dtype=torch.float64, device=acc.device)
+    total = acc.reduce(total, reduction="sum")
+    model.train(was_training)
+    loss = (total[0] / total[1]).item()
+    return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700))}
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or any(m in str(e) for m in OOM_MARKERS)
+
+
+def run(o: UptrainOptions) -> dict:
+    from accelerate.utils import set_seed
+    from tqdm import tqdm
+
+    source = resolve_source(o.model)
+    record = model_io.read_record(source.folder)
+    objective = resolve_objective(o, record)
+    acc = make_accelerator()
+    main, world = acc.is_main_process, acc.num_processes
+    per_process, rem = divmod(o.sequences_per_step, world)
+    if rem or per_process % o.micro_batch:
+        raise SurgeryError(
+            f"--batch-tokens {o.batch_tokens} gives {o.sequences_per_step} sequences of {o.seq_len} per step, which "
+            f"{world} process(es) cannot split into micro-batches of {o.micro_batch}: make it a multiple of "
+            f"{world * o.micro_batch * o.seq_len}")
+    accum = per_process // o.micro_batch
+    trajectory = o.trajectory() | {"model": str(Path(source.folder).absolute()), "loss": objective.kind}
+    check_output_path(o.out, o.force)
+    prepare_run_dir(o, trajectory, main)
+    acc.wait_for_everyone()
+    set_seed(o.seed)
+
+    tokenizer = model_io.load_tokenizer(source.folder, source.spec)
+    model = model_io.load_causal_lm(source, "model")
+    model_io.check_seq_len(model, o.seq_len, source.spec)
+    out_dtype = model_io.checkpoint_dtype(source.folder, source.config)
+    teacher = None
+    if objective.needs_teacher:
+        t_src = model_io.teacher_source(record, o.teacher)
+        teacher = model_io.load_causal_lm(t_src, "teacher")
+        model_io.check_teacher(model, teacher, tokenizer, t_src.folder, t_src.spec)
+        teacher.requires_grad_(False)
+        teacher.eval().to(acc.device)
+    trainable = select_trainable(model, o.train, record)
+
+    train_tokens = o.steps * o.sequences_per_step * o.seq_len
+    key = cache_key(data=o.data, text_field=o.text_field, seq_len=o.seq_len, eval_tokens=o.eval_tokens,
+                    train_tokens=train_tokens, vocab=len(tokenizer), eos=tokenizer.eos_token_id,
+                    tokenizer=type(tokenizer).__name__)
+
+    def build():
+        from ..data import load_texts
+
+        return pack(load_texts(o.data, o.text_field, o.streaming), tokenizer, o.seq_len, o.eval_tokens, train_tokens,
+                    seed=o.seed)
+
+    with acc.main_process_first():
+        data = load_or_pack(o.run_dir / "data.pt", key, build, seed=o.seed)
+
+    if o.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=o.weight_decay)
+    model, optimizer = acc.prepare(model, optimizer)
+    state = RunState()
+    state.data_key = key
+    acc.register_for_checkpointing(state)
+    ckpts = Checkpoints(o.run_dir, o.keep_last, acc)
+    ckpts.remove_partial()
+    metrics = MetricsLog(o.run_dir / "metrics.jsonl", main)
+    resumed_from = None
+    if o.resume and ckpts.latest() is not None:
+        resumed_from = ckpts.load_latest()
+        if state.data_key != key:
+            raise SurgeryError(f"--resume: the data no longer matches the checkpoint in {resumed_from}")
+    acc.wait_for_everyone()
+    metrics.start(state.step if resumed_from else None)
+
+    tokens_per_step = o.sequences_per_step * o.seq_len
+    n_params = sum(p.numel() for p in params)
+    if main:
+        print(f"uptrain: {objective.kind} loss, training {len(trainable)} tensors ({n_params:,} parameters), "
+              f"{o.steps} steps x {tokens_per_step} tokens, {world} process(es) x {accum} micro-batch(es) of "
+              f"{o.micro_batch}, {data.train.shape[0]} training / {data.eval.shape[0]} held-out windows of {o.seq_len}"
+              + (f"; resumed at step {state.step} from {resumed_from.name}" if resumed_from else ""), flush=True)
+
+    def do_eval(step: int) -> dict | None:
+        if data.eval.shape[0] == 0:
+            return None
+        result = evaluate(model, data, acc, o.micro_batch)
+        metrics.write(step=step, tokens=step * tokens_per_step, **result)
+        return result
+
+    try:
+        if resumed_from is None:
+            first = do_eval(0)
+            if teacher is not None and first is not None:
+                metrics.write(step=0, tokens=0, teacher_eval_ppl=evaluate(teacher, data, acc, o.micro_batch)["eval_ppl"])
+        bar = tqdm(total=o.steps, initial=state.step, desc="uptrain", unit="step", disable=not (main and o.progress),
+                   dynamic_ncols=True)
+        for step in range(state.step, o.steps):
+            start = time.perf_counter()
+            lr = lr_at(step, o)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = data.step_batch(step, o.sequences_per_step, acc.process_index, world)
+            loss_sum = torch.zeros((), device=acc.device)
+            parts_sum: dict[str, torch.Tensor] = {}
+            for m in range(accum):
+                ids = batch[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device)
+                sync = contextlib.nullcontext() if m == accum - 1 else acc.no_sync(model)
+                with sync:
+                    with acc.autocast():
+                        logits = model(input_ids=ids, use_cache=False).logits
+                        t_logits = None
+                        if teacher is not None:
+                            with torch.no_grad():
+                                t_logits = teacher(input_ids=ids, use_cache=False).logits
+                        loss, parts = objective(logits, ids, t_logits)
+                    acc.backward(loss / accum)
+                loss_sum += loss.detach() / accum
+                for k, v in parts.items():
+                    parts_sum[k] = parts_sum.get(k, 0) + v / accum
+                del logits, t_logits, loss
+            grad_norm = acc.clip_grad_norm_(params, o.max_grad_norm) if o.max_grad_norm > 0 else None
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            state.step = step + 1
+            seconds = time.perf_counter() - start
+            state.elapsed += seconds
+            logged = acc.reduce(torch.stack([loss_sum, *parts_sum.values()]), reduction="mean").tolist()
+            row = dict(step=state.step, tokens=state.step * tokens_per_step, loss=logged[0],
+                       **{f"{k}_loss": v for k, v in zip(parts_sum, logged[1:])}, lr=lr,
+                       grad_norm=float(grad_norm) if grad_norm is not None else None,
+                       tokens_per_s=tokens_per_step / seconds, elapsed=state.elapsed)
+            metrics.write(**row)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.update(1)
+            last = state.step == o.steps
+            if last or (o.eval_every and state.step % o.eval_every == 0):
+                result = do_eval(state.step)
+                if result is not None:
+                    bar.write(f"step {state.step}: held-out perplexity {result['eval_ppl']:.3f}") if main else None
+            if last or (o.save_every and state.step % o.save_every == 0):
+                ckpts.save(state.step)
+        bar.close()
+    except (RuntimeError, torch.OutOfMemoryError) as e:
+        if _is_oom(e):
+            raise SurgeryError(f"out of memory at step {state.step + 1} (micro-batch {o.micro_batch} x {o.seq_len} "
+                               "tokens): lower --micro-batch (accumulation keeps the batch) or add "
+                               "--gradient-checkpointing; --resume continues from the last checkpoint") from None
+        raise
+
+    result = None
+    if main:
+        result = finish(o, source, acc.unwrap_model(model), out_dtype, objective, metrics, trajectory, world, state)
+    acc.wait_for_everyone()
+    acc.end_training()
+    return result
+
+
+def finish(o: UptrainOptions, source, model, dtype, objective: Objective, metrics: MetricsLog, trajectory: dict,
+           world: int, state: RunState) -> dict:
+    """Main process: the final checkpoint (atomic), its record, metrics and plot; then the run folder goes."""
+    rows = metrics.read()
+    evals = [m for m in rows if "eval_ppl" in m]
+    teacher_ppl = next((m["teacher_eval_ppl"] for m in rows if "teacher_eval_ppl" in m), None)
+    uptraining = {
+        "data": o.data,
+        "text_field": o.text_field,
+        "tokens": o.steps * o.batch_tokens,
+        "steps": o.steps,
+        "loss": objective.kind,
+        "temperature": o.temperature if objective.needs_teacher else None,
+        "kd_weight": o.kd_weight if objective.kind == "mix" else None,
+        "teacher": (trajectory.get("teacher") or "surgery.json source") if objective.needs_teacher else None,
+        "train": o.train,
+        "optimizer": {"name": "adamw", "lr": o.lr, "betas": [0.9, 0.95], "weight_decay": o.weight_decay,
+                      "warmup_steps": o.warmup, "schedule": "cosine", "min_lr_ratio": o.min_lr_ratio,
+                      "max_grad_norm": o.max_grad_norm},
+        "seq_len": o.seq_len,
+        "batch_tokens": o.batch_tokens,
+        "micro_batch": o.micro_batch,
+        "processes": world,
+        "seed": o.seed,
+        "eval_tokens": o.eval_tokens,
+        "initial_eval_ppl": evals[0]["eval_ppl"] if evals else None,
+        "final_eval_ppl": evals[-1]["eval_ppl"] if evals else None,
+        "teacher_eval_ppl": teacher_ppl,
+        "final_train_loss": next((m["loss"] for m in reversed(rows) if "loss" in m), None),
+        "train_seconds": round(state.elapsed, 3),
+    }
+    with atomic_output_dir(o.out, force=o.force) as tmp:
+        model_io.write_checkpoint(model, source, tmp, dtype, o.max_shard_size)
+        model_io.write_record(source, tmp, uptraining)
+        shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
+        plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")
+    if not o.keep_run_dir:
+        shutil.rmtree(o.run_dir, ignore_errors=True)
+    first, last = uptraining["initial_eval_ppl"], uptraining["final_eval_ppl"]
+    ppl = f", held-out perplexity {first:.3f} -> {last:.3f}" if first is not None else ""
+    print(f"wrote {o.out}: {uptraining['tokens']} tokens in {o.steps} steps ({objective.kind} loss){ppl}, "
+          f"{state.elapsed:.1f}s of training", flush=True)
+    return uptraining

@@ -1,0 +1,139 @@
+"""Loading the student and its teacher, and writing the uptrained checkpoint beside its record."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..check import context_length, is_causal_lm
+from ..errors import SurgeryError
+from ..source import Source, copy_side_files, resolve_source
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_record(folder: Path) -> dict:
+    path = Path(folder) / "surgery.json"
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise SurgeryError(f"corrupt {path}: {e}") from None
+
+
+def has_custom_code(config: dict) -> bool:
+    return bool(config.get("auto_map"))
+
+
+def load_causal_lm(source: Source, role: str):
+    """An fp32 causal LM from a local folder; checkpoints that ship their own modeling code run it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    remote = has_custom_code(source.config)
+    try:
+        config = AutoConfig.from_pretrained(source.folder, trust_remote_code=remote)
+        if not is_causal_lm(config) and not (remote and "AutoModelForCausalLM" in source.config.get("auto_map", {})):
+            raise SurgeryError(f"the {role} {source.spec} is not a causal LM (architectures: "
+                               f"{', '.join(config.architectures or ['none'])}); uptraining needs one")
+        model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32, trust_remote_code=remote)
+    except (OSError, ValueError, KeyError) as e:
+        raise SurgeryError(f"cannot load the {role} {source.spec}: {str(e).splitlines()[0]}") from None
+    return model
+
+
+def load_tokenizer(folder: Path, spec: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as e:
+        raise SurgeryError(f"cannot load the tokenizer of {spec}: {str(e).splitlines()[0]}") from None
+
+
+def check_seq_len(model, seq_len: int, spec: str) -> None:
+    ctx = context_length(model.config)
+    if ctx and seq_len > ctx:
+        raise SurgeryError(f"--seq-len {seq_len} is longer than the context of {spec} ({ctx} tokens)")
+
+
+def teacher_source(record: dict, teacher: str | None) -> Source | None:
+    """The teacher: --teacher when given, else the source named in surgery.json (its folder if still there)."""
+    if teacher:
+        return resolve_source(teacher)
+    src = record.get("source") or {}
+    folder = src.get("folder")
+    if folder and (Path(folder) / "config.json").exists():
+        return Source(Path(folder), src.get("spec") or folder, src.get("revision"), src.get("gguf_file"))
+    if src.get("spec"):
+        return resolve_source(src["spec"], revision=src.get("revision"))
+    return None
+
+
+def vocab_size(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def check_teacher(student, teacher, student_tok, teacher_folder: Path, teacher_spec: str) -> None:
+    if vocab_size(student) != vocab_size(teacher):
+        raise SurgeryError(f"the teacher {teacher_spec} has a different vocabulary ({vocab_size(teacher)} logits, the "
+                           f"student has {vocab_size(student)}): distillation needs the same tokenizer")
+    if any(Path(teacher_folder).glob("tokenizer*")):
+        teacher_tok = load_tokenizer(teacher_folder, teacher_spec)
+        if teacher_tok.get_vocab() != student_tok.get_vocab():
+            raise SurgeryError(f"the teacher {teacher_spec} has a different vocabulary (its tokenizer differs from "
+                               "the student's): distillation needs the same tokenizer")
+
+
+def checkpoint_dtype(folder: Path, config: dict) -> torch.dtype:
+    """The dtype the input checkpoint stores its floating weights in (written back in the same)."""
+    name = config.get("dtype") or config.get("torch_dtype")
+    if name in DTYPES:
+        return DTYPES[name]
+    from ..tensors import CheckpointReader
+
+    counts: dict[torch.dtype, int] = {}
+    try:
+        with CheckpointReader(folder) as reader:
+            for info in reader.tensors.values():
+                if info.dtype.is_floating_point:
+                    counts[info.dtype] = counts.get(info.dtype, 0) + int(torch.Size(info.shape).numel())
+    except SurgeryError:  # pickle-only checkpoints: saved as safetensors in fp32
+        pass
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def custom_code_files(folder: Path) -> list[Path]:
+    """Python files a checkpoint ships for `auto_map` (all top-level *.py: modules may import siblings)."""
+    return sorted(p for p in Path(folder).glob("*.py") if p.is_file())
+
+
+def write_checkpoint(model, source: Source, dst: Path, dtype: torch.dtype, max_shard_size: str) -> None:
+    """Save `model` into `dst` like its input: safetensors in the input dtype, side files and custom code."""
+    model.config.use_cache = True
+    if getattr(model, "is_gradient_checkpointing", False):
+        model.gradient_checkpointing_disable()
+    model.to(dtype)
+    model.save_pretrained(dst, max_shard_size=max_shard_size)
+    copy_side_files(source.folder, dst)
+    for f in custom_code_files(source.folder):
+        if not (dst / f.name).exists():
+            shutil.copy2(f, dst / f.name)
+
+
+def write_record(source: Source, dst: Path, uptraining: dict) -> dict:
+    """The input's surgery.json (or a new one) with an "uptraining" record; earlier ones move to a history."""
+    record = read_record(source.folder)
+    if not record:
+        record = {"toolkit": "surgery", "version": __version__, "kind": "uptrained"}
+    if "uptraining" in record:
+        record.setdefault("previous_uptraining", []).append(record["uptraining"])
+    record["uptraining"] = uptraining | {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                         "input": {"spec": source.spec, "folder": str(Path(source.folder).absolute())}}
+    (dst / "surgery.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record

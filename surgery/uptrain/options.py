@@ -1,0 +1,100 @@
+"""What one uptraining run is asked to do, checked before anything is loaded."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from ..errors import SurgeryError
+
+LOSSES = ("auto", "lm", "kd", "mix")
+TRAIN = ("all", "attention", "new")
+
+# Options that fix the trajectory of a run: a resumed run must repeat them. (micro_batch and the number of
+# processes only change how a step's batch is split, not what the step computes, so they may change on resume.)
+TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_tokens", "eval_tokens", "loss",
+                   "teacher", "temperature", "kd_weight", "train", "lr", "min_lr_ratio", "warmup_steps",
+                   "weight_decay", "max_grad_norm", "seed")
+
+
+@dataclass
+class UptrainOptions:
+    model: str  # checkpoint folder to train (the student)
+    out: Path
+    data: str = "pydoc"
+    tokens: int = 1_000_000  # training tokens (rounded up to whole optimizer steps)
+    text_field: str = "text"
+    streaming: bool = False
+    seq_len: int = 1024
+    batch_tokens: int = 16384  # tokens per optimizer step, all processes together
+    micro_batch: int = 4  # sequences per forward pass per process
+    eval_tokens: int = 16384  # held-out tokens (0: no evaluation)
+    eval_every: int = 50  # steps between evaluations (0: only at the start and the end)
+    loss: str = "auto"  # auto: kd when a teacher is known, else lm
+    teacher: str | None = None  # overrides the source named in surgery.json
+    temperature: float = 1.0
+    kd_weight: float = 0.5  # weight of the KD term in `mix`
+    train: str = "all"
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int | None = None  # None: 5% of the steps
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    gradient_checkpointing: bool = False
+    seed: int = 0
+    save_every: int = 100  # steps between checkpoints (0: only at the end)
+    keep_last: int = 2
+    resume: bool = False
+    run_dir: Path | None = None  # checkpoints and metrics while running; default OUT.run beside OUT
+    keep_run_dir: bool = False  # keep checkpoints after success
+    force: bool = False
+    max_shard_size: str = "5GB"
+    progress: bool = True
+
+    def __post_init__(self):
+        self.out = Path(self.out)
+        self.run_dir = Path(self.run_dir) if self.run_dir else self.out.absolute().parent / f"{self.out.name}.run"
+        positive = ("tokens", "seq_len", "batch_tokens", "micro_batch", "keep_last")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise SurgeryError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("eval_tokens", "eval_every", "save_every", "weight_decay", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise SurgeryError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise SurgeryError("--seq-len must be at least 2 (a next-token target needs two tokens)")
+        if self.loss not in LOSSES:
+            raise SurgeryError(f"unknown --loss {self.loss!r}; choose from {', '.join(LOSSES)}")
+        if self.train not in TRAIN:
+            raise SurgeryError(f"unknown --train {self.train!r}; choose from {', '.join(TRAIN)}")
+        if self.batch_tokens % self.seq_len:
+            raise SurgeryError(f"--batch-tokens {self.batch_tokens} must be a multiple of --seq-len {self.seq_len}")
+        if not self.lr > 0:
+            raise SurgeryError(f"--lr must be positive, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise SurgeryError(f"--min-lr-ratio must lie in [0, 1], got {self.min_lr_ratio}")
+        if not self.temperature > 0:
+            raise SurgeryError(f"--temperature must be positive, got {self.temperature}")
+        if not 0 <= self.kd_weight <= 1:
+            raise SurgeryError(f"--kd-weight must lie in [0, 1], got {self.kd_weight}")
+        if self.warmup_steps is not None and self.warmup_steps < 0:
+            raise SurgeryError(f"--warmup-steps must not be negative, got {self.warmup_steps}")
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.batch_tokens // self.seq_len
+
+    @property
+    def steps(self) -> int:
+        return -(-self.tokens // self.batch_tokens)
+
+    @property
+    def warmup(self) -> int:
+        return self.warmup_steps if self.warmup_steps is not None else max(1, round(0.05 * self.steps))
+
+    def trajectory(self) -> dict:
+        d = asdict(self)
+        return {k: (str(d[k]) if isinstance(d[k], Path) else d[k]) for k in TRAJECTORY_KEYS} | {"warmup_steps": self.warmup}
+
+    def as_record(self) -> dict:
+        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in fields(self)}
