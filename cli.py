@@ -191,6 +191,52 @@ def demo(out, tokens, force):
     run_demo(out, tokens=tokens, force=force)
 
 
+@cli.command()
+@click.argument("model")
+@click.option("--data", default="pydoc", show_default=True,
+              help="Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub dataset name[:config][@split].")
+@click.option("--tokens", type=int, required=True, help="Training tokens (rounded up to whole steps).")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output checkpoint folder (written atomically).")
+@click.option("--text-field", default="text", show_default=True, help="Column holding the text in tabular data.")
+@click.option("--streaming", is_flag=True, help="Stream a hub dataset instead of downloading it whole.")
+@click.option("--loss", type=click.Choice(["auto", "lm", "kd", "mix"]), default="auto", show_default=True,
+              help="lm: next-token; kd: KL to the teacher's logits; mix: both. auto: kd when a teacher is known.")
+@click.option("--teacher", help="Teacher checkpoint (default: the source named in MODEL/surgery.json).")
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="[kd/mix] Distillation temperature.")
+@click.option("--kd-weight", type=float, default=0.5, show_default=True, help="[mix] Weight of the KD term.")
+@click.option("--train", "train", type=click.Choice(["all", "attention", "new"]), default="all", show_default=True,
+              help="What trains: everything, attention (projections + new parameters), or only new parameters.")
+@click.option("--seq-len", type=int, default=1024, show_default=True, help="Tokens per packed sequence.")
+@click.option("--batch-tokens", type=int, default=16384, show_default=True, help="Tokens per optimizer step (all processes).")
+@click.option("--micro-batch", type=int, default=4, show_default=True, help="Sequences per forward pass per process.")
+@click.option("--lr", type=float, default=1e-4, show_default=True, help="Peak learning rate (AdamW).")
+@click.option("--min-lr-ratio", type=float, default=0.1, show_default=True, help="Cosine floor, as a fraction of --lr.")
+@click.option("--warmup-steps", type=int, help="Linear warmup steps (default: 5% of the steps).")
+@click.option("--weight-decay", type=float, default=0.01, show_default=True)
+@click.option("--max-grad-norm", type=float, default=1.0, show_default=True, help="Gradient clipping (0: off).")
+@click.option("--gradient-checkpointing", is_flag=True, help="Recompute activations in the backward pass.")
+@click.option("--eval-tokens", type=int, default=16384, show_default=True, help="Held-out tokens (0: no evaluation).")
+@click.option("--eval-every", type=int, default=50, show_default=True, help="Steps between evaluations.")
+@click.option("--save-every", type=int, default=100, show_default=True, help="Steps between checkpoints.")
+@click.option("--keep-last", type=int, default=2, show_default=True, help="Checkpoints kept.")
+@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in the run folder.")
+@click.option("--run-dir", type=click.Path(path_type=Path), help="Checkpoints and metrics while running (default OUT.run).")
+@click.option("--keep-run-dir", is_flag=True, help="Keep the run folder (checkpoints) after success.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--force", is_flag=True, help="Replace an existing output (and an earlier run folder).")
+@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
+def uptrain(model, out, **kw):
+    """Continue training MODEL (a converted checkpoint, or any causal LM) for --tokens tokens.
+
+    Runs on CPU, one GPU, or under `accelerate launch` with several processes (DDP; FSDP/DeepSpeed through
+    accelerate's config). Writes OUT (same format as MODEL, custom code included) with surgery.json extended
+    by an "uptraining" record, uptrain_metrics.jsonl and uptrain.png.
+    """
+    from surgery.uptrain import UptrainOptions, uptrain as run_uptrain
+
+    run_uptrain(UptrainOptions(model=model, out=out, **kw))
+
+
 def main() -> None:
     try:
         cli.main(standalone_mode=False)

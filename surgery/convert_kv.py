@@ -110,6 +110,7 @@ class KVPlanner:
         self.in_layout = qkv_layout(spec, config)
         self.out_layout = self._out_layout()
         self.out_dtype = DTYPES.get(options.dtype) if options.dtype else None
+        self._shapes: dict[tuple, tuple[int, ...]] = {}
 
     def _out_layout(self) -> QKVLayout:
         if self.spec.name in ("gpt2", "gpt_bigcode"):
@@ -173,12 +174,22 @@ class KVPlanner:
             if fn is None and dtype == info.dtype and not self.reader.is_pickle:
                 planned.append(PlannedTensor(self.out_name(name), dtype, info.shape, raw_source=(self.reader, name)))
                 continue
-            try:
-                shape = tuple((fn or (lambda t: t))(torch.empty(info.shape, dtype=info.dtype, device="meta")).shape)
-            except RuntimeError as e:
-                raise SurgeryError(f"tensor {name} of shape {list(info.shape)} does not match config.json ({e})") from None
+            shape = self._out_shape(name, fn, info.shape, info.dtype)
             planned.append(PlannedTensor(self.out_name(name), dtype, shape, produce=self._producer(name, fn, dtype)))
         return planned
+
+    def _out_shape(self, name: str, fn, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, ...]:
+        """Run the transform on a meta tensor; every layer has the same shapes, so cache by role and shape."""
+        if fn is None:
+            return shape
+        hit = self.spec.match(name)
+        key = (hit[1:] if hit else re.sub(r"\d+", "#", name), shape, dtype)
+        if key not in self._shapes:
+            try:
+                self._shapes[key] = tuple(fn(torch.empty(shape, dtype=dtype, device="meta")).shape)
+            except RuntimeError as e:
+                raise SurgeryError(f"tensor {name} of shape {list(shape)} does not match config.json ({e})") from None
+        return self._shapes[key]
 
     def _producer(self, name: str, fn, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
         def produce() -> torch.Tensor:
@@ -218,13 +229,25 @@ def convert_to_kv_heads(source: Source, out: Path, options: KVOptions, force: bo
     shape = _head_shape(spec, config, options.kv_heads)
     reader = CheckpointReader(source.folder, allow_pickle=options.allow_pickle)
     planner = KVPlanner(reader, spec, config, shape, options)
+    return write_converted(source, out, planner, force=force, progress=progress)
+
+
+def write_converted(source: Source, out: Path, planner: KVPlanner, force: bool = False, progress: bool = True,
+                    method: str | None = None, extra: dict | None = None, start: float | None = None) -> dict:
+    """Write `planner`'s checkpoint, config.json, side files and surgery.json atomically to `out`.
+
+    Other merge methods reuse this writer: `method` names them in the record, `extra` is merged into the
+    record, `start` is when their work began (for the record's `seconds`)."""
+    reader, spec, config, shape, options = planner.reader, planner.spec, planner.config, planner.shape, planner.options
+    method = method or options.method
     new_config = target_config(spec, config, shape, options.dtype)
     planned = planner.plan()
 
     hashes: dict[str, str] = {}
     hasher = threading.Thread(target=lambda: hashes.update(sha256_files(reader.files)), daemon=True)
     hasher.start()
-    start = time.time()
+    start = time.time() if start is None else start
+    torch.set_num_threads(1)  # I/O-bound: extra compute threads only spin against the copy and hash threads
     with reader, atomic_output_dir(out, force=force) as tmp:
         bar = _progress_bar(sum(t.nbytes for t in planned), progress)
         files = write_checkpoint(tmp, planned, options.max_shard_bytes, progress=bar.update)
@@ -245,8 +268,8 @@ def convert_to_kv_heads(source: Source, out: Path, options: KVOptions, force: bo
                 "model_type": config.get("model_type"),
                 "shards_sha256": hashes,
             },
-            "method": options.method,
-            "seed": options.seed if options.method == "random" else None,
+            "method": method,
+            "seed": options.seed if method == "random" else None,
             "dtype": options.dtype or "auto",
             "architecture": {"spec": spec.name, "target_model_type": new_config.get("model_type")},
             "heads": shape.heads,
@@ -259,6 +282,7 @@ def convert_to_kv_heads(source: Source, out: Path, options: KVOptions, force: bo
         }
         if spec.name == "gpt_neox":
             record["note"] = spec.notes
+        record.update(extra or {})
         (tmp / "surgery.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 

@@ -31,7 +31,11 @@ def pool_heads(t: torch.Tensor, head_dim: int, groups: int, method: str, generat
     rest = t.shape[1:]
     heads = t.reshape(groups, kv // groups, head_dim, *rest)
     if method == "mean":
-        out = heads.float().mean(dim=1).to(t.dtype)
+        # A running fp32 sum over the group's heads: several times faster than .float().mean(1) on CPU.
+        acc = heads[:, 0].float()
+        for i in range(1, heads.shape[1]):
+            acc += heads[:, i]
+        out = (acc / heads.shape[1]).to(t.dtype)
     elif method == "first":
         out = heads[:, 0]
     elif method == "random":

@@ -191,3 +191,20 @@ def test_crash_mid_write_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         convert(tmp_path / "src", tmp_path / "out", kv_heads=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_inspect_counts_match_the_loaded_model(arch, tmp_path):
+    from surgery.inspect import inspect_checkpoint
+
+    src = tm.make_tiny(arch, tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "out", kv_heads=1)
+    out = tm.load(tmp_path / "out")
+    before, after = inspect_checkpoint(tmp_path / "src"), inspect_checkpoint(tmp_path / "out")
+    for stats, model in ((before, src), (after, out)):
+        assert stats["parameters"] == sum(p.numel() for p in model.parameters())  # tied weights once
+    heads = before["heads"]
+    assert (before["kv_heads"], after["kv_heads"]) == (tm.kv_heads_of(src.config), 1)
+    d, layers = before["head_dim"], before["layers"]
+    assert after["kv_cache_bytes_per_token"] == 2 * layers * 1 * d * 4
+    assert before["attention_core_macs_per_token"] == layers * 2 * heads * d * 4096

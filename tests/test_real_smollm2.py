@@ -71,3 +71,11 @@ def test_mqa_check_and_inspect_cli(smollm2, tmp_path):
     assert before["kv_cache_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
     assert after["kv_cache_bytes_per_token"] * 3 == before["kv_cache_bytes_per_token"]
     assert before["parameters"] - after["parameters"] == 30 * 2 * (3 - 1) * 64 * 576
+
+
+def test_demo_runs_the_embedded_job(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "cli", "demo", "--out", tmp_path / "demo", "--tokens", "1024"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "perplexity, converted" in result.stdout and "KV cache / token" in result.stdout
+    assert json.loads((tmp_path / "demo" / "config.json").read_text())["num_key_value_heads"] == 1

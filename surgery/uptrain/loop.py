@@ -43,10 +43,15 @@ def lr_at(step: int, o: UptrainOptions) -> float:
 
 
 def make_accelerator():
+    """bf16 autocast on CUDA, fp32 elsewhere. Without CUDA, cpu=True lets several processes started by
+    `accelerate launch --multi_gpu --num_processes N` (torchrun) or `torchrun` run DDP on CPU over gloo."""
+    import os
+
     from accelerate import Accelerator
 
-    precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    return Accelerator(mixed_precision=precision)
+    cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes")
+    precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
+    return Accelerator(cpu=not cuda, mixed_precision=precision)
 
 
 def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
@@ -69,16 +74,16 @@ def prepare_run_dir(o: UptrainOptions, trajectory: dict, main: bool) -> None:
             detail = ", ".join(f"{k}: {saved.get(k)!r} -> {trajectory[k]!r}" for k in diff[:4])
             raise SurgeryError(f"--resume with different options than the run in {o.run_dir} ({detail})")
         return
+    if not main:  # the main process checks and creates the folder; the others wait for it
+        return
     if o.run_dir.exists() and any(o.run_dir.iterdir()):
         if not o.force:
             raise SurgeryError(f"run folder {o.run_dir} holds an earlier run: --resume to continue it or --force to start over")
-        if main and not (o.run_dir / "run.json").exists():
+        if not (o.run_dir / "run.json").exists():
             raise SurgeryError(f"--force would delete {o.run_dir}, which is not a surgery uptraining run folder")
-    if main:
-        if o.run_dir.exists():
-            shutil.rmtree(o.run_dir)
-        o.run_dir.mkdir(parents=True)
-        (o.run_dir / "run.json").write_text(json.dumps(trajectory, indent=2) + "\n")
+        shutil.rmtree(o.run_dir)
+    o.run_dir.mkdir(parents=True, exist_ok=True)
+    (o.run_dir / "run.json").write_text(json.dumps(trajectory, indent=2) + "\n")
 
 
 @torch.no_grad()
@@ -109,7 +114,9 @@ def _is_oom(e: BaseException) -> bool:
 def run(o: UptrainOptions) -> dict:
     from accelerate.utils import set_seed
     from tqdm import tqdm
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # weight loading/writing bars: stderr stays for our bar and errors
     source = resolve_source(o.model)
     record = model_io.read_record(source.folder)
     objective = resolve_objective(o, record)
@@ -238,8 +245,8 @@ def run(o: UptrainOptions) -> dict:
             last = state.step == o.steps
             if last or (o.eval_every and state.step % o.eval_every == 0):
                 result = do_eval(state.step)
-                if result is not None:
-                    bar.write(f"step {state.step}: held-out perplexity {result['eval_ppl']:.3f}") if main else None
+                if result is not None and main and o.progress:
+                    bar.write(f"step {state.step}: held-out perplexity {result['eval_ppl']:.3f}")
             if last or (o.save_every and state.step % o.save_every == 0):
                 ckpts.save(state.step)
         bar.close()
@@ -290,7 +297,7 @@ def finish(o: UptrainOptions, source, model, dtype, objective: Objective, metric
         "train_seconds": round(state.elapsed, 3),
     }
     with atomic_output_dir(o.out, force=o.force) as tmp:
-        model_io.write_checkpoint(model, source, tmp, dtype, o.max_shard_size)
+        model_io.write_checkpoint(model, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
         model_io.write_record(source, tmp, uptraining)
         shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
         plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")

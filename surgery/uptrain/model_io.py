@@ -113,10 +113,11 @@ def custom_code_files(folder: Path) -> list[Path]:
     return sorted(p for p in Path(folder).glob("*.py") if p.is_file())
 
 
-def write_checkpoint(model, source: Source, dst: Path, dtype: torch.dtype, max_shard_size: str) -> None:
+def write_checkpoint(model, source: Source, dst: Path, dtype: torch.dtype, max_shard_size: str,
+                     checkpointing: bool = False) -> None:
     """Save `model` into `dst` like its input: safetensors in the input dtype, side files and custom code."""
     model.config.use_cache = True
-    if getattr(model, "is_gradient_checkpointing", False):
+    if checkpointing:
         model.gradient_checkpointing_disable()
     model.to(dtype)
     model.save_pretrained(dst, max_shard_size=max_shard_size)

@@ -1,0 +1,71 @@
+"""Which source K/V heads share a merged head: by similarity (lowest merge loss), not just by position.
+
+A group's cost is what merging it loses (see fit.merge_group). Small problems are solved exactly over all
+balanced partitions; large ones greedily. Ties keep the consecutive grouping the plain converter uses.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Callable
+
+MAX_GROUPS_SCORED = 400
+MAX_PARTITIONS = 20000
+
+
+def consecutive(kv_heads: int, groups: int) -> list[list[int]]:
+    n = kv_heads // groups
+    return [list(range(g * n, (g + 1) * n)) for g in range(groups)]
+
+
+def partition_count(kv_heads: int, groups: int) -> int:
+    n = kv_heads // groups
+    return math.factorial(kv_heads) // (math.factorial(n) ** groups * math.factorial(groups))
+
+
+def _partitions(heads: tuple[int, ...], n: int):
+    """Balanced partitions of `heads` into groups of n (the first remaining head opens each group)."""
+    if not heads:
+        yield []
+        return
+    first, rest = heads[0], heads[1:]
+    for others in itertools.combinations(rest, n - 1):
+        group = (first, *others)
+        remaining = tuple(h for h in rest if h not in others)
+        for tail in _partitions(remaining, n):
+            yield [group, *tail]
+
+
+def assign_groups(cost: Callable[[tuple[int, ...]], float], kv_heads: int, groups: int) -> list[list[int]]:
+    """Partition heads 0..kv_heads-1 into `groups` groups of equal size minimising the summed `cost`."""
+    n = kv_heads // groups
+    if n == 1 or groups == 1:
+        return consecutive(kv_heads, groups)
+    cache: dict[tuple[int, ...], float] = {}
+
+    def c(group) -> float:
+        key = tuple(sorted(group))
+        if key not in cache:
+            cache[key] = cost(key)
+        return cache[key]
+
+    heads = tuple(range(kv_heads))
+    if math.comb(kv_heads, n) <= MAX_GROUPS_SCORED and partition_count(kv_heads, groups) <= MAX_PARTITIONS:
+        best, best_cost = None, math.inf
+        for part in _partitions(heads, n):  # the consecutive partition comes first
+            total = sum(c(g) for g in part)
+            if total < best_cost - 1e-12:
+                best, best_cost = part, total
+        return [list(g) for g in best]
+    # greedy: grow each group from the lowest free head, adding the head that keeps its cost lowest
+    free = list(heads)
+    out = []
+    while free:
+        group = [free.pop(0)]
+        while len(group) < n:
+            pick = min(free, key=lambda h: c(group + [h]))
+            free.remove(pick)
+            group.append(pick)
+        out.append(sorted(group))
+    return out

@@ -1,0 +1,208 @@
+"""Calibration activations, captured one decoder layer at a time.
+
+The source model is loaded once (float32). One pass with every decoder layer stubbed out records the
+embeddings and the arguments each layer receives (masks, rotary cos/sin); after that, layers are called one
+by one on stored hidden states, so only one layer's activations for the calibration tokens are alive at a
+time (memory: a few [tokens, hidden] tensors, plus one chunk's attention).
+
+Inside a layer, hooks capture the attention's input (the normalised hidden states entering the q/k/v
+projections), the per-head outputs entering o_proj, and, through an attention function registered with
+transformers' AttentionInterface, the rotated queries and keys and the softmax scaling the model used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+CAPTURE_PREFIX = "surgery_capture_"
+_RECORDER: list["AttentionRecord"] = []
+
+
+@dataclass
+class AttentionRecord:
+    """What one attention call saw (chunks appended in order)."""
+
+    queries: list[torch.Tensor] = field(default_factory=list)  # [b, H, L, D] rotated
+    keys: list[torch.Tensor] = field(default_factory=list)  # [b, KV, L, D] rotated
+    scaling: float | None = None
+    softcap: float | None = None
+
+
+def _capture_attention(base: str):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if _RECORDER:
+            rec = _RECORDER[-1]
+            rec.queries.append(query.detach())
+            rec.keys.append(key.detach())
+            rec.scaling = kwargs.get("scaling")
+            rec.softcap = kwargs.get("softcap")
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        if base == "eager":
+            fn = sys.modules[type(module).__module__].eager_attention_forward
+        else:
+            fn = ALL_ATTENTION_FUNCTIONS[base]
+        return fn(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
+
+
+def register_capture(base: str) -> str:
+    """Register `surgery_capture_<base>` (attention and mask functions) and return its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    name = CAPTURE_PREFIX + base
+    AttentionInterface.register(name, _capture_attention(base))
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    return name
+
+
+@contextlib.contextmanager
+def recording():
+    rec = AttentionRecord()
+    _RECORDER.append(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDER.remove(rec)
+
+
+class _Stop(Exception):
+    pass
+
+
+def load_calibration_model(folder, trust_remote_code: bool = False):
+    """The source as a float32 causal LM whose attention calls can be recorded."""
+    from transformers import AutoModelForCausalLM
+
+    model = None
+    for impl in ("sdpa", "eager"):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=impl,
+                                                         trust_remote_code=trust_remote_code)
+            break
+        except (ValueError, ImportError):
+            continue
+    if model is None:
+        raise RuntimeError(f"cannot load {folder} for calibration")
+    model.config._attn_implementation = register_capture(model.config._attn_implementation)
+    return model.eval()
+
+
+@dataclass
+class LayerCall:
+    """How the model called one decoder layer on one chunk: the extra positional and keyword arguments."""
+
+    args: tuple
+    kwargs: dict
+
+
+@torch.no_grad()
+def embed(model, layers: list[torch.nn.Module], input_ids: torch.Tensor) -> tuple[torch.Tensor, list[LayerCall]]:
+    """Hidden states entering layer 0 for `input_ids` [b, L], and every layer's call arguments."""
+    calls: list[LayerCall | None] = [None] * len(layers)
+    first: list[torch.Tensor] = []
+
+    def stub(i):
+        def forward(*args, **kwargs):
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            if i == 0:
+                first.append(hidden)
+            calls[i] = LayerCall(tuple(args[1:]), dict(kwargs))
+            return hidden
+
+        return forward
+
+    for i, layer in enumerate(layers):
+        layer.forward = stub(i)
+    try:
+        model.base_model(input_ids=input_ids, use_cache=False)
+    finally:
+        for layer in layers:
+            del layer.forward  # back to the class's forward
+    return first[0], calls  # type: ignore[return-value]
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@torch.no_grad()
+def run_layer(layer: torch.nn.Module, hidden: torch.Tensor, call: LayerCall) -> torch.Tensor:
+    return _first(layer(hidden, *call.args, **call.kwargs))
+
+
+@dataclass
+class AttentionCall:
+    """The attention module's arguments and input, caught on the way in."""
+
+    args: tuple
+    kwargs: dict
+    x: torch.Tensor  # [b, L, d] the normalised hidden states entering the q/k/v projections
+
+
+@torch.no_grad()
+def attention_input(layer: torch.nn.Module, attention: torch.nn.Module, in_module: torch.nn.Module,
+                    hidden: torch.Tensor, call: LayerCall) -> AttentionCall:
+    """Run `layer` only up to its q/k/v projection and return what its attention module received."""
+    caught: dict = {}
+
+    def on_attention(module, args, kwargs):
+        caught["args"], caught["kwargs"] = args, kwargs
+
+    def on_projection(module, args):
+        caught["x"] = args[0]
+        raise _Stop
+
+    handles = [attention.register_forward_pre_hook(on_attention, with_kwargs=True),
+               in_module.register_forward_pre_hook(on_projection)]
+    try:
+        run_layer(layer, hidden, call)
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return AttentionCall(caught["args"], caught["kwargs"], caught["x"])
+
+
+@dataclass
+class AttentionRun:
+    output: torch.Tensor  # [b, L, d] the attention module's output (after o_proj)
+    heads: torch.Tensor  # [b, L, H*D] what entered o_proj
+    record: AttentionRecord
+
+
+@torch.no_grad()
+def run_attention(attention: torch.nn.Module, out_module: torch.nn.Module, call: AttentionCall) -> AttentionRun:
+    """Run the attention module alone on a caught call, recording queries, keys and o_proj's input."""
+    heads: list[torch.Tensor] = []
+    handle = out_module.register_forward_pre_hook(lambda m, args: heads.append(args[0]))
+    try:
+        with recording() as rec:
+            out = _first(attention(*call.args, **call.kwargs))
+    finally:
+        handle.remove()
+    return AttentionRun(out, heads[0], rec)
+
+
+@torch.no_grad()
+def run_layer_recorded(layer: torch.nn.Module, attention: torch.nn.Module, out_module: torch.nn.Module,
+                       hidden: torch.Tensor, call: LayerCall) -> tuple[torch.Tensor, AttentionRun]:
+    """Run a whole layer, also returning its attention's output, o_proj input and recorded queries/keys."""
+    heads: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
+    h1 = out_module.register_forward_pre_hook(lambda m, args: heads.append(args[0]))
+    h2 = attention.register_forward_hook(lambda m, args, out: outs.append(_first(out)))
+    try:
+        with recording() as rec:
+            new_hidden = run_layer(layer, hidden, call)
+    finally:
+        h1.remove()
+        h2.remove()
+    return new_hidden, AttentionRun(outs[0], heads[0], rec)

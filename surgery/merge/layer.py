@@ -1,0 +1,94 @@
+"""Merge one layer's K/V heads: assign heads to groups, merge each group, fold the maps into q and o.
+
+The merged layer is kept in the *source's* shape while calibrating: every source K/V slot of a group holds
+the group's merged head (so the source architecture computes exactly what the grouped model will).
+`export_heads` then reorders query heads so each group's are consecutive and keeps one K/V head per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .assign import assign_groups
+from .fit import merge_group
+from .params import AttnParams
+from .rotary import RotaryPairs
+
+
+@dataclass
+class LayerMerge:
+    params: AttnParams  # source-shaped, K/V slots repeated within each group
+    groups: list[list[int]]  # source K/V heads per merged head
+    key_loss: float
+    value_loss: float
+
+
+def _split(p: AttnParams, kv: int, head_dim: int):
+    din = p.q.shape[1]
+    q = p.q.reshape(kv, -1, head_dim, din)  # [KV, r, D, din]
+    k = p.k.reshape(kv, head_dim, din)
+    v = p.v.reshape(kv, head_dim, din)
+    d = p.o.shape[0]
+    o = p.o.reshape(d, kv, -1, head_dim).permute(1, 2, 0, 3)  # [KV, r, d, D]
+    return q, k, v, o
+
+
+def merge_layer(p: AttnParams, sigma: torch.Tensor, kv_heads: int, head_dim: int, groups: int,
+                pairs: RotaryPairs, fold_queries: bool = True, assign: bool = True) -> LayerMerge:
+    """p in float64 (sigma too) -> merged params (float32), source-shaped."""
+    q, k, v, o = _split(p, kv_heads, head_dim)
+
+    def merged(members) -> "object":
+        idx = list(members)
+        return merge_group(k[idx], v[idx], q[idx], o[idx], sigma, pairs, fold_queries)
+
+    def cost(members) -> float:
+        m = merged(members)
+        key = 0.0 if m.key_loss != m.key_loss else m.key_loss  # NaN when keys are not fitted
+        return key + m.value_loss
+
+    if assign:
+        grouping = assign_groups(cost, kv_heads, groups)
+    else:
+        n = kv_heads // groups
+        grouping = [list(range(g * n, (g + 1) * n)) for g in range(groups)]
+    new_q, new_k, new_v, new_o = q.clone(), k.clone(), v.clone(), o.clone()
+    key_losses, value_losses = [], []
+    for members in grouping:
+        m = merged(members)
+        for i, j in enumerate(members):
+            new_k[j], new_v[j], new_q[j] = m.key, m.value, m.queries[i]
+            new_o[j] = o[j] @ m.value_maps[i]
+        key_losses.append(m.key_loss)
+        value_losses.append(m.value_loss)
+    d = p.o.shape[0]
+    out = AttnParams(
+        q=new_q.reshape(-1, p.q.shape[1]).float(),
+        k=new_k.reshape(-1, p.k.shape[1]).float(),
+        v=new_v.reshape(-1, p.v.shape[1]).float(),
+        o=new_o.permute(2, 0, 1, 3).reshape(d, -1).float(),
+        o_bias=p.o_bias.float() if p.o_bias is not None else None,
+        qkv_bias=p.qkv_bias,
+    )
+    return LayerMerge(out, grouping, sum(key_losses) / len(key_losses), sum(value_losses) / len(value_losses))
+
+
+def query_order(grouping: list[list[int]], queries_per_kv: int) -> list[int]:
+    """Source query heads in output order: each group's members' query heads, consecutively."""
+    return [j * queries_per_kv + i for members in grouping for j in members for i in range(queries_per_kv)]
+
+
+def export_heads(p: AttnParams, grouping: list[list[int]], kv_heads: int, head_dim: int) -> AttnParams:
+    """Source-shaped merged params -> grouped params: queries (and o_proj columns) permuted, one K/V head per group."""
+    din = p.q.shape[1]
+    r = p.q.shape[0] // head_dim // kv_heads
+    order = torch.tensor(query_order(grouping, r))
+    q = p.q.reshape(-1, head_dim, din)[order].reshape(-1, din)
+    d = p.o.shape[0]
+    o = p.o.reshape(d, -1, head_dim)[:, order].reshape(d, -1)
+    firsts = torch.tensor([members[0] for members in grouping])
+    k = p.k.reshape(kv_heads, head_dim, din)[firsts].reshape(-1, din)
+    v = p.v.reshape(kv_heads, head_dim, din)[firsts].reshape(-1, din)
+    return AttnParams(q, k, v, o, p.o_bias, p.qkv_bias)

@@ -1,0 +1,379 @@
+"""Talking-heads attention (Shazeer et al. 2020, arXiv 2003.02436) on top of transformers' own model classes.
+
+This file travels with converted checkpoints (loaded with `trust_remote_code=True`) and needs only torch and
+transformers. The models are the source architecture's classes (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2,
+GPT-2, BERT) with two changes:
+
+1. every self-attention module gets a `talking_heads` submodule holding the mixing matrices
+   `logits_mix` P_l (h_k x h) and `weights_mix` P_w (h x h_v), named like the paper;
+2. the model always runs the attention function registered here under the name "talking_heads" (whatever
+   `attn_implementation` asks for: fused kernels cannot mix heads), with a boolean mask registered under the same
+   name (without it transformers would hand the function no mask at all).
+
+Per query block of `chunk_size` rows, with W = h * d the attention width:
+
+    J = (Q K^T) * scaling        h_k query-key heads of size W / h_k     (b, h_k, c, S)
+    L = P_l^T J                  mixed into the h softmax heads          (b, h,   c, S)
+    L = softcap(L); L[masked] = min
+    A = softmax(L)               in float32
+    U = P_w^T A                  mixed into h_v weight heads             (b, h_v, c, S)
+    O = U V                      h_v value heads of size W / h_v          (b, h_v, c, W / h_v)
+
+so peak memory is O(h * chunk * S) instead of O(h * T * S). Keys that no query of a block may see (the future
+in causal attention, padding, outside a sliding window) are cut from that block before any of this.
+
+Initialization ("overlap"): P_l[j, i] is the number of dims that query-key head j shares with source head i,
+divided by the size of head j; P_w[i, j] likewise for value head j. With h_k = h_v = h both are the identity and
+the model computes exactly the source's function. With h_k or h_v a multiple of h every new head lies inside one
+source head: P_l sums the sub-heads' logits back into the source logit and P_w copies a source head's weights to
+each of its value sub-heads, so the model is still exact (to float rounding). With fewer, wider heads each new
+head spans several source heads and gets their mean; the model is then no longer the source function.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import (
+    BertForMaskedLM,
+    BertForSequenceClassification,
+    BertModel,
+    Gemma2ForCausalLM,
+    Gemma2Model,
+    GemmaForCausalLM,
+    GemmaModel,
+    GPT2LMHeadModel,
+    GPT2Model,
+    LlamaForCausalLM,
+    LlamaModel,
+    MistralForCausalLM,
+    MistralModel,
+    Qwen2ForCausalLM,
+    Qwen2Model,
+    Qwen3ForCausalLM,
+    Qwen3Model,
+)
+from transformers import initialization as hf_init
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
+from transformers.models.bert.modeling_bert import BertSelfAttention
+from transformers.models.gemma.modeling_gemma import GemmaAttention
+from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
+from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+from transformers.utils import logging
+
+from .configuration_talking_heads import (
+    TALKING_HEADS_DEFAULTS,
+    TalkingHeadsBertConfig,
+    TalkingHeadsGemma2Config,
+    TalkingHeadsGemmaConfig,
+    TalkingHeadsGPT2Config,
+    TalkingHeadsLlamaConfig,
+    TalkingHeadsMistralConfig,
+    TalkingHeadsQwen2Config,
+    TalkingHeadsQwen3Config,
+)
+
+logger = logging.get_logger(__name__)
+
+ATTN_IMPLEMENTATION = "talking_heads"
+SELF_ATTENTION_CLASSES = (
+    LlamaAttention,
+    MistralAttention,
+    Qwen2Attention,
+    Qwen3Attention,
+    GemmaAttention,
+    Gemma2Attention,
+    GPT2Attention,
+    BertSelfAttention,
+)
+
+
+# --- mixing matrices ------------------------------------------------------------------------------------------
+def overlap_mixing(heads_in: int, heads_out: int, width: int) -> torch.Tensor:
+    """(heads_in, heads_out): how many of the `width` dims head i of one partition shares with head j of another."""
+    a, b = width // heads_in, width // heads_out
+    start_a = torch.arange(heads_in).unsqueeze(1) * a
+    start_b = torch.arange(heads_out).unsqueeze(0) * b
+    shared = (torch.minimum(start_a + a, start_b + b) - torch.maximum(start_a, start_b)).clamp(min=0)
+    return shared.to(torch.float64)
+
+
+def initial_logits_mix(heads: int, heads_logits: int, head_dim: int) -> torch.Tensor:
+    """P_l (h_k x h): query-key head j feeds softmax head i with weight |j ∩ i| / size(j)."""
+    width = heads * head_dim
+    return (overlap_mixing(heads_logits, heads, width) / (width // heads_logits)).float()
+
+
+def initial_weights_mix(heads: int, heads_weights: int, head_dim: int) -> torch.Tensor:
+    """P_w (h x h_v): softmax head i feeds value head j with weight |i ∩ j| / size(j)."""
+    width = heads * head_dim
+    return (overlap_mixing(heads, heads_weights, width) / (width // heads_weights)).float()
+
+
+def talking_heads_settings(config) -> dict:
+    """The talking-heads settings of `config`, with defaults filled in and head counts checked."""
+    settings = {**TALKING_HEADS_DEFAULTS, **(getattr(config, "talking_heads", None) or {})}
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    settings["heads"], settings["head_dim"] = heads, head_dim
+    for key, on in (("heads_logits", "logits_mixing"), ("heads_weights", "weights_mixing")):
+        settings[key] = int(settings[key] or heads)
+        if (heads * head_dim) % settings[key]:
+            raise ValueError(f"talking_heads.{key}={settings[key]} must divide the attention width {heads * head_dim}")
+        if not settings[on] and settings[key] != heads:
+            raise ValueError(f"talking_heads.{key}={settings[key]} needs {on}: without it the count is h={heads}")
+    return settings
+
+
+class TalkingHeadsMixing(nn.Module):
+    """The mixing matrices of one attention layer and the head re-partitions around them."""
+
+    def __init__(self, settings: dict):
+        super().__init__()
+        self.heads, self.head_dim = settings["heads"], settings["head_dim"]
+        self.heads_logits, self.heads_weights = settings["heads_logits"], settings["heads_weights"]
+        self.pair_rotary_dims = bool(settings["pair_rotary_dims"])
+        self.chunk_size = int(settings["chunk_size"] or 0)
+        self.logits_mix = self.weights_mix = None
+        if settings["logits_mixing"]:
+            self.logits_mix = nn.Parameter(initial_logits_mix(self.heads, self.heads_logits, self.head_dim))
+        if settings["weights_mixing"]:
+            self.weights_mix = nn.Parameter(initial_weights_mix(self.heads, self.heads_weights, self.head_dim))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Overlap initialization; parameters loaded from a checkpoint are left alone (their flag is set)."""
+        if self.logits_mix is not None:
+            hf_init.copy_(self.logits_mix, initial_logits_mix(self.heads, self.heads_logits, self.head_dim))
+        if self.weights_mix is not None:
+            hf_init.copy_(self.weights_mix, initial_weights_mix(self.heads, self.heads_weights, self.head_dim))
+
+    def query_key_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(b, h, S, d) -> (b, h_k, S, W / h_k)."""
+        if self.heads_logits == self.heads:
+            return x
+        b, h, s, d = x.shape
+        if self.pair_rotary_dims and d % 2 == 0:
+            x = x.unflatten(-1, (2, d // 2)).transpose(-1, -2).flatten(-2)
+        return _repartition(x, self.heads_logits)
+
+    def value_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(b, h, S, d) -> (b, h_v, S, W / h_v)."""
+        return x if self.heads_weights == self.heads else _repartition(x, self.heads_weights)
+
+    def extra_repr(self) -> str:
+        return (f"h={self.heads}, h_k={self.heads_logits}, h_v={self.heads_weights}, "
+                f"logits_mix={self.logits_mix is not None}, weights_mix={self.weights_mix is not None}, "
+                f"chunk_size={self.chunk_size}")
+
+
+def _repartition(x: torch.Tensor, heads: int) -> torch.Tensor:
+    b, h, s, d = x.shape
+    return x.transpose(1, 2).reshape(b, s, heads, h * d // heads).transpose(1, 2)
+
+
+def _mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    """(b, n_in, c, S) mixed over heads by `mix` (n_in x n_out) -> (b, n_out, c, S), one small matmul."""
+    b, n_in, c, s = x.shape
+    return torch.matmul(mix.t().to(x.dtype), x.reshape(b, n_in, c * s)).view(b, mix.shape[1], c, s)
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    b, kv, s, d = x.shape
+    if kv == heads:
+        return x
+    return x[:, :, None].expand(b, kv, heads // kv, s, d).reshape(b, heads, s, d)
+
+
+def _key_range(mask: torch.Tensor | None, keys: int) -> tuple[int, int]:
+    """The keys [lo, hi) that some query of this block may attend to (all of them for float or no masks)."""
+    if mask is None or mask.dtype != torch.bool:
+        return 0, keys
+    visible = mask.flatten(0, -2).any(0).nonzero()
+    if visible.numel() == 0:
+        return 0, keys
+    return int(visible[0]), int(visible[-1]) + 1
+
+
+# --- the attention function and its mask -------------------------------------------------------------------------
+def talking_heads_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Talking-heads attention over query blocks. query (b, h, T, d); key/value (b, kv, S, d) with kv | h.
+
+    Returns (b, T, h_v, W / h_v), i.e. (b, T, W) once the caller flattens the last two dims, and no weights.
+    """
+    mixer: TalkingHeadsMixing | None = getattr(module, "talking_heads", None)
+    b, h, t, d = query.shape
+    keys = key.shape[-2]
+    key, value = _repeat_kv(key, h), _repeat_kv(value, h)
+    scaling = d**-0.5 if scaling is None else scaling
+    if attention_mask is None and getattr(module, "is_causal", False) and t > 1:
+        attention_mask = torch.ones(t, keys, dtype=torch.bool, device=query.device).tril(keys - t)[None, None]
+    if attention_mask is not None:
+        attention_mask = attention_mask[..., :keys]
+    logits_mix = weights_mix = None
+    chunk = t
+    if mixer is not None:
+        query, key, value = mixer.query_key_heads(query), mixer.query_key_heads(key), mixer.value_heads(value)
+        logits_mix, weights_mix = mixer.logits_mix, mixer.weights_mix
+        chunk = mixer.chunk_size or t
+    heads_v, value_dim = value.shape[1], value.shape[-1]
+    out = query.new_empty(b, t, heads_v, value_dim)
+    min_value = torch.finfo(query.dtype).min
+    for start in range(0, t, chunk):
+        stop = min(t, start + chunk)
+        mask = None if attention_mask is None else attention_mask[:, :, start:stop]
+        lo, hi = _key_range(mask, keys)
+        scores = torch.matmul(query[:, :, start:stop], key[:, :, lo:hi].transpose(-1, -2)).mul_(scaling)
+        if logits_mix is not None:
+            scores = _mix(scores, logits_mix)
+        if softcap is not None:
+            scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+        if mask is not None:
+            mask = mask[..., lo:hi]
+            scores = scores.masked_fill_(~mask, min_value) if mask.dtype == torch.bool else scores.add_(mask)
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        del scores
+        if weights_mix is not None:
+            weights = _mix(weights, weights_mix)
+        weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+        out[:, start:stop] = torch.matmul(weights, value[:, :, lo:hi]).transpose(1, 2)
+    return out, None
+
+
+def talking_heads_mask(*args, **kwargs) -> torch.Tensor | None:
+    """A boolean (b, 1, q, kv) mask, always materialized for causal attention (None: attend to everything)."""
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, talking_heads_attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, talking_heads_mask)
+
+
+# --- models ----------------------------------------------------------------------------------------------------
+def attach_talking_heads(model: nn.Module, config) -> None:
+    """Give every self-attention module of `model` its mixing submodule (cross-attention is left alone)."""
+    settings = talking_heads_settings(config)
+    for module in model.modules():
+        if isinstance(module, SELF_ATTENTION_CLASSES) and not getattr(module, "is_cross_attention", False):
+            if getattr(module, "talking_heads", None) is None:
+                module.talking_heads = TalkingHeadsMixing(settings)
+
+
+class TalkingHeadsMixin:
+    """Added in front of a transformers model class: mixing submodules, and talking-heads attention always."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        attach_talking_heads(self, config)
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, allow_all_kernels=False):
+        if attn_implementation not in (None, ATTN_IMPLEMENTATION, "eager", "sdpa"):
+            logger.warning_once(f"talking-heads attention mixes heads, which {attn_implementation} cannot do: "
+                                f"using the {ATTN_IMPLEMENTATION} implementation instead")
+        return ATTN_IMPLEMENTATION
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        if isinstance(module, TalkingHeadsMixing):
+            module.reset_parameters()
+        else:
+            super()._init_weights(module)
+
+    @torch.no_grad()
+    def initialize_weights(self):
+        # Mixing modules inside a plain sub-model (e.g. LlamaModel in LlamaForCausalLM) are dispatched to that
+        # sub-model's _init_weights, which does not know them: initialize the ones not loaded from a checkpoint here.
+        super().initialize_weights()
+        for module in self.modules():
+            if isinstance(module, TalkingHeadsMixing):
+                module.reset_parameters()
+
+    def set_talking_heads_chunk_size(self, chunk_size: int) -> None:
+        """Queries per attention block (0: all at once); memory is O(heads * chunk_size * keys)."""
+        for module in self.modules():
+            if isinstance(module, TalkingHeadsMixing):
+                module.chunk_size = int(chunk_size)
+
+
+class TalkingHeadsLlamaModel(TalkingHeadsMixin, LlamaModel):
+    config_class = TalkingHeadsLlamaConfig
+
+
+class TalkingHeadsLlamaForCausalLM(TalkingHeadsMixin, LlamaForCausalLM):
+    config_class = TalkingHeadsLlamaConfig
+
+
+class TalkingHeadsMistralModel(TalkingHeadsMixin, MistralModel):
+    config_class = TalkingHeadsMistralConfig
+
+
+class TalkingHeadsMistralForCausalLM(TalkingHeadsMixin, MistralForCausalLM):
+    config_class = TalkingHeadsMistralConfig
+
+
+class TalkingHeadsQwen2Model(TalkingHeadsMixin, Qwen2Model):
+    config_class = TalkingHeadsQwen2Config
+
+
+class TalkingHeadsQwen2ForCausalLM(TalkingHeadsMixin, Qwen2ForCausalLM):
+    config_class = TalkingHeadsQwen2Config
+
+
+class TalkingHeadsQwen3Model(TalkingHeadsMixin, Qwen3Model):
+    config_class = TalkingHeadsQwen3Config
+
+
+class TalkingHeadsQwen3ForCausalLM(TalkingHeadsMixin, Qwen3ForCausalLM):
+    config_class = TalkingHeadsQwen3Config
+
+
+class TalkingHeadsGemmaModel(TalkingHeadsMixin, GemmaModel):
+    config_class = TalkingHeadsGemmaConfig
+
+
+class TalkingHeadsGemmaForCausalLM(TalkingHeadsMixin, GemmaForCausalLM):
+    config_class = TalkingHeadsGemmaConfig
+
+
+class TalkingHeadsGemma2Model(TalkingHeadsMixin, Gemma2Model):
+    config_class = TalkingHeadsGemma2Config
+
+
+class TalkingHeadsGemma2ForCausalLM(TalkingHeadsMixin, Gemma2ForCausalLM):
+    config_class = TalkingHeadsGemma2Config
+
+
+class TalkingHeadsGPT2Model(TalkingHeadsMixin, GPT2Model):
+    config_class = TalkingHeadsGPT2Config
+
+
+class TalkingHeadsGPT2LMHeadModel(TalkingHeadsMixin, GPT2LMHeadModel):
+    config_class = TalkingHeadsGPT2Config
+
+
+class TalkingHeadsBertModel(TalkingHeadsMixin, BertModel):
+    config_class = TalkingHeadsBertConfig
+
+
+class TalkingHeadsBertForMaskedLM(TalkingHeadsMixin, BertForMaskedLM):
+    config_class = TalkingHeadsBertConfig
+
+
+class TalkingHeadsBertForSequenceClassification(TalkingHeadsMixin, BertForSequenceClassification):
+    config_class = TalkingHeadsBertConfig
