@@ -288,10 +288,65 @@ def write_checkpoint(
 
 
 def sha256_files(files: Iterable[Path]) -> Iterator[tuple[str, str]]:
-    """(file name, sha256) for each file, read in 16 MiB blocks (hashlib releases the GIL)."""
+    """(file name, sha256) for each file.
+
+    Free for hub downloads: huggingface_hub stores an LFS file as a blob named by its sha256 (the LFS oid).
+    Otherwise the file is read in 16 MiB blocks (hashlib releases the GIL) and the digest is cached in
+    ~/.cache/surgery/sha256.json under (path, size, mtime, inode), so converting a folder again costs nothing.
+    """
+    cache = _HashCache()
     for file in files:
-        h = hashlib.sha256()
-        with open(file, "rb") as f:
-            while block := f.read(16 << 20):
-                h.update(block)
-        yield Path(file).name, h.hexdigest()
+        file = Path(file)
+        digest = _hub_blob_digest(file) or cache.get(file)
+        if digest is None:
+            h = hashlib.sha256()
+            with open(file, "rb") as f:
+                while block := f.read(16 << 20):
+                    h.update(block)
+            digest = h.hexdigest()
+            cache.put(file, digest)
+        yield file.name, digest
+    cache.save()
+
+
+def _hub_blob_digest(file: Path) -> str | None:
+    if not file.is_symlink():
+        return None
+    target = file.resolve()
+    if target.parent.name == "blobs" and len(target.name) == 64:
+        return target.name
+    return None
+
+
+class _HashCache:
+    PATH = Path(os.environ.get("SURGERY_CACHE", Path.home() / ".cache" / "surgery")) / "sha256.json"
+
+    def __init__(self):
+        try:
+            self.entries: dict[str, str] = json.loads(self.PATH.read_text())
+        except (OSError, ValueError):
+            self.entries = {}
+        self.changed = False
+
+    @staticmethod
+    def _key(file: Path) -> str:
+        st = file.stat()
+        return f"{file.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+
+    def get(self, file: Path) -> str | None:
+        return self.entries.get(self._key(file))
+
+    def put(self, file: Path, digest: str) -> None:
+        self.entries[self._key(file)] = digest
+        self.changed = True
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        try:
+            self.PATH.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.PATH.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.entries))
+            os.replace(tmp, self.PATH)
+        except OSError:
+            pass  # a cache that cannot be written only costs time

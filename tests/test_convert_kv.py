@@ -208,3 +208,12 @@ def test_inspect_counts_match_the_loaded_model(arch, tmp_path):
     d, layers = before["head_dim"], before["layers"]
     assert after["kv_cache_bytes_per_token"] == 2 * layers * 1 * d * 4
     assert before["attention_core_macs_per_token"] == layers * 2 * heads * d * 4096
+
+
+def test_source_hash_follows_file_changes(tmp_path):
+    tm.make_tiny("llama", tmp_path / "src", seed=0)
+    first = convert(tmp_path / "src", tmp_path / "a", kv_heads=1)["source"]["shards_sha256"]
+    tm.make_tiny("llama", tmp_path / "src", seed=1)  # same size, new bytes: the cache must not answer
+    second = convert(tmp_path / "src", tmp_path / "b", kv_heads=1)["source"]["shards_sha256"]
+    digest = hashlib.sha256((tmp_path / "src" / "model.safetensors").read_bytes()).hexdigest()
+    assert second == {"model.safetensors": digest} != first
