@@ -229,12 +229,77 @@ def uptrain(model, out, **kw):
     """Continue training MODEL (a converted checkpoint, or any causal LM) for --tokens tokens.
 
     Runs on CPU, one GPU, or under `accelerate launch` with several processes (DDP; FSDP/DeepSpeed through
-    accelerate's config). Writes OUT (same format as MODEL, custom code included) with surgery.json extended
-    by an "uptraining" record, uptrain_metrics.jsonl and uptrain.png.
+    accelerate's config), e.g. `accelerate launch --multi_gpu --num_processes 2 -m cli uptrain ...` (without
+    a GPU the processes train on CPU over gloo). Writes OUT (same format as MODEL, custom code included) with
+    surgery.json extended by an "uptraining" record, uptrain_metrics.jsonl and uptrain.png; checkpoints go to
+    OUT.run (--resume continues from the newest).
     """
     from surgery.uptrain import UptrainOptions, uptrain as run_uptrain
 
     run_uptrain(UptrainOptions(model=model, out=out, **kw))
+
+
+@cli.command()
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.argument("repo_id")
+@click.option("--private", is_flag=True, help="Create the repository private.")
+@click.option("--revision", help="Branch to upload to (created from main when missing; default main).")
+@click.option("--exist-ok", is_flag=True, help="Upload into a repository that already exists.")
+@click.option("--message", help="Commit message (default: names the conversion).")
+@click.option("--check-report", "check_reports", multiple=True, type=click.Path(path_type=Path),
+              help="A `surgery check --json` report to put in the model card (repeatable).")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write the result (repo and commit URLs) as JSON.")
+def push(folder, repo_id, private, revision, exist_ok, message, check_reports, json_out):
+    """Validate FOLDER and upload it to the hub as REPO_ID (owner/name).
+
+    Refuses (exit 2) unless config.json loads, every shard the index lists exists, the files match the sha256
+    recorded in surgery.json and the custom code auto_map names is present. Writes a README.md model card
+    when FOLDER has none (and rewrites the cards it wrote before; a card you edit is kept once you delete
+    its first comment line). The token comes from HF_TOKEN or the cached login (`hf auth login`); HF_ENDPOINT
+    selects another hub.
+    """
+    from surgery.publish.push import push_folder
+
+    result = push_folder(folder, repo_id, private=private, revision=revision, exist_ok=exist_ok, message=message,
+                         check_reports=list(check_reports), log=click.echo)
+    click.echo(f"pushed {folder} to {result.repo_url} ({result.revision}): {result.commit_url}")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"repo_id": repo_id, "repo_url": result.repo_url, "revision": result.revision,
+                                              "commit_url": result.commit_url, "card_written": result.card_written},
+                                             indent=2) + "\n")
+
+
+@cli.command()
+@click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("--dry-run", is_flag=True, help="Print the plan (steps, commands, sizes, estimated tokens and memory); run nothing.")
+@click.option("--from", "from_step", help="Re-run from this step (its name, e.g. uptrain or check-2, or its number).")
+@click.option("--until", help="Stop after this step (e.g. check-2 to skip the push).")
+@click.option("--output", type=click.Path(path_type=Path), help="Output folder (default: the recipe's `output`).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a recipe value: output=DIR, source.revision=REV, or STEP.OPTION=VALUE (uptrain.tokens=4096).")
+def run(recipe, dry_run, from_step, until, output, overrides):
+    """Run a YAML recipe: source, then convert / check / uptrain / check / push steps, in order.
+
+    Finished steps are recorded in OUTPUT/recipe-state.json and skipped while their inputs are unchanged;
+    an interrupted uptraining resumes from its last checkpoint.
+    """
+    from surgery.recipes import load_recipe
+
+    r = load_recipe(recipe, overrides=list(overrides))
+    out = output or Path(r.output)
+    if dry_run:
+        from surgery.recipes.plan import build_plan, print_plan
+
+        print_plan(build_plan(r, out, from_step=from_step, until=until))
+        return
+    from surgery.recipes.runner import StepFailed, run_recipe
+
+    try:
+        steps = run_recipe(r, out, from_step=from_step, until=until, log=click.echo)
+    except StepFailed as e:
+        _fail(str(e), code=e.code)
+    ran = sum(1 for _, how in steps if how == "ran")
+    click.echo(f"recipe done: {ran} step(s) ran, {len(steps) - ran} skipped; outputs in {out}")
 
 
 def main() -> None:

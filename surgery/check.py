@@ -38,13 +38,15 @@ def is_causal_lm(config) -> bool:
     return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
 
 
-def load_model(source: Source, device: torch.device, dtype: str, trust_remote_code: bool = False):
+def load_model(source: Source, device: torch.device, dtype: str, trust_remote_code: bool = False,
+               attn_implementation: str | None = None):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
         config = AutoConfig.from_pretrained(source.folder, trust_remote_code=trust_remote_code)
         auto = AutoModelForCausalLM if is_causal_lm(config) else AutoModel
-        model = auto.from_pretrained(source.folder, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        model = auto.from_pretrained(source.folder, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **extra)
     except (OSError, ValueError) as e:
         raise SurgeryError(f"cannot load {source.spec}: {str(e).splitlines()[0]}") from None
     return model.to(device).eval()
@@ -136,7 +138,10 @@ def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str],
                         trust_remote_code: bool = False) -> dict:
     dev = pick_device(device)
     tokenizer = load_tokenizer(source)
-    model_a = load_model(source, dev, dtype, trust_remote_code)
+    # A talking-heads model computes eager attention: compare it with the source's eager attention, so that the
+    # report measures the surgery and not the source's own sdpa-vs-eager rounding (~1e-4 on SmolLM2's logits).
+    source_attn = "eager" if surgery_kind(converted) == "talking-heads" else None
+    model_a = load_model(source, dev, dtype, trust_remote_code, attn_implementation=source_attn)
     model_b = load_model(converted, dev, dtype, trust_remote_code)
     if model_a.config.vocab_size != model_b.config.vocab_size:
         raise SurgeryError("the two checkpoints have different vocabularies")
@@ -144,7 +149,20 @@ def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str],
     seq_len = min(seq_len, ctx) if ctx else seq_len
     causal = is_causal_lm(model_a.config)
     ids = token_stream(texts, tokenizer, tokens)
-    return compare_models(model_a, model_b, ids, seq_len, batch_size, causal) | {"device": str(dev), "dtype": dtype}
+    return compare_models(model_a, model_b, ids, seq_len, batch_size, causal) | {
+        "device": str(dev), "dtype": dtype, "source_attention": model_a.config._attn_implementation}
+
+
+def surgery_kind(source: Source) -> str | None:
+    """The `kind` recorded in a checkpoint's surgery.json, if it has one."""
+    import json
+    from pathlib import Path
+
+    record = Path(source.folder) / "surgery.json"
+    try:
+        return json.loads(record.read_text()).get("kind") if record.exists() else None
+    except (OSError, ValueError):
+        return None
 
 
 def print_report(report: dict, title: str = "") -> None:

@@ -20,6 +20,7 @@ from . import __version__
 from .arch import ArchSpec, QKVLayout, qkv_layout, spec_for
 from .atomic import atomic_output_dir
 from .errors import SurgeryError
+from .publish.hashes import record_output_hashes
 from .kv_pool import POOL_METHODS, join_qkv, kv_groups, pool_heads, repeat_heads, split_qkv
 from .source import Source, copy_side_files
 from .tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
@@ -283,7 +284,7 @@ def write_converted(source: Source, out: Path, planner: KVPlanner, force: bool =
         if spec.name == "gpt_neox":
             record["note"] = spec.notes
         record.update(extra or {})
-        (tmp / "surgery.json").write_text(json.dumps(record, indent=2) + "\n")
+        record_output_hashes(tmp, record)  # writes surgery.json, with the sha256 of every file written
     return record
 
 

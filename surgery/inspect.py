@@ -48,12 +48,21 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
     kv_bytes = 2 * L * kv * d * bytes_per_value
     proj_macs = L * (H * h * d + 2 * H * kv * d + h * d * H)
     core_macs = L * 2 * h * d * context  # QKᵀ and AV for one query over `context` keys
+    switchhead = config.get("switchhead") or {}
+    experts, topk = switchhead.get("experts"), switchhead.get("topk")
+    if switchhead:  # q and k per head; k of E value and output experts per head; two routers of h*E scores
+        proj_macs = L * (2 * H * h * d + 2 * topk * H * h * d + 2 * H * h * experts)
+    # Talking-heads: mixing the logits (h_k x h) and the weights (h x h_v) costs h_k*h + h*h_v per query-key pair.
+    talking = record.get("kind") == "talking-heads"
+    mix_macs = L * int(record.get("mix_macs_per_query_key_per_layer", 0)) * context if talking else 0
     return {
         "checkpoint": label or str(folder),
         "model_type": config.get("model_type"),
         "surgery": record.get("kind"),
         **shape,
         "distinct_kv_heads": record.get("kv_heads", {}).get("after", kv),
+        "experts": experts,
+        "topk": topk,
         "parameters": params,
         "dtype_bytes": bytes_per_value,
         "kv_cache_bytes_per_token": kv_bytes,
@@ -61,7 +70,9 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
         "context": context,
         "attention_proj_macs_per_token": proj_macs,
         "attention_core_macs_per_token": core_macs,
-        "attention_macs_per_token": proj_macs + core_macs,
+        "head_mixing_macs_per_token": mix_macs if talking else None,
+        "added_parameters": record.get("added_parameters") if talking else None,
+        "attention_macs_per_token": proj_macs + core_macs + mix_macs,
     }
 
 
@@ -93,17 +104,23 @@ def print_inspection(stats: list[dict]) -> None:
         ("K/V heads (stored)", "kv_heads", None),
         ("K/V heads (distinct)", "distinct_kv_heads", None),
         ("head_dim", "head_dim", None),
+        ("experts / head (top-k)", "experts", None),
         ("parameters", "parameters", ""),
+        ("parameters added by surgery", "added_parameters", ""),
         ("KV cache / token", "kv_cache_bytes_per_token", "B"),
         (f"KV cache / {ctx} ctx", "kv_cache_bytes_per_context", "B"),
         ("attn MACs / token (proj)", "attention_proj_macs_per_token", ""),
         (f"attn MACs / token (core @{ctx})", "attention_core_macs_per_token", ""),
+        (f"attn MACs / token (head mixing @{ctx})", "head_mixing_macs_per_token", ""),
         ("attn MACs / token (total)", "attention_macs_per_token", ""),
     ]
     for title, key, unit in rows:
         cells = []
         for s in stats:
             value = s.get(key)
+            if key == "experts" and value is not None:
+                cells.append(f"{value} (top-{s['topk']})")
+                continue
             if unit is None:
                 cells.append(str(value if value is not None else "-"))
                 continue

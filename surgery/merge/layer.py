@@ -58,9 +58,14 @@ def merge_layer(p: AttnParams, sigma: torch.Tensor, kv_heads: int, head_dim: int
     key_losses, value_losses = [], []
     for members in grouping:
         m = merged(members)
+        import os
+        dbg = os.environ.get("MERGE_DEBUG", "")
         for i, j in enumerate(members):
-            new_k[j], new_v[j], new_q[j] = m.key, m.value, m.queries[i]
-            new_o[j] = o[j] @ m.value_maps[i]
+            if "keepk" not in dbg:
+                new_k[j], new_q[j] = m.key, m.queries[i]
+            if "keepv" not in dbg:
+                new_v[j] = m.value
+                new_o[j] = o[j] @ m.value_maps[i]
         key_losses.append(m.key_loss)
         value_losses.append(m.value_loss)
     d = p.o.shape[0]

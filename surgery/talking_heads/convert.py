@@ -24,7 +24,6 @@ from ..inspect import attention_shape
 from ..source import Source, copy_side_files
 from ..tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
 from .families import Family, family_for
-from .modeling_talking_heads import initial_logits_mix, initial_weights_mix
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CODE_FILES = ("configuration_talking_heads.py", "modeling_talking_heads.py")
@@ -121,6 +120,9 @@ def attention_modules(reader: CheckpointReader, family: Family, shape: TalkingHe
 
 def plan_tensors(reader: CheckpointReader, modules: dict[int, str], shape: TalkingHeadsShape,
                  out_dtype: torch.dtype | None) -> list[PlannedTensor]:
+    # The initial values come from the modeling code itself (imported here: it loads every model class).
+    from .modeling_talking_heads import initial_logits_mix, initial_weights_mix
+
     planned = []
     for name in reader.names():
         info = reader.tensors[name]
@@ -236,7 +238,7 @@ def convert_to_talking_heads(src: Source, out: Path, *, logits_mixing: bool = Tr
             "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
                              "architectures": new_config["architectures"], "dropped_heads": dropped_heads},
             "heads": shape.heads,
-            "kv_heads": shape.kv_heads,
+            "kv_heads": {"before": shape.kv_heads, "after": shape.kv_heads},
             "head_dim": shape.head_dim,
             "layers": shape.layers,
             "logits_mixing": shape.logits_mixing,

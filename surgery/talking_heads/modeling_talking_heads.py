@@ -180,7 +180,9 @@ def _repartition(x: torch.Tensor, heads: int) -> torch.Tensor:
 def _mix(x: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     """(b, n_in, c, S) mixed over heads by `mix` (n_in x n_out) -> (b, n_out, c, S), one small matmul."""
     b, n_in, c, s = x.shape
-    return torch.matmul(mix.t().to(x.dtype), x.reshape(b, n_in, c * s)).view(b, mix.shape[1], c, s)
+    # bmm with the small matrix broadcast over the batch: torch.matmul(2-D, 3-D) would transpose-copy x twice.
+    left = mix.t().to(x.dtype).unsqueeze(0).expand(b, -1, -1)
+    return torch.bmm(left, x.reshape(b, n_in, c * s)).view(b, mix.shape[1], c, s)
 
 
 def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -114,17 +114,18 @@ def cache_key(**fields) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def load_or_pack(cache: Path, key: str, build, seed: int) -> PackedData:
-    """Read the packed data from `cache` when it was built with the same key, else build and write it."""
-    if cache.exists():
-        try:
-            saved = torch.load(cache, weights_only=True)
-            if saved.get("key") == key:
-                return PackedData(saved["train"], saved["eval"], seed=seed)
-        except Exception:  # a stale or unreadable cache is rebuilt
-            pass
-    data = build()
+def read_cache(cache: Path, key: str, seed: int) -> PackedData | None:
+    """The packed data saved in `cache` when it was built with the same key, else None."""
+    if not cache.exists():
+        return None
+    try:
+        saved = torch.load(cache, weights_only=True)
+    except Exception:  # unreadable: rebuilt
+        return None
+    return PackedData(saved["train"], saved["eval"], seed=seed) if saved.get("key") == key else None
+
+
+def write_cache(cache: Path, key: str, data: PackedData) -> None:
     tmp = cache.with_name(cache.name + ".tmp")
     torch.save({"key": key, "train": data.train, "eval": data.eval}, tmp)
     tmp.replace(cache)
-    return data

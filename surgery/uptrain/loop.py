@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import shutil
 import time
@@ -22,7 +23,7 @@ from ..atomic import atomic_output_dir, check_output_path
 from ..errors import SurgeryError
 from ..source import resolve_source
 from . import model_io
-from .data import cache_key, load_or_pack, pack
+from .data import cache_key, pack, read_cache, write_cache
 from .losses import Objective
 from .metrics import MetricsLog
 from .options import UptrainOptions
@@ -62,8 +63,8 @@ def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
     return Objective(kind, temperature=o.temperature, kd_weight=o.kd_weight)
 
 
-def prepare_run_dir(o: UptrainOptions, trajectory: dict, main: bool) -> None:
-    """Check (and on the main process create) the run folder: fresh, resumable, or replaced with --force."""
+def check_run_dir(o: UptrainOptions, trajectory: dict) -> None:
+    """Refuse a run folder that cannot be used: nothing is written here."""
     run_json = o.run_dir / "run.json"
     if o.resume:
         if not run_json.exists():
@@ -73,16 +74,18 @@ def prepare_run_dir(o: UptrainOptions, trajectory: dict, main: bool) -> None:
         if diff:
             detail = ", ".join(f"{k}: {saved.get(k)!r} -> {trajectory[k]!r}" for k in diff[:4])
             raise SurgeryError(f"--resume with different options than the run in {o.run_dir} ({detail})")
-        return
-    if not main:  # the main process checks and creates the folder; the others wait for it
-        return
-    if o.run_dir.exists() and any(o.run_dir.iterdir()):
+    elif o.run_dir.exists() and any(o.run_dir.iterdir()):
         if not o.force:
             raise SurgeryError(f"run folder {o.run_dir} holds an earlier run: --resume to continue it or --force to start over")
-        if not (o.run_dir / "run.json").exists():
+        if not run_json.exists():
             raise SurgeryError(f"--force would delete {o.run_dir}, which is not a surgery uptraining run folder")
+
+
+def start_run_dir(o: UptrainOptions, trajectory: dict) -> None:
+    """Main process, fresh run, once the inputs proved good: an empty run folder with run.json."""
+    if o.run_dir.exists():
         shutil.rmtree(o.run_dir)
-    o.run_dir.mkdir(parents=True, exist_ok=True)
+    o.run_dir.mkdir(parents=True)
     (o.run_dir / "run.json").write_text(json.dumps(trajectory, indent=2) + "\n")
 
 
@@ -117,6 +120,7 @@ def run(o: UptrainOptions) -> dict:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # weight loading/writing bars: stderr stays for our bar and errors
+    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)  # "removed shared tensor" on tied weights
     source = resolve_source(o.model)
     record = model_io.read_record(source.folder)
     objective = resolve_objective(o, record)
@@ -131,8 +135,7 @@ def run(o: UptrainOptions) -> dict:
     accum = per_process // o.micro_batch
     trajectory = o.trajectory() | {"model": str(Path(source.folder).absolute()), "loss": objective.kind}
     check_output_path(o.out, o.force)
-    prepare_run_dir(o, trajectory, main)
-    acc.wait_for_everyone()
+    check_run_dir(o, trajectory)
     set_seed(o.seed)
 
     tokenizer = model_io.load_tokenizer(source.folder, source.spec)
@@ -159,15 +162,23 @@ def run(o: UptrainOptions) -> dict:
         return pack(load_texts(o.data, o.text_field, o.streaming), tokenizer, o.seq_len, o.eval_tokens, train_tokens,
                     seed=o.seed)
 
-    with acc.main_process_first():
-        data = load_or_pack(o.run_dir / "data.pt", key, build, seed=o.seed)
+    with acc.main_process_first():  # the main process packs the data and caches it for the others (and resumes)
+        cache = o.run_dir / "data.pt"
+        data = read_cache(cache, key, o.seed) if (o.resume or not main) else None
+        if data is None:
+            data = build()
+            if main:
+                if not o.resume:
+                    start_run_dir(o, trajectory)
+                write_cache(cache, key, data)
 
     if o.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model_io.enable_checkpointing(model, source.spec)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=o.weight_decay)
     model, optimizer = acc.prepare(model, optimizer)
+    params = [p for p in model.parameters() if p.requires_grad]  # as prepared (FSDP replaces them)
     state = RunState()
     state.data_key = key
     acc.register_for_checkpointing(state)
@@ -202,7 +213,7 @@ def run(o: UptrainOptions) -> dict:
             first = do_eval(0)
             if teacher is not None and first is not None:
                 metrics.write(step=0, tokens=0, teacher_eval_ppl=evaluate(teacher, data, acc, o.micro_batch)["eval_ppl"])
-        bar = tqdm(total=o.steps, initial=state.step, desc="uptrain", unit="step", disable=not (main and o.progress),
+        bar = tqdm(total=o.steps, initial=state.step, desc="uptrain", unit="step", disable=None if (main and o.progress) else True,
                    dynamic_ncols=True)
         for step in range(state.step, o.steps):
             start = time.perf_counter()
@@ -257,16 +268,22 @@ def run(o: UptrainOptions) -> dict:
                                "--gradient-checkpointing; --resume continues from the last checkpoint") from None
         raise
 
+    from accelerate.utils import DistributedType
+
+    # Sharded parameters are gathered for the final save (a collective: every process calls it).
+    sharded = acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    full_state = acc.get_state_dict(model) if sharded else None
     result = None
     if main:
-        result = finish(o, source, acc.unwrap_model(model), out_dtype, objective, metrics, trajectory, world, state)
+        result = finish(o, source, acc.unwrap_model(model), full_state, out_dtype, objective, metrics, trajectory,
+                        world, state)
     acc.wait_for_everyone()
     acc.end_training()
     return result
 
 
-def finish(o: UptrainOptions, source, model, dtype, objective: Objective, metrics: MetricsLog, trajectory: dict,
-           world: int, state: RunState) -> dict:
+def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective: Objective, metrics: MetricsLog,
+           trajectory: dict, world: int, state: RunState) -> dict:
     """Main process: the final checkpoint (atomic), its record, metrics and plot; then the run folder goes."""
     rows = metrics.read()
     evals = [m for m in rows if "eval_ppl" in m]
@@ -297,7 +314,7 @@ def finish(o: UptrainOptions, source, model, dtype, objective: Objective, metric
         "train_seconds": round(state.elapsed, 3),
     }
     with atomic_output_dir(o.out, force=o.force) as tmp:
-        model_io.write_checkpoint(model, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
+        model_io.write_checkpoint(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
         model_io.write_record(source, tmp, uptraining)
         shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
         plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")

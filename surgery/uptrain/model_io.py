@@ -90,6 +90,24 @@ def check_teacher(student, teacher, student_tok, teacher_folder: Path, teacher_s
                                "the student's): distillation needs the same tokenizer")
 
 
+def enable_checkpointing(model, spec: str) -> None:
+    """Activation (gradient) checkpointing, non-reentrant (works with frozen inputs and DDP's no_sync)."""
+    try:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x names it so
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    except ValueError as e:
+        raise SurgeryError(f"--gradient-checkpointing: {spec} does not support it ({str(e).splitlines()[0]})") from None
+
+
+def disable_checkpointing(model) -> None:
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
 def checkpoint_dtype(folder: Path, config: dict) -> torch.dtype:
     """The dtype the input checkpoint stores its floating weights in (written back in the same)."""
     name = config.get("dtype") or config.get("torch_dtype")
@@ -113,14 +131,17 @@ def custom_code_files(folder: Path) -> list[Path]:
     return sorted(p for p in Path(folder).glob("*.py") if p.is_file())
 
 
-def write_checkpoint(model, source: Source, dst: Path, dtype: torch.dtype, max_shard_size: str,
+def write_checkpoint(model, state: dict | None, source: Source, dst: Path, dtype: torch.dtype, max_shard_size: str,
                      checkpointing: bool = False) -> None:
-    """Save `model` into `dst` like its input: safetensors in the input dtype, side files and custom code."""
+    """Save `model` into `dst` like its input: safetensors in the input dtype, side files and custom code.
+    `state`: the gathered full state dict when the parameters were sharded (FSDP, DeepSpeed), else None."""
     model.config.use_cache = True
     if checkpointing:
-        model.gradient_checkpointing_disable()
+        disable_checkpointing(model)
     model.to(dtype)
-    model.save_pretrained(dst, max_shard_size=max_shard_size)
+    if state is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    model.save_pretrained(dst, state_dict=state, max_shard_size=max_shard_size)
     copy_side_files(source.folder, dst)
     for f in custom_code_files(source.folder):
         if not (dst / f.name).exists():

@@ -23,7 +23,7 @@ def new_parameter_patterns(record: dict) -> list[str]:
     patterns = record.get("new_parameters") or []
     if not isinstance(patterns, list) or not all(isinstance(p, str) and p for p in patterns):
         raise SurgeryError('surgery.json: "new_parameters" must be a list of name patterns')
-    return patterns
+    return [p.replace("{layer}", "*") for p in patterns]
 
 
 def new_parameter_names(names: list[str], record: dict) -> set[str]:

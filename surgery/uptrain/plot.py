@@ -23,7 +23,7 @@ def plot_runs(runs: dict[str, list[dict]], out: Path, references: dict[str, floa
             ax_ppl.plot([m["tokens"] for m in evals], [m["eval_ppl"] for m in evals], marker="o", label=label)
     for i, (label, ppl) in enumerate((references or {}).items()):
         ax_ppl.axhline(ppl, linestyle="--", color=f"C{len(runs) + i}", label=f"{label} ({ppl:.3g})")
-    ax_loss.set(xlabel="training tokens", ylabel="training loss", title="training loss")
+    ax_loss.set(xlabel="training tokens", ylabel="training loss", title="training loss (each run's objective)")
     ax_ppl.set(xlabel="training tokens", ylabel="held-out perplexity", title="held-out perplexity", yscale="log")
     for ax in (ax_loss, ax_ppl):
         ax.grid(alpha=0.3)

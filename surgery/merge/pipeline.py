@@ -1,0 +1,178 @@
+"""Calibrate and merge, layer by layer, on two residual streams.
+
+The source stream runs the untouched source layers (its attention outputs are the targets); the converted
+stream runs each layer after it has been merged and refit, so every layer is fit on the inputs it will
+really see. Each layer: source pass -> converted attention input -> statistics -> merge (assignment, key
+and value fits, folds) -> query refit -> output refit -> converted pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..arch import ArchSpec, QKVLayout, qkv_layout
+from . import capture
+from .layer import LayerMerge, merge_layer
+from .params import AttnParams, LayerAttention, layer_paths
+from .refit import QueryRefit, augment, refit_output, refit_queries
+from .rotary import RotaryPairs, hf_cos_sin, rotary_pairs, rotate
+
+QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Small dense linear algebra (eigh, solve on ~100x100 matrices) is many times slower multi-threaded."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@dataclass
+class MergeOptions:
+    groups: int
+    chunk_windows: int = 8  # windows per forward chunk (bounds attention memory)
+    assign: bool = True  # group K/V heads by similarity (else consecutively)
+    fold: bool = True  # fit keys with RoPE-commuting maps folded into the queries
+    refit_q: bool = True
+    refit_o: bool = True
+    o_ridge: float = 0.1
+    targets: str = "source"  # "source": the source model's own activations; "local": the source layer on converted inputs
+    query: QueryRefit = field(default_factory=QueryRefit)
+    seed: int = 0
+
+
+@dataclass
+class LayerReport:
+    groups: list[list[int]]
+    key_loss: float
+    value_loss: float
+    folded: bool
+
+
+@dataclass
+class MergeResult:
+    layers: list[AttnParams]  # source-shaped merged params per layer
+    reports: list[LayerReport]
+    seconds: float
+    stages: dict = field(default_factory=dict)  # seconds spent per stage (wall clock)
+
+
+def _has_qk_norm(attention: torch.nn.Module) -> bool:
+    return any(name.split(".")[-1] in QK_NORM_NAMES for name, _ in attention.named_modules())
+
+
+def project_heads(x: torch.Tensor, rows: torch.Tensor, head_dim: int, cos, sin, pairs: RotaryPairs) -> torch.Tensor:
+    """x [N, L, din] @ rows [n*D, din]^T -> rotated heads [N, n, L, D] (as the model computes them, without q/k norms)."""
+    n_win, length, _ = x.shape
+    heads = (x @ rows.T).reshape(n_win, length, -1, head_dim).transpose(1, 2)
+    if cos is not None and pairs.frequencies:
+        heads = rotate(heads, cos[:, None], sin[:, None], pairs)
+    return heads
+
+
+def _cat(chunks: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    return torch.cat(chunks, dim=dim)
+
+
+@torch.no_grad()
+def merge_model(model, spec: ArchSpec, config: dict, heads: int, kv_heads: int, head_dim: int,
+                windows: torch.Tensor, opts: MergeOptions, progress=None) -> MergeResult:
+    """Merge `model` (float32, loaded by capture.load_calibration_model) in place; windows [N, L] token ids."""
+    start = time.time()
+    layout = qkv_layout(spec, config)
+    conv1d = spec.conv1d_pattern is not None
+    paths = layer_paths(model, spec, spec.layers(config))
+    layers = [model.get_submodule(p) for p in paths]
+    chunks = list(windows.split(opts.chunk_windows))
+    gen = torch.Generator().manual_seed(opts.seed)
+    src_h, calls = [], []
+    for c in chunks:
+        h, call = capture.embed(model, layers, c)
+        src_h.append(h)
+        calls.append(call)
+    cv_h = list(src_h)
+    out_layers, reports = [], []
+    stages: dict[str, float] = {}
+    clock = [time.time()]
+
+    def tick(stage: str) -> None:
+        now = time.time()
+        stages[stage] = stages.get(stage, 0.0) + now - clock[0]
+        clock[0] = now
+
+    tick("embed")
+    for index, (layer, path) in enumerate(zip(layers, paths)):
+        la = LayerAttention(layer, path, spec, layout, heads, kv_heads, head_dim, conv1d)
+        source = la.read()
+        folded = opts.fold and not _has_qk_norm(la.attention)
+        # 1. the source stream through the untouched layer: targets
+        src_runs = []
+        if opts.targets == "source":
+            for i, c in enumerate(chunks):
+                src_h[i], run = capture.run_layer_recorded(layer, la.attention, la.out_module, src_h[i], calls[i][index])
+                src_runs.append(run)
+        tick("source pass")
+        # 2. what the converted stream feeds this layer's attention
+        acalls = [capture.attention_input(layer, la.attention, la.in_module, cv_h[i], calls[i][index])
+                  for i in range(len(chunks))]
+        if opts.targets == "local":  # the source layer's attention on the converted stream
+            src_runs = [capture.run_attention(la.attention, la.out_module, a) for a in acalls]
+        x = augment(_cat([a.x for a in acalls]), source.qkv_bias)  # [N, L, din]
+        flat = x.reshape(-1, x.shape[-1])
+        sigma = (flat.T @ flat).double() / flat.shape[0]
+        pos = acalls[0].kwargs.get("position_embeddings")
+        pairs = rotary_pairs(head_dim, pos[0].shape[-1] if pos is not None else 0, "half")
+        tick("converted input")
+        # 3. merge
+        double = AttnParams(source.q.double(), source.k.double(), source.v.double(), source.o.double(),
+                            source.o_bias, source.qkv_bias)
+        with threads(1):
+            merged: LayerMerge = merge_layer(double, sigma, kv_heads, head_dim, opts.groups, pairs, folded, opts.assign)
+        params = merged.params
+        tick("merge")
+        grouped = kv_heads // opts.groups > 1
+        # 4. queries against the source's logits
+        if opts.refit_q and folded and grouped:
+            cos = sin = None
+            if pos is not None and pairs.frequencies:
+                cs = [hf_cos_sin(a.kwargs["position_embeddings"], pairs) for a in acalls]
+                cos = _cat([c[0].expand(a.x.shape[0], -1, -1) for c, a in zip(cs, acalls)])
+                sin = _cat([c[1].expand(a.x.shape[0], -1, -1) for c, a in zip(cs, acalls)])
+            record = src_runs[0].record
+            with threads(1):
+                params.q = refit_queries(
+                    x,
+                    _cat([q for r in src_runs for q in r.record.queries]),
+                    _cat([k for r in src_runs for k in r.record.keys]),
+                    project_heads(x, params.q, head_dim, cos, sin, pairs),
+                    project_heads(x, params.k, head_dim, cos, sin, pairs),
+                    cos, sin, pairs, record.scaling, record.softcap, params.q, opts.query, gen)
+        la.write(params)
+        tick("query refit")
+        # 5. output projection against the source's attention output
+        if opts.refit_o and grouped:
+            runs = [capture.run_attention(la.attention, la.out_module, a) for a in acalls]
+            z = _cat([r.heads for r in runs]).reshape(-1, params.o.shape[1])
+            target = _cat([r.output for r in src_runs])
+            with threads(1):
+                params.o, params.o_bias = refit_output(z, target.reshape(-1, target.shape[-1]), params.o,
+                                                       params.o_bias, opts.o_ridge)
+            la.write(params)
+        tick("output refit")
+        # 6. the converted stream through the converted layer
+        for i in range(len(chunks)):
+            cv_h[i] = capture.run_layer(layer, cv_h[i], calls[i][index])
+        tick("converted pass")
+        out_layers.append(params)
+        reports.append(LayerReport(merged.groups, merged.key_loss, merged.value_loss, folded))
+        if progress:
+            progress(index, merged)
+    return MergeResult(out_layers, reports, time.time() - start, {k: round(v, 2) for k, v in stages.items()})

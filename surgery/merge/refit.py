@@ -1,0 +1,148 @@
+"""Layer-wise least-squares refits of the query and output projections, against the source's activations.
+
+After the merge, the layer's attention is run on the converted model's own inputs (its predecessors are
+already converted). Two refits then make the attention *output*, not the weights, match the source:
+
+- queries: for a sample of query positions, the (rotated) query that best reproduces the source's attention
+  logits against the merged keys is solved for, weighting each key by the source's attention probability
+  (a second-order approximation of the KL between the two attention distributions, with a free per-row
+  offset since softmax ignores one); q_proj's rows are then regressed onto those queries (after undoing
+  the rotation), regularised toward the folded queries on all calibration tokens;
+- output: o_proj is refit by ridge regression from the converted per-head outputs to the source attention
+  output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .rotary import RotaryPairs, rotate
+
+
+def _ridge(gram: torch.Tensor, rel: float) -> torch.Tensor:
+    scale = torch.diagonal(gram, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype)
+    return eye * (rel * scale)[..., None, None] if gram.dim() > 2 else eye * rel * scale
+
+
+def augment(x: torch.Tensor, bias: bool) -> torch.Tensor:
+    return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype)], dim=-1) if bias else x
+
+
+def refit_output(heads: torch.Tensor, target: torch.Tensor, o: torch.Tensor, o_bias: torch.Tensor | None,
+                 ridge: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """heads [T, H*D] (o_proj's input), target [T, d] -> o [d, H*D], bias, by ridge regression toward the current o."""
+    z = augment(heads.float(), o_bias is not None)
+    w0 = torch.cat([o, o_bias[:, None]], dim=1) if o_bias is not None else o
+    gram = (z.T @ z).double()
+    reg = _ridge(gram, ridge)
+    w = torch.linalg.solve(gram + reg, (z.T @ target.float()).double() + reg @ w0.double().T).T.float()
+    return (w[:, :-1].contiguous(), w[:, -1].contiguous()) if o_bias is not None else (w.contiguous(), None)
+
+
+@dataclass
+class QueryRefit:
+    samples: int = 128  # query positions per window whose ideal queries are solved for
+    top_k: int = 32  # keys per query position weighted by the source's attention probability
+    uniform: float = 0.1  # weight of the window's average key statistics, beside the attention probability
+    ridge: float = 1e-2  # per-position pull toward the folded query (relative to the key Gram's scale)
+    prior: float = 0.1  # pull of q_proj toward the folded one on all tokens (relative to the sample count)
+    chunk: int = 4  # windows per step (bounds memory)
+
+
+@torch.no_grad()
+def ideal_queries(q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor, scaling: float,
+                  softcap: float | None, positions: torch.Tensor, opts: QueryRefit) -> torch.Tensor:
+    """At each of `positions` [M], the rotated query that best reproduces the source's logits against the merged keys.
+
+    q_src [N, r, L, D], k_src [N, L, D]: the source's queries (the r heads that shared one source K/V head) and
+    that head's keys; q_cv [N, r, L, D] the converted (folded) queries, k_cv [N, L, D] the merged keys.
+    Per query position m, with phi_n = [k_n, 1] and theta = [q, c] (c: a free logit offset, which softmax
+    ignores), minimises
+        sum_{n in top-k} p_mn (theta . phi_n - s_mn)^2 + uniform * E_n[(theta . phi_n - s_mn)^2] + ridge |theta - theta0|^2
+    where p is the source's attention probability, the expectation runs over the window's keys (a regulariser
+    that keeps every other logit in check) and theta0 is the folded query. The shared part A = uniform * E[phi phi^T]
+    + ridge * I is inverted once per window; the top-k part is a rank-k update, solved with the Woodbury identity
+    as one k x k system per position. Returns [N, r, M, D].
+    """
+    n_win, r, length, head_dim = q_src.shape
+    e = head_dim + 1
+    m = positions.numel()
+    visible = torch.arange(length)[None, :] <= positions[:, None]  # [M, L]
+    phi = torch.cat([scaling * k_cv, torch.ones(n_win, length, 1, dtype=k_cv.dtype)], dim=-1).double()  # [N, L, e]
+    mean_gram = phi.transpose(1, 2) @ phi / length  # [N, e, e]
+    mean_cross = phi.transpose(1, 2) @ (scaling * k_src.double()) / length  # [N, e, D]
+    ridge = opts.ridge * torch.diagonal(mean_gram, dim1=-2, dim2=-1).mean(-1)[:, None, None] + 1e-12  # [N, 1, 1]
+    a_inv = torch.linalg.inv(opts.uniform * mean_gram + ridge * torch.eye(e, dtype=phi.dtype))  # [N, e, e]
+    psi = phi @ a_inv  # [N, L, e]
+    kmat = psi @ phi.transpose(1, 2)  # [N, L, L]: phi_a A^-1 phi_b
+    k = min(opts.top_k, length)
+    kmat_flat = kmat.reshape(n_win, -1)
+    out = torch.empty(n_win, r, m, head_dim, dtype=q_src.dtype)
+    for h in range(r):
+        q_h = q_src[:, h, positions].double()  # [N, M, D]
+        raw = scaling * (q_h @ k_src.double().transpose(-1, -2))  # [N, M, L]
+        capped = softcap * torch.tanh(raw / softcap) if softcap else raw
+        prob = torch.softmax(capped.masked_fill(~visible, float("-inf")), dim=-1)
+        p_top, idx = prob.topk(k, dim=-1)  # [N, M, k]
+        s_top = raw.gather(-1, idx)
+        pair = (idx[..., :, None] * length + idx[..., None, :]).reshape(n_win, -1)
+        m_kk = kmat_flat.gather(1, pair).reshape(n_win, m, k, k)  # phi_a A^-1 phi_b on the top keys
+        q0 = q_cv[:, h, positions].double()
+        resid = s_top - (q0 @ phi[..., :head_dim].transpose(1, 2)).gather(-1, idx)
+        c0 = (p_top * resid).sum(-1) / p_top.sum(-1).clamp_min(1e-12)
+        theta0 = torch.cat([q0, c0[..., None]], dim=-1)  # [N, M, e]
+        c = opts.uniform * (q_h @ mean_cross.transpose(1, 2)) + ridge * theta0
+        y = c @ a_inv  # [N, M, e]  (A symmetric)
+        ps = p_top * s_top
+        t = (m_kk @ ps[..., None])[..., 0] + (y @ phi.transpose(1, 2)).gather(-1, idx)
+        sp = p_top.sqrt()
+        inner = torch.eye(k, dtype=phi.dtype) + sp[..., :, None] * m_kk * sp[..., None, :]
+        w = torch.cholesky_solve((sp * t)[..., None], torch.linalg.cholesky(inner))[..., 0]
+        dense = torch.zeros(n_win, m, length, dtype=phi.dtype).scatter_(-1, idx, ps - sp * w)
+        theta = y + dense @ psi
+        out[:, h] = theta[..., :head_dim].to(out.dtype)
+    return out
+
+
+@torch.no_grad()
+def refit_queries(x: torch.Tensor, q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor,
+                  cos: torch.Tensor | None, sin: torch.Tensor | None, pairs: RotaryPairs, scaling: float,
+                  softcap: float | None, q_rows: torch.Tensor, opts: QueryRefit, generator: torch.Generator) -> torch.Tensor:
+    """New q_proj rows [H*D, d_in]: each head regressed onto its ideal (un-rotated) queries at sampled positions.
+
+    x [N, L, d_in] converted attention input (augmented when q has a bias); q_src/k_src [N, H|KV, L, D] the
+    source's rotated queries/keys on the source's own inputs; q_cv/k_cv the converted layer's, on x (its K/V
+    slots hold the merged heads); cos/sin [N, L, F] (None without rotary).
+    """
+    n_win, heads, length, head_dim = q_src.shape
+    kv = k_cv.shape[1]
+    r = heads // kv
+    din = x.shape[-1]
+    xtx_all = torch.zeros(din, din, dtype=torch.float64)
+    xtx = torch.zeros(din, din, dtype=torch.float64)
+    xty = torch.zeros(heads, din, head_dim, dtype=torch.float64)
+    samples = 0
+    for lo in range(0, n_win, opts.chunk):
+        sl = slice(lo, lo + opts.chunk)
+        xa = x[sl].reshape(-1, din).float()
+        xtx_all += (xa.T @ xa).double()
+        m = min(opts.samples, length)
+        positions = torch.randperm(length, generator=generator)[:m].sort().values
+        xs = x[sl][:, positions].reshape(-1, din).double()
+        xtx += xs.T @ xs
+        samples += xs.shape[0]
+        for j in range(kv):
+            hs = slice(j * r, (j + 1) * r)
+            target = ideal_queries(q_src[sl, hs], k_src[sl, j], q_cv[sl, hs], k_cv[sl, j], scaling, softcap, positions, opts)
+            if cos is not None and pairs.frequencies:
+                target = rotate(target, cos[sl][:, None, positions], sin[sl][:, None, positions], pairs, inverse=True)
+            xty[hs] += torch.einsum("tx,htd->hxd", xs, target.transpose(0, 1).reshape(r, -1, head_dim).double())
+    prior = xtx_all * (opts.prior * samples / (n_win * length))
+    lhs = xtx + prior
+    lhs = lhs + _ridge(lhs, 1e-8)
+    rows = q_rows.double().reshape(heads, head_dim, din)
+    fitted = torch.linalg.solve(lhs, xty + prior @ rows.transpose(1, 2))  # [H, din, D]
+    return fitted.transpose(1, 2).reshape(heads * head_dim, din).float()

@@ -1,0 +1,219 @@
+"""The model card (README.md) of a converted checkpoint: hub metadata and what was done to the model.
+
+Everything comes from the folder itself (config.json, surgery.json, uptrain.png), the source folder when it is
+still on disk (for `surgery.inspect` ratios and its licence), and `surgery check --json` reports.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from ..inspect import _human, inspect_checkpoint
+from .validate import Validation
+
+# Cards carrying this line were written by `surgery push` and are rewritten by the next push; others are kept.
+MARKER = "<!-- model card written by `surgery push`: delete this line to keep your edits -->"
+EMBEDDED = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+KINDS = {
+    "mqa": ("multi-query attention (one K/V head)", ["mqa", "multi-query-attention"]),
+    "gqa": ("grouped-query attention", ["gqa", "grouped-query-attention"]),
+    "talking-heads": ("talking-heads attention (Shazeer et al. 2020)", ["talking-heads"]),
+    "switchhead": ("SwitchHead attention, σ-MoE V/O projections (Csordás et al. 2023)", ["switchhead", "moe"]),
+}
+MERGES = {
+    "mean": "mean of each group's K/V heads (Ainslie et al. 2023)",
+    "first": "first K/V head of each group (ablation)",
+    "random": "random initialization at the source's scale (ablation)",
+    "aligned": "activation-aware aligned merge (RoPE-compatible)",
+}
+
+
+def _front_matter(readme: Path) -> dict:
+    try:
+        text = readme.read_text()
+    except OSError:
+        return {}
+    if not text.startswith("---"):
+        return {}
+    try:
+        meta = yaml.safe_load(text.split("---", 2)[1])
+    except (yaml.YAMLError, IndexError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _gguf_license(path: str | None) -> str | None:
+    if not path or not Path(path).is_file():
+        return None
+    try:
+        import gguf
+
+        field = gguf.GGUFReader(path).fields.get("general.license")
+        return str(field.contents()) if field is not None else None
+    except Exception:  # a GGUF file we cannot read only loses the licence line
+        return None
+
+
+def source_info(record: dict | None) -> dict:
+    """base_model (a hub id when known), license, and the source folder when it still exists."""
+    src = (record or {}).get("source") or {}
+    spec, folder = src.get("spec"), src.get("folder")
+    folder = Path(folder) if folder and Path(folder).is_dir() else None
+    base = EMBEDDED.get(spec)
+    if base is None and spec and spec.count("/") == 1 and not Path(spec).exists() and not spec.startswith((".", "/", "~")):
+        base = spec  # a hub id
+    meta = _front_matter(folder / "README.md") if folder else {}
+    license_ = meta.get("license") or _gguf_license(src.get("gguf_file"))
+    if license_ is None and folder is not None:
+        license_ = json.loads((folder / "config.json").read_text()).get("license") if (folder / "config.json").exists() else None
+    return {"base_model": base, "license": license_, "folder": folder, "spec": spec, "revision": src.get("revision")}
+
+
+def is_causal_lm(config: dict) -> bool:
+    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in config.get("architectures") or [])
+
+
+def metadata(v: Validation, info: dict) -> dict:
+    record = v.record or {}
+    kind = record.get("kind")
+    tags = ["surgery", *KINDS.get(kind, (None, []))[1]]
+    if record.get("uptraining"):
+        tags.append("uptrained")
+    if v.custom_code:
+        tags.append("custom_code")
+    meta = {}
+    if info["base_model"]:
+        meta["base_model"] = info["base_model"]
+        meta["base_model_relation"] = "finetune"  # same weights, rewritten attention (and maybe uptrained)
+    meta["library_name"] = "transformers"
+    if info["license"]:
+        meta["license"] = info["license"]
+    meta["pipeline_tag"] = "text-generation" if is_causal_lm(v.config) else "feature-extraction"
+    meta["tags"] = tags
+    return meta
+
+
+def _ratio(a, b) -> str:
+    return f" ({b / a:.2f}x)" if a and b is not None else ""
+
+
+def conversion_section(v: Validation, info: dict) -> list[str]:
+    record = v.record or {}
+    kind = record.get("kind")
+    if not kind:
+        return []
+    lines = ["## Conversion", ""]
+    what = KINDS.get(kind, (kind, []))[0]
+    source = info["base_model"] or info["spec"] or "the source checkpoint"
+    lines.append(f"Converted from `{source}`" + (f" (revision `{info['revision']}`)" if info["revision"] else "")
+                 + f" to {what} by `surgery` {record.get('version', '')}.".replace(" .", "."))
+    if record.get("method"):
+        lines.append(f"K/V heads merged by: {MERGES.get(record['method'], record['method'])}.")
+    lines.append("")
+    after = inspect_checkpoint(v.folder)
+    before = inspect_checkpoint(info["folder"]) if info["folder"] else None
+    kv = record.get("kv_heads")
+    rows = [("query heads", "heads", None), ("K/V heads", "distinct_kv_heads", None), ("parameters", "parameters", ""),
+            ("KV cache / token", "kv_cache_bytes_per_token", "B"),
+            (f"attention MACs / token @ {after['context']}", "attention_macs_per_token", "")]
+    lines += ["| | source | converted |", "|---|---:|---:|"]
+    for title, key, unit in rows:
+        b = before.get(key) if before else None
+        if key == "distinct_kv_heads" and b is None and isinstance(kv, dict):
+            b = kv.get("before")
+        a = after.get(key)
+        cell = (lambda x: "-" if x is None else (str(x) if unit is None else _human(x, unit)))
+        lines.append(f"| {title} | {cell(b)} | {cell(a)}{_ratio(b, a) if unit is not None else ''} |")
+    if before is None:
+        lines += ["", "(The source folder was not available when this card was written: source columns are partial.)"]
+    lines.append("")
+    return lines
+
+
+def check_section(reports: list[tuple[str, dict]]) -> list[str]:
+    if not reports:
+        return []
+    lines = ["## Check against the source", "",
+             "Same tokens through both models (`surgery check`).", "",
+             "| report | tokens | max abs Δ | KL / token | top-1 agreement | ppl source | ppl converted |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in reports:
+        def f(key, fmt):
+            return format(r[key], fmt) if isinstance(r.get(key), (int, float)) else "-"
+        top1 = f"{100 * r['top1_agreement']:.2f}%" if isinstance(r.get("top1_agreement"), (int, float)) else "-"
+        lines.append(f"| {name} | {r.get('tokens', '-')} | {f('max_abs_diff', '.3g')} | {f('kl', '.4g')} | {top1} "
+                     f"| {f('ppl_source', '.3f')} | {f('ppl_converted', '.3f')} |")
+    lines.append("")
+    return lines
+
+
+def uptraining_section(v: Validation) -> list[str]:
+    up = (v.record or {}).get("uptraining")
+    if not up:
+        return []
+    lines = ["## Uptraining", ""]
+    keys = [("data", "data"), ("tokens", "tokens"), ("steps", "steps"), ("loss", "loss"), ("teacher", "teacher"),
+            ("trained parameters", "train"), ("sequence length", "seq_len"), ("tokens / step", "batch_tokens"),
+            ("held-out perplexity before", "initial_eval_ppl"), ("held-out perplexity after", "final_eval_ppl"),
+            ("teacher's held-out perplexity", "teacher_eval_ppl"), ("training seconds", "train_seconds")]
+    lines += ["| | |", "|---|---|"]
+    for title, key in keys:
+        if up.get(key) is not None:
+            value = up[key]
+            lines.append(f"| {title} | {f'{value:.3f}' if isinstance(value, float) else value} |")
+    opt = up.get("optimizer") or {}
+    if opt:
+        lines.append(f"| optimizer | {opt.get('name', '')} lr {opt.get('lr')} ({opt.get('schedule', '')}) |")
+    if (v.folder / "uptrain.png").exists():
+        lines += ["", "![uptraining loss and perplexity](uptrain.png)"]
+    lines.append("")
+    return lines
+
+
+def usage_section(v: Validation, repo_id: str) -> list[str]:
+    auto = "AutoModelForCausalLM" if is_causal_lm(v.config) else "AutoModel"
+    trust = ", trust_remote_code=True" if v.custom_code else ""
+    lines = ["## How to load", "", "```python", f"from transformers import {auto}, AutoTokenizer", "",
+             f'model = {auto}.from_pretrained("{repo_id}"{trust})',
+             f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")', "```", ""]
+    if v.custom_code:
+        lines.append("The attention is implemented by the modeling code shipped in this repository "
+                     f"({', '.join(f'`{c}`' for c in v.code_files)}), hence `trust_remote_code=True`.")
+    elif is_causal_lm(v.config):
+        lines.append("A standard architecture: no custom code, and vLLM serves it as is "
+                     f"(`vllm serve {repo_id}`).")
+    lines.append("")
+    return lines
+
+
+def build_card(v: Validation, repo_id: str, reports: list[tuple[str, dict]] = ()) -> str:
+    info = source_info(v.record)
+    meta = metadata(v, info)
+    body = [f"# {repo_id.split('/')[-1]}", ""]
+    body += conversion_section(v, info)
+    body += check_section(list(reports))
+    body += uptraining_section(v)
+    body += usage_section(v, repo_id)
+    body += ["`surgery.json` in this repository records the source (and the sha256 of its files), the conversion "
+             "and any uptraining.", ""]
+    return ("---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n\n" + MARKER + "\n\n"
+            + "\n".join(body))
+
+
+def load_reports(paths: list[Path]) -> list[tuple[str, dict]]:
+    from ..errors import SurgeryError
+
+    out = []
+    for p in paths:
+        try:
+            report = json.loads(Path(p).read_text())
+        except (OSError, ValueError) as e:
+            raise SurgeryError(f"check report {p} cannot be read: {str(e).splitlines()[0]}") from None
+        if not isinstance(report, dict) or "max_abs_diff" not in report:
+            raise SurgeryError(f"{p} is not a `surgery check --json` report")
+        out.append((Path(p).stem, report))
+    return out

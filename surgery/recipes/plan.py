@@ -1,0 +1,133 @@
+"""`surgery run RECIPE --dry-run`: the steps, their commands, what is already done, sizes, tokens, memory.
+
+Nothing is downloaded, converted or written. The source is sized from disk when it is there (a local folder,
+the hub cache, the dequantized GGUF cache), else from the recipe's `source.config`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+from ..errors import SurgeryError
+from . import estimate as est
+from .runner import MODEL_STEPS, Fingerprints, State, command_line, find_step, is_done, launch_prefix, plan_steps
+from .schema import Recipe
+
+
+def local_source_folder(recipe: Recipe) -> Path | None:
+    """The source's folder if it is already on disk; never downloads or dequantizes."""
+    from ..source import CACHE_DIR, HUB_PATTERNS, _file_digest, embedded_smollm2_gguf
+
+    s = recipe.source
+    if s.path:
+        return Path(s.path) if (Path(s.path) / "config.json").exists() else None
+    if s.gguf or s.id == "smollm2":
+        try:
+            gguf = Path(s.gguf) if s.gguf else embedded_smollm2_gguf()
+        except SurgeryError:
+            return None
+        if not gguf.is_file():
+            return None
+        folder = CACHE_DIR / "gguf" / f"{gguf.stem}-{_file_digest(gguf)[:16]}"
+        return folder if (folder / "config.json").exists() else None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(s.id, revision=s.revision, allow_patterns=HUB_PATTERNS, local_files_only=True))
+    except Exception:  # not in the cache (or no hub client): size it from source.config
+        return None
+
+
+def source_stats(recipe: Recipe, folder: Path | None) -> tuple[est.ModelStats | None, str]:
+    if folder is not None:
+        return est.stats_from_folder(folder), f"{folder}"
+    if recipe.source.config:
+        path = recipe.relative(recipe.source.config)
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SurgeryError(f"source.config {path} cannot be read: {e}") from None
+        return est.stats_from_config(config), f"not on disk; sized from {path}"
+    return None, "not on disk (add source.config to size the plan)"
+
+
+def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until: str | None = None) -> dict:
+    output = Path(output).absolute()
+    planned = plan_steps(recipe, output)
+    start = find_step(planned, from_step, "--from") or 0
+    stop = find_step(planned, until, "--until")
+    stop = len(planned) - 1 if stop is None else stop
+    folder = local_source_folder(recipe)
+    src_stats, src_note = source_stats(recipe, folder)
+    state = State(output)
+    fingerprints = Fingerprints(recipe, folder)
+    rows, stats, changed = [], src_stats, False
+    for i, ps in enumerate(planned):
+        o = ps.step.options
+        command = shlex.join(command_line(recipe, ps))
+        shown = os.path.relpath(output) if output.is_relative_to(Path.cwd()) else str(output)
+        row = {"number": ps.number, "name": ps.name, "command": "surgery " + command.replace(str(output), shown)}
+        if launch_prefix(recipe, ps):
+            row["command"] = f"accelerate launch ({o.accelerate.num_processes} processes) " + row["command"]
+        if i > stop:
+            row["status"] = "not run (--until)"
+        elif i < start:
+            row["status"] = "done (before --from)"
+        elif not changed and from_step is None and is_done(state, ps, fingerprints.of(ps)):
+            row["status"] = "done, unchanged: skip"
+        else:
+            row["status"] = "run"
+            changed = True
+        tokens = memory = None
+        if ps.kind == "convert":
+            memory = est.convert_memory(stats, o) if stats else None
+            if o.to == "switchhead" or getattr(o, "merge", None) == "aligned":
+                tokens = o.calib_tokens
+            stats = est.after_convert(stats, o) if stats else None
+        elif ps.kind == "check":
+            tokens = o.tokens
+            memory = est.check_memory(stats, o) if stats else None
+        elif ps.kind == "uptrain":
+            procs = o.accelerate.num_processes if o.accelerate else 1
+            tokens = est.uptrain_tokens(o) + o.eval_tokens
+            distill = o.loss in ("kd", "mix") or (o.loss == "auto")
+            memory = est.uptrain_memory(stats, o, src_stats if distill else None, procs) if stats else None
+            if memory is not None and procs > 1:
+                row["per_process"] = True
+        row.update(tokens=tokens, memory=memory, size=stats.bytes if (stats and ps.kind in MODEL_STEPS) else None,
+                   upload=stats.bytes if (stats and ps.kind == "push") else None)
+        rows.append(row)
+    return {"recipe": recipe.name or str(recipe.path), "source": recipe.source.spec, "revision": recipe.source.revision,
+            "source_note": src_note, "source_params": src_stats.params if src_stats else None,
+            "source_bytes": src_stats.bytes if src_stats else None, "output": str(output), "steps": rows,
+            "hardware": recipe.hardware.model_dump(exclude_none=True) if recipe.hardware else None}
+
+
+def print_plan(plan: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    src = plan["source"] + (f"@{plan['revision']}" if plan["revision"] else "")
+    console.print(f"recipe [bold]{plan['recipe']}[/bold]: source {src} "
+                  f"({est.human_count(plan['source_params'])} parameters, {est.human_bytes(plan['source_bytes'])}; "
+                  f"{plan['source_note']})")
+    console.print(f"output {plan['output']}")
+    if plan["hardware"]:
+        console.print("hardware: " + "; ".join(f"{k} {v}" for k, v in plan["hardware"].items()))
+    table = Table(show_header=True)
+    for col in ("#", "step", "status", "tokens", "peak memory", "writes"):
+        table.add_column(col, justify="left" if col in ("step", "status") else "right")
+    for r in plan["steps"]:
+        memory = est.human_bytes(r["memory"]) + (" / process" if r.get("per_process") else "") if r["memory"] else "-"
+        writes = est.human_bytes(r["size"]) if r["size"] else (f"uploads {est.human_bytes(r['upload'])}" if r["upload"] else "-")
+        table.add_row(str(r["number"]), r["name"], r["status"], est.human_count(r["tokens"]) if r["tokens"] else "-",
+                      memory, writes)
+    console.print(table)
+    print("commands:")
+    for r in plan["steps"]:
+        print(f"  {r['number']}. {r['command']}")
+    console.print("(dry run: nothing was run; memory and sizes are estimates, see surgery/recipes/estimate.py)")

