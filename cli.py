@@ -302,6 +302,40 @@ def run(recipe, dry_run, from_step, until, output, overrides):
     click.echo(f"recipe done: {ran} step(s) ran, {len(steps) - ran} skipped; outputs in {out}")
 
 
+@cli.command("compare-merges")
+@click.argument("source")
+@click.option("--to", "kind", type=click.Choice(["mqa", "gqa"]), required=True, help="Target attention.")
+@click.option("--kv-heads", type=int, help="[gqa] K/V heads after conversion; must divide the source's.")
+@click.option("--methods", default="mean,first,random,aligned", show_default=True, help="Comma-separated merge methods.")
+@click.option("--data", default="pydoc", show_default=True, help="Held-out text (same forms as check --data).")
+@click.option("--tokens", type=int, default=16384, show_default=True, help="Held-out tokens to compare on.")
+@click.option("--seq-len", type=int, default=1024, show_default=True, help="Window length (capped at the context).")
+@click.option("--calib", default="pydoc", show_default=True, help="Calibration text for aligned (pydoc: read from "
+              "its end, disjoint from the held-out pydoc text).")
+@click.option("--calib-tokens", type=int, default=8192, show_default=True, help="Calibration tokens for aligned.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default="auto", show_default=True, help="Device for the comparison (merging runs on CPU).")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write the table as JSON ('-' for stdout).")
+@click.option("--revision", help="Hub revision when SOURCE is a hub id.")
+def compare_merges(source, kind, kv_heads, methods, data, tokens, seq_len, calib, calib_tokens, seed, device, json_out,
+                   revision):
+    """Zero-shot perplexity, KL and top-1 agreement of each K/V merge method on held-out text, in one table."""
+    from surgery.merge.compare import compare_merges as run_comparison, print_comparison
+    from surgery.source import resolve_source
+
+    if kind == "mqa" and kv_heads not in (None, 1):
+        raise SurgeryError("--to mqa means one K/V head; use --to gqa --kv-heads N for more")
+    if kind == "gqa" and kv_heads is None:
+        raise SurgeryError("--to gqa needs --kv-heads N")
+    result = run_comparison(resolve_source(source, revision=revision), 1 if kind == "mqa" else kv_heads,
+                            methods=tuple(m.strip() for m in methods.split(",") if m.strip()), data=data, tokens=tokens,
+                            seq_len=seq_len, calib=calib, calib_tokens=calib_tokens, seed=seed, device=device)
+    print_comparison(result)
+    if json_out:
+        text = json.dumps(result, indent=2)
+        click.echo(text) if str(json_out) == "-" else Path(json_out).write_text(text + "\n")
+
+
 def main() -> None:
     try:
         cli.main(standalone_mode=False)

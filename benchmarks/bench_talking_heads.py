@@ -2,7 +2,7 @@
 
     python benchmarks/bench_talking_heads.py [--lengths 512 1024 2048] [--repeats 2] [--threads N] [--device cpu|cuda]
 
-Time: one prefill forward (batch 1, T tokens, `logits_to_keep=1`, so the shared LM head does not dilute the
+Time: one forward (batch 1, T tokens, no KV cache, `logits_to_keep=1`, so the shared LM head does not dilute the
 ratio) of the source with eager attention, the source with sdpa, and the converted model (query chunks of 512).
 The models run interleaved, `repeats` times each after one warm-up, and the median is kept, so that load on a
 shared machine hits all of them alike; CPU seconds of the process are printed beside wall-clock seconds because
@@ -72,7 +72,7 @@ def time_forwards(models: dict, ids: torch.Tensor, repeats: int, device: str) ->
         for name, model in models.items():
             _sync(device)
             wall, cpu = time.perf_counter(), time.process_time()
-            model(ids, logits_to_keep=1)
+            model(ids, logits_to_keep=1, use_cache=False)
             _sync(device)
             times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
     return {name: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t)) for name, t in times.items()}
@@ -108,7 +108,7 @@ def child(spec: dict) -> None:
         ids = input_ids(Path(spec["tokenizer"]), spec["length"], device)
         with torch.no_grad():
             model(ids[:, :16])  # page the weights in (loading may map them lazily), so they are not counted
-            peak = _peak_of(lambda: model(ids, logits_to_keep=1), device)
+            peak = _peak_of(lambda: model(ids, logits_to_keep=1, use_cache=False), device)
     else:
         import types
 
@@ -185,7 +185,7 @@ def report_times(source: Path, converted: Path, args, device: str, dtype: str) -
     print(f"{'T':>6}" + f" {'eager':>8} {'sdpa':>8} {'TH':>8} {'TH/eag':>6} {'TH/sdp':>6} |" * 2)
     with torch.no_grad():  # warm-up: pages the weights in, initializes the kernels
         for model in models.values():
-            model(input_ids(source, min(args.lengths), device), logits_to_keep=1)
+            model(input_ids(source, min(args.lengths), device), logits_to_keep=1, use_cache=False)
     for length in args.lengths:
         t = time_forwards(models, input_ids(source, length, device), args.repeats, device)
         row = f"{length:>6}"

@@ -228,6 +228,20 @@ def test_chunked_equals_unchunked_on_a_model(tmp_path):
         assert (r - results[0])[mask.bool()].abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "bert"])
+def test_training_reaches_the_mixing_matrices(arch, tmp_path):
+    make_source(arch, tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "th", chunk_size=6)
+    model = load_converted(tmp_path / "th", arch).train()
+    ids, mask = batch()
+    out = model(input_ids=ids, attention_mask=mask)
+    target = out.logits if hasattr(out, "logits") else out.last_hidden_state
+    target.float().pow(2).mean().backward()
+    for mixer in mixers(model):
+        for p in (mixer.logits_mix, mixer.weights_mix):
+            assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+
+
 # --- loading -----------------------------------------------------------------------------------------------------
 def test_saved_mixing_is_loaded_and_missing_mixing_is_initialized(tmp_path):
     make_source("llama", tmp_path / "src")
@@ -253,6 +267,12 @@ def test_any_requested_attention_implementation_still_mixes(tmp_path):
     convert(tmp_path / "src", tmp_path / "th")
     model = load_converted(tmp_path / "th", "llama", attn_implementation="sdpa")
     assert model.config._attn_implementation == "talking_heads"
+    ids, mask = batch()
+    before = outputs(model, ids, mask)
+    with torch.no_grad():
+        for mixer in mixers(model):
+            mixer.weights_mix.copy_(torch.eye(8).roll(1, dims=1))
+    assert (outputs(model, ids, mask) - before).abs().max() > 1e-2
 
 
 def test_plain_transformers_refuses_instead_of_dropping_the_mixing(tmp_path):
@@ -342,6 +362,29 @@ def test_ablations_keep_only_the_requested_mixing(logits_mixing, weights_mixing,
     assert any(n.endswith("talking_heads.logits_mix") for n in names) == logits_mixing
     assert any(n.endswith("talking_heads.weights_mix") for n in names) == weights_mixing
     assert record["added_parameters"] == 2 * 16 * (logits_mixing + weights_mixing)
+    ids, mask = batch()
+    diff = outputs(load_converted(tmp_path / "th", "gpt2"), ids, mask) - outputs(load(tmp_path / "src", "gpt2"), ids, mask)
+    assert diff[mask.bool()].abs().max() <= 1e-5
+
+
+def test_dtype_option_casts_floating_tensors_and_mixing(tmp_path):
+    make_source("qwen3", tmp_path / "src")
+    record = convert(tmp_path / "src", tmp_path / "th", dtype="bfloat16")
+    weights = load_file(tmp_path / "th" / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16} and record["dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "th" / "config.json").read_text())["dtype"] == "bfloat16"
+    model = load_converted(tmp_path / "th", "qwen3")
+    assert all(torch.equal(m.logits_mix, torch.eye(4)) for m in mixers(model))
+
+
+def test_gpt2_checkpoint_without_the_transformer_prefix(tmp_path):
+    # Hub GPT-2 checkpoints store h.0.attn... (no "transformer."): the new tensors follow the source's naming.
+    make_source("gpt2", tmp_path / "src")
+    weights = load_file(tmp_path / "src" / "model.safetensors")
+    save_file({n.removeprefix("transformer."): t for n, t in weights.items()}, tmp_path / "src" / "model.safetensors",
+              metadata={"format": "pt"})
+    convert(tmp_path / "src", tmp_path / "th")
+    assert "h.1.attn.talking_heads.logits_mix" in load_file(tmp_path / "th" / "model.safetensors")
     ids, mask = batch()
     diff = outputs(load_converted(tmp_path / "th", "gpt2"), ids, mask) - outputs(load(tmp_path / "src", "gpt2"), ids, mask)
     assert diff[mask.bool()].abs().max() <= 1e-5

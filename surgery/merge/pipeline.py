@@ -44,7 +44,7 @@ class MergeOptions:
     refit_q: bool = True
     refit_o: bool = True
     o_ridge: float = 0.1
-    targets: str = "source"  # "source": the source model's own activations; "local": the source layer on converted inputs
+    targets: str = "local"  # "source": the source model's own activations; "local": the source layer on converted inputs
     query: QueryRefit = field(default_factory=QueryRefit)
     seed: int = 0
 
@@ -55,6 +55,7 @@ class LayerReport:
     key_loss: float
     value_loss: float
     folded: bool
+    rotary_dims: int = 0
 
 
 @dataclass
@@ -172,7 +173,7 @@ def merge_model(model, spec: ArchSpec, config: dict, heads: int, kv_heads: int, 
             cv_h[i] = capture.run_layer(layer, cv_h[i], calls[i][index])
         tick("converted pass")
         out_layers.append(params)
-        reports.append(LayerReport(merged.groups, merged.key_loss, merged.value_loss, folded))
+        reports.append(LayerReport(merged.groups, merged.key_loss, merged.value_loss, folded, 2 * pairs.frequencies))
         if progress:
             progress(index, merged)
     return MergeResult(out_layers, reports, time.time() - start, {k: round(v, 2) for k, v in stages.items()})

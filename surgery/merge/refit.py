@@ -49,6 +49,7 @@ class QueryRefit:
     uniform: float = 0.1  # weight of the window's average key statistics, beside the attention probability
     ridge: float = 1e-2  # per-position pull toward the folded query (relative to the key Gram's scale)
     prior: float = 0.1  # pull of q_proj toward the folded one on all tokens (relative to the sample count)
+    weight_ridge: float = 1e-3  # plain ridge toward the folded q_proj (relative to the input Gram's scale)
     chunk: int = 4  # windows per step (bounds memory)
 
 
@@ -141,8 +142,7 @@ def refit_queries(x: torch.Tensor, q_src: torch.Tensor, k_src: torch.Tensor, q_c
                 target = rotate(target, cos[sl][:, None, positions], sin[sl][:, None, positions], pairs, inverse=True)
             xty[hs] += torch.einsum("tx,htd->hxd", xs, target.transpose(0, 1).reshape(r, -1, head_dim).double())
     prior = xtx_all * (opts.prior * samples / (n_win * length))
-    lhs = xtx + prior
-    lhs = lhs + _ridge(lhs, 1e-8)
+    prior = prior + _ridge(xtx, opts.weight_ridge)  # directions the calibration barely saw keep the folded weights
     rows = q_rows.double().reshape(heads, head_dim, din)
-    fitted = torch.linalg.solve(lhs, xty + prior @ rows.transpose(1, 2))  # [H, din, D]
+    fitted = torch.linalg.solve(xtx + prior, xty + prior @ rows.transpose(1, 2))  # [H, din, D]
     return fitted.transpose(1, 2).reshape(heads * head_dim, din).float()

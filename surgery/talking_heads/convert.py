@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..publish.hashes import record_output_hashes
 from .. import __version__
 from ..atomic import atomic_output_dir
 from ..errors import SurgeryError
@@ -257,7 +258,7 @@ def convert_to_talking_heads(src: Source, out: Path, *, logits_mixing: bool = Tr
             "output_files": files + list(CODE_FILES),
             "seconds": round(time.time() - start, 3),
         }
-        (tmp / "surgery.json").write_text(json.dumps(record, indent=2) + "\n")
+        record_output_hashes(tmp, record)  # writes surgery.json with the sha256 of every file written
     return record
 
 

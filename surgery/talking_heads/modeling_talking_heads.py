@@ -243,8 +243,8 @@ def talking_heads_attention(
         scores = torch.matmul(query[:, :, start:stop], key[:, :, lo:hi].transpose(-1, -2)).mul_(scaling)
         if logits_mix is not None:
             scores = _mix(scores, logits_mix)
-        if softcap is not None:
-            scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+        if softcap is not None:  # out of place: tanh's backward needs its output
+            scores = torch.tanh(scores / softcap) * softcap
         if mask is not None:
             mask = mask[..., lo:hi]
             scores = scores.masked_fill_(~mask, min_value) if mask.dtype == torch.bool else scores.add_(mask)
@@ -284,7 +284,7 @@ class TalkingHeadsMixin:
         super().__init__(config, *args, **kwargs)
         attach_talking_heads(self, config)
 
-    def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, allow_all_kernels=False):
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
         if attn_implementation not in (None, ATTN_IMPLEMENTATION, "eager", "sdpa"):
             logger.warning_once(f"talking-heads attention mixes heads, which {attn_implementation} cannot do: "
                                 f"using the {ATTN_IMPLEMENTATION} implementation instead")

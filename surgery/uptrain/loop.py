@@ -21,6 +21,7 @@ import torch
 
 from ..atomic import atomic_output_dir, check_output_path
 from ..errors import SurgeryError
+from ..publish.hashes import record_output_hashes
 from ..source import resolve_source
 from . import model_io
 from .data import cache_key, pack, read_cache, write_cache
@@ -318,6 +319,7 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
         model_io.write_record(source, tmp, uptraining)
         shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
         plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")
+        record_output_hashes(tmp)  # the files changed: record their sha256 in surgery.json, as converters do
     if not o.keep_run_dir:
         shutil.rmtree(o.run_dir, ignore_errors=True)
     first, last = uptraining["initial_eval_ppl"], uptraining["final_eval_ppl"]

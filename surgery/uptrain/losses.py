@@ -13,8 +13,11 @@ import torch.nn.functional as F
 
 
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of logits [B, T, V] for ids [B, T] (T-1 targets per sequence)."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    """Mean next-token cross-entropy of logits [B, T, V] for ids [B, T] (T-1 targets per sequence).
+
+    The targets are shifted (the last position ignored) rather than the logits sliced, which would copy them."""
+    targets = F.pad(ids[:, 1:], (0, 1), value=-100)
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -1,0 +1,180 @@
+"""`surgery convert --to mqa|gqa --merge aligned`: calibrate, merge, and write a standard checkpoint.
+
+The merged attention tensors come from the calibrated model; every other tensor is streamed from the
+source exactly as the plain converter does (same planner, same writer, same surgery.json fields).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ..arch import QKVLayout, spec_for
+from ..atomic import check_output_path
+from ..check import context_length, load_tokenizer
+from ..convert_kv import KVOptions, KVPlanner, _head_shape, target_config, write_converted
+from ..errors import SurgeryError
+from ..kv_pool import join_qkv, repeat_heads
+from ..source import Source
+from ..tensors import CheckpointReader
+from .calib import calibration_windows
+from .layer import export_heads, query_order
+from .params import AttnParams
+from .pipeline import MergeOptions, merge_model, threads
+
+
+class AlignedPlanner(KVPlanner):
+    """The plain converter's plan, with every attention projection taken from the merged layers."""
+
+    def __init__(self, reader, spec, config, shape, options, layers: list[AttnParams] | None,
+                 groupings: list[list[list[int]]] | None):
+        super().__init__(reader, spec, config, shape, options)
+        self.layers, self.groupings = layers, groupings
+
+    def _tensor(self, layer: int, proj: str, param: str) -> torch.Tensor:
+        p, s, spec = self.layers[layer], self.shape, self.spec
+        if proj == spec.o:
+            return p.o if param == "weight" else p.o_bias
+        if proj == spec.qkv:
+            k, v = p.k, p.v
+            if self.out_layout == QKVLayout.INTERLEAVED:
+                k, v = (repeat_heads(t, s.head_dim, s.queries_per_group) for t in (k, v))
+            full = join_qkv(p.q, k, v, self.out_layout, s.head_dim)
+        else:
+            full = {spec.q: p.q, spec.k: p.k, spec.v: p.v}[proj]
+        if p.qkv_bias:
+            return full[:, :-1] if param == "weight" else full[:, -1]
+        return full
+
+    def transform_for(self, name: str):
+        hit = self.spec.match(name)
+        if hit is None or self.layers is None:
+            return super().transform_for(name)
+        tensor = self._tensor(*hit).contiguous()
+
+        def produce(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(tensor.shape, dtype=t.dtype, device="meta") if t.is_meta else tensor
+
+        return produce
+
+    def group_record(self) -> list[dict]:
+        if self.groupings is None:
+            return super().group_record()
+        s = self.shape
+        r_out = s.heads // s.groups
+        r_src = s.heads // s.kv_heads
+        same = all(g == self.groupings[0] for g in self.groupings)
+        out = []
+        for g in range(s.groups):
+            entry = {"kv_head": g, "query_heads": list(range(g * r_out, (g + 1) * r_out))}
+            if same:
+                members = self.groupings[0][g]
+                entry["source_kv_heads"] = members
+                entry["source_query_heads"] = query_order([members], r_src)
+            out.append(entry)
+        return out
+
+
+def _n_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str = "pydoc", calib_tokens: int = 8192,
+                    force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
+                    allow_pickle: bool = False, seed: int = 0, progress: bool = True,
+                    options: MergeOptions | None = None) -> dict:
+    """Merge `src`'s K/V heads into `kv_heads` with calibration, writing a standard checkpoint to `out`."""
+    start = time.time()
+    config = src.config
+    spec = spec_for(config)
+    shape = _head_shape(spec, config, kv_heads)
+    kv_options = KVOptions(kv_heads=kv_heads, method="mean", seed=seed, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                           allow_pickle=allow_pickle)
+    target_config(spec, config, shape, dtype)  # refuses what has no target before any work
+    check_output_path(out, force)
+    reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
+    KVPlanner(reader, spec, config, shape, kv_options)._validate_layers()
+    if calib_tokens < 1:
+        raise SurgeryError(f"--calib-tokens must be positive, got {calib_tokens}")
+    if shape.groups == shape.kv_heads:  # nothing to merge: the output is the source, exactly
+        planner = AlignedPlanner(reader, spec, config, shape, kv_options, None, None)
+        extra = {"calibration": None, "merge": {"note": "no K/V heads to merge; the output equals the source"}}
+        return write_converted(src, out, planner, force=force, progress=progress, method="aligned", extra=extra,
+                               start=start)
+
+    opts = replace(options or MergeOptions(groups=kv_heads), groups=kv_heads, seed=seed)
+    tokenizer = load_tokenizer(src)
+    calib_start = time.time()
+    with threads(_n_threads()):
+        from .capture import load_calibration_model
+
+        try:
+            model = load_calibration_model(src.folder)
+        except (OSError, RuntimeError) as e:
+            raise SurgeryError(f"cannot load {src.spec} for calibration: {str(e).splitlines()[0]}") from None
+        windows = calibration_windows(calib, tokenizer, calib_tokens, context_length(model.config))
+        bar = _layer_bar(spec.layers(config), progress)
+        result = merge_model(model, spec, config, shape.heads, shape.kv_heads, shape.head_dim, windows, opts,
+                             progress=lambda i, m: bar.update(1))
+        bar.close()
+        del model
+    layers = [export_heads(p, r.groups, shape.kv_heads, shape.head_dim) for p, r in zip(result.layers, result.reports)]
+    groupings = [r.groups for r in result.reports]
+    r_src = shape.heads // shape.kv_heads
+    permutations = {str(i): query_order(g, r_src) for i, g in enumerate(groupings)
+                    if query_order(g, r_src) != list(range(shape.heads))}
+    folded = all(r.folded for r in result.reports)
+    rot = result.reports[0].rotary_dims
+    rotary = ("per-frequency complex rank-1 fit (rotary dims), principal subspace (other dims), folded into the queries"
+              if 0 < rot < shape.head_dim else
+              "per-frequency complex rank-1 fit, folded into the queries" if rot else
+              "principal subspace in the queries' metric, folded into the queries (no rotary)")
+    extra = {
+        "calibration": {
+            "data": calib,
+            "split": "pydoc documents read from the last one backwards (the default `surgery check` text, "
+                     "pydoc's first 16k tokens, is not used)" if calib == "pydoc" else "first tokens of the data",
+            "tokens": int(windows.numel()),
+            "windows": int(windows.shape[0]),
+            "window_length": int(windows.shape[1]),
+            "seconds": round(time.time() - calib_start, 3),
+            "stages_seconds": result.stages,
+        },
+        "merge": {
+            "assignment": "by similarity (lowest merge loss)" if opts.assign else "consecutive",
+            "keys": rotary if folded else "mean of the members (per-head q/k norms: nothing can be folded)",
+            "values": "principal subspace in o_proj's metric, member maps folded into o_proj",
+            "query_refit": opts.refit_q and folded,
+            "output_refit": opts.refit_o,
+            "targets": opts.targets,
+            "rotary_dims": rot,
+            "key_loss": _mean(r.key_loss for r in result.reports),
+            "value_loss": _mean(r.value_loss for r in result.reports),
+        },
+        "seed": seed,
+    }
+    if any(g != groupings[0] for g in groupings) or permutations:
+        extra["layer_groups"] = groupings
+    if permutations:
+        extra["query_permutation"] = permutations
+    planner = AlignedPlanner(reader, spec, config, shape, kv_options, layers, groupings)
+    return write_converted(src, out, planner, force=force, progress=progress, method="aligned", extra=extra,
+                           start=start)
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in values if v == v]
+    return round(sum(vals) / len(vals), 5) if vals else None
+
+
+def _layer_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="layer", desc="calibrate + merge", disable=None if enabled else True, leave=False)

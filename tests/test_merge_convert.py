@@ -1,0 +1,176 @@
+"""`--merge aligned` on tiny random models of every architecture: exactness, quality against mean pooling,
+query-head permutation, the output checkpoint and surgery.json, the CLI and its errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tiny_models as tm
+from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.merge import convert_aligned
+from surgery.source import resolve_source
+
+REPO = Path(__file__).resolve().parents[1]
+CALIB = 512  # calibration tokens for tiny models (4 windows of their 128-token context)
+
+
+def char_tokenizer(folder: Path) -> None:
+    """A character-level tokenizer over printable ASCII (96 ids, the tiny models' vocabulary): id 0 is EOS/unknown."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0} | {chr(c): i + 1 for i, c in enumerate(range(32, 127))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<eos>"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<eos>").save_pretrained(folder)
+
+
+def tiny(arch: str, folder: Path, seed: int = 0) -> Path:
+    tm.make_tiny(arch, folder, seed=seed)
+    char_tokenizer(folder)
+    return folder
+
+
+def heldout_ids(length: int = 128, windows: int = 8) -> torch.Tensor:
+    """The first pydoc text (what `surgery check` reads; calibration reads pydoc from its end), char-tokenized."""
+    from surgery.data import pydoc_texts
+
+    text = " ".join(pydoc_texts()[:3])
+    ids = [ord(c) - 31 if 32 <= ord(c) < 127 else 0 for c in text][: length * windows]
+    return torch.tensor(ids).view(windows, length)
+
+
+@torch.no_grad()
+def kl_to_source(src: Path, dst: Path, ids: torch.Tensor) -> tuple[float, float]:
+    """Mean KL(source || converted) per token and max |Δlogits| on `ids`."""
+    a, b = tm.logits(tm.load(src), ids), tm.logits(tm.load(dst), ids)
+    la, lb = F.log_softmax(a, -1), F.log_softmax(b, -1)
+    return (la.exp() * (la - lb)).sum(-1).mean().item(), (a - b).abs().max().item()
+
+
+def aligned(src: Path, out: Path, kv_heads: int, **kw) -> dict:
+    return convert_aligned(resolve_source(str(src)), out, kv_heads=kv_heads, calib_tokens=CALIB, progress=False, **kw)
+
+
+# the fewest K/V heads each architecture's grouped target allows
+TARGET = {"llama": 1, "mistral": 2, "qwen2": 1, "qwen3": 1, "gemma": 1, "gemma2": 1, "phi3": 2, "gpt_neox": 2,
+          "gpt2": 1, "gpt_bigcode": 1}
+
+
+@pytest.mark.parametrize("arch", list(tm.ARCHS))
+def test_same_kv_heads_is_exact(arch, tmp_path):
+    src = tiny(arch, tmp_path / "src")
+    kv = tm.kv_heads_of(tm.load(src).config)
+    record = aligned(src, tmp_path / "out", kv)
+    kl, diff = kl_to_source(src, tmp_path / "out", heldout_ids(windows=2))
+    assert diff <= 1e-5, diff
+    assert record["method"] == "aligned" and record["kv_heads"] == {"before": kv, "after": kv}
+
+
+@pytest.mark.parametrize("arch", list(TARGET))
+def test_aligned_beats_mean_pooling(arch, tmp_path):
+    """On held-out text the calibration never saw, aligned is far closer to the source than mean pooling."""
+    src = tiny(arch, tmp_path / "src")
+    g = TARGET[arch]
+    record = aligned(src, tmp_path / "aligned", g)
+    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", KVOptions(kv_heads=g), progress=False)
+    ids = heldout_ids()
+    kl_aligned, _ = kl_to_source(src, tmp_path / "aligned", ids)
+    kl_mean, _ = kl_to_source(src, tmp_path / "mean", ids)
+    assert kl_aligned < 0.5 * kl_mean, (kl_aligned, kl_mean)
+    # a standard checkpoint: plain transformers loads it, with the grouped K/V heads
+    config = json.loads((tmp_path / "aligned" / "config.json").read_text())
+    mean_config = json.loads((tmp_path / "mean" / "config.json").read_text())
+    assert config == mean_config
+    assert record["kv_heads"]["after"] == g and record["calibration"]["tokens"] == CALIB
+    assert record["calibration"]["data"] == "pydoc"
+    stored = json.loads((tmp_path / "aligned" / "surgery.json").read_text())
+    assert stored["method"] == "aligned" and stored["groups"] == record["groups"]
+
+
+def _duplicate_heads(folder: Path) -> None:
+    """Tiny llama (8 query heads, 4 K/V heads) whose K/V heads 2 and 3 copy heads 0 and 1."""
+    model = tm.make_tiny("llama", folder)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                w = proj.weight.view(4, -1, proj.weight.shape[1])
+                w[2], w[3] = w[0].clone(), w[1].clone()
+    model.save_pretrained(folder)
+    char_tokenizer(folder)
+
+
+def test_similar_heads_are_grouped_and_queries_permuted(tmp_path):
+    """K/V heads {0, 2} and {1, 3} are identical: the merge groups them (not consecutively), permutes the query
+    heads to match, and the grouped model computes exactly what the source does."""
+    src = tmp_path / "src"
+    _duplicate_heads(src)
+    record = aligned(src, tmp_path / "out", 2)
+    assert record["layer_groups"] == [[[0, 2], [1, 3]]] * 2
+    assert record["query_permutation"]["0"] == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert record["groups"][0]["source_kv_heads"] == [0, 2]
+    _, diff = kl_to_source(src, tmp_path / "out", heldout_ids(windows=2))
+    assert diff < 1e-3, diff
+    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", KVOptions(kv_heads=2), progress=False)
+    _, mean_diff = kl_to_source(src, tmp_path / "mean", heldout_ids(windows=2))
+    assert mean_diff > 100 * diff
+
+
+def test_output_dtype_and_untouched_tensors(tmp_path):
+    """--dtype applies to every floating tensor; tensors outside attention are the source's, bit for bit."""
+    from safetensors.torch import load_file
+
+    src = tiny("llama", tmp_path / "src")
+    aligned(src, tmp_path / "out", 2, dtype="bfloat16")
+    before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert {t.dtype for t in after.values()} == {torch.bfloat16}
+    assert after["model.layers.0.self_attn.k_proj.weight"].shape == (2 * 8, 64)
+    mlp = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(after[mlp], before[mlp].to(torch.bfloat16))
+
+
+def surgery(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+
+
+def test_cli_convert_aligned_and_errors(tmp_path):
+    src = tiny("qwen2", tmp_path / "src")
+    ok = surgery("convert", src, "--to", "mqa", "--merge", "aligned", "--calib-tokens", CALIB, "--out", tmp_path / "out")
+    assert ok.returncode == 0, ok.stderr
+    assert "aligned merge" in ok.stdout
+    assert json.loads((tmp_path / "out" / "surgery.json").read_text())["method"] == "aligned"
+    for args, fragment in (
+        (["--calib-tokens", "0"], "--calib-tokens"),
+        (["--calib", str(tmp_path / "missing.txt")], "does not exist"),
+        (["--to", "gqa", "--kv-heads", "3"], "--kv-heads 3"),
+    ):
+        to = [] if "--to" in args else ["--to", "mqa"]
+        bad = surgery("convert", src, *to, "--merge", "aligned", *args, "--out", tmp_path / "bad")
+        assert bad.returncode == 2, bad.stderr
+        lines = bad.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("surgery: error: ") and fragment in lines[0], bad.stderr
+        assert not (tmp_path / "bad").exists()
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bad")]
+
+
+def test_compare_merges_table(tmp_path):
+    src = tiny("llama", tmp_path / "src")
+    res = surgery("compare-merges", src, "--to", "gqa", "--kv-heads", "2", "--tokens", "1024", "--seq-len", "128",
+                  "--calib-tokens", CALIB, "--json", tmp_path / "table.json")
+    assert res.returncode == 0, res.stderr
+    for method in ("mean", "first", "random", "aligned"):
+        assert method in res.stdout
+    table = json.loads((tmp_path / "table.json").read_text())
+    kl = {row["method"]: row["kl"] for row in table["rows"]}
+    assert kl["aligned"] < 0.5 * min(kl["mean"], kl["first"], kl["random"])
+    assert table["tokens"] == 1024
+    bad = surgery("compare-merges", src, "--to", "gqa", "--kv-heads", "2", "--methods", "mean,best")
+    assert bad.returncode == 2 and "best" in bad.stderr
