@@ -1,14 +1,14 @@
 """Training throughput of `surgery uptrain` against a plain `transformers.Trainer` loop, measured in one run.
 
-Same model, the same packed windows in the same order (so the first step's loss must agree), same optimizer (AdamW, betas 0.9/0.95, weight decay 0.01), same clipping,
-same micro-batch and gradient accumulation, LM loss, fp32 on CPU (bf16 autocast on CUDA for both). Each side
-runs in its own fresh process; rounds alternate surgery / Trainer so that load from other work on the machine
-hits both alike. Tokens/s counts optimizer steps 2..N (step 1 carries one-off kernel warm-up) and covers the
-step computation only (no evaluation, no checkpoint writing) for both. On CUDA, MFU = 6 * params * tokens/s
-over the GPU's bf16 dense peak.
+Same model, the same packed windows in the same order (so the first step's loss must agree), same optimizer (AdamW,
+betas 0.9/0.95, weight decay 0.01), same clipping, same micro-batch and gradient accumulation, LM loss, fp32 on CPU
+(bf16 autocast on CUDA for both). Each side runs in its own fresh process; rounds alternate surgery / Trainer so
+that load from other work on the machine hits both alike. Tokens/s counts optimizer steps 2..N (step 1 carries
+one-off kernel warm-up) and covers the step computation only (no evaluation, no checkpoint writing) for both. On CUDA,
+MFU = 6 * params * tokens/s over the GPU's bf16 dense peak.
 
     python benchmarks/bench_uptrain_throughput.py                     # SmolLM2-135M, seq 256, 4 x 4 x 256 tokens/step
-    python benchmarks/bench_uptrain_throughput.py --steps 4 --rounds 2 --seq-len 128
+    python benchmarks/bench_uptrain_throughput.py --seq-len 128 --batch-tokens 512 --micro-batch 2   # 2-core CPU
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 
 from ..arch import QKVLayout, spec_for
 from ..atomic import check_output_path
-from ..check import context_length, load_tokenizer
+from ..check import load_tokenizer
 from ..convert_kv import KVOptions, KVPlanner, _head_shape, target_config, write_converted
 from ..errors import SurgeryError
 from ..kv_pool import join_qkv, repeat_heads
@@ -112,6 +112,8 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str = "pydo
     opts = replace(options or MergeOptions(groups=kv_heads), groups=kv_heads, seed=seed)
     tokenizer = load_tokenizer(src)
     calib_start = time.time()
+    context = next((int(config[k]) for k in ("max_position_embeddings", "n_positions", "seq_length") if config.get(k)), None)
+    windows = calibration_windows(calib, tokenizer, calib_tokens, context)
     with threads(_n_threads()):
         from .capture import load_calibration_model
 
@@ -119,7 +121,6 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str = "pydo
             model = load_calibration_model(src.folder)
         except (OSError, RuntimeError) as e:
             raise SurgeryError(f"cannot load {src.spec} for calibration: {str(e).splitlines()[0]}") from None
-        windows = calibration_windows(calib, tokenizer, calib_tokens, context_length(model.config))
         bar = _layer_bar(spec.layers(config), progress)
         result = merge_model(model, spec, config, shape.heads, shape.kv_heads, shape.head_dim, windows, opts,
                              progress=lambda i, m: bar.update(1))

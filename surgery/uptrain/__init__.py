@@ -15,13 +15,13 @@ Contract with the converters: `surgery.json` may list the parameters a conversio
 
     "new_parameters": ["model.layers.*.self_attn.logits_mix", "model.layers.*.self_attn.router.*"]
 
-Each entry is a shell-style pattern (`fnmatch`, case-sensitive; `*` also crosses dots) over the parameter names
-of the model as `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True).named_parameters()` yields
-them. A pattern matches a name when it matches the whole name or a suffix of it that starts right after a dot, so
-the `model.` prefix may be left out (`layers.*.self_attn.logits_mix` works too), and checkpoint tensor names work
-for architectures whose in-memory names equal them. A `{layer}` placeholder is read as `*`. Every pattern must match at least one parameter, else the
-run stops with an error. A record without the key (or with an empty list) means the conversion added nothing
-trainable of its own (MQA/GQA pooling), and `--train new` is refused.
+Each entry is a shell-style pattern (`fnmatch`, case-sensitive; `*` also crosses dots) over the parameter names of
+the model as `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True).named_parameters()` yields them. A
+pattern matches a name when it matches the whole name or a suffix of it that starts right after a dot, so the
+`model.` prefix may be left out (`layers.*.self_attn.logits_mix` works too), and checkpoint tensor names work for
+architectures whose in-memory names equal them. A `{layer}` placeholder is read as `*`. Every pattern must match at
+least one parameter, else the run stops with an error. A record without the key (or with an empty list) means the
+conversion added nothing trainable of its own (MQA/GQA pooling), and `--train new` is refused.
 """
 
 from .options import UptrainOptions

@@ -214,8 +214,8 @@ def run(o: UptrainOptions) -> dict:
             first = do_eval(0)
             if teacher is not None and first is not None:
                 metrics.write(step=0, tokens=0, teacher_eval_ppl=evaluate(teacher, data, acc, o.micro_batch)["eval_ppl"])
-        bar = tqdm(total=o.steps, initial=state.step, desc="uptrain", unit="step", disable=None if (main and o.progress) else True,
-                   dynamic_ncols=True)
+        bar = tqdm(total=o.steps, initial=state.step, desc="uptrain", unit="step", dynamic_ncols=True,
+                   disable=None if (main and o.progress) else True)  # None: shown on a terminal
         for step in range(state.step, o.steps):
             start = time.perf_counter()
             lr = lr_at(step, o)
@@ -244,9 +244,9 @@ def run(o: UptrainOptions) -> dict:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             state.step = step + 1
+            logged = acc.reduce(torch.stack([loss_sum, *parts_sum.values()]), reduction="mean").tolist()  # syncs
             seconds = time.perf_counter() - start
             state.elapsed += seconds
-            logged = acc.reduce(torch.stack([loss_sum, *parts_sum.values()]), reduction="mean").tolist()
             row = dict(step=state.step, tokens=state.step * tokens_per_step, loss=logged[0],
                        **{f"{k}_loss": v for k, v in zip(parts_sum, logged[1:])}, lr=lr,
                        grad_norm=float(grad_norm) if grad_norm is not None else None,
