@@ -141,6 +141,9 @@ def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str],
     # A talking-heads model computes eager attention: compare it with the source's eager attention, so that the
     # report measures the surgery and not the source's own sdpa-vs-eager rounding (~1e-4 on SmolLM2's logits).
     source_attn = "eager" if surgery_kind(converted) == "talking-heads" else None
+    if source_attn and not trust_remote_code:
+        raise SurgeryError(f"{converted.spec} is a talking-heads checkpoint with its own modeling code: "
+                           "pass --trust-remote-code to run it")
     model_a = load_model(source, dev, dtype, trust_remote_code, attn_implementation=source_attn)
     model_b = load_model(converted, dev, dtype, trust_remote_code)
     if model_a.config.vocab_size != model_b.config.vocab_size:

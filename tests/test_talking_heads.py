@@ -438,6 +438,8 @@ def test_cli_convert_check_and_inspect(tmp_path):
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_talking_heads.TalkingHeadsLlamaForCausalLM"
     assert (out / "modeling_talking_heads.py").exists() and (out / "configuration_talking_heads.py").exists()
 
+    run = cli("check", tmp_path / "src", out, "--tokens", "256", "--seq-len", "64", "--expect", "exact")
+    assert run.returncode == 2 and "pass --trust-remote-code" in run.stderr  # its code does not run unasked
     run = cli("check", tmp_path / "src", out, "--data", "pydoc", "--tokens", "256", "--seq-len", "64",
               "--expect", "exact", "--trust-remote-code", "--json", "-")
     assert run.returncode == 0, run.stderr

@@ -157,7 +157,7 @@ class TalkingHeadsMixing(nn.Module):
         """(b, h, S, d) -> (b, h_k, S, W / h_k)."""
         if self.heads_logits == self.heads:
             return x
-        b, h, s, d = x.shape
+        d = x.shape[-1]
         if self.pair_rotary_dims and d % 2 == 0:
             x = x.unflatten(-1, (2, d // 2)).transpose(-1, -2).flatten(-2)
         return _repartition(x, self.heads_logits)

@@ -44,6 +44,16 @@ def lr_at(step: int, o: UptrainOptions) -> float:
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def make_optimizer(params: list, o: UptrainOptions) -> torch.optim.Optimizer:
+    """AdamW, fused where torch supports it (CPU and CUDA: one kernel over all tensors, several times faster
+    than the per-tensor loop on a 135M model), else the plain implementation."""
+    kw = dict(lr=o.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=o.weight_decay)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kw)
+    except (RuntimeError, ValueError):
+        return torch.optim.AdamW(params, **kw)
+
+
 def make_accelerator():
     """bf16 autocast on CUDA, fp32 elsewhere. Without CUDA, cpu=True lets several processes started by
     `accelerate launch --multi_gpu --num_processes N` (torchrun) or `torchrun` run DDP on CPU over gloo."""
@@ -177,7 +187,7 @@ def run(o: UptrainOptions) -> dict:
         model_io.enable_checkpointing(model, source.spec)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=o.weight_decay)
+    optimizer = make_optimizer(params, o)
     model, optimizer = acc.prepare(model, optimizer)
     params = [p for p in model.parameters() if p.requires_grad]  # as prepared (FSDP replaces them)
     state = RunState()
