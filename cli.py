@@ -57,8 +57,10 @@ def cli() -> None:
               help="[talking-heads] Mix heads' attention logits before the softmax.")
 @click.option("--weights-mixing/--no-weights-mixing", default=True, show_default=True,
               help="[talking-heads] Mix heads' attention weights after the softmax.")
-@click.option("--heads-logits", type=int, help="[talking-heads] Heads after logits mixing (h_k; default h).")
-@click.option("--heads-weights", type=int, help="[talking-heads] Heads after weights mixing (h_v; default h).")
+@click.option("--heads-logits", type=int, help="[talking-heads] Query-key heads h_k that logits mixing maps onto the "
+              "h softmax heads (head size h*d/h_k; default h; multiples of h stay exact).")
+@click.option("--heads-weights", type=int, help="[talking-heads] Value heads h_v that weights mixing maps the h "
+              "softmax heads onto (head size h*d/h_v; default h; multiples of h stay exact).")
 @click.option("--chunk-size", type=int, default=512, show_default=True,
               help="[talking-heads] Query chunk for the attention computation (memory O(h*chunk*S)).")
 @optgroup("switchhead")

@@ -33,6 +33,9 @@ def atomic_output_dir(out: Path, force: bool = False) -> Iterator[Path]:
     out = Path(out)
     check_output_path(out, force)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.absolute().parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the output is an ordinary folder
     try:
         yield tmp
         if out.exists():

@@ -217,3 +217,13 @@ def test_source_hash_follows_file_changes(tmp_path):
     second = convert(tmp_path / "src", tmp_path / "b", kv_heads=1)["source"]["shards_sha256"]
     digest = hashlib.sha256((tmp_path / "src" / "model.safetensors").read_bytes()).hexdigest()
     assert second == {"model.safetensors": digest} != first
+
+
+def test_output_folder_has_ordinary_permissions(tmp_path):
+    import os
+
+    tm.make_tiny("llama", tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "out", kv_heads=1)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
