@@ -3,18 +3,21 @@
 Same model, the same packed windows in the same order (so the first step's loss must agree), same optimizer (AdamW,
 betas 0.9/0.95, weight decay 0.01), same clipping, same micro-batch and gradient accumulation, LM loss, fp32 on CPU
 (bf16 autocast on CUDA for both). Each side runs in its own fresh process; rounds alternate surgery / Trainer so
-that load from other work on the machine hits both alike. Tokens/s counts optimizer steps 2..N (step 1 carries
+that load from other work on the machine hits both alike (`--concurrent`: both run at the same time, each pinned
+to half of the cores, swapped every round, for machines whose load changes within minutes). Tokens/s counts optimizer steps 2..N (step 1 carries
 one-off kernel warm-up) and covers the step computation only (no evaluation, no checkpoint writing) for both. On CUDA,
 MFU = 6 * params * tokens/s over the GPU's bf16 dense peak.
 
     python benchmarks/bench_uptrain_throughput.py                     # SmolLM2-135M, seq 256, 4 x 4 x 256 tokens/step
     python benchmarks/bench_uptrain_throughput.py --seq-len 128 --batch-tokens 512 --micro-batch 2   # 2-core CPU
+    python benchmarks/bench_uptrain_throughput.py --seq-len 128 --batch-tokens 512 --micro-batch 2 --concurrent
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -87,13 +90,33 @@ def worker_trainer(a) -> dict:
     return {"tokens_per_s": a.batch_tokens * (len(stamps) - 1) / (stamps[-1] - stamps[0]), "losses": losses}
 
 
-def run_worker(kind: str, a) -> dict:
+def worker_cmd(kind: str, a, cores: list[int] | None = None) -> list[str]:
     cmd = [sys.executable, __file__, "--worker", kind, "--model", a.model, "--steps", str(a.steps), "--seq-len",
            str(a.seq_len), "--batch-tokens", str(a.batch_tokens), "--micro-batch", str(a.micro_batch)]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode:
-        raise SystemExit(f"{kind} worker failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return cmd + (["--cores", ",".join(map(str, cores))] if cores else [])
+
+
+def finish_worker(kind: str, proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"{kind} worker failed:\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_round(a, r: int) -> dict[str, dict]:
+    """Alternating: one worker after the other, each with every core. Concurrent: both at once, each pinned to
+    half of the cores (swapped every round), so that load from elsewhere on the machine hits both at the same time."""
+    kinds = ("surgery", "trainer")
+    if not a.concurrent:
+        return {k: finish_worker(k, subprocess.Popen(worker_cmd(k, a), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                     text=True)) for k in kinds}
+    cores = sorted(os.sched_getaffinity(0))
+    half = [cores[: len(cores) // 2], cores[len(cores) // 2 :]]
+    if r % 2:
+        half.reverse()
+    procs = {k: subprocess.Popen(worker_cmd(k, a, c), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k, c in zip(kinds, half)}
+    return {k: finish_worker(k, p) for k, p in procs.items()}
 
 
 def main() -> None:
@@ -104,9 +127,18 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--concurrent", action="store_true",
+                   help="run both at once, each pinned to half of the cores (for a machine shared with other work)")
     p.add_argument("--worker", choices=["surgery", "trainer"], help=argparse.SUPPRESS)
+    p.add_argument("--cores", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
+        if a.cores:
+            import torch
+
+            cores = [int(c) for c in a.cores.split(",")]
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(len(cores))
         print(json.dumps((worker_surgery if a.worker == "surgery" else worker_trainer)(a)))
         return
 
@@ -115,19 +147,23 @@ def main() -> None:
     from surgery.source import resolve_source
 
     a.model = str(resolve_source(a.model).folder)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads() // (2 if a.concurrent else 1)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({threads} thread(s) per worker)"
     print(f"model {a.model}\ndevice {device}; seq {a.seq_len}, {a.batch_tokens} tokens/step = micro-batch "
           f"{a.micro_batch} x {a.batch_tokens // a.seq_len // a.micro_batch} accumulation; {a.steps} steps x {a.rounds} rounds",
           flush=True)
     results: dict[str, list[float]] = {"surgery": [], "trainer": []}
+    ratios = []
     for r in range(a.rounds):
-        for kind in ("surgery", "trainer"):
-            res = run_worker(kind, a)
+        for kind, res in run_round(a, r).items():
             results[kind].append(res["tokens_per_s"])
-            print(f"round {r + 1} {kind:8s} {res['tokens_per_s']:9.1f} tokens/s  losses "
+            print(f"round {r + 1} {kind:8s} {res['tokens_per_s']:9.2f} tokens/s  losses "
                   f"{' '.join(f'{x:.3f}' for x in res['losses'])}", flush=True)
+        ratios.append(results["surgery"][-1] / results["trainer"][-1])
+        print(f"round {r + 1} ratio {ratios[-1]:.3f}x", flush=True)
     ours, theirs = statistics.median(results["surgery"]), statistics.median(results["trainer"])
-    print(f"median tokens/s: surgery uptrain {ours:.1f}, transformers.Trainer {theirs:.1f}; ratio {ours / theirs:.3f}x")
+    print(f"median tokens/s: surgery uptrain {ours:.2f}, transformers.Trainer {theirs:.2f}; "
+          f"median of the per-round ratios {statistics.median(ratios):.3f}x")
     if torch.cuda.is_available():
         from surgery.inspect import inspect_checkpoint
 

@@ -71,7 +71,7 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
         "attention_proj_macs_per_token": proj_macs,
         "attention_core_macs_per_token": core_macs,
         "head_mixing_macs_per_token": mix_macs if talking else None,
-        "added_parameters": record.get("added_parameters") if talking else None,
+        "added_parameters": record.get("added_parameters") if talking or switchhead else None,
         "attention_macs_per_token": proj_macs + core_macs + mix_macs,
     }
 

@@ -206,3 +206,14 @@ def run_layer_recorded(layer: torch.nn.Module, attention: torch.nn.Module, out_m
         h1.remove()
         h2.remove()
     return new_hidden, AttentionRun(outs[0], heads[0], rec)
+
+
+@torch.no_grad()
+def run_layer_with_attention_output(layer: torch.nn.Module, attention: torch.nn.Module, hidden: torch.Tensor,
+                                    call: LayerCall, attention_output: torch.Tensor) -> torch.Tensor:
+    """Run `layer` with its attention module answering `attention_output` (already computed) instead of recomputing it."""
+    attention.forward = lambda *args, **kwargs: (attention_output, None)
+    try:
+        return run_layer(layer, hidden, call)
+    finally:
+        del attention.forward  # back to the class's forward

@@ -95,7 +95,6 @@ def merge_rotary(keys: torch.Tensor, stats: ComplexStats, pairs: RotaryPairs) ->
     member_j's complex component ~ alpha[j, f] * merged component f.
     """
     cov, weight = stats.cov, stats.weight
-    n = keys.shape[0]
     w = weight.T.clamp_min(0) + weight.T.amax(-1, keepdim=True).clamp_min(EPS) * 1e-6  # [F, n]
     sw = w.sqrt().to(cov.dtype)
     m = sw.unsqueeze(-1) * cov * sw.unsqueeze(-2)  # [F, n, n] Hermitian

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .assign import assign_groups
+from .assign import assign_groups, consecutive
 from .fit import merge_group
 from .params import AttnParams
 from .rotary import RotaryPairs
@@ -40,7 +40,7 @@ def merge_layer(p: AttnParams, sigma: torch.Tensor, kv_heads: int, head_dim: int
     """p in float64 (sigma too) -> merged params (float32), source-shaped."""
     q, k, v, o = _split(p, kv_heads, head_dim)
 
-    def merged(members) -> "object":
+    def merged(members):
         idx = list(members)
         return merge_group(k[idx], v[idx], q[idx], o[idx], sigma, pairs, fold_queries)
 
@@ -49,23 +49,14 @@ def merge_layer(p: AttnParams, sigma: torch.Tensor, kv_heads: int, head_dim: int
         key = 0.0 if m.key_loss != m.key_loss else m.key_loss  # NaN when keys are not fitted
         return key + m.value_loss
 
-    if assign:
-        grouping = assign_groups(cost, kv_heads, groups)
-    else:
-        n = kv_heads // groups
-        grouping = [list(range(g * n, (g + 1) * n)) for g in range(groups)]
+    grouping = assign_groups(cost, kv_heads, groups) if assign else consecutive(kv_heads, groups)
     new_q, new_k, new_v, new_o = q.clone(), k.clone(), v.clone(), o.clone()
     key_losses, value_losses = [], []
     for members in grouping:
         m = merged(members)
-        import os
-        dbg = os.environ.get("MERGE_DEBUG", "")
         for i, j in enumerate(members):
-            if "keepk" not in dbg:
-                new_k[j], new_q[j] = m.key, m.queries[i]
-            if "keepv" not in dbg:
-                new_v[j] = m.value
-                new_o[j] = o[j] @ m.value_maps[i]
+            new_k[j], new_v[j], new_q[j] = m.key, m.value, m.queries[i]
+            new_o[j] = o[j] @ m.value_maps[i]
         key_losses.append(m.key_loss)
         value_losses.append(m.value_loss)
     d = p.o.shape[0]

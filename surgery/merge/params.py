@@ -8,7 +8,7 @@ the merge math then treats weights and biases alike.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -26,10 +26,6 @@ class AttnParams:
     o: torch.Tensor
     o_bias: torch.Tensor | None
     qkv_bias: bool  # q/k/v carry a bias column (the last input column)
-
-    def clone(self) -> "AttnParams":
-        return replace(self, q=self.q.clone(), k=self.k.clone(), v=self.v.clone(), o=self.o.clone(),
-                       o_bias=None if self.o_bias is None else self.o_bias.clone())
 
 
 def _aug(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

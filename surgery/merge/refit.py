@@ -56,67 +56,70 @@ class QueryRefit:
 @torch.no_grad()
 def ideal_queries(q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor, scaling: float,
                   softcap: float | None, positions: torch.Tensor, opts: QueryRefit) -> torch.Tensor:
-    """At each of `positions` [M], the rotated query that best reproduces the source's logits against the merged keys.
+    """At each of `positions` [M], the rotated query that best reproduces the source's logits against the merged key.
 
-    q_src [N, r, L, D], k_src [N, L, D]: the source's queries (the r heads that shared one source K/V head) and
-    that head's keys; q_cv [N, r, L, D] the converted (folded) queries, k_cv [N, L, D] the merged keys.
+    q_src, k_src [N, R, L, D]: R source query heads and, for each, its source key head; q_cv [N, R, L, D] the
+    converted (folded) queries; k_cv [N, L, D] the merged key they all share now.
     Per query position m, with phi_n = [k_n, 1] and theta = [q, c] (c: a free logit offset, which softmax
     ignores), minimises
         sum_{n in top-k} p_mn (theta . phi_n - s_mn)^2 + uniform * E_n[(theta . phi_n - s_mn)^2] + ridge |theta - theta0|^2
     where p is the source's attention probability, the expectation runs over the window's keys (a regulariser
     that keeps every other logit in check) and theta0 is the folded query. The shared part A = uniform * E[phi phi^T]
     + ridge * I is inverted once per window; the top-k part is a rank-k update, solved with the Woodbury identity
-    as one k x k system per position. Returns [N, r, M, D].
+    as one k x k system per position. Returns [N, R, M, D].
     """
-    n_win, r, length, head_dim = q_src.shape
+    n_win, heads, length, head_dim = q_src.shape
     e = head_dim + 1
     m = positions.numel()
     visible = torch.arange(length)[None, :] <= positions[:, None]  # [M, L]
-    phi = torch.cat([scaling * k_cv, torch.ones(n_win, length, 1, dtype=k_cv.dtype)], dim=-1).double()  # [N, L, e]
-    mean_gram = phi.transpose(1, 2) @ phi / length  # [N, e, e]
-    mean_cross = phi.transpose(1, 2) @ (scaling * k_src.double()) / length  # [N, e, D]
+    phi = torch.cat([scaling * k_cv.float(), torch.ones(n_win, length, 1)], dim=-1)  # [N, L, e]
+    mean_gram = (phi.transpose(1, 2) @ phi).double() / length  # [N, e, e]
     ridge = opts.ridge * torch.diagonal(mean_gram, dim1=-2, dim2=-1).mean(-1)[:, None, None] + 1e-12  # [N, 1, 1]
-    a_inv = torch.linalg.inv(opts.uniform * mean_gram + ridge * torch.eye(e, dtype=phi.dtype))  # [N, e, e]
+    a_inv = torch.linalg.inv(opts.uniform * mean_gram + ridge * torch.eye(e, dtype=torch.float64)).float()
+    ridge = ridge.float()
     psi = phi @ a_inv  # [N, L, e]
-    kmat = psi @ phi.transpose(1, 2)  # [N, L, L]: phi_a A^-1 phi_b
+    kmat = (psi @ phi.transpose(1, 2)).reshape(n_win, -1)  # [N, L*L]: phi_a A^-1 phi_b
     k = min(opts.top_k, length)
-    kmat_flat = kmat.reshape(n_win, -1)
-    out = torch.empty(n_win, r, m, head_dim, dtype=q_src.dtype)
-    for h in range(r):
-        q_h = q_src[:, h, positions].double()  # [N, M, D]
-        raw = scaling * (q_h @ k_src.double().transpose(-1, -2))  # [N, M, L]
+    eye = torch.eye(k)
+    out = torch.empty(n_win, heads, m, head_dim)
+    for h in range(heads):
+        q_h = q_src[:, h, positions].float()  # [N, M, D]
+        ks = scaling * k_src[:, h].float()  # [N, L, D]
+        raw = q_h @ ks.transpose(-1, -2)  # [N, M, L]
         capped = softcap * torch.tanh(raw / softcap) if softcap else raw
         prob = torch.softmax(capped.masked_fill(~visible, float("-inf")), dim=-1)
         p_top, idx = prob.topk(k, dim=-1)  # [N, M, k]
         s_top = raw.gather(-1, idx)
         pair = (idx[..., :, None] * length + idx[..., None, :]).reshape(n_win, -1)
-        m_kk = kmat_flat.gather(1, pair).reshape(n_win, m, k, k)  # phi_a A^-1 phi_b on the top keys
-        q0 = q_cv[:, h, positions].double()
-        resid = s_top - (q0 @ phi[..., :head_dim].transpose(1, 2)).gather(-1, idx)
-        c0 = (p_top * resid).sum(-1) / p_top.sum(-1).clamp_min(1e-12)
+        m_kk = kmat.gather(1, pair).reshape(n_win, m, k, k)  # phi_a A^-1 phi_b on the top keys
+        q0 = q_cv[:, h, positions].float()
+        phi_q0 = (q0 @ phi[..., :head_dim].transpose(1, 2)).gather(-1, idx)  # [N, M, k]
+        c0 = (p_top * (s_top - phi_q0)).sum(-1) / p_top.sum(-1).clamp_min(1e-12)
         theta0 = torch.cat([q0, c0[..., None]], dim=-1)  # [N, M, e]
+        mean_cross = phi.transpose(1, 2) @ ks / length  # [N, e, D]
         c = opts.uniform * (q_h @ mean_cross.transpose(1, 2)) + ridge * theta0
         y = c @ a_inv  # [N, M, e]  (A symmetric)
         ps = p_top * s_top
         t = (m_kk @ ps[..., None])[..., 0] + (y @ phi.transpose(1, 2)).gather(-1, idx)
         sp = p_top.sqrt()
-        inner = torch.eye(k, dtype=phi.dtype) + sp[..., :, None] * m_kk * sp[..., None, :]
+        inner = eye + sp[..., :, None] * m_kk * sp[..., None, :]
         w = torch.cholesky_solve((sp * t)[..., None], torch.linalg.cholesky(inner))[..., 0]
-        dense = torch.zeros(n_win, m, length, dtype=phi.dtype).scatter_(-1, idx, ps - sp * w)
+        dense = torch.zeros(n_win, m, length).scatter_(-1, idx, ps - sp * w)
         theta = y + dense @ psi
-        out[:, h] = theta[..., :head_dim].to(out.dtype)
+        out[:, h] = theta[..., :head_dim]
     return out
 
 
 @torch.no_grad()
 def refit_queries(x: torch.Tensor, q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor,
-                  cos: torch.Tensor | None, sin: torch.Tensor | None, pairs: RotaryPairs, scaling: float,
-                  softcap: float | None, q_rows: torch.Tensor, opts: QueryRefit, generator: torch.Generator) -> torch.Tensor:
+                  groups: list[list[int]], cos: torch.Tensor | None, sin: torch.Tensor | None, pairs: RotaryPairs,
+                  scaling: float, softcap: float | None, q_rows: torch.Tensor, opts: QueryRefit,
+                  generator: torch.Generator) -> torch.Tensor:
     """New q_proj rows [H*D, d_in]: each head regressed onto its ideal (un-rotated) queries at sampled positions.
 
     x [N, L, d_in] converted attention input (augmented when q has a bias); q_src/k_src [N, H|KV, L, D] the
-    source's rotated queries/keys on the source's own inputs; q_cv/k_cv the converted layer's, on x (its K/V
-    slots hold the merged heads); cos/sin [N, L, F] (None without rotary).
+    source's rotated queries/keys; q_cv/k_cv the converted layer's on x (source-shaped: the K/V slots of a group
+    hold its merged head); groups: the source K/V heads of each merged head; cos/sin [N, L, F] (None: no rotary).
     """
     n_win, heads, length, head_dim = q_src.shape
     kv = k_cv.shape[1]
@@ -132,15 +135,16 @@ def refit_queries(x: torch.Tensor, q_src: torch.Tensor, k_src: torch.Tensor, q_c
         xtx_all += (xa.T @ xa).double()
         m = min(opts.samples, length)
         positions = torch.randperm(length, generator=generator)[:m].sort().values
-        xs = x[sl][:, positions].reshape(-1, din).double()
-        xtx += xs.T @ xs
+        xs = x[sl][:, positions].reshape(-1, din).float()
+        xtx += (xs.T @ xs).double()
         samples += xs.shape[0]
-        for j in range(kv):
-            hs = slice(j * r, (j + 1) * r)
-            target = ideal_queries(q_src[sl, hs], k_src[sl, j], q_cv[sl, hs], k_cv[sl, j], scaling, softcap, positions, opts)
+        for members in groups:
+            hs = torch.tensor([j * r + i for j in members for i in range(r)])
+            target = ideal_queries(q_src[sl][:, hs], k_src[sl][:, hs // r], q_cv[sl][:, hs], k_cv[sl, members[0]],
+                                   scaling, softcap, positions, opts)
             if cos is not None and pairs.frequencies:
                 target = rotate(target, cos[sl][:, None, positions], sin[sl][:, None, positions], pairs, inverse=True)
-            xty[hs] += torch.einsum("tx,htd->hxd", xs, target.transpose(0, 1).reshape(r, -1, head_dim).double())
+            xty[hs] += torch.einsum("tx,htd->hxd", xs, target.transpose(0, 1).reshape(len(hs), -1, head_dim)).double()
     prior = xtx_all * (opts.prior * samples / (n_win * length))
     prior = prior + _ridge(xtx, opts.weight_ridge)  # directions the calibration barely saw keep the folded weights
     rows = q_rows.double().reshape(heads, head_dim, din)

@@ -34,7 +34,6 @@ class LayerFit:
     router_v: torch.Tensor  # (h, D): ... as a value expert
     r2_o: float  # fraction of the standardised importance the fit explains
     r2_v: float
-    second: torch.Tensor  # (D, D) E[x xᵀ] of the attention input
 
 
 class LayerStats:
@@ -83,7 +82,7 @@ class LayerStats:
             rms = ((second @ w) * w).sum(0).mean().clamp(min=1e-30).sqrt()  # rms of the scores x.w
             fits.append((w * (ROUTER_RMS / rms)).T.float())
             r2.append(explained)
-        return LayerFit(distance.float(), fits[0], fits[1], r2[0], r2[1], second.float())
+        return LayerFit(distance.float(), fits[0], fits[1], r2[0], r2[1])
 
 
 def _projections(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.nn.Module]:
@@ -92,17 +91,6 @@ def _projections(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
         width = attn.c_proj.weight.shape[0]
         return attn.c_attn.weight[:, 2 * width :].T, attn.c_attn.bias[2 * width :], attn.c_proj.weight.T, attn.c_proj
     return attn.v_proj.weight, attn.v_proj.bias, attn.o_proj.weight, attn.o_proj
-
-
-def _attention_modules(model, layers: int) -> list[torch.nn.Module]:
-    found = {}
-    for module in model.modules():
-        if hasattr(module, "layer_idx") and (hasattr(module, "o_proj") or hasattr(module, "c_proj")) \
-                and not getattr(module, "is_cross_attention", False):
-            found[module.layer_idx] = module
-    if sorted(found) != list(range(layers)):
-        raise SurgeryError(f"found self-attention modules for layers {sorted(found)[:8]}..., expected {layers}")
-    return [found[i] for i in range(layers)]
 
 
 def load_calibration_tokens(folder, calib: str, tokens: int) -> torch.Tensor:
@@ -116,21 +104,47 @@ def load_calibration_tokens(folder, calib: str, tokens: int) -> torch.Tensor:
     return token_stream(load_texts(calib), tokenizer, tokens)
 
 
-@torch.no_grad()
-def calibrate(folder, ids: torch.Tensor, heads: int, kv_heads: int, head_dim: int, layers: int, hidden: int,
-              seq_len: int = SEQ_LEN, progress: bool = True) -> list[LayerFit]:
-    """Run the source over `ids` (1-D) and fit every layer; see the module docstring."""
-    from tqdm import tqdm
+def load_calibration_model(folder):
+    """The source as a float32 causal LM with eager attention (which returns the attention probabilities)."""
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     except (OSError, ValueError) as e:
         raise SurgeryError(f"cannot load the source for calibration: {str(e).splitlines()[0]}") from None
+
+
+def calibration_windows(model, ids: torch.Tensor, seq_len: int = SEQ_LEN) -> torch.Tensor:
+    """`ids` (1-D) cut into windows of `seq_len` (at most the model's context; all of `ids` when shorter)."""
     ctx = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     seq_len = min(seq_len, ctx or seq_len, ids.numel())
-    windows = ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
-    attns = _attention_modules(model, layers)
+    return ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
+
+
+def attention_modules(model, layers: int) -> list[torch.nn.Module]:
+    """The source's self-attention modules, by layer."""
+    found = {}
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and (hasattr(module, "o_proj") or hasattr(module, "c_proj")) \
+                and not getattr(module, "is_cross_attention", False):
+            found[module.layer_idx] = module
+    if sorted(found) != list(range(layers)):
+        raise SurgeryError(f"found self-attention modules for layers {sorted(found)[:8]}..., expected {layers}")
+    return [found[i] for i in range(layers)]
+
+
+def run_windows(model, windows: torch.Tensor, desc: str, progress: bool) -> None:
+    from tqdm import tqdm
+
+    for window in tqdm(windows, desc=desc, unit="window", disable=None if progress else True, leave=False):
+        model(input_ids=window[None], use_cache=False)
+
+
+@torch.no_grad()
+def calibrate(model, windows: torch.Tensor, heads: int, kv_heads: int, head_dim: int, layers: int, hidden: int,
+              progress: bool = True) -> list[LayerFit]:
+    """Run the source (from `load_calibration_model`) over `windows` and fit every layer; see the module docstring."""
+    attns = attention_modules(model, layers)
     stats = [LayerStats(heads, hidden) for _ in range(layers)]
     group = torch.arange(heads) // (heads // kv_heads)  # K/V head of each query head
     handles = []
@@ -160,8 +174,7 @@ def calibrate(folder, ids: torch.Tensor, heads: int, kv_heads: int, head_dim: in
                     out_module.register_forward_pre_hook(on_heads),
                     attn.register_forward_hook(on_output, with_kwargs=True)]
     try:
-        for window in tqdm(windows, desc="calibrate", unit="window", disable=None if progress else True, leave=False):
-            model(input_ids=window[None], use_cache=False)
+        run_windows(model, windows, "calibrate", progress)
     finally:
         for handle in handles:
             handle.remove()

@@ -115,3 +115,9 @@ def within_cost(dist: torch.Tensor, clusters: list[list[int]]) -> float:
     """Mean distance between two heads of the same cluster."""
     pairs = sum(len(c) * (len(c) - 1) / 2 for c in clusters)
     return sum(_cost(dist.double(), c) for c in clusters) / pairs if pairs else 0.0
+
+
+def medoid(dist: torch.Tensor, cluster: list[int]) -> int:
+    """The member with the smallest total distance to the others (the first one on ties)."""
+    sub = dist[cluster][:, cluster].double().sum(1)
+    return cluster[int(torch.argmin(sub))]

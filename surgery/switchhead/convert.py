@@ -24,11 +24,13 @@ from ..inspect import attention_shape
 from ..source import Source, copy_side_files
 from ..tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
 from .build import SwitchHeadShape, layer_tensors
-from .calibrate import SEQ_LEN, LayerFit, calibrate, load_calibration_tokens
-from .cluster import cluster_heads, kv_mapping, within_cost
+from .calibrate import calibrate, calibration_windows, load_calibration_model, load_calibration_tokens
+from .cluster import cluster_heads, kv_mapping, medoid, within_cost
 from .families import Family, attention_tensors, check_attention_shapes, family_for, read_attention
+from .refit import RIDGE, refit_output_experts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QK_MERGES = ("medoid", "mean")
 CODE_FILES = ("configuration_switchhead.py", "modeling_switchhead.py")
 KV_NOTES = {
     "within-groups": "every cluster lies inside one K/V group of the source: its key projection is the group's K "
@@ -38,11 +40,13 @@ KV_NOTES = {
     "free": "heads are clustered one by one: a cluster's key projection is the mean of its members' K heads, its "
             "value experts are the members' V heads",
 }
-INIT_NOTE = ("q_proj: mean of the members' query projections; k_proj: mean of the members' K heads; value expert e: "
-             "V head of member e times 2/k, output expert e: O slice of member e times 2 (gates start near "
-             "sigmoid(0) = 1/2: the output side sums the selected experts, the value side averages them); routers: "
-             "zero when E = 1 (exact), else ridge fits of each member's per-token importance on calibration text, "
-             "scaled to rms 0.1 (top-k ranks by them, gates stay near 1/2)")
+INIT_NOTE = ("q_proj and k_proj of a head: the query and K head of its medoid member (the member whose attention "
+             "is closest to the others'; qk_merge=mean: the members' mean); value expert e: V head of member e times "
+             "2/k; output expert e: O slice of member e times 2 (gates start near sigmoid(0) = 1/2: the output side "
+             "sums the selected experts, the value side averages them), then refit by ridge regression to the "
+             "source's attention output on calibration text (output_refit); routers: zero when E = 1 (exact), else "
+             "ridge fits of each member's per-token importance, scaled to rms 0.1 (top-k ranks by them, gates stay "
+             "near 1/2)")
 
 
 def switchhead_shape(config: dict, heads: int, experts: int, topk: int) -> SwitchHeadShape:
@@ -84,14 +88,19 @@ def target_config(config: dict, family: Family, shape: SwitchHeadShape, dtype: s
 
 
 class LayerBuilder:
-    """Produces one layer's new tensors on demand (each layer is computed once: the writer asks in order)."""
+    """Serves every layer's new tensors: precomputed (calibrated conversions), or built from the source on demand
+    (one expert per head: each layer computed once, as the writer asks for its tensors in order)."""
 
     def __init__(self, reader: CheckpointReader, family: Family, names: dict[int, dict[str, str]],
-                 shape: SwitchHeadShape, clusters: list[list[list[int]]], fits: list[LayerFit] | None,
-                 dtype: torch.dtype | None):
+                 shape: SwitchHeadShape, clusters: list[list[list[int]]],
+                 tensors: list[dict[str, torch.Tensor]] | None, dtype: torch.dtype | None):
         self.reader, self.family, self.names, self.shape = reader, family, names, shape
-        self.clusters, self.fits, self.dtype = clusters, fits, dtype
+        self.clusters, self.tensors, self.dtype = clusters, tensors, dtype
         self._layer, self._tensors = -1, {}
+
+    def source_attention(self, layer: int):
+        s = self.shape
+        return read_attention(self.reader, self.family, self.names[layer], s.heads, s.kv_heads, s.head_dim)
 
     def biases(self) -> dict[str, bool]:
         n = self.names[0]
@@ -104,11 +113,10 @@ class LayerBuilder:
         return self.reader.tensors[n["c_attn.weight" if self.family.fused else "q_proj.weight"]].dtype
 
     def get(self, layer: int, key: str) -> torch.Tensor:
+        if self.tensors is not None:
+            return self.tensors[layer][key].to(self.dtype or self.source_dtype(layer))
         if layer != self._layer:
-            s = self.shape
-            src = read_attention(self.reader, self.family, self.names[layer], s.heads, s.kv_heads, s.head_dim)
-            fit = self.fits[layer] if self.fits and s.experts > 1 else None
-            self._tensors = layer_tensors(src, self.clusters[layer], s, fit and fit.router_o, fit and fit.router_v)
+            self._tensors = layer_tensors(self.source_attention(layer), self.clusters[layer], self.shape, None, None)
             self._layer = layer
         return self._tensors[key].to(self.dtype or self.source_dtype(layer))
 
@@ -144,16 +152,21 @@ def layer_pattern(family: Family, module: str) -> str:
 def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, topk: int, calib: str = "pydoc",
                           calib_tokens: int = 8192, force: bool = False, dtype: str | None = None,
                           max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
-                          progress: bool = True, respect_kv_groups: bool = True) -> dict:
+                          progress: bool = True, respect_kv_groups: bool = True, qk_merge: str = "medoid",
+                          refit: bool = True, ridge: float = RIDGE) -> dict:
     """Convert every self-attention layer of `src` into SwitchHead attention with H=`heads` heads of E=`experts`
     experts, k=`topk` selected per token; write the checkpoint to `out`. Returns the surgery.json record.
 
     `seed` is recorded but nothing is random: calibration, clustering and initialisation are deterministic.
-    `respect_kv_groups=False` clusters a GQA source's heads freely (see cluster.py)."""
+    Ablations: `respect_kv_groups=False` clusters a GQA source's heads freely (see cluster.py); `qk_merge="mean"`
+    averages the members' queries and keys instead of taking the medoid's; `refit=False` keeps the members' own
+    output projections (see refit.py; `ridge` is its pull toward them)."""
     if dtype is not None and dtype not in DTYPES:
         raise SurgeryError(f"bad dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
     if calib_tokens < 1:
         raise SurgeryError(f"--calib-tokens must be at least 1, got {calib_tokens}")
+    if qk_merge not in QK_MERGES:
+        raise SurgeryError(f"unknown query/key merge {qk_merge!r}; choose from {', '.join(QK_MERGES)}")
     check_output_path(out, force)
     config = src.config
     family = family_for(config)
@@ -162,21 +175,36 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
     names = attention_tensors(reader, family)
     check_attention_shapes(reader, family, names, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.hidden)
     mode = kv_mapping(shape.heads, shape.kv_heads, shape.new_heads, respect_kv_groups)
+    out_dtype = DTYPES.get(dtype) if dtype else None
     start = time.time()
 
-    fits, calibration = None, None
-    if experts > 1:
+    if experts == 1:  # one source head per head: no choice to make, nothing to calibrate; exact
+        clusters = [cluster_heads(None, shape.heads, shape.kv_heads, shape.new_heads, mode)] * shape.layers
+        builder = LayerBuilder(reader, family, names, shape, clusters, None, out_dtype)
+        fits = pivots = refit_report = calibration = None
+    else:
         ids = load_calibration_tokens(src.folder, calib, calib_tokens)
-        fits = calibrate(src.folder, ids, shape.heads, shape.kv_heads, shape.head_dim, shape.layers, shape.hidden,
+        model = load_calibration_model(src.folder)
+        windows = calibration_windows(model, ids)
+        fits = calibrate(model, windows, shape.heads, shape.kv_heads, shape.head_dim, shape.layers, shape.hidden,
                          progress=progress)
-        calibration = {"data": calib, "tokens": int(ids.numel()), "seq_len": min(SEQ_LEN, int(ids.numel())),
+        clusters = [cluster_heads(f.distance, shape.heads, shape.kv_heads, shape.new_heads, mode) for f in fits]
+        pivots = [[medoid(f.distance, c) for c in cs] for f, cs in zip(fits, clusters)] if qk_merge == "medoid" else None
+        builder = LayerBuilder(reader, family, names, shape, clusters, None, out_dtype)
+        tensors = [layer_tensors(builder.source_attention(layer), clusters[layer], shape, fits[layer].router_o,
+                                 fits[layer].router_v, pivots[layer] if pivots else None)
+                   for layer in range(shape.layers)]
+        refit_report = None
+        if refit:
+            settings = {"heads": shape.new_heads, "experts": experts, "topk": topk, "head_dim": shape.head_dim}
+            refit_report = refit_output_experts(model, windows, tensors, settings, ridge=ridge, progress=progress)
+        builder.tensors = tensors
+        del model
+        calibration = {"data": calib, "tokens": int(windows.numel()), "seq_len": int(windows.shape[1]),
                        "distance": "mean over query rows of the squared L2 distance between two heads' attention "
                                    "probabilities",
                        "seconds": round(time.time() - start, 3)}
-    clusters = [cluster_heads(fits[layer].distance if fits else None, shape.heads, shape.kv_heads, shape.new_heads, mode)
-                for layer in range(shape.layers)]
-    builder = LayerBuilder(reader, family, names, shape, clusters, fits, DTYPES.get(dtype) if dtype else None)
-    planned = builder.plan(DTYPES.get(dtype) if dtype else None)
+    planned = builder.plan(out_dtype)
     new_config = target_config(config, family, shape, dtype)
 
     hashes: dict[str, str] = {}
@@ -219,6 +247,9 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
             "clusters_note": "clusters[layer][head] = the source query heads that became that head's experts, in "
                              "expert order",
             "cluster_distance": [round(within_cost(f.distance, c), 6) for f, c in zip(fits, clusters)] if fits else None,
+            "qk_merge": qk_merge if experts > 1 else None,
+            "qk_pivots": pivots,
+            "output_refit": ({"ridge": ridge, "relative_error": refit_report} if refit_report else None),
             "router_fit_explained": ({"output": [round(f.r2_o, 4) for f in fits], "value": [round(f.r2_v, 4) for f in fits]}
                                      if fits else None),
             "calibration": calibration,

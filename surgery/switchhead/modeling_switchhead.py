@@ -237,8 +237,10 @@ class SwitchHeadAttention(nn.Module):
         if self.o_bias is not None:
             hf_init.zeros_(self.o_bias)
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
-                past_key_values=None, **kwargs):
+    def attend(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+               past_key_values=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Everything up to the output experts: the attention output of every head (b*t, H, d), the input
+        flattened to (b*t, D) (what the output router reads) and the attention weights (when computed)."""
         b, t, dim = hidden_states.shape
         heads, d = self.num_heads, self.head_dim
         x = hidden_states.reshape(b * t, dim)
@@ -265,10 +267,16 @@ class SwitchHeadAttention(nn.Module):
         out, weights = attention(self, query, key, value, attention_mask,
                                  dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
                                  **extra, **kwargs)
-        y = expert_outputs(self.o_experts, out.reshape(b * t, heads, d), *self.o_router(x))
+        return out.reshape(b * t, heads, d), x, weights
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs):
+        heads_out, x, weights = self.attend(hidden_states, position_embeddings, attention_mask, past_key_values,
+                                            **kwargs)
+        y = expert_outputs(self.o_experts, heads_out, *self.o_router(x))
         if self.o_bias is not None:
             y = y + self.o_bias
-        y = y.view(b, t, dim)
+        y = y.view(hidden_states.shape)
         if self.resid_dropout is not None:
             y = self.resid_dropout(y)
         return y, weights
