@@ -242,6 +242,19 @@ def test_training_reaches_the_mixing_matrices(arch, tmp_path):
             assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
 
 
+def test_uptrain_train_new_selects_exactly_the_mixing_matrices(tmp_path):
+    from surgery.uptrain.params import select_trainable
+
+    make_source("llama", tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "th")
+    record = json.loads((tmp_path / "th" / "surgery.json").read_text())
+    model = load_converted(tmp_path / "th", "llama")
+    trainable = select_trainable(model, "new", record)
+    expected = sorted(n for n, _ in model.named_parameters() if n.endswith(("logits_mix", "weights_mix")))
+    assert sorted(trainable) == expected and len(expected) == 2 * model.config.num_hidden_layers
+    assert all(p.requires_grad == (n in expected) for n, p in model.named_parameters())
+
+
 # --- loading -----------------------------------------------------------------------------------------------------
 def test_saved_mixing_is_loaded_and_missing_mixing_is_initialized(tmp_path):
     make_source("llama", tmp_path / "src")

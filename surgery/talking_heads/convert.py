@@ -251,7 +251,7 @@ def convert_to_talking_heads(src: Source, out: Path, *, logits_mixing: bool = Tr
             "seed": None,
             "chunk_size": chunk_size,
             "dtype": dtype or "auto",
-            "new_tensors": [f"{modules[0]}.talking_heads.{n}".replace(".0.", ".{layer}.", 1)
+            "new_parameters": [f"{modules[0]}.talking_heads.{n}".replace(".0.", ".{layer}.", 1)
                             for n, on in (("logits_mix", shape.logits_mixing), ("weights_mix", shape.weights_mixing)) if on],
             "added_parameters": shape.layers * shape.params_per_layer,
             "mix_macs_per_query_key_per_layer": shape.mix_macs_per_query_key,
