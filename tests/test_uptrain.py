@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -310,6 +311,50 @@ def test_two_processes_give_the_same_result_as_one(tiny, tmp_path):
     loss_one = [m["loss"] for m in metrics(tmp_path / "one") if "loss" in m]
     loss_two = [m["loss"] for m in metrics(tmp_path / "two") if "loss" in m]
     assert loss_two == pytest.approx(loss_one, rel=1e-5)
+
+
+def test_fsdp_on_cpu_gives_the_same_result_as_one_process_and_resumes_exactly(tokenizer, tmp_path):
+    """accelerate launch with recipes/accelerate/fsdp-cpu.yaml: 2 processes, FSDP2 full sharding over gloo, vs
+    1 process with the same global batch, on a model with tied embeddings (saved once, as the input has them);
+    17 held-out windows split 9 / 8 (uneven evaluation shards); then a resume from the step-2 checkpoint
+    (accelerate's save_state/load_state of the sharded model and optimizer) repeats the run exactly."""
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                            tie_word_embeddings=True)
+    tied = tmp_path / "tied"
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(tied)
+    tokenizer.save_pretrained(tied)
+    args = dict(FAST, loss="lm", tokens=512 * 4, eval_tokens=1088, eval_every=2, save_every=2)
+    run(tied, tmp_path / "one", **args)
+    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(REPO / "recipes/accelerate/fsdp-cpu.yaml"),
+           "--num_processes", "2", "-m", "cli", "uptrain", str(tied), "--out", str(tmp_path / "fsdp"),
+           "--keep-run-dir", *cli_args(args)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 process(es) x 1 micro-batch(es) of 4, 48 training / 17 held-out" in result.stdout
+    assert "parameters sharded by FSDP" in result.stdout  # not accelerate's silent DDP fallback on CPU
+    one, fsdp = weights(tmp_path / "one"), weights(tmp_path / "fsdp")
+    assert one.keys() == fsdp.keys() == weights(tied).keys()  # no separate lm_head.weight
+    for k in one:
+        torch.testing.assert_close(fsdp[k], one[k], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(one["model.norm.weight"], weights(tied)["model.norm.weight"])
+    rows_one, rows_fsdp = metrics(tmp_path / "one"), metrics(tmp_path / "fsdp")
+    for key in ("loss", "eval_ppl"):
+        expected = [m[key] for m in rows_one if key in m]
+        assert [m[key] for m in rows_fsdp if key in m] == pytest.approx(expected, rel=1e-5)
+    model = load(tmp_path / "fsdp")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.isfinite(model(input_ids=torch.arange(64)[None]).logits).all()
+
+    shutil.rmtree(tmp_path / "fsdp")
+    shutil.rmtree(tmp_path / "fsdp.run" / "checkpoints" / "step-00000004")
+    result = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed at step 2 from step-00000002" in result.stdout
+    resumed = weights(tmp_path / "fsdp")
+    assert all(torch.equal(resumed[k], fsdp[k]) for k in fsdp)
 
 
 def cli_args(options: dict) -> list[str]:

@@ -56,14 +56,33 @@ def make_optimizer(params: list, o: UptrainOptions) -> torch.optim.Optimizer:
 
 def make_accelerator():
     """bf16 autocast on CUDA, fp32 elsewhere. Without CUDA, cpu=True lets several processes started by
-    `accelerate launch --multi_gpu --num_processes N` (torchrun) or `torchrun` run DDP on CPU over gloo."""
+    `accelerate launch --multi_gpu --num_processes N` (torchrun) or `torchrun` run DDP on CPU over gloo, and
+    an FSDP config (`accelerate launch --config_file fsdp.yaml`) run FSDP on CPU over gloo (see `use_fsdp_on_cpu`)."""
     import os
 
     from accelerate import Accelerator
+    from accelerate.utils import DistributedType
 
     cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes")
     precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
-    return Accelerator(cpu=not cuda, mixed_precision=precision)
+    acc = Accelerator(cpu=not cuda, mixed_precision=precision)
+    fsdp_config = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"  # set by accelerate launch
+    if fsdp_config and acc.distributed_type == DistributedType.MULTI_CPU:
+        use_fsdp_on_cpu(acc)
+    return acc
+
+
+def use_fsdp_on_cpu(acc) -> None:
+    """accelerate (1.15) selects FSDP only with an accelerator device: on CPU it silently runs DDP instead, every
+    process holding the whole model. torch's FSDP runs on CPU over gloo, so select it from the launch config
+    (FSDP_* variables) the way accelerate does on GPUs: the distributed type lives in state shared by
+    PartialState and AcceleratorState."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()
 
 
 def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
@@ -102,18 +121,24 @@ def start_run_dir(o: UptrainOptions, trajectory: dict) -> None:
 
 @torch.no_grad()
 def evaluate(model, data, acc, micro_batch: int) -> dict:
-    """Held-out next-token loss and perplexity; windows sharded over processes, sums reduced."""
+    """Held-out next-token loss and perplexity; windows sharded over processes, sums reduced.
+    Every process runs as many forward passes as the largest shard needs (FSDP gathers parameters and DDP
+    broadcasts buffers in collectives inside forward): one that has run out repeats a window, not counted."""
     from .losses import lm_loss
 
     was_training = model.training
     model.eval()
     shard = data.eval_shard(acc.process_index, acc.num_processes)
+    largest = -(-data.eval.shape[0] // acc.num_processes)
     total = torch.zeros(2, dtype=torch.float64, device=acc.device)  # [nll sum, targets]
-    for i in range(0, shard.shape[0], micro_batch):
+    for i in range(0, largest, micro_batch):
         ids = shard[i : i + micro_batch].to(acc.device)
+        counted = ids.shape[0]
+        if counted == 0:
+            ids = data.eval[:1].long().to(acc.device)
         with acc.autocast():
             logits = model(input_ids=ids, use_cache=False).logits
-        n = ids.shape[0] * (ids.shape[1] - 1)
+        n = counted * (ids.shape[1] - 1)
         total += torch.tensor([lm_loss(logits, ids).double().item() * n, n], dtype=torch.float64, device=acc.device)
     total = acc.reduce(total, reduction="sum")
     model.train(was_training)
@@ -126,7 +151,7 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def run(o: UptrainOptions) -> dict:
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedType, set_seed
     from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
@@ -190,6 +215,7 @@ def run(o: UptrainOptions) -> dict:
     optimizer = make_optimizer(params, o)
     model, optimizer = acc.prepare(model, optimizer)
     params = [p for p in model.parameters() if p.requires_grad]  # as prepared (FSDP replaces them)
+    sharded = acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     state = RunState()
     state.data_key = key
     acc.register_for_checkpointing(state)
@@ -210,6 +236,7 @@ def run(o: UptrainOptions) -> dict:
         print(f"uptrain: {objective.kind} loss, training {len(trainable)} tensors ({n_params:,} parameters), "
               f"{o.steps} steps x {tokens_per_step} tokens, {world} process(es) x {accum} micro-batch(es) of "
               f"{o.micro_batch}, {data.train.shape[0]} training / {data.eval.shape[0]} held-out windows of {o.seq_len}"
+              + (f", parameters sharded by {acc.distributed_type.value}" if sharded else "")
               + (f"; resumed at step {state.step} from {resumed_from.name}" if resumed_from else ""), flush=True)
 
     def do_eval(step: int) -> dict | None:
@@ -279,10 +306,7 @@ def run(o: UptrainOptions) -> dict:
                                "--gradient-checkpointing; --resume continues from the last checkpoint") from None
         raise
 
-    from accelerate.utils import DistributedType
-
     # Sharded parameters are gathered for the final save (a collective: every process calls it).
-    sharded = acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     full_state = acc.get_state_dict(model) if sharded else None
     result = None
     if main:

@@ -139,8 +139,9 @@ def write_checkpoint(model, state: dict | None, source: Source, dst: Path, dtype
     if checkpointing:
         disable_checkpointing(model)
     model.to(dtype)
-    if state is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    if state is not None:  # gathered tensors are separate copies: a tied weight is saved once, as without sharding
+        tied = {n for n, _ in model.named_parameters(remove_duplicate=False)} - {n for n, _ in model.named_parameters()}
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k not in tied}
     model.save_pretrained(dst, state_dict=state, max_shard_size=max_shard_size)
     copy_side_files(source.folder, dst)
     for f in custom_code_files(source.folder):
