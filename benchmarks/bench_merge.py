@@ -35,7 +35,7 @@ from surgery.merge import convert_aligned  # noqa: E402
 from surgery.merge.calib import pydoc_documents_used  # noqa: E402
 from surgery.merge.compare import heldout_documents  # noqa: E402
 from surgery.merge.convert import _n_threads  # noqa: E402
-from surgery.merge.pipeline import threads  # noqa: E402
+from surgery.threads import threads  # noqa: E402
 from surgery.source import resolve_source  # noqa: E402
 
 

@@ -16,13 +16,14 @@ from typing import Callable
 
 import torch
 
-from . import __version__
+from .record import conversion_record
 from .arch import ArchSpec, QKVLayout, qkv_layout, spec_for
 from .atomic import atomic_output_dir
 from .errors import SurgeryError
 from .publish.hashes import record_output_hashes
 from .kv_pool import POOL_METHODS, join_qkv, kv_groups, pool_heads, repeat_heads, split_qkv
 from .source import Source, copy_side_files
+from .threads import threads
 from .tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -248,8 +249,8 @@ def write_converted(source: Source, out: Path, planner: KVPlanner, force: bool =
     hasher = threading.Thread(target=lambda: hashes.update(sha256_files(reader.files)), daemon=True)
     hasher.start()
     start = time.time() if start is None else start
-    torch.set_num_threads(1)  # I/O-bound: extra compute threads only spin against the copy and hash threads
-    with reader, atomic_output_dir(out, force=force) as tmp:
+    # I/O-bound: extra compute threads would only spin against the copy and hash threads
+    with threads(1), reader, atomic_output_dir(out, force=force) as tmp:
         bar = _progress_bar(sum(t.nbytes for t in planned), progress)
         files = write_checkpoint(tmp, planned, options.max_shard_bytes, progress=bar.update)
         bar.close()
@@ -257,18 +258,7 @@ def write_converted(source: Source, out: Path, planner: KVPlanner, force: bool =
         copy_side_files(source.folder, tmp)
         hasher.join()
         record = {
-            "toolkit": "surgery",
-            "version": __version__,
-            "kind": "mqa" if shape.groups == 1 else "gqa",
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "source": {
-                "spec": source.spec,
-                "folder": str(Path(source.folder).absolute()),
-                "revision": source.revision,
-                "gguf_file": source.gguf_file,
-                "model_type": config.get("model_type"),
-                "shards_sha256": hashes,
-            },
+            **conversion_record("mqa" if shape.groups == 1 else "gqa", source, config, hashes),
             "method": method,
             "seed": options.seed if method == "random" else None,
             "dtype": options.dtype or "auto",

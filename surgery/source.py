@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -10,6 +9,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from .digest import sha256_file
 from .errors import SurgeryError
 
 # Files copied beside the converted weights (tokenizer, generation config, custom code, licences).
@@ -103,17 +103,9 @@ def download(repo_id: str, revision: str | None, allow_pickle: bool) -> Path:
     return Path(folder)
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def dequantize_gguf(path: Path, spec: str) -> Source:
     """Dequantize a GGUF file once into a cached fp32 safetensors folder (keyed by the file's hash)."""
-    digest = _file_digest(path)
+    digest = sha256_file(path)
     folder = CACHE_DIR / "gguf" / f"{path.stem}-{digest[:16]}"
     if not (folder / "config.json").exists():
         _write_dequantized(path, folder)

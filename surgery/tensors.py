@@ -8,7 +8,6 @@ Tensors that pass through unchanged are copied file-to-file (`copy_file_range`) 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -18,6 +17,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from .digest import sha256_file
 from .errors import SurgeryError
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -299,11 +299,7 @@ def sha256_files(files: Iterable[Path]) -> Iterator[tuple[str, str]]:
         file = Path(file)
         digest = _hub_blob_digest(file) or cache.get(file)
         if digest is None:
-            h = hashlib.sha256()
-            with open(file, "rb") as f:
-                while block := f.read(16 << 20):
-                    h.update(block)
-            digest = h.hexdigest()
+            digest = sha256_file(file)
             cache.put(file, digest)
         yield file.name, digest
     cache.save()

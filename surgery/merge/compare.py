@@ -18,7 +18,7 @@ from ..errors import SurgeryError
 from ..source import Source, resolve_source
 from .calib import pydoc_documents_used
 from .convert import _n_threads, convert_aligned
-from .pipeline import threads
+from ..threads import threads
 
 METHODS = ("mean", "first", "random", "aligned")
 

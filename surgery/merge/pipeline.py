@@ -12,13 +12,13 @@ calibration tokens are alive at a time.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ..arch import ArchSpec, qkv_layout
+from ..threads import threads
 from . import capture
 from .layer import LayerMerge, merge_layer
 from .params import AttnParams, LayerAttention, layer_paths
@@ -27,17 +27,6 @@ from .rotary import RotaryPairs, hf_cos_sin, rotary_pairs, rotate
 
 QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
 
-
-@contextlib.contextmanager
-def threads(n: int):
-    """Run a block with `n` torch threads. The merge's small dense linear algebra (eigh and solves on ~100x100
-    matrices, batched small solves) runs single-threaded: measured here, multi-threaded it was 2x to 80x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @dataclass

@@ -6,22 +6,15 @@ surgery.json with an "output_sha256" map); `surgery push` refuses a folder whose
 
 from __future__ import annotations
 
-import hashlib
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..digest import sha256_file
+
 RECORD = "surgery.json"
 # Files that may change after a conversion without invalidating it: the record itself and the model card.
 UNHASHED = {RECORD, "README.md"}
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(16 << 20):
-            h.update(block)
-    return h.hexdigest()
 
 
 def hashed_files(folder: Path) -> list[str]:

@@ -19,7 +19,8 @@ from .schema import Recipe
 
 def local_source_folder(recipe: Recipe) -> Path | None:
     """The source's folder if it is already on disk; never downloads or dequantizes."""
-    from ..source import CACHE_DIR, HUB_PATTERNS, _file_digest, embedded_smollm2_gguf
+    from ..digest import sha256_file
+    from ..source import CACHE_DIR, HUB_PATTERNS, embedded_smollm2_gguf
 
     s = recipe.source
     if s.path:
@@ -31,7 +32,7 @@ def local_source_folder(recipe: Recipe) -> Path | None:
             return None
         if not gguf.is_file():
             return None
-        folder = CACHE_DIR / "gguf" / f"{gguf.stem}-{_file_digest(gguf)[:16]}"
+        folder = CACHE_DIR / "gguf" / f"{gguf.stem}-{sha256_file(gguf)[:16]}"
         return folder if (folder / "config.json").exists() else None
     try:
         from huggingface_hub import snapshot_download

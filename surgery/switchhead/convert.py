@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..publish.hashes import record_output_hashes
-from .. import __version__
+from ..record import conversion_record
 from ..atomic import atomic_output_dir, check_output_path
 from ..errors import SurgeryError
 from ..inspect import attention_shape
@@ -222,18 +222,7 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
         copy_side_files(src.folder, tmp)
         hasher.join()
         record = {
-            "toolkit": "surgery",
-            "version": __version__,
-            "kind": "switchhead",
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "source": {
-                "spec": src.spec,
-                "folder": str(Path(src.folder).absolute()),
-                "revision": src.revision,
-                "gguf_file": src.gguf_file,
-                "model_type": config.get("model_type"),
-                "shards_sha256": hashes,
-            },
+            **conversion_record("switchhead", src, config, hashes),
             "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
                              "architectures": new_config["architectures"]},
             "layers": shape.layers,

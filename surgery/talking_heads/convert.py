@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..publish.hashes import record_output_hashes
-from .. import __version__
+from ..record import conversion_record
 from ..atomic import atomic_output_dir
 from ..errors import SurgeryError
 from ..inspect import attention_shape
@@ -224,18 +224,7 @@ def convert_to_talking_heads(src: Source, out: Path, *, logits_mixing: bool = Tr
         copy_side_files(src.folder, tmp)
         hasher.join()
         record = {
-            "toolkit": "surgery",
-            "version": __version__,
-            "kind": "talking-heads",
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "source": {
-                "spec": src.spec,
-                "folder": str(Path(src.folder).absolute()),
-                "revision": src.revision,
-                "gguf_file": src.gguf_file,
-                "model_type": config.get("model_type"),
-                "shards_sha256": hashes,
-            },
+            **conversion_record("talking-heads", src, config, hashes),
             "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
                              "architectures": new_config["architectures"], "dropped_heads": dropped_heads},
             "heads": shape.heads,
