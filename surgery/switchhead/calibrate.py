@@ -133,11 +133,16 @@ def attention_modules(model, layers: int) -> list[torch.nn.Module]:
     return [found[i] for i in range(layers)]
 
 
-def run_windows(model, windows: torch.Tensor, desc: str, progress: bool) -> None:
+def run_windows(model, windows: torch.Tensor, desc: str, progress: bool, hooks: list | None = None) -> None:
+    """Run the model over every window; `hooks` (handles of forward hooks) are removed afterwards, whatever happens."""
     from tqdm import tqdm
 
-    for window in tqdm(windows, desc=desc, unit="window", disable=None if progress else True, leave=False):
-        model(input_ids=window[None], use_cache=False)
+    try:
+        for window in tqdm(windows, desc=desc, unit="window", disable=None if progress else True, leave=False):
+            model(input_ids=window[None], use_cache=False)
+    finally:
+        for handle in hooks or []:
+            handle.remove()
 
 
 @torch.no_grad()
@@ -173,9 +178,5 @@ def calibrate(model, windows: torch.Tensor, heads: int, kv_heads: int, head_dim:
         handles += [attn.register_forward_pre_hook(on_input, with_kwargs=True),
                     out_module.register_forward_pre_hook(on_heads),
                     attn.register_forward_hook(on_output, with_kwargs=True)]
-    try:
-        run_windows(model, windows, "calibrate", progress)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_windows(model, windows, "calibrate", progress, handles)
     return [s.finish() for s in stats]

@@ -91,11 +91,7 @@ def refit_output_experts(model, windows: torch.Tensor, tensors: list[dict[str, t
 
         handles += [attn.register_forward_pre_hook(on_input, with_kwargs=True),
                     attn.register_forward_hook(on_output, with_kwargs=True)]
-    try:
-        run_windows(model, windows, "refit", progress)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_windows(model, windows, "refit", progress, handles)
     report = []
     for layer, (sh, st) in enumerate(zip(converted, stats)):
         w_shape = tensors[layer]["o_experts.weight"].shape  # (H, E, D, d)
