@@ -255,6 +255,30 @@ def test_uptrain_train_new_selects_exactly_the_mixing_matrices(tmp_path):
     assert all(p.requires_grad == (n in expected) for n, p in model.named_parameters())
 
 
+def test_uptrain_loads_a_custom_code_tokenizer_without_asking(tmp_path, monkeypatch):
+    """transformers reads the custom config while loading the tokenizer and, unless told to trust the folder's code,
+    stops to ask on the terminal; uptrain trusts a converted folder's code for the model, so for the tokenizer too."""
+    import builtins
+
+    from test_merge_convert import char_tokenizer
+    from surgery.uptrain.model_io import load_tokenizer
+
+    make_source("llama", tmp_path / "src", vocab=96)
+    char_tokenizer(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "th")
+
+    prompts = []
+
+    def answer_no(prompt=""):  # what a user pressing Enter does; transformers swallows errors raised here
+        prompts.append(prompt)
+        return "n"
+
+    monkeypatch.setattr(builtins, "input", answer_no)
+    tokenizer = load_tokenizer(tmp_path / "th", "th")
+    assert prompts == []
+    assert tokenizer("abc")["input_ids"] == [66, 67, 68]
+
+
 # --- loading -----------------------------------------------------------------------------------------------------
 def test_saved_mixing_is_loaded_and_missing_mixing_is_initialized(tmp_path):
     make_source("llama", tmp_path / "src")

@@ -12,7 +12,7 @@ import torch
 from .. import __version__
 from ..check import context_length, is_causal_lm
 from ..errors import SurgeryError
-from ..source import Source, copy_side_files, resolve_source
+from ..source import Source, copy_side_files, load_config, resolve_source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,10 +48,12 @@ def load_causal_lm(source: Source, role: str):
 
 
 def load_tokenizer(folder: Path, spec: str):
+    """The folder's tokenizer; a folder with its own modeling code is trusted as `load_causal_lm` trusts it (without
+    that, transformers would stop and ask on the terminal, because it reads the custom config on the way)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=has_custom_code(load_config(folder)))
     except (OSError, ValueError, TypeError) as e:
         raise SurgeryError(f"cannot load the tokenizer of {spec}: {str(e).splitlines()[0]}") from None
 
