@@ -6,9 +6,7 @@ checkpoint folder -> ArchSpec -> a plan (one PlannedTensor per output tensor, sh
 
 from __future__ import annotations
 
-import json
 import re
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,15 +14,12 @@ from typing import Callable
 
 import torch
 
-from .record import conversion_record
 from .arch import ArchSpec, QKVLayout, qkv_layout, spec_for
-from .atomic import atomic_output_dir
 from .errors import SurgeryError
-from .publish.hashes import record_output_hashes
+from .output import write_conversion
 from .kv_pool import POOL_METHODS, join_qkv, kv_groups, pool_heads, repeat_heads, split_qkv
-from .source import Source, copy_side_files
-from .threads import threads
-from .tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
+from .source import Source
+from .tensors import CheckpointReader, PlannedTensor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -245,20 +240,10 @@ def write_converted(source: Source, out: Path, planner: KVPlanner, force: bool =
     new_config = target_config(spec, config, shape, options.dtype)
     planned = planner.plan()
 
-    hashes: dict[str, str] = {}
-    hasher = threading.Thread(target=lambda: hashes.update(sha256_files(reader.files)), daemon=True)
-    hasher.start()
     start = time.time() if start is None else start
-    # I/O-bound: extra compute threads would only spin against the copy and hash threads
-    with threads(1), reader, atomic_output_dir(out, force=force) as tmp:
-        bar = _progress_bar(sum(t.nbytes for t in planned), progress)
-        files = write_checkpoint(tmp, planned, options.max_shard_bytes, progress=bar.update)
-        bar.close()
-        (tmp / "config.json").write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
-        copy_side_files(source.folder, tmp)
-        hasher.join()
-        record = {
-            **conversion_record("mqa" if shape.groups == 1 else "gqa", source, config, hashes),
+
+    def record_fields(output_files: list[str]) -> dict:
+        fields = {
             "method": method,
             "seed": options.seed if method == "random" else None,
             "dtype": options.dtype or "auto",
@@ -268,17 +253,12 @@ def write_converted(source: Source, out: Path, planner: KVPlanner, force: bool =
             "kv_heads": {"before": shape.kv_heads, "after": shape.groups},
             "stored_kv_heads": shape.heads if planner.out_layout == QKVLayout.INTERLEAVED else shape.groups,
             "groups": planner.group_record(),
-            "output_files": files,
+            "output_files": output_files,
             "seconds": round(time.time() - start, 3),
         }
         if spec.name == "gpt_neox":
-            record["note"] = spec.notes
-        record.update(extra or {})
-        record_output_hashes(tmp, record)  # writes surgery.json, with the sha256 of every file written
-    return record
+            fields["note"] = spec.notes
+        return fields | (extra or {})
 
-
-def _progress_bar(total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None if enabled else True, leave=False)
+    return write_conversion(source, reader, out, planned, new_config, "mqa" if shape.groups == 1 else "gqa",
+                            record_fields, force=force, progress=progress, max_shard_bytes=options.max_shard_bytes)

@@ -7,22 +7,18 @@ Every tensor outside the attention projections is copied byte for byte. The outp
 
 from __future__ import annotations
 
-import json
 import re
-import shutil
-import threading
 import time
 from pathlib import Path
 
 import torch
 
-from ..publish.hashes import record_output_hashes
-from ..record import conversion_record
-from ..atomic import atomic_output_dir, check_output_path
+from ..output import write_conversion
+from ..atomic import check_output_path
 from ..errors import SurgeryError
 from ..inspect import attention_shape
-from ..source import Source, copy_side_files
-from ..tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
+from ..source import Source
+from ..tensors import CheckpointReader, PlannedTensor
 from .build import SwitchHeadShape, layer_tensors
 from .calibrate import calibrate, calibration_windows, load_calibration_model, load_calibration_tokens
 from .cluster import cluster_heads, kv_mapping, medoid, within_cost
@@ -207,22 +203,10 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
     planned = builder.plan(out_dtype)
     new_config = target_config(config, family, shape, dtype)
 
-    hashes: dict[str, str] = {}
-    hasher = threading.Thread(target=lambda: hashes.update(sha256_files(reader.files)), daemon=True)
-    hasher.start()
-    code_dir = Path(__file__).parent
     pattern = layer_pattern(family, names[0]["module"])
-    with reader, atomic_output_dir(out, force=force) as tmp:
-        bar = _progress_bar(sum(t.nbytes for t in planned), progress)
-        files = write_checkpoint(tmp, planned, max_shard_bytes, progress=bar.update)
-        bar.close()
-        (tmp / "config.json").write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
-        for name in CODE_FILES:
-            shutil.copyfile(code_dir / name, tmp / name)
-        copy_side_files(src.folder, tmp)
-        hasher.join()
-        record = {
-            **conversion_record("switchhead", src, config, hashes),
+
+    def record_fields(output_files: list[str]) -> dict:
+        return {
             "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
                              "architectures": new_config["architectures"]},
             "layers": shape.layers,
@@ -248,14 +232,10 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
             "added_parameters": 2 * shape.layers * shape.new_heads * shape.experts * shape.hidden,
             "seed": seed,
             "dtype": dtype or "auto",
-            "output_files": files + list(CODE_FILES),
+            "output_files": output_files,
             "seconds": round(time.time() - start, 3),
         }
-        record_output_hashes(tmp, record)  # writes surgery.json with the sha256 of every file written
-    return record
 
-
-def _progress_bar(total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None if enabled else True, leave=False)
+    return write_conversion(src, reader, out, planned, new_config, "switchhead", record_fields, force=force,
+                            progress=progress, max_shard_bytes=max_shard_bytes, code_dir=Path(__file__).parent,
+                            code_files=CODE_FILES)

@@ -8,22 +8,17 @@ carries its own modeling code (`configuration_talking_heads.py`, `modeling_talki
 
 from __future__ import annotations
 
-import json
-import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..publish.hashes import record_output_hashes
-from ..record import conversion_record
-from ..atomic import atomic_output_dir
+from ..output import write_conversion
 from ..errors import SurgeryError
 from ..inspect import attention_shape
-from ..source import Source, copy_side_files
-from ..tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
+from ..source import Source
+from ..tensors import CheckpointReader, PlannedTensor
 from .families import Family, family_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -209,22 +204,10 @@ def convert_to_talking_heads(src: Source, out: Path, *, logits_mixing: bool = Tr
     planned = plan_tensors(reader, modules, shape, DTYPES.get(dtype) if dtype else None)
     new_config, dropped_heads = target_config(config, family, shape, chunk_size, dtype)
 
-    hashes: dict[str, str] = {}
-    hasher = threading.Thread(target=lambda: hashes.update(sha256_files(reader.files)), daemon=True)
-    hasher.start()
     start = time.time()
-    code_dir = Path(__file__).parent
-    with reader, atomic_output_dir(out, force=force) as tmp:
-        bar = _progress_bar(sum(t.nbytes for t in planned), progress)
-        files = write_checkpoint(tmp, planned, max_shard_bytes, progress=bar.update)
-        bar.close()
-        (tmp / "config.json").write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
-        for name in CODE_FILES:
-            shutil.copyfile(code_dir / name, tmp / name)
-        copy_side_files(src.folder, tmp)
-        hasher.join()
-        record = {
-            **conversion_record("talking-heads", src, config, hashes),
+
+    def record_fields(output_files: list[str]) -> dict:
+        return {
             "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
                              "architectures": new_config["architectures"], "dropped_heads": dropped_heads},
             "heads": shape.heads,
@@ -244,14 +227,10 @@ def convert_to_talking_heads(src: Source, out: Path, *, logits_mixing: bool = Tr
                             for n, on in (("logits_mix", shape.logits_mixing), ("weights_mix", shape.weights_mixing)) if on],
             "added_parameters": shape.layers * shape.params_per_layer,
             "mix_macs_per_query_key_per_layer": shape.mix_macs_per_query_key,
-            "output_files": files + list(CODE_FILES),
+            "output_files": output_files,
             "seconds": round(time.time() - start, 3),
         }
-        record_output_hashes(tmp, record)  # writes surgery.json with the sha256 of every file written
-    return record
 
-
-def _progress_bar(total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None if enabled else True, leave=False)
+    return write_conversion(src, reader, out, planned, new_config, "talking-heads", record_fields, force=force,
+                            progress=progress, max_shard_bytes=max_shard_bytes, code_dir=Path(__file__).parent,
+                            code_files=CODE_FILES)
