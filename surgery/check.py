@@ -52,12 +52,14 @@ def load_model(source: Source, device: torch.device, dtype: str, trust_remote_co
     return model.to(device).eval()
 
 
-def load_tokenizer(source: Source):
+def load_tokenizer(source: Source, trust_remote_code: bool = False):
+    """The source's tokenizer. transformers reads the folder's config on the way: for a folder with its own modeling
+    code it runs that code with `trust_remote_code`, and without it would stop to ask on the terminal."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(source.folder)
-    except (OSError, ValueError) as e:
+        return AutoTokenizer.from_pretrained(source.folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
         raise SurgeryError(f"cannot load the tokenizer of {source.spec}: {str(e).splitlines()[0]}") from None
 
 

@@ -274,7 +274,7 @@ def test_uptrain_loads_a_custom_code_tokenizer_without_asking(tmp_path, monkeypa
         return "n"
 
     monkeypatch.setattr(builtins, "input", answer_no)
-    tokenizer = load_tokenizer(tmp_path / "th", "th")
+    tokenizer = load_tokenizer(resolve_source(str(tmp_path / "th")))
     assert prompts == []
     assert tokenizer("abc")["input_ids"] == [66, 67, 68]
 

@@ -174,7 +174,7 @@ def run(o: UptrainOptions) -> dict:
     check_run_dir(o, trajectory)
     set_seed(o.seed)
 
-    tokenizer = model_io.load_tokenizer(source.folder, source.spec)
+    tokenizer = model_io.load_tokenizer(source)
     model = model_io.load_causal_lm(source, "model")
     model_io.check_seq_len(model, o.seq_len, source.spec)
     out_dtype = model_io.checkpoint_dtype(source.folder, source.config)
@@ -182,7 +182,7 @@ def run(o: UptrainOptions) -> dict:
     if objective.needs_teacher:
         t_src = model_io.teacher_source(record, o.teacher)
         teacher = model_io.load_causal_lm(t_src, "teacher")
-        model_io.check_teacher(model, teacher, tokenizer, t_src.folder, t_src.spec)
+        model_io.check_teacher(model, teacher, tokenizer, t_src)
         teacher.requires_grad_(False)
         teacher.eval().to(acc.device)
     trainable = select_trainable(model, o.train, record)

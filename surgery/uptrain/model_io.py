@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from .. import check
 from ..check import context_length, is_causal_lm
 from ..errors import SurgeryError
-from ..source import Source, copy_side_files, load_config, resolve_source
+from ..source import Source, copy_side_files, resolve_source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,15 +48,9 @@ def load_causal_lm(source: Source, role: str):
     return model
 
 
-def load_tokenizer(folder: Path, spec: str):
-    """The folder's tokenizer; a folder with its own modeling code is trusted as `load_causal_lm` trusts it (without
-    that, transformers would stop and ask on the terminal, because it reads the custom config on the way)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=has_custom_code(load_config(folder)))
-    except (OSError, ValueError, TypeError) as e:
-        raise SurgeryError(f"cannot load the tokenizer of {spec}: {str(e).splitlines()[0]}") from None
+def load_tokenizer(source: Source):
+    """The checkpoint's tokenizer; a folder with its own modeling code is trusted as `load_causal_lm` trusts it."""
+    return check.load_tokenizer(source, trust_remote_code=has_custom_code(source.config))
 
 
 def check_seq_len(model, seq_len: int, spec: str) -> None:
@@ -81,12 +76,13 @@ def vocab_size(model) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
-def check_teacher(student, teacher, student_tok, teacher_folder: Path, teacher_spec: str) -> None:
+def check_teacher(student, teacher, student_tok, teacher_source: Source) -> None:
+    teacher_folder, teacher_spec = teacher_source.folder, teacher_source.spec
     if vocab_size(student) != vocab_size(teacher):
         raise SurgeryError(f"the teacher {teacher_spec} has a different vocabulary ({vocab_size(teacher)} logits, the "
                            f"student has {vocab_size(student)}): distillation needs the same tokenizer")
     if any(Path(teacher_folder).glob("tokenizer*")):
-        teacher_tok = load_tokenizer(teacher_folder, teacher_spec)
+        teacher_tok = load_tokenizer(teacher_source)
         if teacher_tok.get_vocab() != student_tok.get_vocab():
             raise SurgeryError(f"the teacher {teacher_spec} has a different vocabulary (its tokenizer differs from "
                                "the student's): distillation needs the same tokenizer")
