@@ -306,3 +306,20 @@ def test_own_output_uptrains_from_the_cli_without_flags_and_stays_trusted(tiny_s
     (out / "modeling_talking_heads.py").write_text((out / "modeling_talking_heads.py").read_text() + "\n# edited\n")
     result = surgery("uptrain", out, "--out", tmp_path / "again", *UPTRAIN_FAST)
     assert_one_line_error(result, "modeling_talking_heads.py", "--trust-remote-code")
+
+
+# ---- convert: tensor surgery and calibration never run the source's code -----------------------------------
+@pytest.mark.parametrize("args", [("--to", "mqa"), ("--to", "gqa", "--kv-heads", "2", "--merge", "aligned", "--calib-tokens", "512"),
+                                  ("--to", "talking-heads"),
+                                  ("--to", "switchhead", "--heads", "4", "--experts", "2", "--topk", "1", "--calib-tokens", "512")],
+                         ids=["mqa", "aligned", "talking-heads", "switchhead"])
+def test_convert_never_runs_the_source_code(args, hostile, tmp_path):
+    import cli
+
+    folder, markers = hostile
+    try:
+        cli.cli.main(["convert", str(folder), "--out", str(tmp_path / "out"), *args], prog_name="surgery",
+                     standalone_mode=False)
+    except SurgeryError:
+        pass  # refusing a source with code is fine; running its code is not
+    assert ran(markers) == []

@@ -26,7 +26,7 @@ class Validation:
 
     @property
     def custom_code(self) -> bool:
-        return bool(self.config.get("auto_map"))
+        return has_custom_code(self.folder)
 
 
 def _read_json(path: Path, what: str) -> dict:
