@@ -103,3 +103,63 @@ def test_a_corrupt_recipe_state_is_named(state, tmp_path):
     assert_one_line_error(surgery("run", path), "recipe-state.json", "delete it")
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["recipe-state.json"]  # nothing ran
     assert (tmp_path / "run" / "recipe-state.json").read_text() == state
+
+
+# ---- fuzz: whatever the file holds, a recipe loads and plans, or one SurgeryError says why ------------------
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+SHIPPED = (Path(__file__).resolve().parents[1] / "recipes" / "smollm2-mqa.yaml").read_text()
+YAML_CHARS = st.sampled_from(list(":-[]{}&*!|>'\"#%@`,? \n\t") + ["\n  ", "- ", ": ", "&a ", "*a", "!!python/name:os.system", "\x00", "\ufeff"])
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20), st.floats(allow_nan=True), st.text(max_size=12))
+VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)), max_leaves=12)
+KINDS = st.sampled_from(["convert", "check", "uptrain", "push"])
+OPTION_KEYS = st.sampled_from(["to", "kv_heads", "merge", "tokens", "seq_len", "repo_id", "accelerate", "name",
+                               "trust_remote_code", "allow_pickle", "batch_size", "loss", "teacher", "heads", "experts",
+                               "topk", "calib_tokens", "private"])
+PLAUSIBLE = st.sampled_from(["mqa", "gqa", "talking-heads", "switchhead", "mean", "aligned", "pydoc", "me/x", "kd",
+                             "lm", True, False, 0, 1, 2, 3, 512, -1, None, {"num_processes": 2}]) | SCALARS
+STEP = st.builds(lambda kind, options: {kind: options}, KINDS,
+                 st.none() | st.dictionaries(OPTION_KEYS, PLAUSIBLE, max_size=4))
+FIRST = st.just({"convert": {"to": "mqa"}}) | st.just({"convert": {"to": "gqa", "kv_heads": 2}}) | STEP
+
+
+WILD = st.fixed_dictionaries({
+    "source": st.sampled_from([{"path": "src"}, {"package": "json", "path": "x"}, {"id": "smollm2"}])
+    | st.dictionaries(st.sampled_from(["id", "path", "gguf", "package", "revision", "config"]), VALUES, max_size=3),
+    "output": st.just("run") | VALUES,
+    "steps": st.builds(lambda first, rest: [first, *rest], FIRST, st.lists(STEP | VALUES, max_size=4)) | VALUES})
+# a valid frame whose step options are fuzzed: gets past the frame's validation to the options, order and plan
+FRAMED = st.builds(lambda steps: {"source": {"path": "src"}, "output": "run", "steps": steps},
+                   st.builds(lambda first, rest: [first, *rest], FIRST, st.lists(STEP, max_size=4)))
+RECIPES = FRAMED | WILD
+
+
+def load_and_plan(path: Path, out: Path) -> None:
+    """The property: loading and planning either work or raise one SurgeryError (no other exception, no hang)."""
+    from surgery.recipes.plan import build_plan
+
+    try:
+        build_plan(load_recipe(path), out)
+    except SurgeryError as e:
+        assert "\n" not in str(e).strip() and str(e)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=RECIPES)
+def test_fuzz_structured_recipes(data, tmp_path):
+    path = tmp_path / "fuzz.yaml"
+    path.write_text(yaml.safe_dump(data, allow_unicode=True))
+    load_and_plan(path, tmp_path / "run")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edits=st.lists(st.tuples(st.integers(0, len(SHIPPED)), st.integers(0, 3), YAML_CHARS), min_size=1, max_size=6))
+def test_fuzz_mutated_recipe_text(edits, tmp_path):
+    text = SHIPPED
+    for at, cut, insert in edits:
+        at = min(at, len(text))
+        text = text[:at] + insert + text[at + cut:]
+    path = tmp_path / "fuzz.yaml"
+    path.write_bytes(text.encode("utf-8", "surrogatepass"))
+    load_and_plan(path, tmp_path / "run")
