@@ -206,6 +206,9 @@ def demo(out, tokens, force):
 @click.option("--loss", type=click.Choice(["auto", "lm", "kd", "mix"]), default="auto", show_default=True,
               help="lm: next-token; kd: KL to the teacher's logits; mix: both. auto: kd when a teacher is known.")
 @click.option("--teacher", help="Teacher checkpoint (default: the source named in MODEL/surgery.json).")
+@click.option("--trust-remote-code", is_flag=True, help="Run modeling code that MODEL's folder ships (auto_map); not "
+              "needed for this toolkit's own unmodified talking-heads/SwitchHead code.")
+@click.option("--trust-teacher-code", is_flag=True, help="Run modeling code that the teacher's folder ships.")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="[kd/mix] Distillation temperature.")
 @click.option("--kd-weight", type=float, default=0.5, show_default=True, help="[mix] Weight of the KD term.")
 @click.option("--train", "train", type=click.Choice(["all", "attention", "new"]), default="all", show_default=True,
@@ -229,9 +232,6 @@ def demo(out, tokens, force):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing output (and an earlier run folder).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
-@click.option("--trust-remote-code", is_flag=True, help="Run modeling code that MODEL's folder ships (auto_map); not "
-              "needed for this toolkit's own unmodified talking-heads/SwitchHead code.")
-@click.option("--trust-teacher-code", is_flag=True, help="Run modeling code that the teacher's folder ships.")
 def uptrain(model, out, **kw):
     """Continue training MODEL (a converted checkpoint, or any causal LM) for --tokens tokens.
 

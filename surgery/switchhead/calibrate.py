@@ -97,7 +97,7 @@ def load_calibration_tokens(folder, calib: str, tokens: int) -> torch.Tensor:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)  # never the source's code
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError) as e:
         raise SurgeryError(f"calibration needs the source's tokenizer, which cannot be loaded from {folder}: "
                            f"{str(e).splitlines()[0]}") from None
@@ -109,8 +109,7 @@ def load_calibration_model(folder):
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager",
-                                                    trust_remote_code=False).eval()
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     except (OSError, ValueError) as e:
         raise SurgeryError(f"cannot load the source for calibration: {str(e).splitlines()[0]}") from None
 
