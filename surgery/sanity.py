@@ -131,15 +131,21 @@ def _is_int(v: object) -> bool:
 
 
 def check_byte_ranges(path: Path, ranges: Iterable[tuple[str, int, int]], data_size: int) -> None:
-    """Tensors' (name, begin, end) ranges, relative to the data section: inside it and not overlapping."""
-    last_end, last_name = 0, None
+    """Tensors' (name, begin, end) ranges, relative to the data section, must tile it exactly as the safetensors
+    format (and its reference reader) requires: inside it, no overlap, no gap, nothing after the last tensor."""
+    position, previous = 0, None
     for name, begin, end in sorted(ranges, key=lambda r: (r[1], r[2])):
         if end > data_size:
             raise SurgeryError(f"truncated or corrupt safetensors file {path}: tensor {name} is incomplete")
-        if begin < last_end:
-            raise SurgeryError(f"corrupt safetensors file {path}: tensors {last_name} and {name} overlap")
-        if end > begin:
-            last_end, last_name = end, name
+        if begin < position:
+            raise SurgeryError(f"corrupt safetensors file {path}: tensors {previous} and {name} overlap")
+        if begin > position:
+            raise SurgeryError(f"corrupt safetensors file {path}: bytes {position}-{begin} before tensor {name} "
+                               "belong to no tensor")
+        position, previous = end, name
+    if position != data_size:
+        raise SurgeryError(f"corrupt safetensors file {path}: {data_size - position} bytes after the last tensor "
+                           "belong to no tensor")
 
 
 # --- attention tensors against config.json -------------------------------------------------------------------

@@ -81,8 +81,8 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
     if not isinstance(header, dict):
         raise SurgeryError(f"corrupt safetensors file {path}: the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise SurgeryError(f"corrupt safetensors file {path}: __metadata__ is not a JSON object")
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SurgeryError(f"corrupt safetensors file {path}: __metadata__ is not an object of strings")
     base = 8 + header_len
     infos: dict[str, TensorInfo] = {}
     ranges = []

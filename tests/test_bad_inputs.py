@@ -358,6 +358,23 @@ def test_overlapping_data_offsets(src, tmp_path, run_cli):
     nothing_written(tmp_path)
 
 
+@pytest.mark.parametrize("where", ["gap", "trailing"])
+def test_bytes_that_belong_to_no_tensor(src, tmp_path, run_cli, where):
+    """The safetensors format tiles the data exactly (its reference reader refuses gaps and trailing bytes)."""
+    path = src / "model.safetensors"
+    header, data = read_header(path)
+    if where == "gap":
+        for entry in header.values():
+            if isinstance(entry, dict) and "data_offsets" in entry:
+                entry["data_offsets"] = [o + 8 for o in entry["data_offsets"]]
+        data = b"\0" * 8 + data
+    else:
+        data = data + b"\0" * 8
+    write_header(path, header, data)
+    assert_one_line(run_cli("convert", src, "--to", "mqa", "--out", tmp_path / "out"), "belong to no tensor")
+    nothing_written(tmp_path)
+
+
 @pytest.mark.parametrize("offsets", [[10**9, 10**9 + 8192], [-8192, 0], [8192, 0], ["0", "8192"]])
 def test_data_offsets_outside_the_file(src, tmp_path, run_cli, offsets):
     path = src / "model.safetensors"
