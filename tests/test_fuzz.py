@@ -7,6 +7,7 @@ case must end in one of two ways:
   tensors agree, tensors outside attention are the source's bytes, and when the source loads in transformers the
   output loads too and gives finite logits;
 - exit 2 with exactly one `surgery: error: ...` line and nothing written (no output folder, no temporary sibling).
+`inspect` runs on every mutated source too: exit 0 with non-negative numbers, or one line and exit 2.
 Never a traceback, another exit code, a hang (SIGALRM after HANG_SECONDS) or a partial output.
 
 The runs are derandomized (the same cases every time) and bounded: EXAMPLES per property, about a minute in all on
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
@@ -93,10 +94,15 @@ def _alarm(signum, frame):
 
 
 def run_convert(capsys, src: Path, out: Path, args: tuple[str, ...]) -> tuple[int, str]:
+    return run_cli(capsys, "convert", str(src), "--out", str(out), *args)[::2]
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the command line run in this process, stopped after HANG_SECONDS."""
     import cli
 
-    argv, previous = sys.argv, signal.signal(signal.SIGALRM, _alarm)
-    sys.argv = ["surgery", "convert", str(src), "--out", str(out), *args]
+    saved, previous = sys.argv, signal.signal(signal.SIGALRM, _alarm)
+    sys.argv = ["surgery", *argv]
     capsys.readouterr()
     signal.alarm(HANG_SECONDS)
     try:
@@ -107,11 +113,28 @@ def run_convert(capsys, src: Path, out: Path, args: tuple[str, ...]) -> tuple[in
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
-        sys.argv = argv
-    return code, capsys.readouterr().err
+        sys.argv = saved
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def check_inspect(capsys, src: Path) -> None:
+    """`inspect` on the same source: a table of non-negative numbers, or one line and exit 2."""
+    code, out, err = run_cli(capsys, "inspect", str(src), "--json")
+    assert "Traceback" not in err, err
+    if code == 2:
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("surgery: error: "), err
+        return
+    assert code == 0, f"inspect exit {code}: {err}"
+    stats = json.loads(out)[0]
+    for key in ("layers", "heads", "kv_heads", "head_dim", "parameters", "kv_cache_bytes_per_token",
+                "attention_macs_per_token"):
+        assert isinstance(stats[key], int) and stats[key] >= 0, (key, stats[key])
 
 
 def check_outcome(code: int, err: str, src: Path, out: Path, args: tuple[str, ...]) -> None:
+    event(f"convert exit {code}")  # pytest --hypothesis-show-statistics shows how often each outcome came
     assert "Traceback" not in err, err
     siblings = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
     assert not siblings, f"temporary siblings left: {siblings}"
@@ -249,6 +272,7 @@ def test_fuzz_safetensors_header(pristine, capsys, data, args):
         path.write_bytes(struct.pack("<Q", length) + raw + payload[:len(payload) - cut])
         code, err = run_convert(capsys, work / "src", work / "out", args)
         check_outcome(code, err, work / "src", work / "out", args)
+        check_inspect(capsys, work / "src")
 
 
 # --- shard indexes -----------------------------------------------------------------------------------------------
@@ -300,6 +324,7 @@ def test_fuzz_index(pristine, capsys, data, args):
         (src / "model.safetensors.index.json").write_text(json.dumps(index))
         code, err = run_convert(capsys, src, work / "out", args)
         check_outcome(code, err, src, work / "out", args)
+        check_inspect(capsys, src)
 
 
 # --- config.json -------------------------------------------------------------------------------------------------
@@ -337,6 +362,7 @@ def test_fuzz_config(pristine, capsys, data, args):
         (src / "config.json").write_text(json.dumps(config))
         code, err = run_convert(capsys, src, work / "out", args)
         check_outcome(code, err, src, work / "out", args)
+        check_inspect(capsys, src)
 
 
 def test_fuzz_case_counts():
