@@ -267,6 +267,24 @@ def test_disk_full_gives_one_line_and_removes_the_temporary_folder(src, tmp_path
     nothing_written(tmp_path)
 
 
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A 64 KiB tmpfs (where this user may mount one), smaller than the tiny model."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_real_disk_full_on_a_tiny_tmpfs(src, tiny_tmpfs, run_cli):
+    line = assert_one_line(run_cli("convert", src, "--to", "mqa", "--out", tiny_tmpfs / "out"), "disk full")
+    assert str(tiny_tmpfs / "out") in line
+    assert list(tiny_tmpfs.iterdir()) == []
+
+
 def _custom_code_source(src: Path, marker: Path) -> None:
     code = f"import pathlib\npathlib.Path({str(marker)!r}).write_text('imported')\n"
     (src / "configuration_x.py").write_text(code + "from transformers import LlamaConfig\nclass XConfig(LlamaConfig):\n    pass\n")
