@@ -84,14 +84,18 @@ def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pic
     common = dict(dtype=None if dtype == "auto" else dtype, max_shard_bytes=parse_size(max_shard_size),
                   allow_pickle=allow_pickle, seed=seed)
     check_output_path(out, force)
+    if kind == "mqa" and kv_heads not in (None, 1):
+        raise SurgeryError("--to mqa means one K/V head; use --to gqa --kv-heads N for more")
+    if kind == "gqa" and kv_heads is None:
+        raise SurgeryError("--to gqa needs --kv-heads N")
+    if kind == "gqa" and kv_heads < 1:
+        raise SurgeryError(f"--kv-heads must be at least 1, got {kv_heads}")
+    if kind == "switchhead" and None in (heads, experts, topk):
+        raise SurgeryError("--to switchhead needs --heads H --experts E --topk K")
+    src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
+    check_output_path(out, force, source=src.folder)  # before any work: --out may not be or hold the source
     if kind in ("mqa", "gqa"):
-        if kind == "mqa":
-            if kv_heads not in (None, 1):
-                raise SurgeryError("--to mqa means one K/V head; use --to gqa --kv-heads N for more")
-            kv_heads = 1
-        elif kv_heads is None:
-            raise SurgeryError("--to gqa needs --kv-heads N")
-        src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
+        kv_heads = 1 if kind == "mqa" else kv_heads
         if method == "aligned":
             from surgery.merge import convert_aligned
 
@@ -107,7 +111,6 @@ def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pic
     elif kind == "talking-heads":
         from surgery.talking_heads import convert_to_talking_heads
 
-        src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
         record = convert_to_talking_heads(src, out, logits_mixing=logits_mixing, weights_mixing=weights_mixing,
                                           heads_logits=heads_logits, heads_weights=heads_weights,
                                           chunk_size=chunk_size, force=force, **common)
@@ -115,9 +118,6 @@ def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pic
     else:
         from surgery.switchhead import convert_to_switchhead
 
-        if None in (heads, experts, topk):
-            raise SurgeryError("--to switchhead needs --heads H --experts E --topk K")
-        src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
         record = convert_to_switchhead(src, out, heads=heads, experts=experts, topk=topk, calib=calib,
                                        calib_tokens=calib_tokens, force=force, **common)
         click.echo(f"wrote {out}: switchhead in {record['seconds']:.1f}s")
@@ -343,12 +343,30 @@ def compare_merges(source, kind, kv_heads, methods, data, tokens, seq_len, calib
         click.echo(text) if str(json_out) == "-" else Path(json_out).write_text(text + "\n")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C so that every temporary output is removed on the way out."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
 def main() -> None:
+    import signal
+
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread (an embedding application): leave its handler alone
+        previous = None
     try:
         cli.main(standalone_mode=False)
     except SurgeryError as e:
         _fail(str(e))
-    except click.exceptions.Abort:
+    except Terminated:
+        _fail("terminated (SIGTERM)", code=143)
+    except click.exceptions.Abort as e:  # click turns KeyboardInterrupt (and so SIGTERM) into Abort
+        if isinstance(e.__cause__, Terminated):
+            _fail("terminated (SIGTERM)", code=143)
         _fail("interrupted", code=130)
     except KeyboardInterrupt:
         _fail("interrupted", code=130)
@@ -357,6 +375,9 @@ def main() -> None:
         _fail(f"{e.format_message()}{hint}")
     except click.ClickException as e:
         _fail(e.format_message())
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

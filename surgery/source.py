@@ -45,13 +45,16 @@ class Source:
 
 
 def load_config(folder: Path) -> dict:
+    from . import sanity
+
     path = Path(folder) / "config.json"
     if not path.exists():
         raise SurgeryError(f"{folder} has no config.json: not a transformers checkpoint")
+    sanity.regular_file(path, "config")
     try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise SurgeryError(f"corrupt {path}: {e}") from None
+        return sanity.config_object(json.loads(path.read_text()), path)
+    except (OSError, ValueError, RecursionError) as e:
+        raise SurgeryError(f"corrupt {path}: {str(e).splitlines()[0][:200]}") from None
 
 
 def embedded_smollm2_gguf() -> Path:
@@ -144,3 +147,59 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
                 shutil.copy2(f, Path(dst) / f.name)
                 copied.append(f.name)
     return copied
+
+
+def custom_code_files(folder: Path, config: dict, provided: tuple[str, ...] = ()) -> list[str]:
+    """The source's .py files that `config`'s auto_map (and the source's tokenizer_config.json auto_map) needs,
+    with the sibling modules they import (found by parsing, never importing them), minus the `provided` ones.
+
+    Refuses a module that is missing, leaves the folder, or does not parse: an output naming code it does not
+    carry would not load."""
+    import ast
+
+    from . import sanity
+
+    maps = [config.get("auto_map")]
+    tok = Path(folder) / "tokenizer_config.json"
+    if tok.is_file():
+        try:
+            maps.append(json.loads(tok.read_text()).get("auto_map"))
+        except (OSError, ValueError, AttributeError, RecursionError):
+            pass
+    todo = []
+    for auto_map in maps:
+        if auto_map is None:
+            continue
+        if not isinstance(auto_map, dict):
+            raise SurgeryError(f"config.json in {folder}: auto_map must be an object of class -> module.Class")
+        for ref in auto_map.values():
+            for r in ref if isinstance(ref, list) else [ref]:
+                if r is None:
+                    continue
+                if not isinstance(r, str) or "." not in r:
+                    raise SurgeryError(f"config.json in {folder}: bad auto_map entry {r!r}")
+                if "--" in r:
+                    raise SurgeryError(f"auto_map entry {r!r} names code in another repository; download it into "
+                                       f"{folder} and name it locally, or convert a checkpoint without custom code")
+                todo.append(r.rsplit(".", 1)[0])
+    files, seen = [], set()
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        name = module.replace(".", "/") + ".py"
+        if name in provided:
+            continue
+        path = sanity.name_inside(folder, name, "auto_map")
+        if not path.is_file():
+            raise SurgeryError(f"auto_map names {name}, which {folder} lacks: the converted checkpoint would not load")
+        try:
+            tree = ast.parse(sanity.regular_file(path, "custom code").read_text(), filename=str(path))
+        except (SyntaxError, ValueError, UnicodeDecodeError) as e:
+            raise SurgeryError(f"{path} (custom code named by auto_map) does not parse: {e}") from None
+        files.append(name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                todo.append(node.module)
+    return sorted(files)

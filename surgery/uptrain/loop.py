@@ -170,7 +170,7 @@ def run(o: UptrainOptions) -> dict:
             f"{world * o.micro_batch * o.seq_len}")
     accum = per_process // o.micro_batch
     trajectory = o.trajectory() | {"model": str(Path(source.folder).absolute()), "loss": objective.kind}
-    check_output_path(o.out, o.force)
+    check_output_path(o.out, o.force, source=source.folder)
     check_run_dir(o, trajectory)
     set_seed(o.seed)
 
@@ -348,7 +348,7 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
         "final_train_loss": next((m["loss"] for m in reversed(rows) if "loss" in m), None),
         "train_seconds": round(state.elapsed, 3),
     }
-    with atomic_output_dir(o.out, force=o.force) as tmp:
+    with atomic_output_dir(o.out, force=o.force, source=source.folder) as tmp:
         model_io.write_checkpoint(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
         model_io.write_record(source, tmp, uptraining)
         shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
