@@ -15,6 +15,7 @@ from typing import Callable
 from . import __version__
 from .atomic import atomic_output_dir
 from .publish.hashes import record_output_hashes
+from .record import LOCAL_KEY, public_name
 from .source import Source, copy_side_files
 from .tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
 from .threads import threads
@@ -28,12 +29,16 @@ def conversion_record(kind: str, source: Source, shard_hashes: dict[str, str]) -
         "kind": kind,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": {
-            "spec": source.spec,
-            "folder": str(Path(source.folder).absolute()),
+            "spec": public_name(source.spec),
             "revision": source.revision,
-            "gguf_file": source.gguf_file,
+            "gguf_file": Path(source.gguf_file).name if source.gguf_file else None,
             "model_type": source.config.get("model_type"),
             "shards_sha256": shard_hashes,
+        },
+        LOCAL_KEY: {
+            "source_spec": source.spec,
+            "source_folder": str(Path(source.folder).absolute()),
+            "gguf_path": str(Path(source.gguf_file).absolute()) if source.gguf_file else None,
         },
     }
 
