@@ -16,7 +16,7 @@ from . import __version__
 from .atomic import atomic_output_dir
 from .publish.hashes import record_output_hashes
 from .record import LOCAL_KEY, public_name
-from .source import Source, copy_side_files
+from .source import Source, copy_side_files, public_config
 from .tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
 from .threads import threads
 
@@ -60,7 +60,7 @@ def write_conversion(source: Source, reader: CheckpointReader, out: Path, planne
         bar = progress_bar(sum(t.nbytes for t in planned), progress)
         files = write_checkpoint(tmp, planned, max_shard_bytes, progress=bar.update)
         bar.close()
-        (tmp / "config.json").write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
+        (tmp / "config.json").write_text(json.dumps(public_config(new_config), indent=2, sort_keys=True) + "\n")
         for name in code_files:
             shutil.copyfile(Path(code_dir) / name, tmp / name)
         copy_side_files(source.folder, tmp)

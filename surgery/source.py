@@ -135,12 +135,43 @@ def _write_dequantized(path: Path, folder: Path) -> None:
         tokenizer.save_pretrained(tmp)
 
 
+# Keys transformers writes into tokenizer_config.json that describe the machine it ran on, not the tokenizer.
+MACHINE_TOKENIZER_KEYS = ("is_local", "local_files_only", "cache_dir", "_commit_hash")
+# config.json keys naming where a model was loaded from.
+MACHINE_CONFIG_KEYS = ("_name_or_path", "_model_name_or_path", "_commit_hash")
+
+
+def public_config(config: dict) -> dict:
+    """A config without the keys that name where it was loaded from."""
+    return {k: v for k, v in config.items() if k not in MACHINE_CONFIG_KEYS}
+
+
 def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy tokenizer, generation config and licence files; returns the names copied."""
+    """Copy tokenizer, generation config and licence files; returns the names copied.
+
+    tokenizer_config.json loses the keys that describe the machine it was saved on (MACHINE_TOKENIZER_KEYS)."""
     copied = []
     for pattern in SIDE_FILE_PATTERNS:
         for f in sorted(Path(src).glob(pattern)):
             if f.is_file() and not (Path(dst) / f.name).exists():
-                shutil.copy2(f, Path(dst) / f.name)
+                if f.name == "tokenizer_config.json":
+                    _copy_tokenizer_config(f, Path(dst) / f.name)
+                else:
+                    shutil.copy2(f, Path(dst) / f.name)
                 copied.append(f.name)
     return copied
+
+
+def _copy_tokenizer_config(src: Path, dst: Path) -> None:
+    try:
+        config = json.loads(src.read_text())
+    except (OSError, ValueError):
+        config = None
+    if not isinstance(config, dict):  # not ours to repair: copied as it is
+        shutil.copy2(src, dst)
+        return
+    name = config.get("name_or_path")
+    if isinstance(name, str) and name.startswith(("/", "~", ".")):
+        del config["name_or_path"]
+    dst.write_text(json.dumps({k: v for k, v in config.items() if k not in MACHINE_TOKENIZER_KEYS}, indent=2,
+                              ensure_ascii=False) + "\n")
