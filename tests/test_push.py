@@ -7,7 +7,10 @@ and downloads (`snapshot_download`: repo info, tree, resolve with the CDN redire
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -227,6 +230,21 @@ def test_card_with_custom_code(converted, tmp_path):
     assert {"talking-heads", "custom_code"} <= set(meta["tags"])
     assert 'from_pretrained("alice/tiny-th", trust_remote_code=True)' in card
     assert all(f"`{f}`" in card for f in v.code_files)
+    # The card's loading snippet, run as a user would (stdin open, no answer given), loads model and tokenizer
+    # without transformers stopping to ask about the custom code.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path / "th")
+    snippet = card.split("```python\n", 1)[1].split("```", 1)[0].replace("alice/tiny-th", str(tmp_path / "th"))
+    run = subprocess.run([sys.executable, "-c", snippet + "\nprint(type(model).__name__, type(tokenizer).__name__)"],
+                         cwd=tmp_path, input="", capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr
+    assert "Do you wish to run the custom code" not in run.stdout + run.stderr
+    assert "TalkingHeads" in run.stdout
 
 
 def test_card_metadata_of_the_embedded_source():

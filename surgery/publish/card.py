@@ -183,10 +183,12 @@ def usage_section(v: Validation, repo_id: str) -> list[str]:
     trust = ", trust_remote_code=True" if v.custom_code else ""
     lines = ["## How to load", "", "```python", f"from transformers import {auto}, AutoTokenizer", "",
              f'model = {auto}.from_pretrained("{repo_id}"{trust})',
-             f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")', "```", ""]
+             f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}"{trust})', "```", ""]
     if v.custom_code:
         lines.append("The attention is implemented by the modeling code shipped in this repository "
-                     f"({', '.join(f'`{c}`' for c in v.code_files)}), hence `trust_remote_code=True`.")
+                     f"({', '.join(f'`{c}`' for c in v.code_files)}), hence `trust_remote_code=True`. The tokenizer "
+                     "is a standard one: the flag on its line only keeps transformers, which reads the model's "
+                     "configuration on the way, from stopping to ask about that code.")
     elif is_causal_lm(v.config):
         lines.append("A standard architecture: no custom code, and vLLM serves it as is "
                      f"(`vllm serve {repo_id}`).")
