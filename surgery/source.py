@@ -89,16 +89,19 @@ def download(repo_id: str, revision: str | None, allow_pickle: bool) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
     patterns = HUB_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
+    # The user may have meant a local folder: say that none exists before talking about the hub.
+    local = f"no local folder or file named {repo_id} (in {Path.cwd()})"
     try:
         folder = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except RepositoryNotFoundError:
-        raise SurgeryError(f"unknown model {repo_id}: no such repository on the hub (or no access)") from None
+        raise SurgeryError(f"{local}, and no model {repo_id} on the hub (or no access to it)") from None
     except RevisionNotFoundError:
         raise SurgeryError(f"model {repo_id} has no revision {revision}") from None
     except LocalEntryNotFoundError:
-        raise SurgeryError(f"cannot download {repo_id}: the hub is unreachable and it is not cached") from None
+        raise SurgeryError(f"{local}; as a hub id it cannot be downloaded: the hub is unreachable and it is not "
+                           "cached") from None
     except (HfHubHTTPError, OSError) as e:
-        raise SurgeryError(f"cannot download {repo_id}: {str(e).splitlines()[0]}") from None
+        raise SurgeryError(f"{local}; as a hub id: {str(e).splitlines()[0]}") from None
     load_config(Path(folder))
     return Path(folder)
 
