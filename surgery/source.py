@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ class Source:
     spec: str  # what the user typed
     revision: str | None = None  # hub revision when it came from the hub
     gguf_file: str | None = None
+    prepare_seconds: float = 0.0  # time spent making the folder (dequantizing a GGUF file the first time)
 
     @property
     def config(self) -> dict:
@@ -110,9 +112,10 @@ def dequantize_gguf(path: Path, spec: str) -> Source:
     """Dequantize a GGUF file once into a cached fp32 safetensors folder (keyed by the file's hash)."""
     digest = sha256_file(path)
     folder = CACHE_DIR / "gguf" / f"{path.stem}-{digest[:16]}"
+    start = time.time()
     if not (folder / "config.json").exists():
         _write_dequantized(path, folder)
-    return Source(folder, spec, gguf_file=str(path))
+    return Source(folder, spec, gguf_file=str(path), prepare_seconds=time.time() - start)
 
 
 def _write_dequantized(path: Path, folder: Path) -> None:

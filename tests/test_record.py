@@ -47,3 +47,22 @@ def test_converted_side_files_hold_no_machine_keys(tmp_path):
     tok = json.loads((out / "tokenizer_config.json").read_text())
     assert tok == {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 128}
     assert "_model_name_or_path" not in json.loads((out / "config.json").read_text())
+
+
+def test_gguf_dequantizing_time_is_reported_once(tmp_path, monkeypatch):
+    import time
+
+    import surgery.source as source
+
+    def slow_dequantize(path, folder):
+        time.sleep(0.2)
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+
+    monkeypatch.setattr(source, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(source, "_write_dequantized", slow_dequantize)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF-not-really")
+    first, second = source.dequantize_gguf(gguf, str(gguf)), source.dequantize_gguf(gguf, str(gguf))
+    assert first.folder == second.folder
+    assert first.prepare_seconds >= 0.2 and second.prepare_seconds < 0.2
