@@ -172,7 +172,8 @@ def check(source, converted, data, text_field, tokens, seq_len, batch_size, devi
 @click.argument("checkpoints", nargs=-1, required=True)
 @click.option("--context", type=int, default=4096, show_default=True, help="Context length for per-context numbers.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def inspect(checkpoints, context, as_json):
+@click.option("--allow-pickle", is_flag=True, help="Accept pickle .bin weights (loaded with weights_only=True).")
+def inspect(checkpoints, context, as_json, allow_pickle):
     """Heads, K/V heads, parameters, KV-cache bytes and attention MACs of one or more checkpoints.
 
     With several, ratios against the first are shown.
@@ -180,7 +181,8 @@ def inspect(checkpoints, context, as_json):
     from surgery.inspect import inspect_checkpoint, print_inspection
     from surgery.source import resolve_source
 
-    stats = [inspect_checkpoint(resolve_source(c).folder, context=context, label=c) for c in checkpoints]
+    stats = [inspect_checkpoint(resolve_source(c, allow_pickle=allow_pickle).folder, context=context, label=c,
+                                allow_pickle=allow_pickle) for c in checkpoints]
     if as_json:
         click.echo(json.dumps(stats, indent=2))
     else:
@@ -232,6 +234,9 @@ def demo(out, tokens, force):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing output (and an earlier run folder).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
+@click.option("--trust-remote-code", is_flag=True, help="Run modeling code that MODEL's folder ships (auto_map); not "
+              "needed for this toolkit's own unmodified talking-heads/SwitchHead code.")
+@click.option("--trust-teacher-code", is_flag=True, help="Run modeling code that the teacher's folder ships.")
 def uptrain(model, out, **kw):
     """Continue training MODEL (a converted checkpoint, or any causal LM) for --tokens tokens.
 

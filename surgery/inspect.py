@@ -34,10 +34,11 @@ def attention_shape(config: dict) -> dict:
     return {"layers": _first(config, _KEYS["layers"]), "hidden": hidden, "heads": heads, "kv_heads": kv, "head_dim": head_dim}
 
 
-def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = None) -> dict:
+def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = None, allow_pickle: bool = False) -> dict:
+    """Pickle (.bin) weights are read only with `allow_pickle` (then with torch.load(weights_only=True)), as convert."""
     config = load_config(folder)
     shape = attention_shape(config)
-    with CheckpointReader(folder, allow_pickle=True) as reader:
+    with CheckpointReader(folder, allow_pickle=allow_pickle) as reader:
         tensors = list(reader.tensors.values())
     params = sum(t.numel for t in tensors)
     floats = [t for t in tensors if t.dtype.is_floating_point]

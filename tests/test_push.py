@@ -110,7 +110,9 @@ def test_push_uploads_through_lfs_and_downloads_back(hub, converted, tmp_path):
     assert result.returncode == 0, result.stderr
     assert TOKEN not in result.stdout + result.stderr
 
-    card = (out / "README.md").read_text()
+    assert not (out / "README.md").exists()  # the card is uploaded from memory: push writes nothing into the folder
+    back = download(hub, "alice/tiny-mqa", tmp_path / "dl")
+    card = (back / "README.md").read_text()
     assert TOKEN not in card
     meta = front_matter(card)
     assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
@@ -131,9 +133,8 @@ def test_push_uploads_through_lfs_and_downloads_back(hub, converted, tmp_path):
     repo = hub.repos["alice/tiny-mqa"]
     files = repo.commits[repo.refs["main"]].files
     assert files["model-00001-of-00003.safetensors"].lfs and not files["config.json"].lfs
-    back = download(hub, "alice/tiny-mqa", tmp_path / "dl")
     local = sorted(p.name for p in out.iterdir())
-    assert sorted(p.name for p in back.iterdir()) == sorted(local + [".gitattributes"])
+    assert sorted(p.name for p in back.iterdir()) == sorted(local + [".gitattributes", "README.md"])
     for name in local:
         assert same_bytes(out / name, back / name), name
 

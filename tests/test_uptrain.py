@@ -22,6 +22,7 @@ from surgery.convert_kv import KVOptions, convert_to_kv_heads
 from surgery.source import resolve_source
 from surgery.uptrain import UptrainOptions, uptrain
 from surgery.uptrain.losses import kd_loss, lm_loss
+from surgery.errors import SurgeryError
 from surgery.uptrain.params import select_trainable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -256,7 +257,9 @@ def test_custom_code_checkpoint_trains_its_new_parameters_and_keeps_its_code(tin
     (folder / "surgery.json").write_text(json.dumps({"kind": "test", "new_parameters": ["embed_scale"]}))
 
     out = tmp_path / "out"
-    run(folder, out, loss="lm", train="new", tokens=1024)
+    with pytest.raises(SurgeryError, match="modeling_scaled.py.*pass --trust-remote-code"):  # not without consent
+        run(folder, out, loss="lm", train="new", tokens=1024)
+    run(folder, out, loss="lm", train="new", tokens=1024, trust_remote_code=True)
     assert (out / "modeling_scaled.py").read_text() == CUSTOM_CODE
     before, after = weights(folder), weights(out)
     assert {k for k in before if not torch.equal(before[k], after[k])} == {"embed_scale"}

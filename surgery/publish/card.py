@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from ..errors import SurgeryError
 from ..inspect import _human, inspect_checkpoint
 from ..record import local_source_folder
 from .validate import Validation
@@ -101,6 +102,17 @@ def _ratio(a, b) -> str:
     return f" ({b / a:.2f}x)" if a and b is not None else ""
 
 
+def _inspect_source(folder) -> dict | None:
+    """The source's statistics for the card, when its folder is still there with safetensors weights (pickle
+    weights are not read by push: the card then shows the converted model and what surgery.json recorded)."""
+    if not folder:
+        return None
+    try:
+        return inspect_checkpoint(folder)
+    except SurgeryError:
+        return None
+
+
 def conversion_section(v: Validation, info: dict) -> list[str]:
     record = v.record or {}
     kind = record.get("kind")
@@ -119,7 +131,7 @@ def conversion_section(v: Validation, info: dict) -> list[str]:
         lines.append(f"K/V heads merged by: {MERGES.get(record['method'], record['method'])}.")
     lines.append("")
     after = inspect_checkpoint(v.folder)
-    before = inspect_checkpoint(info["folder"]) if info["folder"] else None
+    before = _inspect_source(info["folder"])
     kv = record.get("kv_heads")
     rows = [("query heads", "heads", None), ("K/V heads", "distinct_kv_heads", None), ("parameters", "parameters", ""),
             ("KV cache / token", "kv_cache_bytes_per_token", "B"),

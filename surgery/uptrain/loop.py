@@ -175,15 +175,15 @@ def run(o: UptrainOptions) -> dict:
     check_run_dir(o, trajectory)
     set_seed(o.seed)
 
-    tokenizer = model_io.load_tokenizer(source)
-    model = model_io.load_causal_lm(source, "model")
+    tokenizer = model_io.load_tokenizer(source, "model", o.trust_remote_code)
+    model = model_io.load_causal_lm(source, "model", o.trust_remote_code)
     model_io.check_seq_len(model, o.seq_len, source.spec)
     out_dtype = model_io.checkpoint_dtype(source.folder, source.config)
     teacher = None
     if objective.needs_teacher:
         t_src = model_io.teacher_source(record, o.teacher)
-        teacher = model_io.load_causal_lm(t_src, "teacher")
-        model_io.check_teacher(model, teacher, tokenizer, t_src)
+        teacher = model_io.load_causal_lm(t_src, "teacher", o.trust_teacher_code)
+        model_io.check_teacher(model, teacher, tokenizer, t_src, o.trust_teacher_code)
         teacher.requires_grad_(False)
         teacher.eval().to(acc.device)
     trainable = select_trainable(model, o.train, record)
