@@ -136,7 +136,16 @@ def test_push_uploads_through_lfs_and_downloads_back(hub, converted, tmp_path):
     local = sorted(p.name for p in out.iterdir())
     assert sorted(p.name for p in back.iterdir()) == sorted(local + [".gitattributes", "README.md"])
     for name in local:
-        assert same_bytes(out / name, back / name), name
+        if name != "surgery.json":
+            assert same_bytes(out / name, back / name), name
+    # surgery.json goes up without its machine-local part; nothing pushed names a path of this machine.
+    from surgery.record import public_record, read_record
+
+    assert read_record(back) == public_record(read_record(out)) and "local" in read_record(out)
+    for f in back.iterdir():
+        text = f.read_bytes().decode("utf-8", errors="ignore")
+        for machine_path in (str(tmp_path), str(converted), str(Path.home()), sys.prefix, os.getcwd()):
+            assert machine_path not in text, (f.name, machine_path)
 
     # private: invisible without the token
     from huggingface_hub.errors import RepositoryNotFoundError
@@ -276,7 +285,7 @@ def test_convert_pulls_a_hub_id_from_the_server(hub, tmp_path, monkeypatch):
 
     src_hash = hashlib.sha256((tmp_path / "src" / "model.safetensors").read_bytes()).hexdigest()
     assert record["source"]["shards_sha256"] == {"model.safetensors": src_hash}
-    assert Path(record["source"]["folder"]).is_relative_to(tmp_path / "hf-cache")
+    assert Path(record["local"]["source_folder"]).is_relative_to(tmp_path / "hf-cache")
 
     pinned = surgery("convert", "alice/tiny-qwen2", "--revision", commit, "--to", "gqa", "--kv-heads", "1",
                      "--out", tmp_path / "pinned", env=env)
@@ -298,3 +307,11 @@ def test_converters_record_output_hashes(tmp_path):
     assert sorted(recorded) == files
     for name, digest in recorded.items():
         assert hashlib.sha256((tmp_path / "o" / name).read_bytes()).hexdigest() == digest
+
+
+def test_push_asks_for_credentials_before_hashing_the_folder(converted, tmp_path):
+    out = fresh_copy(converted, tmp_path)
+    (out / "model-00001-of-00003.safetensors").write_bytes(b"corrupt")  # validation would refuse it
+    result = surgery("push", out, "alice/x", env={"HF_TOKEN": "", "HF_HOME": str(tmp_path / "home"),
+                                                  "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert_one_line_error(result, "no Hugging Face token")
