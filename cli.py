@@ -107,20 +107,25 @@ def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pic
             record = convert_to_kv_heads(src, out, KVOptions(kv_heads=kv_heads, method=method, **common), force=force)
         kv = record["kv_heads"]
         click.echo(f"wrote {out}: {record['kind']} ({kv['before']} -> {kv['after']} K/V heads, {method} merge) "
-                   f"in {record['seconds']:.1f}s")
+                   f"in {record['seconds']:.1f}s{_prepared(src)}")
     elif kind == "talking-heads":
         from surgery.talking_heads import convert_to_talking_heads
 
         record = convert_to_talking_heads(src, out, logits_mixing=logits_mixing, weights_mixing=weights_mixing,
                                           heads_logits=heads_logits, heads_weights=heads_weights,
                                           chunk_size=chunk_size, force=force, **common)
-        click.echo(f"wrote {out}: talking-heads in {record['seconds']:.1f}s")
+        click.echo(f"wrote {out}: talking-heads in {record['seconds']:.1f}s{_prepared(src)}")
     else:
         from surgery.switchhead import convert_to_switchhead
 
         record = convert_to_switchhead(src, out, heads=heads, experts=experts, topk=topk, calib=calib,
                                        calib_tokens=calib_tokens, force=force, **common)
-        click.echo(f"wrote {out}: switchhead in {record['seconds']:.1f}s")
+        click.echo(f"wrote {out}: switchhead in {record['seconds']:.1f}s{_prepared(src)}")
+
+
+def _prepared(src) -> str:
+    """The time spent before converting (dequantizing a GGUF file), when it was noticeable."""
+    return f" (+ {src.prepare_seconds:.1f}s dequantizing the GGUF file, cached for next time)" if src.prepare_seconds >= 1 else ""
 
 
 @cli.command()

@@ -67,7 +67,8 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
     params = sum(t.numel for t in tensors)
     floats = [t for t in tensors if t.dtype.is_floating_point]
     # The KV cache is kept in the weights' dtype: the dtype holding most parameters.
-    bytes_per_value = dtype_size(max(floats, key=lambda t: t.numel).dtype) if floats else 2
+    cache_dtype = max(floats, key=lambda t: t.numel).dtype if floats else None
+    bytes_per_value = dtype_size(cache_dtype) if cache_dtype is not None else 2
     L, h, kv, d, H = shape["layers"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["hidden"]
     kv_bytes = 2 * L * kv * d * bytes_per_value
     proj_macs = L * (H * h * d + 2 * H * kv * d + h * d * H)
@@ -91,6 +92,7 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
         "topk": topk,
         "parameters": params,
         "dtype_bytes": bytes_per_value,
+        "kv_cache_dtype": str(cache_dtype).removeprefix("torch.") if cache_dtype is not None else "unknown (2 bytes assumed)",
         "kv_cache_bytes_per_token": kv_bytes,
         "kv_cache_bytes_per_context": kv_bytes * context,
         "context": context,
@@ -133,6 +135,7 @@ def print_inspection(stats: list[dict]) -> None:
         ("experts / head (top-k)", "experts", None),
         ("parameters", "parameters", ""),
         ("parameters added by surgery", "added_parameters", ""),
+        ("KV cache dtype (the weights')", "kv_cache_dtype", None),
         ("KV cache / token", "kv_cache_bytes_per_token", "B"),
         (f"KV cache / {ctx} ctx", "kv_cache_bytes_per_context", "B"),
         ("attn MACs / token (proj)", "attention_proj_macs_per_token", ""),

@@ -16,7 +16,8 @@ from . import __version__
 from .atomic import atomic_output_dir
 from .publish.hashes import record_output_hashes
 from .errors import SurgeryError
-from .source import Source, copy_side_files, custom_code_files
+from .record import LOCAL_KEY, public_name
+from .source import Source, copy_side_files, custom_code_files, public_config
 from .tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
 from .threads import threads
 from .trust import CODE_RECORD, code_record
@@ -30,12 +31,16 @@ def conversion_record(kind: str, source: Source, shard_hashes: dict[str, str]) -
         "kind": kind,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": {
-            "spec": source.spec,
-            "folder": str(Path(source.folder).absolute()),
+            "spec": public_name(source.spec),
             "revision": source.revision,
-            "gguf_file": source.gguf_file,
+            "gguf_file": Path(source.gguf_file).name if source.gguf_file else None,
             "model_type": source.config.get("model_type"),
             "shards_sha256": shard_hashes,
+        },
+        LOCAL_KEY: {
+            "source_spec": source.spec,
+            "source_folder": str(Path(source.folder).absolute()),
+            "gguf_path": str(Path(source.gguf_file).absolute()) if source.gguf_file else None,
         },
     }
 
@@ -67,7 +72,7 @@ def write_conversion(source: Source, reader: CheckpointReader, out: Path, planne
         bar = progress_bar(sum(t.nbytes for t in planned), progress)
         files = write_checkpoint(tmp, planned, max_shard_bytes, progress=bar.update)
         bar.close()
-        (tmp / "config.json").write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
+        (tmp / "config.json").write_text(json.dumps(public_config(new_config), indent=2, sort_keys=True) + "\n")
         for name in code_files:
             shutil.copyfile(Path(code_dir) / name, tmp / name)
         for name in source_code:  # the source's custom code that the new config's auto_map still names

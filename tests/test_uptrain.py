@@ -163,7 +163,7 @@ def test_kd_is_the_default_for_a_converted_model_and_uses_its_source_as_teacher(
     kd = [m["kd_loss"] for m in metrics(out) if "kd_loss" in m]
     assert kd[0] > 1e-4 and kd[-1] < 0.8 * kd[0]  # the teacher is not the student, and the student moves to it
     record = json.loads((out / "surgery.json").read_text())
-    assert record["kind"] == "mqa" and record["source"]["folder"] == str(trained[0].absolute())  # the input's record
+    assert record["kind"] == "mqa" and record["local"]["source_folder"] == str(trained[0].absolute())  # the input's record
     assert load(out).config.num_key_value_heads == 1
 
 

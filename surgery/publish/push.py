@@ -10,10 +10,12 @@ and never printed, logged or written anywhere (error messages are scrubbed of it
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SurgeryError
+from ..record import RECORD_FILE, public_record, read_record
 from .card import MARKER, build_card, load_reports
 from .validate import validate_folder
 
@@ -59,17 +61,21 @@ def _endpoint() -> str:
 
 
 def upload_operations(folder: Path, card_text: str | None) -> list:
-    """One commit's files: everything in `folder` but hidden files and temporaries, and the generated card (from
-    memory, in place of the folder's README.md) when there is one."""
+    """One commit's files: everything in `folder` but hidden files and temporaries, the generated card (from
+    memory, in place of the folder's README.md) when there is one, and surgery.json without its machine-local
+    part (from memory: record.public_record)."""
     from huggingface_hub import CommitOperationAdd
     from huggingface_hub.utils import filter_repo_objects
 
     names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    ignore = IGNORE + (["README.md"] if card_text is not None else [])
-    ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(folder / n))
-           for n in filter_repo_objects(names, ignore_patterns=ignore)]
+    from_memory = {}
     if card_text is not None:
-        ops.append(CommitOperationAdd(path_in_repo="README.md", path_or_fileobj=card_text.encode()))
+        from_memory["README.md"] = card_text.encode()
+    if (folder / RECORD_FILE).is_file():
+        from_memory[RECORD_FILE] = (json.dumps(public_record(read_record(folder)), indent=2) + "\n").encode()
+    ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(folder / n))
+           for n in filter_repo_objects(names, ignore_patterns=IGNORE + list(from_memory))]
+    ops += [CommitOperationAdd(path_in_repo=n, path_or_fileobj=data) for n, data in from_memory.items()]
     return ops
 
 
@@ -82,9 +88,9 @@ def push_folder(folder: Path, repo_id: str, private: bool = False, revision: str
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise SurgeryError(f"repo id {repo_id!r} must be of the form owner/name")
     folder = Path(folder)
+    token = _token()  # before validating: hashing a large folder first only to learn there is no token wastes time
     validation = validate_folder(folder)
     reports = load_reports(list(check_reports))
-    token = _token()
 
     card = folder / "README.md"
     card_written = not card.exists() or MARKER in card.read_text(errors="replace")

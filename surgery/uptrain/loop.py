@@ -23,6 +23,7 @@ from ..atomic import atomic_output_dir, check_output_path
 from ..errors import SurgeryError
 from ..publish.hashes import record_output_hashes
 from ..source import resolve_source
+from ..record import local_source_folder
 from . import model_io
 from .data import cache_key, pack, read_cache, write_cache
 from .losses import Objective
@@ -86,7 +87,7 @@ def use_fsdp_on_cpu(acc) -> None:
 
 
 def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
-    teacher_known = bool(o.teacher or (record.get("source") or {}).get("spec") or (record.get("source") or {}).get("folder"))
+    teacher_known = bool(o.teacher or (record.get("source") or {}).get("spec") or local_source_folder(record))
     kind = o.loss if o.loss != "auto" else ("kd" if teacher_known else "lm")
     if kind in ("kd", "mix") and not teacher_known:
         raise SurgeryError(f"--loss {kind} needs a teacher: the input has no surgery.json naming its source; pass --teacher")

@@ -14,6 +14,7 @@ from .. import check
 from ..check import context_length, is_causal_lm
 from ..errors import SurgeryError
 from ..source import Source, copy_side_files, resolve_source
+from ..record import LOCAL_KEY, local_source_folder, public_name
 from ..trust import resolve_trust
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,9 +70,11 @@ def teacher_source(record: dict, teacher: str | None) -> Source | None:
     if teacher:
         return resolve_source(teacher)
     src = record.get("source") or {}
-    folder = src.get("folder")
-    if folder and (Path(folder) / "config.json").exists():
-        return Source(Path(folder), src.get("spec") or folder, src.get("revision"), src.get("gguf_file"))
+    folder = local_source_folder(record)
+    if folder is not None:
+        local = record.get(LOCAL_KEY) or {}
+        return Source(folder, local.get("source_spec") or src.get("spec") or str(folder), src.get("revision"),
+                      local.get("gguf_path") or src.get("gguf_file"))
     if src.get("spec"):
         return resolve_source(src["spec"], revision=src.get("revision"))
     return None
@@ -160,6 +163,7 @@ def write_record(source: Source, dst: Path, uptraining: dict) -> dict:
     if "uptraining" in record:
         record.setdefault("previous_uptraining", []).append(record["uptraining"])
     record["uptraining"] = uptraining | {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                         "input": {"spec": source.spec, "folder": str(Path(source.folder).absolute())}}
+                                         "input": {"spec": public_name(source.spec)},
+                                         LOCAL_KEY: {"input_folder": str(Path(source.folder).absolute())}}
     (dst / "surgery.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
