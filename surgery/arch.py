@@ -80,6 +80,7 @@ class ArchSpec:
     target_keys: tuple[str, ...] = ()
     # kind -> one-line reason it cannot be done; with a config key, only when that key is set (truthy)
     refusals: tuple[tuple[str, str | None, str], ...] = ()
+    rotary: bool = True  # positions rotate queries and keys (RoPE)
     encoder: bool = False
     notes: str = ""
     extra: dict = field(default_factory=dict)
@@ -90,10 +91,20 @@ class ArchSpec:
 
     # --- tensor names ----------------------------------------------------------------------------------------
     @property
+    def fused(self) -> bool:
+        """One tensor holds q, k and v (whatever its layout)."""
+        return self.layout != QKVLayout.SEPARATE or bool(self.layout_rules)
+
+    @property
     def projections(self) -> tuple[str, ...]:
-        if self.layout == QKVLayout.SEPARATE and not self.layout_rules:
+        if not self.fused:
             return tuple(p for p in (self.q, self.k, self.v, self.o) if p)
         return tuple(p for p in (self.qkv, self.o) if p)
+
+    @property
+    def query_projection(self) -> str:
+        """The projection that holds the queries (q, or the fused q/k/v)."""
+        return self.qkv if self.fused else self.q
 
     @cached_property
     def attention_pattern(self) -> str:
@@ -239,7 +250,7 @@ SPECS: list[ArchSpec] = [
              "per query head, so the output computes grouped-query attention but its KV cache is not smaller."),
     ArchSpec("gpt2", layout=QKVLayout.FUSED, layers_path="h", attention="attn", qkv="c_attn", o="c_proj",
              heads_key="n_head", kv_heads_key=None, hidden_key="n_embd", layers_key="n_layer", head_dim_key=None,
-             conv1d=True, prefix="transformer.", drop_pattern=r"(?:^|\.)attn\.(bias|masked_bias)$",
+             conv1d=True, prefix="transformer.", rotary=False, drop_pattern=r"(?:^|\.)attn\.(bias|masked_bias)$",
              mqa_flag="multi_query", target_model_type="gpt_bigcode", target_architectures=("GPTBigCodeForCausalLM",),
              target_keys=("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
                           "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon", "initializer_range",
@@ -251,7 +262,7 @@ SPECS: list[ArchSpec] = [
                         "GPT-2 with scale_attn_by_inverse_layer_idx has no GPTBigCode equivalent")),
              notes="converted into GPTBigCode (multi_query=True for MQA), a standard architecture that stores one K/V "
              "head; GPTBigCode has only MQA and MHA, so G must be 1 or the number of heads."),
-    ArchSpec("gpt_bigcode", layout=QKVLayout.FUSED, layout_rules=(("multi_query", False, QKVLayout.INTERLEAVED),),
+    ArchSpec("gpt_bigcode", layout=QKVLayout.FUSED, rotary=False, layout_rules=(("multi_query", False, QKVLayout.INTERLEAVED),),
              layers_path="h", attention="attn", qkv="c_attn", o="c_proj", heads_key="n_head", kv_heads_key=None,
              hidden_key="n_embd", layers_key="n_layer", head_dim_key=None, mqa_flag="multi_query",
              notes="multi_query=True stores [q heads | k | v]; multi_query=False stores [head, (q, k, v), head_dim]. "
@@ -265,7 +276,7 @@ SPECS: list[ArchSpec] = [
              notes="new_decoder_architecture stores [kv head, (q heads, k, v), head_dim] with num_kv_heads; the old "
              "one stores MQA (multi_query) or [head, (q, k, v), head_dim]: there G must be 1 or the number of heads"),
     ArchSpec("bert", layers_path=r"encoder\.layer", attention="attention.self", q="query", k="key", v="value", o=None,
-             encoder=True, refusals=tuple((kind, None, "encoders need modeling code that travels with the checkpoint: "
+             encoder=True, rotary=False, refusals=tuple((kind, None, "encoders need modeling code that travels with the checkpoint: "
                                           "use --to talking-heads") for kind in ("mqa/gqa mean", "mqa/gqa aligned",
                                                                                   "switchhead")),
              notes="encoder (talking-heads only)"),
