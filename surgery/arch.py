@@ -39,8 +39,10 @@ class QKNorm(str, Enum):
 
 KINDS = ("mqa/gqa mean", "mqa/gqa aligned", "talking-heads", "switchhead")
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra")
-ATTENTION_INTERFACE = ("computes attention itself, not through transformers' attention interface, which {kind} "
-                       "needs to see (and, for talking-heads, mix) the heads")
+_OWN_ATTENTION = "{} computes attention itself, not through transformers' attention interface: {}"
+_NEEDS_INTERFACE = {"mqa/gqa aligned": "the aligned merge cannot record its queries and keys",
+                    "talking-heads": "talking-heads cannot mix its heads",
+                    "switchhead": "SwitchHead cannot attend in its place"}
 
 
 @dataclass(frozen=True)
@@ -271,8 +273,8 @@ SPECS: list[ArchSpec] = [
              layout_rules=(("new_decoder_architecture", True, QKVLayout.GROUPED), ("multi_query", True, QKVLayout.FUSED)),
              layers_path="h", attention="self_attention", qkv="query_key_value", o="dense", kv_heads_key="num_kv_heads",
              head_dim_key=None, mqa_flag="multi_query",
-             refusals=tuple((kind, None, "FalconAttention " + ATTENTION_INTERFACE.format(kind=kind))
-                            for kind in ("mqa/gqa aligned", "talking-heads", "switchhead")),
+             refusals=tuple((kind, None, _OWN_ATTENTION.format("FalconAttention", why))
+                            for kind, why in _NEEDS_INTERFACE.items()),
              notes="new_decoder_architecture stores [kv head, (q heads, k, v), head_dim] with num_kv_heads; the old "
              "one stores MQA (multi_query) or [head, (q, k, v), head_dim]: there G must be 1 or the number of heads"),
     ArchSpec("bert", layers_path=r"encoder\.layer", attention="attention.self", q="query", k="key", v="value", o=None,
@@ -325,27 +327,39 @@ def qkv_layout(spec: ArchSpec, config: dict) -> QKVLayout:
     return spec.qkv_layout(config)
 
 
-def support_table() -> list[tuple[str, dict[str, str]]]:
-    """(model_type, {kind: "yes" or the reason it is refused}) for every family, with its default config."""
+def _layout_text(spec: ArchSpec) -> str:
+    if not spec.fused:
+        return "/".join(p for p in (spec.q, spec.k, spec.v, spec.o) if p)
+    layouts = [spec.layout.value] + [f"{layout.value} if {key}={value}" for key, value, layout in spec.layout_rules]
+    return f"{spec.qkv} ({', '.join(layouts)}) + {spec.o}" + (", Conv1D" if spec.conv1d else "")
+
+
+def support_table() -> list[dict[str, str]]:
+    """One row per model_type: its layout, q/k norm, and for every kind "yes" or the one-line reason it is refused
+    (with the family's default config; refusals that depend on a config key are listed by `conditional_refusals`)."""
     rows = []
     for spec in sorted(SPECS, key=lambda s: s.name):
         for model_type in spec.model_types:
-            rows.append((model_type, {kind: spec.refusal(kind) or "yes" for kind in KINDS}))
+            norm = spec.qk_norm.value + (f" (when {spec.qk_norm_switch})" if spec.qk_norm_switch else "")
+            rows.append({"model_type": model_type, "attention": _layout_text(spec), "q/k norm": norm}
+                        | {kind: spec.refusal(kind) or "yes" for kind in KINDS})
     return rows
 
 
+def conditional_refusals() -> list[str]:
+    return [f"{spec.name}: {kind} refused when `{key}` is set ({reason})"
+            for spec in sorted(SPECS, key=lambda s: s.name) for kind, key, reason in spec.refusals if key is not None]
+
+
 def support_markdown() -> str:
-    """The families x kinds table, as README shows it (`surgery convert --list` prints the same)."""
-    lines = ["| model_type | " + " | ".join(KINDS) + " |", "|" + "---|" * (len(KINDS) + 1)]
-    conditional = {}
-    for spec in SPECS:
-        for kind, key, reason in spec.refusals:
-            if key is not None:
-                conditional.setdefault(spec.name, []).append(f"{kind} refused when `{key}` is set")
-    for model_type, kinds in support_table():
-        cells = ["yes" if v == "yes" else "no: " + v.replace("|", "/") for v in kinds.values()]
-        lines.append(f"| {model_type} | " + " | ".join(cells) + " |")
-    if conditional:
-        lines.append("")
-        lines.extend(f"- {name}: " + "; ".join(items) for name, items in sorted(conditional.items()))
+    """The families x kinds table, as `surgery convert --list` prints it and README shows it."""
+    rows = support_table()
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [v if v == "yes" or c not in KINDS else "no: " + v for c, v in row.items()]
+        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
+    counts = ", ".join(f"{kind} {sum(row[kind] == 'yes' for row in rows)}" for kind in KINDS)
+    lines += ["", f"model_types supported: {counts}."]
+    lines += [""] + [f"- {line}" for line in conditional_refusals()]
     return "\n".join(lines) + "\n"

@@ -128,7 +128,7 @@ def test_clusters_tensors_and_record(llama, tmp_path, qk_merge, refit):
     config = json.loads((out / "config.json").read_text())
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 4, 8)
     assert config["switchhead"] == {"heads": 4, "experts": 2, "topk": 1, "head_dim": 8, "source_heads": 8,
-                                    "source_kv_heads": 4}
+                                    "source_kv_heads": 4, "bias": {"q": False, "k": False, "v": False, "o": False}}
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_switchhead.SwitchHeadLlamaForCausalLM"
     # the uptraining contract: the patterns select exactly the routers of the loaded model
     names = [n for n, _ in load(out).named_parameters()]
@@ -370,11 +370,11 @@ def test_bad_sources(llama, tmp_path):
     convert(llama, tmp_path / "sh", 8, 1, 1)
     with pytest.raises(SurgeryError, match="already a SwitchHead checkpoint"):
         convert(tmp_path / "sh", tmp_path / "again", 8, 1, 1)
-    tm.make_tiny("phi3", tmp_path / "phi3")
-    with pytest.raises(SurgeryError, match="unsupported architecture 'phi3'"):
-        convert(tmp_path / "phi3", tmp_path / "phi-sh", 4, 1, 1)
+    tm.make_tiny("olmo2", tmp_path / "olmo2")  # a family SwitchHead refuses, in one line
+    with pytest.raises(SurgeryError, match="olmo2: q/k norms over the whole projection couple all heads"):
+        convert(tmp_path / "olmo2", tmp_path / "olmo2-sh", 4, 1, 1)
     no_tokenizer = tmp_path / "bare"
     tm.make_tiny("llama", no_tokenizer)
     with pytest.raises(SurgeryError, match="calibration needs the source's tokenizer"):
         convert(no_tokenizer, tmp_path / "bare-sh", 4, 2, 1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "phi3", "sh"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "olmo2", "sh"]
