@@ -319,7 +319,8 @@ def spec_for(config: dict, kind: str = "mqa/gqa mean") -> ArchSpec:
                            f"{', '.join(supported_model_types(kind))}")
     reason = spec.refusal(kind, config)
     if reason:
-        raise SurgeryError(f"{model_type}: {reason}")
+        raise SurgeryError(f"{kind} cannot convert {model_type!r}: {reason}; supported: "
+                           f"{', '.join(supported_model_types(kind))}")
     return spec
 
 

@@ -450,7 +450,8 @@ def test_bad_options_are_refused_and_nothing_is_written(options, message, tmp_pa
 
 @pytest.mark.parametrize("model_type,message", [
     ("mamba", "unsupported architecture 'mamba' for talking-heads; supported: "),
-    ("falcon", "falcon: FalconAttention computes attention itself, not through transformers' attention interface"),
+    ("falcon", "cannot convert 'falcon': FalconAttention computes attention itself, not through transformers' "
+               "attention interface"),
 ])
 def test_unsupported_architecture_names_the_supported_ones(model_type, message, tmp_path):
     (tmp_path / "src").mkdir()

@@ -4,6 +4,7 @@ SwitchHead can convert it, is the family's `ArchSpec`."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -149,3 +150,29 @@ def check_attention_shapes(reader: CheckpointReader, family: Family, layers: dic
             if tuple(got) != shape:
                 raise SurgeryError(f"tensor {names[key]} of shape {list(got)} does not match config.json "
                                    f"({heads} heads, {kv_heads} K/V heads of {head_dim}, hidden {hidden})")
+
+
+# --- the same projections in a loaded source model (calibration) ------------------------------------------------
+def model_attention_modules(model: torch.nn.Module, family: Family, layers: int) -> list[torch.nn.Module]:
+    """The loaded source model's self-attention modules, by layer, found where the spec says they live."""
+    spec = family.spec
+    pattern = re.compile(rf"(?:.*\.)?(?:{spec.layers_path})\.(\d+)\.{re.escape(spec.attention)}")
+    found = {int(m.group(1)): module for name, module in model.named_modules() if (m := pattern.fullmatch(name))}
+    if sorted(found) != list(range(layers)):
+        raise SurgeryError(f"found self-attention modules for layers {sorted(found)[:8]}..., expected {layers}")
+    return [found[i] for i in range(layers)]
+
+
+def module_value_output(attn: torch.nn.Module, family: Family, config: dict
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.nn.Module]:
+    """(V (kv*d, D), V bias, O (D, h*d), output module) of a loaded attention module, as (out, in) matrices."""
+    spec = family.spec
+    weight = lambda m: m.weight.T if spec.conv1d else m.weight  # noqa: E731
+    out = attn.get_submodule(spec.o)
+    if not family.fused:
+        v = attn.get_submodule(spec.v)
+        return weight(v), v.bias, weight(out), out
+    qkv = attn.get_submodule(spec.qkv)
+    shape = (spec.heads(config), spec.kv_heads(config), spec.head_dim(config))
+    v_bias = split_qkv(qkv.bias, family.layout, *shape)[2] if qkv.bias is not None else None
+    return split_qkv(weight(qkv), family.layout, *shape)[2], v_bias, weight(out), out

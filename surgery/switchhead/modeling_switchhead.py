@@ -52,6 +52,15 @@ def self_attention_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Mo
     return found
 
 
+_PROJECTIONS = {"q": ("q_proj", "qkv_proj", "query_key_value", "c_attn"),
+                "v": ("v_proj", "qkv_proj", "query_key_value", "c_attn"), "o": ("o_proj", "dense", "c_proj")}
+
+
+def _has_bias(base: nn.Module, names: tuple[str, ...]) -> bool:
+    module = next((getattr(base, n) for n in names if getattr(base, n, None) is not None), None)
+    return getattr(module, "bias", None) is not None
+
+
 def _uses_rope(base: nn.Module) -> bool:
     """Whether the source layer rotates queries and keys (some families leave some layers without RoPE)."""
     if hasattr(base, "use_rope"):  # SmolLM3's no_rope_layers
@@ -208,10 +217,8 @@ class SwitchHeadAttention(nn.Module):
             self.scaling = base.scaling
             dropout = getattr(base, "attention_dropout", getattr(base, "attn_pdrop", 0.0))
             self.attention_dropout = dropout.p if isinstance(dropout, nn.Dropout) else float(dropout or 0.0)
-        if bias is None:  # checkpoints written before the converter recorded the biases
-            gpt2 = hasattr(base, "c_attn")
-            bias = {"q": gpt2 or base.q_proj.bias is not None, "v": gpt2 or base.v_proj.bias is not None,
-                    "o": gpt2 or base.o_proj.bias is not None}
+        if bias is None:  # checkpoints written before the converter recorded the biases, and calibration
+            bias = {side: _has_bias(base, names) for side, names in _PROJECTIONS.items()}
         qk_bias, v_bias, o_bias = bias["q"], bias["v"], bias["o"]
         dropout = getattr(base, "resid_dropout", None)
         if dropout is None and isinstance(getattr(base, "residual_dropout", None), float):
