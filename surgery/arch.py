@@ -16,7 +16,7 @@ Kinds keep only what is theirs (modeling class names, `auto_map`). A family with
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
 
@@ -85,7 +85,6 @@ class ArchSpec:
     rotary: bool = True  # positions rotate queries and keys (RoPE)
     encoder: bool = False
     notes: str = ""
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.model_types:
@@ -200,6 +199,8 @@ _DEFAULTS = {("gpt_bigcode", "multi_query"): True, ("falcon", "multi_query"): Tr
 
 _WHOLE_NORM = ("q/k norms over the whole projection couple all heads (one RMS over every K head); "
                "{} regroups heads one by one and cannot carry that norm")
+_CLIP_QKV = "SwitchHead sums value experts and cannot clamp their sum as OLMo's clip_qkv clamps v_proj"
+_ENCODER = "encoders need modeling code that travels with the checkpoint: use --to talking-heads"
 _NO_PER_HEAD_NORM = "{} cannot regroup q/k norms that give each head its own weight ({})"
 
 SPECS: list[ArchSpec] = [
@@ -215,8 +216,7 @@ SPECS: list[ArchSpec] = [
     ArchSpec("gemma"),
     ArchSpec("gemma2", notes="logit softcap, sliding-window layers"),
     ArchSpec("gemma3_text", qk_norm=QKNorm.HEAD_DIM, notes="sliding and global layers, per-head q/k norms"),
-    ArchSpec("olmo", refusals=(("switchhead", "clip_qkv", "SwitchHead sums value experts and cannot clamp their "
-                                "sum as OLMo's clip_qkv clamps v_proj"),)),
+    ArchSpec("olmo", refusals=(("switchhead", "clip_qkv", _CLIP_QKV),)),
     ArchSpec("olmo2", qk_norm=QKNorm.WHOLE, refusals=(("mqa/gqa aligned", None, _WHOLE_NORM.format("the aligned merge")),
                                                       ("switchhead", None, _WHOLE_NORM.format("SwitchHead"))),
              notes="q/k norms over the whole projection: mean pooling averages the K norm's weight over each group"),
@@ -278,9 +278,8 @@ SPECS: list[ArchSpec] = [
              notes="new_decoder_architecture stores [kv head, (q heads, k, v), head_dim] with num_kv_heads; the old "
              "one stores MQA (multi_query) or [head, (q, k, v), head_dim]: there G must be 1 or the number of heads"),
     ArchSpec("bert", layers_path=r"encoder\.layer", attention="attention.self", q="query", k="key", v="value", o=None,
-             encoder=True, rotary=False, refusals=tuple((kind, None, "encoders need modeling code that travels with the checkpoint: "
-                                          "use --to talking-heads") for kind in ("mqa/gqa mean", "mqa/gqa aligned",
-                                                                                  "switchhead")),
+             encoder=True, rotary=False,
+             refusals=tuple((kind, None, _ENCODER) for kind in ("mqa/gqa mean", "mqa/gqa aligned", "switchhead")),
              notes="encoder (talking-heads only)"),
 ]
 

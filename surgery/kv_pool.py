@@ -68,8 +68,7 @@ def split_qkv(t: torch.Tensor, layout: QKVLayout, heads: int, kv_heads: int, hea
         return tuple(per_head[:, i].reshape(heads * head_dim, *t.shape[1:]) for i in range(3))
     if layout == QKVLayout.GROUPED:
         per_group = t.reshape(kv_heads, heads // kv_heads + 2, head_dim, *t.shape[1:])
-        flat = lambda x: x.reshape(-1, *t.shape[1:])  # noqa: E731
-        return flat(per_group[:, :-2]), flat(per_group[:, -2]), flat(per_group[:, -1])
+        return tuple(x.reshape(-1, *t.shape[1:]) for x in (per_group[:, :-2], per_group[:, -2], per_group[:, -1]))
     raise ValueError(f"{layout} is not a fused layout")
 
 

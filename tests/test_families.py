@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import tiny_models as tm
 import torch
 import transformers as tf
+from test_merge_convert import char_tokenizer
 
-import tiny_models as tm
 from surgery import arch
 from surgery.arch import ArchSpec, register, support_markdown, unregister
 from surgery.convert_kv import KVOptions, convert_to_kv_heads
@@ -21,14 +22,14 @@ from surgery.merge import convert_aligned
 from surgery.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
 from surgery.talking_heads import convert_to_talking_heads
-from test_merge_convert import char_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TYPE = "seed_oss"  # a Llama-like family transformers has and the registry does not
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          check=False)
 
 
 @pytest.fixture
@@ -116,7 +117,7 @@ def test_list_prints_the_table_and_readme_has_the_same():
     assert run.returncode == 0, run.stderr
     assert run.stdout == support_markdown()
     readme = (REPO / "README.md").read_text()
-    block = re.search(r"<!-- families:begin -->\n(.*?)<!-- families:end -->", readme, re.S)
+    block = re.search(r"<!-- families:begin -->\n(.*?)<!-- families:end -->", readme, re.DOTALL)
     assert block and block.group(1) == run.stdout, "README's table is stale: paste `surgery convert --list` into it"
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and not line.startswith("| model_type")]
     columns = run.stdout.splitlines()[0].strip("| ").split(" | ")

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 import tiny_models as tm
-from surgery.arch import find_spec
 from surgery.convert_kv import KVOptions, convert_to_kv_heads
 from surgery.merge import convert_aligned
 from surgery.source import resolve_source
@@ -61,7 +60,7 @@ def aligned(src: Path, out: Path, kv_heads: int, **kw) -> dict:
 
 
 # every family the aligned merge converts (the others refuse in one line: see test_refused_families_say_why)
-ALIGNED = [a for a in tm.ARCHS if find_spec(tm.ARCHS[a]().model_type).refusal("mqa/gqa aligned") is None]
+ALIGNED = [a for a in tm.ARCHS if tm.refused(a, "mqa/gqa aligned") is None]
 # the fewest K/V heads each architecture's grouped target allows (1 unless said here)
 TARGET = {a: {"mistral": 2, "phi3": 2, "gpt_neox": 2}.get(a, 1) for a in ALIGNED if a != "gpt_bigcode_mq"}
 

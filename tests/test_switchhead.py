@@ -16,7 +16,6 @@ import transformers as tf
 from safetensors.torch import load_file
 
 import tiny_models as tm
-from surgery.arch import find_spec
 from surgery.errors import SurgeryError
 from surgery.inspect import inspect_checkpoint
 from surgery.source import resolve_source
@@ -27,7 +26,7 @@ from surgery.uptrain.params import new_parameter_names
 
 REPO = Path(__file__).resolve().parents[1]
 # every family SwitchHead converts (the others refuse in one line: see test_refused_families_say_why)
-EXACT_ARCHS = [a for a in tm.ARCHS if find_spec(tm.ARCHS[a]().model_type).refusal("switchhead") is None]
+EXACT_ARCHS = [a for a in tm.ARCHS if tm.refused(a, "switchhead") is None]
 
 
 def tiny_tokenizer(vocab: int = tm.VOCAB):

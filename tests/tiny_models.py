@@ -10,10 +10,10 @@ import transformers as tf
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=128)
 
-SLIDING = dict(sliding_window=6, layer_types=["sliding_attention", "full_attention"])
-GQA = dict(num_attention_heads=4, num_key_value_heads=2)
-TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
-MOE = dict(num_experts=2, num_experts_per_tok=1)
+SLIDING = {"sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"]}
+GQA = {"num_attention_heads": 4, "num_key_value_heads": 2}
+TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # inside the tiny vocabulary
+MOE = {"num_experts": 2, "num_experts_per_tok": 1}
 
 
 def _cfg(name: str, **kw):
@@ -46,6 +46,7 @@ ARCHS = {
     "granite": _cfg("GraniteConfig", **GQA, attention_multiplier=0.2, embedding_multiplier=2.0,
                     residual_multiplier=0.5, logits_scaling=2.0),
     "cohere": _cfg("CohereConfig", **GQA, logit_scale=0.5),
+    "cohere_qk": _cfg("CohereConfig", **GQA, use_qk_norm=True),  # K norm with a weight per head: pooled too
     "cohere2": _cfg("Cohere2Config", **GQA, **SLIDING),
     "helium": _cfg("HeliumConfig", **GQA, head_dim=16),
     "glm": _cfg("GlmConfig", **GQA, attention_bias=True),
@@ -63,6 +64,14 @@ ARCHS = {
                                       num_kv_heads=2, new_decoder_architecture=True, bias=True,
                                       max_position_embeddings=128),
 }
+
+
+def refused(arch: str, kind: str) -> str | None:
+    """Why `kind` refuses this tiny model (its family and config), or None."""
+    from surgery.arch import find_spec
+
+    config = ARCHS[arch]().to_dict()
+    return find_spec(config["model_type"]).refusal(kind, config)
 
 
 def kv_heads_of(config) -> int:

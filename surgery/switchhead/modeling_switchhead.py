@@ -356,7 +356,7 @@ def switchhead_model_class(name: str) -> type:
         return cls
     base = getattr(transformers, name[len(CLASS_PREFIX):], None) if name.startswith(CLASS_PREFIX) else None
     if not isinstance(base, type) or not issubclass(base, nn.Module):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # noqa: TRY004 (module __getattr__)
     config_class = switchhead_config_class(CLASS_PREFIX + base.config_class.__name__)
     cls = type(name, (SwitchHeadMixin, base), {"config_class": config_class, "__module__": __name__})
     _share_weight_conversions(name, base)

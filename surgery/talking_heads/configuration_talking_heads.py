@@ -41,7 +41,7 @@ def talking_heads_config_class(name: str) -> type:
         return cls
     base = getattr(transformers, name[len(CLASS_PREFIX):], None) if name.startswith(CLASS_PREFIX) else None
     if not isinstance(base, type) or not issubclass(base, transformers.PretrainedConfig):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # noqa: TRY004 (module __getattr__)
     cls = type(name, (base,), {"model_type": f"talking_heads_{base.model_type}", "__module__": __name__})
     globals()[name] = cls
     return cls

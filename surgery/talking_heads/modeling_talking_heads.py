@@ -33,15 +33,18 @@ head spans several source heads and gets their mean; the model is then no longer
 
 from __future__ import annotations
 
-import transformers
 import torch
+import transformers
 from torch import nn
 from transformers import initialization as hf_init
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 from transformers.utils import logging
 
-from .configuration_talking_heads import TALKING_HEADS_DEFAULTS, talking_heads_config_class
+from .configuration_talking_heads import (
+    TALKING_HEADS_DEFAULTS,
+    talking_heads_config_class,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -288,7 +291,7 @@ def talking_heads_model_class(name: str) -> type:
         return cls
     base = getattr(transformers, name[len(CLASS_PREFIX):], None) if name.startswith(CLASS_PREFIX) else None
     if not isinstance(base, type) or not issubclass(base, nn.Module):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # noqa: TRY004 (module __getattr__)
     config_class = talking_heads_config_class(CLASS_PREFIX + base.config_class.__name__)
     cls = type(name, (TalkingHeadsMixin, base), {"config_class": config_class, "__module__": __name__})
     _share_weight_conversions(name, base)
