@@ -45,7 +45,9 @@ class Family:
 
     @property
     def rotary(self) -> bool:
-        return self.spec.rotary
+        """Whether query-key sub-heads must first order each head's dims as rotation pairs (i, i + d/2): half-split
+        RoPE only (interleaved pairs (2i, 2i + 1) are already adjacent)."""
+        return self.spec.rotary and self.spec.rotary_pairs == "half"
 
     def auto_map(self) -> dict[str, str]:
         auto = {"AutoConfig": f"configuration_talking_heads.{self.config_class}"}
