@@ -32,7 +32,17 @@ def cli() -> None:
     """
 
 
+def _print_families(ctx: click.Context, param, value) -> None:
+    if value and not ctx.resilient_parsing:
+        from surgery.arch import support_markdown
+
+        click.echo(support_markdown(), nl=False)
+        ctx.exit(0)
+
+
 @cli.command()
+@click.option("--list", "list_families", is_flag=True, is_eager=True, expose_value=False, callback=_print_families,
+              help="Print which model_types each kind converts (or why not), and exit.")
 @click.argument("source")
 @click.option("--to", "kind", type=click.Choice(["mqa", "gqa", "talking-heads", "switchhead"]), required=True,
               help="Target attention.")

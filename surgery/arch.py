@@ -1,16 +1,24 @@
-"""Architecture specs as data: where each model type keeps its attention projections, and how heads are laid out.
+"""Architecture specs as data: one entry per family answers every structural question every kind of surgery asks.
 
 A spec answers, from `config.json` and tensor names alone (no model is built):
-- which tensors are attention projections (q/k/v/o, fused or separate) and which layer they belong to;
-- how query, key and value heads are laid out inside them;
-- how many heads, K/V heads and head_dim the checkpoint has, and which config keys say so.
+- where attention lives: the layer container (`model.layers.N`), the attention module inside a layer (`self_attn`),
+  its projections (q/k/v/o, or one fused q/k/v tensor) and the module path prefix old checkpoints lack;
+- how query, key and value heads are laid out in a fused tensor, as a function of the config (`layout_rules`);
+- which tensors are Conv1D (stored (in, out)) and which are buffers to drop;
+- which config keys hold the head counts, and how the MQA/GQA target config is rewritten;
+- where q/k norms sit and over what (each head's dims with one shared weight, each head with its own weight, or
+  the whole projection), and which kinds that rules out, with the one-line reason (`refusal`).
+
+Kinds keep only what is theirs (modeling class names, `auto_map`). A family with a Llama-like layout is one entry:
+`register(ArchSpec("mytype"))`; the MQA/GQA converter (mean and aligned), talking-heads and SwitchHead all read it.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 from .errors import SurgeryError
 
@@ -19,48 +27,137 @@ class QKVLayout(str, Enum):
     SEPARATE = "separate"  # q_proj, k_proj, v_proj: rows are [heads, head_dim]
     FUSED = "fused"  # one tensor, rows [q heads | k heads | v heads]
     INTERLEAVED = "interleaved"  # one tensor, rows [head, (q, k, v), head_dim] (GPT-NeoX, GPTBigCode MHA)
+    GROUPED = "grouped"  # one tensor, rows [kv head, (its q heads..., k, v), head_dim] (Falcon's new architecture)
+
+
+class QKNorm(str, Enum):
+    NONE = "none"
+    HEAD_DIM = "per head, one weight shared by all heads"  # Qwen3, Gemma3: RMSNorm(head_dim)
+    PER_HEAD = "per head, each head its own weight"  # Cohere's use_qk_norm: LayerNorm((heads, head_dim))
+    WHOLE = "over the whole projection"  # OLMo2, OLMoE: RMSNorm(heads * head_dim)
+
+
+KINDS = ("mqa/gqa mean", "mqa/gqa aligned", "talking-heads", "switchhead")
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra")
+_OWN_ATTENTION = "{} computes attention itself, not through transformers' attention interface: {}"
+_NEEDS_INTERFACE = {"mqa/gqa aligned": "the aligned merge cannot record its queries and keys",
+                    "talking-heads": "talking-heads cannot mix its heads",
+                    "switchhead": "SwitchHead cannot attend in its place"}
 
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """How one family of `model_type`s stores its attention."""
+    """How one family of `model_type`s stores its attention. The defaults describe Llama."""
 
     name: str
-    model_types: tuple[str, ...]
-    layout: QKVLayout
-    # Regex over checkpoint tensor names; group "layer" is the layer index, group "proj" the projection name.
-    attention_pattern: str
-    q: str = "q_proj"
-    k: str = "k_proj"
-    v: str = "v_proj"
-    o: str = "o_proj"
-    qkv: str = "qkv_proj"  # the fused tensor's projection name (FUSED / INTERLEAVED)
+    model_types: tuple[str, ...] = ()  # empty: (name,)
+    layout: QKVLayout = QKVLayout.SEPARATE
+    # (config key, value, layout): the first rule whose key has that value picks the layout of the fused tensor
+    layout_rules: tuple[tuple[str, object, QKVLayout], ...] = ()
+    layers_path: str = "layers"  # the layer container, a regex over module names (`h`, `encoder.layer`)
+    attention: str = "self_attn"  # the self-attention module inside one layer
+    q: str | None = "q_proj"  # projections, inside the attention module
+    k: str | None = "k_proj"
+    v: str | None = "v_proj"
+    o: str | None = "o_proj"
+    qkv: str = "qkv_proj"  # the fused tensor's projection (non-SEPARATE layouts)
     heads_key: str = "num_attention_heads"
     kv_heads_key: str | None = "num_key_value_heads"  # None: the architecture has no such config key
     hidden_key: str = "hidden_size"
     layers_key: str = "num_hidden_layers"
     head_dim_key: str | None = "head_dim"
-    # Conv1D weights stored (in, out) that a Linear-based target stores (out, in).
-    conv1d_pattern: str | None = None
-    # Tensors that are buffers, not weights, in some old checkpoints.
-    drop_pattern: str | None = None
+    conv1d: bool = False  # every Linear-like weight is a Conv1D stored (in, out) (GPT-2)
+    prefix: str = ""  # module path prefix the in-memory model has and old checkpoints lack (GPT-2: "transformer.")
+    drop_pattern: str | None = None  # tensors that are buffers, not weights, in some old checkpoints
+    qk_norm: QKNorm = QKNorm.NONE
+    qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
+    qk_norm_switch: str | None = None  # config key that turns the q/k norms on (None: always there)
+    # MQA/GQA target when there is no K/V head key: the flag that stores one K/V head (GPTBigCode's multi_query),
+    # or nothing, and the K/V heads are stored repeated once per query head (GPT-NeoX)
+    mqa_flag: str | None = None
+    # the target of MQA/GQA, when it is another architecture (GPT-2 -> GPTBigCode): model_type, architectures and
+    # config keys kept
+    target_model_type: str | None = None
+    target_architectures: tuple[str, ...] = ()
+    target_keys: tuple[str, ...] = ()
+    # kind -> one-line reason it cannot be done; with a config key, only when that key is set (truthy)
+    refusals: tuple[tuple[str, str | None, str], ...] = ()
+    rotary: bool = True  # positions rotate queries and keys (RoPE)
+    rotary_pairs: str = "half"  # dims a rotation pairs: (i, i + rot/2) ("half") or (2i, 2i + 1) ("interleaved")
+    encoder: bool = False
     notes: str = ""
-    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.model_types:
+            object.__setattr__(self, "model_types", (self.name,))
+
+    # --- tensor names ----------------------------------------------------------------------------------------
+    @property
+    def fused(self) -> bool:
+        """One tensor holds q, k and v (whatever its layout)."""
+        return self.layout != QKVLayout.SEPARATE or bool(self.layout_rules)
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        if not self.fused:
+            return tuple(p for p in (self.q, self.k, self.v, self.o) if p)
+        return tuple(p for p in (self.qkv, self.o) if p)
+
+    @property
+    def query_projection(self) -> str:
+        """The projection that holds the queries (q, or the fused q/k/v)."""
+        return self.qkv if self.fused else self.q
+
+    @cached_property
+    def attention_pattern(self) -> str:
+        """Regex over tensor names: groups "module" (the attention module), "layer", "proj" and "param"."""
+        procs = "|".join(re.escape(p) for p in self.projections)
+        return (rf"(?P<module>(?:.*\.)?(?P<layers>{self.layers_path})\.(?P<layer>\d+)\.{re.escape(self.attention)})"
+                rf"\.(?P<proj>{procs})\.(?P<param>weight|bias)$")
+
+    @cached_property
+    def _regex(self) -> re.Pattern:
+        return re.compile(self.attention_pattern)
 
     def match(self, name: str) -> tuple[int, str, str] | None:
         """(layer, projection, 'weight'|'bias') for an attention projection tensor, else None."""
-        m = re.search(self.attention_pattern, name)
-        if not m:
-            return None
-        return int(m.group("layer")), m.group("proj"), m.group("param")
+        m = self._regex.search(name)
+        return (int(m.group("layer")), m.group("proj"), m.group("param")) if m else None
 
-    # --- reading head counts from config.json -------------------------------------------------
+    def locate(self, name: str) -> tuple[str, int, str, str] | None:
+        """(attention module, layer, projection, param) for an attention projection tensor, else None."""
+        m = self._regex.search(name)
+        return (m.group("module"), int(m.group("layer")), m.group("proj"), m.group("param")) if m else None
+
+    def layer_path(self, name: str) -> str | None:
+        """The decoder layer's module path (e.g. `model.layers.3`) of an attention tensor or module name."""
+        m = re.search(rf"^(.*?(?:^|\.)(?:{self.layers_path})\.\d+)\.{re.escape(self.attention)}(?:\.|$)", name)
+        return m.group(1) if m else None
+
+    @property
+    def conv1d_pattern(self) -> str | None:
+        """Conv1D weights stored (in, out) that a Linear-based target stores (out, in)."""
+        return r"(?:^|\.)h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$" if self.conv1d else None
+
+    def norm_pattern(self, which: str) -> str:
+        """Regex over tensor names for the q (`which`="q") or k norm's parameters; group "module", "layer"."""
+        name = self.qk_norm_names[0 if which == "q" else 1]
+        return (rf"(?P<module>(?:.*\.)?(?:{self.layers_path})\.(?P<layer>\d+)\.{re.escape(self.attention)})"
+                rf"\.{re.escape(name)}\.(?P<param>weight|bias)$")
+
+    def out_name(self, name: str) -> str:
+        """The name a tensor has in the in-memory model (old checkpoints lack the prefix)."""
+        if self.prefix and not name.startswith((self.prefix, "lm_head.")):
+            return self.prefix + name
+        return name
+
+    # --- reading config.json --------------------------------------------------------------------------------
     def heads(self, config: dict) -> int:
         return int(config[self.heads_key])
 
     def kv_heads(self, config: dict) -> int:
-        if self.name == "gpt_bigcode":
-            return 1 if config.get("multi_query", True) else self.heads(config)
+        if self.mqa_flag and self.qkv_layout(config) == QKVLayout.FUSED and self.flag(config, self.mqa_flag):
+            return 1
         if self.kv_heads_key and config.get(self.kv_heads_key) is not None:
             return int(config[self.kv_heads_key])
         return self.heads(config)
@@ -70,96 +167,204 @@ class ArchSpec:
             return int(config[self.head_dim_key])
         return int(config[self.hidden_key]) // self.heads(config)
 
+    def hidden(self, config: dict) -> int:
+        return int(config[self.hidden_key])
+
     def layers(self, config: dict) -> int:
         return int(config[self.layers_key])
 
+    def flag(self, config: dict, key: str):
+        """A config value, with transformers' default for this family when config.json leaves it out."""
+        return config.get(key, _DEFAULTS.get((self.name, key)))
 
-_LLAMA_ATTN = r"layers\.(?P<layer>\d+)\.self_attn\.(?P<proj>[qkvo]_proj)\.(?P<param>weight|bias)$"
+    def qkv_layout(self, config: dict) -> QKVLayout:
+        for key, value, layout in self.layout_rules:
+            if self.flag(config, key) == value:
+                return layout
+        return self.layout
 
-SPECS: tuple[ArchSpec, ...] = (
-    ArchSpec(
-        name="llama",
-        model_types=("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2"),
-        layout=QKVLayout.SEPARATE,
-        attention_pattern=_LLAMA_ATTN,
-        notes="q/k/v/o_proj per layer; Qwen2 has q/k/v biases; Qwen3 and Gemma2 q/k norms act per head_dim and "
-        "are shared by all heads, so they carry over unchanged.",
-    ),
-    ArchSpec(
-        name="phi3",
-        model_types=("phi3",),
-        layout=QKVLayout.FUSED,
-        attention_pattern=r"layers\.(?P<layer>\d+)\.self_attn\.(?P<proj>qkv_proj|o_proj)\.(?P<param>weight|bias)$",
-        notes="qkv_proj rows are [q heads | k heads | v heads].",
-    ),
-    ArchSpec(
-        name="gpt_neox",
-        model_types=("gpt_neox",),
-        layout=QKVLayout.INTERLEAVED,
-        attention_pattern=r"layers\.(?P<layer>\d+)\.attention\.(?P<proj>query_key_value|dense)\.(?P<param>weight|bias)$",
-        qkv="query_key_value",
-        o="dense",
-        kv_heads_key=None,
-        head_dim_key=None,
-        drop_pattern=r"(?:^|\.)attention\.(bias|masked_bias|rotary_emb\.inv_freq)$",
-        notes="transformers' GPTNeoX has no num_key_value_heads: the pooled K/V heads are stored repeated once per "
-        "query head, so the output computes grouped-query attention but its KV cache is not smaller.",
-    ),
-    ArchSpec(
-        name="gpt2",
-        model_types=("gpt2",),
-        layout=QKVLayout.FUSED,
-        attention_pattern=r"(?:^|\.)h\.(?P<layer>\d+)\.attn\.(?P<proj>c_attn|c_proj)\.(?P<param>weight|bias)$",
-        qkv="c_attn",
-        o="c_proj",
-        heads_key="n_head",
-        kv_heads_key=None,
-        hidden_key="n_embd",
-        layers_key="n_layer",
-        head_dim_key=None,
-        conv1d_pattern=r"(?:^|\.)h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$",
-        drop_pattern=r"(?:^|\.)attn\.(bias|masked_bias)$",
-        notes="converted into GPTBigCode (multi_query=True for MQA), a standard architecture that stores one K/V "
-        "head; GPTBigCode has only MQA and MHA, so G must be 1 or the number of heads.",
-    ),
-    ArchSpec(
-        name="gpt_bigcode",
-        model_types=("gpt_bigcode",),
-        layout=QKVLayout.FUSED,  # multi_query=True; multi_query=False is INTERLEAVED (see qkv_layout)
-        attention_pattern=r"(?:^|\.)h\.(?P<layer>\d+)\.attn\.(?P<proj>c_attn|c_proj)\.(?P<param>weight|bias)$",
-        qkv="c_attn",
-        o="c_proj",
-        heads_key="n_head",
-        kv_heads_key=None,
-        hidden_key="n_embd",
-        layers_key="n_layer",
-        head_dim_key=None,
-        notes="multi_query=True stores [q heads | k | v]; multi_query=False stores [head, (q, k, v), head_dim]. "
-        "Only MQA and MHA exist, so G must be 1 or the number of heads.",
-    ),
-)
+    def has_qk_norm(self, config: dict) -> bool:
+        return self.qk_norm != QKNorm.NONE and (self.qk_norm_switch is None or bool(config.get(self.qk_norm_switch)))
 
-ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra")
+    def refusal(self, kind: str, config: dict | None = None) -> str | None:
+        """Why `kind` cannot convert this family (with this config), in one line; None when it can."""
+        for k, key, reason in self.refusals:
+            if k == kind and (key is None or (config is not None and config.get(key))):
+                return reason
+        return None
 
 
-def supported_model_types() -> list[str]:
-    return sorted(t for s in SPECS for t in s.model_types)
+# Config defaults that decide a layout when config.json leaves the key out (transformers' own defaults).
+_DEFAULTS = {("gpt_bigcode", "multi_query"): True, ("falcon", "multi_query"): True,
+             ("falcon", "new_decoder_architecture"): False}
+
+_WHOLE_NORM = ("q/k norms over the whole projection couple all heads (one RMS over every K head); "
+               "{} regroups heads one by one and cannot carry that norm")
+_CLIP_QKV = "SwitchHead sums value experts and cannot clamp their sum as OLMo's clip_qkv clamps v_proj"
+_INTERLEAVED_ROPE = ("the aligned merge fits keys with maps that commute with half-split RoPE pairs (i, i + d/2); "
+                     "this family rotates interleaved pairs (2i, 2i + 1)")
+_ENCODER = "encoders need modeling code that travels with the checkpoint: use --to talking-heads"
+_NO_PER_HEAD_NORM = "{} cannot regroup q/k norms that give each head its own weight ({})"
+
+SPECS: list[ArchSpec] = [
+    ArchSpec("llama", notes="q/k/v/o_proj per layer"),
+    ArchSpec("mistral"),
+    ArchSpec("ministral"),
+    ArchSpec("mixtral", notes="MoE MLP; attention as Llama"),
+    ArchSpec("qwen2", notes="q/k/v biases"),
+    ArchSpec("qwen2_moe", notes="q/k/v biases, MoE MLP"),
+    ArchSpec("qwen3", qk_norm=QKNorm.HEAD_DIM, notes="q/k norms act per head_dim and are shared by all heads, "
+             "so they carry over unchanged"),
+    ArchSpec("qwen3_moe", qk_norm=QKNorm.HEAD_DIM),
+    ArchSpec("gemma"),
+    ArchSpec("gemma2", notes="logit softcap, sliding-window layers"),
+    ArchSpec("gemma3_text", qk_norm=QKNorm.HEAD_DIM, notes="sliding and global layers, per-head q/k norms"),
+    ArchSpec("olmo", refusals=(("switchhead", "clip_qkv", _CLIP_QKV),)),
+    ArchSpec("olmo2", qk_norm=QKNorm.WHOLE, refusals=(("mqa/gqa aligned", None, _WHOLE_NORM.format("the aligned merge")),
+                                                      ("switchhead", None, _WHOLE_NORM.format("SwitchHead"))),
+             notes="q/k norms over the whole projection: mean pooling averages the K norm's weight over each group"),
+    ArchSpec("olmoe", qk_norm=QKNorm.WHOLE, refusals=(("mqa/gqa aligned", None, _WHOLE_NORM.format("the aligned merge")),
+                                                      ("switchhead", None, _WHOLE_NORM.format("SwitchHead")))),
+    ArchSpec("smollm3", notes="some layers without RoPE (no_rope_layers)"),
+    ArchSpec("phi", o="dense", qk_norm=QKNorm.HEAD_DIM, qk_norm_names=("q_layernorm", "k_layernorm"),
+             qk_norm_switch="qk_layernorm", notes="partial rotary, biases, output projection `dense`"),
+    ArchSpec("stablelm", qk_norm=QKNorm.PER_HEAD, qk_norm_names=("q_layernorm", "k_layernorm"),
+             qk_norm_switch="qk_layernorm",
+             refusals=(("mqa/gqa mean", "qk_layernorm", _NO_PER_HEAD_NORM.format("MQA/GQA", "StableLM qk_layernorm")),
+                       ("mqa/gqa aligned", "qk_layernorm", _NO_PER_HEAD_NORM.format("MQA/GQA", "StableLM qk_layernorm")),
+                       ("switchhead", "qk_layernorm", _NO_PER_HEAD_NORM.format("SwitchHead", "StableLM qk_layernorm"))),
+             notes="partial rotary"),
+    ArchSpec("starcoder2", notes="biases on q/k/v/o"),
+    ArchSpec("granite", notes="attention_multiplier is the softmax scale; embedding/residual/logit multipliers "
+             "sit outside attention"),
+    ArchSpec("cohere", qk_norm=QKNorm.PER_HEAD, rotary_pairs="interleaved", qk_norm_switch="use_qk_norm",
+             refusals=(("mqa/gqa aligned", None, _INTERLEAVED_ROPE),
+                       ("switchhead", "use_qk_norm", _NO_PER_HEAD_NORM.format("SwitchHead", "use_qk_norm"))),
+             notes="interleaved rotary; with use_qk_norm, mean pooling averages the K norm's per-head weights"),
+    ArchSpec("cohere2", rotary_pairs="interleaved", refusals=(("mqa/gqa aligned", None, _INTERLEAVED_ROPE),),
+             notes="RoPE only on sliding-window layers"),
+    ArchSpec("helium"),
+    ArchSpec("glm", rotary_pairs="interleaved", refusals=(("mqa/gqa aligned", None, _INTERLEAVED_ROPE),),
+             notes="partial, interleaved rotary"),
+    ArchSpec("exaone4", qk_norm=QKNorm.HEAD_DIM, notes="global layers without RoPE when sliding windows are used"),
+    ArchSpec("arcee"),
+    ArchSpec("apertus", qk_norm=QKNorm.HEAD_DIM),
+    ArchSpec("phi3", layout=QKVLayout.FUSED, notes="qkv_proj rows are [q heads | k heads | v heads]"),
+    ArchSpec("gpt_neox", layout=QKVLayout.INTERLEAVED, attention="attention", qkv="query_key_value", o="dense",
+             kv_heads_key=None, head_dim_key=None,
+             drop_pattern=r"(?:^|\.)attention\.(bias|masked_bias|rotary_emb\.inv_freq)$",
+             notes="transformers' GPTNeoX has no num_key_value_heads: the pooled K/V heads are stored repeated once "
+             "per query head, so the output computes grouped-query attention but its KV cache is not smaller."),
+    ArchSpec("gpt2", layout=QKVLayout.FUSED, layers_path="h", attention="attn", qkv="c_attn", o="c_proj",
+             heads_key="n_head", kv_heads_key=None, hidden_key="n_embd", layers_key="n_layer", head_dim_key=None,
+             conv1d=True, prefix="transformer.", rotary=False, drop_pattern=r"(?:^|\.)attn\.(bias|masked_bias)$",
+             mqa_flag="multi_query", target_model_type="gpt_bigcode", target_architectures=("GPTBigCodeForCausalLM",),
+             target_keys=("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
+                          "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon", "initializer_range",
+                          "scale_attn_weights", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
+                          "tie_word_embeddings", "dtype", "torch_dtype"),
+             refusals=(("mqa/gqa mean", "scale_attn_by_inverse_layer_idx",
+                        "GPT-2 with scale_attn_by_inverse_layer_idx has no GPTBigCode equivalent"),
+                       ("mqa/gqa aligned", "scale_attn_by_inverse_layer_idx",
+                        "GPT-2 with scale_attn_by_inverse_layer_idx has no GPTBigCode equivalent")),
+             notes="converted into GPTBigCode (multi_query=True for MQA), a standard architecture that stores one K/V "
+             "head; GPTBigCode has only MQA and MHA, so G must be 1 or the number of heads."),
+    ArchSpec("gpt_bigcode", layout=QKVLayout.FUSED, rotary=False, layout_rules=(("multi_query", False, QKVLayout.INTERLEAVED),),
+             layers_path="h", attention="attn", qkv="c_attn", o="c_proj", heads_key="n_head", kv_heads_key=None,
+             hidden_key="n_embd", layers_key="n_layer", head_dim_key=None, mqa_flag="multi_query",
+             notes="multi_query=True stores [q heads | k | v]; multi_query=False stores [head, (q, k, v), head_dim]. "
+             "Only MQA and MHA exist, so G must be 1 or the number of heads."),
+    ArchSpec("falcon", layout=QKVLayout.INTERLEAVED,
+             layout_rules=(("new_decoder_architecture", True, QKVLayout.GROUPED), ("multi_query", True, QKVLayout.FUSED)),
+             layers_path="h", attention="self_attention", qkv="query_key_value", o="dense", kv_heads_key="num_kv_heads",
+             head_dim_key=None, mqa_flag="multi_query",
+             refusals=tuple((kind, None, _OWN_ATTENTION.format("FalconAttention", why))
+                            for kind, why in _NEEDS_INTERFACE.items()),
+             notes="new_decoder_architecture stores [kv head, (q heads, k, v), head_dim] with num_kv_heads; the old "
+             "one stores MQA (multi_query) or [head, (q, k, v), head_dim]: there G must be 1 or the number of heads"),
+    ArchSpec("bert", layers_path=r"encoder\.layer", attention="attention.self", q="query", k="key", v="value", o=None,
+             encoder=True, rotary=False,
+             refusals=tuple((kind, None, _ENCODER) for kind in ("mqa/gqa mean", "mqa/gqa aligned", "switchhead")),
+             notes="encoder (talking-heads only)"),
+]
 
 
-def spec_for(config: dict) -> ArchSpec:
-    model_type = config.get("model_type")
+def register(spec: ArchSpec) -> ArchSpec:
+    """Add a family (or replace the one with the same name); every kind picks it up."""
+    unregister(spec.name)
+    SPECS.append(spec)
+    return spec
+
+
+def unregister(name: str) -> None:
+    SPECS[:] = [s for s in SPECS if s.name != name]
+
+
+def supported_model_types(kind: str | None = None) -> list[str]:
+    return sorted(t for s in SPECS for t in s.model_types if kind is None or s.refusal(kind) is None)
+
+
+def find_spec(model_type: str | None) -> ArchSpec | None:
     for spec in SPECS:
         if model_type in spec.model_types:
             return spec
-    hint = ""
-    if model_type in ENCODER_TYPES:
-        hint = " (encoders need modeling code that travels with the checkpoint: use --to talking-heads)"
-    raise SurgeryError(
-        f"unsupported architecture {model_type!r} for MQA/GQA{hint}; supported: {', '.join(supported_model_types())}"
-    )
+    return None
+
+
+def spec_for(config: dict, kind: str = "mqa/gqa mean") -> ArchSpec:
+    """The family of `config`, refusing in one line when `kind` cannot convert it."""
+    model_type = config.get("model_type")
+    spec = find_spec(model_type)
+    if spec is None:
+        hint = ""
+        if model_type in ENCODER_TYPES and kind != "talking-heads":
+            hint = " (encoders need modeling code that travels with the checkpoint: use --to talking-heads)"
+        raise SurgeryError(f"unsupported architecture {model_type!r} for {kind}{hint}; supported: "
+                           f"{', '.join(supported_model_types(kind))}")
+    reason = spec.refusal(kind, config)
+    if reason:
+        raise SurgeryError(f"{kind} cannot convert {model_type!r}: {reason}; supported: "
+                           f"{', '.join(supported_model_types(kind))}")
+    return spec
 
 
 def qkv_layout(spec: ArchSpec, config: dict) -> QKVLayout:
-    if spec.name == "gpt_bigcode" and not config.get("multi_query", True):
-        return QKVLayout.INTERLEAVED
-    return spec.layout
+    return spec.qkv_layout(config)
+
+
+def _layout_text(spec: ArchSpec) -> str:
+    if not spec.fused:
+        return "/".join(p for p in (spec.q, spec.k, spec.v, spec.o) if p)
+    layouts = [spec.layout.value] + [f"{layout.value} if {key}={value}" for key, value, layout in spec.layout_rules]
+    return f"{spec.qkv} ({', '.join(layouts)}) + {spec.o}" + (", Conv1D" if spec.conv1d else "")
+
+
+def support_table() -> list[dict[str, str]]:
+    """One row per model_type: its layout, q/k norm, and for every kind "yes" or the one-line reason it is refused
+    (with the family's default config; refusals that depend on a config key are listed by `conditional_refusals`)."""
+    rows = []
+    for spec in sorted(SPECS, key=lambda s: s.name):
+        for model_type in spec.model_types:
+            norm = spec.qk_norm.value + (f" (when {spec.qk_norm_switch})" if spec.qk_norm_switch else "")
+            rows.append({"model_type": model_type, "attention": _layout_text(spec), "q/k norm": norm}
+                        | {kind: spec.refusal(kind) or "yes" for kind in KINDS})
+    return rows
+
+
+def conditional_refusals() -> list[str]:
+    return [f"{spec.name}: {kind} refused when `{key}` is set ({reason})"
+            for spec in sorted(SPECS, key=lambda s: s.name) for kind, key, reason in spec.refusals if key is not None]
+
+
+def support_markdown() -> str:
+    """The families x kinds table, as `surgery convert --list` prints it and README shows it."""
+    rows = support_table()
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [v if v == "yes" or c not in KINDS else "no: " + v for c, v in row.items()]
+        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
+    counts = ", ".join(f"{kind} {sum(row[kind] == 'yes' for row in rows)}" for kind in KINDS)
+    lines += ["", f"model_types supported: {counts}."]
+    lines += [""] + [f"- {line}" for line in conditional_refusals()]
+    return "\n".join(lines) + "\n"

@@ -14,8 +14,8 @@ from typing import Callable
 
 import torch
 
-from .arch import ArchSpec, QKVLayout, qkv_layout, spec_for
 from . import sanity
+from .arch import ArchSpec, QKNorm, QKVLayout, qkv_layout, spec_for
 from .errors import SurgeryError
 from .output import write_conversion
 from .kv_pool import POOL_METHODS, join_qkv, kv_groups, pool_heads, repeat_heads, split_qkv
@@ -79,25 +79,26 @@ def _head_shape(spec: ArchSpec, config: dict, groups: int) -> HeadShape:
             f"--kv-heads {groups} must divide the source's {shape.kv_heads} K/V heads "
             f"(choose from {', '.join(str(d) for d in range(1, shape.kv_heads + 1) if shape.kv_heads % d == 0)})"
         )
-    if spec.name in ("gpt2", "gpt_bigcode") and groups not in (1, shape.heads):
-        raise SurgeryError(f"{spec.name} converts into GPTBigCode, which has only MQA or MHA: --kv-heads must be 1 or {shape.heads}")
+    if _mqa_or_mha(spec, config) and groups not in (1, shape.heads):
+        target = spec.target_model_type or spec.name
+        raise SurgeryError(f"{spec.name} converts into {target}, which has only MQA or MHA: --kv-heads must be 1 or "
+                           f"{shape.heads}")
     return shape
 
 
+def _mqa_or_mha(spec: ArchSpec, config: dict) -> bool:
+    """The target stores either one K/V head (its MQA flag set) or one per query head."""
+    return spec.mqa_flag is not None and spec.qkv_layout(config) != QKVLayout.GROUPED
+
+
 def target_config(spec: ArchSpec, config: dict, shape: HeadShape, dtype: str | None) -> dict:
-    """The output config.json: the source's, with the K/V head count (and for GPT-2 the architecture) changed."""
+    """The output config.json: the source's, with the K/V head count (and, for GPT-2, the architecture) changed."""
     new = dict(config)
-    if spec.name == "gpt2":
-        if config.get("scale_attn_by_inverse_layer_idx"):
-            raise SurgeryError("GPT-2 with scale_attn_by_inverse_layer_idx has no GPTBigCode equivalent")
-        keep = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
-                "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon", "initializer_range",
-                "scale_attn_weights", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
-                "tie_word_embeddings", "dtype", "torch_dtype")
-        new = {k: config[k] for k in keep if k in config}
-        new.update(model_type="gpt_bigcode", architectures=["GPTBigCodeForCausalLM"])
-    if spec.name in ("gpt2", "gpt_bigcode"):
-        new["multi_query"] = shape.groups == 1
+    if spec.target_model_type:
+        new = {k: config[k] for k in spec.target_keys if k in config}
+        new.update(model_type=spec.target_model_type, architectures=list(spec.target_architectures))
+    if _mqa_or_mha(spec, config):
+        new[spec.mqa_flag] = shape.groups == 1
     elif spec.kv_heads_key:
         new[spec.kv_heads_key] = shape.groups
     if dtype:
@@ -115,9 +116,12 @@ class KVPlanner:
         self.out_layout = self._out_layout()
         self.out_dtype = DTYPES.get(options.dtype) if options.dtype else None
         self._shapes: dict[tuple, tuple[int, ...]] = {}
+        # K norms with a weight per K/V head lose heads with them (one weight per head_dim is shared: kept)
+        per_head = spec.has_qk_norm(config) and spec.qk_norm in (QKNorm.WHOLE, QKNorm.PER_HEAD)
+        self.k_norm_pattern = spec.norm_pattern("k") if per_head and shape.groups != shape.kv_heads else None
 
     def _out_layout(self) -> QKVLayout:
-        if self.spec.name in ("gpt2", "gpt_bigcode"):
+        if _mqa_or_mha(self.spec, self.config):
             return QKVLayout.FUSED if self.shape.groups == 1 else QKVLayout.INTERLEAVED
         return self.in_layout
 
@@ -128,6 +132,11 @@ class KVPlanner:
     def _pool(self, t: torch.Tensor, layer: int, role: str) -> torch.Tensor:
         gen = None if t.is_meta else self._generator(layer, role)
         return pool_heads(t, self.shape.head_dim, self.shape.groups, self.options.method, gen)
+
+    def _pool_norm(self, t: torch.Tensor) -> torch.Tensor:
+        """A K norm with a weight per K/V head (over the whole projection or per head): pooled like the heads."""
+        method = "mean" if self.options.method == "random" else self.options.method
+        return pool_heads(t.reshape(-1), self.shape.head_dim, self.shape.groups, method).reshape(-1, *t.shape[1:])
 
     def _pool_fused(self, t: torch.Tensor, layer: int) -> torch.Tensor:
         s = self.shape
@@ -143,6 +152,8 @@ class KVPlanner:
         steps: list[Callable[[torch.Tensor], torch.Tensor]] = []
         if spec.conv1d_pattern and re.search(spec.conv1d_pattern, name):
             steps.append(lambda t: t.t())
+        if self.k_norm_pattern and re.search(self.k_norm_pattern, name):
+            steps.append(self._pool_norm)
         hit = spec.match(name)
         if hit:
             layer, proj, _ = hit
@@ -162,9 +173,7 @@ class KVPlanner:
         return run
 
     def out_name(self, name: str) -> str:
-        if self.spec.name == "gpt2" and not name.startswith(("transformer.", "lm_head.")):
-            return "transformer." + name
-        return name
+        return self.spec.out_name(name)
 
     def plan(self) -> list[PlannedTensor]:
         self._validate_layers()
@@ -235,7 +244,7 @@ class KVPlanner:
 def convert_to_kv_heads(source: Source, out: Path, options: KVOptions, force: bool = False, progress: bool = True) -> dict:
     """Convert `source` to `options.kv_heads` K/V heads, writing a standard checkpoint to `out`."""
     config = source.config
-    spec = spec_for(config)
+    spec = spec_for(config, "mqa/gqa mean")
     shape = _head_shape(spec, config, options.kv_heads)
     reader = CheckpointReader(source.folder, allow_pickle=options.allow_pickle)
     planner = KVPlanner(reader, spec, config, shape, options)
@@ -269,7 +278,7 @@ def write_converted(source: Source, out: Path, planner: KVPlanner, force: bool =
             "output_files": output_files,
             "seconds": round(time.time() - start, 3),
         }
-        if spec.name == "gpt_neox":
+        if planner.out_layout == QKVLayout.INTERLEAVED and shape.groups != shape.heads:
             fields["note"] = spec.notes
         return fields | (extra or {})
 

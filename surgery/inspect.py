@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from . import sanity
+from .arch import find_spec
 from .errors import SurgeryError
 from .source import load_config
 from .tensors import CheckpointReader, dtype_size
@@ -15,6 +16,7 @@ _KEYS = {
     "hidden": ("hidden_size", "n_embd", "d_model"),
     "layers": ("num_hidden_layers", "n_layer"),
 }
+CONVERTED_PREFIXES = ("talking_heads_", "switchhead_")
 
 
 def _first(config: dict, keys: tuple[str, ...]) -> int:
@@ -25,14 +27,19 @@ def _first(config: dict, keys: tuple[str, ...]) -> int:
 
 
 def attention_shape(config: dict) -> dict:
-    """heads, stored K/V heads, head_dim, hidden size, layers — for any transformer config."""
+    """heads, stored K/V heads, head_dim, hidden size, layers — from the family's spec (converted checkpoints: their
+    source family's), or from the usual config keys for any other transformer."""
     sanity.check_config_counts(config)
+    model_type = str(config.get("model_type"))
+    for prefix in CONVERTED_PREFIXES:
+        model_type = model_type.removeprefix(prefix)
+    spec = find_spec(model_type)
+    if spec is not None:
+        return {"layers": spec.layers(config), "hidden": spec.hidden(config), "heads": spec.heads(config),
+                "kv_heads": spec.kv_heads(config), "head_dim": spec.head_dim(config)}
     heads = _first(config, _KEYS["heads"])
     hidden = _first(config, _KEYS["hidden"])
-    if config.get("model_type") == "gpt_bigcode":
-        kv = 1 if config.get("multi_query", True) else heads
-    else:
-        kv = int(config.get("num_key_value_heads") or heads)
+    kv = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or hidden // heads)
     return {"layers": _first(config, _KEYS["layers"]), "hidden": hidden, "heads": heads, "kv_heads": kv, "head_dim": head_dim}
 

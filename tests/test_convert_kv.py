@@ -45,15 +45,26 @@ def kv_projections(model, layer: int):
         h, d = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
         w, b = attn.query_key_value.weight.reshape(h, 3, d, -1), attn.query_key_value.bias.reshape(h, 3, d)
         return w[:, 1], w[:, 2], b[:, 1], b[:, 2]
-    attn = model.model.layers[layer].self_attn
+    if mt == "falcon":  # new_decoder_architecture: rows [kv head, (its query heads, k, v), head_dim]
+        attn = model.transformer.h[layer].self_attention
+        h, kv = cfg.num_attention_heads, cfg.num_kv_heads
+        d = cfg.hidden_size // h
+        w, b = attn.query_key_value.weight.reshape(kv, h // kv + 2, d, -1), attn.query_key_value.bias.reshape(kv, -1, d)
+        return w[:, -2], w[:, -1], b[:, -2], b[:, -1]
+    attn = next(m for m in model.modules() if getattr(m, "layer_idx", None) == layer and
+                (hasattr(m, "k_proj") or hasattr(m, "qkv_proj")))
     h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // h
     if mt == "phi3":
         w = attn.qkv_proj.weight
         return w[h * d : (h + kv) * d].reshape(kv, d, -1), w[(h + kv) * d :].reshape(kv, d, -1), None, None
     bias = lambda lin: None if lin.bias is None else lin.bias.reshape(kv, d)  # noqa: E731
-    return (attn.k_proj.weight.reshape(kv, d, -1), attn.v_proj.weight.reshape(kv, d, -1),
-            bias(attn.k_proj), bias(attn.v_proj))
+    out = (attn.k_proj.weight.reshape(kv, d, -1), attn.v_proj.weight.reshape(kv, d, -1),
+           bias(attn.k_proj), bias(attn.v_proj))
+    norm = getattr(attn, "k_norm", None)
+    if norm is not None and norm.weight.numel() == kv * d:  # a K norm over the whole projection: pooled as heads
+        out += (norm.weight.reshape(kv, d),)
+    return out
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -25,7 +25,8 @@ from surgery.switchhead.modeling_switchhead import SwitchHeadAttention, expert_o
 from surgery.uptrain.params import new_parameter_names
 
 REPO = Path(__file__).resolve().parents[1]
-EXACT_ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gpt2"]
+# every family SwitchHead converts (the others refuse in one line: see test_refused_families_say_why)
+EXACT_ARCHS = [a for a in tm.ARCHS if tm.refused(a, "switchhead") is None]
 
 
 def tiny_tokenizer(vocab: int = tm.VOCAB):
@@ -75,6 +76,7 @@ def test_one_expert_per_head_reproduces_the_source(arch, tmp_path):
     source = tm.make_tiny(arch, src)
     heads = source.config.num_attention_heads
     record = convert(src, tmp_path / "sh", heads, 1, 1)
+    assert record["heads"] == {"before": heads, "after": heads}
     assert record["exact_at_init"] and record["calibration"] is None
     model = load(tmp_path / "sh")
     assert len(attention_modules(model)) == source.config.num_hidden_layers
@@ -125,7 +127,7 @@ def test_clusters_tensors_and_record(llama, tmp_path, qk_merge, refit):
     config = json.loads((out / "config.json").read_text())
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, 4, 8)
     assert config["switchhead"] == {"heads": 4, "experts": 2, "topk": 1, "head_dim": 8, "source_heads": 8,
-                                    "source_kv_heads": 4}
+                                    "source_kv_heads": 4, "bias": {"q": False, "k": False, "v": False, "o": False}}
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_switchhead.SwitchHeadLlamaForCausalLM"
     # the uptraining contract: the patterns select exactly the routers of the loaded model
     names = [n for n, _ in load(out).named_parameters()]
@@ -249,19 +251,28 @@ def test_kv_cache_holds_new_heads_and_generate_works(routed):
     assert cached.shape == (1, 15) and torch.equal(cached, uncached)
 
 
-def test_gpt2_with_routed_experts(tmp_path, tokenizer):
-    src = tmp_path / "gpt2"
-    tm.make_tiny("gpt2", src)  # 4 heads of 16, no K/V groups: clusters are free
+# fused q/k/v layouts, Conv1D, an output projection named `dense`: calibration finds them through the spec
+@pytest.mark.parametrize("arch, module, causal_lm", [
+    ("gpt2", "transformer.h.*.attn", "GPT2LMHeadModel"), ("phi3", "model.layers.*.self_attn", "Phi3ForCausalLM"),
+    ("gpt_neox", "gpt_neox.layers.*.attention", "GPTNeoXForCausalLM"),
+    ("phi", "model.layers.*.self_attn", "PhiForCausalLM"), ("gpt_bigcode", "transformer.h.*.attn", "GPTBigCodeForCausalLM")])
+def test_routed_experts_on_other_layouts(arch, module, causal_lm, tmp_path, tokenizer):
+    src = tmp_path / arch
+    source = tm.make_tiny(arch, src)  # 4 heads of 16
     tokenizer.save_pretrained(src)
     record = convert(src, tmp_path / "sh", heads=2, experts=2, topk=1)
-    assert record["kv_mapping"]["mode"] == "whole-groups" and record["output_refit"] is not None
-    assert record["new_parameters"] == ["transformer.h.*.attn.v_router.weight", "transformer.h.*.attn.o_router.weight"]
+    if arch == "gpt2":  # no K/V groups: clusters are free
+        assert record["kv_mapping"]["mode"] == "whole-groups"
+    assert record["output_refit"] is not None
+    assert record["new_parameters"] == [f"{module}.v_router.weight", f"{module}.o_router.weight"]
     model = load(tmp_path / "sh")
-    assert model.config.n_head == 2 and type(model).__name__ == "SwitchHeadGPT2LMHeadModel"
+    assert model.config.num_attention_heads == 2 and type(model).__name__ == f"SwitchHead{causal_lm}"
     ids = tm.sample_ids(batch=1, length=10)
     with torch.no_grad():
         cache = model(input_ids=ids, use_cache=True).past_key_values
     assert cache.layers[0].keys.shape == (1, 2, 10, 16)
+    diff = (tm.logits(source, ids) - tm.logits(model, ids)).abs().max().item()
+    assert 0 < diff < 10  # two source heads per head now: close to the source, not equal
     cached = model.generate(ids[:, :4], max_new_tokens=8, do_sample=False)
     assert torch.equal(cached, model.generate(ids[:, :4], max_new_tokens=8, do_sample=False, use_cache=False))
 
@@ -367,11 +378,11 @@ def test_bad_sources(llama, tmp_path):
     convert(llama, tmp_path / "sh", 8, 1, 1)
     with pytest.raises(SurgeryError, match="already a SwitchHead checkpoint"):
         convert(tmp_path / "sh", tmp_path / "again", 8, 1, 1)
-    tm.make_tiny("phi3", tmp_path / "phi3")
-    with pytest.raises(SurgeryError, match="unsupported architecture 'phi3'"):
-        convert(tmp_path / "phi3", tmp_path / "phi-sh", 4, 1, 1)
+    tm.make_tiny("olmo2", tmp_path / "olmo2")  # a family SwitchHead refuses, in one line
+    with pytest.raises(SurgeryError, match="cannot convert 'olmo2': q/k norms over the whole projection"):
+        convert(tmp_path / "olmo2", tmp_path / "olmo2-sh", 4, 1, 1)
     no_tokenizer = tmp_path / "bare"
     tm.make_tiny("llama", no_tokenizer)
     with pytest.raises(SurgeryError, match="calibration needs the source's tokenizer"):
         convert(no_tokenizer, tmp_path / "bare-sh", 4, 2, 1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "phi3", "sh"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "olmo2", "sh"]

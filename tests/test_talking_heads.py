@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
+import tiny_models as tm
 import torch
 import transformers as tf
 from torch import nn
@@ -35,6 +36,9 @@ CONFIGS = {
     "gpt2": lambda: tf.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128),
     "bert": lambda: tf.BertConfig(**COMMON, num_attention_heads=4),
 }
+# every other family talking-heads converts: the shared tiny configs
+FAMILIES = [a for a in tm.ARCHS if tm.refused(a, "talking-heads") is None]
+CONFIGS = {a: tm.ARCHS[a] for a in FAMILIES} | CONFIGS
 
 
 def make_source(arch: str, folder: Path, seed: int = 0, vocab: int | None = None):
@@ -49,7 +53,8 @@ def make_source(arch: str, folder: Path, seed: int = 0, vocab: int | None = None
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
-            if any(k in name for k in ("q_proj.weight", "k_proj.weight", "query.weight", "key.weight", "c_attn.weight")):
+            if any(k in name for k in ("q_proj.weight", "k_proj.weight", "query.weight", "key.weight", "c_attn.weight",
+                                       "qkv_proj.weight", "query_key_value.weight")):
                 p.mul_(6)
     model.save_pretrained(folder)
     return model
@@ -146,7 +151,7 @@ def test_converted_model_computes_the_source_function(arch, tmp_path):
     make_source(arch, tmp_path / "src")
     record = convert(tmp_path / "src", tmp_path / "th", chunk_size=7)
     source, converted = load(tmp_path / "src", arch), load_converted(tmp_path / "th", arch)
-    assert converted.config.model_type == f"talking_heads_{arch}"
+    assert converted.config.model_type == f"talking_heads_{source.config.model_type}"
     assert converted.config._attn_implementation == "talking_heads"
 
     layers = source.config.num_hidden_layers
@@ -442,14 +447,20 @@ def test_bad_options_are_refused_and_nothing_is_written(options, message, tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == ["src"]
 
 
-def test_unsupported_architecture_names_the_supported_ones(tmp_path):
-    (tmp_path / "phi3").mkdir()
-    (tmp_path / "phi3" / "config.json").write_text(json.dumps({"model_type": "phi3", "num_attention_heads": 4}))
-    run = subprocess.run([sys.executable, "-m", "cli", "convert", str(tmp_path / "phi3"), "--to", "talking-heads",
+@pytest.mark.parametrize("model_type,message", [
+    ("mamba", "unsupported architecture 'mamba' for talking-heads; supported: "),
+    ("falcon", "cannot convert 'falcon': FalconAttention computes attention itself"),
+])
+def test_unsupported_architecture_names_the_supported_ones(model_type, message, tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text(json.dumps({"model_type": model_type, "num_attention_heads": 4}))
+    run = subprocess.run([sys.executable, "-m", "cli", "convert", str(tmp_path / "src"), "--to", "talking-heads",
                           "--out", str(tmp_path / "th")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2
     assert run.stderr.strip().count("\n") == 0
-    assert "unsupported architecture 'phi3'" in run.stderr and "llama" in run.stderr and "bert" in run.stderr
+    assert message in run.stderr
+    if model_type == "mamba":
+        assert "llama" in run.stderr and "bert" in run.stderr and "olmo2" in run.stderr
     assert not (tmp_path / "th").exists()
 
 

@@ -99,7 +99,7 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str = "pydo
     """Merge `src`'s K/V heads into `kv_heads` with calibration, writing a standard checkpoint to `out`."""
     start = time.time()
     config = src.config
-    spec = spec_for(config)
+    spec = spec_for(config, "mqa/gqa aligned")
     shape = _head_shape(spec, config, kv_heads)
     kv_options = KVOptions(kv_heads=kv_heads, method="mean", seed=seed, dtype=dtype, max_shard_bytes=max_shard_bytes,
                            allow_pickle=allow_pickle)

@@ -7,7 +7,6 @@ the merge math then treats weights and biases alike.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -114,9 +113,9 @@ def layer_paths(model: torch.nn.Module, spec: ArchSpec, layers: int) -> list[str
     for name, _ in model.named_parameters():
         hit = spec.match(name)
         if hit and hit[0] not in found:
-            m = re.search(rf"^(.*?(?:^|\.)(?:layers|h)\.{hit[0]})\.", name)
-            if m:
-                found[hit[0]] = m.group(1)
+            path = spec.layer_path(name)
+            if path:
+                found[hit[0]] = path
     if sorted(found) != list(range(layers)):
         raise RuntimeError(f"decoder layers not found in {type(model).__name__}")
     return [found[i] for i in range(layers)]

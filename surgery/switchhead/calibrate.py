@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..data import load_texts, token_stream
 from ..errors import SurgeryError
+from .families import family_for, model_attention_modules, module_value_output
 
 SEQ_LEN = 512
 RIDGE = 1e-3  # times the mean eigenvalue of x's second moment
@@ -87,10 +88,8 @@ class LayerStats:
 
 def _projections(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.nn.Module]:
     """(V (kv*d, D), V bias, O (D, h*d), output module) of a source attention module, as (out, in) matrices."""
-    if hasattr(attn, "c_attn"):  # GPT-2 Conv1D (in, out): c_attn holds [q | k | v]
-        width = attn.c_proj.weight.shape[0]
-        return attn.c_attn.weight[:, 2 * width :].T, attn.c_attn.bias[2 * width :], attn.c_proj.weight.T, attn.c_proj
-    return attn.v_proj.weight, attn.v_proj.bias, attn.o_proj.weight, attn.o_proj
+    config = attn.config.to_dict()
+    return module_value_output(attn, family_for(config), config)
 
 
 def load_calibration_tokens(folder, calib: str, tokens: int) -> torch.Tensor:
@@ -123,14 +122,7 @@ def calibration_windows(model, ids: torch.Tensor, seq_len: int = SEQ_LEN) -> tor
 
 def attention_modules(model, layers: int) -> list[torch.nn.Module]:
     """The source's self-attention modules, by layer."""
-    found = {}
-    for module in model.modules():
-        if hasattr(module, "layer_idx") and (hasattr(module, "o_proj") or hasattr(module, "c_proj")) \
-                and not getattr(module, "is_cross_attention", False):
-            found[module.layer_idx] = module
-    if sorted(found) != list(range(layers)):
-        raise SurgeryError(f"found self-attention modules for layers {sorted(found)[:8]}..., expected {layers}")
-    return [found[i] for i in range(layers)]
+    return model_attention_modules(model, family_for(model.config.to_dict()), layers)
 
 
 def run_windows(model, windows: torch.Tensor, desc: str, progress: bool, hooks: list | None = None) -> None:

@@ -22,7 +22,7 @@ from ..tensors import CheckpointReader, PlannedTensor
 from .build import SwitchHeadShape, layer_tensors
 from .calibrate import calibrate, calibration_windows, load_calibration_model, load_calibration_tokens
 from .cluster import cluster_heads, kv_mapping, medoid, within_cost
-from .families import Family, attention_tensors, check_attention_shapes, family_for, read_attention
+from .families import Family, attention_tensors, biases, check_attention_shapes, family_for, read_attention
 from .refit import RIDGE, refit_output_experts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,18 +65,21 @@ def switchhead_shape(config: dict, heads: int, experts: int, topk: int) -> Switc
                            head_dim=a["head_dim"], new_heads=heads, experts=experts, topk=topk)
 
 
-def target_config(config: dict, family: Family, shape: SwitchHeadShape, dtype: str | None) -> dict:
+def target_config(config: dict, family: Family, shape: SwitchHeadShape, dtype: str | None,
+                  bias: dict[str, bool] | None = None) -> dict:
     new = {k: v for k, v in config.items() if not k.startswith("_attn_implementation")}
+    spec = family.spec
     new["model_type"] = f"switchhead_{family.model_type}"
-    new["architectures"] = [family.model_class(family.causal_lm)]
+    new["architectures"] = [family.architecture]
     new["auto_map"] = family.auto_map()
-    if family.fused:
-        new["n_head"] = shape.new_heads
-    else:
-        new["num_attention_heads"] = new["num_key_value_heads"] = shape.new_heads
+    new[spec.heads_key] = shape.new_heads
+    if spec.kv_heads_key:
+        new[spec.kv_heads_key] = shape.new_heads
     new["head_dim"] = shape.head_dim
     new["switchhead"] = {"heads": shape.new_heads, "experts": shape.experts, "topk": shape.topk,
                          "head_dim": shape.head_dim, "source_heads": shape.heads, "source_kv_heads": shape.kv_heads}
+    if bias is not None:
+        new["switchhead"]["bias"] = bias
     if dtype:
         new["dtype"] = dtype
         new.pop("torch_dtype", None)
@@ -99,14 +102,11 @@ class LayerBuilder:
         return read_attention(self.reader, self.family, self.names[layer], s.heads, s.kv_heads, s.head_dim)
 
     def biases(self) -> dict[str, bool]:
-        n = self.names[0]
-        if self.family.fused:
-            return {"q": "c_attn.bias" in n, "k": "c_attn.bias" in n, "v": "c_attn.bias" in n, "o": "c_proj.bias" in n}
-        return {p: f"{p}_proj.bias" in n for p in "qkvo"}
+        return biases(self.family, self.names[0])
 
     def source_dtype(self, layer: int) -> torch.dtype:
         n = self.names[layer]
-        return self.reader.tensors[n["c_attn.weight" if self.family.fused else "q_proj.weight"]].dtype
+        return self.reader.tensors[n["qkv.weight" if self.family.fused else "q.weight"]].dtype
 
     def get(self, layer: int, key: str) -> torch.Tensor:
         if self.tensors is not None:
@@ -121,7 +121,7 @@ class LayerBuilder:
         replaced = {t for entry in self.names.values() for key, t in entry.items() if key != "module"}
         planned = []
         for name in reader.names():
-            if name in replaced or (family.drop_pattern and re.search(family.drop_pattern, name)):
+            if name in replaced or (family.spec.drop_pattern and re.search(family.spec.drop_pattern, name)):
                 continue
             info = reader.tensors[name]
             dtype = out_dtype if (out_dtype and info.dtype.is_floating_point) else info.dtype
@@ -201,7 +201,7 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
                                    "probabilities",
                        "seconds": round(time.time() - start, 3)}
     planned = builder.plan(out_dtype)
-    new_config = target_config(config, family, shape, dtype)
+    new_config = target_config(config, family, shape, dtype, builder.biases())
 
     pattern = layer_pattern(family, names[0]["module"])
 

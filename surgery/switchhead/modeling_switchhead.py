@@ -1,11 +1,12 @@
 """SwitchHead attention (Csordás et al. 2023, arXiv 2312.07987) on top of transformers' own model classes.
 
 This file travels with converted checkpoints (loaded with `trust_remote_code=True`) and needs only torch and
-transformers (v5). The models are the source architecture's classes (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2,
-GPT-2) with every self-attention module replaced by `SwitchHeadAttention`:
+transformers (v5). The models are the source architecture's own transformers classes (`SwitchHead<class>`, e.g.
+SwitchHeadLlamaForCausalLM, made on first use for any architecture) with every self-attention module replaced by
+`SwitchHeadAttention`:
 
-- H heads, each with one query and one key projection (`q_proj`, `k_proj`; Qwen3's q/k norms and Gemma2's
-  logit softcap and sliding windows are kept);
+- H heads, each with one query and one key projection (`q_proj`, `k_proj`; per-head q/k norms, logit softcaps,
+  sliding windows, partial rotary and layers without RoPE are kept as the source has them);
 - E value experts and E output experts per head (`v_experts.weight` (H, E, d, D), `o_experts.weight`
   (H, E, D, d)), selected per token by two non-competitive σ-MoE routers (`v_router` on the token that is
   attended to, `o_router` on the token that attends): scores s = sigmoid(W_r x), the top-k experts per head are
@@ -26,53 +27,55 @@ import sys
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
-from transformers import (
-    Gemma2ForCausalLM,
-    Gemma2Model,
-    GemmaForCausalLM,
-    GemmaModel,
-    GPT2LMHeadModel,
-    GPT2Model,
-    LlamaForCausalLM,
-    LlamaModel,
-    MistralForCausalLM,
-    MistralModel,
-    Qwen2ForCausalLM,
-    Qwen2Model,
-    Qwen3ForCausalLM,
-    Qwen3Model,
-)
 from transformers import initialization as hf_init
 from transformers.cache_utils import EncoderDecoderCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.gemma.modeling_gemma import GemmaAttention
-from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
-from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
-from transformers.models.llama.modeling_llama import LlamaAttention
-from transformers.models.mistral.modeling_mistral import MistralAttention
-from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 
-from .configuration_switchhead import (
-    SwitchHeadGemma2Config,
-    SwitchHeadGemmaConfig,
-    SwitchHeadGPT2Config,
-    SwitchHeadLlamaConfig,
-    SwitchHeadMistralConfig,
-    SwitchHeadQwen2Config,
-    SwitchHeadQwen3Config,
-)
+from .configuration_switchhead import switchhead_config_class
 
-SELF_ATTENTION_CLASSES = (
-    LlamaAttention,
-    MistralAttention,
-    Qwen2Attention,
-    Qwen3Attention,
-    GemmaAttention,
-    Gemma2Attention,
-    GPT2Attention,
-)
+CLASS_PREFIX = "SwitchHead"
+QK_NORM_NAMES = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
+
+
+def self_attention_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, name, module) for the self-attention modules of any transformers model: the innermost modules whose
+    class is an *Attention (LlamaAttention, GPT2Attention, ...), cross-attention left out."""
+    found = []
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if not type(child).__name__.endswith("Attention") or getattr(child, "is_cross_attention", False):
+                continue
+            if not any(type(c).__name__.endswith("Attention") for c in child.modules() if c is not child):
+                found.append((parent, name, child))
+    return found
+
+
+_PROJECTIONS = {"q": ("q_proj", "qkv_proj", "query_key_value", "c_attn"),
+                "v": ("v_proj", "qkv_proj", "query_key_value", "c_attn"), "o": ("o_proj", "dense", "c_proj")}
+
+
+def _has_bias(base: nn.Module, names: tuple[str, ...]) -> bool:
+    module = next((getattr(base, n) for n in names if getattr(base, n, None) is not None), None)
+    return getattr(module, "bias", None) is not None
+
+
+def _uses_rope(base: nn.Module) -> bool:
+    """Whether the source layer rotates queries and keys (some families leave some layers without RoPE)."""
+    if hasattr(base, "use_rope"):  # SmolLM3's no_rope_layers
+        return bool(base.use_rope)
+    name = type(base).__name__
+    if name.startswith("Cohere2"):  # RoPE on sliding-window layers only
+        return base.sliding_window is not None
+    if name.startswith("Exaone4"):  # global layers without RoPE when sliding windows are used
+        return base.sliding_window is None or base.is_sliding
+    return True
+
+
+def _sliding_window(base: nn.Module, config) -> int | None:
+    window = base.sliding_window if hasattr(base, "sliding_window") else getattr(config, "sliding_window", None)
+    return None if getattr(base, "is_sliding", True) is False else window
 
 
 def switchhead_settings(config) -> dict:
@@ -84,6 +87,8 @@ def switchhead_settings(config) -> dict:
         raise ValueError(f"config.switchhead must give heads, experts, topk and head_dim ({e})") from None
     if min(s.values()) < 1 or s["topk"] > s["experts"]:
         raise ValueError(f"config.switchhead needs positive counts and topk <= experts, got {raw}")
+    if isinstance(raw.get("bias"), dict):
+        s["bias"] = {k: bool(v) for k, v in raw["bias"].items()}
     return s
 
 
@@ -202,30 +207,38 @@ class SwitchHeadAttention(nn.Module):
         self.num_heads, self.num_experts, self.topk, self.head_dim = heads, n_exp, topk, d
         self.num_key_value_groups = 1
         self.is_causal = getattr(base, "is_causal", True)
-        if isinstance(base, GPT2Attention):
-            qk_bias = v_bias = o_bias = True
+        bias = settings.get("bias")
+        if type(base).__name__ == "GPT2Attention":
             scaling = d**-0.5 if config.scale_attn_weights else 1.0
             if config.scale_attn_by_inverse_layer_idx:
                 scaling /= float(self.layer_idx + 1)
             self.scaling, self.attention_dropout = scaling, config.attn_pdrop
-            self.resid_dropout = nn.Dropout(config.resid_pdrop)
         else:
-            qk_bias, v_bias = base.q_proj.bias is not None, base.v_proj.bias is not None
-            o_bias = base.o_proj.bias is not None
-            self.scaling, self.attention_dropout = base.scaling, base.attention_dropout
-            self.resid_dropout = None
-        self.sliding_window = getattr(base, "sliding_window", None)
-        if isinstance(base, MistralAttention):
-            self.sliding_window = getattr(config, "sliding_window", None)
+            self.scaling = base.scaling
+            dropout = getattr(base, "attention_dropout", getattr(base, "attn_pdrop", 0.0))
+            self.attention_dropout = dropout.p if isinstance(dropout, nn.Dropout) else float(dropout or 0.0)
+        if bias is None:  # checkpoints written before the converter recorded the biases, and calibration
+            bias = {side: _has_bias(base, names) for side, names in _PROJECTIONS.items()}
+        qk_bias, v_bias, o_bias = bias["q"], bias["v"], bias["o"]
+        dropout = getattr(base, "resid_dropout", None)
+        if dropout is None and isinstance(getattr(base, "residual_dropout", None), float):
+            dropout = nn.Dropout(base.residual_dropout)
+        self.resid_dropout = dropout if isinstance(dropout, nn.Dropout) else None
+        self.sliding_window = _sliding_window(base, config)
         self.softcap = getattr(base, "attn_logit_softcapping", None)
+        self.use_rope = _uses_rope(base)
         family = sys.modules[type(base).__module__]
         self._eager_attention = family.eager_attention_forward
         self._apply_rotary = getattr(family, "apply_rotary_pos_emb", None)
 
         self.q_proj = nn.Linear(dim, heads * d, bias=qk_bias)
         self.k_proj = nn.Linear(dim, heads * d, bias=qk_bias)
-        self.q_norm = getattr(base, "q_norm", None)
-        self.k_norm = getattr(base, "k_norm", None)
+        # q/k norms per head_dim are kept under the source's names (Phi: q_layernorm)
+        self._qk_norm_names = next((n for n in QK_NORM_NAMES if getattr(base, n[0], None) is not None), None)
+        if self._qk_norm_names is None:
+            self.q_norm = self.k_norm = None
+        for name in self._qk_norm_names or ():
+            setattr(self, name, getattr(base, name))
         self.v_router = SigmaMoERouter(dim, heads, n_exp, topk)
         self.v_experts = SwitchHeadExperts(heads, n_exp, dim, d, bias=v_bias)
         self.o_router = SigmaMoERouter(dim, heads, n_exp, topk)
@@ -246,13 +259,23 @@ class SwitchHeadAttention(nn.Module):
         x = hidden_states.reshape(b * t, dim)
         query = self.q_proj(hidden_states).view(b, t, heads, d)
         key = self.k_proj(hidden_states).view(b, t, heads, d)
-        if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
+        if self._qk_norm_names is not None:
+            q_norm, k_norm = (getattr(self, name) for name in self._qk_norm_names)
+            query, key = q_norm(query), k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         value = expert_values(self.v_experts, x, *self.v_router(x)).view(b, t, heads, d).transpose(1, 2)
-        if position_embeddings is not None and self._apply_rotary is not None:
+        if position_embeddings is not None and self._apply_rotary is not None and self.use_rope:
             cos, sin = position_embeddings
-            query, key = self._apply_rotary(query, key, cos, sin)
+            rot = cos.shape[-1]
+            if rot < d:  # partial rotary (Phi, StableLM, GPT-NeoX, GLM): the first `rot` dims of each head
+                q_rot, k_rot = self._apply_rotary(query[..., :rot], key[..., :rot], cos, sin)
+                query, key = torch.cat([q_rot, query[..., rot:]], -1), torch.cat([k_rot, key[..., rot:]], -1)
+            else:
+                query, key = self._apply_rotary(query, key, cos, sin)
+        if past_key_values is None:  # GPT-NeoX and GPTBigCode pass their cache as layer_past
+            past_key_values = kwargs.pop("layer_past", None)
+        else:
+            kwargs.pop("layer_past", None)
         if isinstance(past_key_values, EncoderDecoderCache):
             past_key_values = past_key_values.self_attention_cache
         if past_key_values is not None:
@@ -292,10 +315,8 @@ SWITCHHEAD_MODULES = (SwitchHeadAttention, SwitchHeadExperts, SigmaMoERouter)
 def attach_switchhead(model: nn.Module, config) -> None:
     """Replace every self-attention module of `model` by a SwitchHead attention (cross-attention is left alone)."""
     settings = switchhead_settings(config)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, SELF_ATTENTION_CLASSES) and not getattr(child, "is_cross_attention", False):
-                setattr(parent, name, SwitchHeadAttention(child, config, settings))
+    for parent, name, child in self_attention_modules(model):
+        setattr(parent, name, SwitchHeadAttention(child, config, settings))
 
 
 class SwitchHeadMixin:
@@ -327,57 +348,38 @@ class SwitchHeadMixin:
                 module.reset_parameters(self._init_std())
 
 
-class SwitchHeadLlamaModel(SwitchHeadMixin, LlamaModel):
-    config_class = SwitchHeadLlamaConfig
+def switchhead_model_class(name: str) -> type:
+    """`SwitchHead<transformers model class>` (e.g. SwitchHeadLlamaForCausalLM): that class with SwitchHead attention
+    and the matching SwitchHead configuration; made on first use, for any architecture."""
+    cls = globals().get(name)
+    if isinstance(cls, type):
+        return cls
+    base = getattr(transformers, name[len(CLASS_PREFIX):], None) if name.startswith(CLASS_PREFIX) else None
+    if not isinstance(base, type) or not issubclass(base, nn.Module):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # noqa: TRY004 (module __getattr__)
+    config_class = switchhead_config_class(CLASS_PREFIX + base.config_class.__name__)
+    cls = type(name, (SwitchHeadMixin, base), {"config_class": config_class, "__module__": __name__})
+    _share_weight_conversions(name, base)
+    globals()[name] = cls
+    return cls
 
 
-class SwitchHeadLlamaForCausalLM(SwitchHeadMixin, LlamaForCausalLM):
-    config_class = SwitchHeadLlamaConfig
+def _share_weight_conversions(name: str, base: type) -> None:
+    """transformers renames some families' tensors between checkpoint and memory (MoE experts, GPT-NeoX's embed_out)
+    by class name or model_type, and never for custom code: register the source class's renamings for ours."""
+    try:
+        from transformers.conversion_mapping import (
+            USER_REGISTERED_MAPPINGS,
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:
+        return
+    mapping = get_checkpoint_conversion_mapping(base.__name__) or get_checkpoint_conversion_mapping(
+        base.config_class.model_type)
+    if mapping and name not in USER_REGISTERED_MAPPINGS:
+        register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
 
 
-class SwitchHeadMistralModel(SwitchHeadMixin, MistralModel):
-    config_class = SwitchHeadMistralConfig
-
-
-class SwitchHeadMistralForCausalLM(SwitchHeadMixin, MistralForCausalLM):
-    config_class = SwitchHeadMistralConfig
-
-
-class SwitchHeadQwen2Model(SwitchHeadMixin, Qwen2Model):
-    config_class = SwitchHeadQwen2Config
-
-
-class SwitchHeadQwen2ForCausalLM(SwitchHeadMixin, Qwen2ForCausalLM):
-    config_class = SwitchHeadQwen2Config
-
-
-class SwitchHeadQwen3Model(SwitchHeadMixin, Qwen3Model):
-    config_class = SwitchHeadQwen3Config
-
-
-class SwitchHeadQwen3ForCausalLM(SwitchHeadMixin, Qwen3ForCausalLM):
-    config_class = SwitchHeadQwen3Config
-
-
-class SwitchHeadGemmaModel(SwitchHeadMixin, GemmaModel):
-    config_class = SwitchHeadGemmaConfig
-
-
-class SwitchHeadGemmaForCausalLM(SwitchHeadMixin, GemmaForCausalLM):
-    config_class = SwitchHeadGemmaConfig
-
-
-class SwitchHeadGemma2Model(SwitchHeadMixin, Gemma2Model):
-    config_class = SwitchHeadGemma2Config
-
-
-class SwitchHeadGemma2ForCausalLM(SwitchHeadMixin, Gemma2ForCausalLM):
-    config_class = SwitchHeadGemma2Config
-
-
-class SwitchHeadGPT2Model(SwitchHeadMixin, GPT2Model):
-    config_class = SwitchHeadGPT2Config
-
-
-class SwitchHeadGPT2LMHeadModel(SwitchHeadMixin, GPT2LMHeadModel):
-    config_class = SwitchHeadGPT2Config
+def __getattr__(name: str):  # auto_map names a class: make it
+    return switchhead_model_class(name)

@@ -1,7 +1,8 @@
 """Configurations of talking-heads checkpoints (Shazeer et al. 2020, arXiv 2003.02436).
 
 This file travels with converted checkpoints (next to `modeling_talking_heads.py`) and needs only `transformers`.
-Each class is the source architecture's own configuration under a new `model_type`, so that plain transformers
+Each class (made on first use, for any architecture) is the source architecture's own configuration under
+a new `model_type`, so that plain transformers
 refuses to load a talking-heads checkpoint as the source architecture (which would silently drop the mixing).
 
 The talking-heads settings live in `config.talking_heads` (a dict):
@@ -17,7 +18,7 @@ The talking-heads settings live in `config.talking_heads` (a dict):
 
 from __future__ import annotations
 
-from transformers import BertConfig, Gemma2Config, GemmaConfig, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+import transformers
 
 TALKING_HEADS_DEFAULTS = {
     "logits_mixing": True,
@@ -29,33 +30,22 @@ TALKING_HEADS_DEFAULTS = {
 }
 
 
-class TalkingHeadsLlamaConfig(LlamaConfig):
-    model_type = "talking_heads_llama"
+CLASS_PREFIX = "TalkingHeads"
 
 
-class TalkingHeadsMistralConfig(MistralConfig):
-    model_type = "talking_heads_mistral"
+def talking_heads_config_class(name: str) -> type:
+    """`TalkingHeads<transformers config class>` (e.g. TalkingHeadsLlamaConfig): that configuration under the
+    model_type `talking_heads_<model_type>`; made on first use, for any architecture."""
+    cls = globals().get(name)
+    if isinstance(cls, type):
+        return cls
+    base = getattr(transformers, name[len(CLASS_PREFIX):], None) if name.startswith(CLASS_PREFIX) else None
+    if not isinstance(base, type) or not issubclass(base, transformers.PretrainedConfig):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # noqa: TRY004 (module __getattr__)
+    cls = type(name, (base,), {"model_type": f"talking_heads_{base.model_type}", "__module__": __name__})
+    globals()[name] = cls
+    return cls
 
 
-class TalkingHeadsQwen2Config(Qwen2Config):
-    model_type = "talking_heads_qwen2"
-
-
-class TalkingHeadsQwen3Config(Qwen3Config):
-    model_type = "talking_heads_qwen3"
-
-
-class TalkingHeadsGemmaConfig(GemmaConfig):
-    model_type = "talking_heads_gemma"
-
-
-class TalkingHeadsGemma2Config(Gemma2Config):
-    model_type = "talking_heads_gemma2"
-
-
-class TalkingHeadsGPT2Config(GPT2Config):
-    model_type = "talking_heads_gpt2"
-
-
-class TalkingHeadsBertConfig(BertConfig):
-    model_type = "talking_heads_bert"
+def __getattr__(name: str):  # auto_map names a class: make it
+    return talking_heads_config_class(name)

@@ -99,8 +99,9 @@ def attention_modules(reader: CheckpointReader, family: Family, shape: TalkingHe
             continue
         module, layer = hit
         rows = reader.tensors[name].shape
-        expected = 3 * shape.width if family.model_type == "gpt2" else shape.width
-        size = rows[-1] if family.model_type == "gpt2" else rows[0]  # GPT-2's Conv1D stores (in, out)
+        spec = family.spec
+        expected = shape.width + 2 * shape.kv_heads * shape.head_dim if spec.fused else shape.width
+        size = rows[-1] if spec.conv1d else rows[0]  # a Conv1D stores (in, out)
         if size != expected:
             raise SurgeryError(f"tensor {name} of shape {list(rows)} does not match config.json "
                                f"({shape.heads} heads of {shape.head_dim})")
@@ -156,7 +157,7 @@ def _loader(reader: CheckpointReader, name: str, dtype: torch.dtype):
 def target_config(config: dict, family: Family, shape: TalkingHeadsShape, chunk_size: int, dtype: str | None) -> tuple[dict, list[str]]:
     """The output config.json, and the source architectures that map to no provided head class."""
     new = {k: v for k, v in config.items() if not k.startswith("_attn_implementation")}
-    base = family.model_class(family.heads["AutoModel"])
+    base = family.model_class("AutoModel")
     mapped, dropped = [], []
     for arch in config.get("architectures") or []:
         ours = family.architecture(arch)

@@ -1,79 +1,75 @@
-"""Which source architectures the talking-heads converter supports, and where their self-attention lives.
-
-Each family names the modeling classes (in `modeling_talking_heads.py`) that a converted checkpoint maps to in
-`auto_map`, and a regex over checkpoint tensor names whose match on the query projection's weight gives the
-self-attention module's name prefix (where the new `talking_heads.*` tensors go) and the layer index.
-"""
+"""What talking-heads keeps of its own about each family: the modeling class names a converted checkpoint maps to
+in `auto_map`. Where the attention lives (and whether talking-heads can convert it) is the family's `ArchSpec`."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
+from ..arch import ArchSpec, spec_for
 from ..errors import SurgeryError
+
+KIND = "talking-heads"
+CLASS_PREFIX = "TalkingHeads"
+DECODER_HEADS = ("AutoModel", "AutoModelForCausalLM")
+ENCODER_HEADS = ("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification")
+
+
+def _transformers_classes(model_type: str, auto_classes: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+    """transformers' configuration class name and {auto class: model class name} for `model_type`."""
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    mappings = {"AutoModel": modeling_auto.MODEL_MAPPING_NAMES,
+                "AutoModelForCausalLM": modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                "AutoModelForMaskedLM": modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                "AutoModelForSequenceClassification": modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES}
+    config = configuration_auto.CONFIG_MAPPING_NAMES.get(model_type)
+    heads = {auto: mappings[auto][model_type] for auto in auto_classes if isinstance(mappings[auto].get(model_type), str)}
+    if config is None or "AutoModel" not in heads:
+        raise SurgeryError(f"transformers has no model classes for {model_type!r}, which talking-heads builds on")
+    return config, heads
 
 
 @dataclass(frozen=True)
 class Family:
+    spec: ArchSpec
     model_type: str
-    prefix: str  # class name stem: TalkingHeads{prefix}Config, TalkingHeads{prefix}Model, ...
-    query_pattern: str  # regex on the query weight's name; groups "module" (attention module) and "layer"
-    heads: dict[str, str]  # auto class -> head class suffix, e.g. AutoModelForCausalLM -> ForCausalLM
-    rotary: bool = False
+    config_name: str  # transformers' configuration class, e.g. LlamaConfig
+    heads: dict[str, str]  # auto class -> transformers model class, e.g. AutoModelForCausalLM -> LlamaForCausalLM
 
     @property
     def config_class(self) -> str:
-        return f"TalkingHeads{self.prefix}Config"
+        return CLASS_PREFIX + self.config_name
 
-    def model_class(self, suffix: str) -> str:
-        return f"TalkingHeads{self.prefix}{suffix}"
+    def model_class(self, auto: str) -> str:
+        return CLASS_PREFIX + self.heads[auto]
+
+    @property
+    def rotary(self) -> bool:
+        """Whether query-key sub-heads must first order each head's dims as rotation pairs (i, i + d/2): half-split
+        RoPE only (interleaved pairs (2i, 2i + 1) are already adjacent)."""
+        return self.spec.rotary and self.spec.rotary_pairs == "half"
 
     def auto_map(self) -> dict[str, str]:
         auto = {"AutoConfig": f"configuration_talking_heads.{self.config_class}"}
-        auto.update({name: f"modeling_talking_heads.{self.model_class(suffix)}" for name, suffix in self.heads.items()})
+        auto.update({name: f"modeling_talking_heads.{self.model_class(name)}" for name in self.heads})
         return auto
 
     def architecture(self, source_architecture: str) -> str | None:
         """Our class for one of the source's `architectures`, or None when that head is not provided."""
-        for suffix in self.heads.values():
-            if source_architecture.endswith(suffix) and source_architecture[: -len(suffix)].lower().replace("_", "") == self.prefix.lower():
-                return self.model_class(suffix)
-        return None
+        return CLASS_PREFIX + source_architecture if source_architecture in self.heads.values() else None
 
     def match(self, name: str) -> tuple[str, int] | None:
-        m = re.fullmatch(self.query_pattern, name)
-        return (m.group("module"), int(m.group("layer"))) if m else None
-
-
-_DECODER_HEADS = {"AutoModel": "Model", "AutoModelForCausalLM": "ForCausalLM"}
-_LLAMA_QUERY = r"(?P<module>(?:.*\.)?layers\.(?P<layer>\d+)\.self_attn)\.q_proj\.weight"
-
-FAMILIES: tuple[Family, ...] = (
-    Family("llama", "Llama", _LLAMA_QUERY, _DECODER_HEADS, rotary=True),
-    Family("mistral", "Mistral", _LLAMA_QUERY, _DECODER_HEADS, rotary=True),
-    Family("qwen2", "Qwen2", _LLAMA_QUERY, _DECODER_HEADS, rotary=True),
-    Family("qwen3", "Qwen3", _LLAMA_QUERY, _DECODER_HEADS, rotary=True),
-    Family("gemma", "Gemma", _LLAMA_QUERY, _DECODER_HEADS, rotary=True),
-    Family("gemma2", "Gemma2", _LLAMA_QUERY, _DECODER_HEADS, rotary=True),
-    Family("gpt2", "GPT2", r"(?P<module>(?:.*\.)?h\.(?P<layer>\d+)\.attn)\.c_attn\.weight",
-           {"AutoModel": "Model", "AutoModelForCausalLM": "LMHeadModel"}),
-    Family("bert", "Bert", r"(?P<module>(?:.*\.)?layer\.(?P<layer>\d+)\.attention\.self)\.query\.weight",
-           {"AutoModel": "Model", "AutoModelForMaskedLM": "ForMaskedLM",
-            "AutoModelForSequenceClassification": "ForSequenceClassification"}),
-)
-
-
-def supported_model_types() -> list[str]:
-    return [f.model_type for f in FAMILIES]
+        """(attention module, layer) when `name` is a layer's query weight (or its fused q/k/v weight)."""
+        hit = self.spec.locate(name)
+        if hit and hit[2] == self.spec.query_projection and hit[3] == "weight":
+            return hit[0], hit[1]
+        return None
 
 
 def family_for(config: dict) -> Family:
     model_type = config.get("model_type")
-    for family in FAMILIES:
-        if family.model_type == model_type:
-            return family
     if str(model_type).startswith("talking_heads_"):
         raise SurgeryError(f"the source is already a talking-heads checkpoint ({model_type})")
-    raise SurgeryError(
-        f"unsupported architecture {model_type!r} for talking-heads; supported: {', '.join(supported_model_types())}"
-    )
+    spec = spec_for(config, KIND)
+    config_name, heads = _transformers_classes(model_type, ENCODER_HEADS if spec.encoder else DECODER_HEADS)
+    return Family(spec, model_type, config_name, heads)

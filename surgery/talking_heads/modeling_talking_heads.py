@@ -1,8 +1,9 @@
 """Talking-heads attention (Shazeer et al. 2020, arXiv 2003.02436) on top of transformers' own model classes.
 
 This file travels with converted checkpoints (loaded with `trust_remote_code=True`) and needs only torch and
-transformers. The models are the source architecture's classes (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2,
-GPT-2, BERT) with two changes:
+transformers. The models are the source architecture's own transformers classes (`TalkingHeads<class>`, e.g.
+TalkingHeadsLlamaForCausalLM, made on first use for any architecture whose attention goes through transformers'
+attention interface) with two changes:
 
 1. every self-attention module gets a `talking_heads` submodule holding the mixing matrices
    `logits_mix` P_l (h_k x h) and `weights_mix` P_w (h x h_v), named like the paper;
@@ -33,64 +34,34 @@ head spans several source heads and gets their mean; the model is then no longer
 from __future__ import annotations
 
 import torch
+import transformers
 from torch import nn
-from transformers import (
-    BertForMaskedLM,
-    BertForSequenceClassification,
-    BertModel,
-    Gemma2ForCausalLM,
-    Gemma2Model,
-    GemmaForCausalLM,
-    GemmaModel,
-    GPT2LMHeadModel,
-    GPT2Model,
-    LlamaForCausalLM,
-    LlamaModel,
-    MistralForCausalLM,
-    MistralModel,
-    Qwen2ForCausalLM,
-    Qwen2Model,
-    Qwen3ForCausalLM,
-    Qwen3Model,
-)
 from transformers import initialization as hf_init
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
-from transformers.models.bert.modeling_bert import BertSelfAttention
-from transformers.models.gemma.modeling_gemma import GemmaAttention
-from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention
-from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
-from transformers.models.llama.modeling_llama import LlamaAttention
-from transformers.models.mistral.modeling_mistral import MistralAttention
-from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
-from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
 from transformers.utils import logging
 
 from .configuration_talking_heads import (
     TALKING_HEADS_DEFAULTS,
-    TalkingHeadsBertConfig,
-    TalkingHeadsGemma2Config,
-    TalkingHeadsGemmaConfig,
-    TalkingHeadsGPT2Config,
-    TalkingHeadsLlamaConfig,
-    TalkingHeadsMistralConfig,
-    TalkingHeadsQwen2Config,
-    TalkingHeadsQwen3Config,
+    talking_heads_config_class,
 )
 
 logger = logging.get_logger(__name__)
 
 ATTN_IMPLEMENTATION = "talking_heads"
-SELF_ATTENTION_CLASSES = (
-    LlamaAttention,
-    MistralAttention,
-    Qwen2Attention,
-    Qwen3Attention,
-    GemmaAttention,
-    Gemma2Attention,
-    GPT2Attention,
-    BertSelfAttention,
-)
+CLASS_PREFIX = "TalkingHeads"
+
+
+def self_attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of any transformers model: the innermost modules whose class is an *Attention
+    (BertSelfAttention inside BertAttention, LlamaAttention, GPT2Attention, ...), cross-attention left out."""
+    found = []
+    for module in model.modules():
+        if not type(module).__name__.endswith("Attention") or getattr(module, "is_cross_attention", False):
+            continue
+        if not any(type(c).__name__.endswith("Attention") for c in module.modules() if c is not module):
+            found.append(module)
+    return found
 
 
 # --- mixing matrices ------------------------------------------------------------------------------------------
@@ -271,10 +242,9 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, talking_heads_mask)
 def attach_talking_heads(model: nn.Module, config) -> None:
     """Give every self-attention module of `model` its mixing submodule (cross-attention is left alone)."""
     settings = talking_heads_settings(config)
-    for module in model.modules():
-        if isinstance(module, SELF_ATTENTION_CLASSES) and not getattr(module, "is_cross_attention", False):
-            if getattr(module, "talking_heads", None) is None:
-                module.talking_heads = TalkingHeadsMixing(settings)
+    for module in self_attention_modules(model):
+        if getattr(module, "talking_heads", None) is None:
+            module.talking_heads = TalkingHeadsMixing(settings)
 
 
 class TalkingHeadsMixin:
@@ -313,69 +283,38 @@ class TalkingHeadsMixin:
                 module.chunk_size = int(chunk_size)
 
 
-class TalkingHeadsLlamaModel(TalkingHeadsMixin, LlamaModel):
-    config_class = TalkingHeadsLlamaConfig
+def talking_heads_model_class(name: str) -> type:
+    """`TalkingHeads<transformers model class>` (e.g. TalkingHeadsLlamaForCausalLM): that class with talking-heads
+    attention and the matching talking-heads configuration; made on first use, for any architecture."""
+    cls = globals().get(name)
+    if isinstance(cls, type):
+        return cls
+    base = getattr(transformers, name[len(CLASS_PREFIX):], None) if name.startswith(CLASS_PREFIX) else None
+    if not isinstance(base, type) or not issubclass(base, nn.Module):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")  # noqa: TRY004 (module __getattr__)
+    config_class = talking_heads_config_class(CLASS_PREFIX + base.config_class.__name__)
+    cls = type(name, (TalkingHeadsMixin, base), {"config_class": config_class, "__module__": __name__})
+    _share_weight_conversions(name, base)
+    globals()[name] = cls
+    return cls
 
 
-class TalkingHeadsLlamaForCausalLM(TalkingHeadsMixin, LlamaForCausalLM):
-    config_class = TalkingHeadsLlamaConfig
+def _share_weight_conversions(name: str, base: type) -> None:
+    """transformers renames some families' tensors between checkpoint and memory (MoE experts, GPT-NeoX's embed_out)
+    by class name or model_type, and never for custom code: register the source class's renamings for ours."""
+    try:
+        from transformers.conversion_mapping import (
+            USER_REGISTERED_MAPPINGS,
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:
+        return
+    mapping = get_checkpoint_conversion_mapping(base.__name__) or get_checkpoint_conversion_mapping(
+        base.config_class.model_type)
+    if mapping and name not in USER_REGISTERED_MAPPINGS:
+        register_checkpoint_conversion_mapping(name, mapping, overwrite=True)
 
 
-class TalkingHeadsMistralModel(TalkingHeadsMixin, MistralModel):
-    config_class = TalkingHeadsMistralConfig
-
-
-class TalkingHeadsMistralForCausalLM(TalkingHeadsMixin, MistralForCausalLM):
-    config_class = TalkingHeadsMistralConfig
-
-
-class TalkingHeadsQwen2Model(TalkingHeadsMixin, Qwen2Model):
-    config_class = TalkingHeadsQwen2Config
-
-
-class TalkingHeadsQwen2ForCausalLM(TalkingHeadsMixin, Qwen2ForCausalLM):
-    config_class = TalkingHeadsQwen2Config
-
-
-class TalkingHeadsQwen3Model(TalkingHeadsMixin, Qwen3Model):
-    config_class = TalkingHeadsQwen3Config
-
-
-class TalkingHeadsQwen3ForCausalLM(TalkingHeadsMixin, Qwen3ForCausalLM):
-    config_class = TalkingHeadsQwen3Config
-
-
-class TalkingHeadsGemmaModel(TalkingHeadsMixin, GemmaModel):
-    config_class = TalkingHeadsGemmaConfig
-
-
-class TalkingHeadsGemmaForCausalLM(TalkingHeadsMixin, GemmaForCausalLM):
-    config_class = TalkingHeadsGemmaConfig
-
-
-class TalkingHeadsGemma2Model(TalkingHeadsMixin, Gemma2Model):
-    config_class = TalkingHeadsGemma2Config
-
-
-class TalkingHeadsGemma2ForCausalLM(TalkingHeadsMixin, Gemma2ForCausalLM):
-    config_class = TalkingHeadsGemma2Config
-
-
-class TalkingHeadsGPT2Model(TalkingHeadsMixin, GPT2Model):
-    config_class = TalkingHeadsGPT2Config
-
-
-class TalkingHeadsGPT2LMHeadModel(TalkingHeadsMixin, GPT2LMHeadModel):
-    config_class = TalkingHeadsGPT2Config
-
-
-class TalkingHeadsBertModel(TalkingHeadsMixin, BertModel):
-    config_class = TalkingHeadsBertConfig
-
-
-class TalkingHeadsBertForMaskedLM(TalkingHeadsMixin, BertForMaskedLM):
-    config_class = TalkingHeadsBertConfig
-
-
-class TalkingHeadsBertForSequenceClassification(TalkingHeadsMixin, BertForSequenceClassification):
-    config_class = TalkingHeadsBertConfig
+def __getattr__(name: str):  # auto_map names a class: make it
+    return talking_heads_model_class(name)
