@@ -152,8 +152,15 @@ class ArchSpec:
         return name
 
     # --- reading config.json --------------------------------------------------------------------------------
+    @staticmethod
+    def count(config: dict, key: str) -> int:
+        """An integer config value the architecture needs; a missing one is one clear error."""
+        if config.get(key) is None:
+            raise SurgeryError(f"config.json has no {key}")
+        return int(config[key])
+
     def heads(self, config: dict) -> int:
-        return int(config[self.heads_key])
+        return self.count(config, self.heads_key)
 
     def kv_heads(self, config: dict) -> int:
         if self.mqa_flag and self.qkv_layout(config) == QKVLayout.FUSED and self.flag(config, self.mqa_flag):
@@ -165,13 +172,13 @@ class ArchSpec:
     def head_dim(self, config: dict) -> int:
         if self.head_dim_key and config.get(self.head_dim_key):
             return int(config[self.head_dim_key])
-        return int(config[self.hidden_key]) // self.heads(config)
+        return self.hidden(config) // self.heads(config)
 
     def hidden(self, config: dict) -> int:
-        return int(config[self.hidden_key])
+        return self.count(config, self.hidden_key)
 
     def layers(self, config: dict) -> int:
-        return int(config[self.layers_key])
+        return self.count(config, self.layers_key)
 
     def flag(self, config: dict, key: str):
         """A config value, with transformers' default for this family when config.json leaves it out."""
