@@ -465,11 +465,12 @@ def print_report(report: dict, title: str = "") -> None:
 
     console = Console()
     table = Table(title=title, show_header=True)
-    table.add_column("metric")
+    table.add_column("metric", no_wrap=True)
     table.add_column("value", justify="right")
     rows = [
         ("compared", report.get("compared")),
-        ("text", f"{report.get('text', '?')} ({report.get('tokens')} tokens, windows {report.get('seq_len')})"),
+        ("text", f"{report.get('text', '?')}: {report.get('tokens')} tokens"),
+        ("window length", f"{report.get('seq_len')} tokens"),
         ("max |Δ|", f"{report['max_abs_diff']:.3e}"),
         ("mean |Δ|", f"{report['mean_abs_diff']:.3e}"),
     ]
@@ -478,14 +479,14 @@ def print_report(report: dict, title: str = "") -> None:
         rows += [
             ("KL(source‖converted) / token", f"{report['kl']:.4g}"),
             ("top-1 agreement", f"{100 * report['top1_agreement']:.2f}%"),
-            (f"perplexity on {where}, source", f"{report['ppl_source']:.3f}"),
-            (f"perplexity on {where}, converted", f"{report['ppl_converted']:.3f}"),
+            (f"perplexity, source ({where})", f"{report['ppl_source']:.3f}"),
+            (f"perplexity, converted ({where})", f"{report['ppl_converted']:.3f}"),
         ]
     if "generation" in report:
         g = report["generation"]
         rows += [
-            (f"greedy agreement ({g['prompts']} prompts x {g['new_tokens']} tokens)", f"{100 * g['token_agreement']:.2f}%"),
-            ("mean first divergence (token)", f"{g['mean_first_divergence']:.1f} / {g['new_tokens']}"),
+            (f"greedy token agreement ({g['prompts']} prompts)", f"{100 * g['token_agreement']:.2f}%"),
+            ("mean first divergence (token)", f"{g['mean_first_divergence']:.1f} of {g['new_tokens']}"),
             ("exact-match continuations", f"{100 * g['exact_match_rate']:.1f}%"),
         ]
     if "exact" in report:
