@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import math
 import time
+from dataclasses import dataclass
 from itertools import chain, islice
 from pathlib import Path
 from typing import Iterable
@@ -51,9 +52,12 @@ def pick_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SurgeryError(f"--device {device}: CUDA is not available on this machine")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except RuntimeError:
-        raise SurgeryError(f"bad device {device!r}") from None
+        raise SurgeryError(f"bad device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SurgeryError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def is_causal_lm(config) -> bool:
@@ -286,18 +290,43 @@ def free(device: torch.device) -> None:
 
 
 # --- the check -----------------------------------------------------------------------------------------------------
-def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str], tokens: int = 16384,
-                        seq_len: int = 1024, batch_size: int = 4, device: str = "auto", dtype: str = "float32",
-                        trust_remote_code: bool = False, trust_source_code: bool = False, allow_pickle: bool = False,
-                        tokenizer: str | None = None, generate: int = 0, prompts_file: Path | None = None,
-                        layers: bool = False, data: str = "text", progress: bool = True,
-                        spill_bytes: int = MEMORY_BYTES, warn=None) -> dict:
-    """Run the source, then the converted model, over the same windows of `texts`; see the module docstring.
+@dataclass
+class CheckPlan:
+    """Everything a check needs, validated, before any model is loaded."""
 
-    trust_remote_code trusts the converted model's own code, trust_source_code the source's (the toolkit's own
-    modeling files in its own outputs are recognised by their sha256 and need neither). `warn(line)` receives
-    warnings (the CLI prints them on stderr)."""
-    warn = warn or (lambda line: None)
+    source: Source
+    converted: Source
+    device: torch.device
+    dtype: str
+    trust: tuple[bool, bool]  # trust_remote_code for the source, for the converted model
+    causal: bool
+    width: int  # last dimension of the compared outputs (vocabulary or hidden size)
+    source_attention: str | None  # attention implementation forced on the source (eager for talking-heads)
+    tokenizer: object
+    tokenizer_note: str | None
+    batches: torch.Tensor  # (windows, seq_len) token ids
+    batch_size: int
+    prompts: list
+    new_tokens: int
+    layer_windows: int  # 0: no --layers
+    layer_bytes: int
+    overlap: dict | None
+    data: str
+
+    @property
+    def seq_len(self) -> int:
+        return self.batches.shape[1]
+
+    def layer_batches(self) -> list[torch.Tensor]:
+        n, size = self.layer_windows, self.batch_size
+        return [self.batches[s:min(s + size, n)].to(self.device) for s in range(0, n, size)]
+
+
+def plan_check(source: Source, converted: Source, texts: Iterable[str], tokens: int, seq_len: int, batch_size: int,
+               device: str, dtype: str, trust_remote_code: bool, trust_source_code: bool, allow_pickle: bool,
+               tokenizer: str | None, generate: int, prompts_file: Path | None, layers: bool, data: str,
+               warn) -> CheckPlan:
+    """Check every input (options, trust, weights, tokenizers, prompts) and tokenize the text; loads no model."""
     check_counts(tokens, seq_len, batch_size, generate)
     if prompts_file is not None and not generate:
         raise SurgeryError("--prompts needs --generate N (the number of tokens to generate)")
@@ -316,21 +345,16 @@ def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str],
     validate_weights(source, config_a, causal, trust_a, allow_pickle)
     validate_weights(converted, config_b, causal, trust_b, allow_pickle)
 
-    # A talking-heads model computes eager attention: compare it with the source's eager attention, so that the
-    # report measures the surgery and not the source's own sdpa-vs-eager rounding (~1e-4 on SmolLM2's logits).
-    source_attn = "eager" if surgery_kind(converted) == "talking-heads" else None
-
     texts = iter(texts)
     head = list(islice(texts, 2))
-    probes = [t[:4000] for t in head if t]
     tok, tokenizer_note = choose_tokenizer(
         load_tokenizer(source, trust_a),
-        load_tokenizer(converted, trust_b) if has_tokenizer(converted.folder) else None, tokenizer, probes)
+        load_tokenizer(converted, trust_b) if has_tokenizer(converted.folder) else None, tokenizer,
+        probes=[t[:4000] for t in head if t])
     hashed = HashedTexts(chain(head, texts))
     ids = token_stream(hashed, tok, tokens)
     ctx = context_length(config_a)
-    seq_len = min(seq_len, ctx) if ctx else seq_len
-    batches = windows(ids, seq_len)
+    batches = windows(ids, min(seq_len, ctx) if ctx else seq_len)
     overlap = calibration_overlap(converted.folder, hashed.hashes)
     if overlap:
         warn(f"{overlap['documents']} of the {overlap['of']} documents checked on were calibration documents of "
@@ -339,69 +363,86 @@ def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str],
 
     prompts: list[gen.Prompt] = []
     if generate:
-        prompts = gen.prompts_from_stream(ids, length=min(gen.PROMPT_TOKENS, max(1, seq_len // 2)))
+        prompts = gen.prompts_from_stream(ids, length=min(gen.PROMPT_TOKENS, max(1, batches.shape[1] // 2)))
         if prompts_file is not None:
             prompts = gen.prompts_from_file(prompts_file, tok) + prompts
         gen.check_lengths(prompts, generate, ctx)
+    n_layer_windows = layer_errors.layer_windows(batches.shape[0], batches.shape[1]) if layers else 0
+    # A talking-heads model computes eager attention: compare it with the source's eager attention, so that the
+    # report measures the surgery and not the source's own sdpa-vs-eager rounding (~1e-4 on SmolLM2's logits).
+    source_attention = "eager" if surgery_kind(converted) == "talking-heads" else None
+    return CheckPlan(source, converted, dev, dtype, (trust_a, trust_b), causal,
+                     vocab_size(config_a) if causal else hidden_size(config_a), source_attention, tok, tokenizer_note,
+                     batches, batch_size, prompts, generate, n_layer_windows,
+                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), overlap, data)
 
-    width = vocab_size(config_a) if causal else hidden_size(config_a)
-    n_layer_windows = layer_errors.layer_windows(batches.shape[0], seq_len) if layers else 0
-    layer_bytes = layer_errors.expected_bytes(config_a, n_layer_windows * seq_len)
-    text_label = f"{data}[0:{batches.numel()}]"
-    seconds = {}
-    with SpillStore(batches.numel() * width * 4, spill_bytes) as store, \
-            SpillStore(layer_bytes, spill_bytes, what="the source's per-layer outputs") as layer_store:
-        # pass 1: the source alone
+
+def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str], tokens: int = 16384,
+                        seq_len: int = 1024, batch_size: int = 4, device: str = "auto", dtype: str = "float32",
+                        trust_remote_code: bool = False, trust_source_code: bool = False, allow_pickle: bool = False,
+                        tokenizer: str | None = None, generate: int = 0, prompts_file: Path | None = None,
+                        layers: bool = False, data: str = "text", progress: bool = True,
+                        spill_bytes: int = MEMORY_BYTES, warn=None) -> dict:
+    """Run the source, then the converted model, over the same windows of `texts`; see the module docstring.
+
+    trust_remote_code trusts the converted model's own code, trust_source_code the source's (the toolkit's own
+    modeling files in its own outputs are recognised by their sha256 and need neither). `warn(line)` receives
+    warnings (the CLI prints them on stderr). `spill_bytes`: the largest store of source outputs kept in memory."""
+    plan = plan_check(source, converted, texts, tokens, seq_len, batch_size, device, dtype, trust_remote_code,
+                      trust_source_code, allow_pickle, tokenizer, generate, prompts_file, layers, data,
+                      warn or (lambda line: None))
+    return run_check(plan, progress, spill_bytes)
+
+
+def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_BYTES) -> dict:
+    p, seconds = plan, {}
+    with SpillStore(p.batches.numel() * p.width * 4, spill_bytes) as store, \
+            SpillStore(p.layer_bytes, spill_bytes, what="the source's per-layer outputs") as layer_store:
+        # pass 1: the source alone; what the metrics need waits in the stores
         start = time.time()
-        model = load_model(source, dev, dtype, trust_a, attn_implementation=source_attn)
+        model = load_model(p.source, p.device, p.dtype, p.trust[0], attn_implementation=p.source_attention)
         source_attention = model.config._attn_implementation
-        source_pass(model, batches, batch_size, store, dev, causal, progress, "check source")
-        source_continuations = continuations(model, prompts, generate, batch_size, dev, progress, "generate source")
-        source_layers = (layer_errors.record_layers(model, layer_batches(batches, n_layer_windows, batch_size, dev),
-                                                    layer_store) if layers else 0)
+        source_pass(model, p.batches, p.batch_size, store, p.device, p.causal, progress, "check source")
+        source_continuations = continuations(model, p, progress, "generate source")
+        source_layers = layer_errors.record_layers(model, p.layer_batches(), layer_store) if p.layer_windows else 0
         del model
-        free(dev)
+        free(p.device)
         seconds["source"] = round(time.time() - start, 2)
 
         # pass 2: the converted model alone, against what the source left
         start = time.time()
-        model = load_model(converted, dev, dtype, trust_b)
-        acc = converted_pass(model, batches, batch_size, store, dev, causal, progress, "check converted")
+        model = load_model(p.converted, p.device, p.dtype, p.trust[1])
+        report = converted_pass(model, p.batches, p.batch_size, store, p.device, p.causal, progress,
+                                "check converted").report()
         store.close()
-        report = acc.report()
-        if generate:
+        if p.new_tokens:
             report["generation"] = gen.compare_continuations(
-                prompts, source_continuations,
-                continuations(model, prompts, generate, batch_size, dev, progress, "generate converted"), tok, generate)
-        if layers:
-            report["layers"] = layer_errors.compare_layers(
-                model, layer_batches(batches, n_layer_windows, batch_size, dev), layer_store, source_layers)
-            report["layers_tokens"] = n_layer_windows * seq_len
+                p.prompts, source_continuations, continuations(model, p, progress, "generate converted"),
+                p.tokenizer, p.new_tokens)
+        if p.layer_windows:
+            report["layers"] = layer_errors.compare_layers(model, p.layer_batches(), layer_store, source_layers)
+            report["layers_tokens"] = p.layer_windows * p.seq_len
         del model
-        free(dev)
+        free(p.device)
         seconds["converted"] = round(time.time() - start, 2)
 
-    report |= {"tokens": batches.numel(), "windows": batches.shape[0], "seq_len": seq_len,
-               "compared": "logits" if causal else "last_hidden_state", "data": data, "text": text_label,
-               "device": str(dev), "dtype": dtype, "source_attention": source_attention, "seconds": seconds,
+    report |= {"tokens": p.batches.numel(), "windows": p.batches.shape[0], "seq_len": p.seq_len,
+               "compared": "logits" if p.causal else "last_hidden_state", "data": p.data,
+               "text": f"{p.data}[0:{p.batches.numel()}]", "device": str(p.device), "dtype": p.dtype,
+               "source_attention": source_attention, "seconds": seconds,
                "scratch": "memory" if store.in_memory else "disk"}
-    if tokenizer_note:
-        report["tokenizer"] = tokenizer_note
-    if overlap:
-        report["calibration_overlap"] = overlap
+    if p.tokenizer_note:
+        report["tokenizer"] = p.tokenizer_note
+    if p.overlap:
+        report["calibration_overlap"] = p.overlap
     return report
 
 
-def continuations(model, prompts: list, new_tokens: int, batch_size: int, device: torch.device, progress: bool,
-                  desc: str) -> list[list[int]] | None:
-    if not new_tokens:
+def continuations(model, plan: CheckPlan, progress: bool, desc: str) -> list[list[int]] | None:
+    if not plan.new_tokens:
         return None
-    with Progress(len(prompts) * new_tokens, desc, enabled=progress) as bar:
-        return gen.continue_prompts(model, prompts, new_tokens, batch_size, device, bar)
-
-
-def layer_batches(batches: torch.Tensor, n_windows: int, batch_size: int, device: torch.device) -> list[torch.Tensor]:
-    return [batches[s:min(s + batch_size, n_windows)].to(device) for s in range(0, n_windows, batch_size)]
+    with Progress(len(plan.prompts) * plan.new_tokens, desc, enabled=progress) as bar:
+        return gen.continue_prompts(model, plan.prompts, plan.new_tokens, plan.batch_size, plan.device, bar)
 
 
 @torch.no_grad()

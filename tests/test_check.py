@@ -350,3 +350,10 @@ def test_smollm2_mqa_sequential_check_matches_both_models_at_once(tmp_path):
     for key in METRICS:
         assert report[key] == pytest.approx(at_once[key], rel=1e-6), key
     assert 5 < report["ppl_source"] < 40 and report["ppl_converted"] > report["ppl_source"]
+
+
+@pytest.mark.parametrize("device, fragment", [("gpu", "use auto, cpu, cuda or cuda:N"), ("cuda:7", "cuda:7")])
+def test_bad_devices_are_one_line(models, capsys, device, fragment):
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has that many GPUs")
+    assert_one_line_error(surgery(capsys, "check", models["src"], models["exact"], "--device", device), fragment)
