@@ -230,6 +230,12 @@ def test_bad_counts_fail_before_any_work(models, capsys, option, value):
     assert_one_line_error(surgery(capsys, "check", models["src"], models["exact"], option, value), option)
 
 
+def test_prompts_without_generate_is_one_line(models, capsys, tmp_path):
+    (tmp_path / "p.txt").write_text("hello\n")
+    assert_one_line_error(surgery(capsys, "check", models["src"], models["exact"], "--prompts", tmp_path / "p.txt"),
+                          "--prompts needs --generate")
+
+
 def test_json_into_a_missing_folder_fails_before_the_run(models, capsys, tmp_path):
     result = surgery(capsys, "check", models["src"], models["exact"], "--json", tmp_path / "nope" / "r.json")
     assert_one_line_error(result, "does not exist")  # one line: no progress line, no pass ran
