@@ -204,7 +204,8 @@ def test_generate_longer_than_the_context_is_refused_before_the_run(models):
 
 # --- tokenizers -----------------------------------------------------------------------------------------------------
 def test_different_tokenizers_are_refused_unless_one_is_chosen(models, tmp_path):
-    from tokenizers import Tokenizer, models as tok_models
+    from tokenizers import Tokenizer
+    from tokenizers import models as tok_models
     from transformers import PreTrainedTokenizerFast
 
     shuffled = tmp_path / "shuffled"
@@ -284,8 +285,8 @@ def test_each_model_needs_its_own_trust_flag(models, capsys, tmp_path):
     assert_one_line_error(surgery(capsys, "check", models["src"], dst), "--trust-remote-code", "configuration_x.py")
     assert_one_line_error(surgery(capsys, "check", models["src"], dst, "--trust-source-code"), "--trust-remote-code")
     assert not marker.exists()  # no foreign code ran
-    code, out, err = surgery(capsys, "check", src, models["exact"], "--trust-source-code", "--tokens", "256",
-                             "--seq-len", "64")
+    code, _, err = surgery(capsys, "check", src, models["exact"], "--trust-source-code", "--tokens", "256",
+                           "--seq-len", "64")
     assert code == 0, err
     assert marker.exists()  # the user asked for it
 

@@ -99,7 +99,7 @@ class SpillStore:
             self._tmp.cleanup()
             self._tmp = None
 
-    def __enter__(self) -> "SpillStore":
+    def __enter__(self) -> SpillStore:
         return self
 
     def __exit__(self, *exc) -> None:
