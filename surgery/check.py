@@ -354,7 +354,8 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], tokens: 
     hashed = HashedTexts(chain(head, texts))
     ids = token_stream(hashed, tok, tokens)
     ctx = context_length(config_a)
-    batches = windows(ids, min(seq_len, ctx) if ctx else seq_len)
+    # windows: --seq-len, capped at the context and at --tokens (the report says which length was used)
+    batches = windows(ids, min(seq_len, ctx or seq_len, tokens))
     overlap = calibration_overlap(converted.folder, hashed.hashes)
     if overlap:
         warn(f"{overlap['documents']} of the {overlap['of']} documents checked on were calibration documents of "

@@ -364,3 +364,10 @@ def test_bad_devices_are_one_line(models, capsys, device, fragment):
     if device.startswith("cuda") and torch.cuda.device_count() > 7:
         pytest.skip("this machine has that many GPUs")
     assert_one_line_error(surgery(capsys, "check", models["src"], models["exact"], "--device", device), fragment)
+
+
+def test_windows_are_capped_at_the_context_and_at_tokens(models):
+    report = check(models["src"], models["exact"], tokens=100, seq_len=1024)
+    assert report["seq_len"] == 100 and report["tokens"] == 100 and report["text"] == "text[0:100]"
+    report = check(models["src"], models["exact"], tokens=1024, seq_len=1024)
+    assert report["seq_len"] == 128 and report["windows"] == 8  # the tiny models' context: 128
