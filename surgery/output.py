@@ -15,7 +15,9 @@ from typing import Callable
 from . import __version__
 from .atomic import atomic_output_dir
 from .publish.hashes import record_output_hashes
-from .source import Source, copy_side_files
+from .errors import SurgeryError
+from .record import LOCAL_KEY, public_name
+from .source import Source, copy_side_files, custom_code_files, public_config
 from .tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
 from .threads import threads
 from .trust import CODE_RECORD, code_record
@@ -29,12 +31,16 @@ def conversion_record(kind: str, source: Source, shard_hashes: dict[str, str]) -
         "kind": kind,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "source": {
-            "spec": source.spec,
-            "folder": str(Path(source.folder).absolute()),
+            "spec": public_name(source.spec),
             "revision": source.revision,
-            "gguf_file": source.gguf_file,
+            "gguf_file": Path(source.gguf_file).name if source.gguf_file else None,
             "model_type": source.config.get("model_type"),
             "shards_sha256": shard_hashes,
+        },
+        LOCAL_KEY: {
+            "source_spec": source.spec,
+            "source_folder": str(Path(source.folder).absolute()),
+            "gguf_path": str(Path(source.gguf_file).absolute()) if source.gguf_file else None,
         },
     }
 
@@ -49,18 +55,35 @@ def write_conversion(source: Source, reader: CheckpointReader, out: Path, planne
     everything but surgery.json is written, with the names of the files written (shards and code files). The
     source's shards are hashed in a thread while the tensors are written; the writing is I/O-bound, so it runs with
     one torch thread (more would only spin against the copy and hash threads)."""
+    code_files = tuple(code_files)
+    source_code = custom_code_files(source.folder, new_config, provided=code_files)
     hashes: dict[str, str] = {}
-    hasher = threading.Thread(target=lambda: hashes.update(sha256_files(reader.files)), daemon=True)
-    hasher.start()
-    with threads(1), reader, atomic_output_dir(out, force=force) as tmp:
+    failed: list[BaseException] = []
+
+    def hash_source() -> None:
+        try:
+            hashes.update(sha256_files(reader.files))
+        except BaseException as e:  # reported by the main thread, not as a thread traceback
+            failed.append(e)
+
+    hasher = threading.Thread(target=hash_source, daemon=True)
+    with threads(1), reader, atomic_output_dir(out, force=force, source=source.folder) as tmp:
+        hasher.start()
         bar = progress_bar(sum(t.nbytes for t in planned), progress)
         files = write_checkpoint(tmp, planned, max_shard_bytes, progress=bar.update)
         bar.close()
-        (tmp / "config.json").write_text(json.dumps(new_config, indent=2, sort_keys=True) + "\n")
+        (tmp / "config.json").write_text(json.dumps(public_config(new_config), indent=2, sort_keys=True) + "\n")
         for name in code_files:
             shutil.copyfile(Path(code_dir) / name, tmp / name)
+        for name in source_code:  # the source's custom code that the new config's auto_map still names
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(source.folder) / name, tmp / name)
         copy_side_files(source.folder, tmp)
         hasher.join()
+        if failed or set(hashes) != {Path(f).name for f in reader.files}:
+            why = f": {failed[0]}" if failed else ""
+            raise SurgeryError(f"cannot hash the source's weight files{why}")
+        code_files = code_files + tuple(source_code)
         record = {**conversion_record(kind, source, hashes), **record_fields(files + list(code_files))}
         if code_files:  # lets surgery.trust recognise the toolkit's own, unmodified modeling code
             record[CODE_RECORD] = code_record(tmp, code_files)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,7 @@ class Source:
     spec: str  # what the user typed
     revision: str | None = None  # hub revision when it came from the hub
     gguf_file: str | None = None
+    prepare_seconds: float = 0.0  # time spent making the folder (dequantizing a GGUF file the first time)
 
     @property
     def config(self) -> dict:
@@ -45,13 +47,16 @@ class Source:
 
 
 def load_config(folder: Path) -> dict:
+    from . import sanity
+
     path = Path(folder) / "config.json"
     if not path.exists():
         raise SurgeryError(f"{folder} has no config.json: not a transformers checkpoint")
+    sanity.regular_file(path, "config")
     try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise SurgeryError(f"corrupt {path}: {e}") from None
+        return sanity.config_object(json.loads(path.read_text()), path)
+    except (OSError, ValueError, RecursionError) as e:
+        raise SurgeryError(f"corrupt {path}: {str(e).splitlines()[0][:200]}") from None
 
 
 def embedded_smollm2_gguf() -> Path:
@@ -89,16 +94,19 @@ def download(repo_id: str, revision: str | None, allow_pickle: bool) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
     patterns = HUB_PATTERNS + (PICKLE_PATTERNS if allow_pickle else [])
+    # The user may have meant a local folder: say that none exists before talking about the hub.
+    local = f"no local folder or file named {repo_id} (in {Path.cwd()})"
     try:
         folder = snapshot_download(repo_id, revision=revision, allow_patterns=patterns)
     except RepositoryNotFoundError:
-        raise SurgeryError(f"unknown model {repo_id}: no such repository on the hub (or no access)") from None
+        raise SurgeryError(f"{local}, and no model {repo_id} on the hub (or no access to it)") from None
     except RevisionNotFoundError:
         raise SurgeryError(f"model {repo_id} has no revision {revision}") from None
     except LocalEntryNotFoundError:
-        raise SurgeryError(f"cannot download {repo_id}: the hub is unreachable and it is not cached") from None
+        raise SurgeryError(f"{local}; as a hub id it cannot be downloaded: the hub is unreachable and it is not "
+                           "cached") from None
     except (HfHubHTTPError, OSError) as e:
-        raise SurgeryError(f"cannot download {repo_id}: {str(e).splitlines()[0]}") from None
+        raise SurgeryError(f"{local}; as a hub id: {str(e).splitlines()[0]}") from None
     load_config(Path(folder))
     return Path(folder)
 
@@ -107,9 +115,10 @@ def dequantize_gguf(path: Path, spec: str) -> Source:
     """Dequantize a GGUF file once into a cached fp32 safetensors folder (keyed by the file's hash)."""
     digest = sha256_file(path)
     folder = CACHE_DIR / "gguf" / f"{path.stem}-{digest[:16]}"
+    start = time.time()
     if not (folder / "config.json").exists():
         _write_dequantized(path, folder)
-    return Source(folder, spec, gguf_file=str(path))
+    return Source(folder, spec, gguf_file=str(path), prepare_seconds=time.time() - start)
 
 
 def _write_dequantized(path: Path, folder: Path) -> None:
@@ -135,12 +144,99 @@ def _write_dequantized(path: Path, folder: Path) -> None:
         tokenizer.save_pretrained(tmp)
 
 
+# Keys transformers writes into tokenizer_config.json that describe the machine it ran on, not the tokenizer.
+MACHINE_TOKENIZER_KEYS = ("is_local", "local_files_only", "cache_dir", "_commit_hash")
+# config.json keys naming where a model was loaded from.
+MACHINE_CONFIG_KEYS = ("_name_or_path", "_model_name_or_path", "_commit_hash")
+
+
+def public_config(config: dict) -> dict:
+    """A config without the keys that name where it was loaded from."""
+    return {k: v for k, v in config.items() if k not in MACHINE_CONFIG_KEYS}
+
+
 def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy tokenizer, generation config and licence files; returns the names copied."""
+    """Copy tokenizer, generation config and licence files; returns the names copied.
+
+    tokenizer_config.json loses the keys that describe the machine it was saved on (MACHINE_TOKENIZER_KEYS)."""
     copied = []
     for pattern in SIDE_FILE_PATTERNS:
         for f in sorted(Path(src).glob(pattern)):
             if f.is_file() and not (Path(dst) / f.name).exists():
-                shutil.copy2(f, Path(dst) / f.name)
+                if f.name == "tokenizer_config.json":
+                    _copy_tokenizer_config(f, Path(dst) / f.name)
+                else:
+                    shutil.copy2(f, Path(dst) / f.name)
                 copied.append(f.name)
     return copied
+
+
+def custom_code_files(folder: Path, config: dict, provided: tuple[str, ...] = ()) -> list[str]:
+    """The source's .py files that `config`'s auto_map (and the source's tokenizer_config.json auto_map) needs,
+    with the sibling modules they import (found by parsing, never importing them), minus the `provided` ones.
+
+    Refuses a module that is missing, leaves the folder, or does not parse: an output naming code it does not
+    carry would not load."""
+    import ast
+
+    from . import sanity
+
+    maps = [config.get("auto_map")]
+    tok = Path(folder) / "tokenizer_config.json"
+    if tok.is_file():
+        try:
+            maps.append(json.loads(tok.read_text()).get("auto_map"))
+        except (OSError, ValueError, AttributeError, RecursionError):
+            pass
+    todo = []
+    for auto_map in maps:
+        if auto_map is None:
+            continue
+        if not isinstance(auto_map, dict):
+            raise SurgeryError(f"config.json in {folder}: auto_map must be an object of class -> module.Class")
+        for ref in auto_map.values():
+            for r in ref if isinstance(ref, list) else [ref]:
+                if r is None:
+                    continue
+                if not isinstance(r, str) or "." not in r:
+                    raise SurgeryError(f"config.json in {folder}: bad auto_map entry {r!r}")
+                if "--" in r:
+                    raise SurgeryError(f"auto_map entry {r!r} names code in another repository; download it into "
+                                       f"{folder} and name it locally, or convert a checkpoint without custom code")
+                todo.append(r.rsplit(".", 1)[0])
+    files, seen = [], set()
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        name = module.replace(".", "/") + ".py"
+        if name in provided:
+            continue
+        path = sanity.name_inside(folder, name, "auto_map")
+        if not path.is_file():
+            raise SurgeryError(f"auto_map names {name}, which {folder} lacks: the converted checkpoint would not load")
+        try:
+            tree = ast.parse(sanity.regular_file(path, "custom code").read_text(), filename=str(path))
+        except (SyntaxError, ValueError, UnicodeDecodeError) as e:
+            raise SurgeryError(f"{path} (custom code named by auto_map) does not parse: {e}") from None
+        files.append(name)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                todo.append(node.module)
+    return sorted(files)
+
+
+def _copy_tokenizer_config(src: Path, dst: Path) -> None:
+    try:
+        config = json.loads(src.read_text())
+    except (OSError, ValueError):
+        config = None
+    if not isinstance(config, dict):  # not ours to repair: copied as it is
+        shutil.copy2(src, dst)
+        return
+    name = config.get("name_or_path")
+    if isinstance(name, str) and name.startswith(("/", "~", ".")):
+        del config["name_or_path"]
+    dst.write_text(json.dumps({k: v for k, v in config.items() if k not in MACHINE_TOKENIZER_KEYS}, indent=2,
+                              ensure_ascii=False) + "\n")

@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from .digest import sha256_file
+from . import sanity
 from .errors import SurgeryError
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -63,7 +64,8 @@ class TensorInfo:
 
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Parse a safetensors file's header; check that every tensor lies inside the file."""
+    """Parse a safetensors file's header; check that every tensor lies inside the file, without overlaps."""
+    sanity.regular_file(path, "weight file")
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -74,22 +76,25 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
             if header_len > size - 8 or header_len > 100_000_000:
                 raise ValueError("header length points past the end of the file")
             header = json.loads(f.read(header_len))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
-        raise SurgeryError(f"corrupt safetensors file {path}: {e}") from None
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise SurgeryError(f"corrupt safetensors file {path}: {str(e).splitlines()[0][:200]}") from None
+    if not isinstance(header, dict):
+        raise SurgeryError(f"corrupt safetensors file {path}: the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise SurgeryError(f"corrupt safetensors file {path}: __metadata__ is not an object of strings")
     base = 8 + header_len
     infos: dict[str, TensorInfo] = {}
+    ranges = []
     for name, entry in header.items():
-        try:
-            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            begin, end = entry["data_offsets"]
-            shape = tuple(int(s) for s in entry["shape"])
-        except (KeyError, TypeError, ValueError):
-            raise SurgeryError(f"corrupt safetensors file {path}: bad entry for {name}") from None
+        code, shape, begin, end = sanity.safetensors_entry(path, name, entry, SAFETENSORS_DTYPES)
+        dtype = SAFETENSORS_DTYPES[code]
         info = TensorInfo(name, path, dtype, shape, base + begin, end - begin)
         if info.numel * dtype_size(dtype) != info.nbytes or base + end > size:
             raise SurgeryError(f"truncated or corrupt safetensors file {path}: tensor {name} is incomplete")
         infos[name] = info
+        ranges.append((name, begin, end))
+    sanity.check_byte_ranges(path, ranges, size - base)
     return infos, metadata
 
 
@@ -109,7 +114,11 @@ class CheckpointReader:
                 for name, t in state.items():
                     self.tensors[name] = TensorInfo(name, file, t.dtype, tuple(t.shape))
             else:
-                self.tensors.update(read_safetensors_header(file)[0])
+                infos = read_safetensors_header(file)[0]
+                twice = next((n for n in infos if n in self.tensors), None)
+                if twice is not None:
+                    raise SurgeryError(f"tensor {twice} is stored twice ({self.tensors[twice].file.name} and {file.name})")
+                self.tensors.update(infos)
         self._fds: dict[Path, int] = {}
 
     def _weight_files(self, allow_pickle: bool) -> list[Path]:
@@ -117,11 +126,13 @@ class CheckpointReader:
         for index_name, single in ((WEIGHTS_INDEX, "model.safetensors"), (PICKLE_INDEX, "pytorch_model.bin")):
             index = d / index_name
             if index.exists():
+                sanity.regular_file(index, "index")
                 try:
-                    weight_map = json.loads(index.read_text())["weight_map"]
-                except (ValueError, KeyError) as e:
-                    raise SurgeryError(f"corrupt index {index}: {e}") from None
-                files = [d / f for f in dict.fromkeys(weight_map.values())]
+                    parsed = json.loads(index.read_text())
+                except (OSError, ValueError, RecursionError) as e:
+                    raise SurgeryError(f"corrupt index {index}: {str(e).splitlines()[0][:200]}") from None
+                weight_map = sanity.weight_map(parsed, index)
+                files = [sanity.name_inside(d, f, f"index {index}") for f in dict.fromkeys(weight_map.values())]
             elif (d / single).exists():
                 files = [d / single]
             else:
@@ -129,6 +140,8 @@ class CheckpointReader:
             missing = [f.name for f in files if not f.exists()]
             if missing:
                 raise SurgeryError(f"checkpoint {d} is missing shard(s): {', '.join(missing)}")
+            for f in files:
+                sanity.regular_file(f, "weight file")
             if single.endswith(".bin") and not allow_pickle:
                 raise SurgeryError(
                     f"{d} holds only pickle (.bin) weights, which can run code when loaded; "
@@ -140,9 +153,12 @@ class CheckpointReader:
     @staticmethod
     def _load_pickle(file: Path) -> dict[str, torch.Tensor]:
         try:
-            return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:  # torch raises many kinds here
             raise SurgeryError(f"cannot read pickle checkpoint {file}: {str(e).splitlines()[0]}") from None
+        if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+            raise SurgeryError(f"pickle checkpoint {file} is not a state dict of tensors")
+        return state
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -314,14 +330,21 @@ def _hub_blob_digest(file: Path) -> str | None:
     return None
 
 
+def _is_sha256(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
 class _HashCache:
     PATH = Path(os.environ.get("SURGERY_CACHE", Path.home() / ".cache" / "surgery")) / "sha256.json"
 
     def __init__(self):
+        self.entries: dict[str, str] = {}
         try:
-            self.entries: dict[str, str] = json.loads(self.PATH.read_text())
-        except (OSError, ValueError):
-            self.entries = {}
+            entries = json.loads(self.PATH.read_text())
+        except (OSError, ValueError, RecursionError):
+            entries = None
+        if isinstance(entries, dict):  # a corrupt cache is ignored (and rewritten): hashes are recomputed
+            self.entries = {k: v for k, v in entries.items() if isinstance(v, str) and _is_sha256(v)}
         self.changed = False
 
     @staticmethod

@@ -117,3 +117,9 @@ def test_pickle_refused_without_flag(tmp_path):
     ok = surgery("convert", tmp_path / "src", "--to", "mqa", "--out", tmp_path / "o", "--allow-pickle")
     assert ok.returncode == 0, ok.stderr
     assert (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_a_mistyped_local_folder_is_named_as_such_before_the_hub(tmp_path):
+    result = surgery("inspect", "smol_mqa_typo", env={"HF_HUB_CACHE": str(tmp_path / "cache")})
+    assert_one_line_error(result, "no local folder or file named smol_mqa_typo")
+    assert result.stderr.index("no local folder") < result.stderr.index("hub")

@@ -207,6 +207,7 @@ def test_inspect_counts_match_the_loaded_model(arch, tmp_path):
     assert (before["kv_heads"], after["kv_heads"]) == (tm.kv_heads_of(src.config), 1)
     d, layers = before["head_dim"], before["layers"]
     assert after["kv_cache_bytes_per_token"] == 2 * layers * 1 * d * 4
+    assert after["kv_cache_dtype"] == "float32"
     assert before["attention_core_macs_per_token"] == layers * 2 * heads * d * 4096
 
 

@@ -7,7 +7,10 @@ and downloads (`snapshot_download`: repo info, tree, resolve with the CDN redire
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,7 +110,9 @@ def test_push_uploads_through_lfs_and_downloads_back(hub, converted, tmp_path):
     assert result.returncode == 0, result.stderr
     assert TOKEN not in result.stdout + result.stderr
 
-    card = (out / "README.md").read_text()
+    assert not (out / "README.md").exists()  # the card is uploaded from memory: push writes nothing into the folder
+    back = download(hub, "alice/tiny-mqa", tmp_path / "dl")
+    card = (back / "README.md").read_text()
     assert TOKEN not in card
     meta = front_matter(card)
     assert meta["library_name"] == "transformers" and meta["pipeline_tag"] == "text-generation"
@@ -128,11 +133,19 @@ def test_push_uploads_through_lfs_and_downloads_back(hub, converted, tmp_path):
     repo = hub.repos["alice/tiny-mqa"]
     files = repo.commits[repo.refs["main"]].files
     assert files["model-00001-of-00003.safetensors"].lfs and not files["config.json"].lfs
-    back = download(hub, "alice/tiny-mqa", tmp_path / "dl")
     local = sorted(p.name for p in out.iterdir())
-    assert sorted(p.name for p in back.iterdir()) == sorted(local + [".gitattributes"])
+    assert sorted(p.name for p in back.iterdir()) == sorted(local + [".gitattributes", "README.md"])
     for name in local:
-        assert same_bytes(out / name, back / name), name
+        if name != "surgery.json":
+            assert same_bytes(out / name, back / name), name
+    # surgery.json goes up without its machine-local part; nothing pushed names a path of this machine.
+    from surgery.record import public_record, read_record
+
+    assert read_record(back) == public_record(read_record(out)) and "local" in read_record(out)
+    for f in back.iterdir():
+        text = f.read_bytes().decode("utf-8", errors="ignore")
+        for machine_path in (str(tmp_path), str(converted), str(Path.home()), sys.prefix, os.getcwd()):
+            assert machine_path not in text, (f.name, machine_path)
 
     # private: invisible without the token
     from huggingface_hub.errors import RepositoryNotFoundError
@@ -227,6 +240,21 @@ def test_card_with_custom_code(converted, tmp_path):
     assert {"talking-heads", "custom_code"} <= set(meta["tags"])
     assert 'from_pretrained("alice/tiny-th", trust_remote_code=True)' in card
     assert all(f"`{f}`" in card for f in v.code_files)
+    # The card's loading snippet, run as a user would (stdin open, no answer given), loads model and tokenizer
+    # without transformers stopping to ask about the custom code.
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(tmp_path / "th")
+    snippet = card.split("```python\n", 1)[1].split("```", 1)[0].replace("alice/tiny-th", str(tmp_path / "th"))
+    run = subprocess.run([sys.executable, "-c", snippet + "\nprint(type(model).__name__, type(tokenizer).__name__)"],
+                         cwd=tmp_path, input="", capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr
+    assert "Do you wish to run the custom code" not in run.stdout + run.stderr
+    assert "TalkingHeads" in run.stdout
 
 
 def test_card_metadata_of_the_embedded_source():
@@ -257,7 +285,7 @@ def test_convert_pulls_a_hub_id_from_the_server(hub, tmp_path, monkeypatch):
 
     src_hash = hashlib.sha256((tmp_path / "src" / "model.safetensors").read_bytes()).hexdigest()
     assert record["source"]["shards_sha256"] == {"model.safetensors": src_hash}
-    assert Path(record["source"]["folder"]).is_relative_to(tmp_path / "hf-cache")
+    assert Path(record["local"]["source_folder"]).is_relative_to(tmp_path / "hf-cache")
 
     pinned = surgery("convert", "alice/tiny-qwen2", "--revision", commit, "--to", "gqa", "--kv-heads", "1",
                      "--out", tmp_path / "pinned", env=env)
@@ -279,3 +307,11 @@ def test_converters_record_output_hashes(tmp_path):
     assert sorted(recorded) == files
     for name, digest in recorded.items():
         assert hashlib.sha256((tmp_path / "o" / name).read_bytes()).hexdigest() == digest
+
+
+def test_push_asks_for_credentials_before_hashing_the_folder(converted, tmp_path):
+    out = fresh_copy(converted, tmp_path)
+    (out / "model-00001-of-00003.safetensors").write_bytes(b"corrupt")  # validation would refuse it
+    result = surgery("push", out, "alice/x", env={"HF_TOKEN": "", "HF_HOME": str(tmp_path / "home"),
+                                                  "HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert_one_line_error(result, "no Hugging Face token")

@@ -79,3 +79,20 @@ def test_demo_runs_the_embedded_job(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "perplexity, converted" in result.stdout and "KV cache / token" in result.stdout
     assert json.loads((tmp_path / "demo" / "config.json").read_text())["num_key_value_heads"] == 1
+    assert "What this means" in result.stdout and "--merge aligned" in result.stdout
+    assert "Q4_1 GGUF" in result.stdout and "SmolLM2-135M-Instruct" in result.stdout
+    # Running the demo again replaces its own earlier output instead of failing with "already exists".
+    again = subprocess.run([sys.executable, "-m", "cli", "demo", "--out", tmp_path / "demo", "--tokens", "512"],
+                           cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert "replacing the previous demo output" in again.stdout
+
+
+def test_demo_never_replaces_a_folder_it_did_not_write(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    result = subprocess.run([sys.executable, "-m", "cli", "demo", "--out", mine, "--tokens", "512"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2 and "exists" in result.stderr
+    assert (mine / "notes.txt").read_text() == "keep me"

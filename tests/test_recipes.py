@@ -13,7 +13,7 @@ import yaml
 
 from hub_server import LocalHub
 from test_cli_errors import assert_one_line_error, surgery
-from test_push import TOKEN, USER, hub_env
+from test_push import TOKEN, USER, download, hub_env
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -148,7 +148,8 @@ def test_run_resumes_skips_and_reruns_from_a_step(hub, tmp_path):
     pushed = json.loads((out / "05-push.json").read_text())
     repo = hub.repos["alice/tiny-gqa2"]
     assert pushed["commit_url"].endswith(repo.refs["main"])
-    card = (out / "03-uptrain" / "README.md").read_text()
+    assert not (out / "03-uptrain" / "README.md").exists()  # the card is uploaded, not written into the folder
+    card = (download(hub, "alice/tiny-gqa2", tmp_path / "dl") / "README.md").read_text()
     assert "## Uptraining" in card and "04-check-2" in card and "02-check" not in card
 
     # unchanged: everything skipped, nothing uploaded again

@@ -22,6 +22,7 @@ from surgery.convert_kv import KVOptions, convert_to_kv_heads
 from surgery.source import resolve_source
 from surgery.uptrain import UptrainOptions, uptrain
 from surgery.uptrain.losses import kd_loss, lm_loss
+from surgery.errors import SurgeryError
 from surgery.uptrain.params import select_trainable
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,7 +163,7 @@ def test_kd_is_the_default_for_a_converted_model_and_uses_its_source_as_teacher(
     kd = [m["kd_loss"] for m in metrics(out) if "kd_loss" in m]
     assert kd[0] > 1e-4 and kd[-1] < 0.8 * kd[0]  # the teacher is not the student, and the student moves to it
     record = json.loads((out / "surgery.json").read_text())
-    assert record["kind"] == "mqa" and record["source"]["folder"] == str(trained[0].absolute())  # the input's record
+    assert record["kind"] == "mqa" and record["local"]["source_folder"] == str(trained[0].absolute())  # the input's record
     assert load(out).config.num_key_value_heads == 1
 
 
@@ -256,7 +257,9 @@ def test_custom_code_checkpoint_trains_its_new_parameters_and_keeps_its_code(tin
     (folder / "surgery.json").write_text(json.dumps({"kind": "test", "new_parameters": ["embed_scale"]}))
 
     out = tmp_path / "out"
-    run(folder, out, loss="lm", train="new", tokens=1024)
+    with pytest.raises(SurgeryError, match="modeling_scaled.py.*pass --trust-remote-code"):  # not without consent
+        run(folder, out, loss="lm", train="new", tokens=1024)
+    run(folder, out, loss="lm", train="new", tokens=1024, trust_remote_code=True)
     assert (out / "modeling_scaled.py").read_text() == CUSTOM_CODE
     before, after = weights(folder), weights(out)
     assert {k for k in before if not torch.equal(before[k], after[k])} == {"embed_scale"}

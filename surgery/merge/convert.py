@@ -104,7 +104,7 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str = "pydo
     kv_options = KVOptions(kv_heads=kv_heads, method="mean", seed=seed, dtype=dtype, max_shard_bytes=max_shard_bytes,
                            allow_pickle=allow_pickle)
     target_config(spec, config, shape, dtype)  # refuses what has no target before any work
-    check_output_path(out, force)
+    check_output_path(out, force, source=src.folder)
     reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
     KVPlanner(reader, spec, config, shape, kv_options)._validate_layers()
     if calib_tokens < 1:

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import yaml
 
+from ..errors import SurgeryError
 from ..inspect import _human, inspect_checkpoint
+from ..record import local_source_folder
 from .validate import Validation
 
 # Cards carrying this line were written by `surgery push` and are rewritten by the next push; others are kept.
@@ -61,13 +63,12 @@ def _gguf_license(path: str | None) -> str | None:
 def source_info(record: dict | None) -> dict:
     """base_model (a hub id when known), license, and the source folder when it still exists."""
     src = (record or {}).get("source") or {}
-    spec, folder = src.get("spec"), src.get("folder")
-    folder = Path(folder) if folder and Path(folder).is_dir() else None
+    spec, folder = src.get("spec"), local_source_folder(record or {})
     base = EMBEDDED.get(spec)
     if base is None and spec and spec.count("/") == 1 and not Path(spec).exists() and not spec.startswith((".", "/", "~")):
         base = spec  # a hub id
     meta = _front_matter(folder / "README.md") if folder else {}
-    license_ = meta.get("license") or _gguf_license(src.get("gguf_file"))
+    license_ = meta.get("license") or _gguf_license(((record or {}).get("local") or {}).get("gguf_path") or src.get("gguf_file"))
     if license_ is None and folder is not None:
         license_ = json.loads((folder / "config.json").read_text()).get("license") if (folder / "config.json").exists() else None
     return {"base_model": base, "license": license_, "folder": folder, "spec": spec, "revision": src.get("revision")}
@@ -101,6 +102,17 @@ def _ratio(a, b) -> str:
     return f" ({b / a:.2f}x)" if a and b is not None else ""
 
 
+def _inspect_source(folder) -> dict | None:
+    """The source's statistics for the card, when its folder is still there with safetensors weights (pickle
+    weights are not read by push: the card then shows the converted model and what surgery.json recorded)."""
+    if not folder:
+        return None
+    try:
+        return inspect_checkpoint(folder)
+    except SurgeryError:
+        return None
+
+
 def conversion_section(v: Validation, info: dict) -> list[str]:
     record = v.record or {}
     kind = record.get("kind")
@@ -111,11 +123,15 @@ def conversion_section(v: Validation, info: dict) -> list[str]:
     source = info["base_model"] or info["spec"] or "the source checkpoint"
     lines.append(f"Converted from `{source}`" + (f" (revision `{info['revision']}`)" if info["revision"] else "")
                  + f" to {what} by `surgery` {record.get('version', '')}.".replace(" .", "."))
+    gguf = (record.get("source") or {}).get("gguf_file")
+    if gguf:
+        lines.append(f"The source weights are the GGUF file `{gguf}` dequantized to float32: they carry that file's "
+                     "quantization error, so they are not bit-identical to the original model's release.")
     if record.get("method"):
         lines.append(f"K/V heads merged by: {MERGES.get(record['method'], record['method'])}.")
     lines.append("")
     after = inspect_checkpoint(v.folder)
-    before = inspect_checkpoint(info["folder"]) if info["folder"] else None
+    before = _inspect_source(info["folder"])
     kv = record.get("kv_heads")
     rows = [("query heads", "heads", None), ("K/V heads", "distinct_kv_heads", None), ("parameters", "parameters", ""),
             ("KV cache / token", "kv_cache_bytes_per_token", "B"),
@@ -179,10 +195,12 @@ def usage_section(v: Validation, repo_id: str) -> list[str]:
     trust = ", trust_remote_code=True" if v.custom_code else ""
     lines = ["## How to load", "", "```python", f"from transformers import {auto}, AutoTokenizer", "",
              f'model = {auto}.from_pretrained("{repo_id}"{trust})',
-             f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")', "```", ""]
+             f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}"{trust})', "```", ""]
     if v.custom_code:
         lines.append("The attention is implemented by the modeling code shipped in this repository "
-                     f"({', '.join(f'`{c}`' for c in v.code_files)}), hence `trust_remote_code=True`.")
+                     f"({', '.join(f'`{c}`' for c in v.code_files)}), hence `trust_remote_code=True`. The tokenizer "
+                     "is a standard one: the flag on its line only keeps transformers, which reads the model's "
+                     "configuration on the way, from stopping to ask about that code.")
     elif is_causal_lm(v.config):
         lines.append("A standard architecture: no custom code, and vLLM serves it as is "
                      f"(`vllm serve {repo_id}`).")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..errors import SurgeryError
 from ..tensors import read_safetensors_header
+from ..trust import has_custom_code
 from .hashes import RECORD, hashed_files, sha256_many
 
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -25,7 +26,7 @@ class Validation:
 
     @property
     def custom_code(self) -> bool:
-        return bool(self.config.get("auto_map"))
+        return has_custom_code(self.folder)
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -129,10 +130,14 @@ def check_hashes(folder: Path, record: dict) -> None:
 
 
 def check_config_loads(folder: Path, custom_code: bool) -> None:
+    """config.json loads in transformers. A config with custom code (auto_map) is not loaded here: that would import
+    the folder's configuration module. Its files were checked instead (present, parsing, matching surgery.json)."""
+    if custom_code:
+        return
     from transformers import AutoConfig
 
     try:
-        AutoConfig.from_pretrained(folder, trust_remote_code=custom_code)
+        AutoConfig.from_pretrained(folder, trust_remote_code=False)
     except Exception as e:  # transformers raises many kinds for a config it cannot use
         raise SurgeryError(f"config.json in {folder} does not load in transformers: {str(e).splitlines()[0]}") from None
 
@@ -150,5 +155,5 @@ def validate_folder(folder: Path) -> Validation:
     code = check_custom_code(config, folder)
     if record is not None:
         check_hashes(folder, record)
-    check_config_loads(folder, bool(config.get("auto_map")))
+    check_config_loads(folder, has_custom_code(folder))
     return Validation(folder, config, record, weights, code)

@@ -43,12 +43,12 @@ def _shape(config: dict) -> dict:
     return shape
 
 
-def stats_from_folder(folder: Path) -> ModelStats:
+def stats_from_folder(folder: Path, allow_pickle: bool = False) -> ModelStats:
     from ..source import load_config
     from ..tensors import CheckpointReader, dtype_size
 
     config = load_config(folder)
-    with CheckpointReader(folder, allow_pickle=True) as reader:
+    with CheckpointReader(folder, allow_pickle=allow_pickle) as reader:
         infos = list(reader.tensors.values())
     floats = [t for t in infos if t.dtype.is_floating_point] or infos
     main = max(floats, key=lambda t: t.numel)

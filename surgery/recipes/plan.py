@@ -23,8 +23,8 @@ def local_source_folder(recipe: Recipe) -> Path | None:
     from ..source import CACHE_DIR, HUB_PATTERNS, embedded_smollm2_gguf
 
     s = recipe.source
-    if s.path:
-        return Path(s.path) if (Path(s.path) / "config.json").exists() else None
+    if s.path:  # with `package`, the path is inside the package's folder (located without importing it)
+        return Path(s.spec) if (Path(s.spec) / "config.json").exists() else None
     if s.gguf or s.id == "smollm2":
         try:
             gguf = Path(s.gguf) if s.gguf else embedded_smollm2_gguf()
@@ -44,14 +44,26 @@ def local_source_folder(recipe: Recipe) -> Path | None:
 
 def source_stats(recipe: Recipe, folder: Path | None) -> tuple[est.ModelStats | None, str]:
     if folder is not None:
-        return est.stats_from_folder(folder), f"{folder}"
+        # pickle (.bin) weights are read only when the recipe's convert step allows them, as `surgery convert` does
+        allow_pickle = any(s.kind == "convert" and s.options.allow_pickle for s in recipe.validated_steps())
+        try:
+            return est.stats_from_folder(folder, allow_pickle=allow_pickle), f"{folder}"
+        except SurgeryError as e:
+            if allow_pickle or "pickle" not in str(e):
+                raise
+            if not recipe.source.config:
+                return None, f"{folder} holds only pickle weights (convert needs allow_pickle: true)"
     if recipe.source.config:
         path = recipe.relative(recipe.source.config)
         try:
             config = json.loads(path.read_text())
         except (OSError, ValueError) as e:
             raise SurgeryError(f"source.config {path} cannot be read: {e}") from None
-        return est.stats_from_config(config), f"not on disk; sized from {path}"
+        try:
+            return est.stats_from_config(config), f"not on disk; sized from {path}"
+        except (KeyError, ValueError, TypeError, AttributeError) as e:
+            raise SurgeryError(f"source.config {path} does not describe a model transformers knows: "
+                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     return None, "not on disk (add source.config to size the plan)"
 
 

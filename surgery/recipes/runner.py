@@ -94,13 +94,6 @@ def _option_args(step: Step) -> list[str]:
     return args
 
 
-def _has_custom_code(folder: str) -> bool:
-    try:
-        return bool(json.loads((Path(folder) / "config.json").read_text()).get("auto_map"))
-    except (OSError, ValueError):
-        return False
-
-
 def command_line(recipe: Recipe, ps: PlannedStep, resume: bool = False) -> list[str]:
     """The `surgery ...` arguments this step runs (without the program name)."""
     src = recipe.source
@@ -109,9 +102,8 @@ def command_line(recipe: Recipe, ps: PlannedStep, resume: bool = False) -> list[
     if ps.kind == "convert":
         first = ps.input == src.spec
         return ["convert", ps.input, "--out", str(ps.output), "--force", *(revision if first else []), *opts]
-    if ps.kind == "check":
-        trust = ["--trust-remote-code"] if _has_custom_code(ps.input) and "--trust-remote-code" not in opts else []
-        return ["check", src.spec, ps.input, "--json", str(ps.output), *revision, *trust, *opts]
+    if ps.kind == "check":  # code from the source or the model runs only if the step's options say so (trust_*)
+        return ["check", src.spec, ps.input, "--json", str(ps.output), *revision, *opts]
     if ps.kind == "uptrain":
         return ["uptrain", ps.input, "--out", str(ps.output), "--force", *(["--resume"] if resume else []), *opts]
     if ps.kind == "push":
@@ -156,8 +148,15 @@ class State:
         self.path = Path(output) / STATE
         try:
             self.data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
+        except FileNotFoundError:
             self.data = {"steps": {}}
+        except (OSError, ValueError) as e:
+            raise SurgeryError(f"{self.path} cannot be read ({str(e).splitlines()[0]}); delete it to run every "
+                               "step again") from None
+        steps = self.data.get("steps") if isinstance(self.data, dict) else None
+        if not isinstance(steps, dict) or not all(isinstance(v, dict) for v in steps.values()):
+            raise SurgeryError(f"{self.path} is not a recipe state (a JSON object with a \"steps\" object); delete "
+                               "it to run every step again")
 
     def get(self, name: str) -> dict:
         return self.data["steps"].get(name, {})

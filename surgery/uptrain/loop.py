@@ -23,6 +23,7 @@ from ..atomic import atomic_output_dir, check_output_path
 from ..errors import SurgeryError
 from ..publish.hashes import record_output_hashes
 from ..source import resolve_source
+from ..record import local_source_folder
 from . import model_io
 from .data import cache_key, pack, read_cache, write_cache
 from .losses import Objective
@@ -86,7 +87,7 @@ def use_fsdp_on_cpu(acc) -> None:
 
 
 def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
-    teacher_known = bool(o.teacher or (record.get("source") or {}).get("spec") or (record.get("source") or {}).get("folder"))
+    teacher_known = bool(o.teacher or (record.get("source") or {}).get("spec") or local_source_folder(record))
     kind = o.loss if o.loss != "auto" else ("kd" if teacher_known else "lm")
     if kind in ("kd", "mix") and not teacher_known:
         raise SurgeryError(f"--loss {kind} needs a teacher: the input has no surgery.json naming its source; pass --teacher")
@@ -170,19 +171,19 @@ def run(o: UptrainOptions) -> dict:
             f"{world * o.micro_batch * o.seq_len}")
     accum = per_process // o.micro_batch
     trajectory = o.trajectory() | {"model": str(Path(source.folder).absolute()), "loss": objective.kind}
-    check_output_path(o.out, o.force)
+    check_output_path(o.out, o.force, source=source.folder)
     check_run_dir(o, trajectory)
     set_seed(o.seed)
 
-    tokenizer = model_io.load_tokenizer(source)
-    model = model_io.load_causal_lm(source, "model")
+    tokenizer = model_io.load_tokenizer(source, "model", o.trust_remote_code)
+    model = model_io.load_causal_lm(source, "model", o.trust_remote_code)
     model_io.check_seq_len(model, o.seq_len, source.spec)
     out_dtype = model_io.checkpoint_dtype(source.folder, source.config)
     teacher = None
     if objective.needs_teacher:
         t_src = model_io.teacher_source(record, o.teacher)
-        teacher = model_io.load_causal_lm(t_src, "teacher")
-        model_io.check_teacher(model, teacher, tokenizer, t_src)
+        teacher = model_io.load_causal_lm(t_src, "teacher", o.trust_teacher_code)
+        model_io.check_teacher(model, teacher, tokenizer, t_src, o.trust_teacher_code)
         teacher.requires_grad_(False)
         teacher.eval().to(acc.device)
     trainable = select_trainable(model, o.train, record)
@@ -348,7 +349,7 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
         "final_train_loss": next((m["loss"] for m in reversed(rows) if "loss" in m), None),
         "train_seconds": round(state.elapsed, 3),
     }
-    with atomic_output_dir(o.out, force=o.force) as tmp:
+    with atomic_output_dir(o.out, force=o.force, source=source.folder) as tmp:
         model_io.write_checkpoint(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
         model_io.write_record(source, tmp, uptraining)
         shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")

@@ -14,6 +14,8 @@ from .. import check
 from ..check import context_length, is_causal_lm
 from ..errors import SurgeryError
 from ..source import Source, copy_side_files, resolve_source
+from ..record import LOCAL_KEY, local_source_folder, public_name
+from ..trust import resolve_trust
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,15 +30,19 @@ def read_record(folder: Path) -> dict:
         raise SurgeryError(f"corrupt {path}: {e}") from None
 
 
-def has_custom_code(config: dict) -> bool:
-    return bool(config.get("auto_map"))
+FLAGS = {"model": "--trust-remote-code", "teacher": "--trust-teacher-code"}  # the flag that trusts each role's code
 
 
-def load_causal_lm(source: Source, role: str):
-    """An fp32 causal LM from a local folder; checkpoints that ship their own modeling code run it."""
+def trust_for(source: Source, role: str, trusted: bool) -> bool:
+    """`trust_remote_code` for the model or the teacher: its own flag, or the toolkit's own unmodified code."""
+    return resolve_trust(source.folder, trusted, flag=FLAGS[role], what=f"the {role} {source.spec}")
+
+
+def load_causal_lm(source: Source, role: str, trusted: bool = False):
+    """An fp32 causal LM from a local folder; code it ships runs only as `surgery.trust.resolve_trust` allows."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    remote = has_custom_code(source.config)
+    remote = trust_for(source, role, trusted)
     try:
         config = AutoConfig.from_pretrained(source.folder, trust_remote_code=remote)
         if not is_causal_lm(config) and not (remote and "AutoModelForCausalLM" in source.config.get("auto_map", {})):
@@ -48,9 +54,9 @@ def load_causal_lm(source: Source, role: str):
     return model
 
 
-def load_tokenizer(source: Source):
-    """The checkpoint's tokenizer; a folder with its own modeling code is trusted as `load_causal_lm` trusts it."""
-    return check.load_tokenizer(source, trust_remote_code=has_custom_code(source.config))
+def load_tokenizer(source: Source, role: str = "model", trusted: bool = False):
+    """The checkpoint's tokenizer, trusted as `load_causal_lm` trusts the same folder."""
+    return check.load_tokenizer(source, trust_remote_code=trust_for(source, role, trusted))
 
 
 def check_seq_len(model, seq_len: int, spec: str) -> None:
@@ -64,9 +70,11 @@ def teacher_source(record: dict, teacher: str | None) -> Source | None:
     if teacher:
         return resolve_source(teacher)
     src = record.get("source") or {}
-    folder = src.get("folder")
-    if folder and (Path(folder) / "config.json").exists():
-        return Source(Path(folder), src.get("spec") or folder, src.get("revision"), src.get("gguf_file"))
+    folder = local_source_folder(record)
+    if folder is not None:
+        local = record.get(LOCAL_KEY) or {}
+        return Source(folder, local.get("source_spec") or src.get("spec") or str(folder), src.get("revision"),
+                      local.get("gguf_path") or src.get("gguf_file"))
     if src.get("spec"):
         return resolve_source(src["spec"], revision=src.get("revision"))
     return None
@@ -76,13 +84,13 @@ def vocab_size(model) -> int:
     return model.get_output_embeddings().weight.shape[0]
 
 
-def check_teacher(student, teacher, student_tok, teacher_source: Source) -> None:
+def check_teacher(student, teacher, student_tok, teacher_source: Source, trusted: bool = False) -> None:
     teacher_folder, teacher_spec = teacher_source.folder, teacher_source.spec
     if vocab_size(student) != vocab_size(teacher):
         raise SurgeryError(f"the teacher {teacher_spec} has a different vocabulary ({vocab_size(teacher)} logits, the "
                            f"student has {vocab_size(student)}): distillation needs the same tokenizer")
     if any(Path(teacher_folder).glob("tokenizer*")):
-        teacher_tok = load_tokenizer(teacher_source)
+        teacher_tok = load_tokenizer(teacher_source, "teacher", trusted)
         if teacher_tok.get_vocab() != student_tok.get_vocab():
             raise SurgeryError(f"the teacher {teacher_spec} has a different vocabulary (its tokenizer differs from "
                                "the student's): distillation needs the same tokenizer")
@@ -155,6 +163,7 @@ def write_record(source: Source, dst: Path, uptraining: dict) -> dict:
     if "uptraining" in record:
         record.setdefault("previous_uptraining", []).append(record["uptraining"])
     record["uptraining"] = uptraining | {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                         "input": {"spec": source.spec, "folder": str(Path(source.folder).absolute())}}
+                                         "input": {"spec": public_name(source.spec)},
+                                         LOCAL_KEY: {"input_folder": str(Path(source.folder).absolute())}}
     (dst / "surgery.json").write_text(json.dumps(record, indent=2) + "\n")
     return record

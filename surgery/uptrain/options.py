@@ -49,6 +49,8 @@ class UptrainOptions:
     keep_run_dir: bool = False  # keep checkpoints after success
     force: bool = False
     max_shard_size: str = "5GB"
+    trust_remote_code: bool = False  # run code the model folder ships (see surgery/trust.py)
+    trust_teacher_code: bool = False  # run code the teacher's folder ships
     progress: bool = True
 
     def __post_init__(self):

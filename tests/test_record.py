@@ -1,0 +1,68 @@
+"""surgery.json keeps machine-local paths under one key, which the published view drops."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import tiny_models as tm
+from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.record import local_source_folder, public_name, public_record, read_record
+from surgery.source import resolve_source
+
+
+def test_public_record_holds_no_machine_paths(tmp_path):
+    src = tmp_path / "my-llama"
+    tm.make_tiny("llama", src)
+    out = tmp_path / "out"
+    convert_to_kv_heads(resolve_source(str(src)), out, KVOptions(kv_heads=1))
+    record = read_record(out)
+    # The full record still finds the source on this machine (uptrain's default teacher, the card's columns).
+    assert local_source_folder(record) == src
+    public = json.dumps(public_record(record))
+    for machine_path in (str(tmp_path), str(Path.home()), sys.prefix, os.getcwd()):
+        assert machine_path not in public
+    assert public_record(record)["source"]["spec"] == "my-llama"
+
+
+def test_public_name_keeps_hub_ids_and_embedded_names(tmp_path):
+    assert public_name("HuggingFaceTB/SmolLM2-135M") == "HuggingFaceTB/SmolLM2-135M"
+    assert public_name("smollm2") == "smollm2"
+    assert public_name(str(tmp_path / "models" / "x")) == "x"
+    assert public_name("./relative/folder") == "folder"
+
+
+def test_converted_side_files_hold_no_machine_keys(tmp_path):
+    src = tmp_path / "src"
+    tm.make_tiny("llama", src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(config | {"_model_name_or_path": str(tmp_path / "where")}))
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                           "is_local": True, "local_files_only": False,
+                                                           "name_or_path": str(src), "model_max_length": 128}))
+    out = tmp_path / "out"
+    convert_to_kv_heads(resolve_source(str(src)), out, KVOptions(kv_heads=1))
+    tok = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok == {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 128}
+    assert "_model_name_or_path" not in json.loads((out / "config.json").read_text())
+
+
+def test_gguf_dequantizing_time_is_reported_once(tmp_path, monkeypatch):
+    import time
+
+    import surgery.source as source
+
+    def slow_dequantize(path, folder):
+        time.sleep(0.2)
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+
+    monkeypatch.setattr(source, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr(source, "_write_dequantized", slow_dequantize)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF-not-really")
+    first, second = source.dequantize_gguf(gguf, str(gguf)), source.dequantize_gguf(gguf, str(gguf))
+    assert first.folder == second.folder
+    assert first.prepare_seconds >= 0.2 and second.prepare_seconds < 0.2
