@@ -16,7 +16,7 @@ from ..convert_kv import KVOptions, convert_to_kv_heads
 from ..data import load_texts, token_stream
 from ..errors import SurgeryError
 from ..source import Source, resolve_source
-from .calib import pydoc_documents_used
+from ..calibration.text import pydoc_documents_used
 from .convert import _n_threads, convert_aligned
 from ..threads import threads
 

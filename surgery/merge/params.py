@@ -75,7 +75,7 @@ class LayerAttention:
         if self.layout == QKVLayout.SEPARATE:
             (qw, qb), (kw, kb), (vw, vb) = self._get(s.q), self._get(s.k), self._get(s.v)
             has_bias = qb is not None or kb is not None or vb is not None
-            zeros = lambda w: torch.zeros(w.shape[0])  # noqa: E731
+            zeros = lambda w: torch.zeros(w.shape[0], device=w.device)  # noqa: E731
             if has_bias:
                 qb, kb, vb = (b if b is not None else zeros(w) for w, b in ((qw, qb), (kw, kb), (vw, vb)))
             q, k, v = _aug(qw, qb), _aug(kw, kb), _aug(vw, vb)
