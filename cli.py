@@ -36,8 +36,12 @@ def cli() -> None:
 @click.argument("source")
 @click.option("--to", "kind", type=click.Choice(["mqa", "gqa", "talking-heads", "switchhead"]), required=True,
               help="Target attention.")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder (written atomically).")
+@click.option("--out", type=click.Path(path_type=Path), help="Output folder (written atomically); required unless --dry-run.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@click.option("--dry-run", is_flag=True, help="Print the peak host/device memory and the time per layer the conversion "
+              "will need (a cost model and a one-second throughput probe of the device); convert nothing.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="With --dry-run: also write the estimate as "
+              "JSON ('-' for stdout).")
 @click.option("--revision", help="Hub revision (branch, tag or commit) when SOURCE is a hub id.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="Output dtype of floating tensors (auto keeps the source's).")
@@ -49,9 +53,15 @@ def cli() -> None:
 @click.option("--merge", "--method", "method", type=click.Choice(["mean", "first", "random", "aligned"]), default="mean",
               show_default=True, help="[mqa/gqa] How each group's K/V heads are merged: mean (GQA paper), first "
               "head, random init (the paper's ablations), or aligned (activation-aware, RoPE-compatible).")
+@click.option("--grouping", type=click.Choice(["similarity", "consecutive"]), default="similarity", show_default=True,
+              help="[aligned] Which K/V heads share a merged head: similarity (the grouping that loses least, searched "
+              "over up to C(K, K/G) candidate groups per layer) or consecutive (as the plain merges; G group fits per "
+              "layer, much faster on large models).")
 @optgroup("calibration (aligned merge, switchhead)")
 @click.option("--calib", default="pydoc", show_default=True, help="Calibration text (same forms as check --data).")
 @click.option("--calib-tokens", type=int, default=8192, show_default=True, help="Calibration tokens.")
+@click.option("--device", default="auto", show_default=True, help="Where calibration runs, layer by layer: auto (CUDA "
+              "when present), cpu, cuda, cuda:N.")
 @optgroup("talking-heads")
 @click.option("--logits-mixing/--no-logits-mixing", default=True, show_default=True,
               help="[talking-heads] Mix heads' attention logits before the softmax.")
@@ -67,9 +77,9 @@ def cli() -> None:
 @click.option("--heads", type=int, help="[switchhead] Attention heads after conversion (H).")
 @click.option("--experts", type=int, help="[switchhead] Experts per head (E).")
 @click.option("--topk", type=int, help="[switchhead] Experts selected per token (k).")
-def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pickle, seed, kv_heads, method, calib,
-            calib_tokens, logits_mixing, weights_mixing, heads_logits, heads_weights, chunk_size, heads, experts,
-            topk):
+def convert(source, kind, out, force, dry_run, json_out, revision, dtype, max_shard_size, allow_pickle, seed, kv_heads,
+            method, calib, calib_tokens, device, logits_mixing, weights_mixing, heads_logits, heads_weights, chunk_size,
+            heads, experts, topk, grouping):
     """Convert SOURCE to another attention: mqa, gqa, talking-heads or switchhead.
 
     mqa/gqa with mean/first/random merges is pure tensor surgery, streamed tensor by tensor: the model is
@@ -83,6 +93,19 @@ def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pic
 
     common = dict(dtype=None if dtype == "auto" else dtype, max_shard_bytes=parse_size(max_shard_size),
                   allow_pickle=allow_pickle, seed=seed)
+    if dry_run:
+        from surgery.dry_run import convert_dry_run
+
+        report = convert_dry_run(resolve_source(source, revision=revision, allow_pickle=allow_pickle), kind,
+                                 method=method, kv_heads=kv_heads, assign=grouping == "similarity", heads=heads, experts=experts, topk=topk,
+                                 calib_tokens=calib_tokens, device=device, allow_pickle=allow_pickle)
+        click.echo("\n".join(report["lines"]))
+        if json_out:
+            text = json.dumps({k: v for k, v in report.items() if k != "lines"}, indent=2)
+            click.echo(text) if str(json_out) == "-" else Path(json_out).write_text(text + "\n")
+        return
+    if out is None:
+        raise click.UsageError("Missing option '--out'.")
     check_output_path(out, force)
     if kind in ("mqa", "gqa"):
         if kind == "mqa":
@@ -94,9 +117,11 @@ def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pic
         src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
         if method == "aligned":
             from surgery.merge import convert_aligned
+            from surgery.merge.pipeline import MergeOptions
 
             record = convert_aligned(src, out, kv_heads=kv_heads, calib=calib, calib_tokens=calib_tokens,
-                                     force=force, **common)
+                                     force=force, device=device,
+                                     options=MergeOptions(groups=kv_heads, assign=grouping == "similarity"), **common)
         else:
             from surgery.convert_kv import KVOptions, convert_to_kv_heads
 
