@@ -59,8 +59,12 @@ PROGRESS = re.compile(r": layer (\d+)/(\d+) \(([\d.]+) s\)")
 class TreeMonitor:
     """Peak resident memory of a process and all its children, and (CUDA) the peak GPU memory nvidia-smi reports."""
 
-    def __init__(self, pid: int, gpu: bool = False):
+    def __init__(self, pid: int, gpu: bool = False, log: Path | None = None):
         self.proc = psutil.Process(pid)
+        self.log, self.log_size = log, 0
+        self.marks: list[tuple[int, float, float]] = []  # (layers done, wall s, CPU s of the tree) at each progress line
+        self.start = time.time()
+        self.cpu = 0.0
         self.peak = 0
         self.peak_gpu = 0
         self.gpu = gpu and shutil.which("nvidia-smi") is not None
@@ -74,12 +78,27 @@ class TreeMonitor:
             procs = [self.proc] + self.proc.children(recursive=True)
         except psutil.NoSuchProcess:
             return 0
+        cpu = 0.0
         for p in procs:
             try:
                 total += p.memory_info().rss
+                t = p.cpu_times()
+                cpu += t.user + t.system
             except psutil.NoSuchProcess:
                 pass
+        self.cpu = max(self.cpu, cpu)
         return total
+
+    def _stamp_progress(self) -> None:
+        """CPU seconds of the tree when each per-layer progress line appears (wall time on a shared machine
+        depends on the other jobs; CPU time is what the estimate's probe predicts for an idle core)."""
+        size = self.log.stat().st_size
+        if size == self.log_size:
+            return
+        self.log_size = size
+        done = [int(m.group(1)) for m in PROGRESS.finditer(self.log.read_text())]
+        if done and (not self.marks or done[-1] != self.marks[-1][0]):
+            self.marks.append((done[-1], time.time() - self.start, self.cpu))
 
     def _gpu_bytes(self) -> int:
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
@@ -92,6 +111,8 @@ class TreeMonitor:
         ticks = 0
         while not self._stop.wait(0.1):
             self.peak = max(self.peak, self._tree_rss())
+            if self.log is not None:
+                self._stamp_progress()
             ticks += 1
             if self.gpu and ticks % 5 == 0:
                 try:
@@ -113,14 +134,15 @@ def run(cmd: list[str], log: Path, gpu: bool = False) -> dict:
         f.flush()
         proc = subprocess.Popen([sys.executable, "-m", "cli", *cmd], cwd=ROOT, env=env, stdout=f,
                                 stderr=subprocess.STDOUT)
-        mon = TreeMonitor(proc.pid, gpu)
+        mon = TreeMonitor(proc.pid, gpu, log)
         code = proc.wait()
         mon.stop()
     wall = time.time() - start
     text = log.read_text()
     marks = [(int(m.group(1)), int(m.group(2)), float(m.group(3))) for m in PROGRESS.finditer(text)]
     return {"command": "surgery " + " ".join(cmd), "returncode": code, "wall_s": round(wall, 1),
-            "peak_rss": mon.peak, "peak_gpu": mon.peak_gpu or None, "layer_marks": marks,
+            "peak_rss": mon.peak, "peak_gpu": mon.peak_gpu or None, "layer_marks": marks, "cpu_s": round(mon.cpu, 1),
+            "cpu_marks": mon.marks, "load_average": os.getloadavg(),
             "tail": text.strip().splitlines()[-3:]}
 
 
@@ -131,6 +153,16 @@ def seconds_per_layer(marks: list[tuple[int, int, float]]) -> float | None:
     if len(marks) == 1:
         return marks[0][2]
     return (marks[-1][2] - marks[0][2]) / (marks[-1][0] - marks[0][0]) if len(marks) > 2 else marks[-1][2] / marks[-1][0]
+
+
+def cpu_per_layer(marks: list[tuple[int, float, float]]) -> float | None:
+    """CPU seconds per layer between the first and the last progress line (the first layer alone when only one)."""
+    if not marks:
+        return None
+    if len(marks) == 1:
+        return None
+    (l0, _, c0), (l1, _, c1) = marks[0], marks[-1]
+    return (c1 - c0) / (l1 - l0)
 
 
 def dry_run(cmd: list[str]) -> dict:
@@ -156,6 +188,44 @@ def checkpoint_bytes(layout: str) -> int:
     return total
 
 
+def group_merge(layout: str, repeats: int = 2) -> dict:
+    """One K/V group merge (surgery/merge/fit.py merge_group, float64, one thread as the pipeline runs it) at the
+    layout's shapes, timed against the estimate (group_merge_flops / the float64 probe). With --grouping similarity
+    (the default) a layer runs C(K, K/G) + G of them: for the 8B, 8 -> 2 K/V heads, 72."""
+    import torch
+
+    from surgery.estimate import group_evaluations, group_merge_flops, layer_shape, probe_throughput
+    from surgery.merge.fit import merge_group
+    from surgery.merge.rotary import rotary_pairs
+    from surgery.threads import threads
+
+    s = layer_shape(LAYOUTS[layout])
+    n = s.kv_heads // KV_HEADS[layout]
+    r, d, din = s.heads // s.kv_heads, s.head_dim, s.hidden + s.qkv_bias
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * din, din, generator=g, dtype=torch.float64)
+    sigma = x.T @ x / x.shape[0]
+    rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64) * 0.02  # noqa: E731
+    keys, values, queries, o_heads = rnd(n, d, din), rnd(n, d, din), rnd(n, r, d, din), rnd(n, r, s.hidden, d)
+    pairs = rotary_pairs(d, d, "half")
+    with threads(1):
+        rate = probe_throughput("cpu").float64
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            merge_group(keys, values, queries, o_heads, sigma, pairs, True)
+            times.append(time.perf_counter() - start)
+    measured = min(times)
+    estimated = group_merge_flops(s, n) / rate
+    count = len(group_evaluations(s.kv_heads, KV_HEADS[layout]))
+    print(f"-- group merge ({n} K/V heads of {d} dims, d_in {din}, float64, 1 thread): measured {measured:.1f} s, "
+          f"estimated {estimated:.1f} s ({group_merge_flops(s, n) / 1e9:.0f} GFLOP at {rate / 1e9:.1f} GFLOP/s), "
+          f"measured/estimated {measured / estimated:.2f}; {count} per layer with --grouping similarity "
+          f"= {count * measured:.0f} s per layer")
+    return {"layout": layout, "kind": "group-merge", "members": n, "seconds": measured, "estimated_seconds": estimated,
+            "gflop": group_merge_flops(s, n) / 1e9, "float64_rate": rate, "per_layer_with_search": count}
+
+
 def gb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e9:.2f} GB"
 
@@ -164,7 +234,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", default="llama3-8b,qwen2.5-3b,gemma2-2b")
     p.add_argument("--layers", type=int, help="Decoder layers of the synthetic checkpoints (default: the real count).")
-    p.add_argument("--runs", default="aligned,switchhead,check")
+    p.add_argument("--runs", default="aligned,switchhead,check",
+                   help="Comma-separated: aligned, switchhead, check (of the last conversion), group-merge (one K/V "
+                        "group merge in isolation, the unit of the grouping search).")
+    p.add_argument("--grouping", default="similarity", choices=["similarity", "consecutive"],
+                   help="The aligned merge's --grouping (consecutive skips the search over groupings).")
     p.add_argument("--calib-tokens", type=int, default=1024)
     p.add_argument("--extrapolate-tokens", type=int, default=8192)
     p.add_argument("--check-tokens", type=int, default=1024)
@@ -180,22 +254,27 @@ def main() -> None:
     print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}, device {args.device}; "
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     for layout in [x.strip() for x in args.layouts.split(",") if x.strip()]:
-        folder = ensure(layout, args.layers, args.root)
+        kinds = [x.strip() for x in args.runs.split(",") if x.strip()]
+        needs_checkpoint = any(k != "group-merge" for k in kinds)
+        folder = ensure(layout, args.layers, args.root) if needs_checkpoint else None
         size = checkpoint_bytes(layout)
         tag = f"{layout}-{args.layers}l" if args.layers else layout
         print(f"\n== {layout} ({folder}; full bf16 checkpoint {gb(size)}) ==")
         converted = None
-        for kind in [x.strip() for x in args.runs.split(",") if x.strip()]:
+        for kind in kinds:
             device_opt = ["--device", args.device] if gpu else []
             if kind == "aligned":
                 out = runs_dir / f"{tag}-gqa"
                 cmd = ["convert", str(folder), "--to", "gqa", "--kv-heads", str(KV_HEADS[layout]), "--merge", "aligned",
-                       "--calib-tokens", str(args.calib_tokens), "--out", str(out), "--force", *device_opt]
+                       "--grouping", args.grouping, "--calib-tokens", str(args.calib_tokens), "--out", str(out), "--force", *device_opt]
             elif kind == "switchhead":
                 h, e, k = SWITCHHEAD[layout]
                 out = runs_dir / f"{tag}-sh"
                 cmd = ["convert", str(folder), "--to", "switchhead", "--heads", str(h), "--experts", str(e), "--topk",
                        str(k), "--calib-tokens", str(args.calib_tokens), "--out", str(out), "--force", *device_opt]
+            elif kind == "group-merge":
+                results.append(group_merge(layout))
+                continue
             elif kind == "check":
                 if converted is None:
                     print("check: no conversion ran before it in --runs; skipped")
@@ -240,13 +319,17 @@ def report(r: dict) -> None:
           + (f"; peak GPU {gb(r['peak_gpu'])}" if r["peak_gpu"] else ""))
     est = r.get("estimate")
     spl = r["seconds_per_layer"]
+    cpl = cpu_per_layer(r["cpu_marks"])
+    r["cpu_seconds_per_layer"] = cpl
     if spl is not None:
-        print(f"   seconds per layer {spl:.1f} (from {len(r['layer_marks'])} progress lines)")
+        print(f"   seconds per layer {spl:.1f} wall (from {len(r['layer_marks'])} progress lines)"
+              + (f", {cpl:.1f} CPU" if cpl else "") + f"; load average at the end {r['load_average'][0]:.1f}")
     if est:
         host = est["host_bytes"]
         print(f"   estimated: peak host {gb(host)} (measured/estimated {r['peak_rss'] / host:.2f}), "
               f"{est['seconds_per_layer']:.1f} s/layer"
-              + (f" (measured/estimated {spl / est['seconds_per_layer']:.2f})" if spl else ""))
+              + (f" (measured/estimated: wall {spl / est['seconds_per_layer']:.2f}" if spl else "")
+              + (f", CPU {cpl / est['seconds_per_layer']:.2f})" if cpl else ")" if spl else ""))
         ext = r.get("estimate_extrapolated")
         if ext:
             scale = spl / est["seconds_per_layer"] if spl else 1.0

@@ -13,7 +13,7 @@ matrix products). The counts follow the code they estimate:
   converted attention (output refit) and the converted layer's MLP, in float32; the layer input's second moment;
   the query refit (ideal queries at sampled positions, its normal equations); the output refit; and in float64 the
   group merges (surgery/merge/fit.py), once per group the assignment search scores (surgery/merge/assign.py) plus
-  once per final group. Each group merge costs about 2 d_in² D (s r + 3 s + 2) flops for s members (products with
+  once per final group. Each group merge costs about 2 d_in² D (s r + 4 s + 2) flops for s members (products with
   the d_in x d_in second moment dominate).
 - SwitchHead (surgery/switchhead/calibrate.py, refit.py): the source layer over the calibration tokens twice
   (statistics, then the output refit beside the SwitchHead attention), the attention-map Gram, the router fits'
@@ -134,7 +134,7 @@ def group_merge_flops(s: LayerShape, members: int) -> float:
     if members <= 1:
         return 0.0
     din, d, r = s.hidden + s.qkv_bias, s.head_dim, s.heads // s.kv_heads
-    sigma_products = 2 * din * din * d * (members * r + 3 * members + 2)
+    sigma_products = 2 * din * din * d * (members * r + 4 * members + 2)
     stacked = 2 * (members * d) ** 2 * din + 9 * (members * d) ** 3  # whitened members' covariance and its eigh
     o_gram = 2 * members * r * s.hidden * d * d
     return sigma_products + stacked + o_gram
