@@ -52,6 +52,8 @@ def cli() -> None:
 @optgroup("calibration (aligned merge, switchhead)")
 @click.option("--calib", default="pydoc", show_default=True, help="Calibration text (same forms as check --data).")
 @click.option("--calib-tokens", type=int, default=8192, show_default=True, help="Calibration tokens.")
+@click.option("--device", default="auto", show_default=True, help="Where calibration runs, layer by layer: auto (CUDA "
+              "when present), cpu, cuda, cuda:N.")
 @optgroup("talking-heads")
 @click.option("--logits-mixing/--no-logits-mixing", default=True, show_default=True,
               help="[talking-heads] Mix heads' attention logits before the softmax.")
@@ -68,7 +70,7 @@ def cli() -> None:
 @click.option("--experts", type=int, help="[switchhead] Experts per head (E).")
 @click.option("--topk", type=int, help="[switchhead] Experts selected per token (k).")
 def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pickle, seed, kv_heads, method, calib,
-            calib_tokens, logits_mixing, weights_mixing, heads_logits, heads_weights, chunk_size, heads, experts,
+            calib_tokens, device, logits_mixing, weights_mixing, heads_logits, heads_weights, chunk_size, heads, experts,
             topk):
     """Convert SOURCE to another attention: mqa, gqa, talking-heads or switchhead.
 
@@ -96,7 +98,7 @@ def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pic
             from surgery.merge import convert_aligned
 
             record = convert_aligned(src, out, kv_heads=kv_heads, calib=calib, calib_tokens=calib_tokens,
-                                     force=force, **common)
+                                     force=force, device=device, **common)
         else:
             from surgery.convert_kv import KVOptions, convert_to_kv_heads
 
@@ -119,7 +121,7 @@ def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pic
             raise SurgeryError("--to switchhead needs --heads H --experts E --topk K")
         src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
         record = convert_to_switchhead(src, out, heads=heads, experts=experts, topk=topk, calib=calib,
-                                       calib_tokens=calib_tokens, force=force, **common)
+                                       calib_tokens=calib_tokens, force=force, device=device, **common)
         click.echo(f"wrote {out}: switchhead in {record['seconds']:.1f}s")
 
 
@@ -316,7 +318,8 @@ def run(recipe, dry_run, from_step, until, output, overrides):
               "its end, disjoint from the held-out pydoc text).")
 @click.option("--calib-tokens", type=int, default=8192, show_default=True, help="Calibration tokens for aligned.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="Device for the comparison (merging runs on CPU).")
+@click.option("--device", default="auto", show_default=True, help="Device for the comparison and the aligned merge's "
+              "calibration: auto (CUDA when present), cpu, cuda, cuda:N.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write the table as JSON ('-' for stdout).")
 @click.option("--revision", help="Hub revision when SOURCE is a hub id.")
 def compare_merges(source, kind, kv_heads, methods, data, tokens, seq_len, calib, calib_tokens, seed, device, json_out,
