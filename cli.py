@@ -144,7 +144,7 @@ def convert(source, kind, out, force, dry_run, json_out, revision, dtype, max_sh
             raise SurgeryError("--to switchhead needs --heads H --experts E --topk K")
         src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
         record = convert_to_switchhead(src, out, heads=heads, experts=experts, topk=topk, calib=calib,
-                                       calib_tokens=calib_tokens, force=force, **common)
+                                       calib_tokens=calib_tokens, force=force, device=device, **common)
         click.echo(f"wrote {out}: switchhead in {record['seconds']:.1f}s")
 
 
@@ -341,7 +341,8 @@ def run(recipe, dry_run, from_step, until, output, overrides):
               "its end, disjoint from the held-out pydoc text).")
 @click.option("--calib-tokens", type=int, default=8192, show_default=True, help="Calibration tokens for aligned.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="Device for the comparison (merging runs on CPU).")
+@click.option("--device", default="auto", show_default=True, help="Device for the comparison and the aligned merge's "
+              "calibration: auto (CUDA when present), cpu, cuda, cuda:N.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write the table as JSON ('-' for stdout).")
 @click.option("--revision", help="Hub revision when SOURCE is a hub id.")
 def compare_merges(source, kind, kv_heads, methods, data, tokens, seq_len, calib, calib_tokens, seed, device, json_out,

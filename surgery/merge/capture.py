@@ -76,7 +76,9 @@ class _Stop(Exception):
 
 def instrument(model):
     """Route `model`'s attention calls through the recording attention function (same math, recorded)."""
-    model.config._attn_implementation = register_capture(model.config._attn_implementation)
+    impl = model.config._attn_implementation
+    if not impl.startswith(CAPTURE_PREFIX):
+        model.config._attn_implementation = register_capture(impl)
     return model.eval()
 
 
@@ -85,7 +87,12 @@ def load_resident_model(folder):
     tested against (conversions stream layer by layer: `surgery.calibration.stream`)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    for impl in ("sdpa", "eager"):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=impl)
+            break
+        except (ValueError, ImportError):
+            continue
     return instrument(model)
 
 
