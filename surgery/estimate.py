@@ -15,9 +15,9 @@ matrix products). The counts follow the code they estimate:
   group merges (surgery/merge/fit.py), once per group the assignment search scores (surgery/merge/assign.py) plus
   once per final group. Each group merge costs about 2 d_in² D (s r + 4 s + 2) flops for s members (products with
   the d_in x d_in second moment dominate).
-- SwitchHead (surgery/switchhead/calibrate.py, refit.py): the source layer over the calibration tokens twice
-  (statistics, then the output refit beside the SwitchHead attention), the attention-map Gram, the router fits'
-  and the output refit's normal equations.
+- SwitchHead (surgery/switchhead/layers.py, calibrate.py, refit.py): the source layer over the calibration tokens
+  (eager attention; statistics), the attention-map Gram, the router fits' normal equations, then the SwitchHead
+  attention on the captured calls and the output refit's normal equations.
 Good to about ±25% on an idle machine; a machine shared with other jobs runs slower than its one-second probe says
 when the load changes during the run.
 """
@@ -197,8 +197,8 @@ def switchhead_layer_flops(s: LayerShape, heads: int, experts: int, topk: int, t
     f.float64 += 2 / 3 * d**3 + 4 * d * d * h
     if experts > 1:
         feats = heads * experts * s.head_dim
-        # refit: the source layer again, the SwitchHead attention beside it, the features' Gram and the solve
-        f.float32 += layer + 2 * tokens * d * heads * s.head_dim * (2 + topk) + 4 * tokens * d * heads * experts
+        # refit on the captured attention calls: the SwitchHead attention, the features' Gram and the solve
+        f.float32 += 2 * tokens * d * heads * s.head_dim * (2 + topk) + 4 * tokens * d * heads * experts
         f.float32 += 4 * tokens * window * heads * s.head_dim + 2 * tokens * feats * feats + 2 * tokens * d * feats
         f.float64 += 2 / 3 * feats**3 + 2 * feats * feats * d
     return f
