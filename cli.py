@@ -154,38 +154,86 @@ def convert(source, kind, out, force, dry_run, json_out, revision, dtype, max_sh
 @click.option("--data", default="pydoc", show_default=True,
               help="Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub dataset name[:config][@split].")
 @click.option("--text-field", default="text", show_default=True, help="Column holding the text in tabular data.")
-@click.option("--tokens", type=int, default=16384, show_default=True, help="Tokens to compare on.")
+@click.option("--tokens", type=int, default=16384, show_default=True, help="Tokens to compare on (at least 1).")
 @click.option("--seq-len", type=int, default=1024, show_default=True, help="Window length (capped at the context).")
-@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--batch-size", type=int, default=4, show_default=True, help="Windows per forward pass.")
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--expect", type=click.Choice(["exact", "none"]), default="none", show_default=True,
               help="exact: exit 1 when max |Δlogits| exceeds the dtype's tolerance.")
 @click.option("--atol", type=float, help="Override the tolerance used by --expect exact.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write the metrics as JSON ('-' for stdout).")
-@click.option("--trust-remote-code", is_flag=True, help="Allow custom modeling code shipped with a checkpoint.")
+@click.option("--generate", type=int, default=0, show_default=True,
+              help="Also let both models continue prompts greedily for N tokens and compare the continuations.")
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path, dir_okay=False),
+              help="With --generate: a text file of extra prompts, one a line.")
+@click.option("--layers", is_flag=True, help="Also report each layer's attention and hidden-state error vs the source.")
+@click.option("--tokenizer", type=click.Choice(["source", "converted"]),
+              help="Which tokenizer encodes the text when the two checkpoints' tokenizers differ.")
+@click.option("--trust-remote-code", is_flag=True, help="Run the modeling code shipped with CONVERTED.")
+@click.option("--trust-source-code", is_flag=True, help="Run the modeling code shipped with SOURCE.")
+@click.option("--allow-pickle", is_flag=True, help="Accept pickle .bin weights (loaded with weights_only=True).")
 @click.option("--revision", help="Hub revision for hub ids.")
 def check(source, converted, data, text_field, tokens, seq_len, batch_size, device, dtype, expect, atol, json_out,
-          trust_remote_code, revision):
-    """Compare CONVERTED against SOURCE on the same tokens: |Δlogits|, KL, top-1 agreement, perplexity."""
-    from surgery.check import compare_checkpoints, print_report, tolerance
+          generate, prompts_file, layers, tokenizer, trust_remote_code, trust_source_code, allow_pickle, revision):
+    """Compare CONVERTED against SOURCE on the same tokens: |Δlogits|, KL, top-1 agreement, perplexity.
+
+    The two models run one after the other (the source's outputs wait in memory or, when large, in a scratch
+    folder under $TMPDIR), so memory stays near one model. The toolkit's own modeling code in its outputs is
+    recognised by its sha256; other shipped code runs only with --trust-remote-code (CONVERTED) or
+    --trust-source-code (SOURCE).
+    """
+    from surgery.check import check_counts, check_json_path, compare_checkpoints, print_report, tolerance
     from surgery.data import load_texts
     from surgery.source import resolve_source
 
-    src = resolve_source(source, revision=revision)
-    dst = resolve_source(converted)
+    check_counts(tokens, seq_len, batch_size, generate)
+    check_json_path(json_out)
+    src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
+    dst = resolve_source(converted, allow_pickle=allow_pickle)
     texts = load_texts(data, text_field=text_field)
     report = compare_checkpoints(src, dst, texts, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
-                                 device=device, dtype=dtype, trust_remote_code=trust_remote_code)
+                                 device=device, dtype=dtype, trust_remote_code=trust_remote_code,
+                                 trust_source_code=trust_source_code, allow_pickle=allow_pickle, tokenizer=tokenizer,
+                                 generate=generate, prompts_file=prompts_file, layers=layers, data=data,
+                                 warn=lambda line: click.echo(f"surgery: warning: {line}", err=True))
     tol = atol if atol is not None else tolerance(dtype)
     report["tolerance"] = tol
     report["exact"] = report["max_abs_diff"] <= tol
     print_report(report, title=f"{source}  vs  {converted}")
     if json_out:
-        text = json.dumps(report, indent=2)
-        click.echo(text) if str(json_out) == "-" else Path(json_out).write_text(text + "\n")
+        write_json(report, json_out)
     if expect == "exact" and not report["exact"]:
         _fail(f"not exact: max |Δlogits| {report['max_abs_diff']:.3g} > tolerance {tol:g}", code=1)
+
+
+def write_json(value, path: Path) -> None:
+    """JSON to stdout ('-') or to a file, written beside it and renamed into place (never half-written)."""
+    import os
+    import tempfile
+
+    text = json.dumps(value, indent=2)
+    if str(path) == "-":
+        click.echo(text)
+        return
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.absolute().parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 @cli.command()

@@ -1,22 +1,45 @@
 """Compare two checkpoints on the same tokens: |Δlogits|, KL(source‖converted), top-1 agreement, perplexity.
 
 Causal LMs are compared on their logits; encoders (no causal LM head) on their last hidden states.
+
+`compare_checkpoints` (the `check` command) holds one model at a time. The source runs over every window first and
+leaves its float32 outputs in a spill store (memory when small, else raw files in a scratch folder; see
+checking/spill.py), and is freed; then the converted model runs over the same windows, and each chunk's metrics are
+computed against the stored source outputs, a slice of positions at a time. Peak memory: one model, one chunk of
+outputs and one slice. The numbers are the ones a two-models-at-once comparison gives (`compare_models`, kept for
+callers that hold both models anyway, like compare-merges), to float rounding of the sums.
+
+Everything that can be wrong with the input (options, trust, pickle weights, truncated or shape-mismatched
+checkpoints, different tokenizers, an unwritable --json) is checked before the first model is loaded.
 """
 
 from __future__ import annotations
 
+import gc
 import math
+import time
+from dataclasses import dataclass
+from itertools import chain, islice
+from pathlib import Path
 from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 
+from .checking import generate as gen
+from .checking import layers as layer_errors
+from .checking.overlap import HashedTexts, calibration_overlap
+from .checking.spill import MEMORY_BYTES, SpillStore
+from .checking.tokenizers import choose_tokenizer, has_tokenizer
 from .data import token_stream
 from .errors import SurgeryError
+from .progress import Progress
 from .source import Source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-1}
+SLICE_BYTES = 64 << 20  # metrics are computed on slices of positions this large (float32)
+IGNORE = -100  # target of a window's last position (no next token inside the window)
 
 
 def tolerance(dtype: str) -> float:
@@ -29,9 +52,12 @@ def pick_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SurgeryError(f"--device {device}: CUDA is not available on this machine")
     try:
-        return torch.device(device)
+        dev = torch.device(device)
     except RuntimeError:
-        raise SurgeryError(f"bad device {device!r}") from None
+        raise SurgeryError(f"bad device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SurgeryError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 def is_causal_lm(config) -> bool:
@@ -40,15 +66,22 @@ def is_causal_lm(config) -> bool:
 
 def load_model(source: Source, device: torch.device, dtype: str, trust_remote_code: bool = False,
                attn_implementation: str | None = None):
+    """The checkpoint as a model on `device`. Refuses (one line) a checkpoint that lacks tensors its config needs,
+    or whose tensors do not fit its config."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
         config = AutoConfig.from_pretrained(source.folder, trust_remote_code=trust_remote_code)
         auto = AutoModelForCausalLM if is_causal_lm(config) else AutoModel
-        model = auto.from_pretrained(source.folder, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, **extra)
-    except (OSError, ValueError) as e:
+        model, info = auto.from_pretrained(source.folder, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+                                           output_loading_info=True, **extra)
+    except (OSError, ValueError, RuntimeError) as e:
         raise SurgeryError(f"cannot load {source.spec}: {str(e).splitlines()[0]}") from None
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise SurgeryError(f"cannot load {source.spec}: its weights lack {len(missing)} tensor(s) its config needs "
+                           f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
     return model.to(device).eval()
 
 
@@ -61,6 +94,15 @@ def load_tokenizer(source: Source, trust_remote_code: bool = False):
         return AutoTokenizer.from_pretrained(source.folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
         raise SurgeryError(f"cannot load the tokenizer of {source.spec}: {str(e).splitlines()[0]}") from None
+
+
+def load_config(source: Source, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source.folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SurgeryError(f"cannot read the config of {source.spec}: {str(e).splitlines()[0]}") from None
 
 
 def windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -77,8 +119,19 @@ def context_length(config) -> int | None:
     return None
 
 
+def vocab_size(config) -> int | None:
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "vocab_size", None)
+
+
+def hidden_size(config) -> int:
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0)
+
+
+# --- metrics ------------------------------------------------------------------------------------------------------
 class Accumulator:
-    """Running sums for the comparison metrics, batch after batch."""
+    """Running sums for the comparison metrics, slice of positions after slice (sums in float64)."""
 
     def __init__(self):
         self.max_abs = 0.0
@@ -93,20 +146,31 @@ class Accumulator:
     def add_outputs(self, a: torch.Tensor, b: torch.Tensor) -> None:
         a, b = a.float(), b.float()
         diff = (a - b).abs()
-        self.max_abs = max(self.max_abs, diff.max().item())
-        self.sum_abs += diff.sum().item()
+        if diff.numel():
+            self.max_abs = max(self.max_abs, diff.max().item())
+        self.sum_abs += diff.sum(dtype=torch.float64).item()
         self.n_values += diff.numel()
 
-    def add_logits(self, a: torch.Tensor, b: torch.Tensor, input_ids: torch.Tensor) -> None:
+    def add_logit_rows(self, a: torch.Tensor, b: torch.Tensor, targets: torch.Tensor) -> None:
+        """a, b: (positions, vocab) logits of the source and the converted model; targets: (positions,) the next
+        token of each position, IGNORE where the window ends."""
+        a, b = a.float(), b.float()
         self.add_outputs(a, b)
-        logp_a, logp_b = F.log_softmax(a.float(), -1), F.log_softmax(b.float(), -1)
-        self.kl += (logp_a.exp() * (logp_a - logp_b)).sum(-1).sum().item()
+        logp_a, logp_b = F.log_softmax(a, -1), F.log_softmax(b, -1)
+        self.kl += (logp_a.exp() * (logp_a - logp_b)).sum(dtype=torch.float64).item()
         self.agree += (a.argmax(-1) == b.argmax(-1)).sum().item()
-        self.n_positions += a.shape[0] * a.shape[1]
-        targets = input_ids[:, 1:].reshape(-1)
+        self.n_positions += a.shape[0]
         for i, logp in enumerate((logp_a, logp_b)):
-            self.nll[i] += F.nll_loss(logp[:, :-1].reshape(-1, logp.shape[-1]), targets, reduction="sum").item()
-        self.n_targets += targets.numel()
+            self.nll[i] += F.nll_loss(logp, targets, ignore_index=IGNORE, reduction="sum").double().item()
+        self.n_targets += int((targets != IGNORE).sum().item())
+
+    def add_logits(self, a: torch.Tensor, b: torch.Tensor, input_ids: torch.Tensor) -> None:
+        """a, b: (batch, length, vocab) logits for `input_ids` (batch, length)."""
+        targets = next_token_targets(input_ids).reshape(-1)
+        a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+        step = slice_rows(a.shape[-1])
+        for start in range(0, a.shape[0], step):
+            self.add_logit_rows(a[start:start + step], b[start:start + step], targets[start:start + step])
 
     def report(self) -> dict:
         out = {"max_abs_diff": self.max_abs, "mean_abs_diff": self.sum_abs / max(self.n_values, 1)}
@@ -120,78 +184,368 @@ class Accumulator:
         return out
 
 
+def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
+    targets = torch.full_like(input_ids, IGNORE)
+    targets[:, :-1] = input_ids[:, 1:]
+    return targets
+
+
+def slice_rows(width: int) -> int:
+    return max(1, SLICE_BYTES // (4 * max(width, 1)))
+
+
+def outputs(model, x: torch.Tensor, causal: bool) -> torch.Tensor:
+    out = model(input_ids=x)
+    return out.logits if causal else out.last_hidden_state
+
+
 @torch.no_grad()
 def compare_models(model_a, model_b, ids: torch.Tensor, seq_len: int, batch_size: int, causal: bool) -> dict:
+    """Both models in memory at once (callers that hold both anyway); `compare_checkpoints` holds one at a time."""
     device = next(model_a.parameters()).device
     batches = windows(ids, seq_len)
     acc = Accumulator()
     for start in range(0, batches.shape[0], batch_size):
         x = batches[start : start + batch_size].to(device)
         if causal:
-            acc.add_logits(model_a(input_ids=x).logits, model_b(input_ids=x).logits, x)
+            acc.add_logits(outputs(model_a, x, True), outputs(model_b, x, True), x)
         else:
-            acc.add_outputs(model_a(input_ids=x).last_hidden_state, model_b(input_ids=x).last_hidden_state)
+            acc.add_outputs(outputs(model_a, x, False), outputs(model_b, x, False))
     return acc.report() | {"tokens": batches.numel(), "windows": batches.shape[0], "seq_len": seq_len,
                            "compared": "logits" if causal else "last_hidden_state"}
 
 
-def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str], tokens: int = 16384,
-                        seq_len: int = 1024, batch_size: int = 4, device: str = "auto", dtype: str = "float32",
-                        trust_remote_code: bool = False) -> dict:
+# --- checks before any work ----------------------------------------------------------------------------------------
+def expected_shapes(config, causal: bool, trust_remote_code: bool) -> tuple[dict[str, tuple], str]:
+    """{tensor name: shape} of the model `config` describes (built on the meta device: no memory), and its
+    base-model prefix."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    auto = AutoModelForCausalLM if causal else AutoModel
+    try:
+        with torch.device("meta"):
+            model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds for configs it cannot build
+        raise SurgeryError(f"cannot build a model from this config: {str(e).splitlines()[0]}") from None
+    return {n: tuple(t.shape) for n, t in model.state_dict().items()}, model.base_model_prefix or ""
+
+
+def validate_weights(source: Source, config, causal: bool, trust_remote_code: bool, allow_pickle: bool) -> None:
+    """Refuse pickle weights without --allow-pickle, truncated safetensors files and tensors whose shape contradicts
+    the config, before any model is loaded."""
+    from .tensors import CheckpointReader
+
+    with CheckpointReader(source.folder, allow_pickle=allow_pickle) as reader:
+        shapes = {name: tuple(reader.tensors[name].shape) for name in reader.names()}
+    try:
+        expected, prefix = expected_shapes(config, causal, trust_remote_code)
+    except SurgeryError as e:
+        raise SurgeryError(f"{source.spec}: {e}") from None
+    for name, shape in shapes.items():
+        candidates = [name, f"{prefix}.{name}"]
+        if prefix and name.startswith(prefix + "."):
+            candidates.append(name[len(prefix) + 1:])
+        want = next((expected[c] for c in candidates if c in expected), None)
+        if want is not None and want != shape:
+            raise SurgeryError(f"{source.spec}: tensor {name} has shape {list(shape)} but its config.json implies "
+                               f"{list(want)}: the checkpoint does not match its config")
+
+
+def check_json_path(path: Path | None) -> None:
+    """A --json file can be written (its folder exists and is writable), checked before the run."""
+    import os
+
+    if path is None or str(path) == "-":
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise SurgeryError(f"--json {path} is a folder")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise SurgeryError(f"cannot write --json {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise SurgeryError(f"cannot write --json {path}: folder {parent} is not writable")
+
+
+def check_counts(tokens: int, seq_len: int, batch_size: int, generate: int) -> None:
+    for name, value in (("--tokens", tokens), ("--seq-len", seq_len), ("--batch-size", batch_size)):
+        if value < 1:
+            raise SurgeryError(f"{name} must be at least 1 (got {value})")
+    if generate < 0:
+        raise SurgeryError(f"--generate must be 0 (off) or a number of tokens (got {generate})")
+
+
+def resolve_trusts(source: Source, converted: Source, trust_source_code: bool, trust_remote_code: bool):
+    from .trust import resolve_trust
+
+    return (resolve_trust(source.folder, trust_source_code, "--trust-source-code", what=f"the source {source.spec}"),
+            resolve_trust(converted.folder, trust_remote_code, "--trust-remote-code",
+                          what=f"the converted model {converted.spec}"))
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --- the check -----------------------------------------------------------------------------------------------------
+@dataclass
+class CheckPlan:
+    """Everything a check needs, validated, before any model is loaded."""
+
+    source: Source
+    converted: Source
+    device: torch.device
+    dtype: str
+    trust: tuple[bool, bool]  # trust_remote_code for the source, for the converted model
+    causal: bool
+    width: int  # last dimension of the compared outputs (vocabulary or hidden size)
+    source_attention: str | None  # attention implementation forced on the source (eager for talking-heads)
+    tokenizer: object
+    tokenizer_note: str | None
+    batches: torch.Tensor  # (windows, seq_len) token ids
+    batch_size: int
+    prompts: list
+    new_tokens: int
+    layer_windows: int  # 0: no --layers
+    layer_bytes: int
+    overlap: dict | None
+    data: str
+
+    @property
+    def seq_len(self) -> int:
+        return self.batches.shape[1]
+
+    def layer_batches(self) -> list[torch.Tensor]:
+        n, size = self.layer_windows, self.batch_size
+        return [self.batches[s:min(s + size, n)].to(self.device) for s in range(0, n, size)]
+
+
+def plan_check(source: Source, converted: Source, texts: Iterable[str], tokens: int, seq_len: int, batch_size: int,
+               device: str, dtype: str, trust_remote_code: bool, trust_source_code: bool, allow_pickle: bool,
+               tokenizer: str | None, generate: int, prompts_file: Path | None, layers: bool, data: str,
+               warn) -> CheckPlan:
+    """Check every input (options, trust, weights, tokenizers, prompts) and tokenize the text; loads no model."""
+    check_counts(tokens, seq_len, batch_size, generate)
+    if prompts_file is not None and not generate:
+        raise SurgeryError("--prompts needs --generate N (the number of tokens to generate)")
     dev = pick_device(device)
-    tokenizer = load_tokenizer(source)
+    trust_a, trust_b = resolve_trusts(source, converted, trust_source_code, trust_remote_code)
+    config_a, config_b = load_config(source, trust_a), load_config(converted, trust_b)
+    causal = is_causal_lm(config_a)
+    if causal != is_causal_lm(config_b):
+        raise SurgeryError(f"{source.spec} and {converted.spec} are not the same kind of model "
+                           "(one is a causal LM, the other not)")
+    if vocab_size(config_a) != vocab_size(config_b):
+        raise SurgeryError(f"the two checkpoints have different vocabularies ({vocab_size(config_a)} and "
+                           f"{vocab_size(config_b)} ids)")
+    if generate and not causal:
+        raise SurgeryError("--generate needs a causal LM")
+    validate_weights(source, config_a, causal, trust_a, allow_pickle)
+    validate_weights(converted, config_b, causal, trust_b, allow_pickle)
+
+    texts = iter(texts)
+    head = list(islice(texts, 2))
+    tok, tokenizer_note = choose_tokenizer(
+        load_tokenizer(source, trust_a),
+        load_tokenizer(converted, trust_b) if has_tokenizer(converted.folder) else None, tokenizer,
+        probes=[t[:4000] for t in head if t])
+    hashed = HashedTexts(chain(head, texts))
+    ids = token_stream(hashed, tok, tokens)
+    ctx = context_length(config_a)
+    batches = windows(ids, min(seq_len, ctx) if ctx else seq_len)
+    overlap = calibration_overlap(converted.folder, hashed.hashes)
+    if overlap:
+        warn(f"{overlap['documents']} of the {overlap['of']} documents checked on were calibration documents of "
+             f"{converted.spec} (surgery.json: calibration on {overlap['calibration']}): its numbers are optimistic; "
+             "check on text it never saw")
+
+    prompts: list[gen.Prompt] = []
+    if generate:
+        prompts = gen.prompts_from_stream(ids, length=min(gen.PROMPT_TOKENS, max(1, batches.shape[1] // 2)))
+        if prompts_file is not None:
+            prompts = gen.prompts_from_file(prompts_file, tok) + prompts
+        gen.check_lengths(prompts, generate, ctx)
+    n_layer_windows = layer_errors.layer_windows(batches.shape[0], batches.shape[1]) if layers else 0
     # A talking-heads model computes eager attention: compare it with the source's eager attention, so that the
     # report measures the surgery and not the source's own sdpa-vs-eager rounding (~1e-4 on SmolLM2's logits).
-    source_attn = "eager" if surgery_kind(converted) == "talking-heads" else None
-    if source_attn and not trust_remote_code:
-        raise SurgeryError(f"{converted.spec} is a talking-heads checkpoint with its own modeling code: "
-                           "pass --trust-remote-code to run it")
-    model_a = load_model(source, dev, dtype, trust_remote_code, attn_implementation=source_attn)
-    model_b = load_model(converted, dev, dtype, trust_remote_code)
-    if model_a.config.vocab_size != model_b.config.vocab_size:
-        raise SurgeryError("the two checkpoints have different vocabularies")
-    ctx = context_length(model_a.config)
-    seq_len = min(seq_len, ctx) if ctx else seq_len
-    causal = is_causal_lm(model_a.config)
-    ids = token_stream(texts, tokenizer, tokens)
-    return compare_models(model_a, model_b, ids, seq_len, batch_size, causal) | {
-        "device": str(dev), "dtype": dtype, "source_attention": model_a.config._attn_implementation}
+    source_attention = "eager" if surgery_kind(converted) == "talking-heads" else None
+    return CheckPlan(source, converted, dev, dtype, (trust_a, trust_b), causal,
+                     vocab_size(config_a) if causal else hidden_size(config_a), source_attention, tok, tokenizer_note,
+                     batches, batch_size, prompts, generate, n_layer_windows,
+                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), overlap, data)
+
+
+def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str], tokens: int = 16384,
+                        seq_len: int = 1024, batch_size: int = 4, device: str = "auto", dtype: str = "float32",
+                        trust_remote_code: bool = False, trust_source_code: bool = False, allow_pickle: bool = False,
+                        tokenizer: str | None = None, generate: int = 0, prompts_file: Path | None = None,
+                        layers: bool = False, data: str = "text", progress: bool = True,
+                        spill_bytes: int = MEMORY_BYTES, warn=None) -> dict:
+    """Run the source, then the converted model, over the same windows of `texts`; see the module docstring.
+
+    trust_remote_code trusts the converted model's own code, trust_source_code the source's (the toolkit's own
+    modeling files in its own outputs are recognised by their sha256 and need neither). `warn(line)` receives
+    warnings (the CLI prints them on stderr). `spill_bytes`: the largest store of source outputs kept in memory."""
+    plan = plan_check(source, converted, texts, tokens, seq_len, batch_size, device, dtype, trust_remote_code,
+                      trust_source_code, allow_pickle, tokenizer, generate, prompts_file, layers, data,
+                      warn or (lambda line: None))
+    return run_check(plan, progress, spill_bytes)
+
+
+def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_BYTES) -> dict:
+    p, seconds = plan, {}
+    with SpillStore(p.batches.numel() * p.width * 4, spill_bytes) as store, \
+            SpillStore(p.layer_bytes, spill_bytes, what="the source's per-layer outputs") as layer_store:
+        # pass 1: the source alone; what the metrics need waits in the stores
+        start = time.time()
+        model = load_model(p.source, p.device, p.dtype, p.trust[0], attn_implementation=p.source_attention)
+        source_attention = model.config._attn_implementation
+        source_pass(model, p.batches, p.batch_size, store, p.device, p.causal, progress, "check source")
+        source_continuations = continuations(model, p, progress, "generate source")
+        source_layers = layer_errors.record_layers(model, p.layer_batches(), layer_store) if p.layer_windows else 0
+        del model
+        free(p.device)
+        seconds["source"] = round(time.time() - start, 2)
+
+        # pass 2: the converted model alone, against what the source left
+        start = time.time()
+        model = load_model(p.converted, p.device, p.dtype, p.trust[1])
+        report = converted_pass(model, p.batches, p.batch_size, store, p.device, p.causal, progress,
+                                "check converted").report()
+        store.close()
+        if p.new_tokens:
+            report["generation"] = gen.compare_continuations(
+                p.prompts, source_continuations, continuations(model, p, progress, "generate converted"),
+                p.tokenizer, p.new_tokens)
+        if p.layer_windows:
+            report["layers"] = layer_errors.compare_layers(model, p.layer_batches(), layer_store, source_layers)
+            report["layers_tokens"] = p.layer_windows * p.seq_len
+        del model
+        free(p.device)
+        seconds["converted"] = round(time.time() - start, 2)
+
+    report |= {"tokens": p.batches.numel(), "windows": p.batches.shape[0], "seq_len": p.seq_len,
+               "compared": "logits" if p.causal else "last_hidden_state", "data": p.data,
+               "text": f"{p.data}[0:{p.batches.numel()}]", "device": str(p.device), "dtype": p.dtype,
+               "source_attention": source_attention, "seconds": seconds,
+               "scratch": "memory" if store.in_memory else "disk"}
+    if p.tokenizer_note:
+        report["tokenizer"] = p.tokenizer_note
+    if p.overlap:
+        report["calibration_overlap"] = p.overlap
+    return report
+
+
+def continuations(model, plan: CheckPlan, progress: bool, desc: str) -> list[list[int]] | None:
+    if not plan.new_tokens:
+        return None
+    with Progress(len(plan.prompts) * plan.new_tokens, desc, enabled=progress) as bar:
+        return gen.continue_prompts(model, plan.prompts, plan.new_tokens, plan.batch_size, plan.device, bar)
+
+
+@torch.no_grad()
+def source_pass(model, batches: torch.Tensor, batch_size: int, store: SpillStore, device: torch.device, causal: bool,
+                progress: bool, desc: str) -> None:
+    """The source's outputs for every chunk of windows, into `store` (float32)."""
+    with Progress(batches.numel(), desc, enabled=progress) as bar:
+        for k, start in enumerate(range(0, batches.shape[0], batch_size)):
+            x = batches[start:start + batch_size].to(device)
+            store.put(str(k), outputs(model, x, causal))
+            bar.update(x.numel())
+
+
+@torch.no_grad()
+def converted_pass(model, batches: torch.Tensor, batch_size: int, store: SpillStore, device: torch.device,
+                   causal: bool, progress: bool, desc: str) -> Accumulator:
+    """The converted model's outputs for every chunk, compared slice by slice with the stored source outputs."""
+    acc = Accumulator()
+    with Progress(batches.numel(), desc, enabled=progress) as bar:
+        for k, start in enumerate(range(0, batches.shape[0], batch_size)):
+            x = batches[start:start + batch_size].to(device)
+            out = outputs(model, x, causal)
+            if store.shape(str(k)) != tuple(out.shape):
+                raise SurgeryError(f"the converted model's outputs have shape {list(out.shape)}, the source's "
+                                   f"{list(store.shape(str(k)))}")
+            rows = out.reshape(-1, out.shape[-1])
+            targets = next_token_targets(x).reshape(-1)
+            step = slice_rows(rows.shape[-1])
+            for r in range(0, rows.shape[0], step):
+                a = store.rows(str(k), r, min(r + step, rows.shape[0])).to(device)
+                if causal:
+                    acc.add_logit_rows(a, rows[r:r + step], targets[r:r + step])
+                else:
+                    acc.add_outputs(a, rows[r:r + step])
+            del out, rows
+            bar.update(x.numel())
+    return acc
 
 
 def surgery_kind(source: Source) -> str | None:
     """The `kind` recorded in a checkpoint's surgery.json, if it has one."""
     import json
-    from pathlib import Path
 
     record = Path(source.folder) / "surgery.json"
     try:
-        return json.loads(record.read_text()).get("kind") if record.exists() else None
+        value = json.loads(record.read_text()) if record.exists() else None
+        return value.get("kind") if isinstance(value, dict) else None
     except (OSError, ValueError):
         return None
+
+
+# --- the report ----------------------------------------------------------------------------------------------------
+def perplexity_label(report: dict) -> str:
+    """Where a perplexity was measured, e.g. `pydoc[0:16384], windows 1024`."""
+    return f"{report.get('text', '?')}, windows {report.get('seq_len', '?')}"
 
 
 def print_report(report: dict, title: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
+    console = Console()
     table = Table(title=title, show_header=True)
-    table.add_column("metric")
+    table.add_column("metric", no_wrap=True)
     table.add_column("value", justify="right")
     rows = [
         ("compared", report.get("compared")),
-        ("tokens", report.get("tokens")),
+        ("text", f"{report.get('text', '?')}: {report.get('tokens')} tokens"),
+        ("window length", f"{report.get('seq_len')} tokens"),
         ("max |Δ|", f"{report['max_abs_diff']:.3e}"),
         ("mean |Δ|", f"{report['mean_abs_diff']:.3e}"),
     ]
     if "kl" in report:
+        where = perplexity_label(report)
         rows += [
             ("KL(source‖converted) / token", f"{report['kl']:.4g}"),
             ("top-1 agreement", f"{100 * report['top1_agreement']:.2f}%"),
-            ("perplexity, source", f"{report['ppl_source']:.3f}"),
-            ("perplexity, converted", f"{report['ppl_converted']:.3f}"),
+            (f"perplexity, source ({where})", f"{report['ppl_source']:.3f}"),
+            (f"perplexity, converted ({where})", f"{report['ppl_converted']:.3f}"),
+        ]
+    if "generation" in report:
+        g = report["generation"]
+        rows += [
+            (f"greedy token agreement ({g['prompts']} prompts)", f"{100 * g['token_agreement']:.2f}%"),
+            ("mean first divergence (token)", f"{g['mean_first_divergence']:.1f} of {g['new_tokens']}"),
+            ("exact-match continuations", f"{100 * g['exact_match_rate']:.1f}%"),
         ]
     if "exact" in report:
         rows.append(("exact (tolerance)", f"{'yes' if report['exact'] else 'no'} ({report['tolerance']:g})"))
     for name, value in rows:
         table.add_row(name, str(value))
-    Console().print(table)
+    console.print(table)
+    if report.get("layers"):
+        layers = Table(title=f"per-layer relative error vs the source (first {report.get('layers_tokens')} tokens)")
+        for col in ("layer", "attention output", "hidden state"):
+            layers.add_column(col, justify="right")
+        for row in report["layers"]:
+            layers.add_row(str(row["layer"]), f"{row['attention_rel_error']:.3e}", f"{row['hidden_rel_error']:.3e}")
+        console.print(layers)
+    if report.get("generation", {}).get("samples"):
+        samples = Table(title="greedy continuations, side by side", show_lines=True)
+        for col in ("prompt", "source", "converted"):
+            samples.add_column(col, overflow="fold")
+        for s in report["generation"]["samples"]:
+            samples.add_row(f"[{s['origin']}] {s['prompt'][-200:]}", s["source"], s["converted"])
+        console.print(samples)

@@ -1,7 +1,7 @@
 """Write a converted checkpoint folder, atomically: the planned tensors in shards, config.json, the source's side
 files (tokenizer, generation config), the modeling code a custom kind carries, and surgery.json — a header naming
-the toolkit, the kind and the source (with the sha256 of its shards), the converter's own fields, and the sha256
-of every file written."""
+the toolkit, the kind and the source (with the sha256 of its shards), the converter's own fields, the sha256 of the
+modeling code copied ("code_sha256", see surgery/trust.py) and the sha256 of every file written."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from .publish.hashes import record_output_hashes
 from .source import Source, copy_side_files
 from .tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
 from .threads import threads
+from .trust import CODE_RECORD, code_record
 
 
 def conversion_record(kind: str, source: Source, shard_hashes: dict[str, str]) -> dict:
@@ -61,6 +62,8 @@ def write_conversion(source: Source, reader: CheckpointReader, out: Path, planne
         copy_side_files(source.folder, tmp)
         hasher.join()
         record = {**conversion_record(kind, source, hashes), **record_fields(files + list(code_files))}
+        if code_files:  # lets surgery.trust recognise the toolkit's own, unmodified modeling code
+            record[CODE_RECORD] = code_record(tmp, code_files)
         record_output_hashes(tmp, record)  # writes surgery.json, with the sha256 of every file written
     return record
 

@@ -475,10 +475,16 @@ def test_cli_convert_check_and_inspect(tmp_path):
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_talking_heads.TalkingHeadsLlamaForCausalLM"
     assert (out / "modeling_talking_heads.py").exists() and (out / "configuration_talking_heads.py").exists()
 
-    run = cli("check", tmp_path / "src", out, "--tokens", "256", "--seq-len", "64", "--expect", "exact")
-    assert run.returncode == 2 and "pass --trust-remote-code" in run.stderr  # its code does not run unasked
+    import shutil
+
+    edited = tmp_path / "th-edited"  # one changed byte in the shipped code: a stranger's code, not run unasked
+    shutil.copytree(out, edited)
+    (edited / "modeling_talking_heads.py").write_text((out / "modeling_talking_heads.py").read_text() + "#\n")
+    run = cli("check", tmp_path / "src", edited, "--tokens", "256", "--seq-len", "64", "--expect", "exact")
+    assert run.returncode == 2 and "pass --trust-remote-code" in run.stderr
+    # the toolkit's own modeling code, recognised by its sha256, runs without the flag
     run = cli("check", tmp_path / "src", out, "--data", "pydoc", "--tokens", "256", "--seq-len", "64",
-              "--expect", "exact", "--trust-remote-code", "--json", "-")
+              "--expect", "exact", "--json", "-")
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout[run.stdout.index("{"):])
     assert report["max_abs_diff"] <= 1e-4 and report["source_attention"] == "eager"

@@ -1,0 +1,61 @@
+"""Is the evaluation text part of what the converted model was calibrated on?
+
+A calibrated conversion (aligned merge, SwitchHead) records in its surgery.json
+`"calibration": {"data": SPEC, "documents_sha256": [sha256 of each document's UTF-8 text that gave tokens]}`.
+`check` hashes every document it evaluates on the same way and warns when any is in that list: the numbers then
+flatter the conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterable, Iterator
+
+
+def document_sha256(text: str) -> str:
+    """How a document is named in surgery.json's calibration record: the hex sha256 of its UTF-8 text."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class HashedTexts:
+    """Iterate `texts`, remembering the sha256 of each non-empty document actually handed out (a consumer that
+    stops early leaves the rest unhashed, so the list is exactly the documents that gave tokens)."""
+
+    def __init__(self, texts: Iterable[str]):
+        self.texts = texts
+        self.hashes: list[str] = []
+
+    def __iter__(self) -> Iterator[str]:
+        for text in self.texts:
+            if text:
+                self.hashes.append(document_sha256(text))
+            yield text
+
+
+def calibration_hashes(folder: Path) -> tuple[str | None, set[str]]:
+    """(calibration data spec, document hashes) from a checkpoint's surgery.json; (None, empty) when absent."""
+    try:
+        record = json.loads((Path(folder) / "surgery.json").read_text())
+    except (OSError, ValueError):
+        return None, set()
+    calibration = record.get("calibration") if isinstance(record, dict) else None
+    if not isinstance(calibration, dict):
+        return None, set()
+    hashes = calibration.get("documents_sha256")
+    if not isinstance(hashes, list):
+        return calibration.get("data"), set()
+    return calibration.get("data"), {h for h in hashes if isinstance(h, str)}
+
+
+def calibration_overlap(folder: Path, evaluated: list[str]) -> dict | None:
+    """{"documents": n, "of": m, "calibration": spec} when n > 0 of the m evaluated documents were calibration
+    documents of the checkpoint in `folder`; None otherwise."""
+    spec, calibrated = calibration_hashes(folder)
+    if not calibrated:
+        return None
+    shared = sum(h in calibrated for h in set(evaluated))
+    if not shared:
+        return None
+    return {"documents": shared, "of": len(set(evaluated)), "calibration": spec}

@@ -1,0 +1,359 @@
+"""`surgery check`: one model at a time with the numbers of a two-models-at-once comparison, greedy continuations,
+per-layer errors, tokenizer agreement, trust and pickle policy, bad options, progress, calibration overlap."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as tf
+
+import tiny_models as tm
+from test_merge_convert import char_tokenizer
+
+from surgery.check import compare_checkpoints, compare_models, load_model
+from surgery.checking.overlap import document_sha256
+from surgery.checking.spill import SpillStore
+from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.data import pydoc_texts, token_stream
+from surgery.errors import SurgeryError
+from surgery.source import resolve_source
+
+METRICS = ("max_abs_diff", "mean_abs_diff", "kl", "top1_agreement", "ppl_source", "ppl_converted")
+
+
+def paired_llama(folder: Path) -> Path:
+    """A tiny llama (char tokenizer) whose 4 K/V heads come in identical pairs: merging them to 2 is exact."""
+    model = tm.make_tiny("llama", folder)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                w = proj.weight.view(4, 8, -1)
+                w[1], w[3] = w[0], w[2]
+    model.save_pretrained(folder)
+    char_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("check")
+    paired_llama(root / "src")
+    src = resolve_source(str(root / "src"))
+    convert_to_kv_heads(src, root / "exact", KVOptions(kv_heads=2), progress=False)
+    tm.make_tiny("llama", root / "other", seed=3)  # unpaired K/V heads: merging them is lossy
+    char_tokenizer(root / "other")
+    convert_to_kv_heads(resolve_source(str(root / "other")), root / "lossy", KVOptions(kv_heads=2), progress=False)
+    return {"root": root, "src": root / "src", "exact": root / "exact", "other": root / "other", "lossy": root / "lossy"}
+
+
+def check(source: Path, converted: Path, **kwargs) -> dict:
+    kwargs = {"tokens": 1024, "seq_len": 64, "batch_size": 3, "device": "cpu", "progress": False} | kwargs
+    return compare_checkpoints(resolve_source(str(source)), resolve_source(str(converted)), pydoc_texts(), **kwargs)
+
+
+def surgery(capsys, *args, env: dict | None = None, monkeypatch=None) -> tuple[int, str, str]:
+    """`surgery ARGS` in this process (no interpreter start-up): (exit code, stdout, stderr)."""
+    import cli
+
+    capsys.readouterr()
+    old = sys.argv
+    sys.argv = ["surgery", *map(str, args)]
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = old
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_one_line_error(result, *fragments: str) -> None:
+    code, _, err = result
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("surgery: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+# --- the same numbers, one model at a time -----------------------------------------------------------------------
+def reference_metrics(source: Path, converted: Path, tokens: int, seq_len: int) -> dict:
+    """The metrics straight from their definitions, both models' full logits in memory at once."""
+    a_model, b_model = tm.load(source), tm.load(converted)
+    tok = tf.AutoTokenizer.from_pretrained(source)
+    ids = token_stream(pydoc_texts(), tok, tokens)
+    x = ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
+    with torch.no_grad():
+        a, b = a_model(input_ids=x).logits.double(), b_model(input_ids=x).logits.double()
+    logp_a, logp_b = F.log_softmax(a, -1), F.log_softmax(b, -1)
+    nll = [-lp[:, :-1].gather(-1, x[:, 1:, None]).mean().item() for lp in (logp_a, logp_b)]
+    return {"max_abs_diff": (a - b).abs().max().item(), "mean_abs_diff": (a - b).abs().mean().item(),
+            "kl": (logp_a.exp() * (logp_a - logp_b)).sum(-1).mean().item(),
+            "top1_agreement": (a.argmax(-1) == b.argmax(-1)).double().mean().item(),
+            "ppl_source": math.exp(nll[0]), "ppl_converted": math.exp(nll[1])}
+
+
+@pytest.mark.parametrize("spill_bytes", [0, 1 << 30], ids=["scratch-disk", "memory"])
+def test_sequential_check_gives_the_numbers_of_both_models_at_once(models, spill_bytes):
+    report = check(models["other"], models["lossy"], spill_bytes=spill_bytes)
+    assert report["scratch"] == ("disk" if spill_bytes == 0 else "memory")
+    assert report["tokens"] == 1024 and report["windows"] == 16 and report["seq_len"] == 64
+    expected = reference_metrics(models["other"], models["lossy"], 1024, 64)
+    cpu = torch.device("cpu")  # the old check: both models loaded as check loads them, compared at once
+    a, b = (load_model(resolve_source(str(models[k])), cpu, "float32") for k in ("other", "lossy"))
+    ids = token_stream(pydoc_texts(), tf.AutoTokenizer.from_pretrained(models["other"]), 1024)
+    at_once = compare_models(a, b, ids, 64, 3, causal=True)
+    assert expected["max_abs_diff"] > 0.05 and expected["top1_agreement"] < 0.95  # a real difference to measure
+    for key in METRICS:
+        assert report[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-7), key  # eager vs sdpa rounding
+        assert report[key] == pytest.approx(at_once[key], rel=1e-6, abs=1e-12), key
+
+
+def test_encoders_are_compared_on_hidden_states_one_at_a_time(tmp_path):
+    config = tf.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=128)
+    torch.manual_seed(0)
+    tf.BertModel(config).eval().save_pretrained(tmp_path / "a")
+    changed = tf.BertModel.from_pretrained(tmp_path / "a")
+    with torch.no_grad():
+        w = changed.encoder.layer[1].attention.output.dense.weight
+        w.add_(0.2 * torch.randn_like(w))
+    changed.save_pretrained(tmp_path / "b")
+    for folder in ("a", "b"):
+        char_tokenizer(tmp_path / folder)
+    report = check(tmp_path / "a", tmp_path / "b", tokens=512, spill_bytes=0)
+    assert report["compared"] == "last_hidden_state"
+    a, b = (tf.BertModel.from_pretrained(tmp_path / f).eval() for f in "ab")
+    ids = token_stream(pydoc_texts(), tf.AutoTokenizer.from_pretrained(tmp_path / "a"), 512)
+    at_once = compare_models(a, b, ids, 64, 3, causal=False)
+    assert report["max_abs_diff"] > 1e-3
+    assert report["max_abs_diff"] == pytest.approx(at_once["max_abs_diff"], rel=1e-6)
+    assert report["mean_abs_diff"] == pytest.approx(at_once["mean_abs_diff"], rel=1e-6)
+
+
+def test_spill_store_on_disk_gives_back_the_same_rows_and_cleans_up():
+    t = torch.randn(3, 5, 7)
+    with SpillStore(expected_bytes=10 << 20, memory_bytes=0) as store:
+        assert not store.in_memory and store.folder.is_dir()
+        folder = store.folder
+        store.put("0", t)
+        assert torch.equal(store.get("0"), t)
+        assert torch.equal(store.rows("0", 4, 9), t.view(15, 7)[4:9])
+    assert not folder.exists()
+
+
+def test_scratch_space_is_checked_before_the_run(monkeypatch):
+    import shutil as sh
+
+    from surgery.checking import spill
+
+    monkeypatch.setattr(spill.shutil, "disk_usage", lambda p: sh._ntuple_diskusage(100, 100, 10))
+    with pytest.raises(SurgeryError, match="TMPDIR"):
+        SpillStore(expected_bytes=1 << 30, memory_bytes=0)
+
+
+# --- greedy continuations and per-layer errors ---------------------------------------------------------------------
+def test_exact_conversion_agrees_everywhere(models, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def main():\n\nThe attention heads\n")
+    report = check(models["src"], models["exact"], generate=6, prompts_file=prompts, layers=True, spill_bytes=0)
+    assert report["max_abs_diff"] < 1e-4 and report["top1_agreement"] == 1.0
+    g = report["generation"]
+    assert g["prompts"] == 8 + 2 and g["new_tokens"] == 6
+    assert g["token_agreement"] == 1.0 and g["exact_match_rate"] == 1.0 and g["mean_first_divergence"] == 6
+    assert [s["origin"] for s in g["samples"]][:2] == ["prompts.txt:1", "prompts.txt:3"]
+    assert all(s["source"] == s["converted"] for s in g["samples"])
+    assert len(report["layers"]) == 2 and report["layers_tokens"] == 1024
+    for row in report["layers"]:
+        assert row["attention_rel_error"] < 1e-5 and row["hidden_rel_error"] < 1e-5
+
+
+def test_lossy_conversion_shows_where_it_hurts(models):
+    report = check(models["other"], models["lossy"], generate=8, layers=True)
+    g = report["generation"]
+    assert g["token_agreement"] < 1.0 and g["exact_match_rate"] < 1.0 and g["mean_first_divergence"] < 8
+    assert 0 <= g["exact_match_rate"] <= g["token_agreement"]
+    # every layer's attention is converted: the error starts at layer 0 and is there in every layer
+    for row in report["layers"]:
+        assert row["attention_rel_error"] > 1e-3 and row["hidden_rel_error"] > 1e-3
+    # the continuations are the models' own greedy ones: argmax after argmax, recomputed without a KV cache here
+    tok = tf.AutoTokenizer.from_pretrained(models["other"])
+    x = token_stream(pydoc_texts(), tok, 1024)[None, :32]
+    for model, key in ((tm.load(models["other"]), "source"), (tm.load(models["lossy"]), "converted")):
+        ids = x
+        with torch.no_grad():
+            for _ in range(8):
+                ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
+        assert g["samples"][0]["origin"] == "text[0:32]"
+        assert g["samples"][0][key] == tok.decode(ids[0, 32:].tolist())
+
+
+def test_generate_longer_than_the_context_is_refused_before_the_run(models):
+    with pytest.raises(SurgeryError, match="context"):
+        check(models["src"], models["exact"], generate=200)
+
+
+# --- tokenizers -----------------------------------------------------------------------------------------------------
+def test_different_tokenizers_are_refused_unless_one_is_chosen(models, tmp_path):
+    from tokenizers import Tokenizer, models as tok_models
+    from transformers import PreTrainedTokenizerFast
+
+    shuffled = tmp_path / "shuffled"
+    shutil.copytree(models["exact"], shuffled)
+    for f in shuffled.glob("tokenizer*"):
+        f.unlink()
+    chars = [chr(c) for c in range(32, 127)][::-1]  # same size, ids in reverse order
+    vocab = {"<eos>": 0} | {c: i + 1 for i, c in enumerate(chars)}
+    tok = Tokenizer(tok_models.BPE(vocab=vocab, merges=[], unk_token="<eos>"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<eos>").save_pretrained(shuffled)
+    with pytest.raises(SurgeryError, match="tokenizers differ.*--tokenizer source"):
+        check(models["src"], shuffled)
+    report = check(models["src"], shuffled, tokenizer="source")
+    assert "using the source's" in report["tokenizer"] and report["max_abs_diff"] < 1e-4
+    converted = check(models["src"], shuffled, tokenizer="converted")
+    assert converted["ppl_source"] != pytest.approx(report["ppl_source"])  # other ids: other text for the models
+
+
+# --- the command line: bad input, trust, pickle -----------------------------------------------------------------------
+@pytest.mark.parametrize("option, value", [("--tokens", "0"), ("--tokens", "-3"), ("--seq-len", "0"),
+                                           ("--seq-len", "-5"), ("--batch-size", "0"), ("--generate", "-1")])
+def test_bad_counts_fail_before_any_work(models, capsys, option, value):
+    assert_one_line_error(surgery(capsys, "check", models["src"], models["exact"], option, value), option)
+
+
+def test_json_into_a_missing_folder_fails_before_the_run(models, capsys, tmp_path):
+    result = surgery(capsys, "check", models["src"], models["exact"], "--json", tmp_path / "nope" / "r.json")
+    assert_one_line_error(result, "does not exist")  # one line: no progress line, no pass ran
+
+
+def test_truncated_or_mismatched_converted_checkpoint(models, capsys, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "truncated"
+    shutil.copytree(models["exact"], broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    assert_one_line_error(surgery(capsys, "check", models["src"], broken), "truncated")
+
+    shaped = tmp_path / "shaped"
+    shutil.copytree(models["exact"], shaped)
+    state = load_file(shaped / "model.safetensors")
+    state["model.layers.1.self_attn.k_proj.weight"] = state["model.layers.1.self_attn.k_proj.weight"][:8].clone()
+    save_file(state, shaped / "model.safetensors", metadata={"format": "pt"})
+    assert_one_line_error(surgery(capsys, "check", models["src"], shaped),
+                          "model.layers.1.self_attn.k_proj.weight", "does not match its config")
+
+
+def custom_code_copy(folder: Path, dest: Path, marker: Path) -> Path:
+    """A copy of `folder` whose config names a configuration_x.py that writes `marker` when imported."""
+    shutil.copytree(folder, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (dest / "config.json").write_text(json.dumps(config))
+    (dest / "configuration_x.py").write_text(
+        f"import pathlib\npathlib.Path({str(marker)!r}).write_text('ran')\n"
+        "from transformers import LlamaConfig\nclass XConfig(LlamaConfig):\n    pass\n")
+    (dest / "modeling_x.py").write_text(
+        "from transformers import LlamaForCausalLM\nfrom .configuration_x import XConfig\n"
+        "class XForCausalLM(LlamaForCausalLM):\n    config_class = XConfig\n")
+    return dest
+
+
+def test_each_model_needs_its_own_trust_flag(models, capsys, tmp_path):
+    marker = tmp_path / "marker"
+    src = custom_code_copy(models["src"], tmp_path / "src-code", marker)
+    dst = custom_code_copy(models["exact"], tmp_path / "dst-code", marker)
+    assert_one_line_error(surgery(capsys, "check", src, models["exact"]), "--trust-source-code", "configuration_x.py")
+    # the converted model's flag does not trust the source
+    assert_one_line_error(surgery(capsys, "check", src, models["exact"], "--trust-remote-code"), "--trust-source-code")
+    assert_one_line_error(surgery(capsys, "check", models["src"], dst), "--trust-remote-code", "configuration_x.py")
+    assert_one_line_error(surgery(capsys, "check", models["src"], dst, "--trust-source-code"), "--trust-remote-code")
+    assert not marker.exists()  # no foreign code ran
+    code, out, err = surgery(capsys, "check", src, models["exact"], "--trust-source-code", "--tokens", "256",
+                             "--seq-len", "64")
+    assert code == 0, err
+    assert marker.exists()  # the user asked for it
+
+
+def test_pickle_weights_need_allow_pickle(models, capsys, tmp_path):
+    pickled = tmp_path / "pickled"
+    shutil.copytree(models["exact"], pickled)
+    model = tm.load(pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    assert_one_line_error(surgery(capsys, "check", models["src"], pickled), "--allow-pickle")
+    code, out, err = surgery(capsys, "check", models["src"], pickled, "--allow-pickle", "--tokens", "256",
+                             "--seq-len", "64", "--json", "-", "--expect", "exact")
+    assert code == 0, err
+    assert json.loads(out[out.index("{"):])["max_abs_diff"] < 1e-4
+
+
+# --- what the user sees -------------------------------------------------------------------------------------------
+def test_progress_lines_and_labelled_perplexities(models, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SURGERY_PROGRESS_SECONDS", "0")
+    code, out, err = surgery(capsys, "check", models["src"], models["exact"], "--tokens", "512", "--seq-len", "64",
+                             "--batch-size", "2", "--json", tmp_path / "r.json")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("check ")]
+    assert [line.split(":")[0] for line in lines] == ["check source"] * 4 + ["check converted"] * 4
+    assert lines[0].startswith("check source: 128/512 tokens (25%), ") and "tokens/s, ETA " in lines[0]
+    assert lines[-1].startswith("check converted: 512/512 tokens (100%)")
+    assert "perplexity, source (pydoc[0:512], windows 64)" in out
+    assert "perplexity, converted (pydoc[0:512], windows 64)" in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["text"] == "pydoc[0:512]" and report["seq_len"] == 64 and report["data"] == "pydoc"
+
+
+def test_overlap_with_the_calibration_text_is_warned(models, capsys, tmp_path):
+    calibrated = tmp_path / "calibrated"
+    shutil.copytree(models["exact"], calibrated)
+    record = json.loads((calibrated / "surgery.json").read_text())
+    first = next(t for t in pydoc_texts() if t)
+    record["calibration"] = {"data": "pydoc", "documents_sha256": [document_sha256(first), "0" * 64]}
+    (calibrated / "surgery.json").write_text(json.dumps(record))
+    code, out, err = surgery(capsys, "check", models["src"], calibrated, "--tokens", "256", "--seq-len", "64",
+                             "--json", "-")
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("surgery: warning:")]
+    assert len(warnings) == 1 and "1 of the" in warnings[0] and "calibration" in warnings[0]
+    assert json.loads(out[out.index("{"):])["calibration_overlap"]["documents"] == 1
+
+    record["calibration"]["documents_sha256"] = [document_sha256(pydoc_texts()[-1])]  # read from the end only
+    (calibrated / "surgery.json").write_text(json.dumps(record))
+    code, out, err = surgery(capsys, "check", models["src"], calibrated, "--tokens", "256", "--seq-len", "64")
+    assert code == 0 and "warning" not in err
+
+
+# --- the real model ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smollm2_mqa_sequential_check_matches_both_models_at_once(tmp_path):
+    source = resolve_source("smollm2")
+    convert_to_kv_heads(source, tmp_path / "mqa", KVOptions(kv_heads=1), progress=False)
+    report = compare_checkpoints(source, resolve_source(str(tmp_path / "mqa")), pydoc_texts(), tokens=2048,
+                                 seq_len=512, batch_size=2, device="cpu", progress=False, spill_bytes=0)
+    assert report["scratch"] == "disk"
+    a = load_model(source, torch.device("cpu"), "float32")
+    b = load_model(resolve_source(str(tmp_path / "mqa")), torch.device("cpu"), "float32")
+    from surgery.check import load_tokenizer
+
+    ids = token_stream(pydoc_texts(), load_tokenizer(source), 2048)
+    at_once = compare_models(a, b, ids, 512, 2, causal=True)
+    for key in METRICS:
+        assert report[key] == pytest.approx(at_once[key], rel=1e-6), key
+    assert 5 < report["ppl_source"] < 40 and report["ppl_converted"] > report["ppl_source"]
+
+
+@pytest.mark.parametrize("device, fragment", [("gpu", "use auto, cpu, cuda or cuda:N"), ("cuda:7", "cuda:7")])
+def test_bad_devices_are_one_line(models, capsys, device, fragment):
+    if device.startswith("cuda") and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has that many GPUs")
+    assert_one_line_error(surgery(capsys, "check", models["src"], models["exact"], "--device", device), fragment)
