@@ -13,8 +13,8 @@ matrix products). The counts follow the code they estimate:
   converted attention (output refit) and the converted layer's MLP, in float32; the layer input's second moment;
   the query refit (ideal queries at sampled positions, its normal equations); the output refit; and in float64 the
   group merges (surgery/merge/fit.py), once per group the assignment search scores (surgery/merge/assign.py) plus
-  once per final group. Each group merge costs about 2 d_in² D (s r + 4 s + 2) flops for s members (products with
-  the d_in x d_in second moment dominate).
+  once per final group. Each group merge costs about 2 d_in² D (s r + 4 s + 2) flops for s members and fully
+  rotary heads (products with the d_in x d_in second moment dominate).
 - SwitchHead (surgery/switchhead/layers.py, calibrate.py, refit.py): the source layer over the calibration tokens
   (eager attention; statistics), the attention-map Gram, the router fits' normal equations, then the SwitchHead
   attention on the captured calls and the output refit's normal equations.
@@ -96,6 +96,11 @@ class LayerShape:
     intermediate: int
     mlp_matrices: int  # 3 for gated MLPs (SwiGLU, GeGLU), 2 otherwise
     qkv_bias: bool
+    rotary_dims: int | None = None  # dims of each head RoPE rotates (None: all of them)
+
+    @property
+    def rotary(self) -> int:
+        return self.head_dim if self.rotary_dims is None else self.rotary_dims
 
 
 GATED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "olmo", "olmo2")
@@ -106,8 +111,10 @@ def layer_shape(config: dict) -> LayerShape:
     inter = int(config.get("intermediate_size") or config.get("n_inner") or 4 * a["hidden"])
     mtype = str(config.get("model_type", ""))
     bias = bool(config.get("attention_bias")) or mtype == "qwen2" or mtype.startswith("gpt")
+    fraction = config.get("partial_rotary_factor", config.get("rotary_pct", 1.0))
+    rotary = 0 if mtype.startswith("gpt") and mtype != "gpt_neox" else int(a["head_dim"] * float(fraction)) // 2 * 2
     return LayerShape(a["layers"], a["hidden"], a["heads"], a["kv_heads"], a["head_dim"], inter,
-                      3 if mtype in GATED else 2, bias)
+                      3 if mtype in GATED else 2, bias, rotary)
 
 
 @dataclass
@@ -133,8 +140,12 @@ def group_merge_flops(s: LayerShape, members: int) -> float:
     """float64 work of merging `members` K/V heads into one (surgery/merge/fit.py merge_group)."""
     if members <= 1:
         return 0.0
-    din, d, r = s.hidden + s.qkv_bias, s.head_dim, s.heads // s.kv_heads
-    sigma_products = 2 * din * din * d * (members * r + 4 * members + 2)
+    din, d, r, rot = s.hidden + s.qkv_bias, s.head_dim, s.heads // s.kv_heads, s.rotary
+    n = members
+    # products with sigma, in rows of d_in: values (whitened stack, member energies, least-squares maps: 3n + 2
+    # heads), keys' rotary part (n R rows, and the attached queries' energies n r R), keys' other dims (the queries'
+    # metric n r (d - R), then the same linear merge as the values: (3n + 2)(d - R))
+    sigma_products = 2 * din * din * (d * (3 * n + 2) + n * rot + n * r * d + (3 * n + 2) * (d - rot))
     stacked = 2 * (members * d) ** 2 * din + 9 * (members * d) ** 3  # whitened members' covariance and its eigh
     o_gram = 2 * members * r * s.hidden * d * d
     return sigma_products + stacked + o_gram
