@@ -337,8 +337,11 @@ def report(r: dict) -> None:
         host = est["host_bytes"]
         print(f"   estimated: peak host {gb(host)} (measured/estimated {r['peak_rss'] / host:.2f}), "
               f"{est['seconds_per_layer']:.1f} s/layer"
-              + (f" (measured/estimated: wall {spl / est['seconds_per_layer']:.2f}" if spl else "")
-              + (f", CPU {cpl / est['seconds_per_layer']:.2f})" if cpl else ")" if spl else ""))
+              + (f" (measured/estimated {spl / est['seconds_per_layer']:.2f})" if spl else ""))
+        if est.get("cpu_seconds_per_layer"):
+            print(f"   estimated CPU time per layer {est['cpu_seconds_per_layer']:.1f} s"
+                  + (f", measured {cpl:.1f} s (measured/estimated {cpl / est['cpu_seconds_per_layer']:.2f})"
+                     if cpl else ""))
         ext = r.get("estimate_extrapolated")
         if ext:
             scale = spl / est["seconds_per_layer"] if spl else 1.0

@@ -58,6 +58,7 @@ def convert_dry_run(src: Source, kind: str, *, method: str = "mean", kv_heads: i
                               kv_heads=kv_heads, assign=assign, heads=heads, experts=experts, topk=topk, throughput=rate)
     return {"kind": name, "calibrated": True, "checkpoint_bytes": total, "host_bytes": est.host_bytes,
             "device_bytes": est.device_bytes, "seconds_per_layer": round(est.seconds_per_layer, 2),
+            "cpu_seconds_per_layer": round(est.cpu_seconds_per_layer, 2) if est.cpu_seconds_per_layer else None,
             "seconds": round(est.seconds, 1), "layers": est.layers, "tokens": est.tokens, "device": est.device,
             "flops_per_layer": asdict(est.flops_per_layer), "throughput": asdict(est.throughput),
             "memory_terms": est.memory, "lines": [head, *est.lines()]}

@@ -43,20 +43,23 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 @dataclass(frozen=True)
 class Throughput:
-    """Measured matmul throughput of a device, flop/s."""
+    """Measured matmul throughput of a device, flop/s: per wall-clock second (what a run sees now, other jobs
+    included) and, on the CPU, per CPU second of this process (the machine's own speed, whatever the load)."""
 
     device: str
     float32: float
     float64: float
+    float32_cpu: float | None = None
+    float64_cpu: float | None = None
 
 
-def _rate(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> float:
+def _rate(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> tuple[float, float]:
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
     a @ b  # warm-up (allocations, kernel choice)
     sync(device)
-    count, start = 0, time.perf_counter()
+    count, start, cpu = 0, time.perf_counter(), time.process_time()
     while True:
         a @ b
         count += 1
@@ -64,7 +67,8 @@ def _rate(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> f
             sync(device)
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:
-                return 2 * n**3 * count / elapsed
+                flops = 2 * n**3 * count
+                return flops / elapsed, flops / max(time.process_time() - cpu, 1e-9)
 
 
 def probe_throughput(device: torch.device | str = "cpu", seconds: float = 1.0, threads_float32: int | None = None) -> Throughput:
@@ -75,13 +79,13 @@ def probe_throughput(device: torch.device | str = "cpu", seconds: float = 1.0, t
 
     device = torch.device(device)
     if device.type == "cuda":
-        return Throughput(str(device), _rate(device, torch.float32, 8192, seconds / 2),
-                          _rate(device, torch.float64, 4096, seconds / 2))
+        return Throughput(str(device), _rate(device, torch.float32, 8192, seconds / 2)[0],
+                          _rate(device, torch.float64, 4096, seconds / 2)[0])
     with threads(threads_float32 or torch.get_num_threads()):
         f32 = _rate(device, torch.float32, 1024, seconds / 2)
     with threads(1):
         f64 = _rate(device, torch.float64, 1024, seconds / 2)
-    return Throughput(str(device), f32, f64)
+    return Throughput(str(device), f32[0], f64[0], f32[1], f64[1])
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,11 @@ class Flops:
 
     def seconds(self, rate: Throughput) -> float:
         return self.float32 / rate.float32 + self.float64 / rate.float64
+
+    def cpu_seconds(self, rate: Throughput) -> float | None:
+        if rate.float32_cpu is None or rate.float64_cpu is None:
+            return None
+        return self.float32 / rate.float32_cpu + self.float64 / rate.float64_cpu
 
 
 def _attention(s: LayerShape, tokens: int, window: int) -> float:
@@ -234,6 +243,7 @@ class Estimate:
     device_bytes: int
     seconds_per_layer: float
     seconds: float  # all layers (the embedding step and the writing excluded)
+    cpu_seconds_per_layer: float | None  # CPU seconds of the process (CPU runs): independent of the machine's load
     flops_per_layer: Flops
     throughput: Throughput
     memory: dict  # the terms
@@ -249,6 +259,9 @@ class Estimate:
                f"  time per layer      {self.seconds_per_layer:.1f} s  ({gf.float32 / 1e9:.0f} GFLOP float32 at "
                f"{t.float32 / 1e9:.1f} GFLOP/s, {gf.float64 / 1e9:.0f} GFLOP float64 at {t.float64 / 1e9:.1f} GFLOP/s "
                f"measured now)",
+               *([f"  CPU time per layer  {self.cpu_seconds_per_layer:.1f} s  (at {t.float32_cpu / 1e9:.1f} / "
+                  f"{t.float64_cpu / 1e9:.1f} GFLOP per CPU second: the wall time on an idle machine, per thread)"]
+                 if self.cpu_seconds_per_layer is not None else []),
                f"  all layers          {_duration(self.seconds)}",
                "  memory terms        " + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.memory.items() if v)]
         return out
@@ -291,4 +304,4 @@ def estimate_calibrated(config: dict, kind: str, tokens: int, *, dtype: str = "b
         host, on_device = terms["host"] + RUNTIME_BYTES, terms["device"] + fits
     per_layer = flops.seconds(rate)
     return Estimate(kind, str(dev), s.layers, tokens, int(host), int(on_device), per_layer, per_layer * s.layers,
-                    flops, rate, memory)
+                    flops.cpu_seconds(rate), flops, rate, memory)
