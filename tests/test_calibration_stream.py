@@ -20,7 +20,6 @@ from surgery.calibration.text import calibration_text
 from surgery.merge import capture
 from surgery.merge.pipeline import MergeOptions, merge_model
 from surgery.arch import spec_for
-from surgery.source import resolve_source
 from surgery.switchhead.convert import LayerBuilder, switchhead_shape
 from surgery.switchhead.cluster import kv_mapping
 from surgery.switchhead.families import attention_tensors, family_for
@@ -43,19 +42,19 @@ def resident(folder: Path, attn: str):
     return tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attn).eval()
 
 
-def merged_layers(stream, folder: Path, kv_to: int):
+def merged_layers(stream, folder: Path, kv_to: int, ids: torch.Tensor | None = None):
     config = json.loads((folder / "config.json").read_text())
     spec = spec_for(config)
     capture.instrument(stream.model)
     heads, kv, dim = spec.heads(config), spec.kv_heads(config), spec.head_dim(config)
     opts = MergeOptions(groups=kv_to, chunk_windows=2)
-    return merge_model(stream, spec, config, heads, kv, dim, windows(), opts)
+    return merge_model(stream, spec, config, heads, kv, dim, windows() if ids is None else ids, opts)
 
 
-def assert_same_merge(folder: Path, kv_to: int) -> None:
+def assert_same_merge(folder: Path, kv_to: int, ids: torch.Tensor | None = None) -> None:
     reader = CheckpointReader(folder)
-    streamed = merged_layers(open_stream(folder, reader, "cpu", "sdpa"), folder, kv_to)
-    reference = merged_layers(resident_stream(capture.load_resident_model(folder)), folder, kv_to)
+    streamed = merged_layers(open_stream(folder, reader, "cpu", "sdpa"), folder, kv_to, ids)
+    reference = merged_layers(resident_stream(capture.load_resident_model(folder)), folder, kv_to, ids)
     assert [r.groups for r in streamed.reports] == [r.groups for r in reference.reports]
     for a, b in zip(streamed.layers, reference.layers):
         for name in ("q", "k", "v", "o"):
@@ -87,7 +86,7 @@ def test_streams_bf16_sharded_checkpoints_one_layer_at_a_time(tmp_path):
     assert all(p.is_meta for m in stream.modules for p in m.parameters())
 
 
-def switchhead_layers(stream, folder: Path, heads: int, experts: int, topk: int):
+def switchhead_layers(stream, folder: Path, heads: int, experts: int, topk: int, ids: torch.Tensor | None = None):
     config = json.loads((folder / "config.json").read_text())
     reader = CheckpointReader(folder)
     family = family_for(config)
@@ -95,27 +94,30 @@ def switchhead_layers(stream, folder: Path, heads: int, experts: int, topk: int)
     store = LayerStore(spill=False)
     builder = LayerBuilder(reader, family, attention_tensors(reader, family), shape, [], store, None)
     mode = kv_mapping(shape.heads, shape.kv_heads, shape.new_heads, True)
-    result = calibrate_layers(stream, builder, windows(), mode, "medoid", True, 0.1, progress=False, chunk_windows=2)
+    result = calibrate_layers(stream, builder, windows() if ids is None else ids, mode, "medoid", True, 0.1,
+                              progress=False, chunk_windows=2)
     return result, [store.get(i) for i in range(shape.layers)]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "gpt2"])
-def test_streamed_switchhead_equals_in_memory(arch, tmp_path):
-    folder = tmp_path / arch
-    tm.make_tiny(arch, folder)
-    config = tm.load(folder).config
-    h = config.num_attention_heads
-    heads, experts = (2, h // 2)
-    topk = max(1, experts // 2)
+def assert_same_switchhead(folder: Path, heads: int, experts: int, topk: int, ids: torch.Tensor | None = None):
     streamed, tensors = switchhead_layers(open_stream(folder, CheckpointReader(folder), "cpu", "eager"), folder,
-                                          heads, experts, topk)
-    reference, expected = switchhead_layers(resident_stream(resident(folder, "eager")), folder, heads, experts, topk)
+                                          heads, experts, topk, ids)
+    reference, expected = switchhead_layers(resident_stream(resident(folder, "eager")), folder, heads, experts, topk,
+                                            ids)
     assert streamed.clusters == reference.clusters and streamed.pivots == reference.pivots
     for a, b in zip(tensors, expected):
         assert a.keys() == b.keys()
         for key in a:
             assert rel_diff(a[key], b[key]) <= TOL, key
     assert streamed.refit == reference.refit
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "gpt2"])
+def test_streamed_switchhead_equals_in_memory(arch, tmp_path):
+    folder = tmp_path / arch
+    tm.make_tiny(arch, folder)
+    h = tm.load(folder).config.num_attention_heads
+    assert_same_switchhead(folder, 2, h // 2, max(1, h // 4))
 
 
 def test_peak_memory_model_counts_one_layer(tmp_path):

@@ -7,7 +7,6 @@ the merge math then treats weights and biases alike.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -106,17 +105,3 @@ class LayerAttention:
             w, b = parts(join_qkv(p.q, p.k, p.v, self.layout, self.head_dim))
             self._set(s.qkv, w, b)
         self._set(s.o, p.o, p.o_bias)
-
-
-def layer_paths(model: torch.nn.Module, spec: ArchSpec, layers: int) -> list[str]:
-    """Module path of each decoder layer (e.g. `model.layers.3`), found from the attention tensor names."""
-    found: dict[int, str] = {}
-    for name, _ in model.named_parameters():
-        hit = spec.match(name)
-        if hit and hit[0] not in found:
-            m = re.search(rf"^(.*?(?:^|\.)(?:layers|h)\.{hit[0]})\.", name)
-            if m:
-                found[hit[0]] = m.group(1)
-    if sorted(found) != list(range(layers)):
-        raise RuntimeError(f"decoder layers not found in {type(model).__name__}")
-    return [found[i] for i in range(layers)]

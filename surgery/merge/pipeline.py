@@ -87,7 +87,6 @@ def merge_model(stream: LayerStream, spec: ArchSpec, config: dict, heads: int, k
     start = time.time()
     layout = qkv_layout(spec, config)
     conv1d = spec.conv1d_pattern is not None
-    device = stream.device
     chunks = list(windows.split(opts.chunk_windows))
     rotary_model = any(name.endswith("rotary_emb") for name, _ in stream.model.named_modules())
     gen = torch.Generator().manual_seed(opts.seed)
