@@ -28,7 +28,8 @@ def convert_dry_run(src: Source, kind: str, *, method: str = "mean", kv_heads: i
                     calib_tokens: int = 8192, device: str = "auto", allow_pickle: bool = False) -> dict:
     """The estimate `surgery convert ... --dry-run` prints: {"lines": [...], and the numbers}."""
     from .calibration.stream import pick_device
-    from .estimate import RUNTIME_BYTES, estimate_calibrated, probe_throughput
+    from .calibration.stream import RUNTIME_BYTES
+    from .estimate import estimate_calibrated, probe_throughput
     from .merge.convert import _n_threads
     from .recipes.estimate import human_bytes
 

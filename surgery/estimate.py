@@ -1,9 +1,10 @@
 """What a calibrated conversion will cost before it runs: peak host/device memory and seconds per decoder layer.
 
-Memory is the layer-streaming model of `surgery.calibration.stream.estimate_peak_bytes` (one float32 decoder layer,
-the embeddings, the calibration activations, one chunk's scratch) plus what it leaves out: the Python process
-itself (torch, transformers, the tokenizer: `RUNTIME_BYTES`) and the fits' float64 matrices (second moments of the
-layer input, the query and output refits' normal equations).
+Memory is the layer-streaming model of `surgery.calibration.stream.estimate_peak_bytes` (the Python process, one
+float32 decoder layer, the embeddings, the calibration activations, one chunk's scratch) plus what it leaves out:
+the fits' float64 matrices (second moments of the layer input, the query and output refits' normal equations);
+the checkpoint is read one tensor at a time (one tensor in its dtype, not the layer), and the embeddings are freed
+once the embedding step is done, so they and a layer are never resident together.
 
 Time per layer is the layer's floating-point work, counted from the shapes and the algorithm (below), divided by
 the device's matmul throughput measured on the spot (`probe_throughput`: about one second of float32 and float64
@@ -18,8 +19,9 @@ matrix products). The counts follow the code they estimate:
 - SwitchHead (surgery/switchhead/layers.py, calibrate.py, refit.py): the source layer over the calibration tokens
   (eager attention; statistics), the attention-map Gram, the router fits' normal equations, then the SwitchHead
   attention on the captured calls and the output refit's normal equations.
-Good to about ±25% on an idle machine; a machine shared with other jobs runs slower than its one-second probe says
-when the load changes during the run.
+The float32 and float64 work at the probe's rates, divided by `EFFICIENCY` (the rest of the work, measured once),
+gives the CPU seconds per layer, whatever the machine's load, and the wall seconds per layer at the load of the
+moment of the probe (a machine shared with other jobs gives a long run a different share than a one-second probe).
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ import torch
 from .inspect import attention_shape
 from .merge.assign import MAX_GROUPS_SCORED, MAX_PARTITIONS, partition_count
 
-RUNTIME_BYTES = 450_000_000  # python + torch + transformers + a fast tokenizer, resident before any tensor
+# The share of the probe's matmul rate a calibration reaches overall (its other work: reading and casting the layer,
+# norms, softmax, rotary, small eigendecompositions, Python). Measured once, on the Qwen2.5-3B layout (2 layers,
+# 1024 tokens, CPU time: 7.9 s per layer for 4.8 s of counted matmul work at the probe's rate); BENCHMARKS.md checks
+# it on the other layouts.
+EFFICIENCY = 0.6
 DEFAULT_WINDOW = 512  # calibration window (surgery/calibration/text.py)
 DEFAULT_CHUNK = 8  # windows per forward chunk (MergeOptions.chunk_windows)
 QUERY_SAMPLES = 128  # query positions per window in the query refit (QueryRefit.samples)
@@ -127,12 +133,12 @@ class Flops:
     float64: float = 0.0
 
     def seconds(self, rate: Throughput) -> float:
-        return self.float32 / rate.float32 + self.float64 / rate.float64
+        return (self.float32 / rate.float32 + self.float64 / rate.float64) / EFFICIENCY
 
     def cpu_seconds(self, rate: Throughput) -> float | None:
         if rate.float32_cpu is None or rate.float64_cpu is None:
             return None
-        return self.float32 / rate.float32_cpu + self.float64 / rate.float64_cpu
+        return (self.float32 / rate.float32_cpu + self.float64 / rate.float64_cpu) / EFFICIENCY
 
 
 def _attention(s: LayerShape, tokens: int, window: int) -> float:
@@ -224,13 +230,20 @@ def switchhead_layer_flops(s: LayerShape, heads: int, experts: int, topk: int, t
     return f
 
 
+def largest_layer_tensor(s: LayerShape) -> int:
+    """Elements of a decoder layer's largest matrix (read from the checkpoint one at a time)."""
+    return max(s.hidden * s.intermediate, s.hidden * s.heads * s.head_dim, s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim)
+
+
 def fit_bytes(s: LayerShape, kind: str) -> int:
     """float64 matrices of the fits alive at once (not counted by the streaming model)."""
     din, hd = s.hidden + s.qkv_bias, s.heads * s.head_dim
     if kind == "switchhead":
         return 8 * (3 * din * din + 2 * hd * hd)
-    # sigma, the query refit's three input Grams and its factorisation, q_proj's rows and right-hand sides
-    return 8 * (5 * din * din + 3 * hd * din)
+    # the query refit: input Grams, prior and factorisation (5 d_in x d_in), q_proj's rows, right-hand sides and
+    # solution (5 H D x d_in); the merge before it: sigma and the layer's attention weights in float64 (freed
+    # before the refit, never larger than the refit's)
+    return 8 * (5 * din * din + 5 * hd * din)
 
 
 @dataclass
@@ -260,7 +273,7 @@ class Estimate:
                f"{t.float32 / 1e9:.1f} GFLOP/s, {gf.float64 / 1e9:.0f} GFLOP float64 at {t.float64 / 1e9:.1f} GFLOP/s "
                f"measured now)",
                *([f"  CPU time per layer  {self.cpu_seconds_per_layer:.1f} s  (at {t.float32_cpu / 1e9:.1f} / "
-                  f"{t.float64_cpu / 1e9:.1f} GFLOP per CPU second: the wall time on an idle machine, per thread)"]
+                  f"{t.float64_cpu / 1e9:.1f} GFLOP per CPU second; the wall time on an idle machine at one thread)"]
                  if self.cpu_seconds_per_layer is not None else []),
                f"  all layers          {_duration(self.seconds)}",
                "  memory terms        " + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.memory.items() if v)]
@@ -296,12 +309,19 @@ def estimate_calibrated(config: dict, kind: str, tokens: int, *, dtype: str = "b
         raise ValueError(f"unknown calibrated kind {kind!r}")
     terms = estimate_peak_bytes(config, tokens, dtype, kind=kind, device=dev.type, window=window)
     fits = fit_bytes(s, kind)
-    memory = {"runtime": RUNTIME_BYTES, "layer (float32)": terms["layer"], "embeddings": terms["embedding"],
-              "activations": terms["activations"], "scratch": terms["scratch"], "fits (float64)": fits}
+    read = largest_layer_tensor(s) * DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 4)
+    memory = {"runtime": terms["runtime"], "layer (float32)": terms["layer"], "embeddings": terms["embedding"],
+              "activations": terms["activations"], "scratch": terms["scratch"], "fits (float64)": fits,
+              "tensor being read": read}
+    # The embeddings are freed after the embedding step (LayerStream.release_embeddings): the peak is the larger of
+    # that step and a layer's (its float32 weights, the tensor being read, one chunk's scratch and the fits).
+    layer_step = terms["layer"] + terms["scratch"] + fits + (read if dev.type == "cpu" else 0)
     if dev.type == "cpu":
-        host, on_device = terms["host"] + fits + RUNTIME_BYTES, 0
+        host = terms["runtime"] + terms["activations"] + max(terms["embedding"], layer_step)
+        on_device = 0
     else:
-        host, on_device = terms["host"] + RUNTIME_BYTES, terms["device"] + fits
+        host = terms["runtime"] + read + terms["embedding"]
+        on_device = terms["activations"] + max(terms["embedding"], layer_step)
     per_layer = flops.seconds(rate)
     return Estimate(kind, str(dev), s.layers, tokens, int(host), int(on_device), per_layer, per_layer * s.layers,
                     flops.cpu_seconds(rate), flops, rate, memory)

@@ -86,6 +86,13 @@ class LayerStream:
         self._load, self._free = load, free
         self.offload = offload
 
+    def release_embeddings(self) -> None:
+        """Free the modules outside the decoder layers (embeddings, final norm) once the embedding step is done: the
+        layer loop never uses them again. A stream over a model already in memory keeps them."""
+        release = getattr(self, "_release", None)
+        if release:
+            release()
+
     @property
     def config(self):
         return self.model.config
@@ -263,7 +270,16 @@ def open_stream(folder: Path, reader: CheckpointReader, device: torch.device | s
         for rel, shape in shapes[i].items():
             _set_tensor(layers[i], rel, torch.empty(shape, dtype=torch.float32, device="meta"))
 
-    return LayerStream(model, paths, layers, device, load, free)
+    resident = [name for name, _ in model.named_parameters() if not name.startswith(in_layer)]
+
+    def release() -> None:
+        for name in resident:
+            param = model.get_parameter(name)
+            _set_tensor(model, name, torch.empty(param.shape, dtype=param.dtype, device="meta"))
+
+    stream = LayerStream(model, paths, layers, device, load, free)
+    stream._release = release
+    return stream
 
 
 def resident_stream(model: nn.Module, device: torch.device | str = "cpu") -> LayerStream:

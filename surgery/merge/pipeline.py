@@ -92,6 +92,7 @@ def merge_model(stream: LayerStream, spec: ArchSpec, config: dict, heads: int, k
     gen = torch.Generator().manual_seed(opts.seed)
     stream.plan_offload(windows.numel(), streams=4 if opts.targets == "local" else 5)
     src_h, calls = stream.embed_chunks(chunks)
+    stream.release_embeddings()
     cv_h = list(src_h)
     fetch, stash = stream.fetch, stream.stash
     out_layers, reports = [], []
@@ -136,6 +137,7 @@ def merge_model(stream: LayerStream, spec: ArchSpec, config: dict, heads: int, k
                             source.o_bias, source.qkv_bias)
         with threads(1):
             merged: LayerMerge = merge_layer(double, sigma, kv_heads, head_dim, opts.groups, pairs, folded, opts.assign)
+        del double, sigma  # the float64 copies are not needed by the refits (memory: one layer's attention, twice)
         params = merged.params
         tick("merge")
         # 4. queries against the source's logits

@@ -38,6 +38,7 @@ def calibrate_layers(stream: LayerStream, builder, windows: torch.Tensor, mode: 
     settings = {"heads": shape.new_heads, "experts": shape.experts, "topk": shape.topk, "head_dim": shape.head_dim}
     stream.plan_offload(windows.numel(), streams=4)
     hidden, calls = stream.embed_chunks(list(windows.split(chunk_windows)))
+    stream.release_embeddings()
     result = CalibratedLayers([], [], [] if qk_merge == "medoid" else None, [] if refit else None)
     with LayerProgress("calibrate switchhead", len(stream), progress) as bar:
         for index, _, layer in stream.layers():
