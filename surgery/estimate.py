@@ -316,12 +316,19 @@ def estimate_calibrated(config: dict, kind: str, tokens: int, *, dtype: str = "b
     # The embeddings are freed after the embedding step (LayerStream.release_embeddings): the peak is the larger of
     # that step and a layer's (its float32 weights, the tensor being read, one chunk's scratch and the fits).
     layer_step = terms["layer"] + terms["scratch"] + fits + (read if dev.type == "cpu" else 0)
+    # an embedding matrix kept in float32 (not a plain nn.Embedding, e.g. Gemma's scaled one) is read in the
+    # checkpoint's dtype first: both copies exist for a moment
+    word = int(config.get("vocab_size") or 0) * s.hidden
+    width = DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 4)
+    cast = word * width if width < 4 and terms["embedding"] >= 4 * word else 0
+    memory["embedding being cast"] = cast
+    embed_step = terms["embedding"] + cast
     if dev.type == "cpu":
-        host = terms["runtime"] + terms["activations"] + max(terms["embedding"], layer_step)
+        host = terms["runtime"] + terms["activations"] + max(embed_step, layer_step)
         on_device = 0
     else:
         host = terms["runtime"] + read + terms["embedding"]
-        on_device = terms["activations"] + max(terms["embedding"], layer_step)
+        on_device = terms["activations"] + max(terms["embedding"], layer_step)  # the cast happens on the host
     per_layer = flops.seconds(rate)
     return Estimate(kind, str(dev), s.layers, tokens, int(host), int(on_device), per_layer, per_layer * s.layers,
                     flops.cpu_seconds(rate), flops, rate, memory)
