@@ -315,7 +315,16 @@ def estimate_calibrated(config: dict, kind: str, tokens: int, *, dtype: str = "b
               "tensor being read": read}
     # The embeddings are freed after the embedding step (LayerStream.release_embeddings): the peak is the larger of
     # that step and a layer's (its float32 weights, the tensor being read, one chunk's scratch and the fits).
-    layer_step = terms["layer"] + terms["scratch"] + fits + (read if dev.type == "cpu" else 0)
+    if kind == "switchhead":  # eager attention: the scores, the probabilities and the heads' maps reshaped for
+        # their Gram are three [chunk, heads, window, window] float32 tensors (the streaming model counts one)
+        chunk = min(DEFAULT_CHUNK, max(1, tokens // window)) * window
+        memory["attention maps"] = 2 * 4 * chunk * s.heads * window
+        # the source attention read again in float32, the new tensors and the SwitchHead module built from them
+        h_new, e = heads or s.heads, experts or 1
+        new = 2 * h_new * s.head_dim * s.hidden * (1 + e) + 2 * h_new * e * s.hidden
+        memory["switchhead tensors"] = 4 * (s.hidden * s.head_dim * (2 * s.heads + 2 * s.kv_heads) + 2 * new)
+    layer_step = terms["layer"] + terms["scratch"] + fits + memory.get("attention maps", 0) \
+        + memory.get("switchhead tensors", 0) + (read if dev.type == "cpu" else 0)
     # an embedding matrix kept in float32 (not a plain nn.Embedding, e.g. Gemma's scaled one) is read in the
     # checkpoint's dtype first: both copies exist for a moment
     word = int(config.get("vocab_size") or 0) * s.hidden
