@@ -142,14 +142,15 @@ def print_plan(plan: dict) -> None:
     if plan["hardware"]:
         console.print("hardware: " + "; ".join(f"{k} {v}" for k, v in plan["hardware"].items()))
     table = Table(show_header=True)
-    for col in ("#", "step", "status", "tokens", "peak memory", "time/layer", "writes"):
+    timed = any(r.get("seconds_per_layer") for r in plan["steps"])  # a column only when a step is calibrated
+    for col in ("#", "step", "status", "tokens", "peak memory", *(["time/layer"] if timed else []), "writes"):
         table.add_column(col, justify="left" if col in ("step", "status") else "right")
     for r in plan["steps"]:
         memory = est.human_bytes(r["memory"]) + (" / process" if r.get("per_process") else "") if r["memory"] else "-"
         writes = est.human_bytes(r["size"]) if r["size"] else (f"uploads {est.human_bytes(r['upload'])}" if r["upload"] else "-")
         per_layer = f"{r['seconds_per_layer']:.1f} s" if r.get("seconds_per_layer") else "-"
         table.add_row(str(r["number"]), r["name"], r["status"], est.human_count(r["tokens"]) if r["tokens"] else "-",
-                      memory, per_layer, writes)
+                      memory, *([per_layer] if timed else []), writes)
     console.print(table)
     print("commands:")
     for r in plan["steps"]:
