@@ -4,11 +4,7 @@ counter, the assignment search's own calls, the streaming memory model), and the
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -20,7 +16,6 @@ from surgery.merge.assign import assign_groups
 from surgery.merge.fit import merge_group
 from surgery.merge.rotary import rotary_pairs
 
-REPO = Path(__file__).resolve().parents[1]
 LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 32, "vocab_size": 128256,
             "max_position_embeddings": 131072, "tie_word_embeddings": False, "rope_theta": 500000.0}
@@ -76,27 +71,39 @@ def test_probe_measures_a_positive_rate():
     assert t.float32 > 1e8 and t.float64 > 1e8
 
 
-def _surgery(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+def _surgery(capsys, *args) -> tuple[int, str, str]:
+    """`surgery ARGS` in this process (no interpreter start-up): (exit code, stdout, stderr)."""
+    import cli
+
+    capsys.readouterr()
+    old, sys.argv = sys.argv, ["surgery", *map(str, args)]
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    finally:
+        sys.argv = old
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
-def test_convert_dry_run_prints_the_estimate_and_writes_nothing(tmp_path):
+def test_convert_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys):
     src = tmp_path / "llama"
     tm.make_tiny("llama", src)
     out = tmp_path / "out"
-    r = _surgery("convert", src, "--to", "gqa", "--kv-heads", "2", "--merge", "aligned", "--calib-tokens", "256",
-                 "--device", "cpu", "--out", out, "--dry-run", "--json", "-")
-    assert r.returncode == 0, r.stderr
-    assert "peak host memory" in r.stdout and "time per layer" in r.stdout
-    report = json.loads(r.stdout[r.stdout.index("{"):])
+    code, stdout, err = _surgery(capsys, "convert", src, "--to", "gqa", "--kv-heads", "2", "--merge", "aligned",
+                                 "--calib-tokens", "256", "--device", "cpu", "--out", out, "--dry-run", "--json", "-")
+    assert code == 0, err
+    assert "peak host memory" in stdout and "time per layer" in stdout
+    report = json.loads(stdout[stdout.index("{"):])
     assert report["calibrated"] and report["layers"] == 2 and report["seconds_per_layer"] > 0
     assert report["host_bytes"] > report["memory_terms"]["layer (float32)"] > 0
     assert not out.exists()
-    plain = _surgery("convert", src, "--to", "mqa", "--dry-run")
-    assert plain.returncode == 0 and "no calibration" in plain.stdout, plain.stderr
-    missing = _surgery("convert", src, "--to", "mqa")
-    assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
+    code, stdout, err = _surgery(capsys, "convert", src, "--to", "mqa", "--dry-run")
+    assert code == 0 and "no calibration" in stdout, err
+    code, _, err = _surgery(capsys, "convert", src, "--to", "mqa")
+    assert code == 2 and err.strip().splitlines() == [
         "surgery: error: Missing option '--out'. (see `surgery convert --help`)"]
-    bad = _surgery("convert", src, "--to", "gqa", "--merge", "aligned", "--dry-run")
-    assert bad.returncode == 2 and "--to gqa needs --kv-heads N" in bad.stderr
+    code, _, err = _surgery(capsys, "convert", src, "--to", "gqa", "--merge", "aligned", "--dry-run")
+    assert code == 2 and "--to gqa needs --kv-heads N" in err
