@@ -215,7 +215,7 @@ def switchhead_layer_flops(s: LayerShape, heads: int, experts: int, topk: int, t
                            window: int = DEFAULT_WINDOW) -> Flops:
     """Work of one layer of the SwitchHead calibration (statistics pass, router fits, output-expert refit)."""
     f = Flops()
-    d, h, hd = s.hidden, s.heads, s.heads * s.head_dim
+    d, h = s.hidden, s.heads
     layer = _attention(s, tokens, window) + _mlp(s, tokens)
     # statistics: the source layer, values, per-head output energies, attention-map Gram, input moments
     f.float32 += layer + 2 * tokens * d * s.kv_heads * s.head_dim + 4 * tokens * h * s.head_dim**2
