@@ -14,6 +14,11 @@ STREAMED_NOTE = ("no calibration: streamed tensor by tensor (about 3x the larges
                  "time to read and write the checkpoint)")
 
 
+def _sig(x: float) -> float:
+    """Four significant digits (a tiny model's layer takes milliseconds)."""
+    return float(f"{x:.4g}")
+
+
 def source_dtype(reader: CheckpointReader) -> torch.dtype:
     """The dtype holding most of the checkpoint's floating parameters."""
     counts: dict[torch.dtype, int] = {}
@@ -58,8 +63,8 @@ def convert_dry_run(src: Source, kind: str, *, method: str = "mean", kv_heads: i
     est = estimate_calibrated(config, name, calib_tokens, dtype=str(dtype).removeprefix("torch."), device=str(dev),
                               kv_heads=kv_heads, assign=assign, heads=heads, experts=experts, topk=topk, throughput=rate)
     return {"kind": name, "calibrated": True, "checkpoint_bytes": total, "host_bytes": est.host_bytes,
-            "device_bytes": est.device_bytes, "seconds_per_layer": round(est.seconds_per_layer, 2),
-            "cpu_seconds_per_layer": round(est.cpu_seconds_per_layer, 2) if est.cpu_seconds_per_layer else None,
-            "seconds": round(est.seconds, 1), "layers": est.layers, "tokens": est.tokens, "device": est.device,
+            "device_bytes": est.device_bytes, "seconds_per_layer": _sig(est.seconds_per_layer),
+            "cpu_seconds_per_layer": _sig(est.cpu_seconds_per_layer) if est.cpu_seconds_per_layer else None,
+            "seconds": _sig(est.seconds), "layers": est.layers, "tokens": est.tokens, "device": est.device,
             "flops_per_layer": asdict(est.flops_per_layer), "throughput": asdict(est.throughput),
             "memory_terms": est.memory, "lines": [head, *est.lines()]}
