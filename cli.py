@@ -46,8 +46,12 @@ def _print_families(ctx: click.Context, param, value) -> None:
 @click.argument("source")
 @click.option("--to", "kind", type=click.Choice(["mqa", "gqa", "talking-heads", "switchhead"]), required=True,
               help="Target attention.")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder (written atomically).")
+@click.option("--out", type=click.Path(path_type=Path), help="Output folder (written atomically); required unless --dry-run.")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@click.option("--dry-run", is_flag=True, help="Print the peak host/device memory and the time per layer the conversion "
+              "will need (a cost model and a one-second throughput probe of the device); convert nothing.")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="With --dry-run: also write the estimate as "
+              "JSON ('-' for stdout).")
 @click.option("--revision", help="Hub revision (branch, tag or commit) when SOURCE is a hub id.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="Output dtype of floating tensors (auto keeps the source's).")
@@ -59,9 +63,15 @@ def _print_families(ctx: click.Context, param, value) -> None:
 @click.option("--merge", "--method", "method", type=click.Choice(["mean", "first", "random", "aligned"]), default="mean",
               show_default=True, help="[mqa/gqa] How each group's K/V heads are merged: mean (GQA paper), first "
               "head, random init (the paper's ablations), or aligned (activation-aware, RoPE-compatible).")
+@click.option("--grouping", type=click.Choice(["similarity", "consecutive"]), default="similarity", show_default=True,
+              help="[aligned] Which K/V heads share a merged head: similarity (the grouping that loses least, searched "
+              "over up to C(K, K/G) candidate groups per layer) or consecutive (as the plain merges; G group fits per "
+              "layer, much faster on large models).")
 @optgroup("calibration (aligned merge, switchhead)")
 @click.option("--calib", default="pydoc", show_default=True, help="Calibration text (same forms as check --data).")
 @click.option("--calib-tokens", type=int, default=8192, show_default=True, help="Calibration tokens.")
+@click.option("--device", default="auto", show_default=True, help="Where calibration runs, layer by layer: auto (CUDA "
+              "when present), cpu, cuda, cuda:N.")
 @optgroup("talking-heads")
 @click.option("--logits-mixing/--no-logits-mixing", default=True, show_default=True,
               help="[talking-heads] Mix heads' attention logits before the softmax.")
@@ -77,9 +87,9 @@ def _print_families(ctx: click.Context, param, value) -> None:
 @click.option("--heads", type=int, help="[switchhead] Attention heads after conversion (H).")
 @click.option("--experts", type=int, help="[switchhead] Experts per head (E).")
 @click.option("--topk", type=int, help="[switchhead] Experts selected per token (k).")
-def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pickle, seed, kv_heads, method, calib,
-            calib_tokens, logits_mixing, weights_mixing, heads_logits, heads_weights, chunk_size, heads, experts,
-            topk):
+def convert(source, kind, out, force, dry_run, json_out, revision, dtype, max_shard_size, allow_pickle, seed, kv_heads,
+            method, calib, calib_tokens, device, logits_mixing, weights_mixing, heads_logits, heads_weights, chunk_size,
+            heads, experts, topk, grouping):
     """Convert SOURCE to another attention: mqa, gqa, talking-heads or switchhead.
 
     mqa/gqa with mean/first/random merges is pure tensor surgery, streamed tensor by tensor: the model is
@@ -93,6 +103,19 @@ def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pic
 
     common = dict(dtype=None if dtype == "auto" else dtype, max_shard_bytes=parse_size(max_shard_size),
                   allow_pickle=allow_pickle, seed=seed)
+    if dry_run:
+        from surgery.dry_run import convert_dry_run
+
+        report = convert_dry_run(resolve_source(source, revision=revision, allow_pickle=allow_pickle), kind,
+                                 method=method, kv_heads=kv_heads, assign=grouping == "similarity", heads=heads, experts=experts, topk=topk,
+                                 calib_tokens=calib_tokens, device=device, allow_pickle=allow_pickle)
+        click.echo("\n".join(report["lines"]))
+        if json_out:
+            text = json.dumps({k: v for k, v in report.items() if k != "lines"}, indent=2)
+            click.echo(text) if str(json_out) == "-" else Path(json_out).write_text(text + "\n")
+        return
+    if out is None:
+        raise click.UsageError("Missing option '--out'.")
     check_output_path(out, force)
     if kind == "mqa" and kv_heads not in (None, 1):
         raise SurgeryError("--to mqa means one K/V head; use --to gqa --kv-heads N for more")
@@ -108,9 +131,11 @@ def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pic
         kv_heads = 1 if kind == "mqa" else kv_heads
         if method == "aligned":
             from surgery.merge import convert_aligned
+            from surgery.merge.pipeline import MergeOptions
 
             record = convert_aligned(src, out, kv_heads=kv_heads, calib=calib, calib_tokens=calib_tokens,
-                                     force=force, **common)
+                                     force=force, device=device,
+                                     options=MergeOptions(groups=kv_heads, assign=grouping == "similarity"), **common)
         else:
             from surgery.convert_kv import KVOptions, convert_to_kv_heads
 
@@ -129,7 +154,7 @@ def convert(source, kind, out, force, revision, dtype, max_shard_size, allow_pic
         from surgery.switchhead import convert_to_switchhead
 
         record = convert_to_switchhead(src, out, heads=heads, experts=experts, topk=topk, calib=calib,
-                                       calib_tokens=calib_tokens, force=force, **common)
+                                       calib_tokens=calib_tokens, force=force, device=device, **common)
         click.echo(f"wrote {out}: switchhead in {record['seconds']:.1f}s{_prepared(src)}")
 
 
@@ -384,7 +409,8 @@ def run(recipe, dry_run, from_step, until, output, overrides):
               "its end, disjoint from the held-out pydoc text).")
 @click.option("--calib-tokens", type=int, default=8192, show_default=True, help="Calibration tokens for aligned.")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="Device for the comparison (merging runs on CPU).")
+@click.option("--device", default="auto", show_default=True, help="Device for the comparison and the aligned merge's "
+              "calibration: auto (CUDA when present), cpu, cuda, cuda:N.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write the table as JSON ('-' for stdout).")
 @click.option("--revision", help="Hub revision when SOURCE is a hub id.")
 def compare_merges(source, kind, kv_heads, methods, data, tokens, seq_len, calib, calib_tokens, seed, device, json_out,

@@ -32,7 +32,7 @@ from surgery.check import compare_models, load_model, load_tokenizer  # noqa: E4
 from surgery.convert_kv import KVOptions, convert_to_kv_heads  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
 from surgery.merge import convert_aligned  # noqa: E402
-from surgery.merge.calib import pydoc_documents_used  # noqa: E402
+from surgery.calibration.text import pydoc_documents_used  # noqa: E402
 from surgery.merge.compare import heldout_documents  # noqa: E402
 from surgery.merge.convert import _n_threads  # noqa: E402
 from surgery.threads import threads  # noqa: E402

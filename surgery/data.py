@@ -75,14 +75,16 @@ def _column(ds, text_field: str, label: str) -> Iterator[str]:
     return (row[text_field] for row in ds)
 
 
-def token_stream(texts: Iterable[str], tokenizer, limit: int | None = None) -> torch.Tensor:
-    """Tokenize documents and join them with EOS between, up to `limit` tokens."""
+def token_stream(texts: Iterable[str], tokenizer, limit: int | None = None, used: list[str] | None = None) -> torch.Tensor:
+    """Tokenize documents and join them with EOS between, up to `limit` tokens; `used` collects the documents read."""
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
     out: list[int] = []
     for text in texts:
         if not text:
             continue
         out.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if used is not None:
+            used.append(text)
         if eos is not None:
             out.append(eos)
         if limit is not None and len(out) >= limit:

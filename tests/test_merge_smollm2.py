@@ -10,7 +10,7 @@ import torch
 from surgery.check import compare_models, load_model, load_tokenizer
 from surgery.data import pydoc_texts, token_stream
 from surgery.merge import convert_aligned
-from surgery.merge.calib import calibration_windows, pydoc_documents_used
+from surgery.calibration.text import calibration_text, pydoc_documents_used
 from surgery.merge.compare import heldout_documents
 from surgery.source import resolve_source
 
@@ -29,7 +29,9 @@ def test_calibration_never_reads_the_held_out_text(smollm2):
     calib, held = pydoc_documents_used(tok, 8192), heldout_documents(tok, 16384)
     assert calib and held and not set(calib) & set(held)
     assert max(held) < min(calib) and max(calib) == len(pydoc_texts()) - 1
-    windows = calibration_windows("pydoc", tok, 8192, 8192)
+    text = calibration_text("pydoc", tok, 8192, 8192)
+    windows = text.windows
+    assert len(text.documents_sha256) == len(calib)
     assert windows.shape == (16, 512)
     last = token_stream([pydoc_texts()[-1]], tok)
     assert torch.equal(windows.reshape(-1)[: min(last.numel(), 512)], last[: min(last.numel(), 512)])

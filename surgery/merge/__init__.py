@@ -1,6 +1,7 @@
 """Activation-aware, RoPE-compatible K/V-head merging (`surgery convert --to mqa|gqa --merge aligned`).
 
-Modules: `capture` (calibration activations, layer by layer), `rotary` (RoPE pair layouts), `fit` (key and
+Modules: `capture` (what one layer's attention sees on the calibration tokens; the layers stream from
+`surgery.calibration`), `rotary` (RoPE pair layouts), `fit` (key and
 value merges from second moments), `assign` (grouping heads by similarity), `layer` (one layer's merge and
 export), `refit` (least-squares refits of q_proj / o_proj), `pipeline` (the layer loop), `convert` (the
 checkpoint writer), `compare` (`surgery compare-merges`).

@@ -1,9 +1,5 @@
-"""Calibration activations, captured one decoder layer at a time.
-
-The source model is loaded once (float32). One pass with every decoder layer stubbed out records the
-embeddings and the arguments each layer receives (masks, rotary cos/sin); after that, layers are called one
-by one on stored hidden states, so only one layer's activations for the calibration tokens are alive at a
-time (memory: a few [tokens, hidden] tensors, plus one chunk's attention).
+"""What one decoder layer's attention sees on the calibration tokens (the layers themselves come one at a time from
+`surgery.calibration.stream`).
 
 Inside a layer, hooks capture the attention's input (the normalised hidden states entering the q/k/v
 projections), the per-head outputs entering o_proj, and, through an attention function registered with
@@ -17,6 +13,8 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
+
+from ..calibration.stream import LayerCall, _first, run_layer
 
 CAPTURE_PREFIX = "surgery_capture_"
 _RECORDER: list["AttentionRecord"] = []
@@ -76,65 +74,27 @@ class _Stop(Exception):
     pass
 
 
-def load_calibration_model(folder, trust_remote_code: bool = False):
-    """The source as a float32 causal LM whose attention calls can be recorded."""
-    from transformers import AutoModelForCausalLM
-
-    model = None
-    for impl in ("sdpa", "eager"):
-        try:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=impl,
-                                                         trust_remote_code=trust_remote_code)
-            break
-        except (ValueError, ImportError):
-            continue
-    if model is None:
-        raise RuntimeError(f"cannot load {folder} for calibration")
-    model.config._attn_implementation = register_capture(model.config._attn_implementation)
+def instrument(model):
+    """Route `model`'s attention calls through the recording attention function (same math, recorded)."""
+    impl = model.config._attn_implementation
+    if not impl.startswith(CAPTURE_PREFIX):
+        model.config._attn_implementation = register_capture(impl)
     return model.eval()
 
 
-@dataclass
-class LayerCall:
-    """How the model called one decoder layer on one chunk: the extra positional and keyword arguments."""
+def load_resident_model(folder):
+    """The whole source as a float32 causal LM, instrumented: the in-memory reference the layer-streamed merge is
+    tested against (conversions stream layer by layer: `surgery.calibration.stream`)."""
+    from transformers import AutoModelForCausalLM
 
-    args: tuple
-    kwargs: dict
-
-
-@torch.no_grad()
-def embed(model, layers: list[torch.nn.Module], input_ids: torch.Tensor) -> tuple[torch.Tensor, list[LayerCall]]:
-    """Hidden states entering layer 0 for `input_ids` [b, L], and every layer's call arguments."""
-    calls: list[LayerCall | None] = [None] * len(layers)
-    first: list[torch.Tensor] = []
-
-    def stub(i):
-        def forward(*args, **kwargs):
-            hidden = args[0] if args else kwargs.pop("hidden_states")
-            if i == 0:
-                first.append(hidden)
-            calls[i] = LayerCall(tuple(args[1:]), dict(kwargs))
-            return hidden
-
-        return forward
-
-    for i, layer in enumerate(layers):
-        layer.forward = stub(i)
-    try:
-        model.base_model(input_ids=input_ids, use_cache=False)
-    finally:
-        for layer in layers:
-            del layer.forward  # back to the class's forward
-    return first[0], calls  # type: ignore[return-value]
-
-
-def _first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
-@torch.no_grad()
-def run_layer(layer: torch.nn.Module, hidden: torch.Tensor, call: LayerCall) -> torch.Tensor:
-    return _first(layer(hidden, *call.args, **call.kwargs))
+    for impl in ("sdpa", "eager"):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=impl,
+                                                         trust_remote_code=False)
+            break
+        except (ValueError, ImportError):
+            continue
+    return instrument(model)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from ..convert_kv import KVOptions, convert_to_kv_heads
 from ..data import load_texts, token_stream
 from ..errors import SurgeryError
 from ..source import Source, resolve_source
-from .calib import pydoc_documents_used
+from ..calibration.text import pydoc_documents_used
 from .convert import _n_threads, convert_aligned
 from ..threads import threads
 
@@ -66,7 +66,7 @@ def compare_merges(source: Source, kv_heads: int, methods: tuple[str, ...] = MET
             with threads(_n_threads()):  # the plain converter drops to one thread for its I/O
                 if method == "aligned":
                     record = convert_aligned(source, out, kv_heads=kv_heads, calib=calib, calib_tokens=calib_tokens,
-                                             seed=seed, progress=progress)
+                                             seed=seed, progress=progress, device=device)
                 else:
                     record = convert_to_kv_heads(source, out, KVOptions(kv_heads=kv_heads, method=method, seed=seed),
                                                  progress=progress)

@@ -15,13 +15,16 @@ import torch
 
 from ..arch import QKVLayout, spec_for
 from ..atomic import check_output_path
+from ..calibration.store import LayerStore
+from ..calibration.stream import LayerProgress, open_stream, pick_device
+from ..calibration.text import CalibrationText, calibration_text, context_of
 from ..check import load_tokenizer
 from ..convert_kv import KVOptions, KVPlanner, _head_shape, target_config, write_converted
 from ..errors import SurgeryError
 from ..kv_pool import join_qkv, repeat_heads
 from ..source import Source
 from ..tensors import CheckpointReader
-from .calib import calibration_windows
+from . import capture
 from .layer import export_heads, query_order
 from .params import AttnParams
 from .pipeline import MergeOptions, merge_model, threads
@@ -30,13 +33,18 @@ from .pipeline import MergeOptions, merge_model, threads
 class AlignedPlanner(KVPlanner):
     """The plain converter's plan, with every attention projection taken from the merged layers."""
 
-    def __init__(self, reader, spec, config, shape, options, layers: list[AttnParams] | None,
+    def __init__(self, reader, spec, config, shape, options, layers: LayerStore | None,
                  groupings: list[list[list[int]]] | None):
         super().__init__(reader, spec, config, shape, options)
         self.layers, self.groupings = layers, groupings
 
+    def _params(self, layer: int) -> AttnParams:
+        t = self.layers.get(layer)
+        o_bias = t.get("o_bias")
+        return AttnParams(t["q"], t["k"], t["v"], t["o"], o_bias, t["q"].shape[1] != t["o"].shape[0])
+
     def _tensor(self, layer: int, proj: str, param: str) -> torch.Tensor:
-        p, s, spec = self.layers[layer], self.shape, self.spec
+        p, s, spec = self._params(layer), self.shape, self.spec
         if proj == spec.o:
             return p.o if param == "weight" else p.o_bias
         if proj == spec.qkv:
@@ -54,10 +62,16 @@ class AlignedPlanner(KVPlanner):
         hit = self.spec.match(name)
         if hit is None or self.layers is None:
             return super().transform_for(name)
-        tensor = self._tensor(*hit).contiguous()
+        plain = super().transform_for(name)
 
         def produce(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(tensor.shape, dtype=t.dtype, device="meta") if t.is_meta else tensor
+            expected = plain(t) if plain is not None else t  # the plain converter's output has the same shape
+            if t.is_meta:  # planning: the shape only
+                return expected
+            merged = self._tensor(*hit).contiguous()
+            if merged.shape != expected.shape:
+                raise RuntimeError(f"{name}: merged shape {list(merged.shape)} != planned {list(expected.shape)}")
+            return merged
 
         return produce
 
@@ -95,7 +109,7 @@ def _n_threads() -> int:
 def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str = "pydoc", calib_tokens: int = 8192,
                     force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
                     allow_pickle: bool = False, seed: int = 0, progress: bool = True,
-                    options: MergeOptions | None = None) -> dict:
+                    options: MergeOptions | None = None, device: str = "auto") -> dict:
     """Merge `src`'s K/V heads into `kv_heads` with calibration, writing a standard checkpoint to `out`."""
     start = time.time()
     config = src.config
@@ -109,6 +123,7 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str = "pydo
     KVPlanner(reader, spec, config, shape, kv_options)._validate_layers()
     if calib_tokens < 1:
         raise SurgeryError(f"--calib-tokens must be positive, got {calib_tokens}")
+    pick_device(device)  # a bad --device fails before any work
     if shape.groups == shape.kv_heads:  # nothing to merge: the output is the source, exactly
         planner = AlignedPlanner(reader, spec, config, shape, kv_options, None, None)
         extra = {"calibration": None, "merge": {"note": "no K/V heads to merge; the output equals the source"}}
@@ -116,32 +131,36 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str = "pydo
                                start=start)
 
     opts = replace(options or MergeOptions(groups=kv_heads), groups=kv_heads, seed=seed)
-    tokenizer = load_tokenizer(src)
+    dev = pick_device(device)
+    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config))
     calib_start = time.time()
-    context = next((int(config[k]) for k in ("max_position_embeddings", "n_positions", "seq_length") if config.get(k)), None)
-    windows = calibration_windows(calib, tokenizer, calib_tokens, context)
-    with threads(_n_threads()):
-        from .capture import load_calibration_model
-
-        try:
-            model = load_calibration_model(src.folder)
-        except (OSError, RuntimeError) as e:
-            raise SurgeryError(f"cannot load {src.spec} for calibration: {str(e).splitlines()[0]}") from None
-        bar = _layer_bar(spec.layers(config), progress)
-        result = merge_model(model, spec, config, shape.heads, shape.kv_heads, shape.head_dim, windows, opts,
-                             progress=lambda i, m: bar.update(1))
-        bar.close()
-        del model
-    layers = [export_heads(p, r.groups, shape.kv_heads, shape.head_dim) for p, r in zip(result.layers, result.reports)]
-    groupings = [r.groups for r in result.reports]
-    extra = _merge_record(calib, windows, result, opts, shape, seed, time.time() - calib_start)
-    planner = AlignedPlanner(reader, spec, config, shape, kv_options, layers, groupings)
-    return write_converted(src, out, planner, force=force, progress=progress, method="aligned", extra=extra,
-                           start=start)
+    with LayerStore(out) as store:
+        result = _calibrate_and_merge(src, reader, spec, config, shape, text.windows, opts, dev, store, progress)
+        extra = _merge_record(text, result, opts, shape, seed, time.time() - calib_start, dev)
+        groupings = [r.groups for r in result.reports]
+        planner = AlignedPlanner(reader, spec, config, shape, kv_options, store, groupings)
+        return write_converted(src, out, planner, force=force, progress=progress, method="aligned", extra=extra,
+                               start=start)
 
 
-def _merge_record(calib: str, windows: torch.Tensor, result, opts: MergeOptions, shape, seed: int,
-                  seconds: float) -> dict:
+def _calibrate_and_merge(src: Source, reader: CheckpointReader, spec, config: dict, shape, windows: torch.Tensor,
+                         opts: MergeOptions, device: torch.device, store: LayerStore, progress: bool):
+    """Stream the source layer by layer on `device`, merge each layer, and keep its exported tensors in `store`."""
+    with threads(_n_threads() if device.type == "cpu" else torch.get_num_threads()):
+        stream = open_stream(src.folder, reader, device, attn_implementation="sdpa")
+        capture.instrument(stream.model)
+
+        def keep(index: int, params: AttnParams, report) -> None:
+            out = export_heads(params, report.groups, shape.kv_heads, shape.head_dim)
+            store.put(index, {"q": out.q, "k": out.k, "v": out.v, "o": out.o, "o_bias": out.o_bias})
+
+        with LayerProgress("calibrate + merge", len(stream), progress) as bar:
+            return merge_model(stream, spec, config, shape.heads, shape.kv_heads, shape.head_dim, windows, opts,
+                               progress=lambda i, m: bar.update(), keep=keep)
+
+
+def _merge_record(text: CalibrationText, result, opts: MergeOptions, shape, seed: int, seconds: float,
+                  device: torch.device) -> dict:
     """surgery.json fields describing the calibration and the merge (beside the plain converter's fields)."""
     groupings = [r.groups for r in result.reports]
     r_src = shape.heads // shape.kv_heads
@@ -154,13 +173,9 @@ def _merge_record(calib: str, windows: torch.Tensor, result, opts: MergeOptions,
             "per-frequency complex rank-1 fit, folded into the queries" if rot else
             "principal subspace in the queries' metric, folded into the queries (no rotary)")
     extra = {
-        "calibration": {
-            "data": calib,
-            "split": "pydoc documents read from the last one backwards (the default `surgery check` text, "
-                     "pydoc's first 16k tokens, is not used)" if calib == "pydoc" else "first tokens of the data",
-            "tokens": int(windows.numel()),
-            "windows": int(windows.shape[0]),
-            "window_length": int(windows.shape[1]),
+        "calibration": text.record() | {
+            "device": str(device),
+            "streaming": "layer by layer from the checkpoint (float32 on the device)",
             "seconds": round(seconds, 3),
             "stages_seconds": result.stages,
         },
@@ -189,7 +204,3 @@ def _mean(values) -> float | None:
     return round(sum(vals) / len(vals), 5) if vals else None
 
 
-def _layer_bar(total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="layer", desc="calibrate + merge", disable=None if enabled else True, leave=False)

@@ -46,7 +46,7 @@ def merge_linear(rows: torch.Tensor, metric: torch.Tensor, sigma: torch.Tensor) 
     """rows [n, p, d_in], metric [n, p, p] (PSD) -> merged [p, d_in], maps [n, p, p], lost energy fraction."""
     n, p, _ = rows.shape
     if p == 0:
-        return rows[0], torch.zeros(n, 0, 0, dtype=rows.dtype), 0.0
+        return rows[0], torch.zeros(n, 0, 0, dtype=rows.dtype, device=rows.device), 0.0
     root = sym_sqrt(metric)
     z = (root @ rows).reshape(n * p, -1)  # whitened members, stacked
     cov = quad(z, sigma, z)
@@ -64,7 +64,7 @@ def merge_linear(rows: torch.Tensor, metric: torch.Tensor, sigma: torch.Tensor) 
 def least_squares_maps(rows: torch.Tensor, merged: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     """A_j minimising E|rows_j x - A_j merged x|^2: (rows_j sigma merged^T)(merged sigma merged^T)^-1."""
     gram = quad(merged, sigma, merged)
-    ridge = torch.eye(gram.shape[0], dtype=gram.dtype) * (gram.diagonal().mean() * 1e-9 + EPS)
+    ridge = torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device) * (gram.diagonal().mean() * 1e-9 + EPS)
     cross = quad(rows, sigma, merged.unsqueeze(0))  # [n, p, p]
     return torch.linalg.solve(gram + ridge, cross.transpose(-1, -2)).transpose(-1, -2)
 
@@ -149,7 +149,7 @@ def merge_group(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
     """
     n, head_dim, _ = keys.shape
     if n == 1:
-        eye = torch.eye(head_dim, dtype=keys.dtype).unsqueeze(0)
+        eye = torch.eye(head_dim, dtype=keys.dtype, device=keys.device).unsqueeze(0)
         return GroupMerge(keys[0], values[0], queries, eye, 0.0, 0.0)
     # values: the principal subspace of the members' values, measured in o_proj's output metric
     o_gram = torch.einsum("jrdi,jrdk->jik", o_heads, o_heads)

@@ -74,7 +74,7 @@ class LayerAttention:
         if self.layout == QKVLayout.SEPARATE:
             (qw, qb), (kw, kb), (vw, vb) = self._get(s.q), self._get(s.k), self._get(s.v)
             has_bias = qb is not None or kb is not None or vb is not None
-            zeros = lambda w: torch.zeros(w.shape[0])  # noqa: E731
+            zeros = lambda w: torch.zeros(w.shape[0], device=w.device)  # noqa: E731
             if has_bias:
                 qb, kb, vb = (b if b is not None else zeros(w) for w, b in ((qw, qb), (kw, kb), (vw, vb)))
             q, k, v = _aug(qw, qb), _aug(kw, kb), _aug(vw, vb)
@@ -105,17 +105,3 @@ class LayerAttention:
             w, b = parts(join_qkv(p.q, p.k, p.v, self.layout, self.head_dim))
             self._set(s.qkv, w, b)
         self._set(s.o, p.o, p.o_bias)
-
-
-def layer_paths(model: torch.nn.Module, spec: ArchSpec, layers: int) -> list[str]:
-    """Module path of each decoder layer (e.g. `model.layers.3`), found from the attention tensor names."""
-    found: dict[int, str] = {}
-    for name, _ in model.named_parameters():
-        hit = spec.match(name)
-        if hit and hit[0] not in found:
-            path = spec.layer_path(name)
-            if path:
-                found[hit[0]] = path
-    if sorted(found) != list(range(layers)):
-        raise RuntimeError(f"decoder layers not found in {type(model).__name__}")
-    return [found[i] for i in range(layers)]

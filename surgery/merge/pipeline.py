@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..arch import ArchSpec, qkv_layout
+from ..calibration.stream import LayerStream, run_layer
 from ..threads import threads
 from . import capture
 from .layer import LayerMerge, merge_layer
-from .params import AttnParams, LayerAttention, layer_paths
+from .params import AttnParams, LayerAttention
 from .refit import QueryRefit, augment, refit_output, refit_queries
 from .rotary import RotaryPairs, hf_cos_sin, rotary_pairs, rotate
 
@@ -78,23 +79,22 @@ def _cat(chunks: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
 
 
 @torch.no_grad()
-def merge_model(model, spec: ArchSpec, config: dict, heads: int, kv_heads: int, head_dim: int,
-                windows: torch.Tensor, opts: MergeOptions, progress=None) -> MergeResult:
-    """Merge `model` (float32, loaded by capture.load_calibration_model) in place; windows [N, L] token ids."""
+def merge_model(stream: LayerStream, spec: ArchSpec, config: dict, heads: int, kv_heads: int, head_dim: int,
+                windows: torch.Tensor, opts: MergeOptions, progress=None, keep=None) -> MergeResult:
+    """Merge the layers `stream` serves (float32 on its device, attention instrumented by `capture.instrument`);
+    windows [N, L] token ids. `keep(index, params, report)` receives each layer's merged params as soon as they
+    are final (else they are collected in the result)."""
     start = time.time()
     layout = qkv_layout(spec, config)
     conv1d = spec.conv1d_pattern is not None
-    paths = layer_paths(model, spec, spec.layers(config))
-    layers = [model.get_submodule(p) for p in paths]
     chunks = list(windows.split(opts.chunk_windows))
-    rotary_model = any(name.endswith("rotary_emb") for name, _ in model.named_modules())
+    rotary_model = any(name.endswith("rotary_emb") for name, _ in stream.model.named_modules())
     gen = torch.Generator().manual_seed(opts.seed)
-    src_h, calls = [], []
-    for c in chunks:
-        h, call = capture.embed(model, layers, c)
-        src_h.append(h)
-        calls.append(call)
+    stream.plan_offload(windows.numel(), streams=4 if opts.targets == "local" else 5)
+    src_h, calls = stream.embed_chunks(chunks)
+    stream.release_embeddings()
     cv_h = list(src_h)
+    fetch, stash = stream.fetch, stream.stash
     out_layers, reports = [], []
     stages: dict[str, float] = {}
     clock = [time.time()]
@@ -105,7 +105,7 @@ def merge_model(model, spec: ArchSpec, config: dict, heads: int, kv_heads: int, 
         clock[0] = now
 
     tick("embed")
-    for index, (layer, path) in enumerate(zip(layers, paths)):
+    for index, path, layer in stream.layers():
         la = LayerAttention(layer, path, spec, layout, heads, kv_heads, head_dim, conv1d)
         source = la.read()
         folded = opts.fold and not _has_qk_norm(la.attention)
@@ -113,11 +113,12 @@ def merge_model(model, spec: ArchSpec, config: dict, heads: int, kv_heads: int, 
         src_runs = []
         if opts.targets == "source":
             for i, c in enumerate(chunks):
-                src_h[i], run = capture.run_layer_recorded(layer, la.attention, la.out_module, src_h[i], calls[i][index])
+                h, run = capture.run_layer_recorded(layer, la.attention, la.out_module, fetch(src_h[i]), calls[i][index])
+                src_h[i] = stash(h)
                 src_runs.append(run)
         tick("source pass")
         # 2. what the converted stream feeds this layer's attention
-        acalls = [capture.attention_input(layer, la.attention, la.in_module, cv_h[i], calls[i][index])
+        acalls = [capture.attention_input(layer, la.attention, la.in_module, fetch(cv_h[i]), calls[i][index])
                   for i in range(len(chunks))]
         grouped = kv_heads // opts.groups > 1
         refit_q = opts.refit_q and folded and grouped
@@ -136,6 +137,7 @@ def merge_model(model, spec: ArchSpec, config: dict, heads: int, kv_heads: int, 
                             source.o_bias, source.qkv_bias)
         with threads(1):
             merged: LayerMerge = merge_layer(double, sigma, kv_heads, head_dim, opts.groups, pairs, folded, opts.assign)
+        del double, sigma  # the float64 copies are not needed by the refits (memory: one layer's attention, twice)
         params = merged.params
         tick("merge")
         # 4. queries against the source's logits
@@ -171,13 +173,21 @@ def merge_model(model, spec: ArchSpec, config: dict, heads: int, kv_heads: int, 
         # 6. the converted stream through the converted layer (its attention output is known when o was refit)
         for i in range(len(chunks)):
             if runs is None:
-                cv_h[i] = capture.run_layer(layer, cv_h[i], calls[i][index])
+                cv_h[i] = stash(run_layer(layer, fetch(cv_h[i]), calls[i][index]))
             else:
                 out = la.out_module(runs[i].heads)
-                cv_h[i] = capture.run_layer_with_attention_output(layer, la.attention, cv_h[i], calls[i][index], out)
+                cv_h[i] = stash(capture.run_layer_with_attention_output(layer, la.attention, fetch(cv_h[i]),
+                                                                        calls[i][index], out))
+        del acalls, src_runs, runs, x, flat
         tick("converted pass")
-        out_layers.append(params)
-        reports.append(LayerReport(merged.groups, merged.key_loss, merged.value_loss, folded, 2 * pairs.frequencies))
+        report = LayerReport(merged.groups, merged.key_loss, merged.value_loss, folded, 2 * pairs.frequencies)
+        params = AttnParams(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in
+                              (params.q, params.k, params.v, params.o, params.o_bias, params.qkv_bias)))
+        if keep is None:
+            out_layers.append(params)
+        else:
+            keep(index, params, report)
+        reports.append(report)
         if progress:
             progress(index, merged)
     return MergeResult(out_layers, reports, time.time() - start, {k: round(v, 2) for k, v in stages.items()})

@@ -23,12 +23,12 @@ from .rotary import RotaryPairs, rotate
 
 def _ridge(gram: torch.Tensor, rel: float) -> torch.Tensor:
     scale = torch.diagonal(gram, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
-    eye = torch.eye(gram.shape[-1], dtype=gram.dtype)
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     return eye * (rel * scale)[..., None, None] if gram.dim() > 2 else eye * rel * scale
 
 
 def augment(x: torch.Tensor, bias: bool) -> torch.Tensor:
-    return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype)], dim=-1) if bias else x
+    return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)], dim=-1) if bias else x
 
 
 def refit_output(heads: torch.Tensor, target: torch.Tensor, o: torch.Tensor, o_bias: torch.Tensor | None,
@@ -71,17 +71,19 @@ def ideal_queries(q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, 
     n_win, heads, length, head_dim = q_src.shape
     e = head_dim + 1
     m = positions.numel()
-    visible = torch.arange(length)[None, :] <= positions[:, None]  # [M, L]
-    phi = torch.cat([scaling * k_cv.float(), torch.ones(n_win, length, 1)], dim=-1)  # [N, L, e]
+    dev = q_src.device
+    positions = positions.to(dev)
+    visible = torch.arange(length, device=dev)[None, :] <= positions[:, None]  # [M, L]
+    phi = torch.cat([scaling * k_cv.float(), torch.ones(n_win, length, 1, device=dev)], dim=-1)  # [N, L, e]
     mean_gram = (phi.transpose(1, 2) @ phi).double() / length  # [N, e, e]
     ridge = opts.ridge * torch.diagonal(mean_gram, dim1=-2, dim2=-1).mean(-1)[:, None, None] + 1e-12  # [N, 1, 1]
-    a_inv = torch.linalg.inv(opts.uniform * mean_gram + ridge * torch.eye(e, dtype=torch.float64)).float()
+    a_inv = torch.linalg.inv(opts.uniform * mean_gram + ridge * torch.eye(e, dtype=torch.float64, device=dev)).float()
     ridge = ridge.float()
     psi = phi @ a_inv  # [N, L, e]
     kmat = (psi @ phi.transpose(1, 2)).reshape(n_win, -1)  # [N, L*L]: phi_a A^-1 phi_b
     k = min(opts.top_k, length)
-    eye = torch.eye(k)
-    out = torch.empty(n_win, heads, m, head_dim)
+    eye = torch.eye(k, device=dev)
+    out = torch.empty(n_win, heads, m, head_dim, device=dev)
     for h in range(heads):
         q_h = q_src[:, h, positions].float()  # [N, M, D]
         ks = scaling * k_src[:, h].float()  # [N, L, D]
@@ -104,7 +106,7 @@ def ideal_queries(q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, 
         sp = p_top.sqrt()
         inner = eye + sp[..., :, None] * m_kk * sp[..., None, :]
         w = torch.cholesky_solve((sp * t)[..., None], torch.linalg.cholesky(inner))[..., 0]
-        dense = torch.zeros(n_win, m, length).scatter_(-1, idx, ps - sp * w)
+        dense = torch.zeros(n_win, m, length, device=dev).scatter_(-1, idx, ps - sp * w)
         theta = y + dense @ psi
         out[:, h] = theta[..., :head_dim]
     return out
@@ -125,21 +127,22 @@ def refit_queries(x: torch.Tensor, q_src: torch.Tensor, k_src: torch.Tensor, q_c
     kv = k_cv.shape[1]
     r = heads // kv
     din = x.shape[-1]
-    xtx_all = torch.zeros(din, din, dtype=torch.float64)
-    xtx = torch.zeros(din, din, dtype=torch.float64)
-    xty = torch.zeros(heads, din, head_dim, dtype=torch.float64)
+    dev = x.device
+    xtx_all = torch.zeros(din, din, dtype=torch.float64, device=dev)
+    xtx = torch.zeros(din, din, dtype=torch.float64, device=dev)
+    xty = torch.zeros(heads, din, head_dim, dtype=torch.float64, device=dev)
     samples = 0
     for lo in range(0, n_win, opts.chunk):
         sl = slice(lo, lo + opts.chunk)
         xa = x[sl].reshape(-1, din).float()
         xtx_all += (xa.T @ xa).double()
         m = min(opts.samples, length)
-        positions = torch.randperm(length, generator=generator)[:m].sort().values
+        positions = torch.randperm(length, generator=generator)[:m].sort().values.to(dev)
         xs = x[sl][:, positions].reshape(-1, din).float()
         xtx += (xs.T @ xs).double()
         samples += xs.shape[0]
         for members in groups:
-            hs = torch.tensor([j * r + i for j in members for i in range(r)])
+            hs = torch.tensor([j * r + i for j in members for i in range(r)], device=dev)
             target = ideal_queries(q_src[sl][:, hs], k_src[sl][:, hs // r], q_cv[sl][:, hs], k_cv[sl, members[0]],
                                    scaling, softcap, positions, opts)
             if cos is not None and pairs.frequencies:

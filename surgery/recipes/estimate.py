@@ -3,7 +3,9 @@
 Memory formulas (per process, bytes; P parameters, b bytes per weight, s sequence length, m micro-batch,
 H hidden size, L layers, V vocabulary):
 - convert, streamed (mean/first/random/talking-heads): about 3 x the largest tensor (read, pooled, written).
-- convert with calibration (aligned, switchhead): the fp32 model 4P plus its activations.
+- convert with calibration (aligned, switchhead): layer streaming, one fp32 decoder layer at a time plus the
+  embeddings, activations and fits (surgery/estimate.py, the same model `surgery convert --dry-run` prints; the
+  source's config is needed, else the fp32 model 4P plus its activations).
 - check: both models in the check dtype (2 P x 4 for fp32) plus two batches of logits (2 x 4 x m s V).
 - uptrain (AdamW, fp32 master weights): 16 P (weights, gradients, two moments) divided by the processes under
   FSDP, plus a fp32 teacher 4 P when distilling, plus activations ~ m s H L x 34 x 2 bytes (fp32; Korthikanti
@@ -31,6 +33,7 @@ class ModelStats:
     kv_heads: int
     head_dim: int
     vocab: int
+    config: dict | None = None  # the source's config.json (for the calibrated conversions' streaming estimate)
 
     @property
     def bytes(self) -> int:
@@ -55,7 +58,7 @@ def stats_from_folder(folder: Path, allow_pickle: bool = False) -> ModelStats:
     largest = max(t.numel * dtype_size(t.dtype) for t in infos)
     shape = _shape(config)
     return ModelStats(sum(t.numel for t in infos), dtype_size(main.dtype), largest, shape["layers"], shape["hidden"],
-                      shape["heads"], shape["kv_heads"], shape["head_dim"], shape["vocab"])
+                      shape["heads"], shape["kv_heads"], shape["head_dim"], shape["vocab"], config)
 
 
 def stats_from_config(config: dict) -> ModelStats:
@@ -73,7 +76,7 @@ def stats_from_config(config: dict) -> ModelStats:
     size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
     shape = _shape(config)
     return ModelStats(sum(p.numel() for p in params), size, max(p.numel() for p in params) * size, shape["layers"],
-                      shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["vocab"])
+                      shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["vocab"], config)
 
 
 def after_convert(stats: ModelStats, options) -> ModelStats:
@@ -83,16 +86,34 @@ def after_convert(stats: ModelStats, options) -> ModelStats:
     if to in ("mqa", "gqa"):
         groups = 1 if to == "mqa" else options.kv_heads
         removed = stats.layers * 2 * stats.hidden * stats.head_dim * max(stats.kv_heads - groups, 0)
-        return replace(stats, params=stats.params - removed, kv_heads=groups, dtype_bytes=dtype_bytes)
-    return replace(stats, dtype_bytes=dtype_bytes)
+        return replace(stats, params=stats.params - removed, kv_heads=groups, dtype_bytes=dtype_bytes, config=None)
+    return replace(stats, dtype_bytes=dtype_bytes, config=None)
 
 
 def convert_memory(stats: ModelStats, options) -> int:
     calibrated = options.to == "switchhead" or getattr(options, "merge", None) == "aligned"
+    if calibrated and stats.config is not None:
+        return streamed_calibration(stats, options).host_bytes
     if calibrated:
         tokens = min(getattr(options, "calib_tokens", 8192) or 8192, 2048)
         return stats.params * 4 + tokens * stats.hidden * stats.layers * 4 * 4
     return 3 * stats.largest_tensor_bytes
+
+
+def streamed_calibration(stats: ModelStats, options, throughput=None):
+    """The calibrated conversion's estimate (surgery/estimate.py) for a convert step's options."""
+    from ..estimate import Throughput, estimate_calibrated
+
+    kind = "switchhead" if options.to == "switchhead" else "aligned"
+    dtype = {4: "float32", 2: "bfloat16"}.get(stats.dtype_bytes, "float32")
+    device = getattr(options, "device", "cpu") or "cpu"
+    device = "cpu" if device == "auto" else device
+    return estimate_calibrated(stats.config, kind, options.calib_tokens, dtype=dtype, device=device,
+                               kv_heads=1 if options.to == "mqa" else getattr(options, "kv_heads", None),
+                               assign=getattr(options, "grouping", "similarity") != "consecutive",
+                               heads=getattr(options, "heads", None), experts=getattr(options, "experts", None),
+                               topk=getattr(options, "topk", None),
+                               throughput=throughput or Throughput("unmeasured", 1.0, 1.0))
 
 
 def check_memory(stats: ModelStats, options) -> int:

@@ -78,6 +78,7 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
     state = State(output)
     fingerprints = Fingerprints(recipe, folder)
     rows, stats, changed = [], src_stats, False
+    probes: dict = {}
     for i, ps in enumerate(planned):
         o = ps.step.options
         command = shlex.join(command_line(recipe, ps))
@@ -99,6 +100,8 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
             memory = est.convert_memory(stats, o) if stats else None
             if o.to == "switchhead" or getattr(o, "merge", None) == "aligned":
                 tokens = o.calib_tokens
+                if stats and stats.config is not None:
+                    row["seconds_per_layer"] = _seconds_per_layer(stats, o, probes)
             stats = est.after_convert(stats, o) if stats else None
         elif ps.kind == "check":
             tokens = o.tokens
@@ -119,6 +122,25 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
             "hardware": recipe.hardware.model_dump(exclude_none=True) if recipe.hardware else None}
 
 
+def _seconds_per_layer(stats: est.ModelStats, options, probes: dict) -> float | None:
+    """Seconds per layer of a calibrated conversion, from the cost model and a one-second probe of the step's device
+    (None when that device is not on this machine)."""
+    import torch
+
+    from ..calibration.stream import pick_device
+    from ..estimate import probe_throughput
+
+    try:
+        device = pick_device(getattr(options, "device", "auto") or "auto")
+    except SurgeryError:
+        return None
+    if str(device) not in probes:
+        probes[str(device)] = probe_throughput(device) if device.type == "cpu" or torch.cuda.is_available() else None
+    if probes[str(device)] is None:
+        return None
+    return est.streamed_calibration(stats, options, probes[str(device)]).seconds_per_layer
+
+
 def print_plan(plan: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -132,15 +154,18 @@ def print_plan(plan: dict) -> None:
     if plan["hardware"]:
         console.print("hardware: " + "; ".join(f"{k} {v}" for k, v in plan["hardware"].items()))
     table = Table(show_header=True)
-    for col in ("#", "step", "status", "tokens", "peak memory", "writes"):
+    timed = any(r.get("seconds_per_layer") for r in plan["steps"])  # a column only when a step is calibrated
+    for col in ("#", "step", "status", "tokens", "peak memory", *(["time/layer"] if timed else []), "writes"):
         table.add_column(col, justify="left" if col in ("step", "status") else "right")
     for r in plan["steps"]:
         memory = est.human_bytes(r["memory"]) + (" / process" if r.get("per_process") else "") if r["memory"] else "-"
         writes = est.human_bytes(r["size"]) if r["size"] else (f"uploads {est.human_bytes(r['upload'])}" if r["upload"] else "-")
+        per_layer = f"{r['seconds_per_layer']:.1f} s" if r.get("seconds_per_layer") else "-"
         table.add_row(str(r["number"]), r["name"], r["status"], est.human_count(r["tokens"]) if r["tokens"] else "-",
-                      memory, writes)
+                      memory, *([per_layer] if timed else []), writes)
     console.print(table)
     print("commands:")
     for r in plan["steps"]:
         print(f"  {r['number']}. {r['command']}")
-    console.print("(dry run: nothing was run; memory and sizes are estimates, see surgery/recipes/estimate.py)")
+    console.print("(dry run: nothing was run; memory, sizes and times are estimates, see surgery/recipes/estimate.py "
+                  "and surgery/estimate.py)")

@@ -30,7 +30,7 @@ from ..errors import SurgeryError
 STEP_KINDS = ("convert", "check", "uptrain", "push")
 # Options the runner sets itself: what links the steps together, and how outputs are written.
 RUNNER_OWNED = {
-    "convert": {"source", "out", "force", "revision"},
+    "convert": {"source", "out", "force", "revision", "dry_run", "json_out"},
     "check": {"source", "converted", "json_out", "revision"},
     "uptrain": {"model", "out", "force", "resume", "run_dir"},
     "push": {"folder", "check_reports", "json_out"},

@@ -1,9 +1,10 @@
 """What the source's heads do on calibration text: attention-map distances between heads (for clustering) and
 linear fits of each head's per-token importance (for the routers' initial weights).
 
-The source runs once over the calibration tokens (float32, eager attention, windows of `seq_len`). Hooks on
-every self-attention module see its input x, its attention probabilities and the per-head outputs entering the
-output projection, and reduce them on the spot to running sums, so memory stays at one layer's attention map:
+The source streams layer by layer over the calibration tokens (`surgery.calibration.stream`: float32 on the
+device, eager attention, the layer's input being the source's own hidden states). Hooks on the layer's
+self-attention module see its input x, its attention probabilities and the per-head outputs entering the output
+projection, and reduce them on the spot to running sums, so memory stays at one chunk's attention map:
 
 - distance(i, j) = mean over query rows of ||A_i[row] - A_j[row]||², from the Gram matrix of the heads' maps;
 - importance on the output side: log ||O_i a_i(x)|| (how much head i writes for the token that attends);
@@ -19,11 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..data import load_texts, token_stream
+from ..calibration.stream import LayerCall, run_layer
 from ..errors import SurgeryError
-from .families import family_for, model_attention_modules, module_value_output
+from .families import family_for, module_value_output
 
-SEQ_LEN = 512
 RIDGE = 1e-3  # times the mean eigenvalue of x's second moment
 ROUTER_RMS = 0.1  # rms of the initial router scores: gates stay within a few percent of sigmoid(0) = 1/2
 
@@ -40,14 +40,15 @@ class LayerFit:
 class LayerStats:
     """Running sums for one layer."""
 
-    def __init__(self, heads: int, hidden: int):
-        self.gram = torch.zeros(heads, heads, dtype=torch.float64)
+    def __init__(self, heads: int, hidden: int, device: torch.device | str = "cpu"):
+        f64 = dict(dtype=torch.float64, device=device)
+        self.gram = torch.zeros(heads, heads, **f64)
         self.rows = 0
-        self.xtx = torch.zeros(hidden, hidden, dtype=torch.float64)
-        self.xsum = torch.zeros(hidden, dtype=torch.float64)
-        self.xty = torch.zeros(2, hidden, heads, dtype=torch.float64)  # [output side, value side]
-        self.ysum = torch.zeros(2, dtype=torch.float64)
-        self.ysq = torch.zeros(2, dtype=torch.float64)
+        self.xtx = torch.zeros(hidden, hidden, **f64)
+        self.xsum = torch.zeros(hidden, **f64)
+        self.xty = torch.zeros(2, hidden, heads, **f64)  # [output side, value side]
+        self.ysum = torch.zeros(2, **f64)
+        self.ysq = torch.zeros(2, **f64)
         self.tokens = 0
 
     def add(self, x: torch.Tensor, probs: torch.Tensor, importance: torch.Tensor) -> None:
@@ -70,7 +71,7 @@ class LayerStats:
         distance = (diag[:, None] + diag[None, :] - 2 * g).clamp(min=0)
         n, heads = self.tokens, self.gram.shape[0]
         second = self.xtx / n
-        ridge = RIDGE * second.diagonal().mean() * torch.eye(second.shape[0], dtype=second.dtype)
+        ridge = RIDGE * second.diagonal().mean() * torch.eye(second.shape[0], dtype=second.dtype, device=second.device)
         count = n * heads
         mu = self.ysum / count
         sd = (self.ysq / count - mu * mu).clamp(min=1e-12).sqrt()
@@ -83,7 +84,7 @@ class LayerStats:
             rms = ((second @ w) * w).sum(0).mean().clamp(min=1e-30).sqrt()  # rms of the scores x.w
             fits.append((w * (ROUTER_RMS / rms)).T.float())
             r2.append(explained)
-        return LayerFit(distance.float(), fits[0], fits[1], r2[0], r2[1])
+        return LayerFit(distance.float().cpu(), fits[0], fits[1], r2[0], r2[1])
 
 
 def _projections(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.nn.Module]:
@@ -92,83 +93,70 @@ def _projections(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     return module_value_output(attn, family_for(config), config)
 
 
-def load_calibration_tokens(folder, calib: str, tokens: int) -> torch.Tensor:
-    from transformers import AutoTokenizer
-
+def attention_module(layer: torch.nn.Module) -> torch.nn.Module:
+    """The decoder layer's self-attention module, where its family's spec says it lives."""
+    config = next((m.config for m in layer.modules() if getattr(m, "config", None) is not None), None)
+    if config is None:
+        raise SurgeryError(f"no configuration found in {type(layer).__name__} to locate its attention")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError) as e:
-        raise SurgeryError(f"calibration needs the source's tokenizer, which cannot be loaded from {folder}: "
-                           f"{str(e).splitlines()[0]}") from None
-    return token_stream(load_texts(calib), tokenizer, tokens)
+        return layer.get_submodule(family_for(config.to_dict()).spec.attention)
+    except AttributeError:
+        raise SurgeryError(f"no self-attention module found in {type(layer).__name__}") from None
 
 
-def load_calibration_model(folder):
-    """The source as a float32 causal LM with eager attention (which returns the attention probabilities)."""
-    from transformers import AutoModelForCausalLM
+@dataclass
+class AttentionCapture:
+    """One chunk's call of the source attention module and its output: what the output refit regresses onto."""
 
-    try:
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    except (OSError, ValueError) as e:
-        raise SurgeryError(f"cannot load the source for calibration: {str(e).splitlines()[0]}") from None
-
-
-def calibration_windows(model, ids: torch.Tensor, seq_len: int = SEQ_LEN) -> torch.Tensor:
-    """`ids` (1-D) cut into windows of `seq_len` (at most the model's context; all of `ids` when shorter)."""
-    ctx = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-    seq_len = min(seq_len, ctx or seq_len, ids.numel())
-    return ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
-
-
-def attention_modules(model, layers: int) -> list[torch.nn.Module]:
-    """The source's self-attention modules, by layer."""
-    return model_attention_modules(model, family_for(model.config.to_dict()), layers)
-
-
-def run_windows(model, windows: torch.Tensor, desc: str, progress: bool, hooks: list | None = None) -> None:
-    """Run the model over every window; `hooks` (handles of forward hooks) are removed afterwards, whatever happens."""
-    from tqdm import tqdm
-
-    try:
-        for window in tqdm(windows, desc=desc, unit="window", disable=None if progress else True, leave=False):
-            model(input_ids=window[None], use_cache=False)
-    finally:
-        for handle in hooks or []:
-            handle.remove()
+    args: tuple
+    kwargs: dict
+    output: torch.Tensor  # (b, t, D)
 
 
 @torch.no_grad()
-def calibrate(model, windows: torch.Tensor, heads: int, kv_heads: int, head_dim: int, layers: int, hidden: int,
-              progress: bool = True) -> list[LayerFit]:
-    """Run the source (from `load_calibration_model`) over `windows` and fit every layer; see the module docstring."""
-    attns = attention_modules(model, layers)
-    stats = [LayerStats(heads, hidden) for _ in range(layers)]
-    group = torch.arange(heads) // (heads // kv_heads)  # K/V head of each query head
-    handles = []
-    for layer, attn in enumerate(attns):
-        v_w, v_b, o_w, out_module = _projections(attn)
-        o_heads = o_w.detach().float().view(hidden, heads, head_dim)
-        o_gram = torch.einsum("Dhd,Dhe->hde", o_heads, o_heads)  # O_m^T O_m: ||O_m u||² = u^T (O_m^T O_m) u
-        caught: dict = {}
+def calibrate_layer(layer: torch.nn.Module, hidden: list[torch.Tensor], calls: list[LayerCall], heads: int,
+                    kv_heads: int, head_dim: int, fetch=lambda t: t, keep_calls: bool = True
+                    ) -> tuple[LayerFit, list[AttentionCapture], list[torch.Tensor]]:
+    """Run the source layer (float32, eager attention) over every chunk of its input hidden states and fit it.
 
-        def on_input(module, args, kwargs, caught=caught):
-            caught["x"] = args[0] if args else kwargs["hidden_states"]
+    Returns the layer's fit (see the module docstring), its attention calls and outputs per chunk (for the output
+    refit; empty unless `keep_calls`) and the layer's output hidden states per chunk (the next layer's input)."""
+    attn = attention_module(layer)
+    v_w, v_b, o_w, out_module = _projections(attn)
+    hidden_size = o_w.shape[0]
+    stats = LayerStats(heads, hidden_size, o_w.device)
+    group = torch.arange(heads, device=o_w.device) // (heads // kv_heads)  # K/V head of each query head
+    o_heads = o_w.detach().float().view(hidden_size, heads, head_dim)
+    o_gram = torch.einsum("Dhd,Dhe->hde", o_heads, o_heads)  # O_m^T O_m: ||O_m u||² = u^T (O_m^T O_m) u
+    caught: dict = {}
+    captures: list[AttentionCapture] = []
 
-        def on_heads(module, args, caught=caught):
-            caught["a"] = args[0]
+    def on_input(module, args, kwargs):
+        caught["x"] = args[0] if args else kwargs["hidden_states"]
+        caught["args"], caught["kwargs"] = args, kwargs
 
-        def on_output(module, args, kwargs, output, caught=caught, layer=layer, v_w=v_w, v_b=v_b, o_gram=o_gram):
-            probs = output[1]
-            if probs is None:
-                raise SurgeryError("calibration needs attention probabilities (eager attention)")
-            x = caught.pop("x").reshape(-1, hidden).float()
-            a = caught.pop("a").reshape(-1, heads, head_dim).float()
-            values = F.linear(x, v_w, v_b).view(-1, kv_heads, head_dim)[:, group]  # (N, h, d)
-            sq = torch.stack([(torch.bmm(u.transpose(0, 1), o_gram) * u.transpose(0, 1)).sum(-1).T for u in (a, values)])
-            stats[layer].add(x, probs.float(), 0.5 * sq.clamp(min=1e-12).log())  # log ||O_m u||
+    def on_heads(module, args):
+        caught["a"] = args[0]
 
-        handles += [attn.register_forward_pre_hook(on_input, with_kwargs=True),
-                    out_module.register_forward_pre_hook(on_heads),
-                    attn.register_forward_hook(on_output, with_kwargs=True)]
-    run_windows(model, windows, "calibrate", progress, handles)
-    return [s.finish() for s in stats]
+    def on_output(module, args, kwargs, output):
+        probs = output[1]
+        if probs is None:
+            raise SurgeryError("calibration needs attention probabilities (eager attention)")
+        x = caught.pop("x").reshape(-1, hidden_size).float()
+        a = caught.pop("a").reshape(-1, heads, head_dim).float()
+        values = F.linear(x, v_w, v_b).view(-1, kv_heads, head_dim)[:, group]  # (N, h, d)
+        sq = torch.stack([(torch.bmm(u.transpose(0, 1), o_gram) * u.transpose(0, 1)).sum(-1).T for u in (a, values)])
+        stats.add(x, probs.float(), 0.5 * sq.clamp(min=1e-12).log())  # log ||O_m u||
+        call_args, call_kwargs = caught.pop("args"), caught.pop("kwargs")
+        if keep_calls:
+            captures.append(AttentionCapture(call_args, call_kwargs, output[0]))
+
+    handles = [attn.register_forward_pre_hook(on_input, with_kwargs=True),
+               out_module.register_forward_pre_hook(on_heads),
+               attn.register_forward_hook(on_output, with_kwargs=True)]
+    try:
+        outputs = [run_layer(layer, fetch(h), call) for h, call in zip(hidden, calls)]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return stats.finish(), captures, outputs

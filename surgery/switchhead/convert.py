@@ -7,23 +7,28 @@ Every tensor outside the attention projections is copied byte for byte. The outp
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from pathlib import Path
 
 import torch
 
-from ..output import write_conversion
 from ..atomic import check_output_path
+from ..calibration.store import LayerStore
+from ..calibration.stream import open_stream, pick_device
+from ..calibration.text import calibration_text, context_of
+from ..check import load_tokenizer
+from ..output import write_conversion
 from ..errors import SurgeryError
 from ..inspect import attention_shape
 from ..source import Source
 from ..tensors import CheckpointReader, PlannedTensor
 from .build import SwitchHeadShape, layer_tensors
-from .calibrate import calibrate, calibration_windows, load_calibration_model, load_calibration_tokens
-from .cluster import cluster_heads, kv_mapping, medoid, within_cost
+from .layers import calibrate_layers
+from .cluster import cluster_heads, kv_mapping, within_cost
 from .families import Family, attention_tensors, biases, check_attention_shapes, family_for, read_attention
-from .refit import RIDGE, refit_output_experts
+from .refit import RIDGE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QK_MERGES = ("medoid", "mean")
@@ -92,7 +97,7 @@ class LayerBuilder:
 
     def __init__(self, reader: CheckpointReader, family: Family, names: dict[int, dict[str, str]],
                  shape: SwitchHeadShape, clusters: list[list[list[int]]],
-                 tensors: list[dict[str, torch.Tensor]] | None, dtype: torch.dtype | None):
+                 tensors: LayerStore | None, dtype: torch.dtype | None):
         self.reader, self.family, self.names, self.shape = reader, family, names, shape
         self.clusters, self.tensors, self.dtype = clusters, tensors, dtype
         self._layer, self._tensors = -1, {}
@@ -110,7 +115,7 @@ class LayerBuilder:
 
     def get(self, layer: int, key: str) -> torch.Tensor:
         if self.tensors is not None:
-            return self.tensors[layer][key].to(self.dtype or self.source_dtype(layer))
+            return self.tensors.get(layer)[key].to(self.dtype or self.source_dtype(layer))
         if layer != self._layer:
             self._tensors = layer_tensors(self.source_attention(layer), self.clusters[layer], self.shape, None, None)
             self._layer = layer
@@ -149,7 +154,7 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
                           calib_tokens: int = 8192, force: bool = False, dtype: str | None = None,
                           max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
                           progress: bool = True, respect_kv_groups: bool = True, qk_merge: str = "medoid",
-                          refit: bool = True, ridge: float = RIDGE) -> dict:
+                          refit: bool = True, ridge: float = RIDGE, device: str = "auto") -> dict:
     """Convert every self-attention layer of `src` into SwitchHead attention with H=`heads` heads of E=`experts`
     experts, k=`topk` selected per token; write the checkpoint to `out`. Returns the surgery.json record.
 
@@ -172,70 +177,63 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
     check_attention_shapes(reader, family, names, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.hidden)
     mode = kv_mapping(shape.heads, shape.kv_heads, shape.new_heads, respect_kv_groups)
     out_dtype = DTYPES.get(dtype) if dtype else None
+    pick_device(device)  # a bad --device fails before any work
     start = time.time()
+    with contextlib.ExitStack() as stack:  # the calibrated layers' tensors wait in a temporary store
+        if experts == 1:  # one source head per head: no choice to make, nothing to calibrate; exact
+            clusters = [cluster_heads(None, shape.heads, shape.kv_heads, shape.new_heads, mode)] * shape.layers
+            builder = LayerBuilder(reader, family, names, shape, clusters, None, out_dtype)
+            fits = pivots = refit_report = calibration = None
+        else:
+            dev = pick_device(device)
+            text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config))
+            store = stack.enter_context(LayerStore(out))
+            builder = LayerBuilder(reader, family, names, shape, [], store, out_dtype)
+            stream = open_stream(src.folder, reader, dev, attn_implementation="eager")
+            layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress)
+            fits, clusters, pivots, refit_report = layers.fits, layers.clusters, layers.pivots, layers.refit
+            builder.clusters = clusters
+            calibration = text.record() | {
+                "device": str(dev),
+                "streaming": "layer by layer from the checkpoint (float32 on the device, eager attention)",
+                "distance": "mean over query rows of the squared L2 distance between two heads' attention probabilities",
+                "seconds": round(time.time() - start, 3)}
+        planned = builder.plan(out_dtype)
+        new_config = target_config(config, family, shape, dtype, builder.biases())
 
-    if experts == 1:  # one source head per head: no choice to make, nothing to calibrate; exact
-        clusters = [cluster_heads(None, shape.heads, shape.kv_heads, shape.new_heads, mode)] * shape.layers
-        builder = LayerBuilder(reader, family, names, shape, clusters, None, out_dtype)
-        fits = pivots = refit_report = calibration = None
-    else:
-        ids = load_calibration_tokens(src.folder, calib, calib_tokens)
-        model = load_calibration_model(src.folder)
-        windows = calibration_windows(model, ids)
-        fits = calibrate(model, windows, shape.heads, shape.kv_heads, shape.head_dim, shape.layers, shape.hidden,
-                         progress=progress)
-        clusters = [cluster_heads(f.distance, shape.heads, shape.kv_heads, shape.new_heads, mode) for f in fits]
-        pivots = [[medoid(f.distance, c) for c in cs] for f, cs in zip(fits, clusters)] if qk_merge == "medoid" else None
-        builder = LayerBuilder(reader, family, names, shape, clusters, None, out_dtype)
-        tensors = [layer_tensors(builder.source_attention(layer), clusters[layer], shape, fits[layer].router_o,
-                                 fits[layer].router_v, pivots[layer] if pivots else None)
-                   for layer in range(shape.layers)]
-        refit_report = None
-        if refit:
-            settings = {"heads": shape.new_heads, "experts": experts, "topk": topk, "head_dim": shape.head_dim}
-            refit_report = refit_output_experts(model, windows, tensors, settings, ridge=ridge, progress=progress)
-        builder.tensors = tensors
-        del model
-        calibration = {"data": calib, "tokens": int(windows.numel()), "seq_len": int(windows.shape[1]),
-                       "distance": "mean over query rows of the squared L2 distance between two heads' attention "
-                                   "probabilities",
-                       "seconds": round(time.time() - start, 3)}
-    planned = builder.plan(out_dtype)
-    new_config = target_config(config, family, shape, dtype, builder.biases())
+        pattern = layer_pattern(family, names[0]["module"])
 
-    pattern = layer_pattern(family, names[0]["module"])
+        def record_fields(output_files: list[str]) -> dict:
+            return {
+                "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
+                                 "architectures": new_config["architectures"]},
+                "layers": shape.layers,
+                "head_dim": shape.head_dim,
+                "heads": {"before": shape.heads, "after": shape.new_heads},
+                "kv_heads": {"before": shape.kv_heads, "after": shape.new_heads},
+                "experts": shape.experts,
+                "topk": shape.topk,
+                "kv_mapping": {"mode": mode, "note": KV_NOTES[mode]},
+                "clusters": clusters,
+                "clusters_note": "clusters[layer][head] = the source query heads that became that head's experts, in "
+                                 "expert order",
+                "cluster_distance": [round(within_cost(f.distance, c), 6) for f, c in zip(fits, clusters)] if fits else None,
+                "qk_merge": qk_merge if experts > 1 else None,
+                "qk_pivots": pivots,
+                "output_refit": ({"ridge": ridge, "relative_error": refit_report} if refit_report else None),
+                "router_fit_explained": ({"output": [round(f.r2_o, 4) for f in fits], "value": [round(f.r2_v, 4) for f in fits]}
+                                         if fits else None),
+                "calibration": calibration,
+                "init": INIT_NOTE,
+                "exact_at_init": shape.experts == 1,
+                "new_parameters": [f"{pattern}.v_router.weight", f"{pattern}.o_router.weight"],
+                "added_parameters": 2 * shape.layers * shape.new_heads * shape.experts * shape.hidden,
+                "seed": seed,
+                "dtype": dtype or "auto",
+                "output_files": output_files,
+                "seconds": round(time.time() - start, 3),
+            }
 
-    def record_fields(output_files: list[str]) -> dict:
-        return {
-            "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
-                             "architectures": new_config["architectures"]},
-            "layers": shape.layers,
-            "head_dim": shape.head_dim,
-            "heads": {"before": shape.heads, "after": shape.new_heads},
-            "kv_heads": {"before": shape.kv_heads, "after": shape.new_heads},
-            "experts": shape.experts,
-            "topk": shape.topk,
-            "kv_mapping": {"mode": mode, "note": KV_NOTES[mode]},
-            "clusters": clusters,
-            "clusters_note": "clusters[layer][head] = the source query heads that became that head's experts, in "
-                             "expert order",
-            "cluster_distance": [round(within_cost(f.distance, c), 6) for f, c in zip(fits, clusters)] if fits else None,
-            "qk_merge": qk_merge if experts > 1 else None,
-            "qk_pivots": pivots,
-            "output_refit": ({"ridge": ridge, "relative_error": refit_report} if refit_report else None),
-            "router_fit_explained": ({"output": [round(f.r2_o, 4) for f in fits], "value": [round(f.r2_v, 4) for f in fits]}
-                                     if fits else None),
-            "calibration": calibration,
-            "init": INIT_NOTE,
-            "exact_at_init": shape.experts == 1,
-            "new_parameters": [f"{pattern}.v_router.weight", f"{pattern}.o_router.weight"],
-            "added_parameters": 2 * shape.layers * shape.new_heads * shape.experts * shape.hidden,
-            "seed": seed,
-            "dtype": dtype or "auto",
-            "output_files": output_files,
-            "seconds": round(time.time() - start, 3),
-        }
-
-    return write_conversion(src, reader, out, planned, new_config, "switchhead", record_fields, force=force,
-                            progress=progress, max_shard_bytes=max_shard_bytes, code_dir=Path(__file__).parent,
-                            code_files=CODE_FILES)
+        return write_conversion(src, reader, out, planned, new_config, "switchhead", record_fields, force=force,
+                                progress=progress, max_shard_bytes=max_shard_bytes, code_dir=Path(__file__).parent,
+                                code_files=CODE_FILES)

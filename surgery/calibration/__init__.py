@@ -1,0 +1,14 @@
+"""Calibration for the calibrated conversions (`--merge aligned`, `--to switchhead`), in one place.
+
+- `text`: which text calibrates (kept apart from `surgery check`'s default evaluation text), tokenised into windows,
+  with the record of what was read (`surgery.json` "calibration").
+- `stream`: the source model layer by layer (sequential onloading): a skeleton on the meta device, the embeddings
+  resident, one decoder layer at a time read from the checkpoint onto the device, calibrated and freed; the
+  calibration activations stay on the device (or on the host when they do not fit). `estimate_peak_bytes` is its
+  memory model.
+"""
+
+from .stream import LayerStream, estimate_peak_bytes, open_stream, pick_device
+from .text import CalibrationText, calibration_text
+
+__all__ = ["CalibrationText", "LayerStream", "calibration_text", "estimate_peak_bytes", "open_stream", "pick_device"]

@@ -1,0 +1,58 @@
+"""Converted tensors of every layer, kept from the layer's calibration until the writer asks for them.
+
+The output plan is written after the last layer is calibrated, so each layer's new tensors wait. They wait in a
+temporary folder beside the output (one safetensors file per layer, removed afterwards, whatever happens), so
+host memory stays at one layer's tensors whatever the model's size; `spill=False` keeps them in memory instead.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..tensors import CheckpointReader
+
+
+class LayerStore:
+    def __init__(self, beside: Path | None = None, spill: bool = True):
+        self.dir = None
+        if spill:
+            parent = Path(beside).absolute().parent if beside is not None else None
+            name = Path(beside).name if beside is not None else "surgery"
+            self.dir = Path(tempfile.mkdtemp(prefix=f".{name}.calib-", dir=parent))
+        self._memory: dict[int, dict[str, torch.Tensor]] = {}
+        self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def put(self, layer: int, tensors: dict[str, torch.Tensor]) -> None:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items() if v is not None}
+        if self.dir is None:
+            self._memory[layer] = tensors
+            return
+        from safetensors.torch import save_file
+
+        folder = self.dir / f"layer-{layer:05d}"
+        folder.mkdir()
+        save_file(tensors, str(folder / "model.safetensors"))
+
+    def get(self, layer: int) -> dict[str, torch.Tensor]:
+        if self.dir is None:
+            return self._memory[layer]
+        if self._cached is None or self._cached[0] != layer:
+            with CheckpointReader(self.dir / f"layer-{layer:05d}") as reader:  # pread, no mmap lingering in RSS
+                self._cached = (layer, {name: reader.load(name) for name in reader.names()})
+        return self._cached[1]
+
+    def close(self) -> None:
+        self._memory.clear()
+        self._cached = None
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "LayerStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,84 @@
+"""Calibration text: which documents, in which order, cut into windows, and the record of what was read.
+
+`surgery check` (and `compare-merges`) evaluate on pydoc from its FIRST document on; calibration on `pydoc` reads
+whole documents from the LAST one backwards, so the two never share a document as long as calibration +
+evaluation tokens fit in pydoc's ~113k tokens (SmolLM2 tokenizer). Any other source is read from its start.
+Each document that contributed tokens is recorded by the sha256 of its text (`documents_sha256`), so that
+`check` can warn when its evaluation text overlaps what calibrated the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from ..data import load_texts, pydoc_texts, token_stream
+from ..errors import SurgeryError
+
+WINDOW = 512  # calibration window length (tokens); capped by the model's context
+PYDOC_SPLIT = ("pydoc documents read from the last one backwards (the default `surgery check` text, pydoc's first "
+               "16k tokens, is not used)")
+OTHER_SPLIT = "first tokens of the data"
+
+
+@dataclass
+class CalibrationText:
+    """The calibration tokens as windows, and where they came from."""
+
+    windows: torch.Tensor  # [N, L] token ids
+    data: str
+    split: str
+    documents_sha256: list[str]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.windows.numel())
+
+    def record(self) -> dict:
+        """The `surgery.json` "calibration" fields about the text."""
+        return {"data": self.data, "split": self.split, "tokens": self.tokens, "windows": int(self.windows.shape[0]),
+                "window_length": int(self.windows.shape[1]), "documents_sha256": self.documents_sha256}
+
+
+def calibration_texts(spec: str, text_field: str = "text"):
+    """Documents in calibration order: pydoc from its last document backwards, anything else from its start."""
+    if spec == "pydoc":
+        return list(reversed(pydoc_texts()))
+    return load_texts(spec, text_field=text_field)
+
+
+def context_of(config: dict) -> int | None:
+    """The model's context length from config.json, when it says."""
+    return next((int(config[k]) for k in ("max_position_embeddings", "n_positions", "seq_length") if config.get(k)),
+                None)
+
+
+def calibration_text(spec: str, tokenizer, tokens: int, context: int | None, text_field: str = "text",
+                     window: int = WINDOW) -> CalibrationText:
+    """`tokens` calibration tokens of `spec` as [N, L] windows (L = `window`, or the context when shorter)."""
+    if tokens < 1:
+        raise SurgeryError(f"--calib-tokens must be positive, got {tokens}")
+    used: list[str] = []
+    ids = token_stream(calibration_texts(spec, text_field), tokenizer, tokens, used=used)
+    length = min(window, context or window, ids.numel())
+    if length < 2:
+        raise SurgeryError(f"calibration data {spec} gave only {ids.numel()} token(s)")
+    n = ids.numel() // length
+    digests = [hashlib.sha256(text.encode("utf-8")).hexdigest() for text in used]
+    return CalibrationText(ids[: n * length].view(n, length), spec, PYDOC_SPLIT if spec == "pydoc" else OTHER_SPLIT,
+                           digests)
+
+
+def pydoc_documents_used(tokenizer, tokens: int) -> list[int]:
+    """Indices (in pydoc order) of the documents a `pydoc` calibration of `tokens` tokens reads."""
+    texts = pydoc_texts()
+    used, count = [], 0
+    for i in range(len(texts) - 1, -1, -1):
+        if count >= tokens:
+            break
+        if texts[i]:
+            used.append(i)
+            count += len(tokenizer(texts[i], add_special_tokens=False)["input_ids"]) + 1
+    return sorted(used)

@@ -1,0 +1,343 @@
+"""What a calibrated conversion will cost before it runs: peak host/device memory and seconds per decoder layer.
+
+Memory is the layer-streaming model of `surgery.calibration.stream.estimate_peak_bytes` (the Python process, one
+float32 decoder layer, the embeddings, the calibration activations, one chunk's scratch) plus what it leaves out:
+the fits' float64 matrices (second moments of the layer input, the query and output refits' normal equations);
+the checkpoint is read one tensor at a time (one tensor in its dtype, not the layer), and the embeddings are freed
+once the embedding step is done, so they and a layer are never resident together.
+
+Time per layer is the layer's floating-point work, counted from the shapes and the algorithm (below), divided by
+the device's matmul throughput measured on the spot (`probe_throughput`: about one second of float32 and float64
+matrix products). The counts follow the code they estimate:
+
+- aligned merge (surgery/merge/pipeline.py): the source attention on the converted stream (targets), the
+  converted attention (output refit) and the converted layer's MLP, in float32; the layer input's second moment;
+  the query refit (ideal queries at sampled positions, its normal equations); the output refit; and in float64 the
+  group merges (surgery/merge/fit.py), once per group the assignment search scores (surgery/merge/assign.py) plus
+  once per final group. Each group merge costs about 2 d_in² D (s r + 4 s + 2) flops for s members and fully
+  rotary heads (products with the d_in x d_in second moment dominate).
+- SwitchHead (surgery/switchhead/layers.py, calibrate.py, refit.py): the source layer over the calibration tokens
+  (eager attention; statistics), the attention-map Gram, the router fits' normal equations, then the SwitchHead
+  attention on the captured calls and the output refit's normal equations.
+The float32 and float64 work at the probe's rates, divided by `EFFICIENCY` (the rest of the work, measured once),
+gives the CPU seconds per layer, whatever the machine's load, and the wall seconds per layer at the load of the
+moment of the probe (a machine shared with other jobs gives a long run a different share than a one-second probe).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .inspect import attention_shape
+from .merge.assign import MAX_GROUPS_SCORED, MAX_PARTITIONS, partition_count
+
+# The share of the probe's matmul rate a calibration reaches overall (its other work: reading and casting the layer,
+# norms, softmax, rotary, small eigendecompositions, Python). Measured once, on the Qwen2.5-3B layout (2 layers,
+# 1024 tokens, CPU time: 7.9 s per layer for 4.8 s of counted matmul work at the probe's rate); BENCHMARKS.md checks
+# it on the other layouts.
+EFFICIENCY = 0.6
+DEFAULT_WINDOW = 512  # calibration window (surgery/calibration/text.py)
+DEFAULT_CHUNK = 8  # windows per forward chunk (MergeOptions.chunk_windows)
+QUERY_SAMPLES = 128  # query positions per window in the query refit (QueryRefit.samples)
+QUERY_TOPK = 32
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Measured matmul throughput of a device, flop/s: per wall-clock second (what a run sees now, other jobs
+    included) and, on the CPU, per CPU second of this process (the machine's own speed, whatever the load)."""
+
+    device: str
+    float32: float
+    float64: float
+    float32_cpu: float | None = None
+    float64_cpu: float | None = None
+
+
+def _rate(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> tuple[float, float]:
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+    a @ b  # warm-up (allocations, kernel choice)
+    sync(device)
+    count, start, cpu = 0, time.perf_counter(), time.process_time()
+    while True:
+        a @ b
+        count += 1
+        if count % 4 == 0:
+            sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                flops = 2 * n**3 * count
+                return flops / elapsed, flops / max(time.process_time() - cpu, 1e-9)
+
+
+def probe_throughput(device: torch.device | str = "cpu", seconds: float = 1.0, threads_float32: int | None = None) -> Throughput:
+    """float32 and float64 matmul flop/s of `device`, in about `seconds` (half each). On the CPU, float32 runs with
+    `threads_float32` threads (the forward passes' count; default the current one) and float64 with one thread, as
+    the merge's fits do (surgery/threads.py)."""
+    from .threads import threads
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return Throughput(str(device), _rate(device, torch.float32, 8192, seconds / 2)[0],
+                          _rate(device, torch.float64, 4096, seconds / 2)[0])
+    with threads(threads_float32 or torch.get_num_threads()):
+        f32 = _rate(device, torch.float32, 1024, seconds / 2)
+    with threads(1):
+        f64 = _rate(device, torch.float64, 1024, seconds / 2)
+    return Throughput(str(device), f32[0], f64[0], f32[1], f64[1])
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the cost of one decoder layer depends on."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    mlp_matrices: int  # 3 for gated MLPs (SwiGLU, GeGLU), 2 otherwise
+    qkv_bias: bool
+    rotary_dims: int | None = None  # dims of each head RoPE rotates (None: all of them)
+
+    @property
+    def rotary(self) -> int:
+        return self.head_dim if self.rotary_dims is None else self.rotary_dims
+
+
+GATED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "mixtral", "olmo", "olmo2")
+
+
+def layer_shape(config: dict) -> LayerShape:
+    a = attention_shape(config)
+    inter = int(config.get("intermediate_size") or config.get("n_inner") or 4 * a["hidden"])
+    mtype = str(config.get("model_type", ""))
+    bias = bool(config.get("attention_bias")) or mtype == "qwen2" or mtype.startswith("gpt")
+    fraction = config.get("partial_rotary_factor", config.get("rotary_pct", 1.0))
+    rotary = 0 if mtype.startswith("gpt") and mtype != "gpt_neox" else int(a["head_dim"] * float(fraction)) // 2 * 2
+    return LayerShape(a["layers"], a["hidden"], a["heads"], a["kv_heads"], a["head_dim"], inter,
+                      3 if mtype in GATED else 2, bias, rotary)
+
+
+@dataclass
+class Flops:
+    float32: float = 0.0
+    float64: float = 0.0
+
+    def seconds(self, rate: Throughput) -> float:
+        return (self.float32 / rate.float32 + self.float64 / rate.float64) / EFFICIENCY
+
+    def cpu_seconds(self, rate: Throughput) -> float | None:
+        if rate.float32_cpu is None or rate.float64_cpu is None:
+            return None
+        return (self.float32 / rate.float32_cpu + self.float64 / rate.float64_cpu) / EFFICIENCY
+
+
+def _attention(s: LayerShape, tokens: int, window: int) -> float:
+    """One attention module over the tokens: projections and the (full-square) score and value products."""
+    proj = 2 * tokens * s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim + 2 * tokens * s.heads * s.head_dim * s.hidden
+    return proj + 4 * tokens * window * s.heads * s.head_dim
+
+
+def _mlp(s: LayerShape, tokens: int) -> float:
+    return 2 * tokens * s.mlp_matrices * s.hidden * s.intermediate
+
+
+def group_merge_flops(s: LayerShape, members: int) -> float:
+    """float64 work of merging `members` K/V heads into one (surgery/merge/fit.py merge_group)."""
+    if members <= 1:
+        return 0.0
+    din, d, r, rot = s.hidden + s.qkv_bias, s.head_dim, s.heads // s.kv_heads, s.rotary
+    n = members
+    # products with sigma, in rows of d_in: values (whitened stack, member energies, least-squares maps: 3n + 2
+    # heads), keys' rotary part (n R rows, and the attached queries' energies n r R), keys' other dims (the queries'
+    # metric n r (d - R), then the same linear merge as the values: (3n + 2)(d - R))
+    sigma_products = 2 * din * din * (d * (3 * n + 2) + n * rot + n * r * d + (3 * n + 2) * (d - rot))
+    stacked = 2 * (members * d) ** 2 * din + 9 * (members * d) ** 3  # whitened members' covariance and its eigh
+    o_gram = 2 * members * r * s.hidden * d * d
+    return sigma_products + stacked + o_gram
+
+
+def group_evaluations(kv_heads: int, groups: int, assign: bool = True) -> list[int]:
+    """Sizes of the groups merged for one layer: the assignment search's scored groups, then the final ones."""
+    n = kv_heads // groups
+    final = [n] * groups
+    if n == 1 or groups == 1 or not assign:
+        return final
+    if math.comb(kv_heads, n) <= MAX_GROUPS_SCORED and partition_count(kv_heads, groups) <= MAX_PARTITIONS:
+        return [n] * math.comb(kv_heads, n) + final  # every n-subset lies in some balanced partition
+    scored, free = [], kv_heads  # greedy: each group grows from its first free head, trying every free head
+    for _ in range(groups):
+        free -= 1
+        for size in range(2, n + 1):
+            scored += [size] * free
+            free -= 1
+    return scored + final
+
+
+def aligned_layer_flops(s: LayerShape, kv_out: int, tokens: int, window: int = DEFAULT_WINDOW,
+                        assign: bool = True) -> Flops:
+    """Work of one layer of the aligned merge (default options: local targets, query and output refits)."""
+    f = Flops()
+    grouped = s.kv_heads // kv_out > 1
+    din, hd = s.hidden + s.qkv_bias, s.heads * s.head_dim
+    windows = max(1, tokens // window)
+    f.float32 += 2 * tokens * din * din  # second moment of the attention input
+    if grouped:
+        f.float32 += _attention(s, tokens, window)  # the source attention on the converted stream (targets)
+        # query refit: converted queries/keys, input Grams, ideal queries at sampled positions, right-hand sides
+        samples = windows * min(QUERY_SAMPLES, window)
+        e = s.head_dim + 1
+        f.float32 += 2 * tokens * din * (s.heads + s.kv_heads) * s.head_dim + 2 * tokens * din * din
+        f.float32 += 2 * samples * din * din + 2 * samples * din * hd
+        f.float32 += kv_out * 2 * windows * window * window * e + s.heads * 6 * samples * window * e
+        f.float64 += 2 / 3 * din**3 + 2 * din * din * hd
+        # output refit: the converted attention, its Gram and the solve
+        f.float32 += _attention(s, tokens, window) + 2 * tokens * hd * hd + 2 * tokens * hd * s.hidden
+        f.float64 += 2 / 3 * (hd + 1) ** 3 + 2 * hd * hd * s.hidden
+        f.float32 += 2 * tokens * hd * s.hidden  # o_proj of the refit heads, for the converted pass
+    else:
+        f.float32 += _attention(s, tokens, window)
+    f.float32 += _mlp(s, tokens)  # the converted pass through the layer's MLP
+    f.float64 += sum(group_merge_flops(s, n) for n in group_evaluations(s.kv_heads, kv_out, assign))
+    return f
+
+
+def switchhead_layer_flops(s: LayerShape, heads: int, experts: int, topk: int, tokens: int,
+                           window: int = DEFAULT_WINDOW) -> Flops:
+    """Work of one layer of the SwitchHead calibration (statistics pass, router fits, output-expert refit)."""
+    f = Flops()
+    d, h = s.hidden, s.heads
+    layer = _attention(s, tokens, window) + _mlp(s, tokens)
+    # statistics: the source layer, values, per-head output energies, attention-map Gram, input moments
+    f.float32 += layer + 2 * tokens * d * s.kv_heads * s.head_dim + 4 * tokens * h * s.head_dim**2
+    f.float32 += 2 * h * h * tokens * window + 2 * tokens * d * d + 4 * tokens * d * h
+    f.float64 += 2 / 3 * d**3 + 4 * d * d * h
+    if experts > 1:
+        feats = heads * experts * s.head_dim
+        # refit on the captured attention calls: the SwitchHead attention, the features' Gram and the solve
+        f.float32 += 2 * tokens * d * heads * s.head_dim * (2 + topk) + 4 * tokens * d * heads * experts
+        f.float32 += 4 * tokens * window * heads * s.head_dim + 2 * tokens * feats * feats + 2 * tokens * d * feats
+        f.float64 += 2 / 3 * feats**3 + 2 * feats * feats * d
+    return f
+
+
+def largest_layer_tensor(s: LayerShape) -> int:
+    """Elements of a decoder layer's largest matrix (read from the checkpoint one at a time)."""
+    return max(s.hidden * s.intermediate, s.hidden * s.heads * s.head_dim, s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim)
+
+
+def fit_bytes(s: LayerShape, kind: str) -> int:
+    """float64 matrices of the fits alive at once (not counted by the streaming model)."""
+    din, hd = s.hidden + s.qkv_bias, s.heads * s.head_dim
+    if kind == "switchhead":
+        return 8 * (3 * din * din + 2 * hd * hd)
+    # the query refit: input Grams, prior and factorisation (5 d_in x d_in), q_proj's rows, right-hand sides and
+    # solution (5 H D x d_in); the merge before it: sigma and the layer's attention weights in float64 (freed
+    # before the refit, never larger than the refit's)
+    return 8 * (5 * din * din + 5 * hd * din)
+
+
+@dataclass
+class Estimate:
+    kind: str
+    device: str
+    layers: int
+    tokens: int
+    host_bytes: int
+    device_bytes: int
+    seconds_per_layer: float
+    seconds: float  # all layers (the embedding step and the writing excluded)
+    cpu_seconds_per_layer: float | None  # CPU seconds of the process (CPU runs): independent of the machine's load
+    flops_per_layer: Flops
+    throughput: Throughput
+    memory: dict  # the terms
+
+    def lines(self) -> list[str]:
+        from .recipes.estimate import human_bytes
+
+        gf = self.flops_per_layer
+        t = self.throughput
+        out = [f"estimate for {self.kind} on {self.device} ({self.layers} layers, {self.tokens} calibration tokens):",
+               f"  peak host memory    {human_bytes(self.host_bytes)}",
+               f"  peak device memory  {human_bytes(self.device_bytes) if self.device_bytes else '- (CPU run)'}",
+               f"  time per layer      {self.seconds_per_layer:.1f} s  ({gf.float32 / 1e9:.0f} GFLOP float32 at "
+               f"{t.float32 / 1e9:.1f} GFLOP/s, {gf.float64 / 1e9:.0f} GFLOP float64 at {t.float64 / 1e9:.1f} GFLOP/s "
+               f"measured now)",
+               *([f"  CPU time per layer  {self.cpu_seconds_per_layer:.1f} s  (at {t.float32_cpu / 1e9:.1f} / "
+                  f"{t.float64_cpu / 1e9:.1f} GFLOP per CPU second; the wall time on an idle machine at one thread)"]
+                 if self.cpu_seconds_per_layer is not None else []),
+               f"  all layers          {_duration(self.seconds)}",
+               "  memory terms        " + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.memory.items() if v)]
+        return out
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def estimate_calibrated(config: dict, kind: str, tokens: int, *, dtype: str = "bfloat16", device: str = "cpu",
+                        kv_heads: int | None = None, assign: bool = True, heads: int | None = None, experts: int | None = None,
+                        topk: int | None = None, throughput: Throughput | None = None,
+                        window: int = DEFAULT_WINDOW) -> Estimate:
+    """Peak memory and time of a calibrated conversion: kind "aligned" (with `kv_heads`) or "switchhead" (with
+    `heads`, `experts`, `topk`) of the checkpoint described by `config` stored in `dtype`, on `device`."""
+    from .calibration.stream import estimate_peak_bytes
+
+    s = layer_shape(config)
+    window = min(window, int(config.get("max_position_embeddings") or window), tokens)
+    tokens = max(window, tokens // window * window)  # whole windows, as calibration cuts them
+    dev = torch.device(device)
+    rate = throughput or probe_throughput(dev)
+    if kind == "aligned":
+        flops = aligned_layer_flops(s, kv_heads or 1, tokens, window, assign)
+    elif kind == "switchhead":
+        flops = switchhead_layer_flops(s, heads or s.heads, experts or 1, topk or 1, tokens, window)
+    else:
+        raise ValueError(f"unknown calibrated kind {kind!r}")
+    terms = estimate_peak_bytes(config, tokens, dtype, kind=kind, device=dev.type, window=window)
+    fits = fit_bytes(s, kind)
+    read = largest_layer_tensor(s) * DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 4)
+    memory = {"runtime": terms["runtime"], "layer (float32)": terms["layer"], "embeddings": terms["embedding"],
+              "activations": terms["activations"], "scratch": terms["scratch"], "fits (float64)": fits,
+              "tensor being read": read}
+    # The embeddings are freed after the embedding step (LayerStream.release_embeddings): the peak is the larger of
+    # that step and a layer's (its float32 weights, the tensor being read, one chunk's scratch and the fits).
+    if kind == "switchhead":  # eager attention: the scores, the probabilities and the heads' maps reshaped for
+        # their Gram are three [chunk, heads, window, window] float32 tensors (the streaming model counts one)
+        chunk = min(DEFAULT_CHUNK, max(1, tokens // window)) * window
+        memory["attention maps"] = 2 * 4 * chunk * s.heads * window
+        # the source attention read again in float32, the new tensors and the SwitchHead module built from them
+        h_new, e = heads or s.heads, experts or 1
+        new = 2 * h_new * s.head_dim * s.hidden * (1 + e) + 2 * h_new * e * s.hidden
+        memory["switchhead tensors"] = 4 * (s.hidden * s.head_dim * (2 * s.heads + 2 * s.kv_heads) + 2 * new)
+    layer_step = terms["layer"] + terms["scratch"] + fits + memory.get("attention maps", 0) \
+        + memory.get("switchhead tensors", 0) + (read if dev.type == "cpu" else 0)
+    # an embedding matrix kept in float32 (not a plain nn.Embedding, e.g. Gemma's scaled one) is read in the
+    # checkpoint's dtype first: both copies exist for a moment
+    word = int(config.get("vocab_size") or 0) * s.hidden
+    width = DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 4)
+    cast = word * width if width < 4 and terms["embedding"] >= 4 * word else 0
+    memory["embedding being cast"] = cast
+    embed_step = terms["embedding"] + cast
+    if dev.type == "cpu":
+        host = terms["runtime"] + terms["activations"] + max(embed_step, layer_step)
+        on_device = 0
+    else:
+        host = terms["runtime"] + read + terms["embedding"]
+        on_device = terms["activations"] + max(terms["embedding"], layer_step)  # the cast happens on the host
+    per_layer = flops.seconds(rate)
+    return Estimate(kind, str(dev), s.layers, tokens, int(host), int(on_device), per_layer, per_layer * s.layers,
+                    flops.cpu_seconds(rate), flops, rate, memory)

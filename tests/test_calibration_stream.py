@@ -1,0 +1,169 @@
+"""Layer streaming (surgery.calibration): the streamed calibrations give the same tensors as the whole model in memory,
+one layer at a time, from any checkpoint layout; the calibration text policy and its record."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+import tiny_models as tm
+from surgery.calibration.store import LayerStore
+from surgery.calibration.stream import estimate_peak_bytes, open_stream, resident_stream
+from surgery.calibration.text import calibration_text
+from surgery.merge import capture
+from surgery.merge.pipeline import MergeOptions, merge_model
+from surgery.arch import spec_for
+from surgery.switchhead.convert import LayerBuilder, switchhead_shape
+from surgery.switchhead.cluster import kv_mapping
+from surgery.switchhead.families import attention_tensors, family_for
+from surgery.switchhead.layers import calibrate_layers
+from surgery.tensors import CheckpointReader
+
+REPO = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def windows(n: int = 4, length: int = 32, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, tm.VOCAB, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def resident(folder: Path, attn: str):
+    return tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=attn).eval()
+
+
+def merged_layers(stream, folder: Path, kv_to: int, ids: torch.Tensor | None = None):
+    config = json.loads((folder / "config.json").read_text())
+    spec = spec_for(config)
+    capture.instrument(stream.model)
+    heads, kv, dim = spec.heads(config), spec.kv_heads(config), spec.head_dim(config)
+    opts = MergeOptions(groups=kv_to, chunk_windows=2)
+    return merge_model(stream, spec, config, heads, kv, dim, windows() if ids is None else ids, opts)
+
+
+def assert_same_merge(folder: Path, kv_to: int, ids: torch.Tensor | None = None) -> None:
+    reader = CheckpointReader(folder)
+    streamed = merged_layers(open_stream(folder, reader, "cpu", "sdpa"), folder, kv_to, ids)
+    reference = merged_layers(resident_stream(capture.load_resident_model(folder)), folder, kv_to, ids)
+    assert [r.groups for r in streamed.reports] == [r.groups for r in reference.reports]
+    for a, b in zip(streamed.layers, reference.layers):
+        for name in ("q", "k", "v", "o"):
+            assert rel_diff(getattr(a, name), getattr(b, name)) <= TOL, name
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "gpt2"])
+def test_streamed_aligned_merge_equals_in_memory(arch, tmp_path):
+    tm.make_tiny(arch, tmp_path / arch)
+    kv = tm.kv_heads_of(tm.load(tmp_path / arch).config)
+    assert kv > 1
+    assert_same_merge(tmp_path / arch, 1)
+
+
+def test_streams_bf16_sharded_checkpoints_one_layer_at_a_time(tmp_path):
+    """A bf16 checkpoint in several shards streams to the same merge as the model loaded whole (bf16 -> float32 is
+    exact); while a layer is served, every other layer's weights are on the meta device."""
+    model = tm.make_tiny("llama", tmp_path / "f32")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", max_shard_size="60KB")
+    assert len(list((tmp_path / "bf16").glob("*.safetensors"))) > 1
+    assert_same_merge(tmp_path / "bf16", 2)
+    stream = open_stream(tmp_path / "bf16", CheckpointReader(tmp_path / "bf16"), "cpu")
+    embedding = stream.model.get_input_embeddings().weight
+    assert embedding.dtype == torch.bfloat16 and not embedding.is_meta  # kept in the checkpoint's dtype
+    for index, _, layer in stream.layers():
+        live = [i for i, m in enumerate(stream.modules) if not next(m.parameters()).is_meta]
+        assert live == [index]
+        assert all(p.dtype == torch.float32 for p in layer.parameters())
+    assert all(p.is_meta for m in stream.modules for p in m.parameters())
+
+
+def switchhead_layers(stream, folder: Path, heads: int, experts: int, topk: int, ids: torch.Tensor | None = None):
+    config = json.loads((folder / "config.json").read_text())
+    reader = CheckpointReader(folder)
+    family = family_for(config)
+    shape = switchhead_shape(config, heads, experts, topk)
+    store = LayerStore(spill=False)
+    builder = LayerBuilder(reader, family, attention_tensors(reader, family), shape, [], store, None)
+    mode = kv_mapping(shape.heads, shape.kv_heads, shape.new_heads, True)
+    result = calibrate_layers(stream, builder, windows() if ids is None else ids, mode, "medoid", True, 0.1,
+                              progress=False, chunk_windows=2)
+    return result, [store.get(i) for i in range(shape.layers)]
+
+
+def assert_same_switchhead(folder: Path, heads: int, experts: int, topk: int, ids: torch.Tensor | None = None):
+    streamed, tensors = switchhead_layers(open_stream(folder, CheckpointReader(folder), "cpu", "eager"), folder,
+                                          heads, experts, topk, ids)
+    reference, expected = switchhead_layers(resident_stream(resident(folder, "eager")), folder, heads, experts, topk,
+                                            ids)
+    assert streamed.clusters == reference.clusters and streamed.pivots == reference.pivots
+    for a, b in zip(tensors, expected):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert rel_diff(a[key], b[key]) <= TOL, key
+    assert streamed.refit == reference.refit
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "gpt2"])
+def test_streamed_switchhead_equals_in_memory(arch, tmp_path):
+    folder = tmp_path / arch
+    tm.make_tiny(arch, folder)
+    h = tm.load(folder).config.num_attention_heads
+    assert_same_switchhead(folder, 2, h // 2, max(1, h // 4))
+
+
+def test_peak_memory_model_counts_one_layer(tmp_path):
+    model = tm.make_tiny("llama", tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    est = estimate_peak_bytes(config, 8192, "bfloat16")
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    assert est["layer"] == 4 * layer
+    assert est["embedding"] == 2 * model.model.embed_tokens.weight.numel() + 4 * model.model.norm.weight.numel()
+    assert est["activations"] > 4 * 8192 * config["hidden_size"]
+    assert est["host"] >= est["layer"] + est["embedding"] + est["activations"]
+    bigger = estimate_peak_bytes(config, 16384, "bfloat16")
+    assert bigger["activations"] == 2 * est["activations"]
+
+
+def test_calibration_text_reads_pydoc_from_the_end(tmp_path):
+    import hashlib
+
+    from surgery.data import pydoc_texts
+    from test_merge_convert import char_tokenizer
+
+    char_tokenizer(tmp_path)
+    tok = tf.AutoTokenizer.from_pretrained(tmp_path)
+    text = calibration_text("pydoc", tok, 3000, 128)
+    assert text.windows.shape == (3000 // 128, 128)
+    docs = [t for t in reversed(pydoc_texts()) if t]
+    assert text.documents_sha256[0] == hashlib.sha256(docs[0].encode()).hexdigest()
+    first_docs = {hashlib.sha256(t.encode()).hexdigest() for t in pydoc_texts()[:5]}
+    assert not first_docs & set(text.documents_sha256)  # never check's default text
+    assert text.record()["tokens"] == text.windows.numel()
+
+
+def test_cli_records_calibration_and_prints_a_line_per_layer(tmp_path):
+    from test_merge_convert import tiny
+
+    src = tiny("llama", tmp_path / "src")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-m", "cli", "convert", str(src), "--to", "mqa", "--merge", "aligned",
+                          "--calib-tokens", "512", "--device", "cpu", "--out", str(tmp_path / "mqa")], cwd=REPO,
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "calibrate + merge: layer 2/2" in run.stderr  # stderr is not a terminal: plain lines
+    calib = json.loads((tmp_path / "mqa" / "surgery.json").read_text())["calibration"]
+    assert calib["device"] == "cpu" and calib["data"] == "pydoc" and calib["tokens"] == 512
+    assert len(calib["documents_sha256"]) >= 1 and all(len(d) == 64 for d in calib["documents_sha256"])
+    bad = subprocess.run([sys.executable, "-m", "cli", "convert", str(src), "--to", "mqa", "--merge", "aligned",
+                          "--device", "tpu", "--out", str(tmp_path / "bad")], cwd=REPO, capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.startswith("surgery: error:") and not (tmp_path / "bad").exists()

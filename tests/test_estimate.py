@@ -1,0 +1,109 @@
+"""The cost model behind `surgery convert --dry-run`: its counts agree with the code they estimate (torch's flop
+counter, the assignment search's own calls, the streaming memory model), and the CLI prints it without converting."""
+
+from __future__ import annotations
+
+import json
+import sys
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import tiny_models as tm
+from surgery.estimate import (LayerShape, Throughput, estimate_calibrated, group_evaluations, group_merge_flops,
+                              layer_shape, probe_throughput)
+from surgery.merge.assign import assign_groups
+from surgery.merge.fit import merge_group
+from surgery.merge.rotary import rotary_pairs
+
+LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 32, "vocab_size": 128256,
+            "max_position_embeddings": 131072, "tie_word_embeddings": False, "rope_theta": 500000.0}
+
+
+@pytest.mark.parametrize("members,queries_per_kv,rotary", [(2, 4, 16), (3, 2, 8), (4, 1, 0)])
+def test_group_merge_flops_match_torch_flop_counter(members, queries_per_kv, rotary):
+    """The float64 work of one K/V group merge, as counted by torch, within 10% of the formula."""
+    d, din = 16, 256
+    s = LayerShape(layers=1, hidden=din, heads=members * queries_per_kv, kv_heads=members, head_dim=d,
+                   intermediate=512, mlp_matrices=3, qkv_bias=False, rotary_dims=rotary)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * din, din, generator=g, dtype=torch.float64)
+    sigma = x.T @ x / x.shape[0]
+    rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
+    with FlopCounterMode(display=False) as counter:
+        merge_group(rnd(members, d, din), rnd(members, d, din), rnd(members, queries_per_kv, d, din),
+                    rnd(members, queries_per_kv, din, d), sigma, rotary_pairs(d, rotary, "half"), True)
+    counted = counter.get_total_flops()
+    assert abs(group_merge_flops(s, members) / counted - 1) < 0.10, (group_merge_flops(s, members), counted)
+
+
+@pytest.mark.parametrize("kv_heads,groups", [(8, 2), (8, 4), (4, 2), (6, 3), (16, 2), (8, 1), (8, 8)])
+def test_group_evaluations_count_the_assignment_search(kv_heads, groups):
+    """As many group merges of each size as assign_groups scores, plus the final groups."""
+    sizes = []
+    assign_groups(lambda g: sizes.append(len(g)) or float(sum(g)) ** 0.5, kv_heads, groups)
+    expected = sorted(sizes + [kv_heads // groups] * groups)
+    assert sorted(group_evaluations(kv_heads, groups)) == expected
+    assert group_evaluations(kv_heads, groups, assign=False) == [kv_heads // groups] * groups
+
+
+def test_llama_8b_costs_scale_as_the_algorithm_does():
+    """Real Llama-3.1-8B shapes: the similarity search dominates the merge; memory stays far below the model."""
+    rate = Throughput("cpu", 10e9, 5e9)
+    search = estimate_calibrated(LLAMA_8B, "aligned", 1024, kv_heads=2, throughput=rate)
+    plain = estimate_calibrated(LLAMA_8B, "aligned", 1024, kv_heads=2, assign=False, throughput=rate)
+    group = group_merge_flops(layer_shape(LLAMA_8B), 4)
+    assert search.flops_per_layer.float64 - plain.flops_per_layer.float64 == pytest.approx(70 * group)
+    assert search.flops_per_layer.float32 == plain.flops_per_layer.float32
+    more = estimate_calibrated(LLAMA_8B, "aligned", 8192, kv_heads=2, assign=False, throughput=rate)
+    assert 6 < more.flops_per_layer.float32 / plain.flops_per_layer.float32 < 8.5  # linear in the tokens
+    assert more.host_bytes > plain.host_bytes  # the activations grow with the tokens
+    bf16_model = 16.06e9
+    assert plain.host_bytes < 0.35 * bf16_model  # one layer, not the model
+    sh = estimate_calibrated(LLAMA_8B, "switchhead", 1024, heads=8, experts=4, topk=2, throughput=rate)
+    assert sh.flops_per_layer.float32 > 0 and sh.host_bytes < 0.35 * bf16_model
+    assert sh.seconds == pytest.approx(sh.seconds_per_layer * 32)
+
+
+def test_probe_measures_a_positive_rate():
+    t = probe_throughput("cpu", seconds=0.2)
+    assert t.float32 > 1e8 and t.float64 > 1e8
+
+
+def _surgery(capsys, *args) -> tuple[int, str, str]:
+    """`surgery ARGS` in this process (no interpreter start-up): (exit code, stdout, stderr)."""
+    import cli
+
+    capsys.readouterr()
+    old, sys.argv = sys.argv, ["surgery", *map(str, args)]
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    finally:
+        sys.argv = old
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_convert_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys):
+    src = tmp_path / "llama"
+    tm.make_tiny("llama", src)
+    out = tmp_path / "out"
+    code, stdout, err = _surgery(capsys, "convert", src, "--to", "gqa", "--kv-heads", "2", "--merge", "aligned",
+                                 "--calib-tokens", "256", "--device", "cpu", "--out", out, "--dry-run", "--json", "-")
+    assert code == 0, err
+    assert "peak host memory" in stdout and "time per layer" in stdout
+    report = json.loads(stdout[stdout.index("{"):])
+    assert report["calibrated"] and report["layers"] == 2 and report["seconds_per_layer"] > 0
+    assert report["host_bytes"] > report["memory_terms"]["layer (float32)"] > 0
+    assert not out.exists()
+    code, stdout, err = _surgery(capsys, "convert", src, "--to", "mqa", "--dry-run")
+    assert code == 0 and "no calibration" in stdout, err
+    code, _, err = _surgery(capsys, "convert", src, "--to", "mqa")
+    assert code == 2 and err.strip().splitlines() == [
+        "surgery: error: Missing option '--out'. (see `surgery convert --help`)"]
+    code, _, err = _surgery(capsys, "convert", src, "--to", "gqa", "--merge", "aligned", "--dry-run")
+    assert code == 2 and "--to gqa needs --kv-heads N" in err
