@@ -255,7 +255,8 @@ def test_kv_cache_holds_new_heads_and_generate_works(routed):
 @pytest.mark.parametrize("arch, module, causal_lm", [
     ("gpt2", "transformer.h.*.attn", "GPT2LMHeadModel"), ("phi3", "model.layers.*.self_attn", "Phi3ForCausalLM"),
     ("gpt_neox", "gpt_neox.layers.*.attention", "GPTNeoXForCausalLM"),
-    ("phi", "model.layers.*.self_attn", "PhiForCausalLM"), ("gpt_bigcode", "transformer.h.*.attn", "GPTBigCodeForCausalLM")])
+    ("phi", "model.layers.*.self_attn", "PhiForCausalLM"), ("gpt_bigcode", "transformer.h.*.attn", "GPTBigCodeForCausalLM"),
+    ("mixtral", "model.layers.*.self_attn", "MixtralForCausalLM")])  # streamed layers of fused in-memory experts
 def test_routed_experts_on_other_layouts(arch, module, causal_lm, tmp_path, tokenizer):
     src = tmp_path / arch
     source = tm.make_tiny(arch, src)  # 4 heads of 16

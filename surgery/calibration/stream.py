@@ -28,6 +28,7 @@ from torch import nn
 from ..check import pick_device
 from ..errors import SurgeryError
 from ..tensors import CheckpointReader, dtype_size
+from .layout import memory_layout
 
 __all__ = ["LayerCall", "LayerStream", "estimate_peak_bytes", "open_stream", "pick_device", "run_layer",
            "LayerProgress"]
@@ -253,16 +254,18 @@ def open_stream(folder: Path, reader: CheckpointReader, device: torch.device | s
     names = _layer_names(reader, container)
     shapes = {i: {n: p.shape for n, p in layer.named_parameters()} for i, layer in enumerate(layers)}
 
+    model_type = str(model.config.model_type)
+
     def load(i: int) -> None:
-        layer, known = layers[i], names.get(i, {})
+        layer, known = layers[i], memory_layout(model_type, names.get(i, {}), reader.load)
         for rel, shape in shapes[i].items():
-            source = known.get(rel)
-            if source is None:
+            loader = known.get(rel)
+            if loader is None:
                 raise SurgeryError(f"the checkpoint lacks {paths[i]}.{rel} (layer {i}); found: "
                                    f"{', '.join(sorted(known)[:6]) or 'nothing for that layer'}")
-            value = reader.load(source)
+            value = loader()
             if tuple(value.shape) != tuple(shape):
-                raise SurgeryError(f"tensor {source} of shape {list(value.shape)} does not match config.json "
+                raise SurgeryError(f"layer {i}'s {rel} of shape {list(value.shape)} does not match config.json "
                                    f"({list(shape)})")
             _set_tensor(layer, rel, value.to(device, torch.float32))
 
