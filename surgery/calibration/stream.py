@@ -370,8 +370,8 @@ def estimate_peak_bytes(config: dict, calib_tokens: int, dtype: str | torch.dtyp
         # source's queries/keys/heads (and concatenations), converted heads, re-projected queries/keys, cos/sin
         width = 6 * hidden + 6 * heads * head_dim + 3 * kv * head_dim + head_dim
     activations = 4 * tokens * width
-    if chunk_windows is None:  # the converters' chunks: 8 windows (aligned, sdpa), 4 (SwitchHead, eager)
-        chunk_windows = 4 if kind == "switchhead" else 8
+    if chunk_windows is None:  # the converters' chunks: 8 windows (aligned, sdpa), 1 (SwitchHead, eager)
+        chunk_windows = 1 if kind == "switchhead" else 8
     chunk = min(chunk_windows, max(1, tokens // window)) * window
     probs = chunk * heads * window * (4 if kind == "switchhead" else 1)  # eager keeps scores, softmax, the maps
     scratch = 4 * (probs + 3 * chunk * inter + chunk * qkv_width)
