@@ -20,6 +20,7 @@ from surgery.calibration.text import calibration_text
 from surgery.merge import capture
 from surgery.merge.pipeline import MergeOptions, merge_model
 from surgery.arch import spec_for
+from surgery.source import resolve_source
 from surgery.switchhead.convert import LayerBuilder, switchhead_shape
 from surgery.switchhead.cluster import kv_mapping
 from surgery.switchhead.families import attention_tensors, family_for
@@ -167,3 +168,20 @@ def test_cli_records_calibration_and_prints_a_line_per_layer(tmp_path):
                           "--device", "tpu", "--out", str(tmp_path / "bad")], cwd=REPO, capture_output=True,
                          text=True, env=env, timeout=300)
     assert bad.returncode == 2 and bad.stderr.startswith("surgery: error:") and not (tmp_path / "bad").exists()
+
+
+def test_switchhead_record_and_no_leftovers(tmp_path):
+    """SwitchHead calibrates on the same text as the aligned merge (pydoc from its end), records its documents, and
+    leaves nothing beside the output (the layer store is removed)."""
+    from surgery.calibration.text import PYDOC_SPLIT
+    from surgery.switchhead import convert_to_switchhead
+    from test_merge_convert import tiny
+
+    src = tiny("llama", tmp_path / "src")
+    record = convert_to_switchhead(resolve_source(str(src)), tmp_path / "sh", heads=2, experts=4, topk=2,
+                                   calib_tokens=512, progress=False, device="cpu")
+    calib = record["calibration"]
+    assert calib["split"] == PYDOC_SPLIT and calib["tokens"] == 512 and calib["device"] == "cpu"
+    tok = tf.AutoTokenizer.from_pretrained(src)
+    assert calib["documents_sha256"] == calibration_text("pydoc", tok, 512, 128).documents_sha256
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sh", "src"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ class LayerStore:
             parent = Path(beside).absolute().parent if beside is not None else None
             name = Path(beside).name if beside is not None else "surgery"
             self.dir = Path(tempfile.mkdtemp(prefix=f".{name}.calib-", dir=parent))
+            # removed on close(), or when the store is dropped (an error on the way) or the interpreter exits
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
         self._memory: dict[int, dict[str, torch.Tensor]] = {}
         self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
 
@@ -49,7 +52,7 @@ class LayerStore:
         self._memory.clear()
         self._cached = None
         if self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
+            self._cleanup()
 
     def __enter__(self) -> "LayerStore":
         return self

@@ -214,6 +214,17 @@ def _resident_name(reader: CheckpointReader, name: str, prefix: str) -> str | No
     return hits[0] if len(hits) == 1 else None
 
 
+def release_memory() -> None:
+    """Hand freed host memory back to the system (glibc keeps freed mid-sized blocks otherwise): the host's
+    footprint between layers stays at one layer instead of the high-water mark."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _cast_to_float32(module, args, output):
     return output.float()
 
@@ -272,6 +283,8 @@ def open_stream(folder: Path, reader: CheckpointReader, device: torch.device | s
     def free(i: int) -> None:
         for rel, shape in shapes[i].items():
             _set_tensor(layers[i], rel, torch.empty(shape, dtype=torch.float32, device="meta"))
+        if device.type == "cpu":
+            release_memory()
 
     resident = [name for name, _ in model.named_parameters() if not name.startswith(in_layer)]
 
@@ -329,7 +342,8 @@ class LayerProgress:
 
 # --- the memory model ----------------------------------------------------------------------------------------
 def estimate_peak_bytes(config: dict, calib_tokens: int, dtype: str | torch.dtype = "bfloat16", *,
-                        kind: str = "aligned", device: str = "cpu", window: int = 512, chunk_windows: int = 8) -> dict:
+                        kind: str = "aligned", device: str = "cpu", window: int = 512,
+                        chunk_windows: int | None = None) -> dict:
     """Peak memory of a streamed calibration, in bytes: {"layer", "embedding", "activations", "scratch",
     "runtime", "device", "host"}.
 
@@ -371,11 +385,15 @@ def estimate_peak_bytes(config: dict, calib_tokens: int, dtype: str | torch.dtyp
     qkv_width = (heads + 2 * kv) * head_dim
     if kind == "switchhead":  # hidden stream, attention inputs and outputs, head outputs
         width = 3 * hidden + heads * head_dim
-    else:  # converted stream, attention inputs, source queries/keys/heads/outputs, converted heads
-        width = 3 * hidden + qkv_width + 2 * heads * head_dim
+    else:  # converted stream, attention inputs (and their concatenation), source and converted outputs, the
+        # source's queries/keys/heads (and concatenations), converted heads, re-projected queries/keys, cos/sin
+        width = 6 * hidden + 6 * heads * head_dim + 3 * kv * head_dim + head_dim
     activations = 4 * tokens * width
+    if chunk_windows is None:  # the converters' chunks: 8 windows (aligned, sdpa), 1 (SwitchHead, eager)
+        chunk_windows = 1 if kind == "switchhead" else 8
     chunk = min(chunk_windows, max(1, tokens // window)) * window
-    scratch = 4 * (chunk * heads * window + 3 * chunk * inter + chunk * qkv_width)
+    probs = chunk * heads * window * (4 if kind == "switchhead" else 1)  # eager keeps scores, softmax, the maps
+    scratch = 4 * (probs + 3 * chunk * inter + chunk * qkv_width)
     layer = 4 * layer_params
     on_device = layer + embedding + activations + scratch
     host_read = layer_params * dtype_size(dt)

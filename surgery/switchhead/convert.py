@@ -7,7 +7,6 @@ Every tensor outside the attention projections is copied byte for byte. The outp
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
 from pathlib import Path
@@ -179,61 +178,64 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
     out_dtype = DTYPES.get(dtype) if dtype else None
     pick_device(device)  # a bad --device fails before any work
     start = time.time()
-    with contextlib.ExitStack() as stack:  # the calibrated layers' tensors wait in a temporary store
-        if experts == 1:  # one source head per head: no choice to make, nothing to calibrate; exact
-            clusters = [cluster_heads(None, shape.heads, shape.kv_heads, shape.new_heads, mode)] * shape.layers
-            builder = LayerBuilder(reader, family, names, shape, clusters, None, out_dtype)
-            fits = pivots = refit_report = calibration = None
-        else:
-            dev = pick_device(device)
-            text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config))
-            store = stack.enter_context(LayerStore(out))
-            builder = LayerBuilder(reader, family, names, shape, [], store, out_dtype)
-            stream = open_stream(src.folder, reader, dev, attn_implementation="eager")
-            layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress)
-            fits, clusters, pivots, refit_report = layers.fits, layers.clusters, layers.pivots, layers.refit
-            builder.clusters = clusters
-            calibration = text.record() | {
-                "device": str(dev),
-                "streaming": "layer by layer from the checkpoint (float32 on the device, eager attention)",
-                "distance": "mean over query rows of the squared L2 distance between two heads' attention probabilities",
-                "seconds": round(time.time() - start, 3)}
-        planned = builder.plan(out_dtype)
-        new_config = target_config(config, family, shape, dtype, builder.biases())
 
-        pattern = layer_pattern(family, names[0]["module"])
+    if experts == 1:  # one source head per head: no choice to make, nothing to calibrate; exact
+        clusters = [cluster_heads(None, shape.heads, shape.kv_heads, shape.new_heads, mode)] * shape.layers
+        builder = LayerBuilder(reader, family, names, shape, clusters, None, out_dtype)
+        fits = pivots = refit_report = calibration = None
+    else:
+        dev = pick_device(device)
+        text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config))
+        store = LayerStore(out)  # removes itself when closed, dropped on an error, or at exit (store.py)
+        builder = LayerBuilder(reader, family, names, shape, [], store, out_dtype)
+        stream = open_stream(src.folder, reader, dev, attn_implementation="eager")
+        layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress)
+        fits, clusters, pivots, refit_report = layers.fits, layers.clusters, layers.pivots, layers.refit
+        builder.clusters = clusters
+        calibration = text.record() | {
+            "device": str(dev),
+            "streaming": "layer by layer from the checkpoint (float32 on the device, eager attention)",
+            "distance": "mean over query rows of the squared L2 distance between two heads' attention probabilities",
+            "seconds": round(time.time() - start, 3)}
+    planned = builder.plan(out_dtype)
+    new_config = target_config(config, family, shape, dtype, builder.biases())
 
-        def record_fields(output_files: list[str]) -> dict:
-            return {
-                "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
-                                 "architectures": new_config["architectures"]},
-                "layers": shape.layers,
-                "head_dim": shape.head_dim,
-                "heads": {"before": shape.heads, "after": shape.new_heads},
-                "kv_heads": {"before": shape.kv_heads, "after": shape.new_heads},
-                "experts": shape.experts,
-                "topk": shape.topk,
-                "kv_mapping": {"mode": mode, "note": KV_NOTES[mode]},
-                "clusters": clusters,
-                "clusters_note": "clusters[layer][head] = the source query heads that became that head's experts, in "
-                                 "expert order",
-                "cluster_distance": [round(within_cost(f.distance, c), 6) for f, c in zip(fits, clusters)] if fits else None,
-                "qk_merge": qk_merge if experts > 1 else None,
-                "qk_pivots": pivots,
-                "output_refit": ({"ridge": ridge, "relative_error": refit_report} if refit_report else None),
-                "router_fit_explained": ({"output": [round(f.r2_o, 4) for f in fits], "value": [round(f.r2_v, 4) for f in fits]}
-                                         if fits else None),
-                "calibration": calibration,
-                "init": INIT_NOTE,
-                "exact_at_init": shape.experts == 1,
-                "new_parameters": [f"{pattern}.v_router.weight", f"{pattern}.o_router.weight"],
-                "added_parameters": 2 * shape.layers * shape.new_heads * shape.experts * shape.hidden,
-                "seed": seed,
-                "dtype": dtype or "auto",
-                "output_files": output_files,
-                "seconds": round(time.time() - start, 3),
-            }
+    pattern = layer_pattern(family, names[0]["module"])
 
-        return write_conversion(src, reader, out, planned, new_config, "switchhead", record_fields, force=force,
-                                progress=progress, max_shard_bytes=max_shard_bytes, code_dir=Path(__file__).parent,
-                                code_files=CODE_FILES)
+    def record_fields(output_files: list[str]) -> dict:
+        return {
+            "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
+                             "architectures": new_config["architectures"]},
+            "layers": shape.layers,
+            "head_dim": shape.head_dim,
+            "heads": {"before": shape.heads, "after": shape.new_heads},
+            "kv_heads": {"before": shape.kv_heads, "after": shape.new_heads},
+            "experts": shape.experts,
+            "topk": shape.topk,
+            "kv_mapping": {"mode": mode, "note": KV_NOTES[mode]},
+            "clusters": clusters,
+            "clusters_note": "clusters[layer][head] = the source query heads that became that head's experts, in "
+                             "expert order",
+            "cluster_distance": [round(within_cost(f.distance, c), 6) for f, c in zip(fits, clusters)] if fits else None,
+            "qk_merge": qk_merge if experts > 1 else None,
+            "qk_pivots": pivots,
+            "output_refit": ({"ridge": ridge, "relative_error": refit_report} if refit_report else None),
+            "router_fit_explained": ({"output": [round(f.r2_o, 4) for f in fits], "value": [round(f.r2_v, 4) for f in fits]}
+                                     if fits else None),
+            "calibration": calibration,
+            "init": INIT_NOTE,
+            "exact_at_init": shape.experts == 1,
+            "new_parameters": [f"{pattern}.v_router.weight", f"{pattern}.o_router.weight"],
+            "added_parameters": 2 * shape.layers * shape.new_heads * shape.experts * shape.hidden,
+            "seed": seed,
+            "dtype": dtype or "auto",
+            "output_files": output_files,
+            "seconds": round(time.time() - start, 3),
+        }
+
+    record = write_conversion(src, reader, out, planned, new_config, "switchhead", record_fields, force=force,
+                              progress=progress, max_shard_bytes=max_shard_bytes, code_dir=Path(__file__).parent,
+                              code_files=CODE_FILES)
+    if builder.tensors is not None:
+        builder.tensors.close()
+    return record
