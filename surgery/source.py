@@ -133,14 +133,48 @@ def _write_dequantized(path: Path, folder: Path) -> None:
     with atomic_output_dir(folder, force=True) as tmp:
         clean.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        portable_tokenizer_config(tmp / "tokenizer_config.json")
+
+
+# transformers 5 names its fast tokenizer class TokenizersBackend (PreTrainedTokenizerFast is an alias of it) and
+# records how the files were loaded; transformers 4.x (e.g. the 4.57 that llama.cpp's convert_hf_to_gguf.py pins)
+# knows neither the class name nor needs the load-time keys.
+PORTABLE_TOKENIZER_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+LOAD_TIME_TOKENIZER_KEYS = ("is_local", "local_files_only")
+
+
+def portable_tokenizer_config(path: Path) -> bool:
+    """Rewrite a tokenizer_config.json written by transformers 5 so that transformers 4.x and 5.x both load it;
+    returns whether the file changed (files that are not JSON objects are left alone)."""
+    path = Path(path)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict):
+        return False
+    changed = False
+    if config.get("tokenizer_class") in PORTABLE_TOKENIZER_CLASSES:
+        config["tokenizer_class"] = PORTABLE_TOKENIZER_CLASSES[config["tokenizer_class"]]
+        changed = True
+    for key in LOAD_TIME_TOKENIZER_KEYS:
+        if key in config:
+            del config[key]
+            changed = True
+    if changed:
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return changed
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy tokenizer, generation config and licence files; returns the names copied."""
+    """Copy tokenizer, generation config and licence files; returns the names copied. tokenizer_config.json is made
+    loadable by transformers 4.x as well as 5.x (see portable_tokenizer_config)."""
     copied = []
     for pattern in SIDE_FILE_PATTERNS:
         for f in sorted(Path(src).glob(pattern)):
             if f.is_file() and not (Path(dst) / f.name).exists():
                 shutil.copy2(f, Path(dst) / f.name)
+                if f.name == "tokenizer_config.json":
+                    portable_tokenizer_config(Path(dst) / f.name)
                 copied.append(f.name)
     return copied

@@ -42,7 +42,7 @@ def _scrub(message: str, token: str) -> str:
 
 def push_folder(folder: Path, repo_id: str, private: bool = False, revision: str | None = None,
                 exist_ok: bool = False, message: str | None = None, check_reports: list[Path] = (),
-                log=print) -> PushResult:
+                log=print, bench_report: Path | None = None) -> PushResult:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -51,12 +51,17 @@ def push_folder(folder: Path, repo_id: str, private: bool = False, revision: str
     folder = Path(folder)
     validation = validate_folder(folder)
     reports = load_reports(list(check_reports))
+    bench = None
+    if bench_report is not None:
+        from ..bench import load_report
+
+        bench = load_report(bench_report)
     token = _token()
 
     card = folder / "README.md"
     card_written = not card.exists() or MARKER in card.read_text(errors="replace")
     if card_written:
-        card.write_text(build_card(validation, repo_id, reports))
+        card.write_text(build_card(validation, repo_id, reports, bench=bench))
         log(f"wrote the model card {card}")
     record = validation.record or {}
     message = message or f"Upload {record.get('kind') or 'checkpoint'} made with surgery {record.get('version', '')}".strip()
