@@ -170,13 +170,16 @@ def naive_values(w, b, x, gates, index):
     return (y * chosen.unsqueeze(-1)).sum(2)
 
 
-def test_expert_computation_is_conditional():
+@pytest.mark.parametrize("n", [1, 3, 50])  # 1 and 3: one matmul per selected (token, expert); 50: tokens sorted by expert
+def test_expert_computation_is_conditional(n):
     from torch.utils.flop_counter import FlopCounterMode
 
+    from surgery.switchhead import modeling_switchhead as msh
     from surgery.switchhead.modeling_switchhead import SigmaMoERouter, SwitchHeadExperts
 
+    assert (n <= msh.FEW_TOKENS) == (n < 50)
     gen = torch.Generator().manual_seed(0)
-    n, heads, n_exp, d, dim = 50, 3, 4, 8, 32
+    heads, n_exp, d, dim = 3, 4, 8, 32
     x = torch.randn(n, dim, generator=gen)
     v, o = SwitchHeadExperts(heads, n_exp, dim, d, bias=True), SwitchHeadExperts(heads, n_exp, d, dim, bias=False)
     with torch.no_grad():
