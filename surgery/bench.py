@@ -51,6 +51,7 @@ class BenchOptions:
     engine: str = "transformers"
     trust_remote_code: bool = False
     seed: int = 0
+    replicate_prefill: bool = False  # batch > 1: prefill one row, copy its cache to the batch (decode only)
 
 
 def parse_int_list(text: str, name: str) -> list[int]:
@@ -186,17 +187,20 @@ class TransformersEngine:
                 "max_positions": _max_positions(model.config)}
 
     @torch.no_grad()
-    def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor) -> dict:
+    def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor, replicate: bool = False) -> dict:
         model, device = handle["model"], self.device
         ids, next_ids = ids.to(device), next_ids.to(device)
+        batch = ids.shape[0]
         steps = []
         with PeakMemory(device) as peak:
             _sync(device)
             start = time.perf_counter()
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids[:1] if replicate else ids, use_cache=True, logits_to_keep=1)
             _sync(device)
             prefill = time.perf_counter() - start
             cache = out.past_key_values
+            if replicate and batch > 1:  # the same prompt in every row: decode costs do not depend on the tokens
+                cache.batch_repeat_interleave(batch)
             kv = cache_bytes(cache)
             del out
             for j in range(next_ids.shape[1]):
@@ -241,7 +245,7 @@ class LlamaCppEngine:
                 "attention": "llama.cpp", "vocab_size": int(llm.n_vocab()), "max_positions": self.max_tokens,
                 "kv_per_token": 2 * layers * kv_heads * head_dim * 2}
 
-    def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor) -> dict:
+    def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor, replicate: bool = False) -> dict:
         if ids.shape[0] != 1:
             raise SurgeryError("--engine llama.cpp measures batch 1 only (use --batch 1)")
         llm = handle["model"]
@@ -287,7 +291,7 @@ class VllmEngine:
                 "vocab_size": int(source.config.get("vocab_size")), "max_positions": self.max_tokens,
                 "config": source.config}
 
-    def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor) -> dict:
+    def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor, replicate: bool = False) -> dict:
         from vllm import SamplingParams
 
         llm, new = handle["model"], next_ids.shape[1]
@@ -333,14 +337,14 @@ def make_engine(opts: BenchOptions, device: torch.device):
 
 
 # --- statistics -------------------------------------------------------------------------------------------------
-def derived(raw: dict, batch: int, context: int) -> dict:
-    """The metrics of one measured round."""
+def derived(raw: dict, batch: int, context: int, prefill_batch: int | None = None) -> dict:
+    """The metrics of one measured round (`prefill_batch`: the rows the prefill ran on, default `batch`)."""
     steps = raw["decode_steps_s"]
     step = statistics.median(steps) if steps else None
     decode_total = sum(steps)
     return {
         "prefill_s": raw["prefill_s"],
-        "prefill_tokens_per_s": batch * context / raw["prefill_s"],
+        "prefill_tokens_per_s": (prefill_batch or batch) * context / raw["prefill_s"],
         "decode_step_s": step,
         "decode_tokens_per_s": batch * len(steps) / decode_total if decode_total > 0 else None,
         "kv_cache_bytes": raw["kv_cache_bytes"],
@@ -394,6 +398,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
         raise SurgeryError("--rounds and --new must be at least 1")
     if opts.dtype not in ("float32", "bfloat16", "float16"):
         raise SurgeryError(f"--dtype {opts.dtype}: choose float32, bfloat16 or float16")
+    if opts.replicate_prefill and opts.engine != "transformers":
+        raise SurgeryError("--replicate-prefill works with the transformers engine only")
     device = pick_device(opts.device)
     engine = make_engine(opts, device)
     before_threads = torch.get_num_threads()
@@ -430,16 +436,18 @@ def _run(opts: BenchOptions, engine, device: torch.device, log) -> dict:
             ids = torch.randint(0, vocab, (batch, context), generator=gen)
             next_ids = torch.randint(0, vocab, (batch, opts.new), generator=gen)
             rounds = {"source": [], "converted": []}
+            replicate = opts.replicate_prefill and batch > 1
+            prefill_batch = 1 if replicate else batch
             for r in range(opts.rounds):
                 order = ("source", "converted") if r % 2 == 0 else ("converted", "source")
                 for role in order:
-                    raw = engine.measure(handles[role], ids, next_ids)
-                    rounds[role].append({"round": r, **raw, **derived(raw, batch, context)})
+                    raw = engine.measure(handles[role], ids, next_ids, replicate=replicate)
+                    rounds[role].append({"round": r, **raw, **derived(raw, batch, context, prefill_batch)})
                 log(f"batch {batch} context {context} round {r + 1}/{opts.rounds}: decode "
                     f"{rounds['source'][-1]['decode_tokens_per_s']:.1f} vs "
                     f"{rounds['converted'][-1]['decode_tokens_per_s']:.1f} tokens/s")
             summary = {role: summarize(rs) for role, rs in rounds.items()}
-            results.append({"batch": batch, "context": context, **summary,
+            results.append({"batch": batch, "context": context, "prefill_batch": prefill_batch, **summary,
                             "ratio": ratios(summary["source"], summary["converted"]), "rounds": rounds})
     models = {role: {k: v for k, v in h.items() if k not in ("model", "config")} for role, h in handles.items()}
     for h in handles.values():
@@ -452,6 +460,7 @@ def _run(opts: BenchOptions, engine, device: torch.device, log) -> dict:
         "dtype": opts.dtype,
         "new_tokens": opts.new,
         "rounds": opts.rounds,
+        "replicate_prefill": opts.replicate_prefill,
         "batches": opts.batches,
         "contexts": opts.contexts,
         "machine": machine_info(device, torch.get_num_threads()),

@@ -135,6 +135,18 @@ def test_card_includes_the_bench_table(pair, tmp_path):
     assert "## Measured speed" in card and "| 1 | 8 |" in card and "0.25x" in card
 
 
+def test_replicated_prefill_decodes_the_whole_batch(pair):
+    src, mqa = pair
+    report = run_bench(BenchOptions(source=str(src), converted=str(mqa), batches=[3], contexts=[8], new=2, rounds=1,
+                                    threads=1, replicate_prefill=True))
+    row = report["results"][0]
+    assert row["prefill_batch"] == 1 and report["replicate_prefill"]
+    r = row["rounds"]["source"][0]
+    assert r["kv_cache_bytes"] == 2 * 2 * 4 * 8 * 3 * 8 * 4  # the cache decoded on holds all 3 rows
+    assert r["prefill_tokens_per_s"] == pytest.approx(8 / r["prefill_s"])
+    assert r["decode_tokens_per_s"] == pytest.approx(3 * 2 / sum(r["decode_steps_s"]))
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
 def test_llama_cpp_engine_on_gguf_files(tmp_path):

@@ -192,14 +192,28 @@ def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x[:, :, None].expand(b, kv, heads // kv, s, d).reshape(b, heads, s, d)
 
 
-def _key_range(mask: torch.Tensor | None, keys: int) -> tuple[int, int]:
-    """The keys [lo, hi) that some query of this block may attend to (all of them for float or no masks)."""
-    if mask is None or mask.dtype != torch.bool:
-        return 0, keys
-    visible = mask.flatten(0, -2).any(0).nonzero()
+def _key_range(mask: torch.Tensor | None, keys: int) -> tuple[int, int, int, int]:
+    """For the boolean mask of one query block: the keys [lo, hi) that some query may attend to, and the keys
+    [mlo, mhi) inside it that some query may not (only they need masking; mlo == mhi: nothing to mask). Float or no
+    masks: all keys, all masked (a float mask is added where it applies)."""
+    if mask is None:
+        return 0, keys, 0, 0
+    if mask.dtype != torch.bool:
+        return 0, keys, 0, keys
+    rows = mask.flatten(0, -2)
+    visible = rows.any(0).nonzero()
     if visible.numel() == 0:
-        return 0, keys
-    return int(visible[0]), int(visible[-1]) + 1
+        return 0, keys, 0, keys
+    lo, hi = int(visible[0]), int(visible[-1]) + 1
+    partial = (~rows[:, lo:hi].all(0)).nonzero()
+    if partial.numel() == 0:
+        return lo, hi, lo, lo
+    return lo, hi, lo + int(partial[0]), lo + int(partial[-1]) + 1
+
+
+# Rows of one attention block: the block's scores (heads x rows x keys) are kept near this many elements, so that
+# the passes over them (mixing, masking, softmax, mixing) stay in cache; `chunk_size` remains the upper bound.
+BLOCK_ELEMENTS = 2**21
 
 
 # --- the attention function and its mask -------------------------------------------------------------------------
@@ -233,21 +247,26 @@ def talking_heads_attention(
         query, key, value = mixer.query_key_heads(query), mixer.query_key_heads(key), mixer.value_heads(value)
         logits_mix, weights_mix = mixer.logits_mix, mixer.weights_mix
         chunk = mixer.chunk_size or t
+    chunk = max(1, min(chunk, BLOCK_ELEMENTS // (max(h, query.shape[1]) * max(keys, 1))))
+    query = query * scaling  # once on the queries instead of on every block's scores
     heads_v, value_dim = value.shape[1], value.shape[-1]
     out = query.new_empty(b, t, heads_v, value_dim)
     min_value = torch.finfo(query.dtype).min
     for start in range(0, t, chunk):
         stop = min(t, start + chunk)
         mask = None if attention_mask is None else attention_mask[:, :, start:stop]
-        lo, hi = _key_range(mask, keys)
-        scores = torch.matmul(query[:, :, start:stop], key[:, :, lo:hi].transpose(-1, -2)).mul_(scaling)
+        lo, hi, mlo, mhi = _key_range(mask, keys)
+        scores = torch.matmul(query[:, :, start:stop], key[:, :, lo:hi].transpose(-1, -2))
         if logits_mix is not None:
             scores = _mix(scores, logits_mix)
         if softcap is not None:  # out of place: tanh's backward needs its output
             scores = torch.tanh(scores / softcap) * softcap
-        if mask is not None:
-            mask = mask[..., lo:hi]
-            scores = scores.masked_fill_(~mask, min_value) if mask.dtype == torch.bool else scores.add_(mask)
+        if mhi > mlo:  # only the keys that some query of the block may not see
+            part = mask[..., mlo:mhi]
+            if part.dtype == torch.bool:
+                scores[..., mlo - lo : mhi - lo].masked_fill_(~part, min_value)
+            else:
+                scores[..., mlo - lo : mhi - lo].add_(part)
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         del scores
         if weights_mix is not None:
