@@ -234,8 +234,12 @@ def talking_heads_attention(
     """
     mixer: TalkingHeadsMixing | None = getattr(module, "talking_heads", None)
     b, h, t, d = query.shape
-    keys = key.shape[-2]
-    key, value = _repeat_kv(key, h), _repeat_kv(value, h)
+    keys, kv = key.shape[-2], key.shape[1]
+    # Grouped-query attention with the heads as they are: each K/V head serves its group of h / kv query heads in
+    # one matmul (no copy of the keys and values for every query head).
+    grouped = kv < h and (mixer is None or (mixer.heads_logits == h and mixer.heads_weights == h))
+    if not grouped:
+        key, value = _repeat_kv(key, h), _repeat_kv(value, h)
     scaling = d**-0.5 if scaling is None else scaling
     if attention_mask is None and getattr(module, "is_causal", False) and t > 1:
         attention_mask = torch.ones(t, keys, dtype=torch.bool, device=query.device).tril(keys - t)[None, None]
@@ -249,14 +253,19 @@ def talking_heads_attention(
         chunk = mixer.chunk_size or t
     chunk = max(1, min(chunk, BLOCK_ELEMENTS // (max(h, query.shape[1]) * max(keys, 1))))
     query = query * scaling  # once on the queries instead of on every block's scores
-    heads_v, value_dim = value.shape[1], value.shape[-1]
+    heads_v, value_dim = (h if grouped else value.shape[1]), value.shape[-1]
     out = query.new_empty(b, t, heads_v, value_dim)
     min_value = torch.finfo(query.dtype).min
     for start in range(0, t, chunk):
         stop = min(t, start + chunk)
         mask = None if attention_mask is None else attention_mask[:, :, start:stop]
         lo, hi, mlo, mhi = _key_range(mask, keys)
-        scores = torch.matmul(query[:, :, start:stop], key[:, :, lo:hi].transpose(-1, -2))
+        block = query[:, :, start:stop]
+        if grouped:  # (b, h, c, d) -> (b, kv, h/kv * c, d): the query heads of a group share their keys
+            block = block.reshape(b, kv, (h // kv) * (stop - start), d)
+        scores = torch.matmul(block, key[:, :, lo:hi].transpose(-1, -2))
+        if grouped:
+            scores = scores.view(b, h, stop - start, hi - lo)
         if logits_mix is not None:
             scores = _mix(scores, logits_mix)
         if softcap is not None:  # out of place: tanh's backward needs its output
@@ -272,7 +281,11 @@ def talking_heads_attention(
         if weights_mix is not None:
             weights = _mix(weights, weights_mix)
         weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-        out[:, start:stop] = torch.matmul(weights, value[:, :, lo:hi]).transpose(1, 2)
+        if grouped:
+            rows = weights.reshape(b, kv, (h // kv) * (stop - start), hi - lo)
+            out[:, start:stop] = torch.matmul(rows, value[:, :, lo:hi]).view(b, h, stop - start, -1).transpose(1, 2)
+        else:
+            out[:, start:stop] = torch.matmul(weights, value[:, :, lo:hi]).transpose(1, 2)
     return out, None
 
 
