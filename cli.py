@@ -215,11 +215,18 @@ def bench(source, converted, batches, contexts, new, rounds, dtype, device, thre
                         contexts=parse_int_list(contexts, "--context"), new=new, dtype=dtype, device=device,
                         threads=threads, rounds=rounds, engine=engine, trust_remote_code=trust_remote_code, seed=seed,
                         replicate_prefill=replicate_prefill)
-    report = run_bench(opts, log=lambda line: click.echo(line, err=True))
+    def write_json(report: dict) -> None:
+        if json_out and str(json_out) != "-":  # written beside, then renamed: never half a file
+            tmp = Path(json_out).with_name(Path(json_out).name + ".tmp")
+            tmp.write_text(json.dumps(report, indent=2) + "\n")
+            tmp.replace(json_out)
+
+    report = run_bench(opts, log=lambda line: click.echo(line, err=True), partial=write_json)
     print_bench(report)
-    if json_out:
-        text = json.dumps(report, indent=2)
-        click.echo(text) if str(json_out) == "-" else Path(json_out).write_text(text + "\n")
+    if str(json_out) == "-":
+        click.echo(json.dumps(report, indent=2))
+    else:
+        write_json(report)
     if plot:
         plot_bench(report, plot)
 

@@ -391,7 +391,8 @@ def machine_info(device: torch.device, threads: int) -> dict:
     return info
 
 
-def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -> dict:
+def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None,
+              partial: Callable[[dict], None] | None = None) -> dict:
     from .check import pick_device
 
     if opts.rounds < 1 or opts.new < 1:
@@ -406,12 +407,12 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None) -
     if opts.threads:
         torch.set_num_threads(opts.threads)
     try:
-        return _run(opts, engine, device, log)
+        return _run(opts, engine, device, log, partial)
     finally:
         torch.set_num_threads(before_threads)
 
 
-def _run(opts: BenchOptions, engine, device: torch.device, log) -> dict:
+def _run(opts: BenchOptions, engine, device: torch.device, log, partial=None) -> dict:
     started = time.time()
     for spec in (opts.source, opts.converted):
         if hasattr(engine, "preflight"):
@@ -449,9 +450,16 @@ def _run(opts: BenchOptions, engine, device: torch.device, log) -> dict:
             summary = {role: summarize(rs) for role, rs in rounds.items()}
             results.append({"batch": batch, "context": context, "prefill_batch": prefill_batch, **summary,
                             "ratio": ratios(summary["source"], summary["converted"]), "rounds": rounds})
-    models = {role: {k: v for k, v in h.items() if k not in ("model", "config")} for role, h in handles.items()}
+            if partial is not None:  # the report so far, after every batch x context (long runs)
+                partial(_report(opts, engine, device, handles, results, started))
+    report = _report(opts, engine, device, handles, results, started)
     for h in handles.values():
         engine.close(h)
+    return report
+
+
+def _report(opts: BenchOptions, engine, device: torch.device, handles: dict, results: list, started: float) -> dict:
+    models = {role: {k: v for k, v in h.items() if k not in ("model", "config")} for role, h in handles.items()}
     return {
         "command": "surgery bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -378,3 +378,25 @@ def test_bad_sources(llama, tmp_path):
     with pytest.raises(SurgeryError, match="calibration needs the source's tokenizer"):
         convert(no_tokenizer, tmp_path / "bare-sh", 4, 2, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "phi3", "sh"]
+
+
+def test_routers_in_one_matmul_follow_weight_changes():
+    """Both routers run as one matmul on a stacked weight kept between calls: it must equal the two routers run
+    apart, and follow in-place changes of either weight (uptraining, refits)."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    config = tm.ARCHS["llama"]()
+    config.switchhead = {"heads": 2, "experts": 4, "topk": 2, "head_dim": 8}
+    attn = SwitchHeadAttention(LlamaAttention(config, layer_idx=0), config, config.switchhead)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, config.hidden_size, generator=gen)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(generator=gen)
+        for step in range(2):
+            (gv, iv), (go, io) = attn.route(x)
+            for (g, i), router in (((gv, iv), attn.v_router), ((go, io), attn.o_router)):
+                g_ref, i_ref = router(x)
+                assert torch.equal(i.sort(-1).values, i_ref.sort(-1).values)
+                assert torch.allclose(g.sort(-1).values, g_ref.sort(-1).values)
+            attn.o_router.weight.mul_(-1)  # in place: the next step checks the stacked weight was rebuilt

@@ -176,7 +176,7 @@ def expert_values(experts: SwitchHeadExperts, x: torch.Tensor, gates: torch.Tens
     k = index.shape[-1]
     if n <= FEW_TOKENS:  # decode: each selected expert's weights multiply their token directly
         wf, bf = w.reshape(heads * n_exp, d, dim), None if b is None else b.reshape(heads * n_exp, d)
-        ids = flat_expert_index(index, n_exp).reshape(n, heads * k).tolist()
+        ids = [[h * n_exp + e for h, row in enumerate(token) for e in row] for token in index.tolist()]
         y = torch.cat([F.linear(x[i : i + 1], wf[j], None if bf is None else bf[j])
                        for i, row in enumerate(ids) for j in row])
         return (y.view(n, heads, k, d) * gates.unsqueeze(-1)).sum(2)
@@ -209,7 +209,7 @@ def expert_outputs(experts: SwitchHeadExperts, a: torch.Tensor, gates: torch.Ten
     gated = a.unsqueeze(2) * gates.unsqueeze(-1).to(a.dtype)  # (N, H, k, d): the gate applied on the small side
     if n <= FEW_TOKENS:  # decode: each selected expert's weights multiply their token's gated head output
         wf = w.reshape(heads * n_exp, dim, d)
-        ids = flat_expert_index(index, n_exp).reshape(n, heads * k).tolist()
+        ids = [[h * n_exp + e for h, row in enumerate(token) for e in row] for token in index.tolist()]
         rows = gated.reshape(n, heads * k, d)
         out = []
         for i, row in enumerate(ids):
@@ -281,13 +281,25 @@ class SwitchHeadAttention(nn.Module):
         if self.o_bias is not None:
             hf_init.zeros_(self.o_bias)
 
+    def _router_weight(self) -> torch.Tensor:
+        """Both routers' weights stacked; kept between calls while neither changes and no gradient is recorded."""
+        v, o = self.v_router.weight, self.o_router.weight
+        if torch.is_grad_enabled() and (v.requires_grad or o.requires_grad):
+            return torch.cat([v, o])
+        key = (v.data_ptr(), v._version, o.data_ptr(), o._version, v.dtype, v.device)
+        cached = getattr(self, "_router_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat([v, o]).detach())
+            self._router_cache = cached
+        return cached[1]
+
     def route(self, x: torch.Tensor) -> tuple[tuple, tuple]:
         """Both routers on x (N, D): ((value gates, indices), (output gates, indices)), in one matmul when the two
         select alike (they read the same token: the one that attends is the one whose value is computed)."""
         v, o = self.v_router, self.o_router
         if (v.experts, v.topk) != (o.experts, o.topk) or v.heads != o.heads:
             return v(x), o(x)
-        logits = F.linear(x, torch.cat([v.weight, o.weight])).view(x.shape[0], 2 * v.heads, v.experts)
+        logits = F.linear(x, self._router_weight()).view(x.shape[0], 2 * v.heads, v.experts)
         gates, index = select_experts(logits, v.topk)
         h = v.heads
         if index is None:
