@@ -414,6 +414,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None,
 
 def _run(opts: BenchOptions, engine, device: torch.device, log, partial=None) -> dict:
     started = time.time()
+    start_info = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                  "machine": machine_info(device, torch.get_num_threads())}  # load average at the start
     for spec in (opts.source, opts.converted):
         if hasattr(engine, "preflight"):
             engine.preflight(spec)
@@ -451,18 +453,18 @@ def _run(opts: BenchOptions, engine, device: torch.device, log, partial=None) ->
             results.append({"batch": batch, "context": context, "prefill_batch": prefill_batch, **summary,
                             "ratio": ratios(summary["source"], summary["converted"]), "rounds": rounds})
             if partial is not None:  # the report so far, after every batch x context (long runs)
-                partial(_report(opts, engine, device, handles, results, started))
-    report = _report(opts, engine, device, handles, results, started)
+                partial(_report(opts, engine, handles, results, started, start_info))
+    report = _report(opts, engine, handles, results, started, start_info)
     for h in handles.values():
         engine.close(h)
     return report
 
 
-def _report(opts: BenchOptions, engine, device: torch.device, handles: dict, results: list, started: float) -> dict:
+def _report(opts: BenchOptions, engine, handles: dict, results: list, started: float, start_info: dict) -> dict:
     models = {role: {k: v for k, v in h.items() if k not in ("model", "config")} for role, h in handles.items()}
     return {
         "command": "surgery bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": start_info["date"],
         "seconds": time.time() - started,
         "engine": engine.name,
         "dtype": opts.dtype,
@@ -471,7 +473,7 @@ def _report(opts: BenchOptions, engine, device: torch.device, handles: dict, res
         "replicate_prefill": opts.replicate_prefill,
         "batches": opts.batches,
         "contexts": opts.contexts,
-        "machine": machine_info(device, torch.get_num_threads()),
+        "machine": start_info["machine"],
         "models": models,
         "results": results,
     }
