@@ -164,7 +164,13 @@ class TransformersEngine:
         from .source import resolve_source
 
         source = resolve_source(spec)
-        if source.config.get("auto_map") and not self.trust:
+        try:  # surgery.trust: the toolkit's own code (hash-checked) runs without the flag
+            from .trust import resolve_trust
+        except ImportError:
+            resolve_trust = None
+        if resolve_trust is not None:
+            resolve_trust(source.folder, self.trust, "--trust-remote-code", spec)
+        elif source.config.get("auto_map") and not self.trust:
             raise SurgeryError(f"{spec} ships its own modeling code ({source.config.get('model_type')}): pass "
                                "--trust-remote-code to run it (only for folders written by this toolkit or code "
                                "you have read)")

@@ -97,6 +97,8 @@ def test_bench_custom_code_needs_trust_remote_code(pair, tmp_path):
     src, _ = pair
     th = tmp_path / "th"
     convert_to_talking_heads(resolve_source(str(src)), th, progress=False)
+    code = th / "modeling_talking_heads.py"  # edited: no longer the toolkit's own code, so only the flag runs it
+    code.write_text(code.read_text() + "\n# edited\n")
     result = surgery("bench", src, th, "--context", "8", "--new", "2", "--rounds", "1")
     assert_one_line_error(result, "--trust-remote-code")
     report = run_bench(BenchOptions(source=str(src), converted=str(th), contexts=[8], new=2, rounds=1, threads=1,
