@@ -273,6 +273,55 @@ def inspect(checkpoints, context, as_json, allow_pickle):
 
 
 @cli.command()
+@click.argument("source")
+@click.argument("converted")
+@click.option("--batch", "batches", default="1", show_default=True, help="Batch sizes, comma-separated (e.g. 1,8).")
+@click.option("--context", "contexts", default="512", show_default=True,
+              help="Prompt lengths (tokens), comma-separated (e.g. 512,2048).")
+@click.option("--new", type=int, default=16, show_default=True, help="Generated tokens (decode steps) per measurement.")
+@click.option("--rounds", type=int, default=3, show_default=True, help="Measured rounds per model (alternating).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
+@click.option("--threads", type=int, help="CPU threads (default: torch's).")
+@click.option("--engine", type=click.Choice(["transformers", "llama.cpp", "vllm"]), default="transformers",
+              show_default=True, help="Inference engine (llama.cpp: .gguf files, needs llama-cpp-python; vllm: CUDA).")
+@click.option("--trust-remote-code", is_flag=True, help="Run the modeling code a converted checkpoint ships.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompt tokens.")
+@click.option("--replicate-prefill", is_flag=True, help="For batch > 1: prefill one row and copy its KV cache to "
+              "the batch (decode numbers unchanged, prefill measured at batch 1: for slow machines).")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write every field and the raw rounds as JSON ('-' for stdout).")
+@click.option("--plot", type=click.Path(path_type=Path), help="Write a PNG of tokens/s against context.")
+def bench(source, converted, batches, contexts, new, rounds, dtype, device, threads, engine, trust_remote_code, seed,
+          replicate_prefill, json_out, plot):
+    """Measured speed and memory of CONVERTED against SOURCE: prefill and decode tokens/s, time per decode step,
+    KV-cache bytes and peak memory, at every --batch x --context, in alternating rounds (medians and spread).
+
+    Prints a table of converted/source ratios; numbers from a shared machine are only comparable within one run.
+    """
+    from surgery.bench import BenchOptions, parse_int_list, plot_bench, print_bench, require_engine, run_bench
+
+    require_engine(engine)
+    opts = BenchOptions(source=source, converted=converted, batches=parse_int_list(batches, "--batch"),
+                        contexts=parse_int_list(contexts, "--context"), new=new, dtype=dtype, device=device,
+                        threads=threads, rounds=rounds, engine=engine, trust_remote_code=trust_remote_code, seed=seed,
+                        replicate_prefill=replicate_prefill)
+    def write_json(report: dict) -> None:
+        if json_out and str(json_out) != "-":  # written beside, then renamed: never half a file
+            tmp = Path(json_out).with_name(Path(json_out).name + ".tmp")
+            tmp.write_text(json.dumps(report, indent=2) + "\n")
+            tmp.replace(json_out)
+
+    report = run_bench(opts, log=lambda line: click.echo(line, err=True), partial=write_json)
+    print_bench(report)
+    if str(json_out) == "-":
+        click.echo(json.dumps(report, indent=2))
+    else:
+        write_json(report)
+    if plot:
+        plot_bench(report, plot)
+
+
+@cli.command()
 @click.option("--out", type=click.Path(path_type=Path), default=Path("smollm2-mqa"), show_default=True)
 @click.option("--tokens", type=int, default=4096, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
@@ -343,8 +392,10 @@ def uptrain(model, out, **kw):
 @click.option("--message", help="Commit message (default: names the conversion).")
 @click.option("--check-report", "check_reports", multiple=True, type=click.Path(path_type=Path),
               help="A `surgery check --json` report to put in the model card (repeatable).")
+@click.option("--bench-report", type=click.Path(path_type=Path),
+              help="A `surgery bench --json` report to put in the model card (measured speed table).")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write the result (repo and commit URLs) as JSON.")
-def push(folder, repo_id, private, revision, exist_ok, message, check_reports, json_out):
+def push(folder, repo_id, private, revision, exist_ok, message, check_reports, bench_report, json_out):
     """Validate FOLDER and upload it to the hub as REPO_ID (owner/name).
 
     Refuses (exit 2) unless config.json loads, every shard the index lists exists, the files match the sha256
@@ -356,7 +407,8 @@ def push(folder, repo_id, private, revision, exist_ok, message, check_reports, j
     from surgery.publish.push import push_folder
 
     result = push_folder(folder, repo_id, private=private, revision=revision, exist_ok=exist_ok, message=message,
-                         check_reports=list(check_reports), log=click.echo)
+                         check_reports=list(check_reports), log=click.echo,
+                         bench_report=bench_report)
     click.echo(f"pushed {folder} to {result.repo_url} ({result.revision}): {result.commit_url}")
     if json_out:
         Path(json_out).write_text(json.dumps({"repo_id": repo_id, "repo_url": result.repo_url, "revision": result.revision,

@@ -142,6 +142,40 @@ def _write_dequantized(path: Path, folder: Path) -> None:
     with atomic_output_dir(folder, force=True) as tmp:
         clean.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        portable_tokenizer_config(tmp / "tokenizer_config.json")
+
+
+# transformers 5 names its fast tokenizer class TokenizersBackend (PreTrainedTokenizerFast is an alias of it) and
+# records how the files were loaded; transformers 4.x (e.g. the 4.57 that llama.cpp's convert_hf_to_gguf.py pins)
+# knows neither the class name nor needs the load-time keys.
+PORTABLE_TOKENIZER_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+
+
+def portable_tokenizer_config(path: Path) -> bool:
+    """Rewrite a tokenizer_config.json written by transformers 5 so that transformers 4.x and 5.x both load it;
+    returns whether the file changed (files that are not JSON objects are left alone)."""
+    path = Path(path)
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(config, dict):
+        return False
+    changed = False
+    if config.get("tokenizer_class") in PORTABLE_TOKENIZER_CLASSES:
+        config["tokenizer_class"] = PORTABLE_TOKENIZER_CLASSES[config["tokenizer_class"]]
+        changed = True
+    for key in MACHINE_TOKENIZER_KEYS:
+        if key in config:
+            del config[key]
+            changed = True
+    name = config.get("name_or_path")
+    if isinstance(name, str) and name.startswith(("/", "~", ".")):  # a local path, not a hub id
+        del config["name_or_path"]
+        changed = True
+    if changed:
+        path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return changed
 
 
 # Keys transformers writes into tokenizer_config.json that describe the machine it ran on, not the tokenizer.
@@ -156,17 +190,16 @@ def public_config(config: dict) -> dict:
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy tokenizer, generation config and licence files; returns the names copied.
-
-    tokenizer_config.json loses the keys that describe the machine it was saved on (MACHINE_TOKENIZER_KEYS)."""
+    """Copy tokenizer, generation config and licence files; returns the names copied. tokenizer_config.json is made
+    loadable by transformers 4.x as well as 5.x, without the keys that describe the machine it was saved on (see
+    portable_tokenizer_config)."""
     copied = []
     for pattern in SIDE_FILE_PATTERNS:
         for f in sorted(Path(src).glob(pattern)):
             if f.is_file() and not (Path(dst) / f.name).exists():
+                shutil.copy2(f, Path(dst) / f.name)
                 if f.name == "tokenizer_config.json":
-                    _copy_tokenizer_config(f, Path(dst) / f.name)
-                else:
-                    shutil.copy2(f, Path(dst) / f.name)
+                    portable_tokenizer_config(Path(dst) / f.name)
                 copied.append(f.name)
     return copied
 
@@ -225,18 +258,3 @@ def custom_code_files(folder: Path, config: dict, provided: tuple[str, ...] = ()
             if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
                 todo.append(node.module)
     return sorted(files)
-
-
-def _copy_tokenizer_config(src: Path, dst: Path) -> None:
-    try:
-        config = json.loads(src.read_text())
-    except (OSError, ValueError):
-        config = None
-    if not isinstance(config, dict):  # not ours to repair: copied as it is
-        shutil.copy2(src, dst)
-        return
-    name = config.get("name_or_path")
-    if isinstance(name, str) and name.startswith(("/", "~", ".")):
-        del config["name_or_path"]
-    dst.write_text(json.dumps({k: v for k, v in config.items() if k not in MACHINE_TOKENIZER_KEYS}, indent=2,
-                              ensure_ascii=False) + "\n")

@@ -172,13 +172,16 @@ def naive_values(w, b, x, gates, index):
     return (y * chosen.unsqueeze(-1)).sum(2)
 
 
-def test_expert_computation_is_conditional():
+@pytest.mark.parametrize("n", [1, 3, 50])  # 1 and 3: one matmul per selected (token, expert); 50: tokens sorted by expert
+def test_expert_computation_is_conditional(n):
     from torch.utils.flop_counter import FlopCounterMode
 
+    from surgery.switchhead import modeling_switchhead as msh
     from surgery.switchhead.modeling_switchhead import SigmaMoERouter, SwitchHeadExperts
 
+    assert (n <= msh.FEW_TOKENS) == (n < 50)
     gen = torch.Generator().manual_seed(0)
-    n, heads, n_exp, d, dim = 50, 3, 4, 8, 32
+    heads, n_exp, d, dim = 3, 4, 8, 32
     x = torch.randn(n, dim, generator=gen)
     v, o = SwitchHeadExperts(heads, n_exp, dim, d, bias=True), SwitchHeadExperts(heads, n_exp, d, dim, bias=False)
     with torch.no_grad():
@@ -387,3 +390,25 @@ def test_bad_sources(llama, tmp_path):
     with pytest.raises(SurgeryError, match="cannot load the tokenizer"):
         convert(no_tokenizer, tmp_path / "bare-sh", 4, 2, 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bare", "olmo2", "sh"]
+
+
+def test_routers_in_one_matmul_follow_weight_changes():
+    """Both routers run as one matmul on a stacked weight kept between calls: it must equal the two routers run
+    apart, and follow in-place changes of either weight (uptraining, refits)."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    config = tm.ARCHS["llama"]()
+    config.switchhead = {"heads": 2, "experts": 4, "topk": 2, "head_dim": 8}
+    attn = SwitchHeadAttention(LlamaAttention(config, layer_idx=0), config, config.switchhead)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, config.hidden_size, generator=gen)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(generator=gen)
+        for step in range(2):
+            (gv, iv), (go, io) = attn.route(x)
+            for (g, i), router in (((gv, iv), attn.v_router), ((go, io), attn.o_router)):
+                g_ref, i_ref = router(x)
+                assert torch.equal(i.sort(-1).values, i_ref.sort(-1).values)
+                assert torch.allclose(g.sort(-1).values, g_ref.sort(-1).values)
+            attn.o_router.weight.mul_(-1)  # in place: the next step checks the stacked weight was rebuilt

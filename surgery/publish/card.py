@@ -208,12 +208,28 @@ def usage_section(v: Validation, repo_id: str) -> list[str]:
     return lines
 
 
-def build_card(v: Validation, repo_id: str, reports: list[tuple[str, dict]] = ()) -> str:
+def bench_section(bench: dict | None) -> list[str]:
+    """The measured speed table of a `surgery bench --json` report."""
+    if not bench:
+        return []
+    from ..bench import markdown_table
+
+    m = bench.get("machine", {})
+    where = m.get("gpu") or f"{m.get('processor', 'CPU')}, {m.get('threads')} threads"
+    lines = ["## Measured speed", "",
+             f"`surgery bench` ({bench.get('engine')}, {bench.get('dtype')}, {where}, {bench.get('date', '')[:10]}): "
+             f"medians of {bench.get('rounds')} alternating rounds, {bench.get('new_tokens')} generated tokens; "
+             "ratios are converted / source.", ""]
+    return lines + markdown_table(bench) + [""]
+
+
+def build_card(v: Validation, repo_id: str, reports: list[tuple[str, dict]] = (), bench: dict | None = None) -> str:
     info = source_info(v.record)
     meta = metadata(v, info)
     body = [f"# {repo_id.split('/')[-1]}", ""]
     body += conversion_section(v, info)
     body += check_section(list(reports))
+    body += bench_section(bench)
     body += uptraining_section(v)
     body += usage_section(v, repo_id)
     body += ["`surgery.json` in this repository records the source (and the sha256 of its files), the conversion "

@@ -81,7 +81,7 @@ def upload_operations(folder: Path, card_text: str | None) -> list:
 
 def push_folder(folder: Path, repo_id: str, private: bool = False, revision: str | None = None,
                 exist_ok: bool = False, message: str | None = None, check_reports: list[Path] = (),
-                log=print) -> PushResult:
+                log=print, bench_report: Path | None = None) -> PushResult:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -91,10 +91,15 @@ def push_folder(folder: Path, repo_id: str, private: bool = False, revision: str
     token = _token()  # before validating: hashing a large folder first only to learn there is no token wastes time
     validation = validate_folder(folder)
     reports = load_reports(list(check_reports))
+    bench = None
+    if bench_report is not None:
+        from ..bench import load_report
+
+        bench = load_report(bench_report)
 
     card = folder / "README.md"
     card_written = not card.exists() or MARKER in card.read_text(errors="replace")
-    card_text = build_card(validation, repo_id, reports) if card_written else None
+    card_text = build_card(validation, repo_id, reports, bench=bench) if card_written else None
     if card_written:
         log(f"model card: generated, uploaded as README.md ({folder} itself is not modified)")
     record = validation.record or {}

@@ -16,9 +16,11 @@ SwitchHeadLlamaForCausalLM, made on first use for any architecture) with every s
       a_h     = attention(q_h, k_h, v_h)                                 (one attention map per head)
       y(x)    = Σ_h Σ_{e ∈ topk(s_o,h(x))} s_o,h,e(x) · O_h,e a_h(x) + b_o
 
-Only the selected experts are computed: the (token, head, slot) assignments are sorted by expert, each expert
-multiplies the rows routed to it (gather), and the results are added back to their tokens (scatter). With k = E
-every expert is selected and one dense matmul does the same work.
+Only the selected experts are computed. For a few tokens (decode) the selected experts' weights are gathered per
+token and applied in one batched matmul; for many (prefill) the (token, head, slot) assignments are sorted by
+expert, each expert multiplies the rows routed to it (gather), and the results are added back to their tokens
+(scatter), expert by expert so that each expert's rows stay in cache. With k = E every expert is selected and one
+dense matmul does the same work.
 """
 
 from __future__ import annotations
@@ -103,10 +105,8 @@ class SigmaMoERouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (N, D) -> gates (N, H, k) and expert indices (N, H, k); indices None when every expert is selected."""
-        scores = torch.sigmoid(F.linear(x, self.weight)).view(x.shape[0], self.heads, self.experts)
-        if self.topk >= self.experts:
-            return scores, None
-        return scores.topk(self.topk, dim=-1, sorted=False)
+        logits = F.linear(x, self.weight).view(x.shape[0], self.heads, self.experts)
+        return select_experts(logits, self.topk)
 
     @torch.no_grad()
     def reset_parameters(self, std: float) -> None:
@@ -114,6 +114,15 @@ class SigmaMoERouter(nn.Module):
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, experts={self.experts}, topk={self.topk}"
+
+
+def select_experts(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Router logits (N, H, E) -> gates sigmoid(logit) of the top-k experts and their indices (None: all selected).
+    The sigmoid is monotonic, so the top-k logits are the top-k scores and only k sigmoids are computed."""
+    if topk >= logits.shape[-1]:
+        return torch.sigmoid(logits), None
+    top, index = logits.topk(topk, dim=-1, sorted=False)
+    return torch.sigmoid(top), index
 
 
 class SwitchHeadExperts(nn.Module):
@@ -135,15 +144,27 @@ class SwitchHeadExperts(nn.Module):
         return f"heads={h}, experts={e}, in_features={i}, out_features={o}, bias={self.bias is not None}"
 
 
+# Up to this many tokens per call (decode steps of small batches) each selected (token, expert) pair is one small
+# matmul on the expert's own weights (read in place: at decode the cost is reading weights, and gathering them into
+# a batch would copy them first); above it (prefill) the (token, head, slot) assignments are sorted by expert and
+# each expert multiplies the rows routed to it in one matmul. Both compute exactly the selected experts (cost ∝ k).
+FEW_TOKENS = 4
+
+
 def dispatch(index: torch.Tensor, experts: int) -> tuple[torch.Tensor, list[int]]:
     """Sort the N*H*k (token, head, slot) assignments of `index` (N, H, k) by expert h*E+e.
 
     Returns the order (positions in the flattened (N, H, k) index, grouped by expert) and the rows per expert."""
-    n, heads, k = index.shape
-    flat = (index + torch.arange(heads, device=index.device).view(1, heads, 1) * experts).reshape(-1)
+    flat = flat_expert_index(index, experts).reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=heads * experts).tolist()
+    counts = torch.bincount(flat, minlength=index.shape[1] * experts).tolist()
     return order, counts
+
+
+def flat_expert_index(index: torch.Tensor, experts: int) -> torch.Tensor:
+    """(N, H, k) expert numbers per head -> (N, H, k) numbers h*E+e among all H*E experts."""
+    heads = index.shape[1]
+    return index + torch.arange(0, heads * experts, experts, device=index.device).view(1, heads, 1)
 
 
 def expert_values(experts: SwitchHeadExperts, x: torch.Tensor, gates: torch.Tensor,
@@ -158,17 +179,26 @@ def expert_values(experts: SwitchHeadExperts, x: torch.Tensor, gates: torch.Tens
             y = y + b
         return (y * gates.unsqueeze(-1)).sum(2)
     k = index.shape[-1]
+    if n <= FEW_TOKENS:  # decode: each selected expert's weights multiply their token directly
+        wf, bf = w.reshape(heads * n_exp, d, dim), None if b is None else b.reshape(heads * n_exp, d)
+        ids = [[h * n_exp + e for h, row in enumerate(token) for e in row] for token in index.tolist()]
+        y = torch.cat([F.linear(x[i : i + 1], wf[j], None if bf is None else bf[j])
+                       for i, row in enumerate(ids) for j in row])
+        return (y.view(n, heads, k, d) * gates.unsqueeze(-1)).sum(2)
     order, counts = dispatch(index, n_exp)
     rows = order // k  # token * H + head
-    xs = x.index_select(0, rows // heads)  # gather
-    parts, start = [], 0
-    for j, count in enumerate(counts):
+    tokens = rows // heads
+    g = gates.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
+    out = x.new_zeros(n * heads, d)
+    start = 0
+    for j, count in enumerate(counts):  # grouped GEMM: each expert multiplies the rows routed to it
         if count:
             h, e = divmod(j, n_exp)
-            parts.append(F.linear(xs[start : start + count], w[h, e], None if b is None else b[h, e]))
+            part = slice(start, start + count)
+            y = F.linear(x.index_select(0, tokens[part]), w[h, e], None if b is None else b[h, e])
+            out.index_add_(0, rows[part], y * g[part])
             start += count
-    y = torch.cat(parts) * gates.reshape(-1)[order].unsqueeze(-1)
-    return x.new_zeros(n * heads, d).index_add_(0, rows, y.to(x.dtype)).view(n, heads, d)  # scatter
+    return out.view(n, heads, d)
 
 
 def expert_outputs(experts: SwitchHeadExperts, a: torch.Tensor, gates: torch.Tensor,
@@ -181,17 +211,31 @@ def expert_outputs(experts: SwitchHeadExperts, a: torch.Tensor, gates: torch.Ten
         z = (a.unsqueeze(2) * gates.unsqueeze(-1)).reshape(n, heads * n_exp * d)
         return F.linear(z, w.permute(2, 0, 1, 3).reshape(dim, heads * n_exp * d))
     k = index.shape[-1]
+    gated = a.unsqueeze(2) * gates.unsqueeze(-1).to(a.dtype)  # (N, H, k, d): the gate applied on the small side
+    if n <= FEW_TOKENS:  # decode: each selected expert's weights multiply their token's gated head output
+        wf = w.reshape(heads * n_exp, dim, d)
+        ids = [[h * n_exp + e for h, row in enumerate(token) for e in row] for token in index.tolist()]
+        rows = gated.reshape(n, heads * k, d)
+        out = []
+        for i, row in enumerate(ids):
+            y = None
+            for slot, j in enumerate(row):
+                z = rows[i, slot : slot + 1]
+                y = F.linear(z, wf[j]) if y is None else torch.addmm(y, z, wf[j].t())
+            out.append(y)
+        return torch.cat(out)
     order, counts = dispatch(index, n_exp)
-    rows = order // k  # token * H + head
-    zs = a.reshape(n * heads, d).index_select(0, rows)  # gather
-    parts, start = [], 0
-    for j, count in enumerate(counts):
+    tokens = order // (k * heads)
+    gated = gated.reshape(n * heads * k, d)
+    out = a.new_zeros(n, dim)
+    start = 0
+    for j, count in enumerate(counts):  # grouped GEMM: each expert multiplies the rows routed to it
         if count:
             h, e = divmod(j, n_exp)
-            parts.append(F.linear(zs[start : start + count], w[h, e]))
+            part = slice(start, start + count)
+            out.index_add_(0, tokens[part], F.linear(gated.index_select(0, order[part]), w[h, e]))
             start += count
-    y = torch.cat(parts) * gates.reshape(-1)[order].unsqueeze(-1)
-    return a.new_zeros(n, dim).index_add_(0, rows // heads, y.to(a.dtype))  # scatter
+    return out
 
 
 # --- the attention module ------------------------------------------------------------------------------------------
@@ -250,8 +294,33 @@ class SwitchHeadAttention(nn.Module):
         if self.o_bias is not None:
             hf_init.zeros_(self.o_bias)
 
+    def _router_weight(self) -> torch.Tensor:
+        """Both routers' weights stacked; kept between calls while neither changes and no gradient is recorded."""
+        v, o = self.v_router.weight, self.o_router.weight
+        if torch.is_grad_enabled() and (v.requires_grad or o.requires_grad):
+            return torch.cat([v, o])
+        key = (v.data_ptr(), v._version, o.data_ptr(), o._version, v.dtype, v.device)
+        cached = getattr(self, "_router_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat([v, o]).detach())
+            self._router_cache = cached
+        return cached[1]
+
+    def route(self, x: torch.Tensor) -> tuple[tuple, tuple]:
+        """Both routers on x (N, D): ((value gates, indices), (output gates, indices)), in one matmul when the two
+        select alike (they read the same token: the one that attends is the one whose value is computed)."""
+        v, o = self.v_router, self.o_router
+        if (v.experts, v.topk) != (o.experts, o.topk) or v.heads != o.heads:
+            return v(x), o(x)
+        logits = F.linear(x, self._router_weight()).view(x.shape[0], 2 * v.heads, v.experts)
+        gates, index = select_experts(logits, v.topk)
+        h = v.heads
+        if index is None:
+            return (gates[:, :h], None), (gates[:, h:], None)
+        return (gates[:, :h], index[:, :h]), (gates[:, h:], index[:, h:])
+
     def attend(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
-               past_key_values=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               past_key_values=None, value_routing=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Everything up to the output experts: the attention output of every head (b*t, H, d), the input
         flattened to (b*t, D) (what the output router reads) and the attention weights (when computed)."""
         b, t, dim = hidden_states.shape
@@ -263,7 +332,8 @@ class SwitchHeadAttention(nn.Module):
             q_norm, k_norm = (getattr(self, name) for name in self._qk_norm_names)
             query, key = q_norm(query), k_norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
-        value = expert_values(self.v_experts, x, *self.v_router(x)).view(b, t, heads, d).transpose(1, 2)
+        routing = value_routing if value_routing is not None else self.v_router(x)
+        value = expert_values(self.v_experts, x, *routing).view(b, t, heads, d).transpose(1, 2)
         if position_embeddings is not None and self._apply_rotary is not None and self.use_rope:
             cos, sin = position_embeddings
             rot = cos.shape[-1]
@@ -294,9 +364,10 @@ class SwitchHeadAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
+        value_routing, output_routing = self.route(hidden_states.reshape(-1, hidden_states.shape[-1]))
         heads_out, x, weights = self.attend(hidden_states, position_embeddings, attention_mask, past_key_values,
-                                            **kwargs)
-        y = expert_outputs(self.o_experts, heads_out, *self.o_router(x))
+                                            value_routing=value_routing, **kwargs)
+        y = expert_outputs(self.o_experts, heads_out, *output_routing)
         if self.o_bias is not None:
             y = y + self.o_bias
         y = y.view(hidden_states.shape)

@@ -163,14 +163,28 @@ def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x[:, :, None].expand(b, kv, heads // kv, s, d).reshape(b, heads, s, d)
 
 
-def _key_range(mask: torch.Tensor | None, keys: int) -> tuple[int, int]:
-    """The keys [lo, hi) that some query of this block may attend to (all of them for float or no masks)."""
-    if mask is None or mask.dtype != torch.bool:
-        return 0, keys
-    visible = mask.flatten(0, -2).any(0).nonzero()
+def _key_range(mask: torch.Tensor | None, keys: int) -> tuple[int, int, int, int]:
+    """For the boolean mask of one query block: the keys [lo, hi) that some query may attend to, and the keys
+    [mlo, mhi) inside it that some query may not (only they need masking; mlo == mhi: nothing to mask). Float or no
+    masks: all keys, all masked (a float mask is added where it applies)."""
+    if mask is None:
+        return 0, keys, 0, 0
+    if mask.dtype != torch.bool:
+        return 0, keys, 0, keys
+    rows = mask.flatten(0, -2)
+    visible = rows.any(0).nonzero()
     if visible.numel() == 0:
-        return 0, keys
-    return int(visible[0]), int(visible[-1]) + 1
+        return 0, keys, 0, keys
+    lo, hi = int(visible[0]), int(visible[-1]) + 1
+    partial = (~rows[:, lo:hi].all(0)).nonzero()
+    if partial.numel() == 0:
+        return lo, hi, lo, lo
+    return lo, hi, lo + int(partial[0]), lo + int(partial[-1]) + 1
+
+
+# Rows of one attention block: the block's scores (heads x rows x keys) are kept near this many elements, so that
+# the passes over them (mixing, masking, softmax, mixing) stay in cache; `chunk_size` remains the upper bound.
+BLOCK_ELEMENTS = 2**21
 
 
 # --- the attention function and its mask -------------------------------------------------------------------------
@@ -191,8 +205,12 @@ def talking_heads_attention(
     """
     mixer: TalkingHeadsMixing | None = getattr(module, "talking_heads", None)
     b, h, t, d = query.shape
-    keys = key.shape[-2]
-    key, value = _repeat_kv(key, h), _repeat_kv(value, h)
+    keys, kv = key.shape[-2], key.shape[1]
+    # Grouped-query attention with the heads as they are: each K/V head serves its group of h / kv query heads in
+    # one matmul (no copy of the keys and values for every query head).
+    grouped = kv < h and (mixer is None or (mixer.heads_logits == h and mixer.heads_weights == h))
+    if not grouped:
+        key, value = _repeat_kv(key, h), _repeat_kv(value, h)
     scaling = d**-0.5 if scaling is None else scaling
     if attention_mask is None and getattr(module, "is_causal", False) and t > 1:
         attention_mask = torch.ones(t, keys, dtype=torch.bool, device=query.device).tril(keys - t)[None, None]
@@ -204,27 +222,41 @@ def talking_heads_attention(
         query, key, value = mixer.query_key_heads(query), mixer.query_key_heads(key), mixer.value_heads(value)
         logits_mix, weights_mix = mixer.logits_mix, mixer.weights_mix
         chunk = mixer.chunk_size or t
-    heads_v, value_dim = value.shape[1], value.shape[-1]
+    chunk = max(1, min(chunk, BLOCK_ELEMENTS // (max(h, query.shape[1]) * max(keys, 1))))
+    query = query * scaling  # once on the queries instead of on every block's scores
+    heads_v, value_dim = (h if grouped else value.shape[1]), value.shape[-1]
     out = query.new_empty(b, t, heads_v, value_dim)
     min_value = torch.finfo(query.dtype).min
     for start in range(0, t, chunk):
         stop = min(t, start + chunk)
         mask = None if attention_mask is None else attention_mask[:, :, start:stop]
-        lo, hi = _key_range(mask, keys)
-        scores = torch.matmul(query[:, :, start:stop], key[:, :, lo:hi].transpose(-1, -2)).mul_(scaling)
+        lo, hi, mlo, mhi = _key_range(mask, keys)
+        block = query[:, :, start:stop]
+        if grouped:  # (b, h, c, d) -> (b, kv, h/kv * c, d): the query heads of a group share their keys
+            block = block.reshape(b, kv, (h // kv) * (stop - start), d)
+        scores = torch.matmul(block, key[:, :, lo:hi].transpose(-1, -2))
+        if grouped:
+            scores = scores.view(b, h, stop - start, hi - lo)
         if logits_mix is not None:
             scores = _mix(scores, logits_mix)
         if softcap is not None:  # out of place: tanh's backward needs its output
             scores = torch.tanh(scores / softcap) * softcap
-        if mask is not None:
-            mask = mask[..., lo:hi]
-            scores = scores.masked_fill_(~mask, min_value) if mask.dtype == torch.bool else scores.add_(mask)
+        if mhi > mlo:  # only the keys that some query of the block may not see
+            part = mask[..., mlo:mhi]
+            if part.dtype == torch.bool:
+                scores[..., mlo - lo : mhi - lo].masked_fill_(~part, min_value)
+            else:
+                scores[..., mlo - lo : mhi - lo].add_(part)
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         del scores
         if weights_mix is not None:
             weights = _mix(weights, weights_mix)
         weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-        out[:, start:stop] = torch.matmul(weights, value[:, :, lo:hi]).transpose(1, 2)
+        if grouped:
+            rows = weights.reshape(b, kv, (h // kv) * (stop - start), hi - lo)
+            out[:, start:stop] = torch.matmul(rows, value[:, :, lo:hi]).view(b, h, stop - start, -1).transpose(1, 2)
+        else:
+            out[:, start:stop] = torch.matmul(weights, value[:, :, lo:hi]).transpose(1, 2)
     return out, None
 
 

@@ -1,0 +1,109 @@
+"""Measured speed of each conversion of one source, through `surgery bench`, next to the decode limit set by the
+bytes each decode step reads.
+
+    python benchmarks/bench_speed.py --work DIR                      # SmolLM2-135M -> mqa, switchhead, talking-heads
+    python benchmarks/bench_speed.py --work DIR --kinds mqa --batch 1,8 --context 2048,8192 --replicate-prefill
+    python benchmarks/bench_speed.py --work DIR --report-only         # tables from the JSON files already in DIR
+
+For every kind: converts SOURCE into DIR/KIND unless it is there (`surgery convert`), runs `surgery bench SOURCE
+DIR/KIND --json DIR/KIND.json ...` (both models in one process, alternating rounds, medians), and prints a Markdown
+table per kind. The decode limit: a decode step of a small model on CPU is bound by the bytes it reads, the
+weights plus the KV cache of the batch, so the best possible decode speed-up is
+(weights + KV of the source) / (weights + KV of the conversion), with both KV sizes measured by `surgery bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONVERT = {"mqa": ["--to", "mqa"],
+           "switchhead": ["--to", "switchhead", "--heads", "3", "--experts", "3", "--topk", "2",
+                          "--calib-tokens", "2048"],
+           "talking-heads": ["--to", "talking-heads"]}
+
+
+def surgery(*args: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-m", "cli", *args], cwd=REPO, env=env, check=True)
+
+
+def weight_bytes(folder: str) -> int:
+    """Bytes of the weights a forward pass reads (tied embeddings once), from the safetensors headers."""
+    from safetensors import safe_open
+
+    total, seen = 0, set()
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for name in st.keys():
+                t = st.get_slice(name)
+                n = 1
+                for s in t.get_shape():
+                    n *= s
+                size = {"F32": 4, "F16": 2, "BF16": 2}.get(t.get_dtype(), 4)
+                total += n * size
+                seen.add(name)
+    return total
+
+
+def table(report: dict) -> list[str]:
+    src_w = weight_bytes(report["models"]["source"]["folder"])
+    conv_w = weight_bytes(report["models"]["converted"]["folder"])
+    lines = ["| batch | context | prefill tok/s source → converted | prefill × | decode tok/s source → converted "
+             "| decode × | decode limit (bytes/step) | KV cache × | spread (decode, src/conv) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in report["results"]:
+        s, c, r = row["source"], row["converted"], row["ratio"]
+        kv_s, kv_c = s["kv_cache_bytes"]["median"], c["kv_cache_bytes"]["median"]
+        limit = (src_w + kv_s) / (conv_w + kv_c)
+        pb = f" (batch {row['prefill_batch']})" if row.get("prefill_batch", row["batch"]) != row["batch"] else ""
+        lines.append(
+            f"| {row['batch']} | {row['context']} | {s['prefill_tokens_per_s']['median']:,.0f} → "
+            f"{c['prefill_tokens_per_s']['median']:,.0f}{pb} | {r['prefill_tokens_per_s']:.2f}x | "
+            f"{s['decode_tokens_per_s']['median']:.2f} → {c['decode_tokens_per_s']['median']:.2f} | "
+            f"{r['decode_tokens_per_s']:.2f}x | {limit:.2f}x | {r['kv_cache_bytes']:.3f}x | "
+            f"±{50 * s['decode_tokens_per_s']['spread']:.0f}% / ±{50 * c['decode_tokens_per_s']['spread']:.0f}% |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", default="smollm2")
+    parser.add_argument("--work", type=Path, required=True, help="folder for the conversions and the JSON reports")
+    parser.add_argument("--kinds", default="mqa,switchhead,talking-heads")
+    parser.add_argument("--batch", default="1")
+    parser.add_argument("--context", default="1024,2048")
+    parser.add_argument("--new", default="8")
+    parser.add_argument("--rounds", default="3")
+    parser.add_argument("--threads", default="1")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--replicate-prefill", action="store_true")
+    parser.add_argument("--report-only", action="store_true", help="only print the tables of existing reports")
+    args = parser.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    for kind in args.kinds.split(","):
+        out, report = args.work / kind, args.work / f"{kind}.json"
+        if not args.report_only:
+            if not (out / "config.json").exists():
+                surgery("convert", args.source, *CONVERT[kind], "--out", str(out))
+            extra = ["--trust-remote-code"] if kind != "mqa" else []
+            extra += ["--replicate-prefill"] if args.replicate_prefill else []
+            surgery("bench", args.source, str(out), "--batch", args.batch, "--context", args.context, "--new", args.new,
+                    "--rounds", args.rounds, "--threads", args.threads, "--device", args.device, "--json", str(report),
+                    "--plot", str(args.work / f"{kind}.png"), *extra)
+        data = json.loads(report.read_text())
+        m = data["machine"]
+        print(f"\n### {kind}: `{data['command']}`\n\n{data['date']}, {m['processor']} ({m['cpu_count']} cores, "
+              f"load average {', '.join(f'{x:.1f}' for x in m.get('load_average', []))} at the start), "
+              f"{m['threads']} thread(s), {data['engine']} {m['transformers']}, torch {m['torch']}, {data['dtype']}, "
+              f"{data['rounds']} alternating rounds, {data['new_tokens']} new tokens\n")
+        print("\n".join(table(data)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,594 @@
+"""`surgery bench`: measured speed and memory of a converted checkpoint against its source, in one run.
+
+Both models are loaded once into this process, warmed up, and then measured in alternating rounds (source first in
+even rounds, converted first in odd ones) for every batch x context, so that whatever else runs on the machine hits
+both alike. Each measurement: a prefill of `batch x context` random tokens (the same for both models) that fills
+a fresh KV cache, then `new` single-token decode steps on that cache. Recorded per round: prefill seconds, decode
+seconds per step, the bytes of the KV cache after the prefill, and the peak memory of the prefill + decode
+(CUDA: torch.cuda.max_memory_allocated above what was allocated before; CPU: the kernel's peak RSS (VmHWM, reset
+through /proc/self/clear_refs) above the RSS before — Linux only, None elsewhere). The report keeps every raw
+round; medians, min/max and the converted/source ratios of the medians are computed from them.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .errors import SurgeryError
+
+ENGINES = ("transformers", "llama.cpp", "vllm")
+ENGINE_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python"), "vllm": ("vllm", "vllm")}
+METRICS = ("prefill_s", "prefill_tokens_per_s", "decode_step_s", "decode_tokens_per_s", "kv_cache_bytes",
+           "peak_memory_bytes")
+# For the table: which way is better (True: higher).
+HIGHER_IS_BETTER = {"prefill_tokens_per_s": True, "decode_tokens_per_s": True, "prefill_s": False,
+                    "decode_step_s": False, "kv_cache_bytes": False, "peak_memory_bytes": False}
+
+
+@dataclass
+class BenchOptions:
+    source: str
+    converted: str
+    batches: list[int] = field(default_factory=lambda: [1])
+    contexts: list[int] = field(default_factory=lambda: [512])
+    new: int = 16
+    dtype: str = "float32"
+    device: str = "auto"
+    threads: int | None = None
+    rounds: int = 3
+    engine: str = "transformers"
+    trust_remote_code: bool = False
+    seed: int = 0
+    replicate_prefill: bool = False  # batch > 1: prefill one row, copy its cache to the batch (decode only)
+
+
+def parse_int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise SurgeryError(f"{name} takes comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SurgeryError(f"{name} takes comma-separated positive integers, got {text!r}")
+    return values
+
+
+def require_engine(engine: str) -> None:
+    """Refuse (one line, exit 2) an engine that is not known or not installed."""
+    if engine not in ENGINES:
+        raise SurgeryError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+    if engine in ENGINE_PACKAGES:
+        module, package = ENGINE_PACKAGES[engine]
+        import importlib.util
+
+        if importlib.util.find_spec(module) is None:
+            raise SurgeryError(f"--engine {engine} needs the {package} package, which is not installed "
+                               f"(pip install {package})")
+
+
+# --- memory -----------------------------------------------------------------------------------------------------
+def _status_bytes(key: str) -> int | None:
+    try:
+        match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
+class PeakMemory:
+    """Peak memory above the starting point of a `with` block, on CUDA or (Linux) CPU; `bytes` is None when the
+    platform cannot tell."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.bytes = device, None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            try:
+                Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+                self._start = _status_bytes("VmRSS")
+            except OSError:
+                self._start = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._start
+        elif self._start is not None:
+            peak = _status_bytes("VmHWM")
+            self.bytes = None if peak is None else max(0, peak - self._start)
+        return False
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- engines ----------------------------------------------------------------------------------------------------
+def cache_bytes(cache) -> int:
+    """Bytes of the key/value tensors a transformers cache holds."""
+    total = 0
+    layers = getattr(cache, "layers", None)
+    if layers is None:  # an EncoderDecoderCache
+        inner = getattr(cache, "self_attention_cache", None)
+        layers = getattr(inner, "layers", [])
+    for layer in layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def kv_bytes_from_config(config: dict, tokens: int, element_size: int) -> int:
+    """KV-cache bytes for `tokens` tokens by the config (engines that do not expose their cache tensors)."""
+    text = config.get("text_config") or config
+    layers = int(text.get("num_hidden_layers") or text.get("n_layer"))
+    heads = int(text.get("num_attention_heads") or text.get("n_head"))
+    kv = int(text.get("num_key_value_heads") or heads)
+    head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+    if text.get("switchhead"):
+        kv, head_dim = int(text["switchhead"]["heads"]), int(text["switchhead"]["head_dim"])
+    return 2 * layers * kv * head_dim * tokens * element_size
+
+
+class TransformersEngine:
+    """transformers' model classes: sdpa for standard models, the checkpoint's own code for converted kinds."""
+
+    name = "transformers"
+
+    def __init__(self, device: torch.device, dtype: str, trust_remote_code: bool):
+        from transformers.utils import logging as hf_logging
+
+        self.device, self.dtype, self.trust = device, dtype, trust_remote_code
+        hf_logging.disable_progress_bar()
+
+    def preflight(self, spec: str) -> None:
+        """Refuse before anything is loaded."""
+        from .source import resolve_source
+
+        source = resolve_source(spec)
+        try:  # surgery.trust: the toolkit's own code (hash-checked) runs without the flag
+            from .trust import resolve_trust
+        except ImportError:
+            resolve_trust = None
+        if resolve_trust is not None:
+            resolve_trust(source.folder, self.trust, "--trust-remote-code", spec)
+        elif source.config.get("auto_map") and not self.trust:
+            raise SurgeryError(f"{spec} ships its own modeling code ({source.config.get('model_type')}): pass "
+                               "--trust-remote-code to run it (only for folders written by this toolkit or code "
+                               "you have read)")
+
+    def load(self, spec: str, role: str):
+        from .check import load_model
+        from .source import resolve_source
+
+        self.preflight(spec)
+        source = resolve_source(spec)
+        custom = bool(source.config.get("auto_map"))
+        model = load_model(source, self.device, self.dtype, trust_remote_code=custom,
+                           attn_implementation=None if custom else "sdpa")
+        if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (model.config.architectures or [])):
+            raise SurgeryError(f"{spec} is not a causal language model: bench measures prefill and decode")
+        return {"model": model, "spec": spec, "folder": str(source.folder), "custom_code": custom,
+                "model_type": source.config.get("model_type"),
+                "attention": getattr(model.config, "_attn_implementation", None),
+                "vocab_size": int(model.config.get_text_config().vocab_size),
+                "max_positions": _max_positions(model.config)}
+
+    @torch.no_grad()
+    def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor, replicate: bool = False) -> dict:
+        model, device = handle["model"], self.device
+        ids, next_ids = ids.to(device), next_ids.to(device)
+        batch = ids.shape[0]
+        steps = []
+        with PeakMemory(device) as peak:
+            _sync(device)
+            start = time.perf_counter()
+            out = model(input_ids=ids[:1] if replicate else ids, use_cache=True, logits_to_keep=1)
+            _sync(device)
+            prefill = time.perf_counter() - start
+            cache = out.past_key_values
+            if replicate and batch > 1:  # the same prompt in every row: decode costs do not depend on the tokens
+                cache.batch_repeat_interleave(batch)
+            kv = cache_bytes(cache)
+            del out
+            for j in range(next_ids.shape[1]):
+                start = time.perf_counter()
+                model(input_ids=next_ids[:, j : j + 1], past_key_values=cache, use_cache=True)
+                _sync(device)
+                steps.append(time.perf_counter() - start)
+            del cache
+        return {"prefill_s": prefill, "decode_steps_s": steps, "kv_cache_bytes": kv, "peak_memory_bytes": peak.bytes}
+
+    def close(self, handle: dict) -> None:
+        handle.pop("model", None)
+
+
+class LlamaCppEngine:
+    """llama-cpp-python on a GGUF file (SOURCE/CONVERTED given as .gguf files, e.g. written by llama.cpp's
+    convert_hf_to_gguf.py). Batch 1 only; the KV cache is counted from the GGUF's metadata (f16 cache)."""
+
+    name = "llama.cpp"
+
+    def __init__(self, device: torch.device, dtype: str, threads: int | None, max_tokens: int):
+        self.threads, self.max_tokens = threads, max_tokens
+        self.gpu_layers = -1 if device.type == "cuda" else 0
+
+    def load(self, spec: str, role: str):
+        import llama_cpp
+
+        path = Path(spec)
+        if path.suffix != ".gguf" or not path.is_file():
+            raise SurgeryError(f"--engine llama.cpp takes .gguf files (convert a folder with llama.cpp's "
+                               f"convert_hf_to_gguf.py first), got {spec}")
+        llm = llama_cpp.Llama(model_path=str(path), n_ctx=self.max_tokens, n_batch=512, n_ubatch=512,
+                              n_threads=self.threads or os.cpu_count(), n_gpu_layers=self.gpu_layers,
+                              logits_all=False, verbose=False)
+        meta = llm.metadata
+        arch = meta.get("general.architecture", "llama")
+        layers = int(meta[f"{arch}.block_count"])
+        kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", meta[f"{arch}.attention.head_count"]))
+        embd = int(meta[f"{arch}.embedding_length"])
+        head_dim = int(meta.get(f"{arch}.attention.key_length", embd // int(meta[f"{arch}.attention.head_count"])))
+        return {"model": llm, "spec": spec, "folder": str(path), "custom_code": False, "model_type": arch,
+                "attention": "llama.cpp", "vocab_size": int(llm.n_vocab()), "max_positions": self.max_tokens,
+                "kv_per_token": 2 * layers * kv_heads * head_dim * 2}
+
+    def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor, replicate: bool = False) -> dict:
+        if ids.shape[0] != 1:
+            raise SurgeryError("--engine llama.cpp measures batch 1 only (use --batch 1)")
+        llm = handle["model"]
+        llm.reset()
+        steps = []
+        with PeakMemory(torch.device("cpu")) as peak:
+            start = time.perf_counter()
+            llm.eval(ids[0].tolist())
+            prefill = time.perf_counter() - start
+            for token in next_ids[0].tolist():
+                start = time.perf_counter()
+                llm.eval([token])
+                steps.append(time.perf_counter() - start)
+        return {"prefill_s": prefill, "decode_steps_s": steps, "kv_cache_bytes": handle["kv_per_token"] * ids.shape[1],
+                "peak_memory_bytes": peak.bytes}
+
+    def close(self, handle: dict) -> None:
+        handle.pop("model", None)
+
+
+class VllmEngine:
+    """vLLM's offline LLM: prefill = a generation of one token; decode step = (time of `new` tokens - that) /
+    (new - 1). The KV cache is counted from the config (vLLM preallocates its blocks)."""
+
+    name = "vllm"
+
+    def __init__(self, device: torch.device, dtype: str, trust_remote_code: bool, max_tokens: int):
+        self.dtype, self.trust, self.max_tokens = dtype, trust_remote_code, max_tokens
+
+    def load(self, spec: str, role: str):
+        from vllm import LLM
+
+        from .source import resolve_source
+
+        source = resolve_source(spec)
+        custom = bool(source.config.get("auto_map"))
+        if custom and not self.trust:
+            raise SurgeryError(f"{spec} ships its own modeling code: pass --trust-remote-code to run it")
+        llm = LLM(model=str(source.folder), dtype=self.dtype, trust_remote_code=custom, max_model_len=self.max_tokens,
+                  gpu_memory_utilization=0.4, enforce_eager=False)
+        return {"model": llm, "spec": spec, "folder": str(source.folder), "custom_code": custom,
+                "model_type": source.config.get("model_type"), "attention": "vllm",
+                "vocab_size": int(source.config.get("vocab_size")), "max_positions": self.max_tokens,
+                "config": source.config}
+
+    def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor, replicate: bool = False) -> dict:
+        from vllm import SamplingParams
+
+        llm, new = handle["model"], next_ids.shape[1]
+        prompts = [{"prompt_token_ids": row.tolist()} for row in ids]
+
+        def run(tokens: int) -> float:
+            params = SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True, temperature=0.0)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        prefill = run(1)
+        total = run(new + 1)
+        step = max(total - prefill, 0.0) / max(new, 1)
+        size = torch.finfo(getattr(torch, self.dtype)).bits // 8
+        return {"prefill_s": prefill, "decode_steps_s": [step] * new,
+                "kv_cache_bytes": kv_bytes_from_config(handle["config"], ids.numel(), size), "peak_memory_bytes": None}
+
+    def close(self, handle: dict) -> None:
+        handle.pop("model", None)
+
+
+def _max_positions(config) -> int | None:
+    text = config.get_text_config()
+    for key in ("max_position_embeddings", "n_positions"):
+        if getattr(text, key, None):
+            return int(getattr(text, key))
+    return None
+
+
+def make_engine(opts: BenchOptions, device: torch.device):
+    require_engine(opts.engine)
+    longest = max(opts.contexts) + opts.new
+    if opts.engine == "llama.cpp":
+        return LlamaCppEngine(device, opts.dtype, opts.threads, longest)
+    if opts.engine == "vllm":
+        if device.type != "cuda":
+            raise SurgeryError("--engine vllm needs a CUDA device")
+        return VllmEngine(device, opts.dtype, opts.trust_remote_code, longest)
+    return TransformersEngine(device, opts.dtype, opts.trust_remote_code)
+
+
+# --- statistics -------------------------------------------------------------------------------------------------
+def derived(raw: dict, batch: int, context: int, prefill_batch: int | None = None) -> dict:
+    """The metrics of one measured round (`prefill_batch`: the rows the prefill ran on, default `batch`)."""
+    steps = raw["decode_steps_s"]
+    step = statistics.median(steps) if steps else None
+    decode_total = sum(steps)
+    return {
+        "prefill_s": raw["prefill_s"],
+        "prefill_tokens_per_s": (prefill_batch or batch) * context / raw["prefill_s"],
+        "decode_step_s": step,
+        "decode_tokens_per_s": batch * len(steps) / decode_total if decode_total > 0 else None,
+        "kv_cache_bytes": raw["kv_cache_bytes"],
+        "peak_memory_bytes": raw["peak_memory_bytes"],
+    }
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """Per metric: median, min, max and spread ((max - min) / median) over the rounds."""
+    out = {}
+    for key in METRICS:
+        values = [r[key] for r in rounds if r.get(key) is not None]
+        if not values:
+            out[key] = {"median": None, "min": None, "max": None, "spread": None}
+            continue
+        med = statistics.median(values)
+        out[key] = {"median": med, "min": min(values), "max": max(values),
+                    "spread": (max(values) - min(values)) / med if med else 0.0}
+    return out
+
+
+def ratios(source: dict, converted: dict) -> dict:
+    """converted / source of each metric's median (None where either is missing or zero)."""
+    out = {}
+    for key in METRICS:
+        a, b = source[key]["median"], converted[key]["median"]
+        out[key] = b / a if a and b is not None else None
+    return out
+
+
+# --- the run ----------------------------------------------------------------------------------------------------
+def machine_info(device: torch.device, threads: int) -> dict:
+    import transformers
+
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "device": str(device), "threads": threads}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    try:
+        info["load_average"] = list(os.getloadavg())
+    except OSError:
+        pass
+    return info
+
+
+def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None,
+              partial: Callable[[dict], None] | None = None) -> dict:
+    from .check import pick_device
+
+    if opts.rounds < 1 or opts.new < 1:
+        raise SurgeryError("--rounds and --new must be at least 1")
+    if opts.dtype not in ("float32", "bfloat16", "float16"):
+        raise SurgeryError(f"--dtype {opts.dtype}: choose float32, bfloat16 or float16")
+    if opts.replicate_prefill and opts.engine != "transformers":
+        raise SurgeryError("--replicate-prefill works with the transformers engine only")
+    device = pick_device(opts.device)
+    engine = make_engine(opts, device)
+    before_threads = torch.get_num_threads()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    try:
+        return _run(opts, engine, device, log, partial)
+    finally:
+        torch.set_num_threads(before_threads)
+
+
+def _run(opts: BenchOptions, engine, device: torch.device, log, partial=None) -> dict:
+    started = time.time()
+    start_info = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                  "machine": machine_info(device, torch.get_num_threads())}  # load average at the start
+    for spec in (opts.source, opts.converted):
+        if hasattr(engine, "preflight"):
+            engine.preflight(spec)
+    handles = {}
+    for role, spec in (("source", opts.source), ("converted", opts.converted)):
+        start = time.perf_counter()
+        handles[role] = engine.load(spec, role)
+        handles[role]["load_s"] = time.perf_counter() - start
+    vocab = min(h["vocab_size"] for h in handles.values())
+    for role, h in handles.items():
+        if h["max_positions"] and max(opts.contexts) + opts.new > h["max_positions"]:
+            raise SurgeryError(f"--context {max(opts.contexts)} + --new {opts.new} exceeds the {role} model's "
+                               f"{h['max_positions']} positions")
+    gen = torch.Generator().manual_seed(opts.seed)
+    warm = torch.randint(0, vocab, (1, min(32, min(opts.contexts))), generator=gen)
+    for h in handles.values():  # warm-up: first calls allocate and pick kernels
+        engine.measure(h, warm, warm[:, :2])
+    results = []
+    for batch in opts.batches:
+        for context in opts.contexts:
+            ids = torch.randint(0, vocab, (batch, context), generator=gen)
+            next_ids = torch.randint(0, vocab, (batch, opts.new), generator=gen)
+            rounds = {"source": [], "converted": []}
+            replicate = opts.replicate_prefill and batch > 1
+            prefill_batch = 1 if replicate else batch
+            for r in range(opts.rounds):
+                order = ("source", "converted") if r % 2 == 0 else ("converted", "source")
+                for role in order:
+                    raw = engine.measure(handles[role], ids, next_ids, replicate=replicate)
+                    rounds[role].append({"round": r, **raw, **derived(raw, batch, context, prefill_batch)})
+                log(f"batch {batch} context {context} round {r + 1}/{opts.rounds}: decode "
+                    f"{rounds['source'][-1]['decode_tokens_per_s']:.1f} vs "
+                    f"{rounds['converted'][-1]['decode_tokens_per_s']:.1f} tokens/s")
+            summary = {role: summarize(rs) for role, rs in rounds.items()}
+            results.append({"batch": batch, "context": context, "prefill_batch": prefill_batch, **summary,
+                            "ratio": ratios(summary["source"], summary["converted"]), "rounds": rounds})
+            if partial is not None:  # the report so far, after every batch x context (long runs)
+                partial(_report(opts, engine, handles, results, started, start_info))
+    report = _report(opts, engine, handles, results, started, start_info)
+    for h in handles.values():
+        engine.close(h)
+    return report
+
+
+def _report(opts: BenchOptions, engine, handles: dict, results: list, started: float, start_info: dict) -> dict:
+    models = {role: {k: v for k, v in h.items() if k not in ("model", "config")} for role, h in handles.items()}
+    return {
+        "command": "surgery bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else None,
+        "date": start_info["date"],
+        "seconds": time.time() - started,
+        "engine": engine.name,
+        "dtype": opts.dtype,
+        "new_tokens": opts.new,
+        "rounds": opts.rounds,
+        "replicate_prefill": opts.replicate_prefill,
+        "batches": opts.batches,
+        "contexts": opts.contexts,
+        "machine": start_info["machine"],
+        "models": models,
+        "results": results,
+    }
+
+
+# --- output -----------------------------------------------------------------------------------------------------
+def _human_bytes(n) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _cell(key: str, stats: dict) -> str:
+    med = stats["median"]
+    if med is None:
+        return "-"
+    if key.endswith("bytes"):
+        return _human_bytes(med)
+    spread = f" ±{50 * stats['spread']:.0f}%" if stats["spread"] else ""
+    if key == "decode_step_s":
+        return f"{1000 * med:.1f} ms{spread}"
+    return f"{med:,.1f}{spread}"
+
+
+TABLE_COLUMNS = (("prefill_tokens_per_s", "prefill tok/s"), ("decode_tokens_per_s", "decode tok/s"),
+                 ("decode_step_s", "decode step"), ("kv_cache_bytes", "KV cache"), ("peak_memory_bytes", "peak mem"))
+
+
+def print_bench(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m = report["machine"]
+    title = (f"{report['models']['converted']['spec']} vs {report['models']['source']['spec']} — {report['engine']}, "
+             f"{report['dtype']}, {m['device']}, {m['threads']} threads, {report['rounds']} rounds, "
+             f"{report['new_tokens']} new tokens")
+    table = Table(title=title, caption="median (± half the min-max spread); ratio = converted / source "
+                  "(tokens/s: > 1 is faster; time and bytes: < 1 is better)")
+    table.add_column("batch", justify="right")
+    table.add_column("context", justify="right")
+    table.add_column("model")
+    for _, name in TABLE_COLUMNS:
+        table.add_column(name, justify="right")
+    for row in report["results"]:
+        for role in ("source", "converted"):
+            table.add_row(str(row["batch"]), str(row["context"]), role,
+                          *[_cell(key, row[role][key]) for key, _ in TABLE_COLUMNS])
+        table.add_row("", "", "[bold]ratio[/bold]",
+                      *[f"[bold]{row['ratio'][key]:.3f}x[/bold]" if row["ratio"][key] is not None else "-"
+                        for key, _ in TABLE_COLUMNS], end_section=True)
+    Console().print(table)
+
+
+def markdown_table(report: dict) -> list[str]:
+    """The ratio table as Markdown (for the model card and BENCHMARKS.md)."""
+    lines = ["| batch | context | prefill tok/s (src → conv) | decode tok/s (src → conv) | decode speed-up "
+             "| KV cache | peak memory |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in report["results"]:
+        s, c, r = row["source"], row["converted"], row["ratio"]
+
+        def pair(key, fmt=",.0f"):
+            a, b = s[key]["median"], c[key]["median"]
+            return "-" if a is None or b is None else f"{a:{fmt}} → {b:{fmt}}"
+
+        def ratio(key):
+            return "-" if r[key] is None else f"{r[key]:.2f}x"
+
+        lines.append(f"| {row['batch']} | {row['context']} | {pair('prefill_tokens_per_s')} "
+                     f"({ratio('prefill_tokens_per_s')}) | {pair('decode_tokens_per_s', ',.1f')} | "
+                     f"{ratio('decode_tokens_per_s')} | {ratio('kv_cache_bytes')} | {ratio('peak_memory_bytes')} |")
+    return lines
+
+
+def load_report(path: Path) -> dict:
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise SurgeryError(f"cannot read bench report {path}: {e}") from None
+    if not isinstance(report, dict) or not isinstance(report.get("results"), list) or "machine" not in report:
+        raise SurgeryError(f"{path} is not a `surgery bench --json` report")
+    return report
+
+
+def plot_bench(report: dict, path: Path) -> None:
+    """Tokens/s against context, one panel for prefill and one for decode, a line per model and batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in ((axes[0], "prefill_tokens_per_s", "prefill"), (axes[1], "decode_tokens_per_s", "decode")):
+        for batch in report["batches"]:
+            rows = sorted((r for r in report["results"] if r["batch"] == batch), key=lambda r: r["context"])
+            for role, style in (("source", "o-"), ("converted", "s--")):
+                xs = [r["context"] for r in rows if r[role][key]["median"] is not None]
+                ys = [r[role][key]["median"] for r in rows if r[role][key]["median"] is not None]
+                ax.plot(xs, ys, style, label=f"{role}, batch {batch}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("tokens / s")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{report['models']['converted']['spec']} vs {report['models']['source']['spec']} "
+                 f"({report['engine']}, {report['machine']['device']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
