@@ -24,6 +24,16 @@ def check_output_path(out: Path, force: bool) -> None:
         raise SurgeryError(f"cannot write {out}: folder {parent} is not writable")
 
 
+def ordinary_permissions(folder: Path) -> None:
+    """Files under `folder` readable as the umask allows (rw-r--r-- by default), as `open()` would have made them:
+    some writers (safetensors' save_file, mkstemp) create -rw------- files."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, _, files in os.walk(folder):
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out: Path, force: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of `out`; rename it to `out` when the block completes.

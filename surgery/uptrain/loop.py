@@ -14,12 +14,13 @@ import json
 import logging
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_output_dir, check_output_path
+from ..atomic import atomic_output_dir, check_output_path, ordinary_permissions
 from ..errors import SurgeryError
 from ..publish.hashes import record_output_hashes
 from ..source import resolve_source
@@ -30,8 +31,10 @@ from .metrics import MetricsLog
 from .options import UptrainOptions
 from .params import select_trainable
 from .plot import plot_metrics
+from .progress import Progress
 from .state import Checkpoints, RunState
 
+FEW_STEPS = 20  # fewer optimizer steps than this: warn
 OOM_MARKERS = ("out of memory", "can't allocate memory", "CUDA error: out of memory")
 
 
@@ -99,7 +102,12 @@ def check_run_dir(o: UptrainOptions, trajectory: dict) -> None:
     if o.resume:
         if not run_json.exists():
             raise SurgeryError(f"--resume: {o.run_dir} holds no run to resume (no run.json)")
-        saved = json.loads(run_json.read_text())
+        try:
+            saved = json.loads(run_json.read_text())
+            if not isinstance(saved, dict):
+                raise ValueError(f"a JSON {type(saved).__name__}, not an object")
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise SurgeryError(f"--resume: corrupt {run_json} ({str(e).splitlines()[0]}): start over with --force") from None
         diff = sorted(k for k in trajectory if saved.get(k) != trajectory[k])
         if diff:
             detail = ", ".join(f"{k}: {saved.get(k)!r} -> {trajectory[k]!r}" for k in diff[:4])
@@ -117,6 +125,25 @@ def start_run_dir(o: UptrainOptions, trajectory: dict) -> None:
         shutil.rmtree(o.run_dir)
     o.run_dir.mkdir(parents=True)
     (o.run_dir / "run.json").write_text(json.dumps(trajectory, indent=2) + "\n")
+
+
+def all_finite(acc, *values) -> bool:
+    """True when every value (numbers, tensors) is finite on every process."""
+    bad = 0.0
+    for v in values:
+        v = v.to_local() if hasattr(v, "to_local") else v  # FSDP2 parameters are DTensors: their local shards
+        bad += 0.0 if v is None or bool(torch.isfinite(torch.as_tensor(v)).all()) else 1.0
+    return acc.reduce(torch.tensor([bad], device=acc.device), reduction="sum").item() == 0
+
+
+def last_good(ckpts: Checkpoints) -> str:
+    latest = ckpts.latest()
+    return (f"the last good checkpoint is {latest} (--resume continues from it with other options)" if latest
+            else "no checkpoint was written")
+
+
+def warn(message: str) -> None:
+    print(f"surgery: warning: {message}", file=sys.stderr, flush=True)
 
 
 @torch.no_grad()
@@ -152,7 +179,6 @@ def _is_oom(e: BaseException) -> bool:
 
 def run(o: UptrainOptions) -> dict:
     from accelerate.utils import DistributedType, set_seed
-    from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # weight loading/writing bars: stderr stays for our bar and errors
@@ -215,16 +241,18 @@ def run(o: UptrainOptions) -> dict:
     optimizer = make_optimizer(params, o)
     model, optimizer = acc.prepare(model, optimizer)
     params = [p for p in model.parameters() if p.requires_grad]  # as prepared (FSDP replaces them)
-    sharded = acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        raise SurgeryError("uptrain does not run under DeepSpeed (its checkpoints are pickles, which --resume would "
+                           "have to run): use FSDP (recipes/accelerate/fsdp-8gpu.yaml) or DDP")
+    sharded = acc.distributed_type == DistributedType.FSDP
     state = RunState()
     state.data_key = key
-    acc.register_for_checkpointing(state)
     ckpts = Checkpoints(o.run_dir, o.keep_last, acc)
     ckpts.remove_partial()
     metrics = MetricsLog(o.run_dir / "metrics.jsonl", main)
     resumed_from = None
     if o.resume and ckpts.latest() is not None:
-        resumed_from = ckpts.load_latest()
+        resumed_from = ckpts.load_latest(model, optimizer, state)
         if state.data_key != key:
             raise SurgeryError(f"--resume: the data no longer matches the checkpoint in {resumed_from}")
     acc.wait_for_everyone()
@@ -238,11 +266,18 @@ def run(o: UptrainOptions) -> dict:
               f"{o.micro_batch}, {data.train.shape[0]} training / {data.eval.shape[0]} held-out windows of {o.seq_len}"
               + (f", parameters sharded by {acc.distributed_type.value}" if sharded else "")
               + (f"; resumed at step {state.step} from {resumed_from.name}" if resumed_from else ""), flush=True)
+        if o.steps < FEW_STEPS:
+            warn(f"--tokens {o.tokens} with --batch-tokens {o.batch_tokens} makes only {o.steps} optimizer step"
+                 f"{'s' if o.steps > 1 else ''}: too few for the learning-rate schedule to mean much; raise --tokens or "
+                 f"lower --batch-tokens")
 
     def do_eval(step: int) -> dict | None:
         if data.eval.shape[0] == 0:
             return None
         result = evaluate(model, data, acc, o.micro_batch)
+        if not all_finite(acc, result["eval_loss"]):
+            raise SurgeryError(f"the held-out loss is not finite after step {step} (the weights diverged: lower --lr, "
+                               f"now {o.lr:g}); {last_good(ckpts)}")
         metrics.write(step=step, tokens=step * tokens_per_step, **result)
         return result
 
@@ -251,8 +286,7 @@ def run(o: UptrainOptions) -> dict:
             first = do_eval(0)
             if teacher is not None and first is not None:
                 metrics.write(step=0, tokens=0, teacher_eval_ppl=evaluate(teacher, data, acc, o.micro_batch)["eval_ppl"])
-        bar = tqdm(total=o.steps, initial=state.step, desc="uptrain", unit="step", dynamic_ncols=True,
-                   disable=None if (main and o.progress) else True)  # None: shown on a terminal
+        bar = Progress(o.steps, state.step, tokens_per_step, enabled=main and o.progress, every_s=o.progress_every)
         for step in range(state.step, o.steps):
             start = time.perf_counter()
             lr = lr_at(step, o)
@@ -277,27 +311,35 @@ def run(o: UptrainOptions) -> dict:
                 for k, v in parts.items():
                     parts_sum[k] = parts_sum.get(k, 0) + v / accum
                 del logits, t_logits, loss
-            grad_norm = acc.clip_grad_norm_(params, o.max_grad_norm) if o.max_grad_norm > 0 else None
+            # inf max_norm: the norm (of all processes' gradients) without clipping
+            grad_norm = acc.clip_grad_norm_(params, o.max_grad_norm if o.max_grad_norm > 0 else math.inf)
+            logged = acc.reduce(torch.stack([loss_sum, *parts_sum.values()]), reduction="mean").tolist()  # syncs
+            grad_norm = float(grad_norm)
+            if not all_finite(acc, logged[0], grad_norm):
+                what = "loss" if not math.isfinite(logged[0]) else "gradient norm"
+                raise SurgeryError(f"the training {what} is not finite at step {step + 1} (lower --lr, now {o.lr:g}); "
+                                   f"nothing of this step was written, {last_good(ckpts)}")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             state.step = step + 1
-            logged = acc.reduce(torch.stack([loss_sum, *parts_sum.values()]), reduction="mean").tolist()  # syncs
             seconds = time.perf_counter() - start
             state.elapsed += seconds
             row = dict(step=state.step, tokens=state.step * tokens_per_step, loss=logged[0],
                        **{f"{k}_loss": v for k, v in zip(parts_sum, logged[1:])}, lr=lr,
-                       grad_norm=float(grad_norm) if grad_norm is not None else None,
+                       grad_norm=float(grad_norm),
                        tokens_per_s=tokens_per_step / seconds, elapsed=state.elapsed)
             metrics.write(**row)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
-            bar.update(1)
+            bar.step(row)
             last = state.step == o.steps
-            if last or (o.eval_every and state.step % o.eval_every == 0):
+            if last or state.step % o.eval_interval == 0:
                 result = do_eval(state.step)
                 if result is not None and main and o.progress:
                     bar.write(f"step {state.step}: held-out perplexity {result['eval_ppl']:.3f}")
             if last or (o.save_every and state.step % o.save_every == 0):
-                ckpts.save(state.step)
+                if not all_finite(acc, *(p.detach() for p in params)):
+                    raise SurgeryError(f"the weights are not finite after step {state.step} (lower --lr, now {o.lr:g});"
+                                       f" {last_good(ckpts)}")
+                ckpts.save(state.step, model, optimizer, state)
         bar.close()
     except (RuntimeError, torch.OutOfMemoryError) as e:
         if _is_oom(e):
@@ -348,12 +390,17 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
         "final_train_loss": next((m["loss"] for m in reversed(rows) if "loss" in m), None),
         "train_seconds": round(state.elapsed, 3),
     }
-    with atomic_output_dir(o.out, force=o.force) as tmp:
-        model_io.write_checkpoint(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
-        model_io.write_record(source, tmp, uptraining)
-        shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
-        plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")
-        record_output_hashes(tmp)  # the files changed: record their sha256 in surgery.json, as converters do
+    try:
+        with atomic_output_dir(o.out, force=o.force) as tmp:
+            model_io.write_checkpoint(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
+            model_io.write_record(source, tmp, uptraining)
+            shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
+            plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")
+            record_output_hashes(tmp)  # the files changed: record their sha256 in surgery.json, as converters do
+            ordinary_permissions(tmp)  # safetensors' save_file makes -rw-------; other outputs are ordinary files
+    except OSError as e:
+        raise SurgeryError(f"cannot write {o.out}: {e.strerror or e}; nothing was written, the run folder {o.run_dir} "
+                           f"keeps the final checkpoint (--resume writes the output from it)") from None
     if not o.keep_run_dir:
         shutil.rmtree(o.run_dir, ignore_errors=True)
     first, last = uptraining["initial_eval_ppl"], uptraining["final_eval_ppl"]

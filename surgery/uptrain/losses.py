@@ -12,20 +12,51 @@ import torch
 import torch.nn.functional as F
 
 
-def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of logits [B, T, V] for ids [B, T] (T-1 targets per sequence).
+# Positions per chunk of the losses: each chunk's softmax temporaries ([chunk, V] floats, a few of them) live only
+# while that chunk is computed, and are recomputed in the backward pass instead of being kept (activation
+# checkpointing of the loss alone). 256 positions x 49,152 logits (SmolLM2) = 50 MB per temporary.
+CHUNK_POSITIONS = 256
 
-    The targets are shifted (the last position ignored) rather than the logits sliced, which would copy them."""
-    targets = F.pad(ids[:, 1:], (0, 1), value=-100)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+
+def _chunked_sum(fn, *tensors: torch.Tensor, chunk: int = CHUNK_POSITIONS) -> torch.Tensor:
+    """sum over position chunks of fn(*chunks); tensors share their first dimension. The chunks are views (no copy);
+    with gradients on, each chunk is checkpointed so its temporaries are freed after its forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    n = tensors[0].shape[0]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    total = None
+    for i in range(0, n, chunk):
+        parts = [t[i : i + chunk] for t in tensors]
+        part = checkpoint(fn, *parts, use_reentrant=False) if grad else fn(*parts)
+        total = part if total is None else total + part
+    return total
+
+
+def _nll_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), targets, ignore_index=-100, reduction="sum")
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits [B, T, V] for ids [B, T] (T-1 targets per sequence), in chunks of
+    positions. The targets are shifted (the last position ignored) rather than the logits sliced, which would copy them."""
+    targets = F.pad(ids[:, 1:], (0, 1), value=-100).flatten()
+    counted = (targets != -100).sum().clamp(min=1)
+    return _chunked_sum(_nll_sum, logits.flatten(0, 1), targets) / counted
+
+
+def _kl_sum(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    log_s = F.log_softmax(student.float() / temperature, dim=-1)
+    log_t = F.log_softmax(teacher.float() / temperature, dim=-1)
+    return F.kl_div(log_s, log_t, log_target=True, reduction="sum")
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Mean over positions of T² · KL(softmax(teacher/T) ‖ softmax(student/T)) (Hinton et al.'s scaling)."""
-    t = temperature
-    log_s = F.log_softmax(student_logits.flatten(0, 1).float() / t, dim=-1)
-    log_t = F.log_softmax(teacher_logits.flatten(0, 1).float() / t, dim=-1)
-    return F.kl_div(log_s, log_t, log_target=True, reduction="batchmean") * (t * t)
+    """Mean over positions of T² · KL(softmax(teacher/T) ‖ softmax(student/T)) (Hinton et al.'s scaling), computed
+    in chunks of positions so that no [positions, V] temporary of the whole batch exists besides the logits."""
+    s, t = student_logits.flatten(0, 1), teacher_logits.flatten(0, 1)
+    total = _chunked_sum(lambda a, b: _kl_sum(a, b, temperature), s, t)
+    return total / s.shape[0] * (temperature * temperature)
 
 
 @dataclass(frozen=True)
