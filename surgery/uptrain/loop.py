@@ -26,7 +26,8 @@ from ..publish.hashes import record_output_hashes
 from ..source import resolve_source
 from . import model_io
 from .data import cache_key, pack, read_cache, write_cache
-from .losses import Objective
+from .heads import OutputHead
+from .losses import Objective, _same
 from .metrics import MetricsLog
 from .options import UptrainOptions
 from .params import select_trainable
@@ -138,8 +139,7 @@ def all_finite(acc, *values) -> bool:
 
 def last_good(ckpts: Checkpoints) -> str:
     latest = ckpts.latest()
-    return (f"the last good checkpoint is {latest} (--resume continues from it with other options)" if latest
-            else "no checkpoint was written")
+    return f"the last good checkpoint, {latest}, is kept" if latest else "no checkpoint was written"
 
 
 def warn(message: str) -> None:
@@ -171,6 +171,10 @@ def evaluate(model, data, acc, micro_batch: int) -> dict:
     model.train(was_training)
     loss = (total[0] / total[1]).item()
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700))}
+
+
+def hidden(head: OutputHead | None):
+    return head.returning_hidden() if head is not None else contextlib.nullcontext()
 
 
 def _is_oom(e: BaseException) -> bool:
@@ -258,6 +262,12 @@ def run(o: UptrainOptions) -> dict:
     acc.wait_for_everyone()
     metrics.start(state.step if resumed_from else None)
 
+    # The output projections move into the losses (no whole-micro-batch logits) where that gives the same logits;
+    # not under FSDP, whose root unit may reshard the projection after the forward.
+    s_head = None if sharded else OutputHead.of(acc.unwrap_model(model), model_io.vocab_size(acc.unwrap_model(model)))
+    t_head = OutputHead.of(teacher, model_io.vocab_size(teacher)) if teacher is not None else None
+    projections = (s_head.project if s_head else _same, t_head.project if t_head else _same)
+
     tokens_per_step = o.sequences_per_step * o.seq_len
     n_params = sum(p.numel() for p in params)
     if main:
@@ -299,13 +309,14 @@ def run(o: UptrainOptions) -> dict:
                 ids = batch[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device)
                 sync = contextlib.nullcontext() if m == accum - 1 else acc.no_sync(model)
                 with sync:
-                    with acc.autocast():
-                        logits = model(input_ids=ids, use_cache=False).logits
+                    with acc.autocast():  # logits, or final hidden states the losses project chunk by chunk
+                        with hidden(s_head):
+                            logits = model(input_ids=ids, use_cache=False).logits
                         t_logits = None
                         if teacher is not None:
-                            with torch.no_grad():
+                            with torch.no_grad(), hidden(t_head):
                                 t_logits = teacher(input_ids=ids, use_cache=False).logits
-                        loss, parts = objective(logits, ids, t_logits)
+                        loss, parts = objective(logits, ids, t_logits, *projections)
                     acc.backward(loss / accum)
                 loss_sum += loss.detach() / accum
                 for k, v in parts.items():
