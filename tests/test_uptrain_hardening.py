@@ -289,3 +289,22 @@ def test_chunked_losses_equal_the_whole_batch_formulas_with_logits_or_projected_
             torch.testing.assert_close(got, expect)
             for g, e in zip(torch.autograd.grad(got, (hidden, weight)), expect_grads):
                 torch.testing.assert_close(g, e)
+
+
+def test_output_projection_moves_into_the_losses_only_where_it_reproduces_the_logits():
+    import transformers as tf
+
+    from surgery.uptrain.heads import OutputHead
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1)
+    llama = tf.LlamaForCausalLM(tf.LlamaConfig(**small))
+    head = OutputHead.of(llama, 64)
+    ids = torch.arange(10)[None]
+    with head.returning_hidden():
+        hidden = llama(input_ids=ids).logits
+    assert hidden.shape == (1, 10, 32)
+    torch.testing.assert_close(head.project(hidden), llama(input_ids=ids).logits)  # and the patch is undone
+    capped = tf.Gemma2ForCausalLM(tf.Gemma2Config(**small, head_dim=16, final_logit_softcapping=0.05))
+    assert OutputHead.of(capped, 64) is None  # soft-capped logits: whole logits, as the model computes them
