@@ -48,6 +48,7 @@ def within(estimate: int, measured: int, tolerance: float = 0.25) -> bool:
     return abs(estimate - measured) <= tolerance * measured
 
 
+@pytest.mark.slow  # three CLI processes (~40 s on 2 idle cores)
 def test_memory_estimates_are_within_25_percent_of_the_measured_peaks(model, tmp_path):
     options = step_models()
     src = est.stats_from_folder(model)
