@@ -360,7 +360,8 @@ def demo(out, tokens, force):
 @click.option("--max-grad-norm", type=float, default=1.0, show_default=True, help="Gradient clipping (0: off).")
 @click.option("--gradient-checkpointing", is_flag=True, help="Recompute activations in the backward pass.")
 @click.option("--eval-tokens", type=int, default=16384, show_default=True, help="Held-out tokens (0: no evaluation).")
-@click.option("--eval-every", type=int, default=50, show_default=True, help="Steps between evaluations.")
+@click.option("--eval-every", type=int, help="Steps between evaluations (default: about 10 evaluations per run; 0: only "
+              "at the start and the end).")
 @click.option("--save-every", type=int, default=100, show_default=True, help="Steps between checkpoints.")
 @click.option("--keep-last", type=int, default=2, show_default=True, help="Checkpoints kept.")
 @click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in the run folder.")
@@ -369,6 +370,8 @@ def demo(out, tokens, force):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--force", is_flag=True, help="Replace an existing output (and an earlier run folder).")
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
+@click.option("--progress-every", type=float, default=30.0, show_default=True,
+              help="Seconds between progress lines when stderr is not a terminal (a terminal gets a bar).")
 def uptrain(model, out, **kw):
     """Continue training MODEL (a converted checkpoint, or any causal LM) for --tokens tokens.
 

@@ -84,13 +84,25 @@ def clean_stale_siblings(out: Path) -> list[Path]:
     return kept
 
 
+def ordinary_permissions(folder: Path) -> None:
+    """Files under `folder` readable as the umask allows (rw-r--r-- by default), as `open()` would have made them:
+    some writers (safetensors' save_file, mkstemp) create -rw------- files."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, _, files in os.walk(folder):
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
+
+
 @contextlib.contextmanager
-def atomic_output_dir(out: Path, force: bool = False, source: Path | None = None) -> Iterator[Path]:
+def atomic_output_dir(out: Path, force: bool = False, source: Path | None = None,
+                      recovery: str | None = None) -> Iterator[Path]:
     """Yield a temporary sibling of `out`; rename it to `out` when the block completes.
 
     On any exception (Ctrl-C and SIGTERM included) the temporary folder is removed and `out` is untouched; an
-    OSError inside the block (a full disk) becomes one line naming `out`. `source`, when given, is the folder
-    the output is made from: `out` may not be it, contain it or lie inside it.
+    OSError inside the block (a full disk) becomes one line naming `out`, ending with `recovery` (how to finish
+    the job) when given. `source`, when given, is the folder the output is made from: `out` may not be it,
+    contain it or lie inside it.
     """
     out = Path(out)
     check_output_path(out, force, source)
@@ -104,7 +116,7 @@ def atomic_output_dir(out: Path, force: bool = False, source: Path | None = None
         try:
             yield tmp
         except OSError as e:
-            raise SurgeryError(_write_failure(out, e)) from None
+            raise SurgeryError(_write_failure(out, e) + (f"; {recovery}" if recovery else "")) from None
         if out.exists():
             trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=parent))
             os.replace(out, trash / "old")

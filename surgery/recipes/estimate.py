@@ -1,17 +1,24 @@
 """Rough sizes for `surgery run --dry-run`: bytes on disk, tokens processed and peak memory of each step.
 
-Memory formulas (per process, bytes; P parameters, b bytes per weight, s sequence length, m micro-batch,
-H hidden size, L layers, V vocabulary):
+Peak memory is the peak resident set (RSS) of the step's process, in bytes, per process. P parameters, b bytes per
+weight, T trainable parameters, H hidden size, I MLP width, L layers, V vocabulary, m micro-batch, s sequence
+length, n = m s tokens per forward pass:
+- every command: the interpreter, torch, transformers and their caches, measured on this project's machines
+  (RUNTIME; tests/test_estimate.py checks the whole estimate against measured peaks of tiny models).
 - convert, streamed (mean/first/random/talking-heads): about 3 x the largest tensor (read, pooled, written).
 - convert with calibration (aligned, switchhead): layer streaming, one fp32 decoder layer at a time plus the
   embeddings, activations and fits (surgery/estimate.py, the same model `surgery convert --dry-run` prints; the
   source's config is needed, else the fp32 model 4P plus its activations).
-- check: both models in the check dtype (2 P x 4 for fp32) plus two batches of logits (2 x 4 x m s V).
-- uptrain (AdamW, fp32 master weights): 16 P (weights, gradients, two moments) divided by the processes under
-  FSDP, plus a fp32 teacher 4 P when distilling, plus activations ~ m s H L x 34 x 2 bytes (fp32; Korthikanti
-  et al. 2022 count 34 s b H bytes per layer in 16-bit), or m s H L x 4 with gradient checkpointing, plus
-  logits 3 x 4 x m s V.
-Good to within a factor of about two; the point is to see which step needs which machine.
+- check: one model at a time in the check dtype (P x 4 for fp32) plus one batch's logits and their softmax
+  temporaries (3 x 4 x m s V).
+- uptrain (AdamW, fp32): weights 4P, AdamW's two moments 8T, the gradients 4T, a fp32 teacher 4P when distilling,
+  and activations n L (8H + 4I) x 4 bytes (the tensors a Llama-like block saves for its backward pass; with
+  gradient checkpointing n L H x 4 plus one block's). Within one optimizer step the gradients grow as the
+  activations are freed, so the two overlap only with gradient accumulation (m < the sequences per step): the
+  step needs max(activations, 4T), or their sum when accumulating. The losses take the final hidden states and
+  project 256 positions at a time (surgery/uptrain/heads.py), ~6 x 4 x 256 V of temporaries; under FSDP, which
+  keeps the whole logits, 3 x 4 x n V. Weights, moments and gradients are divided by the processes under FSDP.
+Measured against these (BENCHMARKS.md, "Memory estimates"): within about 25% on SmolLM2-135M and tiny models.
 """
 
 from __future__ import annotations
@@ -20,6 +27,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..inspect import attention_shape
+
+
+MB = 1 << 20
+# Peak RSS of each command with a negligible model (interpreter, libraries, tokenizer, data, allocator caches).
+RUNTIME = {"convert": 300 * MB, "check": 600 * MB, "uptrain": 600 * MB}
+LOSS_CHUNK = 256  # positions per chunk of the uptraining losses (surgery/uptrain/losses.py CHUNK_POSITIONS)
 
 
 @dataclass
@@ -33,7 +46,12 @@ class ModelStats:
     kv_heads: int
     head_dim: int
     vocab: int
+    intermediate: int = 0  # MLP width (0: unknown, 4 x hidden assumed)
     config: dict | None = None  # the source's config.json (for the calibrated conversions' streaming estimate)
+
+    @property
+    def mlp(self) -> int:
+        return self.intermediate or 4 * self.hidden
 
     @property
     def bytes(self) -> int:
@@ -43,6 +61,8 @@ class ModelStats:
 def _shape(config: dict) -> dict:
     shape = attention_shape(config)
     shape["vocab"] = int(config.get("vocab_size") or 0)
+    inner = config.get("intermediate_size") or config.get("n_inner") or config.get("ffn_dim") or 0
+    shape["intermediate"] = int(inner) if isinstance(inner, (int, float)) and inner > 0 else 0
     return shape
 
 
@@ -58,7 +78,7 @@ def stats_from_folder(folder: Path, allow_pickle: bool = False) -> ModelStats:
     largest = max(t.numel * dtype_size(t.dtype) for t in infos)
     shape = _shape(config)
     return ModelStats(sum(t.numel for t in infos), dtype_size(main.dtype), largest, shape["layers"], shape["hidden"],
-                      shape["heads"], shape["kv_heads"], shape["head_dim"], shape["vocab"], config)
+                      shape["heads"], shape["kv_heads"], shape["head_dim"], shape["vocab"], shape["intermediate"], config)
 
 
 def stats_from_config(config: dict) -> ModelStats:
@@ -76,7 +96,8 @@ def stats_from_config(config: dict) -> ModelStats:
     size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
     shape = _shape(config)
     return ModelStats(sum(p.numel() for p in params), size, max(p.numel() for p in params) * size, shape["layers"],
-                      shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["vocab"], config)
+                      shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["vocab"],
+                      shape["intermediate"], config)
 
 
 def after_convert(stats: ModelStats, options) -> ModelStats:
@@ -96,8 +117,8 @@ def convert_memory(stats: ModelStats, options) -> int:
         return streamed_calibration(stats, options).host_bytes
     if calibrated:
         tokens = min(getattr(options, "calib_tokens", 8192) or 8192, 2048)
-        return stats.params * 4 + tokens * stats.hidden * stats.layers * 4 * 4
-    return 3 * stats.largest_tensor_bytes
+        return RUNTIME["convert"] + stats.params * 4 + tokens * stats.hidden * stats.layers * 4 * 4
+    return RUNTIME["convert"] + 3 * stats.largest_tensor_bytes
 
 
 def streamed_calibration(stats: ModelStats, options, throughput=None):
@@ -117,18 +138,39 @@ def streamed_calibration(stats: ModelStats, options, throughput=None):
 
 
 def check_memory(stats: ModelStats, options) -> int:
-    bytes_ = {"float32": 4, "bfloat16": 2, "float16": 2}[options.dtype]
-    logits = 2 * 4 * options.batch_size * options.seq_len * max(stats.vocab, stats.hidden)
-    return 2 * stats.params * bytes_ + logits
+    """One model at a time in the check dtype, plus one batch's logits and their softmax temporaries."""
+    bytes_ = {"float32": 4, "bfloat16": 2, "float16": 2}.get(getattr(options, "dtype", "float32"), 4)
+    logits = 3 * 4 * options.batch_size * options.seq_len * max(stats.vocab, stats.hidden)
+    return RUNTIME["check"] + stats.params * bytes_ + logits
+
+
+def trainable_params(stats: ModelStats, train: str) -> int:
+    """all: every parameter; attention / new: the attention projections (an upper bound for `new`)."""
+    if train in ("attention", "new"):
+        return stats.layers * stats.hidden * (2 * stats.heads + 2 * stats.kv_heads) * stats.head_dim
+    return stats.params
 
 
 def uptrain_memory(stats: ModelStats, options, teacher: ModelStats | None, processes: int) -> int:
-    states = 16 * stats.params // max(processes, 1)
+    procs = max(processes, 1)
+    trainable = trainable_params(stats, getattr(options, "train", "all") or "all")
     tokens = options.micro_batch * options.seq_len
-    per_token = stats.hidden * stats.layers * (4 if options.gradient_checkpointing else 34 * 2)
-    logits = 3 * 4 * tokens * stats.vocab
-    teacher_bytes = 4 * teacher.params // max(processes, 1) if teacher else 0
-    return states + teacher_bytes + tokens * per_token + logits
+    block = tokens * (8 * stats.hidden + 4 * stats.mlp) * 4  # one block's saved activations, fp32
+    if options.gradient_checkpointing:
+        activations = tokens * stats.hidden * 4 * stats.layers + block
+    else:
+        activations = block * stats.layers
+    gradients = 4 * trainable // procs
+    sequences = max(options.batch_tokens // options.seq_len, 1)
+    accumulating = options.micro_batch * procs < sequences
+    step = activations + gradients if accumulating else max(activations, gradients)
+    if procs > 1:  # FSDP keeps the whole logits (surgery/uptrain/loop.py), DDP the projection chunks; size for FSDP
+        logits = 3 * 4 * tokens * stats.vocab
+    else:
+        logits = 6 * 4 * min(tokens, LOSS_CHUNK) * stats.vocab
+    weights = 4 * stats.params // procs + 8 * trainable // procs
+    teacher_bytes = 4 * teacher.params if teacher else 0
+    return RUNTIME["uptrain"] + weights + teacher_bytes + step + logits
 
 
 def uptrain_tokens(options) -> int:

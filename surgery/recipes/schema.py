@@ -381,8 +381,11 @@ def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:
         raise SurgeryError(f"{file}: a recipe is a mapping with source, output and steps")
     lines = _line_map(node) if node is not None else {}
     apply_overrides(data, list(overrides))
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise SurgeryError(f"{file}: recipe keys are names, got {bad[0]!r}")
     try:
-        recipe = Recipe(**data, path=path)
+        recipe = Recipe.model_validate({**data, "path": path})
     except ValidationError as e:
         raise _error(file, lines, *_first_error(e)) from None
 

@@ -14,25 +14,29 @@ import json
 import logging
 import math
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_output_dir, check_output_path
+from ..atomic import atomic_output_dir, check_output_path, ordinary_permissions
 from ..errors import SurgeryError
 from ..publish.hashes import record_output_hashes
 from ..source import resolve_source
 from ..record import local_source_folder
 from . import model_io
 from .data import cache_key, pack, read_cache, write_cache
-from .losses import Objective
+from .heads import OutputHead
+from .losses import Objective, _same
 from .metrics import MetricsLog
 from .options import UptrainOptions
 from .params import select_trainable
 from .plot import plot_metrics
+from .progress import Progress
 from .state import Checkpoints, RunState
 
+FEW_STEPS = 20  # fewer optimizer steps than this: warn
 OOM_MARKERS = ("out of memory", "can't allocate memory", "CUDA error: out of memory")
 
 
@@ -100,7 +104,12 @@ def check_run_dir(o: UptrainOptions, trajectory: dict) -> None:
     if o.resume:
         if not run_json.exists():
             raise SurgeryError(f"--resume: {o.run_dir} holds no run to resume (no run.json)")
-        saved = json.loads(run_json.read_text())
+        try:
+            saved = json.loads(run_json.read_text())
+            if not isinstance(saved, dict):
+                raise ValueError(f"a JSON {type(saved).__name__}, not an object")
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise SurgeryError(f"--resume: corrupt {run_json} ({str(e).splitlines()[0]}): start over with --force") from None
         diff = sorted(k for k in trajectory if saved.get(k) != trajectory[k])
         if diff:
             detail = ", ".join(f"{k}: {saved.get(k)!r} -> {trajectory[k]!r}" for k in diff[:4])
@@ -118,6 +127,24 @@ def start_run_dir(o: UptrainOptions, trajectory: dict) -> None:
         shutil.rmtree(o.run_dir)
     o.run_dir.mkdir(parents=True)
     (o.run_dir / "run.json").write_text(json.dumps(trajectory, indent=2) + "\n")
+
+
+def all_finite(acc, *values) -> bool:
+    """True when every value (numbers, tensors) is finite on every process."""
+    bad = 0.0
+    for v in values:
+        v = v.to_local() if hasattr(v, "to_local") else v  # FSDP2 parameters are DTensors: their local shards
+        bad += 0.0 if v is None or bool(torch.isfinite(torch.as_tensor(v)).all()) else 1.0
+    return acc.reduce(torch.tensor([bad], device=acc.device), reduction="sum").item() == 0
+
+
+def last_good(ckpts: Checkpoints) -> str:
+    latest = ckpts.latest()
+    return f"the last good checkpoint, {latest}, is kept" if latest else "no checkpoint was written"
+
+
+def warn(message: str) -> None:
+    print(f"surgery: warning: {message}", file=sys.stderr, flush=True)
 
 
 @torch.no_grad()
@@ -147,16 +174,35 @@ def evaluate(model, data, acc, micro_batch: int) -> dict:
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700))}
 
 
+def hidden(head: OutputHead | None):
+    return head.returning_hidden() if head is not None else contextlib.nullcontext()
+
+
+def fixed_mmap_threshold(size: int = 1 << 20) -> None:
+    """glibc raises its mmap threshold (up to 32 MiB) whenever a large block is freed; afterwards activations and
+    gradients come from the heap, where fragmentation lets the peak RSS creep up over the first steps (SmolLM2 tour:
+    3.48 -> 3.87 M KiB by step 3). A fixed threshold makes every large tensor its own mapping, returned to the
+    system when freed (the same run: 3.19 M KiB, the same speed). No-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(ctypes.c_int(-3), ctypes.c_int(size))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or any(m in str(e) for m in OOM_MARKERS)
 
 
 def run(o: UptrainOptions) -> dict:
     from accelerate.utils import DistributedType, set_seed
-    from tqdm import tqdm
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # weight loading/writing bars: stderr stays for our bar and errors
+    fixed_mmap_threshold()
     logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)  # "removed shared tensor" on tied weights
     source = resolve_source(o.model)
     record = model_io.read_record(source.folder)
@@ -216,20 +262,28 @@ def run(o: UptrainOptions) -> dict:
     optimizer = make_optimizer(params, o)
     model, optimizer = acc.prepare(model, optimizer)
     params = [p for p in model.parameters() if p.requires_grad]  # as prepared (FSDP replaces them)
-    sharded = acc.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    if acc.distributed_type == DistributedType.DEEPSPEED:
+        raise SurgeryError("uptrain does not run under DeepSpeed (its checkpoints are pickles, which --resume would "
+                           "have to run): use FSDP (recipes/accelerate/fsdp-8gpu.yaml) or DDP")
+    sharded = acc.distributed_type == DistributedType.FSDP
     state = RunState()
     state.data_key = key
-    acc.register_for_checkpointing(state)
     ckpts = Checkpoints(o.run_dir, o.keep_last, acc)
     ckpts.remove_partial()
     metrics = MetricsLog(o.run_dir / "metrics.jsonl", main)
     resumed_from = None
     if o.resume and ckpts.latest() is not None:
-        resumed_from = ckpts.load_latest()
+        resumed_from = ckpts.load_latest(model, optimizer, state)
         if state.data_key != key:
             raise SurgeryError(f"--resume: the data no longer matches the checkpoint in {resumed_from}")
     acc.wait_for_everyone()
     metrics.start(state.step if resumed_from else None)
+
+    # The output projections move into the losses (no whole-micro-batch logits) where that gives the same logits;
+    # not under FSDP, whose root unit may reshard the projection after the forward.
+    s_head = None if sharded else OutputHead.of(acc.unwrap_model(model), model_io.vocab_size(acc.unwrap_model(model)))
+    t_head = OutputHead.of(teacher, model_io.vocab_size(teacher)) if teacher is not None else None
+    projections = (s_head.project if s_head else _same, t_head.project if t_head else _same)
 
     tokens_per_step = o.sequences_per_step * o.seq_len
     n_params = sum(p.numel() for p in params)
@@ -239,11 +293,18 @@ def run(o: UptrainOptions) -> dict:
               f"{o.micro_batch}, {data.train.shape[0]} training / {data.eval.shape[0]} held-out windows of {o.seq_len}"
               + (f", parameters sharded by {acc.distributed_type.value}" if sharded else "")
               + (f"; resumed at step {state.step} from {resumed_from.name}" if resumed_from else ""), flush=True)
+        if o.steps < FEW_STEPS:
+            warn(f"--tokens {o.tokens} with --batch-tokens {o.batch_tokens} makes only {o.steps} optimizer step"
+                 f"{'s' if o.steps > 1 else ''}: too few for the learning-rate schedule to mean much; raise --tokens or "
+                 f"lower --batch-tokens")
 
     def do_eval(step: int) -> dict | None:
         if data.eval.shape[0] == 0:
             return None
         result = evaluate(model, data, acc, o.micro_batch)
+        if not all_finite(acc, result["eval_loss"]):
+            raise SurgeryError(f"the held-out loss is not finite after step {step} (the weights diverged: lower --lr, "
+                               f"now {o.lr:g}); {last_good(ckpts)}")
         metrics.write(step=step, tokens=step * tokens_per_step, **result)
         return result
 
@@ -252,8 +313,7 @@ def run(o: UptrainOptions) -> dict:
             first = do_eval(0)
             if teacher is not None and first is not None:
                 metrics.write(step=0, tokens=0, teacher_eval_ppl=evaluate(teacher, data, acc, o.micro_batch)["eval_ppl"])
-        bar = tqdm(total=o.steps, initial=state.step, desc="uptrain", unit="step", dynamic_ncols=True,
-                   disable=None if (main and o.progress) else True)  # None: shown on a terminal
+        bar = Progress(o.steps, state.step, tokens_per_step, enabled=main and o.progress, every_s=o.progress_every)
         for step in range(state.step, o.steps):
             start = time.perf_counter()
             lr = lr_at(step, o)
@@ -266,39 +326,48 @@ def run(o: UptrainOptions) -> dict:
                 ids = batch[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device)
                 sync = contextlib.nullcontext() if m == accum - 1 else acc.no_sync(model)
                 with sync:
-                    with acc.autocast():
-                        logits = model(input_ids=ids, use_cache=False).logits
+                    with acc.autocast():  # logits, or final hidden states the losses project chunk by chunk
+                        with hidden(s_head):
+                            logits = model(input_ids=ids, use_cache=False).logits
                         t_logits = None
                         if teacher is not None:
-                            with torch.no_grad():
+                            with torch.no_grad(), hidden(t_head):
                                 t_logits = teacher(input_ids=ids, use_cache=False).logits
-                        loss, parts = objective(logits, ids, t_logits)
+                        loss, parts = objective(logits, ids, t_logits, *projections)
                     acc.backward(loss / accum)
                 loss_sum += loss.detach() / accum
                 for k, v in parts.items():
                     parts_sum[k] = parts_sum.get(k, 0) + v / accum
                 del logits, t_logits, loss
-            grad_norm = acc.clip_grad_norm_(params, o.max_grad_norm) if o.max_grad_norm > 0 else None
+            # inf max_norm: the norm (of all processes' gradients) without clipping
+            grad_norm = acc.clip_grad_norm_(params, o.max_grad_norm if o.max_grad_norm > 0 else math.inf)
+            logged = acc.reduce(torch.stack([loss_sum, *parts_sum.values()]), reduction="mean").tolist()  # syncs
+            grad_norm = float(grad_norm)
+            if not all_finite(acc, logged[0], grad_norm):
+                what = "loss" if not math.isfinite(logged[0]) else "gradient norm"
+                raise SurgeryError(f"the training {what} is not finite at step {step + 1} (lower --lr, now {o.lr:g}); "
+                                   f"nothing of this step was written, {last_good(ckpts)}")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             state.step = step + 1
-            logged = acc.reduce(torch.stack([loss_sum, *parts_sum.values()]), reduction="mean").tolist()  # syncs
             seconds = time.perf_counter() - start
             state.elapsed += seconds
             row = dict(step=state.step, tokens=state.step * tokens_per_step, loss=logged[0],
                        **{f"{k}_loss": v for k, v in zip(parts_sum, logged[1:])}, lr=lr,
-                       grad_norm=float(grad_norm) if grad_norm is not None else None,
+                       grad_norm=float(grad_norm),
                        tokens_per_s=tokens_per_step / seconds, elapsed=state.elapsed)
             metrics.write(**row)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
-            bar.update(1)
+            bar.step(row)
             last = state.step == o.steps
-            if last or (o.eval_every and state.step % o.eval_every == 0):
+            if last or state.step % o.eval_interval == 0:
                 result = do_eval(state.step)
                 if result is not None and main and o.progress:
                     bar.write(f"step {state.step}: held-out perplexity {result['eval_ppl']:.3f}")
             if last or (o.save_every and state.step % o.save_every == 0):
-                ckpts.save(state.step)
+                if not all_finite(acc, *(p.detach() for p in params)):
+                    raise SurgeryError(f"the weights are not finite after step {state.step} (lower --lr, now {o.lr:g});"
+                                       f" {last_good(ckpts)}")
+                ckpts.save(state.step, model, optimizer, state)
         bar.close()
     except (RuntimeError, torch.OutOfMemoryError) as e:
         if _is_oom(e):
@@ -349,12 +418,14 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
         "final_train_loss": next((m["loss"] for m in reversed(rows) if "loss" in m), None),
         "train_seconds": round(state.elapsed, 3),
     }
-    with atomic_output_dir(o.out, force=o.force, source=source.folder) as tmp:
+    recovery = f"the run folder {o.run_dir} keeps the final checkpoint (--resume writes the output from it)"
+    with atomic_output_dir(o.out, force=o.force, source=source.folder, recovery=recovery) as tmp:
         model_io.write_checkpoint(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
         model_io.write_record(source, tmp, uptraining)
         shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
         plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")
         record_output_hashes(tmp)  # the files changed: record their sha256 in surgery.json, as converters do
+        ordinary_permissions(tmp)  # safetensors' save_file makes -rw-------; other outputs are ordinary files
     if not o.keep_run_dir:
         shutil.rmtree(o.run_dir, ignore_errors=True)
     first, last = uptraining["initial_eval_ppl"], uptraining["final_eval_ppl"]

@@ -7,25 +7,64 @@ micro-batches or processes (every packed window has the same number of positions
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 
-def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of logits [B, T, V] for ids [B, T] (T-1 targets per sequence).
+# Positions per chunk of the losses: each chunk's softmax temporaries ([chunk, V] floats, a few of them) live only
+# while that chunk is computed, and are recomputed in the backward pass instead of being kept (activation
+# checkpointing of the loss alone). 256 positions x 49,152 logits (SmolLM2) = 50 MB per temporary.
+CHUNK_POSITIONS = 256
 
-    The targets are shifted (the last position ignored) rather than the logits sliced, which would copy them."""
-    targets = F.pad(ids[:, 1:], (0, 1), value=-100)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+Projection = Callable[[torch.Tensor], torch.Tensor]
 
 
-def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Mean over positions of T² · KL(softmax(teacher/T) ‖ softmax(student/T)) (Hinton et al.'s scaling)."""
-    t = temperature
-    log_s = F.log_softmax(student_logits.flatten(0, 1).float() / t, dim=-1)
-    log_t = F.log_softmax(teacher_logits.flatten(0, 1).float() / t, dim=-1)
-    return F.kl_div(log_s, log_t, log_target=True, reduction="batchmean") * (t * t)
+def _chunked_sum(fn, *tensors: torch.Tensor, chunk: int = CHUNK_POSITIONS) -> torch.Tensor:
+    """sum over position chunks of fn(*chunks); tensors share their first dimension. The chunks are views (no copy);
+    with gradients on, each chunk is checkpointed so its temporaries are freed after its forward."""
+    from torch.utils.checkpoint import checkpoint
+
+    n = tensors[0].shape[0]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    total = None
+    for i in range(0, n, chunk):
+        parts = [t[i : i + chunk] for t in tensors]
+        part = checkpoint(fn, *parts, use_reentrant=False) if grad else fn(*parts)
+        total = part if total is None else total + part
+    return total
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = _same) -> torch.Tensor:
+    """Mean next-token cross-entropy of logits [B, T, V] for ids [B, T] (T-1 targets per sequence), in chunks of
+    positions. The targets are shifted (the last position ignored) rather than the logits sliced, which would copy them.
+    `project`: given the final hidden states [B, T, H] instead of logits, the output projection (surgery/uptrain/heads.py)."""
+    targets = F.pad(ids[:, 1:], (0, 1), value=-100).flatten()
+    counted = (targets != -100).sum().clamp(min=1)
+
+    def nll_sum(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(project(x).float(), t, ignore_index=-100, reduction="sum")
+    return _chunked_sum(nll_sum, logits.flatten(0, 1), targets) / counted
+
+
+def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
+            project: Projection = _same, project_teacher: Projection = _same) -> torch.Tensor:
+    """Mean over positions of T² · KL(softmax(teacher/T) ‖ softmax(student/T)) (Hinton et al.'s scaling), computed
+    in chunks of positions so that no [positions, V] temporary of the whole batch exists besides the inputs.
+    `project` / `project_teacher`: as for `lm_loss`, when hidden states are given instead of logits."""
+    def kl_sum(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        log_s = F.log_softmax(project(s).float() / temperature, dim=-1)
+        with torch.no_grad():
+            log_t = F.log_softmax(project_teacher(t).float() / temperature, dim=-1)
+        return F.kl_div(log_s, log_t, log_target=True, reduction="sum")
+
+    s, t = student_logits.flatten(0, 1), teacher_logits.flatten(0, 1)
+    return _chunked_sum(kl_sum, s, t) / s.shape[0] * (temperature * temperature)
 
 
 @dataclass(frozen=True)
@@ -38,13 +77,15 @@ class Objective:
     def needs_teacher(self) -> bool:
         return self.kind in ("kd", "mix")
 
-    def __call__(self, logits: torch.Tensor, ids: torch.Tensor, teacher_logits: torch.Tensor | None = None):
-        """(loss, parts): the loss to minimise and its terms, detached, for logging."""
+    def __call__(self, logits: torch.Tensor, ids: torch.Tensor, teacher_logits: torch.Tensor | None = None,
+                 project: Projection = _same, project_teacher: Projection = _same):
+        """(loss, parts): the loss to minimise and its terms, detached, for logging. `project` / `project_teacher`:
+        the output projections when `logits` / `teacher_logits` are final hidden states (see `lm_loss`)."""
         parts: dict[str, torch.Tensor] = {}
         if self.kind in ("lm", "mix"):
-            parts["lm"] = lm_loss(logits, ids)
+            parts["lm"] = lm_loss(logits, ids, project)
         if self.kind in ("kd", "mix"):
-            parts["kd"] = kd_loss(logits, teacher_logits, self.temperature)
+            parts["kd"] = kd_loss(logits, teacher_logits, self.temperature, project, project_teacher)
         if self.kind == "mix":
             loss = self.kd_weight * parts["kd"] + (1 - self.kd_weight) * parts["lm"]
         else:

@@ -7,6 +7,7 @@ Evaluation lines: step, tokens, eval_loss, eval_ppl (and teacher_eval_ppl once, 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 
@@ -20,6 +21,13 @@ def read_metrics(path: Path) -> list[dict]:
         except ValueError:  # a line cut short by a kill
             break
     return out
+
+
+def _number(v):
+    """Floats to 7 significant digits; a non-finite one (which JSON cannot hold) as null."""
+    if isinstance(v, float):
+        return float(f"{v:.7g}") if math.isfinite(v) else None
+    return v
 
 
 class MetricsLog:
@@ -37,7 +45,7 @@ class MetricsLog:
     def write(self, **fields) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
-                f.write(json.dumps({k: (float(f"{v:.7g}") if isinstance(v, float) else v) for k, v in fields.items()}) + "\n")
+                f.write(json.dumps({k: _number(v) for k, v in fields.items()}, allow_nan=False) + "\n")
 
     def read(self) -> list[dict]:
         return read_metrics(self.path)

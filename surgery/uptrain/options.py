@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -29,7 +30,7 @@ class UptrainOptions:
     batch_tokens: int = 16384  # tokens per optimizer step, all processes together
     micro_batch: int = 4  # sequences per forward pass per process
     eval_tokens: int = 16384  # held-out tokens (0: no evaluation)
-    eval_every: int = 50  # steps between evaluations (0: only at the start and the end)
+    eval_every: int | None = None  # steps between evaluations (0: only at the start and the end; None: ~10 per run)
     loss: str = "auto"  # auto: kd when a teacher is known, else lm
     teacher: str | None = None  # overrides the source named in surgery.json
     temperature: float = 1.0
@@ -52,6 +53,7 @@ class UptrainOptions:
     trust_remote_code: bool = False  # run code the model folder ships (see surgery/trust.py)
     trust_teacher_code: bool = False  # run code the teacher's folder ships
     progress: bool = True
+    progress_every: float = 30.0  # seconds between progress lines when stderr is not a terminal
 
     def __post_init__(self):
         self.out = Path(self.out)
@@ -60,8 +62,11 @@ class UptrainOptions:
         for name in positive:
             if getattr(self, name) < 1:
                 raise SurgeryError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        for name in ("lr", "weight_decay", "max_grad_norm", "temperature", "kd_weight", "min_lr_ratio", "progress_every"):
+            if not math.isfinite(getattr(self, name)):
+                raise SurgeryError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
         for name in ("eval_tokens", "eval_every", "save_every", "weight_decay", "max_grad_norm"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise SurgeryError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         if self.seq_len < 2:
             raise SurgeryError("--seq-len must be at least 2 (a next-token target needs two tokens)")
@@ -89,6 +94,13 @@ class UptrainOptions:
     @property
     def steps(self) -> int:
         return -(-self.tokens // self.batch_tokens)
+
+    @property
+    def eval_interval(self) -> int:
+        """Steps between evaluations: --eval-every, else about ten evaluations over the run; 0 -> only at the end."""
+        if self.eval_every is None:
+            return max(1, round(self.steps / 10))
+        return self.eval_every or self.steps
 
     @property
     def warmup(self) -> int:

@@ -1,26 +1,44 @@
-"""Checkpoints of a running uptraining: accelerate's `save_state` (model, optimizer, RNG states) plus the run's
-position (`RunState`: the step, which fixes the data position and the learning rate), written atomically.
+"""Checkpoints of a running uptraining, free of pickles: nothing in a run folder can run code when resumed.
 
-Each checkpoint is saved into `checkpoints/.tmp-step-NNNNNNNN`, flushed to disk, and renamed to
-`checkpoints/step-NNNNNNNN` only when complete; a run killed at any moment leaves either the previous set of
-checkpoints or the new one, plus at most a temporary folder that the next start removes. The last K are kept.
-All processes call `save`; only the main process creates, renames and removes folders.
+A checkpoint `checkpoints/step-NNNNNNNN/` holds
+- `model.safetensors`      the whole model (gathered from FSDP shards), tied weights once (aliases in its metadata);
+- `optimizer.safetensors`  AdamW's state as tensors, its parameter groups as JSON in the metadata;
+- `rng-R.safetensors`      process R's torch (and CUDA) generator states; Python's and NumPy's as JSON metadata;
+- `run-state.json`         the run's position (`RunState`: the step, which fixes the data position and the
+                           learning rate — the schedule is a function of the step, so there is no scheduler state);
+- `manifest.json`          written last: the size and sha256 of every file above.
+
+Each checkpoint is written into `checkpoints/.tmp-step-NNNNNNNN`, flushed to disk, and renamed to `step-NNNNNNNN`
+only when complete; a run killed at any moment leaves the previous checkpoints plus at most a temporary folder the
+next start removes. The last K are kept. `--resume` takes the newest checkpoint whose manifest matches its files
+and falls back to an older intact one (saying so) when the newest is damaged. All processes call `save` and
+`load_latest` (the model and optimizer state are gathered and scattered with collectives); only the main process
+writes the model and optimizer files, creates, renames and removes folders.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import re
 import shutil
+import sys
 from pathlib import Path
 
+import numpy as np
+import torch
+
+from ..digest import sha256_file
 from ..errors import SurgeryError
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+FORMAT = "surgery-uptrain-checkpoint/1"
+MANIFEST = "manifest.json"
 
 
 class RunState:
-    """The run's position, saved with every checkpoint (registered with `accelerator.register_for_checkpointing`)."""
+    """The run's position, saved with every checkpoint."""
 
     def __init__(self):
         self.step = 0  # optimizer steps done
@@ -31,7 +49,82 @@ class RunState:
         return {"step": self.step, "elapsed": self.elapsed, "data_key": self.data_key}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self.elapsed, self.data_key = int(state["step"]), float(state["elapsed"]), state["data_key"]
+        self.step, self.elapsed, self.data_key = int(state["step"]), float(state["elapsed"]), str(state["data_key"])
+
+
+# ------------------------------------------------------------------------------------ state dicts <-> files
+
+
+def _state_options(**kw):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kw)
+
+
+def _split_aliases(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors sharing storage (tied weights) are stored once; the others are recorded as aliases."""
+    first: dict[tuple, str] = {}
+    tensors, aliases = {}, {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype) if t.numel() else None
+        if key is not None and key in first:
+            aliases[name] = first[key]
+        else:
+            if key is not None:
+                first[key] = name
+            tensors[name] = t.detach().contiguous()
+    return tensors, aliases
+
+
+def _optimizer_files(state: dict) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    tensors, scalars = {}, {}
+    for param, entries in state["state"].items():
+        for key, value in entries.items():
+            name = f"{param}\x1f{key}"  # unit separator: never part of a parameter name
+            if isinstance(value, torch.Tensor):
+                tensors[name] = value.detach().contiguous()
+            else:
+                scalars[name] = value
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state["param_groups"]]
+    return tensors, {"param_groups": json.dumps(groups), "scalars": json.dumps(scalars)}
+
+
+def _optimizer_state(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
+    state: dict[str, dict] = {}
+    entries = list(tensors.items()) + list(json.loads(metadata["scalars"]).items())
+    for name, value in entries:
+        param, key = name.split("\x1f")
+        state.setdefault(param, {})[key] = value
+    groups = json.loads(metadata["param_groups"])
+    for g in groups:
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+    return {"state": state, "param_groups": groups}
+
+
+def _rng_files() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"cuda.{i}"] = s
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return tensors, {"python": json.dumps([version, list(internal), gauss]),
+                     "numpy": json.dumps([kind, keys.tolist(), int(pos), int(has_gauss), float(cached)])}
+
+
+def _set_rng(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[k] for k in sorted((k for k in tensors if k.startswith("cuda.")), key=lambda k: int(k[5:]))]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    version, internal, gauss = json.loads(metadata["python"])
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = json.loads(metadata["numpy"])
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+# ------------------------------------------------------------------------------------------------ checking
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -51,6 +144,32 @@ def _fsync_dir(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def damage(folder: Path) -> str | None:
+    """Why checkpoint `folder` cannot be resumed from ("FILE: reason"), or None when it is intact."""
+    manifest = folder / MANIFEST
+    try:
+        record = json.loads(manifest.read_text())
+        files = record["files"]
+        if record.get("format") != FORMAT or not isinstance(files, dict):
+            raise ValueError("not a checkpoint manifest of this toolkit")
+    except FileNotFoundError:
+        return f"{manifest}: missing (an incomplete checkpoint, or one written by an older version)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{manifest}: unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    for name in ("model.safetensors", "optimizer.safetensors", "run-state.json"):
+        if name not in files:
+            return f"{folder / name}: not in the manifest"
+    for name, expect in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path}: missing"
+        if path.stat().st_size != expect.get("size"):
+            return f"{path}: {path.stat().st_size} bytes, {expect.get('size')} when written (truncated or replaced)"
+        if sha256_file(path) != expect.get("sha256"):
+            return f"{path}: its sha256 differs from the one recorded when it was written (corrupt)"
+    return None
 
 
 class Checkpoints:
@@ -75,29 +194,113 @@ class Checkpoints:
             for p in self.dir.glob(".tmp-step-*"):
                 shutil.rmtree(p, ignore_errors=True)
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, model, optimizer, state: RunState) -> Path:
+        """Write checkpoint `step` atomically. A full disk (or any OSError) leaves the earlier checkpoints as they
+        were, removes the partial folder and stops the run with one line."""
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
         final = self.dir / f"step-{step:08d}"
         tmp = self.dir / f".tmp-step-{step:08d}"
-        if self.acc.is_main_process:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        self.acc.wait_for_everyone()
-        self.acc.save_state(str(tmp))
-        self.acc.wait_for_everyone()
-        if self.acc.is_main_process:
-            _fsync_tree(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.dir)
-            for _, old in self.steps()[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        main = self.acc.is_main_process
+        model_state = get_model_state_dict(model, options=_state_options(cpu_offload=True))  # collectives
+        optim_state = get_optimizer_state_dict(model, optimizer, options=_state_options(cpu_offload=True))
+        error = None
+
+        def agree(err):  # every process learns whether any failed, so all stop together
+            failed = torch.tensor([0.0 if err is None else 1.0], device=self.acc.device)
+            return err if err is not None else (OSError("another process failed") if self.acc.reduce(
+                failed, reduction="sum").item() else None)
+
+        try:
+            if main:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+        except OSError as e:
+            error = e
+        error = agree(error)
+        try:
+            if error is None:
+                rng, rng_meta = _rng_files()
+                save_file(rng, tmp / f"rng-{self.acc.process_index}.safetensors", metadata=rng_meta)
+                if main:
+                    tensors, aliases = _split_aliases(model_state)
+                    save_file(tensors, tmp / "model.safetensors", metadata={"aliases": json.dumps(aliases)})
+                    tensors, meta = _optimizer_files(optim_state)
+                    save_file(tensors, tmp / "optimizer.safetensors", metadata=meta)
+                    (tmp / "run-state.json").write_text(json.dumps(state.state_dict()) + "\n")
+        except OSError as e:
+            error = e
+        error = agree(error)
+        del model_state, optim_state
+        try:
+            if main and error is None:
+                files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir())}
+                (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step,
+                                                        "processes": self.acc.num_processes, "files": files}) + "\n")
+                _fsync_tree(tmp)
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                _fsync_dir(self.dir)
+                for _, old in self.steps()[: -self.keep_last]:
+                    shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            error = e
+        error = agree(error)
+        if error is not None:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            kept = [p.name for _, p in self.steps() if p != final]
+            why = os.strerror(error.errno) if error.errno else str(error)
+            raise SurgeryError(f"cannot write the checkpoint of step {step} in {self.dir}: {why}; nothing of it was "
+                               f"kept" + (f", the last good checkpoint is {kept[-1]} (--resume continues from it)"
+                                          if kept else ""))
         self.acc.wait_for_everyone()
         return final
 
-    def load_latest(self) -> Path:
-        path = self.latest()
-        if path is None:
+    def load_latest(self, model, optimizer, state: RunState) -> Path:
+        """Restore the newest intact checkpoint; a damaged newer one is named on stderr and skipped."""
+        from safetensors import safe_open
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        candidates = list(reversed(self.steps()))
+        if not candidates:
             raise SurgeryError(f"--resume: no checkpoint in {self.dir}")
-        self.acc.load_state(str(path))
+        problems = []
+        for _, path in candidates:
+            problem = damage(path)
+            if problem is None:
+                break
+            problems.append(problem)
+        else:
+            raise SurgeryError(f"--resume: no intact checkpoint in {self.dir}: {problems[0]}"
+                               + (f" (and {len(problems) - 1} older damaged)" if len(problems) > 1 else ""))
+        if problems and self.acc.is_main_process:
+            for p in problems:
+                print(f"surgery: warning: skipping a damaged checkpoint: {p}", file=sys.stderr, flush=True)
+            print(f"surgery: warning: resuming from the older intact checkpoint {path.name}", file=sys.stderr, flush=True)
+        try:
+            with safe_open(path / "model.safetensors", "pt") as f:
+                aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+                model_state = {k: f.get_tensor(k) for k in f.keys()}
+            model_state.update({alias: model_state[target] for alias, target in aliases.items()})
+            with safe_open(path / "optimizer.safetensors", "pt") as f:
+                optim_state = _optimizer_state({k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {})
+            rng = None  # a process that did not exist when the checkpoint was written keeps its seeded generators
+            if (path / f"rng-{self.acc.process_index}.safetensors").is_file():
+                with safe_open(path / f"rng-{self.acc.process_index}.safetensors", "pt") as f:
+                    rng = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+            saved = json.loads((path / "run-state.json").read_text())
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SurgeryError(f"--resume: cannot read checkpoint {path}: {str(e).splitlines()[0]}") from None
+        try:
+            set_model_state_dict(model, model_state, options=_state_options())
+            set_optimizer_state_dict(model, optimizer, optim_state, options=_state_options())
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise SurgeryError(f"--resume: checkpoint {path} does not fit this model: {str(e).splitlines()[0]}") from None
+        if rng is not None:
+            _set_rng(*rng)
+        state.load_state_dict(saved)
         return path
