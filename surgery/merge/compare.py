@@ -83,17 +83,23 @@ def compare_merges(source: Source, kv_heads: int, methods: tuple[str, ...] = MET
             "ppl_source": report["ppl_source"], "rows": rows}
 
 
-def print_comparison(result: dict) -> None:
+COLUMNS = (("method", "merge method"), ("ppl", "perplexity on the held-out text"), ("x src", "perplexity / the source's"),
+           ("KL", "KL(source‖merged) per token"), ("top-1", "top-1 agreement with the source"),
+           ("secs", "conversion time"))
+
+
+def print_comparison(result: dict, console=None) -> None:
+    """One table that fits an 80-column terminal: short headers, spelled out in the caption."""
     from rich.console import Console
     from rich.table import Table
 
     kv = result["rows"][0]["kv_heads"]
-    title = (f"{result['source']}: {kv['before']} -> {kv['after']} K/V heads, zero-shot on {result['tokens']} held-out "
-             f"tokens of {result['data']} (source perplexity {result['ppl_source']:.3f})")
-    table = Table(title=title)
-    for col in ("method", "perplexity", "× source", "KL(source‖merged)", "top-1 agreement", "convert s"):
-        table.add_column(col, justify="left" if col == "method" else "right")
+    title = (f"{result['source']}: {kv['before']} -> {kv['after']} K/V heads, zero-shot on {result['data']}"
+             f"[0:{result['tokens']}], windows {result['seq_len']} (source perplexity {result['ppl_source']:.3f})")
+    table = Table(title=title, caption="; ".join(f"{h}: {what}" for h, what in COLUMNS[1:]))
+    for header, _ in COLUMNS:
+        table.add_column(header, justify="left" if header == "method" else "right", no_wrap=True)
     for r in result["rows"]:
         table.add_row(r["method"], f"{r['ppl']:.3f}", f"{r['ppl'] / result['ppl_source']:.2f}", f"{r['kl']:.4f}",
                       f"{100 * r['top1_agreement']:.2f}%", f"{r['convert_seconds']:.1f}")
-    Console().print(table)
+    (console or Console()).print(table)
