@@ -179,3 +179,40 @@ def test_a_larger_teacher_is_used_and_recorded(mqa, tokenizer, tmp_path):
     assert json.loads((tmp_path / "o" / "surgery.json").read_text())["uptraining"]["teacher"] == str(big)
     own = run(mqa, tmp_path / "p", loss="kd", tokens=512)  # the source as teacher: another perplexity
     assert rec["teacher_eval_ppl"] != pytest.approx(own["teacher_eval_ppl"], rel=1e-3)
+
+
+# --------------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_runs_align_then_kd_with_unmerged_lora(mqa, tmp_path, monkeypatch):
+    pytest.importorskip("peft")
+    import sys
+
+    import cli
+    from tests.test_uptrain import cli_args
+
+    out = tmp_path / "o"
+    args = cli_args(FAST | dict(tokens=512 * 3, align_tokens=512, lora_rank=2, lora_targets="q_proj,v_proj"))
+    monkeypatch.setattr(sys, "argv", ["surgery", "uptrain", str(mqa), "--out", str(out), "--stage", "align,kd",
+                                      "--no-merge-lora", *args])
+    try:
+        cli.main()
+    except SystemExit as e:
+        assert e.code in (0, None)
+    rec = json.loads((out / "surgery.json").read_text())["uptraining"]
+    assert rec["stage"] == "align,kd" and rec["align"]["tokens"] == 512 and rec["kd_tokens"] == 1024
+    assert rec["lora"] == {"rank": 2, "alpha": 4, "targets": "q_proj,v_proj", "modules": 4, "merged": False,
+                           "adapter": "adapter"}
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 2 and sorted(config["target_modules"]) == sorted(
+        f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "v_proj"))
+
+
+def test_lora_without_peft_is_one_clear_line(mqa, tmp_path, monkeypatch, capsys):
+    import sys
+
+    from tests.test_uptrain import cli_error
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
+    err = cli_error(monkeypatch, capsys, mqa, "--out", tmp_path / "o", "--tokens", 512, "--lora-rank", 4)
+    assert "needs peft" in err and "[lora]" in err and not (tmp_path / "o").exists()

@@ -247,7 +247,7 @@ def run(o: UptrainOptions) -> dict:
     align_record = None
     if "align" in o.stages and not (o.resume and ckpts.latest() is not None):  # else the checkpoint has it
         windows = data.train[data.window_indices(0, o.align_steps * o.sequences_per_step)]
-        log = print if main else (lambda *a, **k: None)
+        log = (lambda line: print(line, flush=True)) if main else (lambda line: None)
         model.to(acc.device)
         before = evaluate(model, data, acc, o.micro_batch)["eval_ppl"] if data.eval.shape[0] else None
         align_record = align(model, teacher, windows.long(), data.eval.long(), micro_batch=o.micro_batch,
