@@ -250,7 +250,8 @@ def run(o: UptrainOptions) -> dict:
         log = (lambda line: print(line, flush=True)) if main else (lambda line: None)
         model.to(acc.device)
         before = evaluate(model, data, acc, o.micro_batch)["eval_ppl"] if data.eval.shape[0] else None
-        align_record = align(model, teacher, windows.long(), data.eval.long(), micro_batch=o.micro_batch,
+        held_out = data.eval[: windows.shape[0]]  # the per-layer errors on as many held-out windows as it trains on
+        align_record = align(model, teacher, windows.long(), held_out.long(), micro_batch=o.micro_batch,
                              epochs=o.align_epochs, lr=o.align_lr, device=acc.device, log=log)
         align_record["tokens"] = o.align_steps * o.batch_tokens
         align_record["eval_ppl_before"] = before
