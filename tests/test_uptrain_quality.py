@@ -216,3 +216,12 @@ def test_lora_without_peft_is_one_clear_line(mqa, tmp_path, monkeypatch, capsys)
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
     err = cli_error(monkeypatch, capsys, mqa, "--out", tmp_path / "o", "--tokens", 512, "--lora-rank", 4)
     assert "needs peft" in err and "[lora]" in err and not (tmp_path / "o").exists()
+
+
+def test_align_keeps_the_old_weights_of_a_layer_whose_validation_error_rose(mqa, tmp_path):
+    rec = run(mqa, tmp_path / "o", stage="align", tokens=512 * 2, align_epochs=2, align_lr=0.3)
+    layers = rec["align"]["layers"]
+    assert [layer["kept"] for layer in layers] == [False, False]  # Adam at lr 0.3 overshoots on every layer
+    old, new = load_file(mqa / "model.safetensors"), load_file(tmp_path / "o" / "model.safetensors")
+    assert all(torch.equal(old[k], new[k]) for k in old)
+    assert all(layer["after"] == pytest.approx(layer["before"], rel=1e-6) for layer in layers)

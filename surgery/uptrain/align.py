@@ -14,7 +14,8 @@ arguments the model passed its first layer (captured by a hook), so nothing here
 beyond its list of decoder layers and the attention module inside each.
 
 The relative error `mean((student - teacher)^2) / var(teacher)` of every layer, before and after, is measured
-on held-out windows the training never sees; the run records it in surgery.json.
+on held-out windows the training never sees; the run records it in surgery.json. The last micro-batch of the
+alignment windows is kept out of the fit to validate it: a layer whose error there rose keeps its old weights.
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ def align(student, teacher, train_ids: torch.Tensor, held_out_ids: torch.Tensor,
                for i in range(0, ids.shape[0], micro_batch)]
     train = [b for b in batches if not b.held_out]
     held = [b for b in batches if b.held_out] or train
+    # The last micro-batch of the alignment windows validates: a layer whose error there rose keeps its old weights
+    # (the held-out windows only measure; nothing is chosen on them).
+    fit, val = (train[:-1], train[-1:]) if len(train) > 1 else (train, [])
     per_layer = []
     try:
         for i, (s_layer, t_layer) in enumerate(zip(s_layers, t_layers)):
@@ -160,13 +164,15 @@ def align(student, teacher, train_ids: torch.Tensor, held_out_ids: torch.Tensor,
                 _advance(t_layer, t_attn, s_layer, s_attn, b)
             params = [p for p in s_attn.parameters() if p.is_floating_point()]
             before = _relative_error(s_attn, held)
+            val_before = _relative_error(s_attn, val) if val else None
+            saved = [p.detach().clone() for p in params]
             # The loss of each micro-batch is normalised by the variance of the layer's whole target.
-            scale = 1.0 / max(torch.cat([b.target.float().flatten() for b in train]).var().item(), 1e-30)
+            scale = 1.0 / max(torch.cat([b.target.float().flatten() for b in fit]).var().item(), 1e-30)
             for p in params:
                 p.requires_grad_(True)
             opt = torch.optim.Adam(params, lr=lr)
             for _ in range(epochs):
-                for b in train:
+                for b in fit:
                     loss = (_attend(s_attn, b).float() - b.target.float()).pow(2).mean() * scale
                     if not torch.isfinite(loss):
                         raise SurgeryError(f"--stage align: the loss of layer {i} is not finite (lower --align-lr, "
@@ -177,11 +183,18 @@ def align(student, teacher, train_ids: torch.Tensor, held_out_ids: torch.Tensor,
             for p in params:
                 p.requires_grad_(False)
             del opt
+            kept = not val or _relative_error(s_attn, val) <= val_before
+            if not kept:
+                with torch.no_grad():
+                    for p, old in zip(params, saved):
+                        p.copy_(old)
+            del saved
             after = _relative_error(s_attn, held)
-            per_layer.append({"layer": i, "before": before, "after": after})
+            per_layer.append({"layer": i, "before": before, "after": after, "kept": kept})
             for b in batches:
                 b.attn_args = b.attn_kwargs = b.target = None
-            log(f"align: layer {i}: held-out relative error {before:.4f} -> {after:.4f}")
+            log(f"align: layer {i}: held-out relative error {before:.4f} -> {after:.4f}"
+                + ("" if kept else " (its validation error rose: old weights kept)"))
     finally:
         for n, p in student.named_parameters():
             p.requires_grad_(flags[n])
