@@ -181,6 +181,21 @@ def hidden(head: OutputHead | None):
     return head.returning_hidden() if head is not None else contextlib.nullcontext()
 
 
+def fixed_mmap_threshold(size: int = 1 << 20) -> None:
+    """glibc raises its mmap threshold (up to 32 MiB) whenever a large block is freed; afterwards activations and
+    gradients come from the heap, where fragmentation lets the peak RSS creep up over the first steps (SmolLM2 tour:
+    3.48 -> 3.87 M KiB by step 3). A fixed threshold makes every large tensor its own mapping, returned to the
+    system when freed (the same run: 3.19 M KiB, the same speed). No-op where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(ctypes.c_int(-3), ctypes.c_int(size))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or any(m in str(e) for m in OOM_MARKERS)
 
@@ -190,6 +205,7 @@ def run(o: UptrainOptions) -> dict:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # weight loading/writing bars: stderr stays for our bar and errors
+    fixed_mmap_threshold()
     logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)  # "removed shared tensor" on tied weights
     source = resolve_source(o.model)
     record = model_io.read_record(source.folder)

@@ -146,7 +146,7 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def damage(folder: Path, world: int) -> str | None:
+def damage(folder: Path) -> str | None:
     """Why checkpoint `folder` cannot be resumed from ("FILE: reason"), or None when it is intact."""
     manifest = folder / MANIFEST
     try:
@@ -158,10 +158,9 @@ def damage(folder: Path, world: int) -> str | None:
         return f"{manifest}: missing (an incomplete checkpoint, or one written by an older version)"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{manifest}: unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
-    needed = ["model.safetensors", "optimizer.safetensors", "run-state.json"] + [f"rng-{r}.safetensors" for r in range(world)]
-    for name in needed:
+    for name in ("model.safetensors", "optimizer.safetensors", "run-state.json"):
         if name not in files:
-            return f"{folder / name}: not in the manifest (written by {record.get('processes', '?')} processes, resumed by {world})"
+            return f"{folder / name}: not in the manifest"
     for name, expect in files.items():
         path = folder / name
         if not path.is_file():
@@ -271,7 +270,7 @@ class Checkpoints:
             raise SurgeryError(f"--resume: no checkpoint in {self.dir}")
         problems = []
         for _, path in candidates:
-            problem = damage(path, self.acc.num_processes)
+            problem = damage(path)
             if problem is None:
                 break
             problems.append(problem)
@@ -289,8 +288,10 @@ class Checkpoints:
             model_state.update({alias: model_state[target] for alias, target in aliases.items()})
             with safe_open(path / "optimizer.safetensors", "pt") as f:
                 optim_state = _optimizer_state({k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {})
-            with safe_open(path / f"rng-{self.acc.process_index}.safetensors", "pt") as f:
-                rng = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+            rng = None  # a process that did not exist when the checkpoint was written keeps its seeded generators
+            if (path / f"rng-{self.acc.process_index}.safetensors").is_file():
+                with safe_open(path / f"rng-{self.acc.process_index}.safetensors", "pt") as f:
+                    rng = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
             saved = json.loads((path / "run-state.json").read_text())
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise SurgeryError(f"--resume: cannot read checkpoint {path}: {str(e).splitlines()[0]}") from None
@@ -299,6 +300,7 @@ class Checkpoints:
             set_optimizer_state_dict(model, optimizer, optim_state, options=_state_options())
         except (RuntimeError, KeyError, ValueError) as e:
             raise SurgeryError(f"--resume: checkpoint {path} does not fit this model: {str(e).splitlines()[0]}") from None
-        _set_rng(*rng)
+        if rng is not None:
+            _set_rng(*rng)
         state.load_state_dict(saved)
         return path
