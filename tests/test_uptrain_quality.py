@@ -214,7 +214,7 @@ def test_lora_without_peft_is_one_clear_line(mqa, tmp_path, monkeypatch, capsys)
     from tests.test_uptrain import cli_error
 
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
-    err = cli_error(monkeypatch, capsys, mqa, "--out", tmp_path / "o", "--tokens", 512, "--lora-rank", 4)
+    err = cli_error(monkeypatch, capsys, mqa, "--out", tmp_path / "o", "--tokens", 512, "--seq-len", 64, "--lora-rank", 4)
     assert "needs peft" in err and "[lora]" in err and not (tmp_path / "o").exists()
 
 

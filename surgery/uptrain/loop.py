@@ -207,6 +207,8 @@ def run(o: UptrainOptions) -> dict:
     hf_logging.disable_progress_bar()  # weight loading/writing bars: stderr stays for our bar and errors
     fixed_mmap_threshold()
     logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)  # "removed shared tensor" on tied weights
+    if o.lora_rank:
+        lora.require_peft()
     source = resolve_source(o.model)
     record = model_io.read_record(source.folder)
     objective = resolve_objective(o, record)
@@ -235,9 +237,6 @@ def run(o: UptrainOptions) -> dict:
         model_io.check_teacher(model, teacher, tokenizer, t_src)
         teacher.requires_grad_(False)
         teacher.eval().to(acc.device)
-    if o.lora_rank:
-        lora.require_peft()
-
     train_tokens = o.total_steps * o.sequences_per_step * o.seq_len
     key = cache_key(data=o.data, text_field=o.text_field, seq_len=o.seq_len, eval_tokens=o.eval_tokens,
                     train_tokens=train_tokens, vocab=len(tokenizer), eos=tokenizer.eos_token_id,
