@@ -225,3 +225,19 @@ def test_align_keeps_the_old_weights_of_a_layer_whose_validation_error_rose(mqa,
     old, new = load_file(mqa / "model.safetensors"), load_file(tmp_path / "o" / "model.safetensors")
     assert all(torch.equal(old[k], new[k]) for k in old)
     assert all(layer["after"] == pytest.approx(layer["before"], rel=1e-6) for layer in layers)
+
+
+def test_align_and_lora_work_on_a_talking_heads_conversion(source, tmp_path):
+    pytest.importorskip("peft")
+    from surgery.talking_heads import convert_to_talking_heads
+
+    th = tmp_path / "th"
+    convert_to_talking_heads(resolve_source(str(source)), th, progress=False)
+    rec = run(th, tmp_path / "o", stage="align,kd", tokens=512 * 3, align_tokens=1024, align_lr=3e-3, lora_rank=2)
+    assert rec["lora"]["modules"] == 2 * 4 and len(rec["align"]["layers"]) == 2
+    # The conversion starts exact (identity mixing): nothing to align, and no layer is made worse.
+    assert all(layer["before"] < 1e-10 and layer["after"] <= layer["before"] + 1e-12 for layer in rec["align"]["layers"])
+    assert tensor_shapes(tmp_path / "o") == tensor_shapes(th)
+    old, new = load_file(th / "model.safetensors"), load_file(tmp_path / "o" / "model.safetensors")
+    moved = {k for k in old if not torch.equal(old[k], new[k])}  # the LoRA-trained projections, merged
+    assert moved and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for k in moved)
