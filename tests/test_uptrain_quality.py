@@ -241,3 +241,10 @@ def test_align_and_lora_work_on_a_talking_heads_conversion(source, tmp_path):
     old, new = load_file(th / "model.safetensors"), load_file(tmp_path / "o" / "model.safetensors")
     moved = {k for k in old if not torch.equal(old[k], new[k])}  # the LoRA-trained projections, merged
     assert moved and all(k.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj") for k in moved)
+
+
+def test_the_record_starts_from_the_perplexity_before_alignment(mqa, tmp_path):
+    rec = run(mqa, tmp_path / "o", stage="align", tokens=512, align_lr=3e-3)
+    assert rec["initial_eval_ppl"] == rec["align"]["eval_ppl_before"]
+    assert rec["final_eval_ppl"] == pytest.approx(rec["align"]["eval_ppl"], rel=1e-6)  # metrics keep 7 digits
+    assert rec["final_eval_ppl"] < 0.999 * rec["initial_eval_ppl"]

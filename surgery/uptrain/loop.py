@@ -449,7 +449,8 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
         "processes": world,
         "seed": o.seed,
         "eval_tokens": o.eval_tokens,
-        "initial_eval_ppl": evals[0]["eval_ppl"] if evals else None,
+        "initial_eval_ppl": ((align_record or {}).get("eval_ppl_before")  # before the alignment
+                             or (evals[0]["eval_ppl"] if evals else None)),
         "final_eval_ppl": evals[-1]["eval_ppl"] if evals else None,
         "teacher_eval_ppl": teacher_ppl,
         "final_train_loss": next((m["loss"] for m in reversed(rows) if "loss" in m), None),
@@ -472,6 +473,9 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
         shutil.rmtree(o.run_dir, ignore_errors=True)
     first, last = uptraining["initial_eval_ppl"], uptraining["final_eval_ppl"]
     ppl = f", held-out perplexity {first:.3f} -> {last:.3f}" if first is not None else ""
-    print(f"wrote {o.out}: {uptraining['tokens']} tokens in {o.steps} steps ({objective.kind} loss){ppl}, "
-          f"{state.elapsed:.1f}s of training", flush=True)
+    done = [f"{o.steps} steps ({objective.kind} loss)"] if o.steps else []
+    if align_record is not None:
+        done.insert(0, f"{align_record['tokens']} aligning attention layer by layer")
+    print(f"wrote {o.out}: {uptraining['tokens']} tokens, {' then '.join(done)}{ppl}, "
+          f"{state.elapsed + (align_record or {}).get('seconds', 0):.1f}s of training", flush=True)
     return uptraining
