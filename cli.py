@@ -372,6 +372,18 @@ def demo(out, tokens, force):
 @click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
 @click.option("--progress-every", type=float, default=30.0, show_default=True,
               help="Seconds between progress lines when stderr is not a terminal (a terminal gets a bar).")
+@click.option("--stage", default="kd", show_default=True,
+              help="align: train each attention to match the teacher's attention output, layer by layer; kd: "
+              "end-to-end training by --loss; align,kd: both, splitting --tokens.")
+@click.option("--align-tokens", type=int, help="[align,kd] The align stage's share of --tokens (default: a quarter).")
+@click.option("--align-epochs", type=int, default=4, show_default=True, help="[align] Passes over its windows per layer.")
+@click.option("--align-lr", type=float, default=1e-3, show_default=True, help="[align] Adam learning rate.")
+@click.option("--lora-rank", type=int, default=0, show_default=True,
+              help="Train LoRA adapters of this rank instead of the weights (needs peft: the `lora` extra).")
+@click.option("--lora-alpha", type=float, help="LoRA scaling numerator (default: 2 x rank).")
+@click.option("--lora-targets", help="Comma-separated module-name patterns for LoRA (default: the attention's linear layers).")
+@click.option("--merge-lora/--no-merge-lora", default=True, show_default=True,
+              help="Merge the adapters into the output, or keep the input's weights and write OUT/adapter.")
 def uptrain(model, out, **kw):
     """Continue training MODEL (a converted checkpoint, or any causal LM) for --tokens tokens.
 

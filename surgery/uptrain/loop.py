@@ -24,8 +24,9 @@ from ..atomic import atomic_output_dir, check_output_path, ordinary_permissions
 from ..errors import SurgeryError
 from ..publish.hashes import record_output_hashes
 from ..source import resolve_source
-from ..record import local_source_folder
-from . import model_io
+from ..record import local_source_folder, public_name
+from . import lora, model_io
+from .align import align
 from .data import cache_key, pack, read_cache, write_cache
 from .heads import OutputHead
 from .losses import Objective, _same
@@ -92,6 +93,9 @@ def use_fsdp_on_cpu(acc) -> None:
 
 def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
     teacher_known = bool(o.teacher or (record.get("source") or {}).get("spec") or local_source_folder(record))
+    if "align" in o.stages and not teacher_known:
+        raise SurgeryError("--stage align needs the source to align to: the input has no surgery.json naming its "
+                           "source; pass --teacher")
     kind = o.loss if o.loss != "auto" else ("kd" if teacher_known else "lm")
     if kind in ("kd", "mix") and not teacher_known:
         raise SurgeryError(f"--loss {kind} needs a teacher: the input has no surgery.json naming its source; pass --teacher")
@@ -204,6 +208,8 @@ def run(o: UptrainOptions) -> dict:
     hf_logging.disable_progress_bar()  # weight loading/writing bars: stderr stays for our bar and errors
     fixed_mmap_threshold()
     logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)  # "removed shared tensor" on tied weights
+    if o.lora_rank:
+        lora.require_peft()
     source = resolve_source(o.model)
     record = model_io.read_record(source.folder)
     objective = resolve_objective(o, record)
@@ -226,15 +232,13 @@ def run(o: UptrainOptions) -> dict:
     model_io.check_seq_len(model, o.seq_len, source.spec)
     out_dtype = model_io.checkpoint_dtype(source.folder, source.config)
     teacher = None
-    if objective.needs_teacher:
+    if objective.needs_teacher or "align" in o.stages:
         t_src = model_io.teacher_source(record, o.teacher)
         teacher = model_io.load_causal_lm(t_src, "teacher", o.trust_teacher_code)
         model_io.check_teacher(model, teacher, tokenizer, t_src, o.trust_teacher_code)
         teacher.requires_grad_(False)
         teacher.eval().to(acc.device)
-    trainable = select_trainable(model, o.train, record)
-
-    train_tokens = o.steps * o.sequences_per_step * o.seq_len
+    train_tokens = o.total_steps * o.sequences_per_step * o.seq_len
     key = cache_key(data=o.data, text_field=o.text_field, seq_len=o.seq_len, eval_tokens=o.eval_tokens,
                     train_tokens=train_tokens, vocab=len(tokenizer), eos=tokenizer.eos_token_id,
                     tokenizer=type(tokenizer).__name__)
@@ -255,6 +259,28 @@ def run(o: UptrainOptions) -> dict:
                     start_run_dir(o, trajectory)
                 write_cache(cache, key, data)
 
+    ckpts = Checkpoints(o.run_dir, o.keep_last, acc)
+    align_record = None
+    if "align" in o.stages and not (o.resume and ckpts.latest() is not None):  # else the checkpoint has it
+        windows = data.train[data.window_indices(0, o.align_steps * o.sequences_per_step)]
+        log = (lambda line: print(line, flush=True)) if main else (lambda line: None)
+        model.to(acc.device)
+        before = evaluate(model, data, acc, o.micro_batch)["eval_ppl"] if data.eval.shape[0] else None
+        held_out = data.eval[: windows.shape[0]]  # the per-layer errors on as many held-out windows as it trains on
+        align_record = align(model, teacher, windows.long(), held_out.long(), micro_batch=o.micro_batch,
+                             epochs=o.align_epochs, lr=o.align_lr, device=acc.device, log=log)
+        align_record["tokens"] = o.align_steps * o.batch_tokens
+        align_record["eval_ppl_before"] = before
+        if main:
+            (o.run_dir / "align.json").write_text(json.dumps(align_record, indent=2) + "\n")
+    elif "align" in o.stages and (o.run_dir / "align.json").exists():
+        align_record = json.loads((o.run_dir / "align.json").read_text())
+
+    trainable = select_trainable(model, o.train, record)
+    lora_targets = None
+    if o.lora_rank:
+        model, lora_targets = lora.wrap(model, o.lora_rank, o.lora_alpha, o.lora_targets)
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if o.gradient_checkpointing:
         model_io.enable_checkpointing(model, source.spec)
     model.train()
@@ -266,9 +292,10 @@ def run(o: UptrainOptions) -> dict:
         raise SurgeryError("uptrain does not run under DeepSpeed (its checkpoints are pickles, which --resume would "
                            "have to run): use FSDP (recipes/accelerate/fsdp-8gpu.yaml) or DDP")
     sharded = acc.distributed_type == DistributedType.FSDP
+    if sharded and o.lora_rank:
+        raise SurgeryError("--lora-rank does not run under FSDP yet: use DDP or one process")
     state = RunState()
     state.data_key = key
-    ckpts = Checkpoints(o.run_dir, o.keep_last, acc)
     ckpts.remove_partial()
     metrics = MetricsLog(o.run_dir / "metrics.jsonl", main)
     resumed_from = None
@@ -293,7 +320,7 @@ def run(o: UptrainOptions) -> dict:
               f"{o.micro_batch}, {data.train.shape[0]} training / {data.eval.shape[0]} held-out windows of {o.seq_len}"
               + (f", parameters sharded by {acc.distributed_type.value}" if sharded else "")
               + (f"; resumed at step {state.step} from {resumed_from.name}" if resumed_from else ""), flush=True)
-        if o.steps < FEW_STEPS:
+        if 0 < o.steps < FEW_STEPS:
             warn(f"--tokens {o.tokens} with --batch-tokens {o.batch_tokens} makes only {o.steps} optimizer step"
                  f"{'s' if o.steps > 1 else ''}: too few for the learning-rate schedule to mean much; raise --tokens or "
                  f"lower --batch-tokens")
@@ -313,13 +340,15 @@ def run(o: UptrainOptions) -> dict:
             first = do_eval(0)
             if teacher is not None and first is not None:
                 metrics.write(step=0, tokens=0, teacher_eval_ppl=evaluate(teacher, data, acc, o.micro_batch)["eval_ppl"])
+            if align_record is not None and first is not None:  # the evaluation at step 0 came after the alignment
+                align_record["eval_ppl"] = first["eval_ppl"]
         bar = Progress(o.steps, state.step, tokens_per_step, enabled=main and o.progress, every_s=o.progress_every)
         for step in range(state.step, o.steps):
             start = time.perf_counter()
             lr = lr_at(step, o)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batch = data.step_batch(step, o.sequences_per_step, acc.process_index, world)
+            batch = data.step_batch(o.align_steps + step, o.sequences_per_step, acc.process_index, world)
             loss_sum = torch.zeros((), device=acc.device)
             parts_sum: dict[str, torch.Tensor] = {}
             for m in range(accum):
@@ -381,14 +410,15 @@ def run(o: UptrainOptions) -> dict:
     result = None
     if main:
         result = finish(o, source, acc.unwrap_model(model), full_state, out_dtype, objective, metrics, trajectory,
-                        world, state)
+                        world, state, align_record, lora_targets)
     acc.wait_for_everyone()
     acc.end_training()
     return result
 
 
 def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective: Objective, metrics: MetricsLog,
-           trajectory: dict, world: int, state: RunState) -> dict:
+           trajectory: dict, world: int, state: RunState, align_record: dict | None = None,
+           lora_targets: list[str] | None = None) -> dict:
     """Main process: the final checkpoint (atomic), its record, metrics and plot; then the run folder goes."""
     rows = metrics.read()
     evals = [m for m in rows if "eval_ppl" in m]
@@ -396,12 +426,20 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
     uptraining = {
         "data": o.data,
         "text_field": o.text_field,
-        "tokens": o.steps * o.batch_tokens,
+        "tokens": o.total_steps * o.batch_tokens,
+        "stage": o.stage,
         "steps": o.steps,
-        "loss": objective.kind,
+        "kd_tokens": o.steps * o.batch_tokens,
+        "align": align_record,
+        "lora": ({"rank": o.lora_rank, "alpha": o.lora_alpha if o.lora_alpha is not None else 2 * o.lora_rank,
+                  "targets": o.lora_targets or "attention linear layers", "modules": len(lora_targets or []),
+                  "merged": o.merge_lora, "adapter": None if o.merge_lora else lora.ADAPTER_DIR}
+                 if o.lora_rank else None),
+        "loss": objective.kind if o.steps else None,
         "temperature": o.temperature if objective.needs_teacher else None,
         "kd_weight": o.kd_weight if objective.kind == "mix" else None,
-        "teacher": (trajectory.get("teacher") or "surgery.json source") if objective.needs_teacher else None,
+        "teacher": ((public_name(trajectory.get("teacher")) or "surgery.json source")
+                    if objective.needs_teacher or "align" in o.stages else None),
         "train": o.train,
         "optimizer": {"name": "adamw", "lr": o.lr, "betas": [0.9, 0.95], "weight_decay": o.weight_decay,
                       "warmup_steps": o.warmup, "schedule": "cosine", "min_lr_ratio": o.min_lr_ratio,
@@ -412,7 +450,8 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
         "processes": world,
         "seed": o.seed,
         "eval_tokens": o.eval_tokens,
-        "initial_eval_ppl": evals[0]["eval_ppl"] if evals else None,
+        "initial_eval_ppl": ((align_record or {}).get("eval_ppl_before")  # before the alignment
+                             or (evals[0]["eval_ppl"] if evals else None)),
         "final_eval_ppl": evals[-1]["eval_ppl"] if evals else None,
         "teacher_eval_ppl": teacher_ppl,
         "final_train_loss": next((m["loss"] for m in reversed(rows) if "loss" in m), None),
@@ -420,6 +459,8 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
     }
     recovery = f"the run folder {o.run_dir} keeps the final checkpoint (--resume writes the output from it)"
     with atomic_output_dir(o.out, force=o.force, source=source.folder, recovery=recovery) as tmp:
+        if o.lora_rank:
+            model = lora.unwrap(model, o.merge_lora, tmp)
         model_io.write_checkpoint(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
         model_io.write_record(source, tmp, uptraining)
         shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
@@ -430,6 +471,9 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
         shutil.rmtree(o.run_dir, ignore_errors=True)
     first, last = uptraining["initial_eval_ppl"], uptraining["final_eval_ppl"]
     ppl = f", held-out perplexity {first:.3f} -> {last:.3f}" if first is not None else ""
-    print(f"wrote {o.out}: {uptraining['tokens']} tokens in {o.steps} steps ({objective.kind} loss){ppl}, "
-          f"{state.elapsed:.1f}s of training", flush=True)
+    done = [f"{o.steps} steps ({objective.kind} loss)"] if o.steps else []
+    if align_record is not None:
+        done.insert(0, f"{align_record['tokens']} aligning attention layer by layer")
+    print(f"wrote {o.out}: {uptraining['tokens']} tokens, {' then '.join(done)}{ppl}, "
+          f"{state.elapsed + (align_record or {}).get('seconds', 0):.1f}s of training", flush=True)
     return uptraining

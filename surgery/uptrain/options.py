@@ -10,12 +10,14 @@ from ..errors import SurgeryError
 
 LOSSES = ("auto", "lm", "kd", "mix")
 TRAIN = ("all", "attention", "new")
+STAGES = ("align", "kd")  # --stage: layer-local attention alignment, end-to-end training (--loss); in this order
 
 # Options that fix the trajectory of a run: a resumed run must repeat them. (micro_batch and the number of
 # processes only change how a step's batch is split, not what the step computes, so they may change on resume.)
 TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_tokens", "eval_tokens", "loss",
                    "teacher", "temperature", "kd_weight", "train", "lr", "min_lr_ratio", "warmup_steps",
-                   "weight_decay", "max_grad_norm", "seed")
+                   "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens", "align_epochs", "align_lr",
+                   "lora_rank", "lora_alpha", "lora_targets")
 
 
 @dataclass
@@ -54,6 +56,14 @@ class UptrainOptions:
     trust_teacher_code: bool = False  # run code the teacher's folder ships
     progress: bool = True
     progress_every: float = 30.0  # seconds between progress lines when stderr is not a terminal
+    stage: str = "kd"  # "align", "kd" (end-to-end, by --loss) or "align,kd"
+    align_tokens: int | None = None  # of --tokens, for the align stage (None: all for "align", a quarter for "align,kd")
+    align_epochs: int = 4  # passes over the alignment windows, per layer
+    align_lr: float = 1e-3
+    lora_rank: int = 0  # 0: full fine-tuning of the --train parameters
+    lora_alpha: float | None = None  # None: 2 x rank
+    lora_targets: str | None = None  # None: the linear layers of the attention blocks
+    merge_lora: bool = True
 
     def __post_init__(self):
         self.out = Path(self.out)
@@ -84,6 +94,24 @@ class UptrainOptions:
             raise SurgeryError(f"--temperature must be positive, got {self.temperature}")
         if not 0 <= self.kd_weight <= 1:
             raise SurgeryError(f"--kd-weight must lie in [0, 1], got {self.kd_weight}")
+        stages = tuple(s.strip() for s in str(self.stage).split(","))
+        if not stages or any(s not in STAGES for s in stages) or list(stages) != sorted(set(stages), key=STAGES.index):
+            raise SurgeryError(f"unknown --stage {self.stage!r}; choose align, kd or align,kd")
+        self.stage = ",".join(stages)
+        if self.align_tokens is not None and not 0 < self.align_tokens <= self.tokens:
+            raise SurgeryError(f"--align-tokens must lie in [1, --tokens {self.tokens}], got {self.align_tokens}")
+        if self.align_tokens is not None and "align" not in stages:
+            raise SurgeryError("--align-tokens needs --stage align or align,kd")
+        if self.align_epochs < 1:
+            raise SurgeryError(f"--align-epochs must be at least 1, got {self.align_epochs}")
+        if not (math.isfinite(self.align_lr) and self.align_lr > 0):
+            raise SurgeryError(f"--align-lr must be positive, got {self.align_lr}")
+        if self.lora_rank < 0:
+            raise SurgeryError(f"--lora-rank must not be negative, got {self.lora_rank}")
+        if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+            raise SurgeryError(f"--lora-alpha must be positive, got {self.lora_alpha}")
+        if self.lora_targets and not self.lora_rank:
+            raise SurgeryError("--lora-targets needs --lora-rank")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise SurgeryError(f"--warmup-steps must not be negative, got {self.warmup_steps}")
 
@@ -92,8 +120,28 @@ class UptrainOptions:
         return self.batch_tokens // self.seq_len
 
     @property
-    def steps(self) -> int:
+    def stages(self) -> tuple[str, ...]:
+        return tuple(self.stage.split(","))
+
+    @property
+    def align_steps(self) -> int:
+        """The align stage's share of --tokens, in whole optimizer steps of --batch-tokens (its windows are the
+        first of the training order; the end-to-end stage reads the windows after them)."""
+        if "align" not in self.stages:
+            return 0
+        if "kd" not in self.stages:
+            return -(-self.tokens // self.batch_tokens)
+        share = self.align_tokens if self.align_tokens is not None else self.tokens // 4
+        return min(-(-share // self.batch_tokens), self.total_steps)
+
+    @property
+    def total_steps(self) -> int:
         return -(-self.tokens // self.batch_tokens)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps of the end-to-end stage."""
+        return self.total_steps - self.align_steps if "kd" in self.stages else 0
 
     @property
     def eval_interval(self) -> int:

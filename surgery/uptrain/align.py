@@ -1,0 +1,204 @@
+"""Layer-local alignment (`uptrain --stage align`): each converted attention learns to reproduce the source's.
+
+For decoder layer i, the teacher (the source) is run up to layer i on the alignment windows; its residual stream
+there is the input of both layers i, teacher's and student's, and each attention receives what its own layer
+passes it (normalised hidden states, position embeddings, its own mask format). The student's attention
+parameters (projections and any new parameters: mixing matrices, routers, experts) are trained to minimise the
+mean squared error to the teacher's attention output, normalised by the variance of that output. Then layer i+1,
+from the teacher's hidden states after layer i.
+
+Memory is one layer's worth: the teacher's residual stream at the current layer for the alignment windows
+(tokens x hidden size), that layer's attention inputs and outputs, and one attention's optimizer state. The
+teacher's hidden states are advanced one decoder layer at a time by calling that layer with the keyword
+arguments the model passed its first layer (captured by a hook), so nothing here knows an architecture's names
+beyond its list of decoder layers and the attention module inside each.
+
+The relative error `mean((student - teacher)^2) / var(teacher)` of every layer, before and after, is measured
+on held-out windows the training never sees; the run records it in surgery.json. The last micro-batch of the
+alignment windows is kept out of the fit to validate it: a layer whose error there rose keeps its old weights.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+from torch import nn
+
+from ..errors import SurgeryError
+
+ATTENTION_NAME = re.compile(r"self_attn|attn|attention|self_attention")
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once it has captured what it needs."""
+
+
+def decoder_layers(model) -> nn.ModuleList:
+    """The model's list of decoder layers: the ModuleList with one entry per hidden layer."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    for _, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n:
+            return module
+    raise SurgeryError(f"--stage align: cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+def attention_of(layer: nn.Module) -> nn.Module:
+    for name, child in layer.named_children():
+        if ATTENTION_NAME.fullmatch(name):
+            return child
+    raise SurgeryError(f"--stage align: the decoder layer {type(layer).__name__} has no attention module "
+                       "(self_attn, attn, attention or self_attention)")
+
+
+def check_alignable(student, teacher) -> None:
+    s, t = decoder_layers(student), decoder_layers(teacher)
+    sh, th = student.get_input_embeddings().weight.shape[1], teacher.get_input_embeddings().weight.shape[1]
+    if len(s) != len(t) or sh != th:
+        raise SurgeryError(f"--stage align needs a teacher with the student's layers (the source it was converted "
+                           f"from): the student has {len(s)} layers of width {sh}, the teacher {len(t)} of width {th}")
+
+
+def _first(output):
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class _Batch:
+    """One micro-batch of windows on its way through the teacher: residual stream and per-layer kwargs."""
+
+    def __init__(self, hidden: torch.Tensor, layer_kwargs: dict, student_layer_kwargs: dict, held_out: bool):
+        self.hidden, self.layer_kwargs, self.held_out = hidden, layer_kwargs, held_out
+        self.student_layer_kwargs = student_layer_kwargs
+        self.attn_args = self.attn_kwargs = self.target = None
+
+
+@torch.no_grad()
+def _call_until(module: nn.Module, hooked: nn.Module, *args, **kwargs) -> tuple[tuple, dict]:
+    """Call `module` until it calls `hooked`: the positional and keyword arguments `hooked` receives."""
+    captured = {}
+
+    def hook(_, a, kw):
+        captured["args"], captured["kwargs"] = a, dict(kw)
+        raise _Stop
+
+    handle = hooked.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        module(*args, **kwargs)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if "args" not in captured:
+        raise SurgeryError(f"--stage align: {type(module).__name__} never called {type(hooked).__name__}")
+    return captured["args"], captured["kwargs"]
+
+
+def _layer_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict]:
+    hidden = args[0] if args else kwargs["hidden_states"]
+    return hidden, {k: v for k, v in kwargs.items() if k != "hidden_states"}
+
+
+@torch.no_grad()
+def _enter(teacher, student, t_layers, s_layers, ids: torch.Tensor, held_out: bool) -> _Batch:
+    """The teacher's input to its first decoder layer, and the keyword arguments each model passes its layers
+    (masks and position embeddings in each model's own attention implementation)."""
+    hidden, t_kwargs = _layer_input(*_call_until(teacher, t_layers[0], input_ids=ids, use_cache=False))
+    _, s_kwargs = _layer_input(*_call_until(student, s_layers[0], input_ids=ids, use_cache=False))
+    return _Batch(hidden, t_kwargs, s_kwargs, held_out)
+
+
+@torch.no_grad()
+def _advance(t_layer: nn.Module, t_attn: nn.Module, s_layer: nn.Module, s_attn: nn.Module, batch: _Batch) -> None:
+    """The student attention's inputs on the teacher's residual stream, the teacher attention's output there;
+    then the residual stream moves past the teacher's layer."""
+    batch.attn_args, batch.attn_kwargs = _call_until(s_layer, s_attn, batch.hidden, **batch.student_layer_kwargs)
+
+    def post(module, args, output):
+        batch.target = _first(output).detach()
+
+    handle = t_attn.register_forward_hook(post)
+    try:
+        batch.hidden = _first(t_layer(batch.hidden, **batch.layer_kwargs))
+    finally:
+        handle.remove()
+
+
+def _attend(attention: nn.Module, batch: _Batch) -> torch.Tensor:
+    return _first(attention(*batch.attn_args, **batch.attn_kwargs))
+
+
+@torch.no_grad()
+def _relative_error(attention: nn.Module, batches: list[_Batch]) -> float:
+    err = var = 0.0
+    for b in batches:
+        out = _attend(attention, b).float()
+        err += (out - b.target.float()).pow(2).sum().item()
+        var += (b.target.float() - b.target.float().mean()).pow(2).sum().item()
+    return err / max(var, 1e-30)
+
+
+def align(student, teacher, train_ids: torch.Tensor, held_out_ids: torch.Tensor, *, micro_batch: int, epochs: int,
+          lr: float, device, log=print) -> dict:
+    """Train every student attention on the teacher's attention inputs and outputs; returns the record."""
+    check_alignable(student, teacher)
+    s_layers, t_layers = decoder_layers(student), decoder_layers(teacher)
+    was_training, flags = student.training, {n: p.requires_grad for n, p in student.named_parameters()}
+    student.eval()  # no dropout: the target is deterministic
+    student.requires_grad_(False)
+    start = time.perf_counter()
+    batches = [_enter(teacher, student, t_layers, s_layers, ids[i : i + micro_batch].to(device), held_out)
+               for ids, held_out in ((train_ids, False), (held_out_ids, True))
+               for i in range(0, ids.shape[0], micro_batch)]
+    train = [b for b in batches if not b.held_out]
+    held = [b for b in batches if b.held_out] or train
+    # The last micro-batch of the alignment windows validates: a layer whose error there rose keeps its old weights
+    # (the held-out windows only measure; nothing is chosen on them).
+    fit, val = (train[:-1], train[-1:]) if len(train) > 1 else (train, [])
+    per_layer = []
+    try:
+        for i, (s_layer, t_layer) in enumerate(zip(s_layers, t_layers)):
+            t_attn, s_attn = attention_of(t_layer), attention_of(s_layer)
+            for b in batches:
+                _advance(t_layer, t_attn, s_layer, s_attn, b)
+            params = [p for p in s_attn.parameters() if p.is_floating_point()]
+            before = _relative_error(s_attn, held)
+            val_before = _relative_error(s_attn, val) if val else None
+            saved = [p.detach().clone() for p in params]
+            # The loss of each micro-batch is normalised by the variance of the layer's whole target.
+            scale = 1.0 / max(torch.cat([b.target.float().flatten() for b in fit]).var().item(), 1e-30)
+            for p in params:
+                p.requires_grad_(True)
+            opt = torch.optim.Adam(params, lr=lr)
+            for _ in range(epochs):
+                for b in fit:
+                    loss = (_attend(s_attn, b).float() - b.target.float()).pow(2).mean() * scale
+                    if not torch.isfinite(loss):
+                        raise SurgeryError(f"--stage align: the loss of layer {i} is not finite (lower --align-lr, "
+                                           f"now {lr:g})")
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+            for p in params:
+                p.requires_grad_(False)
+            del opt
+            kept = not val or _relative_error(s_attn, val) <= val_before
+            if not kept:
+                with torch.no_grad():
+                    for p, old in zip(params, saved):
+                        p.copy_(old)
+            del saved
+            after = _relative_error(s_attn, held)
+            per_layer.append({"layer": i, "before": before, "after": after, "kept": kept})
+            for b in batches:
+                b.attn_args = b.attn_kwargs = b.target = None
+            log(f"align: layer {i}: held-out relative error {before:.4f} -> {after:.4f}"
+                + ("" if kept else " (its validation error rose: old weights kept)"))
+    finally:
+        for n, p in student.named_parameters():
+            p.requires_grad_(flags[n])
+        student.train(was_training)
+    return {"tokens": int(train_ids.numel()), "held_out_tokens": int(held_out_ids.numel()), "epochs": epochs,
+            "lr": lr, "loss": "mse / var(teacher attention output)", "layers": per_layer,
+            "seconds": round(time.perf_counter() - start, 3)}
