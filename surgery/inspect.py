@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from . import sanity
 from .arch import find_spec
 from .errors import SurgeryError
+from .record import RECORD_FILE, read_record
 from .source import load_config
 from .tensors import CheckpointReader, dtype_size
 
@@ -45,20 +45,12 @@ def attention_shape(config: dict) -> dict:
 
 
 def _record(folder: Path) -> dict:
-    """surgery.json (empty when absent); a corrupt one is refused, naming the file."""
-    path = Path(folder) / "surgery.json"
-    if not path.exists():
-        return {}
-    sanity.regular_file(path, "record")
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError) as e:
-        raise SurgeryError(f"corrupt {path}: {str(e).splitlines()[0][:200]}") from None
-    if not isinstance(record, dict):
-        raise SurgeryError(f"corrupt {path}: not a JSON object")
+    """surgery.json (empty when absent), with the fields inspect reads of the right type; a corrupt one is refused,
+    naming the file."""
+    record = read_record(folder)
     for key, kind in (("kind", str), ("kv_heads", dict), ("mix_macs_per_query_key_per_layer", int)):
         if record.get(key) is not None and not isinstance(record[key], kind):
-            raise SurgeryError(f"corrupt {path}: {key} is {record[key]!r}")
+            raise SurgeryError(f"corrupt {Path(folder) / RECORD_FILE}: {key} is {record[key]!r}")
     return record
 
 

@@ -32,15 +32,18 @@ def public_name(spec: str | None) -> str | None:
 
 def read_record(folder: Path) -> dict:
     """The folder's surgery.json, {} when it has none; a corrupt one is one clear error."""
+    from . import sanity
+
     path = Path(folder) / RECORD_FILE
     if not path.exists():
         return {}
+    sanity.regular_file(path, "record")
     try:
         record = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SurgeryError(f"corrupt {path}: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise SurgeryError(f"corrupt {path}: {str(e).splitlines()[0][:200]}") from None
     if not isinstance(record, dict):
-        raise SurgeryError(f"corrupt {path}: expected a JSON object")
+        raise SurgeryError(f"corrupt {path}: not a JSON object")
     return record
 
 
