@@ -200,17 +200,20 @@ def outputs(model, x: torch.Tensor, causal: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compare_models(model_a, model_b, ids: torch.Tensor, seq_len: int, batch_size: int, causal: bool) -> dict:
+def compare_models(model_a, model_b, ids: torch.Tensor, seq_len: int, batch_size: int, causal: bool,
+                   progress: bool = False, desc: str = "compare") -> dict:
     """Both models in memory at once (callers that hold both anyway); `compare_checkpoints` holds one at a time."""
     device = next(model_a.parameters()).device
     batches = windows(ids, seq_len)
     acc = Accumulator()
-    for start in range(0, batches.shape[0], batch_size):
-        x = batches[start : start + batch_size].to(device)
-        if causal:
-            acc.add_logits(outputs(model_a, x, True), outputs(model_b, x, True), x)
-        else:
-            acc.add_outputs(outputs(model_a, x, False), outputs(model_b, x, False))
+    with Progress(batches.numel(), desc, enabled=progress) as bar:
+        for start in range(0, batches.shape[0], batch_size):
+            x = batches[start : start + batch_size].to(device)
+            if causal:
+                acc.add_logits(outputs(model_a, x, True), outputs(model_b, x, True), x)
+            else:
+                acc.add_outputs(outputs(model_a, x, False), outputs(model_b, x, False))
+            bar.update(x.numel())
     return acc.report() | {"tokens": batches.numel(), "windows": batches.shape[0], "seq_len": seq_len,
                            "compared": "logits" if causal else "last_hidden_state"}
 

@@ -22,3 +22,22 @@ def test_comparison_table_fits_80_columns():
         assert name in header, (name, header)
     assert "1940000.500" in text and "…" not in header
     assert "pydoc[0:16384], windows 1024" in " ".join(text.split())
+
+
+def test_compare_merges_reports_progress_in_a_log(tmp_path, capsys, monkeypatch):
+    import tiny_models as tm
+    from test_switchhead import tiny_tokenizer
+
+    from surgery.merge.compare import compare_merges
+    from surgery.source import resolve_source
+
+    monkeypatch.setenv("SURGERY_PROGRESS_SECONDS", "0")
+    tm.make_tiny("llama", tmp_path / "src")
+    tiny_tokenizer().save_pretrained(tmp_path / "src")
+    result = compare_merges(resolve_source(str(tmp_path / "src")), 1, methods=("mean", "first"), tokens=256, seq_len=64,
+                            device="cpu")
+    assert [r["method"] for r in result["rows"]] == ["mean", "first"]
+    err = capsys.readouterr().err
+    for method in ("mean", "first"):
+        lines = [line for line in err.splitlines() if line.startswith(f"evaluate {method}:")]
+        assert lines and lines[-1].startswith(f"evaluate {method}: 256/256 tokens (100%)"), err

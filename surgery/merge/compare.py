@@ -73,7 +73,8 @@ def compare_merges(source: Source, kv_heads: int, methods: tuple[str, ...] = MET
             seconds = time.time() - start
             with threads(_n_threads()):
                 model = load_model(resolve_source(str(out)), dev, "float32")
-                report = compare_models(src_model, model, ids, seq_len, batch_size, causal=True)
+                report = compare_models(src_model, model, ids, seq_len, batch_size, causal=True, progress=progress,
+                                        desc=f"evaluate {method}")
             del model
             rows.append({"method": method, "ppl": report["ppl_converted"], "kl": report["kl"],
                          "top1_agreement": report["top1_agreement"], "max_abs_diff": report["max_abs_diff"],
