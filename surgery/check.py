@@ -35,8 +35,8 @@ from .data import token_stream
 from .errors import SurgeryError
 from .progress import Progress
 from .source import Source
+from .tensors import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-1}
 SLICE_BYTES = 64 << 20  # metrics are computed on slices of positions this large (float32)
 IGNORE = -100  # target of a window's last position (no next token inside the window)

@@ -20,9 +20,8 @@ from .errors import SurgeryError
 from .output import write_conversion
 from .kv_pool import POOL_METHODS, join_qkv, kv_groups, pool_heads, repeat_heads, split_qkv
 from .source import Source
-from .tensors import CheckpointReader, PlannedTensor
+from .tensors import CheckpointReader, DTYPES, PlannedTensor
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parse_size(text: str) -> int:

@@ -36,6 +36,8 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 DTYPE_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+# The floating dtypes a user names (--dtype), by name: the one table every command uses.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WEIGHTS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 

@@ -70,7 +70,7 @@ def plan_steps(recipe: Recipe, output: Path) -> list[PlannedStep]:
 
 # ---- command lines ---------------------------------------------------------------------------------------
 def _option_args(step: Step) -> list[str]:
-    import cli
+    from .. import cli
 
     command = cli.cli.commands[step.kind]
     by_field = {field_name(p): p for p in command.params if p.name not in RUNNER_OWNED[step.kind]}
@@ -119,7 +119,7 @@ def launch_prefix(recipe: Recipe, ps: PlannedStep) -> list[str] | None:
     prefix = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(launch.num_processes)]
     if launch.config_file:
         prefix += ["--config_file", str(recipe.relative(launch.config_file))]
-    return prefix + ["-m", "cli"]
+    return prefix + ["-m", "surgery.cli"]
 
 
 # ---- fingerprints and state ------------------------------------------------------------------------------
@@ -223,13 +223,13 @@ def resolve_source_folder(recipe: Recipe) -> Path:
 
 def _invoke(recipe: Recipe, ps: PlannedStep, args: list[str], env_note=print) -> None:
     prefix = launch_prefix(recipe, ps)
-    env_note(f"$ surgery {shlex.join(args)}" if prefix is None else f"$ accelerate launch ... -m cli {shlex.join(args)}")
+    env_note(f"$ surgery {shlex.join(args)}" if prefix is None else f"$ accelerate launch ... -m surgery.cli {shlex.join(args)}")
     if prefix is not None:
         result = subprocess.run([*prefix, *args])
         if result.returncode:
             raise StepFailed(ps.name, result.returncode)
         return
-    import cli
+    from .. import cli
 
     try:
         cli.cli.main(args, prog_name="surgery", standalone_mode=False)

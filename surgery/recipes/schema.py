@@ -181,7 +181,7 @@ def _convert_rules(self):
 
 def step_models() -> dict[str, type[BaseModel]]:
     """One options model per step kind the installed CLI provides (a missing command: a clear error later)."""
-    import cli
+    from .. import cli
 
     return {k: _options_model(k, cli.cli.commands[k]) for k in STEP_KINDS if k in cli.cli.commands}
 

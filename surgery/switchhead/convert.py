@@ -22,14 +22,13 @@ from ..output import write_conversion
 from ..errors import SurgeryError
 from ..inspect import attention_shape
 from ..source import Source
-from ..tensors import CheckpointReader, PlannedTensor
+from ..tensors import CheckpointReader, DTYPES, PlannedTensor
 from .build import SwitchHeadShape, layer_tensors
 from .layers import calibrate_layers
 from .cluster import cluster_heads, kv_mapping, within_cost
 from .families import Family, attention_tensors, biases, check_attention_shapes, family_for, read_attention
 from .refit import RIDGE
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QK_MERGES = ("medoid", "mean")
 CODE_FILES = ("configuration_switchhead.py", "modeling_switchhead.py")
 KV_NOTES = {

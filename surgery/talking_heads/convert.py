@@ -18,10 +18,9 @@ from ..output import write_conversion
 from ..errors import SurgeryError
 from ..inspect import attention_shape
 from ..source import Source
-from ..tensors import CheckpointReader, PlannedTensor
+from ..tensors import CheckpointReader, DTYPES, PlannedTensor
 from .families import Family, family_for
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CODE_FILES = ("configuration_talking_heads.py", "modeling_talking_heads.py")
 INIT_NOTE = (
     "overlap init: P_l[j, i] = dims shared by query-key head j and source head i / size of head j; "

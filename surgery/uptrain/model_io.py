@@ -16,8 +16,8 @@ from ..errors import SurgeryError
 from ..source import Source, copy_side_files, resolve_source
 from ..record import LOCAL_KEY, local_source_folder, public_name
 from ..trust import resolve_trust
+from ..tensors import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def read_record(folder: Path) -> dict:
