@@ -26,7 +26,6 @@ from surgery.errors import SurgeryError
 from surgery.uptrain.params import select_trainable
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 # A short run: 64-token windows, 8 windows (512 tokens) per optimizer step.
 FAST = dict(data="pydoc", seq_len=64, batch_tokens=512, micro_batch=4, eval_tokens=1024, eval_every=0, save_every=0,
             lr=3e-3, progress=False)
@@ -300,7 +299,7 @@ def test_two_processes_give_the_same_result_as_one(tiny, tmp_path):
     """accelerate launch with 2 CPU processes (DDP over gloo) vs 1 process with the same global batch."""
     args = dict(loss="lm", tokens=512 * 4)
     run(tiny, tmp_path / "one", **args)  # 1 process: 2 micro-batches of 4 per step
-    cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "cli", "uptrain", str(tiny), "--out",
            str(tmp_path / "two"), "--tokens", str(args["tokens"]), "--loss", "lm", *cli_args(FAST)]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
@@ -330,7 +329,7 @@ def test_fsdp_on_cpu_gives_the_same_result_as_one_process_and_resumes_exactly(to
     tokenizer.save_pretrained(tied)
     args = dict(FAST, loss="lm", tokens=512 * 4, eval_tokens=1088, eval_every=2, save_every=2)
     run(tied, tmp_path / "one", **args)
-    cmd = [str(BIN / "accelerate"), "launch", "--config_file", str(REPO / "recipes/accelerate/fsdp-cpu.yaml"),
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "recipes/accelerate/fsdp-cpu.yaml"),
            "--num_processes", "2", "-m", "cli", "uptrain", str(tied), "--out", str(tmp_path / "fsdp"),
            "--keep-run-dir", *cli_args(args)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

@@ -223,7 +223,6 @@ def talking_heads_attention(
         logits_mix, weights_mix = mixer.logits_mix, mixer.weights_mix
         chunk = mixer.chunk_size or t
     chunk = max(1, min(chunk, BLOCK_ELEMENTS // (max(h, query.shape[1]) * max(keys, 1))))
-    query = query * scaling  # once on the queries instead of on every block's scores
     heads_v, value_dim = (h if grouped else value.shape[1]), value.shape[-1]
     out = query.new_empty(b, t, heads_v, value_dim)
     min_value = torch.finfo(query.dtype).min
@@ -234,7 +233,9 @@ def talking_heads_attention(
         block = query[:, :, start:stop]
         if grouped:  # (b, h, c, d) -> (b, kv, h/kv * c, d): the query heads of a group share their keys
             block = block.reshape(b, kv, (h // kv) * (stop - start), d)
-        scores = torch.matmul(block, key[:, :, lo:hi].transpose(-1, -2))
+        # scaled after the product, as the source's eager attention does: the same rounding, so identity mixing
+        # reproduces the source to float precision (scaling the queries first drifted BERT's outputs by 8e-5)
+        scores = torch.matmul(block, key[:, :, lo:hi].transpose(-1, -2)).mul_(scaling)
         if grouped:
             scores = scores.view(b, h, stop - start, hi - lo)
         if logits_mix is not None:
