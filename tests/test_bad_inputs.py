@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from inprocess import run_cli as run_in_process
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -38,23 +39,7 @@ def private_hash_cache(tmp_path, monkeypatch):
 @pytest.fixture
 def run_cli(capsys):
     """Run the command line in this process: returns (exit code, stdout, stderr)."""
-    import cli
-
-    def run(*args) -> tuple[int, str, str]:
-        argv = sys.argv
-        sys.argv = ["surgery", *map(str, args)]
-        capsys.readouterr()
-        try:
-            cli.main()
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        finally:
-            sys.argv = argv
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
+    return lambda *args: run_in_process(capsys, *args)
 
 
 def assert_one_line(result, *fragments: str, absent: tuple[str, ...] = ()) -> str:

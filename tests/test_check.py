@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from inprocess import run_cli
 import torch
 import torch.nn.functional as F
 import transformers as tf
@@ -60,20 +60,7 @@ def check(source: Path, converted: Path, **kwargs) -> dict:
 
 def surgery(capsys, *args, env: dict | None = None, monkeypatch=None) -> tuple[int, str, str]:
     """`surgery ARGS` in this process (no interpreter start-up): (exit code, stdout, stderr)."""
-    import cli
-
-    capsys.readouterr()
-    old = sys.argv
-    sys.argv = ["surgery", *map(str, args)]
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    finally:
-        sys.argv = old
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_cli(capsys, *args)
 
 
 def assert_one_line_error(result, *fragments: str) -> None:

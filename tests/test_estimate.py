@@ -4,8 +4,8 @@ counter, the assignment search's own calls, the streaming memory model), and the
 from __future__ import annotations
 
 import json
-import sys
 import pytest
+from inprocess import run_cli
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -73,19 +73,7 @@ def test_probe_measures_a_positive_rate():
 
 def _surgery(capsys, *args) -> tuple[int, str, str]:
     """`surgery ARGS` in this process (no interpreter start-up): (exit code, stdout, stderr)."""
-    import cli
-
-    capsys.readouterr()
-    old, sys.argv = sys.argv, ["surgery", *map(str, args)]
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    finally:
-        sys.argv = old
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_cli(capsys, *args)
 
 
 def test_convert_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys):

@@ -19,14 +19,13 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import signal
 import struct
-import sys
 import tempfile
 import warnings
 from pathlib import Path
 
 import pytest
+from inprocess import run_cli as run_in_process
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -85,37 +84,13 @@ def case_folder(pristine: Path):
         shutil.rmtree(work, ignore_errors=True)
 
 
-class Hang(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise Hang(f"convert ran longer than {HANG_SECONDS}s")
-
-
 def run_convert(capsys, src: Path, out: Path, args: tuple[str, ...]) -> tuple[int, str]:
     return run_cli(capsys, "convert", str(src), "--out", str(out), *args)[::2]
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of the command line run in this process, stopped after HANG_SECONDS."""
-    import cli
-
-    saved, previous = sys.argv, signal.signal(signal.SIGALRM, _alarm)
-    sys.argv = ["surgery", *argv]
-    capsys.readouterr()
-    signal.alarm(HANG_SECONDS)
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-        sys.argv = saved
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_in_process(capsys, *argv, hang_seconds=HANG_SECONDS)
 
 
 def check_inspect(capsys, src: Path) -> None:
