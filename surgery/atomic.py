@@ -39,11 +39,16 @@ def check_output_path(out: Path, force: bool, source: Path | None = None) -> Non
         raise SurgeryError(f"output {out} already exists (use --force to replace it)")
     if out.exists() and not out.is_dir():
         raise SurgeryError(f"output {out} exists and is not a folder; --force replaces only folders")
-    parent = out.absolute().parent
+    check_writable_parent(out, str(out))
+
+
+def check_writable_parent(path: Path, what: str) -> None:
+    """The folder `path` goes into exists and can be written; `what` names the output in the message."""
+    parent = Path(path).absolute().parent
     if not parent.is_dir():
-        raise SurgeryError(f"cannot write {out}: folder {parent} does not exist")
+        raise SurgeryError(f"cannot write {what}: folder {parent} does not exist")
     if not os.access(parent, os.W_OK):
-        raise SurgeryError(f"cannot write {out}: folder {parent} is not writable")
+        raise SurgeryError(f"cannot write {what}: folder {parent} is not writable")
 
 
 def _pid_alive(pid: int) -> bool:

@@ -256,18 +256,14 @@ def validate_weights(source: Source, config, causal: bool, trust_remote_code: bo
 
 def check_json_path(path: Path | None) -> None:
     """A --json file can be written (its folder exists and is writable), checked before the run."""
-    import os
+    from .atomic import check_writable_parent
 
     if path is None or str(path) == "-":
         return
     path = Path(path)
     if path.is_dir():
         raise SurgeryError(f"--json {path} is a folder")
-    parent = path.absolute().parent
-    if not parent.is_dir():
-        raise SurgeryError(f"cannot write --json {path}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise SurgeryError(f"cannot write --json {path}: folder {parent} is not writable")
+    check_writable_parent(path, f"--json {path}")
 
 
 def check_counts(tokens: int, seq_len: int, batch_size: int, generate: int) -> None:
