@@ -12,11 +12,6 @@ from surgery import __version__
 from surgery.errors import SurgeryError
 
 
-def optgroup(title: str):
-    """Marks where a group of kind-specific options starts (for readers of this file; click shows them flat)."""
-    return lambda f: f
-
-
 def _fail(message: str, code: int = 2) -> None:
     click.echo(f"surgery: error: {message}", err=True)
     sys.exit(code)
@@ -40,127 +35,60 @@ def _print_families(ctx: click.Context, param, value) -> None:
         ctx.exit(0)
 
 
-@cli.command()
-@click.option("--list", "list_families", is_flag=True, is_eager=True, expose_value=False, callback=_print_families,
-              help="Print which model_types each kind converts (or why not), and exit.")
-@click.argument("source")
-@click.option("--to", "kind", type=click.Choice(["mqa", "gqa", "talking-heads", "switchhead"]), required=True,
-              help="Target attention.")
-@click.option("--out", type=click.Path(path_type=Path), help="Output folder (written atomically); required unless --dry-run.")
-@click.option("--force", is_flag=True, help="Replace an existing output folder.")
-@click.option("--dry-run", is_flag=True, help="Print the peak host/device memory and the time per layer the conversion "
-              "will need (a cost model and a one-second throughput probe of the device); convert nothing.")
-@click.option("--json", "json_out", type=click.Path(path_type=Path), help="With --dry-run: also write the estimate as "
-              "JSON ('-' for stdout).")
-@click.option("--revision", help="Hub revision (branch, tag or commit) when SOURCE is a hub id.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
-              show_default=True, help="Output dtype of floating tensors (auto keeps the source's).")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
-@click.option("--allow-pickle", is_flag=True, help="Accept pickle .bin weights (loaded with weights_only=True).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed for random choices.")
-@optgroup("mqa / gqa")
-@click.option("--kv-heads", type=int, help="[gqa] K/V heads after conversion; must divide the source's.")
-@click.option("--merge", "--method", "method", type=click.Choice(["mean", "first", "random", "aligned"]), default="mean",
-              show_default=True, help="[mqa/gqa] How each group's K/V heads are merged: mean (GQA paper), first "
-              "head, random init (the paper's ablations), or aligned (activation-aware, RoPE-compatible).")
-@click.option("--grouping", type=click.Choice(["similarity", "consecutive"]), default="similarity", show_default=True,
-              help="[aligned] Which K/V heads share a merged head: similarity (the grouping that loses least, searched "
-              "over up to C(K, K/G) candidate groups per layer) or consecutive (as the plain merges; G group fits per "
-              "layer, much faster on large models).")
-@optgroup("calibration (aligned merge, switchhead)")
-@click.option("--calib", default="pydoc", show_default=True, help="Calibration text (same forms as check --data).")
-@click.option("--calib-tokens", type=int, default=8192, show_default=True, help="Calibration tokens.")
-@click.option("--device", default="auto", show_default=True, help="Where calibration runs, layer by layer: auto (CUDA "
-              "when present), cpu, cuda, cuda:N.")
-@optgroup("talking-heads")
-@click.option("--logits-mixing/--no-logits-mixing", default=True, show_default=True,
-              help="[talking-heads] Mix heads' attention logits before the softmax.")
-@click.option("--weights-mixing/--no-weights-mixing", default=True, show_default=True,
-              help="[talking-heads] Mix heads' attention weights after the softmax.")
-@click.option("--heads-logits", type=int, help="[talking-heads] Query-key heads h_k that logits mixing maps onto the "
-              "h softmax heads (head size h*d/h_k; default h; multiples of h stay exact).")
-@click.option("--heads-weights", type=int, help="[talking-heads] Value heads h_v that weights mixing maps the h "
-              "softmax heads onto (head size h*d/h_v; default h; multiples of h stay exact).")
-@click.option("--chunk-size", type=int, default=512, show_default=True,
-              help="[talking-heads] Query chunk for the attention computation (memory O(h*chunk*S)).")
-@optgroup("switchhead")
-@click.option("--heads", type=int, help="[switchhead] Attention heads after conversion (H).")
-@click.option("--experts", type=int, help="[switchhead] Experts per head (E).")
-@click.option("--topk", type=int, help="[switchhead] Experts selected per token (k).")
-def convert(source, kind, out, force, dry_run, json_out, revision, dtype, max_shard_size, allow_pickle, seed, kv_heads,
-            method, calib, calib_tokens, device, logits_mixing, weights_mixing, heads_logits, heads_weights, chunk_size,
-            heads, experts, topk, grouping):
-    """Convert SOURCE to another attention: mqa, gqa, talking-heads or switchhead.
+def convert_command() -> click.Command:
+    """`surgery convert`, its options generated from the registry of kinds (surgery/kinds): `--to` offers every
+    registered kind, and every kind's options model contributes its flags (help texts tagged `[gqa]`, ...)."""
+    from surgery.clickgen import model_options
+    from surgery.commands.convert import options_model
 
-    mqa/gqa with mean/first/random merges is pure tensor surgery, streamed tensor by tensor: the model is
-    never built, so memory stays near the largest tensor. The output is a standard checkpoint that plain
-    transformers (and vLLM) loads. talking-heads and switchhead outputs carry their own modeling code
-    (load with trust_remote_code=True).
-    """
-    from surgery.atomic import check_output_path
-    from surgery.convert_kv import parse_size
-    from surgery.source import resolve_source
+    @click.command("convert")
+    @click.option("--list", "list_families", is_flag=True, is_eager=True, expose_value=False,
+                  callback=_print_families, help="Print which model_types each kind converts (or why not), and exit.")
+    @click.argument("source")
+    @click.option("--out", type=click.Path(path_type=Path),
+                  help="Output folder (written atomically); required unless --dry-run.")
+    @click.option("--dry-run", is_flag=True, help="Print the peak host/device memory and the time per layer the "
+                  "conversion will need (a cost model and a one-second throughput probe of the device); convert nothing.")
+    @click.option("--json", "json_out", type=click.Path(path_type=Path), help="With --dry-run: also write the estimate "
+                  "as JSON ('-' for stdout).")
+    @model_options(options_model())
+    def convert(source, out, dry_run, json_out, **values):
+        """Convert SOURCE to another attention: mqa, gqa, talking-heads or switchhead.
 
-    common = dict(dtype=None if dtype == "auto" else dtype, max_shard_bytes=parse_size(max_shard_size),
-                  allow_pickle=allow_pickle, seed=seed)
-    if dry_run:
-        from surgery.dry_run import convert_dry_run
+        mqa/gqa with mean/first/random merges is pure tensor surgery, streamed tensor by tensor: the model is
+        never built, so memory stays near the largest tensor. The output is a standard checkpoint that plain
+        transformers (and vLLM) loads. talking-heads and switchhead outputs carry their own modeling code
+        (load with trust_remote_code=True).
+        """
+        from surgery.clickgen import parse_options
+        from surgery.commands.convert import convert_checkpoint
 
-        report = convert_dry_run(resolve_source(source, revision=revision, allow_pickle=allow_pickle), kind,
-                                 method=method, kv_heads=kv_heads, assign=grouping == "similarity", heads=heads, experts=experts, topk=topk,
-                                 calib_tokens=calib_tokens, device=device, allow_pickle=allow_pickle)
-        click.echo("\n".join(report["lines"]))
-        if json_out:
-            text = json.dumps({k: v for k, v in report.items() if k != "lines"}, indent=2)
-            click.echo(text) if str(json_out) == "-" else Path(json_out).write_text(text + "\n")
-        return
+        options = parse_options(options_model(), values)
+        if dry_run:
+            _print_dry_run(source, options, json_out)
+            return
+        click.echo(convert_checkpoint(source, _required_out(out), options))
+
+    return convert
+
+
+def _required_out(out: Path | None) -> Path:
     if out is None:
         raise click.UsageError("Missing option '--out'.")
-    check_output_path(out, force)
-    if kind == "mqa" and kv_heads not in (None, 1):
-        raise SurgeryError("--to mqa means one K/V head; use --to gqa --kv-heads N for more")
-    if kind == "gqa" and kv_heads is None:
-        raise SurgeryError("--to gqa needs --kv-heads N")
-    if kind == "gqa" and kv_heads < 1:
-        raise SurgeryError(f"--kv-heads must be at least 1, got {kv_heads}")
-    if kind == "switchhead" and None in (heads, experts, topk):
-        raise SurgeryError("--to switchhead needs --heads H --experts E --topk K")
-    src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
-    check_output_path(out, force, source=src.folder)  # before any work: --out may not be or hold the source
-    if kind in ("mqa", "gqa"):
-        kv_heads = 1 if kind == "mqa" else kv_heads
-        if method == "aligned":
-            from surgery.merge import convert_aligned
-            from surgery.merge.pipeline import MergeOptions
-
-            record = convert_aligned(src, out, kv_heads=kv_heads, calib=calib, calib_tokens=calib_tokens,
-                                     force=force, device=device,
-                                     options=MergeOptions(groups=kv_heads, assign=grouping == "similarity"), **common)
-        else:
-            from surgery.convert_kv import KVOptions, convert_to_kv_heads
-
-            record = convert_to_kv_heads(src, out, KVOptions(kv_heads=kv_heads, method=method, **common), force=force)
-        kv = record["kv_heads"]
-        click.echo(f"wrote {out}: {record['kind']} ({kv['before']} -> {kv['after']} K/V heads, {method} merge) "
-                   f"in {record['seconds']:.1f}s{_prepared(src)}")
-    elif kind == "talking-heads":
-        from surgery.talking_heads import convert_to_talking_heads
-
-        record = convert_to_talking_heads(src, out, logits_mixing=logits_mixing, weights_mixing=weights_mixing,
-                                          heads_logits=heads_logits, heads_weights=heads_weights,
-                                          chunk_size=chunk_size, force=force, **common)
-        click.echo(f"wrote {out}: talking-heads in {record['seconds']:.1f}s{_prepared(src)}")
-    else:
-        from surgery.switchhead import convert_to_switchhead
-
-        record = convert_to_switchhead(src, out, heads=heads, experts=experts, topk=topk, calib=calib,
-                                       calib_tokens=calib_tokens, force=force, device=device, **common)
-        click.echo(f"wrote {out}: switchhead in {record['seconds']:.1f}s{_prepared(src)}")
+    return out
 
 
-def _prepared(src) -> str:
-    """The time spent before converting (dequantizing a GGUF file), when it was noticeable."""
-    return f" (+ {src.prepare_seconds:.1f}s dequantizing the GGUF file, cached for next time)" if src.prepare_seconds >= 1 else ""
+def _print_dry_run(source: str, options, json_out: Path | None) -> None:
+    from surgery.commands.convert import dry_run
+
+    report = dry_run(source, options)
+    click.echo("\n".join(report["lines"]))
+    if json_out:
+        text = json.dumps({k: v for k, v in report.items() if k != "lines"}, indent=2)
+        click.echo(text) if str(json_out) == "-" else Path(json_out).write_text(text + "\n")
+
+
+cli.add_command(convert_command())
 
 
 @cli.command()

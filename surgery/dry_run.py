@@ -6,7 +6,6 @@ from dataclasses import asdict
 
 import torch
 
-from .errors import SurgeryError
 from .source import Source
 from .tensors import CheckpointReader, dtype_size
 
@@ -28,41 +27,30 @@ def source_dtype(reader: CheckpointReader) -> torch.dtype:
     return max(counts, key=counts.get) if counts else torch.float32
 
 
-def convert_dry_run(src: Source, kind: str, *, method: str = "mean", kv_heads: int | None = None,
-                    assign: bool = True, heads: int | None = None, experts: int | None = None, topk: int | None = None,
-                    calib_tokens: int = 8192, device: str = "auto", allow_pickle: bool = False) -> dict:
-    """The estimate `surgery convert ... --dry-run` prints: {"lines": [...], and the numbers}."""
-    from .calibration.stream import pick_device
-    from .calibration.stream import RUNTIME_BYTES
-    from .estimate import estimate_calibrated, probe_throughput
+def convert_dry_run(src: Source, kind, options) -> dict:
+    """The estimate `surgery convert ... --dry-run` prints for `kind` (surgery/kinds) with its validated `options`:
+    {"lines": [...], and the numbers}."""
+    from .calibration.stream import RUNTIME_BYTES, pick_device
+    from .estimate import probe_throughput
     from .merge.convert import _n_threads
     from .recipes.estimate import human_bytes
 
-    if kind == "mqa":
-        kv_heads = 1
-    elif kind == "gqa" and kv_heads is None:
-        raise SurgeryError("--to gqa needs --kv-heads N")
-    if kind == "switchhead" and None in (heads, experts, topk):
-        raise SurgeryError("--to switchhead needs --heads H --experts E --topk K")
-    if calib_tokens < 1:
-        raise SurgeryError(f"--calib-tokens must be positive, got {calib_tokens}")
     config = src.config
-    with CheckpointReader(src.folder, allow_pickle=allow_pickle) as reader:
+    with CheckpointReader(src.folder, allow_pickle=options.allow_pickle) as reader:
         dtype = source_dtype(reader)
         total = sum(t.numel * dtype_size(t.dtype) for t in reader.tensors.values())
         largest = max(t.numel * dtype_size(t.dtype) for t in reader.tensors.values())
     head = f"{src.spec}: {config.get('model_type')}, {human_bytes(total)} of weights ({str(dtype).removeprefix('torch.')})"
-    calibrated = (kind in ("mqa", "gqa") and method == "aligned") or (kind == "switchhead" and experts > 1)
-    if not calibrated:
+    if not kind.calibrates(options):
         host = RUNTIME_BYTES + 3 * largest
-        return {"kind": kind, "calibrated": False, "checkpoint_bytes": total, "host_bytes": host, "device_bytes": 0,
-                "lines": [head, f"estimate for {kind}: peak host memory {human_bytes(host)}", f"  {STREAMED_NOTE}"]}
-    dev = pick_device(device)
+        return {"kind": kind.name, "calibrated": False, "checkpoint_bytes": total, "host_bytes": host,
+                "device_bytes": 0,
+                "lines": [head, f"estimate for {kind.name}: peak host memory {human_bytes(host)}", f"  {STREAMED_NOTE}"]}
+    dev = pick_device(options.device)
     rate = probe_throughput(dev, threads_float32=_n_threads() if dev.type == "cpu" else None)
-    name = "aligned" if kind in ("mqa", "gqa") else "switchhead"
-    est = estimate_calibrated(config, name, calib_tokens, dtype=str(dtype).removeprefix("torch."), device=str(dev),
-                              kv_heads=kv_heads, assign=assign, heads=heads, experts=experts, topk=topk, throughput=rate)
-    return {"kind": name, "calibrated": True, "checkpoint_bytes": total, "host_bytes": est.host_bytes,
+    est = kind.calibration_estimate(config, options, dtype=str(dtype).removeprefix("torch."), device=str(dev),
+                                    throughput=rate)
+    return {"kind": est.kind, "calibrated": True, "checkpoint_bytes": total, "host_bytes": est.host_bytes,
             "device_bytes": est.device_bytes, "seconds_per_layer": _sig(est.seconds_per_layer),
             "cpu_seconds_per_layer": _sig(est.cpu_seconds_per_layer) if est.cpu_seconds_per_layer else None,
             "seconds": _sig(est.seconds), "layers": est.layers, "tokens": est.tokens, "device": est.device,

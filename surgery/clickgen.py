@@ -1,0 +1,89 @@
+"""Click options generated from an options model (surgery/options.py), as mergekit's `add_merge_options` does: one
+option per field, with the field's flag, aliases, help, default and type (a Literal becomes a choice, a bool a
+switch, or `--x/--no-x` when it defaults to True). Only the command line imports this module."""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any, Iterable, Literal
+
+import click
+from pydantic import BaseModel, ValidationError
+
+from .errors import SurgeryError
+from .options import cli_meta
+
+
+def _base_type(annotation: Any) -> Any:
+    """int | None -> int; Literal stays; list[str] -> str (multiple)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        non_none = [a for a in args if a is not type(None)]
+        return _base_type(non_none[0]) if len(non_none) == 1 else str
+    return annotation
+
+
+def _is_list(annotation: Any) -> bool:
+    return typing.get_origin(_base_type(annotation)) in (list, tuple)
+
+
+def click_option(model: type[BaseModel], name: str) -> click.Option:
+    info = model.model_fields[name]
+    meta = cli_meta(model, name)
+    base = _base_type(info.annotation)
+    multiple = _is_list(info.annotation)
+    if multiple:
+        base = typing.get_args(base)[0] if typing.get_args(base) else str
+    required = info.is_required()
+    default = None if required else info.default
+    decls = [meta["flag"], *meta["aliases"], name]
+    kw: dict[str, Any] = {"help": info.description or None, "required": required}
+    if meta.get("metavar"):
+        kw["metavar"] = meta["metavar"]
+    if base is bool:
+        if default:
+            decls[0] = f"{meta['flag']}/--no-{meta['flag'].removeprefix('--')}"
+        else:
+            kw["is_flag"] = True
+        kw["default"] = bool(default)
+    else:
+        if typing.get_origin(base) is Literal:
+            kw["type"] = click.Choice([str(c) for c in typing.get_args(base)])
+        elif base in (int, float):
+            kw["type"] = base
+        elif base is typing.Any or base is str:
+            pass
+        if multiple:
+            kw["multiple"] = True
+            default = list(default or [])
+        kw["default"] = default
+    show = meta.get("show_default")
+    kw["show_default"] = show if show is not None else (default is not None and default is not False
+                                                        and default != [])
+    return click.Option(decls, **kw)
+
+
+def model_options(model: type[BaseModel], exclude: Iterable[str] = ()):
+    """A decorator adding one click option per field of `model` (except `exclude`), in the model's field order."""
+    skip = set(exclude)
+
+    def decorate(f):
+        for name in reversed([n for n in model.model_fields if n not in skip]):
+            click.decorators._param_memo(f, click_option(model, name))
+        return f
+
+    return decorate
+
+
+def parse_options(model: type[BaseModel], values: dict) -> BaseModel:
+    """Validate a command's option values into `model`; the first broken rule is one `surgery: error:` line."""
+    try:
+        return model.model_validate({k: v for k, v in values.items() if k in model.model_fields})
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        message = err["msg"].removeprefix("Value error, ")
+        field = next((p for p in err["loc"] if isinstance(p, str) and p in model.model_fields), None)
+        if field is not None and err["type"] not in ("value_error", "assertion_error"):
+            message = f"{cli_meta(model, field)['flag']}: {message}"
+        raise SurgeryError(message) from None

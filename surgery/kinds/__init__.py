@@ -1,0 +1,149 @@
+"""The registry of conversion kinds: the one place that knows which kinds exist, their options and their rules.
+
+`surgery convert`'s options (surgery/cli.py), a recipe's `convert:` step (surgery/recipes), the dry-run estimates,
+`surgery inspect` and the model card all ask the registry instead of naming kinds. To add a kind, write a module
+like kv.py / talking_heads.py / switchhead.py (an options model deriving from WriteOptions with the kind's rules as
+validators, and a Kind with its `convert` and cost model) and `register` it below: the command line gains its
+flags and `--to` choice, recipes accept its fields, and the estimates and inspect use its cost model.
+
+`convert_options_model()` is the flat model of the `convert` command and of a recipe's convert step: `to` plus the
+union of every kind's fields (a field two kinds share, like `calib`, must be declared alike). Validating it
+validates the chosen kind's own model, whose typed options `ConvertOptions.kind_options` then holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import PrivateAttr, ValidationError, ValidationInfo, create_model, model_validator
+
+from ..errors import SurgeryError
+from ..options import CliModel, option
+from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
+from .kv import GQA, MQA
+from .switchhead import SWITCHHEAD
+from .talking_heads import TALKING_HEADS
+
+__all__ = ["AttentionShape", "CalibrationOptions", "ConvertOptions", "Kind", "WriteOptions", "convert_options_model",
+           "find_kind", "get_kind", "kind_names", "register", "unregister", "validate_kind_options"]
+
+_KINDS: dict[str, Kind] = {}
+_FLAT: dict[tuple, type] = {}  # the flat convert model, per set of registered kinds
+
+
+def register(kind: Kind) -> Kind:
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def unregister(name: str) -> None:
+    _KINDS.pop(name, None)
+
+
+for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD):
+    register(_kind)
+
+
+def kind_names() -> tuple[str, ...]:
+    return tuple(_KINDS)
+
+
+def get_kind(name: str) -> Kind:
+    try:
+        return _KINDS[name]
+    except KeyError:
+        raise SurgeryError(f"unknown conversion kind {name!r}; choose from {', '.join(_KINDS)}") from None
+
+
+def find_kind(record: dict | None = None, config: dict | None = None) -> Kind | None:
+    """The kind that wrote a checkpoint: surgery.json's `kind`, else the model_type prefix of a converted config."""
+    name = (record or {}).get("kind")
+    if isinstance(name, str) and name in _KINDS:
+        return _KINDS[name]
+    model_type = str((config or {}).get("model_type"))
+    return next((k for k in _KINDS.values() if k.model_type_prefix and model_type.startswith(k.model_type_prefix)),
+                None)
+
+
+def source_model_type(model_type: str) -> str:
+    """A converted checkpoint's model_type without its kind's prefix (the source family's)."""
+    for k in _KINDS.values():
+        if k.model_type_prefix:
+            model_type = model_type.removeprefix(k.model_type_prefix)
+    return model_type
+
+
+class ConvertOptions(CliModel):
+    """Base of the flat convert model (see convert_options_model)."""
+
+    _kind_options: Any = PrivateAttr(None)
+
+    @property
+    def kind(self) -> Kind:
+        return get_kind(self.to)
+
+    @property
+    def kind_options(self) -> WriteOptions:
+        """The chosen kind's own typed options (validated with the kind's rules)."""
+        return self._kind_options
+
+
+def validate_kind_options(kind: Kind, values: dict, context: dict | None = None) -> WriteOptions:
+    """`values` (a superset of the kind's fields) validated into the kind's options model; its first error raised
+    as a ValueError with the rule's own message."""
+    fields = {k: v for k, v in values.items() if k in kind.options.model_fields}
+    try:
+        return kind.options.model_validate(fields, context=context)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        raise ValueError(err["msg"].removeprefix("Value error, ")) from None
+
+
+def _kind_rules(self, info: ValidationInfo):
+    values = {name: getattr(self, name) for name in type(self).model_fields if name in self.model_fields_set}
+    self._kind_options = validate_kind_options(get_kind(self.to), values, info.context)
+    return self
+
+
+def _field_signature(info) -> tuple:
+    return (str(info.annotation), repr(info.default))
+
+
+def convert_options_model() -> type[ConvertOptions]:
+    """The flat options model of `surgery convert` and of recipes' convert steps, built from the registered kinds."""
+    key = tuple((k.name, k.options) for k in _KINDS.values())
+    if key not in _FLAT:
+        _FLAT.clear()
+        _FLAT[key] = create_model("ConvertOptions", __base__=ConvertOptions,
+                                  __validators__={"kind_rules": model_validator(mode="after")(_kind_rules)},
+                                  **_union_fields())
+    return _FLAT[key]
+
+
+def _union_fields() -> dict[str, Any]:
+    fields: dict[str, Any] = {"to": (Literal[tuple(_KINDS)], option(None, "--to", "Target attention.", required=True))}
+    seen: dict[str, tuple] = {}
+    for model in (WriteOptions, *(k.options for k in _KINDS.values())):
+        for name, info in model.model_fields.items():
+            if name in seen:
+                if seen[name] != _field_signature(info):
+                    raise TypeError(f"option {name} is declared differently by two conversion kinds")
+                continue
+            seen[name] = _field_signature(info)
+            fields[name] = (info.annotation, info)
+    return fields
+
+
+def options_for(kind: str, **values) -> WriteOptions:
+    """A kind's options from keyword values (library callers; rules raise SurgeryError)."""
+    k = get_kind(kind)
+    try:
+        return validate_kind_options(k, values)
+    except ValueError as e:
+        raise SurgeryError(str(e)) from None
+
+
+def plain_attention_macs(shape: AttentionShape) -> dict:
+    """The attention projections' MACs per token of a checkpoint no kind wrote (MHA / GQA / MQA)."""
+    return Kind.attention_macs(Kind("source", WriteOptions), shape, {}, {}, 0)
+

@@ -1,0 +1,135 @@
+"""What every conversion kind declares, and the options every kind shares (how the output is written).
+
+A kind is one `Kind` object in the registry (surgery/kinds/__init__.py):
+- `options`: its pydantic options model, `WriteOptions` plus its own fields, with its rules as validators;
+- `convert(source, out, options)`: calls the library converter and returns the surgery.json record;
+- `calibrates(options)`, `ships_code`: whether it reads calibration text, whether its output carries modeling code;
+- its cost model: `converted_shape` (parameters and K/V heads after conversion, for the recipe estimate),
+  `calibration_estimate` (memory and time of a calibrated conversion, surgery/estimate.py), `attention_macs`
+  (the per-token attention work `surgery inspect` and the model card show), and its model card words.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import ValidationInfo, field_validator
+
+from ..options import CliModel, option, spelling
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+
+
+class WriteOptions(CliModel):
+    """How any conversion reads its source and writes its output."""
+
+    force: bool = option(False, "--force", "Replace an existing output folder.")
+    revision: str | None = option(None, "--revision", "Hub revision (branch, tag or commit) when SOURCE is a hub id.")
+    dtype: Literal[DTYPE_CHOICES] = option("auto", "--dtype", "Output dtype of floating tensors (auto keeps the "
+                                                               "source's).")
+    max_shard_size: str = option("5GB", "--max-shard-size", "Largest output shard.")
+    allow_pickle: bool = option(False, "--allow-pickle", "Accept pickle .bin weights (loaded with weights_only=True).")
+    seed: int = option(0, "--seed", "Seed for random choices.")
+    device: str = option("auto", "--device", "Where calibration runs, layer by layer: auto (CUDA when present), "
+                                             "cpu, cuda, cuda:N.")
+
+    @field_validator("max_shard_size")
+    @classmethod
+    def _size(cls, v: str) -> str:
+        from ..convert_kv import parse_size
+        from ..errors import SurgeryError
+
+        try:
+            parse_size(v)
+        except SurgeryError as e:
+            raise ValueError(str(e)) from None
+        return v
+
+    @property
+    def max_shard_bytes(self) -> int:
+        from ..convert_kv import parse_size
+
+        return parse_size(self.max_shard_size)
+
+    def write_kwargs(self) -> dict:
+        """The keyword arguments every library converter takes for writing."""
+        return dict(dtype=None if self.dtype == "auto" else self.dtype, max_shard_bytes=self.max_shard_bytes,
+                    allow_pickle=self.allow_pickle, seed=self.seed, force=self.force)
+
+
+def positive_calib_tokens(cls, v: int, info: ValidationInfo) -> int:
+    """The rule on calib_tokens, for every model with CalibrationOptions' fields."""
+    if v < 1:
+        raise ValueError(f"{spelling(info, cls).flag('calib_tokens')} must be positive, got {v}")
+    return v
+
+
+class CalibrationOptions(CliModel):
+    """Text read to fit a conversion to the source's activations (aligned merge, SwitchHead)."""
+
+    GROUP: ClassVar[str] = "calibration (aligned merge, switchhead)"
+    calib: str = option("pydoc", "--calib", "Calibration text (same forms as check --data).", group=GROUP)
+    calib_tokens: int = option(8192, "--calib-tokens", "Calibration tokens.", group=GROUP)
+
+    _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
+
+
+@dataclass
+class AttentionShape:
+    """Per-layer attention sizes as surgery/inspect.py reads them (L layers, h heads, kv K/V heads, d head_dim,
+    H hidden)."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+
+
+@dataclass
+class Kind:
+    """One conversion kind. Subclasses override the cost model where their attention differs from plain MHA/GQA."""
+
+    name: str
+    options: type[WriteOptions]
+    title: str = ""  # the model card's words for the target attention
+    tags: list[str] = field(default_factory=list)  # the model card's hub tags
+    ships_code: bool = False  # the output carries its own modeling code (load with trust_remote_code=True)
+    model_type_prefix: str | None = None  # converted configs' model_type = prefix + the source's
+
+    # ---- conversion -------------------------------------------------------------------------------------------
+    def calibrates(self, options: WriteOptions) -> bool:
+        """Whether this conversion with these options reads calibration text (and so streams the model's layers)."""
+        return False
+
+    def convert(self, source, out: Path, options: WriteOptions) -> dict:
+        raise NotImplementedError
+
+    def summary(self, record: dict, options: WriteOptions) -> str:
+        """What `surgery convert` prints after `wrote OUT: `."""
+        return f"{self.name} in {record['seconds']:.1f}s"
+
+    # ---- cost model -------------------------------------------------------------------------------------------
+    def converted_kv_heads(self, options: WriteOptions, kv_heads: int) -> int:
+        """Stored K/V heads per layer after conversion (of a source with `kv_heads`)."""
+        return kv_heads
+
+    def calibration_estimate(self, config: dict, options: WriteOptions, *, dtype: str, device: str, throughput=None):
+        """Peak memory and time of the calibrated conversion (surgery/estimate.py), or None when it streams."""
+        return None
+
+    def attention_macs(self, shape: AttentionShape, config: dict, record: dict, context: int) -> dict[str, Any]:
+        """Multiply-accumulates per token of the attention, as `surgery inspect` reports them: the projections, and
+        (kinds that add work between the scores and the values) that extra work at `context` keys."""
+        L, h, kv, d, H = shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.hidden
+        return {"proj": L * (H * h * d + 2 * H * kv * d + h * d * H), "mixing": None}
+
+    def added_parameters(self, record: dict) -> int | None:
+        """Parameters the conversion added (None: it adds none worth a row)."""
+        return None
+
+    def card_lines(self, record: dict) -> list[str]:
+        """Kind-specific lines of the model card's "what was done" section."""
+        return []

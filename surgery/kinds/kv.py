@@ -1,0 +1,107 @@
+"""mqa and gqa: merge each group of K/V heads into one (mean / first / random: streamed tensor surgery; aligned:
+activation-aware, calibrated layer by layer). The output is a standard checkpoint of the source's family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import ValidationInfo, field_validator, model_validator
+
+from ..options import option, spelling
+from .base import CalibrationOptions, Kind, positive_calib_tokens, WriteOptions
+
+METHODS = ("mean", "first", "random", "aligned")
+MERGES = {  # the model card's words for each merge
+    "mean": "mean of each group's K/V heads (Ainslie et al. 2023)",
+    "first": "first K/V head of each group (ablation)",
+    "random": "random initialization at the source's scale (ablation)",
+    "aligned": "activation-aware aligned merge (RoPE-compatible)",
+}
+
+
+class KVMergeOptions(WriteOptions):
+    GROUP: ClassVar[str] = "mqa / gqa"
+    kv_heads: int | None = option(None, "--kv-heads", "[gqa] K/V heads after conversion; must divide the source's.",
+                                  metavar="N", group=GROUP)
+    merge: Literal[METHODS] = option(
+        "mean", "--merge", "[mqa/gqa] How each group's K/V heads are merged: mean (GQA paper), first head, random init "
+        "(the paper's ablations), or aligned (activation-aware, RoPE-compatible).", aliases=("--method",), group=GROUP)
+    grouping: Literal["similarity", "consecutive"] = option(
+        "similarity", "--grouping", "[aligned] Which K/V heads share a merged head: similarity (the grouping that "
+        "loses least, searched over up to C(K, K/G) candidate groups per layer) or consecutive (as the plain merges; "
+        "G group fits per layer, much faster on large models).", group=GROUP)
+    calib: str = CalibrationOptions.model_fields["calib"]
+    calib_tokens: int = CalibrationOptions.model_fields["calib_tokens"]
+    _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
+
+    @property
+    def groups(self) -> int:
+        """K/V heads after conversion."""
+        return self.kv_heads or 1
+
+
+class MQAOptions(KVMergeOptions):
+    @model_validator(mode="after")
+    def _one_head(self, info: ValidationInfo):
+        if self.kv_heads not in (None, 1):
+            s = spelling(info, type(self))
+            raise ValueError(f"{s.kind('mqa')} means one K/V head; use {s.use('gqa', ['kv_heads'])} for more")
+        return self
+
+
+class GQAOptions(KVMergeOptions):
+    @model_validator(mode="after")
+    def _heads_given(self, info: ValidationInfo):
+        s = spelling(info, type(self))
+        if self.kv_heads is None:
+            raise ValueError(f"{s.kind('gqa')} needs {s.options(['kv_heads'])}")
+        if self.kv_heads < 1:
+            raise ValueError(f"{s.flag('kv_heads')} must be at least 1, got {self.kv_heads}")
+        return self
+
+
+class KVMerge(Kind):
+    def calibrates(self, options: KVMergeOptions) -> bool:
+        return options.merge == "aligned"
+
+    def convert(self, source, out: Path, options: KVMergeOptions) -> dict:
+        common = options.write_kwargs()
+        if options.merge == "aligned":
+            from ..merge import convert_aligned
+            from ..merge.pipeline import MergeOptions
+
+            return convert_aligned(source, out, kv_heads=options.groups, calib=options.calib,
+                                   calib_tokens=options.calib_tokens, device=options.device,
+                                   options=MergeOptions(groups=options.groups, assign=options.grouping == "similarity"),
+                                   **common)
+        from ..convert_kv import KVOptions, convert_to_kv_heads
+
+        force = common.pop("force")
+        return convert_to_kv_heads(source, out, KVOptions(kv_heads=options.groups, method=options.merge, **common),
+                                   force=force)
+
+    def summary(self, record: dict, options: KVMergeOptions) -> str:
+        kv = record["kv_heads"]
+        return (f"{record['kind']} ({kv['before']} -> {kv['after']} K/V heads, {options.merge} merge) "
+                f"in {record['seconds']:.1f}s")
+
+    def converted_kv_heads(self, options: KVMergeOptions, kv_heads: int) -> int:
+        return options.groups
+
+    def calibration_estimate(self, config: dict, options: KVMergeOptions, *, dtype: str, device: str, throughput=None):
+        if not self.calibrates(options):
+            return None
+        from ..estimate import estimate_calibrated
+
+        return estimate_calibrated(config, "aligned", options.calib_tokens, dtype=dtype, device=device,
+                                   kv_heads=options.groups, assign=options.grouping == "similarity",
+                                   throughput=throughput)
+
+    def card_lines(self, record: dict) -> list[str]:
+        method = record.get("method")
+        return [f"K/V heads merged by: {MERGES.get(method, method)}."] if method else []
+
+
+MQA = KVMerge("mqa", MQAOptions, title="multi-query attention (one K/V head)", tags=["mqa", "multi-query-attention"])
+GQA = KVMerge("gqa", GQAOptions, title="grouped-query attention", tags=["gqa", "grouped-query-attention"])

@@ -1,0 +1,70 @@
+"""switchhead: SwitchHead attention (Csordás et al. 2023): H heads, each with E value and output experts of which k
+are selected per token, fitted to the source's attention on calibration text. Ships its own modeling code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import ValidationInfo, field_validator, model_validator
+
+from ..errors import SurgeryError
+from ..options import option, spelling
+from .base import AttentionShape, CalibrationOptions, positive_calib_tokens, Kind, WriteOptions
+
+
+class SwitchHeadOptions(WriteOptions):
+    GROUP: ClassVar[str] = "switchhead"
+    calib: str = CalibrationOptions.model_fields["calib"]
+    calib_tokens: int = CalibrationOptions.model_fields["calib_tokens"]
+    _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
+    heads: int | None = option(None, "--heads", "[switchhead] Attention heads after conversion (H).", metavar="H",
+                               group=GROUP)
+    experts: int | None = option(None, "--experts", "[switchhead] Experts per head (E).", metavar="E", group=GROUP)
+    topk: int | None = option(None, "--topk", "[switchhead] Experts selected per token (k).", metavar="K", group=GROUP)
+
+    @model_validator(mode="after")
+    def _sizes_given(self, info: ValidationInfo):
+        if None in (self.heads, self.experts, self.topk):
+            s = spelling(info, type(self))
+            raise ValueError(f"{s.kind('switchhead')} needs {s.options(['heads', 'experts', 'topk'])}")
+        return self
+
+
+class SwitchHead(Kind):
+    def calibrates(self, options: SwitchHeadOptions) -> bool:
+        return options.experts > 1  # one expert per head is the source's attention: nothing to fit
+
+    def convert(self, source, out: Path, options: SwitchHeadOptions) -> dict:
+        from ..switchhead import convert_to_switchhead
+
+        return convert_to_switchhead(source, out, heads=options.heads, experts=options.experts, topk=options.topk,
+                                     calib=options.calib, calib_tokens=options.calib_tokens, device=options.device,
+                                     **options.write_kwargs())
+
+    def calibration_estimate(self, config: dict, options: SwitchHeadOptions, *, dtype: str, device: str,
+                             throughput=None):
+        if not self.calibrates(options):
+            return None
+        from ..estimate import estimate_calibrated
+
+        return estimate_calibrated(config, "switchhead", options.calib_tokens, dtype=dtype, device=device,
+                                   heads=options.heads, experts=options.experts, topk=options.topk,
+                                   throughput=throughput)
+
+    def attention_macs(self, shape: AttentionShape, config: dict, record: dict, context: int) -> dict:
+        switchhead = config.get("switchhead") or {}
+        experts, topk = (switchhead.get("experts"), switchhead.get("topk")) if isinstance(switchhead, dict) else (None, None)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (experts, topk)):
+            raise SurgeryError(f"config.json: switchhead needs positive integer experts and topk, got {switchhead!r}")
+        # q and k per head; k of E value and output experts per head; two routers of h*E scores
+        L, h, d, H = shape.layers, shape.heads, shape.head_dim, shape.hidden
+        return {"proj": L * (2 * H * h * d + 2 * topk * H * h * d + 2 * H * h * experts), "mixing": None}
+
+    def added_parameters(self, record: dict) -> int | None:
+        return record.get("added_parameters")
+
+
+SWITCHHEAD = SwitchHead("switchhead", SwitchHeadOptions,
+                        title="SwitchHead attention, σ-MoE V/O projections (Csordás et al. 2023)",
+                        tags=["switchhead", "moe"], ships_code=True, model_type_prefix="switchhead_")
