@@ -138,3 +138,29 @@ def _write_failure(out: Path, e: OSError) -> str:
     why = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e).splitlines()[0])
     where = f" ({e.filename})" if getattr(e, "filename", None) else ""
     return f"writing {out} failed: {why}{where}; nothing was written"
+
+
+def write_json(value, path: Path, echo=print) -> None:
+    """JSON to stdout ('-') or to a file, written beside it and renamed into place (never half-written)."""
+    import json
+
+    text = json.dumps(value, indent=2)
+    if str(path) == "-":
+        echo(text)
+        return
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.absolute().parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -9,6 +9,10 @@ from pathlib import Path
 import click
 
 from surgery import __version__
+from surgery.clickgen import model_options, parse_options
+from surgery.commands.check import CheckOptions
+from surgery.commands.push import PushOptions
+from surgery.commands.uptrain import UptrainArgs
 from surgery.errors import SurgeryError
 
 
@@ -38,7 +42,6 @@ def _print_families(ctx: click.Context, param, value) -> None:
 def convert_command() -> click.Command:
     """`surgery convert`, its options generated from the registry of kinds (surgery/kinds): `--to` offers every
     registered kind, and every kind's options model contributes its flags (help texts tagged `[gqa]`, ...)."""
-    from surgery.clickgen import model_options
     from surgery.commands.convert import options_model
 
     @click.command("convert")
@@ -60,7 +63,6 @@ def convert_command() -> click.Command:
         transformers (and vLLM) loads. talking-heads and switchhead outputs carry their own modeling code
         (load with trust_remote_code=True).
         """
-        from surgery.clickgen import parse_options
         from surgery.commands.convert import convert_checkpoint
 
         options = parse_options(options_model(), values)
@@ -94,31 +96,9 @@ cli.add_command(convert_command())
 @cli.command()
 @click.argument("source")
 @click.argument("converted")
-@click.option("--data", default="pydoc", show_default=True,
-              help="Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub dataset name[:config][@split].")
-@click.option("--text-field", default="text", show_default=True, help="Column holding the text in tabular data.")
-@click.option("--tokens", type=int, default=16384, show_default=True, help="Tokens to compare on (at least 1).")
-@click.option("--seq-len", type=int, default=1024, show_default=True, help="Window length (capped at the context).")
-@click.option("--batch-size", type=int, default=4, show_default=True, help="Windows per forward pass.")
-@click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--expect", type=click.Choice(["exact", "none"]), default="none", show_default=True,
-              help="exact: exit 1 when max |Δlogits| exceeds the dtype's tolerance.")
-@click.option("--atol", type=float, help="Override the tolerance used by --expect exact.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write the metrics as JSON ('-' for stdout).")
-@click.option("--generate", type=int, default=0, show_default=True,
-              help="Also let both models continue prompts greedily for N tokens and compare the continuations.")
-@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path, dir_okay=False),
-              help="With --generate: a text file of extra prompts, one a line.")
-@click.option("--layers", is_flag=True, help="Also report each layer's attention and hidden-state error vs the source.")
-@click.option("--tokenizer", type=click.Choice(["source", "converted"]),
-              help="Which tokenizer encodes the text when the two checkpoints' tokenizers differ.")
-@click.option("--trust-remote-code", is_flag=True, help="Run the modeling code shipped with CONVERTED.")
-@click.option("--trust-source-code", is_flag=True, help="Run the modeling code shipped with SOURCE.")
-@click.option("--allow-pickle", is_flag=True, help="Accept pickle .bin weights (loaded with weights_only=True).")
-@click.option("--revision", help="Hub revision for hub ids.")
-def check(source, converted, data, text_field, tokens, seq_len, batch_size, device, dtype, expect, atol, json_out,
-          generate, prompts_file, layers, tokenizer, trust_remote_code, trust_source_code, allow_pickle, revision):
+@model_options(CheckOptions)
+def check(source, converted, json_out, **values):
     """Compare CONVERTED against SOURCE on the same tokens: |Δlogits|, KL, top-1 agreement, perplexity.
 
     The two models run one after the other (the source's outputs wait in memory or, when large, in a scratch
@@ -126,57 +106,10 @@ def check(source, converted, data, text_field, tokens, seq_len, batch_size, devi
     recognised by its sha256; other shipped code runs only with --trust-remote-code (CONVERTED) or
     --trust-source-code (SOURCE).
     """
-    from surgery.check import check_counts, check_json_path, compare_checkpoints, print_report, tolerance
-    from surgery.data import load_texts
-    from surgery.source import resolve_source
+    from surgery.commands.check import check_checkpoints
 
-    check_counts(tokens, seq_len, batch_size, generate)
-    check_json_path(json_out)
-    src = resolve_source(source, revision=revision, allow_pickle=allow_pickle)
-    dst = resolve_source(converted, allow_pickle=allow_pickle)
-    texts = load_texts(data, text_field=text_field)
-    report = compare_checkpoints(src, dst, texts, tokens=tokens, seq_len=seq_len, batch_size=batch_size,
-                                 device=device, dtype=dtype, trust_remote_code=trust_remote_code,
-                                 trust_source_code=trust_source_code, allow_pickle=allow_pickle, tokenizer=tokenizer,
-                                 generate=generate, prompts_file=prompts_file, layers=layers, data=data,
-                                 warn=lambda line: click.echo(f"surgery: warning: {line}", err=True))
-    tol = atol if atol is not None else tolerance(dtype)
-    report["tolerance"] = tol
-    report["exact"] = report["max_abs_diff"] <= tol
-    print_report(report, title=f"{source}  vs  {converted}")
-    if json_out:
-        write_json(report, json_out)
-    if expect == "exact" and not report["exact"]:
-        _fail(f"not exact: max |Δlogits| {report['max_abs_diff']:.3g} > tolerance {tol:g}", code=1)
-
-
-def write_json(value, path: Path) -> None:
-    """JSON to stdout ('-') or to a file, written beside it and renamed into place (never half-written)."""
-    import os
-    import tempfile
-
-    text = json.dumps(value, indent=2)
-    if str(path) == "-":
-        click.echo(text)
-        return
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.absolute().parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    import os
-
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    check_checkpoints(source, converted, parse_options(CheckOptions, values), json_out=json_out,
+                      warn=lambda line: click.echo(f"surgery: warning: {line}", err=True))
 
 
 @cli.command()
@@ -262,56 +195,8 @@ def demo(out, tokens, force):
 
 @cli.command()
 @click.argument("model")
-@click.option("--data", default="pydoc", show_default=True,
-              help="Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub dataset name[:config][@split].")
-@click.option("--tokens", type=int, required=True, help="Training tokens (rounded up to whole steps).")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Output checkpoint folder (written atomically).")
-@click.option("--text-field", default="text", show_default=True, help="Column holding the text in tabular data.")
-@click.option("--streaming", is_flag=True, help="Stream a hub dataset instead of downloading it whole.")
-@click.option("--loss", type=click.Choice(["auto", "lm", "kd", "mix"]), default="auto", show_default=True,
-              help="lm: next-token; kd: KL to the teacher's logits; mix: both. auto: kd when a teacher is known.")
-@click.option("--teacher", help="Teacher checkpoint (default: the source named in MODEL/surgery.json).")
-@click.option("--trust-remote-code", is_flag=True, help="Run modeling code that MODEL's folder ships (auto_map); not "
-              "needed for this toolkit's own unmodified talking-heads/SwitchHead code.")
-@click.option("--trust-teacher-code", is_flag=True, help="Run modeling code that the teacher's folder ships.")
-@click.option("--temperature", type=float, default=1.0, show_default=True, help="[kd/mix] Distillation temperature.")
-@click.option("--kd-weight", type=float, default=0.5, show_default=True, help="[mix] Weight of the KD term.")
-@click.option("--train", "train", type=click.Choice(["all", "attention", "new"]), default="all", show_default=True,
-              help="What trains: everything, attention (projections + new parameters), or only new parameters.")
-@click.option("--seq-len", type=int, default=1024, show_default=True, help="Tokens per packed sequence.")
-@click.option("--batch-tokens", type=int, default=16384, show_default=True, help="Tokens per optimizer step (all processes).")
-@click.option("--micro-batch", type=int, default=4, show_default=True, help="Sequences per forward pass per process.")
-@click.option("--lr", type=float, default=1e-4, show_default=True, help="Peak learning rate (AdamW).")
-@click.option("--min-lr-ratio", type=float, default=0.1, show_default=True, help="Cosine floor, as a fraction of --lr.")
-@click.option("--warmup-steps", type=int, help="Linear warmup steps (default: 5% of the steps).")
-@click.option("--weight-decay", type=float, default=0.01, show_default=True)
-@click.option("--max-grad-norm", type=float, default=1.0, show_default=True, help="Gradient clipping (0: off).")
-@click.option("--gradient-checkpointing", is_flag=True, help="Recompute activations in the backward pass.")
-@click.option("--eval-tokens", type=int, default=16384, show_default=True, help="Held-out tokens (0: no evaluation).")
-@click.option("--eval-every", type=int, help="Steps between evaluations (default: about 10 evaluations per run; 0: only "
-              "at the start and the end).")
-@click.option("--save-every", type=int, default=100, show_default=True, help="Steps between checkpoints.")
-@click.option("--keep-last", type=int, default=2, show_default=True, help="Checkpoints kept.")
-@click.option("--resume", is_flag=True, help="Continue from the newest checkpoint in the run folder.")
-@click.option("--run-dir", type=click.Path(path_type=Path), help="Checkpoints and metrics while running (default OUT.run).")
-@click.option("--keep-run-dir", is_flag=True, help="Keep the run folder (checkpoints) after success.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--force", is_flag=True, help="Replace an existing output (and an earlier run folder).")
-@click.option("--max-shard-size", default="5GB", show_default=True, help="Largest output shard.")
-@click.option("--progress-every", type=float, default=30.0, show_default=True,
-              help="Seconds between progress lines when stderr is not a terminal (a terminal gets a bar).")
-@click.option("--stage", default="kd", show_default=True,
-              help="align: train each attention to match the teacher's attention output, layer by layer; kd: "
-              "end-to-end training by --loss; align,kd: both, splitting --tokens.")
-@click.option("--align-tokens", type=int, help="[align,kd] The align stage's share of --tokens (default: a quarter).")
-@click.option("--align-epochs", type=int, default=4, show_default=True, help="[align] Passes over its windows per layer.")
-@click.option("--align-lr", type=float, default=1e-3, show_default=True, help="[align] Adam learning rate.")
-@click.option("--lora-rank", type=int, default=0, show_default=True,
-              help="Train LoRA adapters of this rank instead of the weights (needs peft: the `lora` extra).")
-@click.option("--lora-alpha", type=float, help="LoRA scaling numerator (default: 2 x rank).")
-@click.option("--lora-targets", help="Comma-separated module-name patterns for LoRA (default: the attention's linear layers).")
-@click.option("--merge-lora/--no-merge-lora", default=True, show_default=True,
-              help="Merge the adapters into the output, or keep the input's weights and write OUT/adapter.")
+@model_options(UptrainArgs)
 def uptrain(model, out, **kw):
     """Continue training MODEL (a converted checkpoint, or any causal LM) for --tokens tokens.
 
@@ -321,24 +206,18 @@ def uptrain(model, out, **kw):
     surgery.json extended by an "uptraining" record, uptrain_metrics.jsonl and uptrain.png; checkpoints go to
     OUT.run (--resume continues from the newest).
     """
-    from surgery.uptrain import UptrainOptions, uptrain as run_uptrain
+    from surgery.commands.uptrain import uptrain_model
 
-    run_uptrain(UptrainOptions(model=model, out=out, **kw))
+    uptrain_model(model, out, parse_options(UptrainArgs, kw))
 
 
 @cli.command()
 @click.argument("folder", type=click.Path(path_type=Path))
-@click.argument("repo_id")
-@click.option("--private", is_flag=True, help="Create the repository private.")
-@click.option("--revision", help="Branch to upload to (created from main when missing; default main).")
-@click.option("--exist-ok", is_flag=True, help="Upload into a repository that already exists.")
-@click.option("--message", help="Commit message (default: names the conversion).")
+@model_options(PushOptions)
 @click.option("--check-report", "check_reports", multiple=True, type=click.Path(path_type=Path),
               help="A `surgery check --json` report to put in the model card (repeatable).")
-@click.option("--bench-report", type=click.Path(path_type=Path),
-              help="A `surgery bench --json` report to put in the model card (measured speed table).")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Also write the result (repo and commit URLs) as JSON.")
-def push(folder, repo_id, private, revision, exist_ok, message, check_reports, bench_report, json_out):
+def push(folder, check_reports, json_out, **values):
     """Validate FOLDER and upload it to the hub as REPO_ID (owner/name).
 
     Refuses (exit 2) unless config.json loads, every shard the index lists exists, the files match the sha256
@@ -347,16 +226,10 @@ def push(folder, repo_id, private, revision, exist_ok, message, check_reports, b
     its first comment line). The token comes from HF_TOKEN or the cached login (`hf auth login`); HF_ENDPOINT
     selects another hub.
     """
-    from surgery.publish.push import push_folder
+    from surgery.commands.push import push_checkpoint
 
-    result = push_folder(folder, repo_id, private=private, revision=revision, exist_ok=exist_ok, message=message,
-                         check_reports=list(check_reports), log=click.echo,
-                         bench_report=bench_report)
-    click.echo(f"pushed {folder} to {result.repo_url} ({result.revision}): {result.commit_url}")
-    if json_out:
-        Path(json_out).write_text(json.dumps({"repo_id": repo_id, "repo_url": result.repo_url, "revision": result.revision,
-                                              "commit_url": result.commit_url, "card_written": result.card_written},
-                                             indent=2) + "\n")
+    click.echo(push_checkpoint(folder, parse_options(PushOptions, values), check_reports=list(check_reports),
+                               json_out=json_out, log=click.echo))
 
 
 @cli.command()
@@ -411,14 +284,12 @@ def run(recipe, dry_run, from_step, until, output, overrides):
 def compare_merges(source, kind, kv_heads, methods, data, tokens, seq_len, calib, calib_tokens, seed, device, json_out,
                    revision):
     """Zero-shot perplexity, KL and top-1 agreement of each K/V merge method on held-out text, in one table."""
+    from surgery.kinds import options_for
     from surgery.merge.compare import compare_merges as run_comparison, print_comparison
     from surgery.source import resolve_source
 
-    if kind == "mqa" and kv_heads not in (None, 1):
-        raise SurgeryError("--to mqa means one K/V head; use --to gqa --kv-heads N for more")
-    if kind == "gqa" and kv_heads is None:
-        raise SurgeryError("--to gqa needs --kv-heads N")
-    result = run_comparison(resolve_source(source, revision=revision), 1 if kind == "mqa" else kv_heads,
+    groups = options_for(kind, kv_heads=kv_heads).groups  # the mqa/gqa rules, as convert applies them
+    result = run_comparison(resolve_source(source, revision=revision), groups,
                             methods=tuple(m.strip() for m in methods.split(",") if m.strip()), data=data, tokens=tokens,
                             seq_len=seq_len, calib=calib, calib_tokens=calib_tokens, seed=seed, device=device)
     print_comparison(result)
@@ -445,7 +316,7 @@ def main() -> None:
     try:
         cli.main(standalone_mode=False)
     except SurgeryError as e:
-        _fail(str(e))
+        _fail(str(e), code=getattr(e, "code", 2))
     except Terminated:
         _fail("terminated (SIGTERM)", code=143)
     except click.exceptions.Abort as e:  # click turns KeyboardInterrupt (and so SIGTERM) into Abort

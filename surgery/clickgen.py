@@ -28,9 +28,11 @@ def _is_list(annotation: Any) -> bool:
     return typing.get_origin(_base_type(annotation)) in (list, tuple)
 
 
-def click_option(model: type[BaseModel], name: str) -> click.Option:
+def click_option(model: type[BaseModel], name: str) -> click.Parameter:
     info = model.model_fields[name]
     meta = cli_meta(model, name)
+    if meta.get("argument"):
+        return click.Argument([name], required=info.is_required())
     base = _base_type(info.annotation)
     multiple = _is_list(info.annotation)
     if multiple:
@@ -52,8 +54,8 @@ def click_option(model: type[BaseModel], name: str) -> click.Option:
             kw["type"] = click.Choice([str(c) for c in typing.get_args(base)])
         elif base in (int, float):
             kw["type"] = base
-        elif base is typing.Any or base is str:
-            pass
+        elif meta.get("path"):
+            kw["type"] = click.Path(dir_okay=meta["path"] != "file")
         if multiple:
             kw["multiple"] = True
             default = list(default or [])

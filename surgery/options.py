@@ -21,11 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo
 
 def option(default: Any = None, flag: str | None = None, help: str = "", *, aliases: tuple[str, ...] = (),
            metavar: str | None = None, show_default: bool | None = None, group: str | None = None,
-           required: bool = False) -> Any:
+           required: bool = False, path: str | None = None, argument: bool = False) -> Any:
     """A pydantic Field that also says how the command line spells it (`flag`, `aliases`, `metavar`), its help and
-    the group of kind-specific options it belongs to. `show_default` defaults to "when the default is not None"."""
+    the group of kind-specific options it belongs to. `show_default` defaults to "when the default is not None";
+    `path` ("file" or "any") makes the command line check a path; `argument` makes it a positional argument."""
     cli = {"flag": flag, "aliases": list(aliases), "metavar": metavar, "group": group,
-           "show_default": show_default}
+           "show_default": show_default, "path": path, "argument": argument}
     if required:
         return Field(..., description=help, json_schema_extra={"cli": cli})
     return Field(default, description=help, json_schema_extra={"cli": cli})
@@ -110,7 +111,7 @@ def command_args(options: BaseModel, exclude: Iterable[str] = ()) -> list[str]:
     args: list[str] = []
     for name, info in model.model_fields.items():
         value = getattr(options, name)
-        if name in skip or value is None:
+        if name in skip or value is None or cli_meta(model, name).get("argument"):
             continue
         if not info.is_required() and value == info.default:
             continue

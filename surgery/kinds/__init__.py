@@ -109,14 +109,16 @@ def _field_signature(info) -> tuple:
     return (str(info.annotation), repr(info.default))
 
 
-def convert_options_model() -> type[ConvertOptions]:
-    """The flat options model of `surgery convert` and of recipes' convert steps, built from the registered kinds."""
-    key = tuple((k.name, k.options) for k in _KINDS.values())
+def convert_options_model(exclude: tuple[str, ...] = (), extra: dict | None = None,
+                          name: str = "ConvertOptions") -> type[ConvertOptions]:
+    """The flat options model of `surgery convert`, built from the registered kinds; a recipe's convert step is the
+    same model without the fields its runner sets (`exclude`) and with the step's own (`extra`)."""
+    key = (name, tuple(exclude), tuple((extra or {}).items()), tuple((k.name, k.options) for k in _KINDS.values()))
     if key not in _FLAT:
-        _FLAT.clear()
-        _FLAT[key] = create_model("ConvertOptions", __base__=ConvertOptions,
+        fields = {k: v for k, v in _union_fields().items() if k not in exclude}
+        _FLAT[key] = create_model(name, __base__=ConvertOptions,
                                   __validators__={"kind_rules": model_validator(mode="after")(_kind_rules)},
-                                  **_union_fields())
+                                  **(extra or {}), **fields)
     return _FLAT[key]
 
 

@@ -101,18 +101,16 @@ def stats_from_config(config: dict) -> ModelStats:
 
 
 def after_convert(stats: ModelStats, options) -> ModelStats:
-    """The converted model's size: K/V projections shrink for mqa/gqa; other kinds stay close to the source."""
-    to = options.to
+    """The converted model's size: K/V projections shrink to the kind's K/V heads (mqa/gqa); other kinds stay close
+    to the source."""
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(getattr(options, "dtype", "auto"), stats.dtype_bytes)
-    if to in ("mqa", "gqa"):
-        groups = 1 if to == "mqa" else options.kv_heads
-        removed = stats.layers * 2 * stats.hidden * stats.head_dim * max(stats.kv_heads - groups, 0)
-        return replace(stats, params=stats.params - removed, kv_heads=groups, dtype_bytes=dtype_bytes, config=None)
-    return replace(stats, dtype_bytes=dtype_bytes, config=None)
+    groups = options.kind.converted_kv_heads(options.kind_options, stats.kv_heads)
+    removed = stats.layers * 2 * stats.hidden * stats.head_dim * max(stats.kv_heads - groups, 0)
+    return replace(stats, params=stats.params - removed, kv_heads=groups, dtype_bytes=dtype_bytes, config=None)
 
 
 def convert_memory(stats: ModelStats, options) -> int:
-    calibrated = options.to == "switchhead" or getattr(options, "merge", None) == "aligned"
+    calibrated = options.kind.calibrates(options.kind_options)
     if calibrated and stats.config is not None:
         return streamed_calibration(stats, options).host_bytes
     if calibrated:
@@ -122,19 +120,14 @@ def convert_memory(stats: ModelStats, options) -> int:
 
 
 def streamed_calibration(stats: ModelStats, options, throughput=None):
-    """The calibrated conversion's estimate (surgery/estimate.py) for a convert step's options."""
-    from ..estimate import Throughput, estimate_calibrated
+    """The calibrated conversion's estimate (the kind's cost model, surgery/estimate.py) for a convert step."""
+    from ..estimate import Throughput
 
-    kind = "switchhead" if options.to == "switchhead" else "aligned"
     dtype = {4: "float32", 2: "bfloat16"}.get(stats.dtype_bytes, "float32")
     device = getattr(options, "device", "cpu") or "cpu"
     device = "cpu" if device == "auto" else device
-    return estimate_calibrated(stats.config, kind, options.calib_tokens, dtype=dtype, device=device,
-                               kv_heads=1 if options.to == "mqa" else getattr(options, "kv_heads", None),
-                               assign=getattr(options, "grouping", "similarity") != "consecutive",
-                               heads=getattr(options, "heads", None), experts=getattr(options, "experts", None),
-                               topk=getattr(options, "topk", None),
-                               throughput=throughput or Throughput("unmeasured", 1.0, 1.0))
+    return options.kind.calibration_estimate(stats.config, options.kind_options, dtype=dtype, device=device,
+                                             throughput=throughput or Throughput("unmeasured", 1.0, 1.0))
 
 
 def check_memory(stats: ModelStats, options) -> int:

@@ -98,7 +98,7 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
         tokens = memory = None
         if ps.kind == "convert":
             memory = est.convert_memory(stats, o) if stats else None
-            if o.to == "switchhead" or getattr(o, "merge", None) == "aligned":
+            if o.kind.calibrates(o.kind_options):
                 tokens = o.calib_tokens
                 if stats and stats.config is not None:
                     row["seconds_per_layer"] = _seconds_per_layer(stats, o, probes)

@@ -1,4 +1,5 @@
-"""Run a recipe: each step is the CLI command of the same name, with the runner linking outputs to inputs.
+"""Run a recipe: each step runs the library function of the command of the same name (surgery/commands), with the
+runner linking outputs to inputs.
 
 Layout under the recipe's output folder: `NN-name/` for a step that writes a model (convert, uptrain),
 `NN-name.json` for a check report or a push record, and `recipe-state.json`, the record of finished steps.
@@ -22,10 +23,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import click
-
 from ..errors import SurgeryError
-from .schema import RUNNER_OWNED, Recipe, Step, field_name
+from ..options import command_args
+from .schema import Recipe, Step, runner_options
 
 STATE = "recipe-state.json"
 MODEL_STEPS = ("convert", "uptrain")
@@ -70,28 +70,8 @@ def plan_steps(recipe: Recipe, output: Path) -> list[PlannedStep]:
 
 # ---- command lines ---------------------------------------------------------------------------------------
 def _option_args(step: Step) -> list[str]:
-    from .. import cli
-
-    command = cli.cli.commands[step.kind]
-    by_field = {field_name(p): p for p in command.params if p.name not in RUNNER_OWNED[step.kind]}
-    args: list[str] = []
-    for key, value in step.options:
-        param = by_field.get(key)
-        if param is None or isinstance(param, click.Argument) or value is None:
-            continue
-        default = param.default if isinstance(param.default, (int, float, str, bool)) else None
-        if value == default and not param.required:
-            continue
-        long = [o for o in param.opts if o.startswith("--")][0]
-        if getattr(param, "is_flag", False):
-            if value:
-                args.append(long)
-            elif param.secondary_opts:
-                args.append(param.secondary_opts[0])
-            continue
-        for v in value if isinstance(value, list) else [value]:
-            args += [long, str(v)]
-    return args
+    """The step's options as the command's flags (what `surgery run` shows and an accelerate launch runs)."""
+    return command_args(step.options, exclude=("name", "accelerate"))
 
 
 def command_line(recipe: Recipe, ps: PlannedStep, resume: bool = False) -> list[str]:
@@ -221,7 +201,7 @@ def resolve_source_folder(recipe: Recipe) -> Path:
     return resolve_source(recipe.source.spec, revision=recipe.source.revision).folder
 
 
-def _invoke(recipe: Recipe, ps: PlannedStep, args: list[str], env_note=print) -> None:
+def _invoke(recipe: Recipe, ps: PlannedStep, args: list[str], resume: bool, env_note=print) -> None:
     prefix = launch_prefix(recipe, ps)
     env_note(f"$ surgery {shlex.join(args)}" if prefix is None else f"$ accelerate launch ... -m surgery.cli {shlex.join(args)}")
     if prefix is not None:
@@ -229,20 +209,42 @@ def _invoke(recipe: Recipe, ps: PlannedStep, args: list[str], env_note=print) ->
         if result.returncode:
             raise StepFailed(ps.name, result.returncode)
         return
-    from .. import cli
-
     try:
-        cli.cli.main(args, prog_name="surgery", standalone_mode=False)
-    except SystemExit as e:  # a command's own exit code (check --expect exact exits 1)
-        if e.code:
-            raise StepFailed(ps.name, int(e.code) if isinstance(e.code, int) else 1) from None
+        run_step(recipe, ps, resume, log=env_note)
     except SurgeryError as e:
+        code = getattr(e, "code", 2)
+        if code != 2:  # a command's own failure (check --expect exact: exit 1), said as the command says it
+            print(f"surgery: error: {e}", file=sys.stderr)
+            raise StepFailed(ps.name, code) from None
         raise SurgeryError(f"step {ps.name}: {e}") from None
     except ModuleNotFoundError as e:  # a conversion this installation does not have yet
         if not (e.name or "").startswith("surgery"):
             raise
         raise SurgeryError(f"step {ps.name}: this installation of surgery has no {e.name} module, "
                            f"so `surgery {shlex.join(args[:1])}` cannot do this step") from None
+
+
+def run_step(recipe: Recipe, ps: PlannedStep, resume: bool = False, log=print) -> None:
+    """Run one step in this process by calling the command's library function (surgery/commands) with the step's
+    options and what the runner links in (the step's input, its output, the source's revision)."""
+    from ..commands import check, convert, push, uptrain
+
+    revision = recipe.source.revision
+    if ps.kind == "convert":
+        first = ps.input == recipe.source.spec
+        options = runner_options("convert", ps.step.options, force=True, revision=revision if first else None)
+        log(convert.convert_checkpoint(ps.input, ps.output, options))
+    elif ps.kind == "check":
+        options = runner_options("check", ps.step.options, revision=revision)
+        check.check_checkpoints(recipe.source.spec, ps.input, options, json_out=ps.output,
+                                warn=lambda line: print(f"surgery: warning: {line}", file=sys.stderr))
+    elif ps.kind == "uptrain":
+        uptrain.uptrain_model(ps.input, ps.output, runner_options("uptrain", ps.step.options, force=True, resume=resume))
+    elif ps.kind == "push":
+        log(push.push_checkpoint(Path(ps.input), runner_options("push", ps.step.options), check_reports=ps.reports,
+                                 json_out=ps.output, log=log))
+    else:
+        raise SurgeryError(f"unknown step kind {ps.kind}")
 
 
 def run_recipe(recipe: Recipe, output: Path, from_step: str | None = None, until: str | None = None,
@@ -279,7 +281,7 @@ def run_recipe(recipe: Recipe, output: Path, from_step: str | None = None, until
         log(f"[{ps.number}/{len(planned)}] {ps.name}" + (" (resuming)" if resume else ""))
         state.set(ps.name, started=fp, finished=False)
         t0 = time.time()
-        _invoke(recipe, ps, command_line(recipe, ps, resume=resume), env_note=log)
+        _invoke(recipe, ps, command_line(recipe, ps, resume=resume), resume, env_note=log)
         if not ps.output.exists():
             raise SurgeryError(f"step {ps.name} finished without writing {ps.output}")
         state.set(ps.name, fingerprint=fingerprints.of(ps) if fp is None else fp, finished=True,

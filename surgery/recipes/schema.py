@@ -12,29 +12,23 @@
 
 A step's options are the options of the command of the same name (`surgery convert --help`, ...), spelled with
 underscores (`kv_heads`, `seq_len`); the runner fills in what links the steps (source, input model, --out,
---json). The option models are built from the click commands themselves, so they cannot drift from the CLI.
+--json). Both come from one options model per command (surgery/commands; a convert step's from the registry of
+kinds, surgery/kinds), so a recipe and the command line cannot drift apart.
 """
 
 from __future__ import annotations
 
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import click
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator, model_validator
 
 from ..errors import SurgeryError
+from ..options import YAML
 
 STEP_KINDS = ("convert", "check", "uptrain", "push")
-# Options the runner sets itself: what links the steps together, and how outputs are written.
-RUNNER_OWNED = {
-    "convert": {"source", "out", "force", "revision", "dry_run", "json_out"},
-    "check": {"source", "converted", "json_out", "revision"},
-    "uptrain": {"model", "out", "force", "resume", "run_dir"},
-    "push": {"folder", "check_reports", "json_out"},
-}
 
 
 class Strict(BaseModel):
@@ -114,76 +108,44 @@ class Hardware(Strict):
     notes: str | None = None
 
 
-def _python_type(param: click.Parameter):
-    t = param.type
-    if isinstance(t, click.Choice):
-        base = Literal[tuple(t.choices)]
-    elif isinstance(t, click.types.BoolParamType) or getattr(param, "is_flag", False):
-        base = bool
-    elif isinstance(t, (click.types.IntParamType, click.IntRange)):
-        base = int
-    elif isinstance(t, (click.types.FloatParamType, click.FloatRange)):
-        base = float
-    else:
-        base = str
-    return list[base] if param.multiple else base
-
-
-def _default(param: click.Parameter) -> Any:
-    d = param.default
-    if getattr(param, "is_flag", False) and not isinstance(d, bool):
-        return False
-    return d if isinstance(d, (int, float, str, bool, list, tuple)) else None
-
-
-def field_name(param: click.Parameter) -> str:
-    """The YAML key of an option: its first long flag with underscores (`--merge` -> merge, `--to` -> to)."""
-    long = [o for o in param.opts if o.startswith("--")]
-    return long[0][2:].replace("-", "_") if long else param.name
-
-
 class StepBase(Strict):
     name: str | None = Field(None, description="name for --from / --until (default: the kind, numbered when repeated)")
 
 
-def _options_model(kind: str, command: click.Command) -> type[BaseModel]:
-    fields: dict[str, Any] = {}
-    for p in command.params:
-        if p.name in RUNNER_OWNED[kind] or p.name in ("help",):
-            continue
-        if isinstance(p, click.Argument):
-            fields[field_name(p)] = (_python_type(p), ...)
-            continue
-        ptype = _python_type(p)
-        if p.required:
-            fields[field_name(p)] = (ptype, ...)
-        else:
-            default = _default(p)
-            fields[field_name(p)] = (ptype if default is not None else typing.Optional[ptype], default)
-    validators = {}
-    if kind == "convert":
-        validators["kind_options"] = model_validator(mode="after")(_convert_rules)
-    if kind == "uptrain":
-        fields["accelerate"] = (typing.Optional[Launch], None)
-    return create_model(f"{kind.capitalize()}Options", __base__=StepBase, __validators__=validators, **fields)
+def _command_models() -> dict[str, tuple[type[BaseModel], tuple[str, ...]]]:
+    """Each step kind's options model (surgery/commands) and the fields the runner sets itself."""
+    from ..commands import check, convert, push, uptrain
 
-
-def _convert_rules(self):
-    to = getattr(self, "to", None)
-    if to == "gqa" and getattr(self, "kv_heads", None) is None:
-        raise ValueError("to: gqa needs kv_heads")
-    if to == "mqa" and getattr(self, "kv_heads", None) not in (None, 1):
-        raise ValueError("to: mqa means one K/V head; use to: gqa with kv_heads for more")
-    if to == "switchhead" and None in (getattr(self, "heads", None), getattr(self, "experts", None), getattr(self, "topk", None)):
-        raise ValueError("to: switchhead needs heads, experts and topk")
-    return self
+    return {"convert": (convert.options_model(), convert.RUNNER_OWNED),
+            "check": (check.CheckOptions, check.RUNNER_OWNED),
+            "uptrain": (uptrain.UptrainArgs, uptrain.RUNNER_OWNED),
+            "push": (push.PushOptions, push.RUNNER_OWNED)}
 
 
 def step_models() -> dict[str, type[BaseModel]]:
-    """One options model per step kind the installed CLI provides (a missing command: a clear error later)."""
-    from .. import cli
+    """One options model per step kind: the command's own options model (the one its command-line options are
+    generated from) without the fields the runner sets, plus the step's `name` (and an uptrain step's `accelerate`).
+    A convert step's model is the registry's (surgery/kinds), so every kind's options and rules apply."""
+    from ..kinds import convert_options_model
 
-    return {k: _options_model(k, cli.cli.commands[k]) for k in STEP_KINDS if k in cli.cli.commands}
+    name_field = (str | None, StepBase.model_fields["name"])
+    models = {}
+    for kind, (model, owned) in _command_models().items():
+        if kind == "convert":
+            models[kind] = convert_options_model(exclude=owned, extra={"name": name_field}, name="ConvertStep")
+            continue
+        fields = {n: (info.annotation, info) for n, info in model.model_fields.items() if n not in owned}
+        if kind == "uptrain":
+            fields["accelerate"] = (typing.Optional[Launch], None)
+        models[kind] = create_model(f"{kind.capitalize()}Step", __base__=StepBase, **fields)
+    return models
+
+
+def runner_options(kind: str, options: BaseModel, **runner_values) -> BaseModel:
+    """A step's options as its command's model, with the values the runner sets (force, revision, ...)."""
+    model, _ = _command_models()[kind]
+    values = options.model_dump(exclude={"name", "accelerate"}, exclude_unset=True)
+    return model.model_validate({**values, **runner_values})
 
 
 class Step(BaseModel):
@@ -400,12 +362,12 @@ def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:
             raise _error(file, lines, loc + (kind,), f"unknown step; choose from {', '.join(STEP_KINDS)}")
         if kind not in models:
             raise _error(file, lines, loc + (kind,), f"this version of surgery has no `{kind}` command")
+        if not isinstance(options or {}, dict):
+            raise _error(file, lines, loc + (kind,), "options must be a mapping")
         try:
-            opts = models[kind](**(options or {}))
+            opts = models[kind].model_validate(options or {}, context={"spelling": YAML})
         except ValidationError as e:
             raise _error(file, lines, *_first_error(e, loc + (kind,))) from None
-        except TypeError:
-            raise _error(file, lines, loc + (kind,), "options must be a mapping") from None
         steps.append((kind, opts))
         kinds.append(kind)
         explicit.append(opts.name)

@@ -1,0 +1,73 @@
+"""`surgery check` once its options are validated: compare CONVERTED with SOURCE on the same tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from ..errors import SurgeryError
+from ..options import CliModel, option
+
+RUNNER_OWNED = ("revision",)  # a recipe's check compares its source (at the recipe's revision) with the step's input
+
+
+class CheckFailed(SurgeryError):
+    """The comparison ran but the converted model is not what --expect asked for (exit 1)."""
+
+    code = 1
+
+
+class CheckOptions(CliModel):
+    data: str = option("pydoc", "--data", "Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub dataset "
+                                          "name[:config][@split].")
+    text_field: str = option("text", "--text-field", "Column holding the text in tabular data.")
+    tokens: int = option(16384, "--tokens", "Tokens to compare on (at least 1).")
+    seq_len: int = option(1024, "--seq-len", "Window length (capped at the context).")
+    batch_size: int = option(4, "--batch-size", "Windows per forward pass.")
+    device: str = option("auto", "--device", "auto (CUDA when present), cpu, cuda, cuda:N.")
+    dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "--dtype")
+    expect: Literal["exact", "none"] = option("none", "--expect", "exact: exit 1 when max |Δlogits| exceeds the dtype's "
+                                                                  "tolerance.")
+    atol: float | None = option(None, "--atol", "Override the tolerance used by --expect exact.")
+    generate: int = option(0, "--generate", "Also let both models continue prompts greedily for N tokens and compare "
+                                            "the continuations.")
+    prompts: str | None = option(None, "--prompts", "With --generate: a text file of extra prompts, one a line.",
+                                 path="file")
+    layers: bool = option(False, "--layers", "Also report each layer's attention and hidden-state error vs the source.")
+    tokenizer: Literal["source", "converted"] | None = option(
+        None, "--tokenizer", "Which tokenizer encodes the text when the two checkpoints' tokenizers differ.")
+    trust_remote_code: bool = option(False, "--trust-remote-code", "Run the modeling code shipped with CONVERTED.")
+    trust_source_code: bool = option(False, "--trust-source-code", "Run the modeling code shipped with SOURCE.")
+    allow_pickle: bool = option(False, "--allow-pickle", "Accept pickle .bin weights (loaded with weights_only=True).")
+    revision: str | None = option(None, "--revision", "Hub revision for hub ids.")
+
+
+def check_checkpoints(source: str, converted: str, options: CheckOptions, json_out: Path | None = None,
+                      warn=print) -> dict:
+    """Compare, print the report, write it as JSON (`json_out`); CheckFailed when --expect exact is not met."""
+    from ..atomic import write_json
+    from ..check import check_counts, check_json_path, compare_checkpoints, print_report, tolerance
+    from ..data import load_texts
+    from ..source import resolve_source
+
+    o = options
+    check_counts(o.tokens, o.seq_len, o.batch_size, o.generate)
+    check_json_path(json_out)
+    src = resolve_source(source, revision=o.revision, allow_pickle=o.allow_pickle)
+    dst = resolve_source(converted, allow_pickle=o.allow_pickle)
+    texts = load_texts(o.data, text_field=o.text_field)
+    report = compare_checkpoints(src, dst, texts, tokens=o.tokens, seq_len=o.seq_len, batch_size=o.batch_size,
+                                 device=o.device, dtype=o.dtype, trust_remote_code=o.trust_remote_code,
+                                 trust_source_code=o.trust_source_code, allow_pickle=o.allow_pickle,
+                                 tokenizer=o.tokenizer, generate=o.generate,
+                                 prompts_file=Path(o.prompts) if o.prompts else None, layers=o.layers, data=o.data,
+                                 warn=warn)
+    tol = o.atol if o.atol is not None else tolerance(o.dtype)
+    report["tolerance"] = tol
+    report["exact"] = report["max_abs_diff"] <= tol
+    print_report(report, title=f"{source}  vs  {converted}")
+    if json_out:
+        write_json(report, json_out)
+    if o.expect == "exact" and not report["exact"]:
+        raise CheckFailed(f"not exact: max |Δlogits| {report['max_abs_diff']:.3g} > tolerance {tol:g}")
+    return report

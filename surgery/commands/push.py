@@ -1,0 +1,37 @@
+"""`surgery push` once its options are validated: validate the folder, write its card, upload it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..options import CliModel, option
+
+RUNNER_OWNED = ()
+
+
+class PushOptions(CliModel):
+    repo_id: str = option(None, "--repo-id", "Hub repository (owner/name).", required=True, argument=True)
+    private: bool = option(False, "--private", "Create the repository private.")
+    revision: str | None = option(None, "--revision", "Branch to upload to (created from main when missing; default "
+                                                      "main).")
+    exist_ok: bool = option(False, "--exist-ok", "Upload into a repository that already exists.")
+    message: str | None = option(None, "--message", "Commit message (default: names the conversion).")
+    bench_report: str | None = option(None, "--bench-report", "A `surgery bench --json` report to put in the model "
+                                                              "card (measured speed table).", path="any")
+
+
+def push_checkpoint(folder: Path, options: PushOptions, check_reports: list[Path] = (), json_out: Path | None = None,
+                    log=print) -> str:
+    """Upload `folder`; returns the line that says where it went."""
+    from ..publish.push import push_folder
+
+    o = options
+    result = push_folder(folder, o.repo_id, private=o.private, revision=o.revision, exist_ok=o.exist_ok,
+                         message=o.message, check_reports=list(check_reports), log=log,
+                         bench_report=Path(o.bench_report) if o.bench_report else None)
+    if json_out:
+        Path(json_out).write_text(json.dumps({"repo_id": o.repo_id, "repo_url": result.repo_url,
+                                              "revision": result.revision, "commit_url": result.commit_url,
+                                              "card_written": result.card_written}, indent=2) + "\n")
+    return f"pushed {folder} to {result.repo_url} ({result.revision}): {result.commit_url}"
