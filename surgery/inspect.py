@@ -16,7 +16,6 @@ _KEYS = {
     "hidden": ("hidden_size", "n_embd", "d_model"),
     "layers": ("num_hidden_layers", "n_layer"),
 }
-CONVERTED_PREFIXES = ("talking_heads_", "switchhead_")
 
 
 def _first(config: dict, keys: tuple[str, ...]) -> int:
@@ -30,10 +29,9 @@ def attention_shape(config: dict) -> dict:
     """heads, stored K/V heads, head_dim, hidden size, layers — from the family's spec (converted checkpoints: their
     source family's), or from the usual config keys for any other transformer."""
     sanity.check_config_counts(config)
-    model_type = str(config.get("model_type"))
-    for prefix in CONVERTED_PREFIXES:
-        model_type = model_type.removeprefix(prefix)
-    spec = find_spec(model_type)
+    from .kinds import source_model_type
+
+    spec = find_spec(source_model_type(str(config.get("model_type"))))
     if spec is not None:
         return {"layers": spec.layers(config), "hidden": spec.hidden(config), "heads": spec.heads(config),
                 "kv_heads": spec.kv_heads(config), "head_dim": spec.head_dim(config)}
@@ -68,19 +66,18 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
     # The KV cache is kept in the weights' dtype: the dtype holding most parameters.
     cache_dtype = max(floats, key=lambda t: t.numel).dtype if floats else None
     bytes_per_value = dtype_size(cache_dtype) if cache_dtype is not None else 2
-    L, h, kv, d, H = shape["layers"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["hidden"]
+    from .kinds import AttentionShape, find_kind, plain_attention_macs
+
+    L, h, kv, d = shape["layers"], shape["heads"], shape["kv_heads"], shape["head_dim"]
     kv_bytes = 2 * L * kv * d * bytes_per_value
-    proj_macs = L * (H * h * d + 2 * H * kv * d + h * d * H)
     core_macs = L * 2 * h * d * context  # QKᵀ and AV for one query over `context` keys
-    switchhead = config.get("switchhead") or {}
-    experts, topk = (switchhead.get("experts"), switchhead.get("topk")) if isinstance(switchhead, dict) else (None, None)
-    if switchhead and not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (experts, topk)):
-        raise SurgeryError(f"config.json: switchhead needs positive integer experts and topk, got {switchhead!r}")
-    if switchhead:  # q and k per head; k of E value and output experts per head; two routers of h*E scores
-        proj_macs = L * (2 * H * h * d + 2 * topk * H * h * d + 2 * H * h * experts)
-    # Talking-heads: mixing the logits (h_k x h) and the weights (h x h_v) costs h_k*h + h*h_v per query-key pair.
-    talking = record.get("kind") == "talking-heads"
-    mix_macs = L * int(record.get("mix_macs_per_query_key_per_layer", 0)) * context if talking else 0
+    # the kind that wrote the checkpoint knows its attention's work (surgery/kinds); a plain checkpoint: MHA/GQA
+    kind = find_kind(record, config)
+    ashape = AttentionShape(L, h, kv, d, shape["hidden"])
+    macs = kind.attention_macs(ashape, config, record, context) if kind else plain_attention_macs(ashape)
+    proj_macs, mix_macs = macs["proj"], macs["mixing"]
+    switchhead = config.get("switchhead") if isinstance(config.get("switchhead"), dict) else {}
+    experts, topk = switchhead.get("experts"), switchhead.get("topk")
     return {
         "checkpoint": label or str(folder),
         "model_type": config.get("model_type"),
@@ -97,9 +94,9 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
         "context": context,
         "attention_proj_macs_per_token": proj_macs,
         "attention_core_macs_per_token": core_macs,
-        "head_mixing_macs_per_token": mix_macs if talking else None,
-        "added_parameters": record.get("added_parameters") if talking or switchhead else None,
-        "attention_macs_per_token": proj_macs + core_macs + mix_macs,
+        "head_mixing_macs_per_token": mix_macs,
+        "added_parameters": kind.added_parameters(record) if kind else None,
+        "attention_macs_per_token": proj_macs + core_macs + (mix_macs or 0),
     }
 
 

@@ -56,11 +56,16 @@ def get_kind(name: str) -> Kind:
 
 
 def find_kind(record: dict | None = None, config: dict | None = None) -> Kind | None:
-    """The kind that wrote a checkpoint: surgery.json's `kind`, else the model_type prefix of a converted config."""
+    """The kind that wrote a checkpoint: the one whose config key the config sets (SwitchHead's `switchhead`), else
+    surgery.json's `kind`, else the model_type prefix of a converted config."""
+    config = config or {}
+    by_key = next((k for k in _KINDS.values() if k.config_key and config.get(k.config_key)), None)
+    if by_key is not None:
+        return by_key
     name = (record or {}).get("kind")
     if isinstance(name, str) and name in _KINDS:
         return _KINDS[name]
-    model_type = str((config or {}).get("model_type"))
+    model_type = str(config.get("model_type"))
     return next((k for k in _KINDS.values() if k.model_type_prefix and model_type.startswith(k.model_type_prefix)),
                 None)
 

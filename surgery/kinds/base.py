@@ -98,6 +98,7 @@ class Kind:
     tags: list[str] = field(default_factory=list)  # the model card's hub tags
     ships_code: bool = False  # the output carries its own modeling code (load with trust_remote_code=True)
     model_type_prefix: str | None = None  # converted configs' model_type = prefix + the source's
+    config_key: str | None = None  # the converted config.json's key holding the kind's settings
 
     # ---- conversion -------------------------------------------------------------------------------------------
     def calibrates(self, options: WriteOptions) -> bool:

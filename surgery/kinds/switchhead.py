@@ -67,4 +67,5 @@ class SwitchHead(Kind):
 
 SWITCHHEAD = SwitchHead("switchhead", SwitchHeadOptions,
                         title="SwitchHead attention, σ-MoE V/O projections (Csordás et al. 2023)",
-                        tags=["switchhead", "moe"], ships_code=True, model_type_prefix="switchhead_")
+                        tags=["switchhead", "moe"], ships_code=True, model_type_prefix="switchhead_",
+                        config_key="switchhead")

@@ -13,25 +13,13 @@ import yaml
 
 from ..errors import SurgeryError
 from ..inspect import _human, inspect_checkpoint
+from ..kinds import find_kind
 from ..record import local_source_folder
 from .validate import Validation
 
 # Cards carrying this line were written by `surgery push` and are rewritten by the next push; others are kept.
 MARKER = "<!-- model card written by `surgery push`: delete this line to keep your edits -->"
 EMBEDDED = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-
-KINDS = {
-    "mqa": ("multi-query attention (one K/V head)", ["mqa", "multi-query-attention"]),
-    "gqa": ("grouped-query attention", ["gqa", "grouped-query-attention"]),
-    "talking-heads": ("talking-heads attention (Shazeer et al. 2020)", ["talking-heads"]),
-    "switchhead": ("SwitchHead attention, σ-MoE V/O projections (Csordás et al. 2023)", ["switchhead", "moe"]),
-}
-MERGES = {
-    "mean": "mean of each group's K/V heads (Ainslie et al. 2023)",
-    "first": "first K/V head of each group (ablation)",
-    "random": "random initialization at the source's scale (ablation)",
-    "aligned": "activation-aware aligned merge (RoPE-compatible)",
-}
 
 
 def _front_matter(readme: Path) -> dict:
@@ -80,8 +68,8 @@ def is_causal_lm(config: dict) -> bool:
 
 def metadata(v: Validation, info: dict) -> dict:
     record = v.record or {}
-    kind = record.get("kind")
-    tags = ["surgery", *KINDS.get(kind, (None, []))[1]]
+    kind = find_kind(record)
+    tags = ["surgery", *(kind.tags if kind else [])]
     if record.get("uptraining"):
         tags.append("uptrained")
     if v.custom_code:
@@ -119,7 +107,8 @@ def conversion_section(v: Validation, info: dict) -> list[str]:
     if not kind:
         return []
     lines = ["## Conversion", ""]
-    what = KINDS.get(kind, (kind, []))[0]
+    known = find_kind(record)
+    what = known.title if known else kind
     source = info["base_model"] or info["spec"] or "the source checkpoint"
     lines.append(f"Converted from `{source}`" + (f" (revision `{info['revision']}`)" if info["revision"] else "")
                  + f" to {what} by `surgery` {record.get('version', '')}.".replace(" .", "."))
@@ -127,8 +116,7 @@ def conversion_section(v: Validation, info: dict) -> list[str]:
     if gguf:
         lines.append(f"The source weights are the GGUF file `{gguf}` dequantized to float32: they carry that file's "
                      "quantization error, so they are not bit-identical to the original model's release.")
-    if record.get("method"):
-        lines.append(f"K/V heads merged by: {MERGES.get(record['method'], record['method'])}.")
+    lines += known.card_lines(record) if known else []
     lines.append("")
     after = inspect_checkpoint(v.folder)
     before = _inspect_source(info["folder"])

@@ -1,0 +1,218 @@
+"""The registry of conversion kinds (surgery/kinds): one options model per kind is the source of the command line's
+flags, of a recipe's convert fields and of the rules both apply; and the layering cli > recipes > commands > kinds."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import yaml
+from pydantic import ValidationInfo, model_validator
+
+import tiny_models as tm
+from inprocess import run_cli
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "surgery"
+
+
+def _imports(path: Path) -> set[str]:
+    """Absolute names of the surgery modules `path` imports (relative imports resolved)."""
+    module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    if path.name == "__init__.py":
+        module = package = module.removesuffix(".__init__")
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = ".".join(parts[: len(parts) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            names.add(base)
+            names |= {f"{base}.{a.name}" for a in node.names}
+    return {n for n in names if n == "surgery" or n.startswith("surgery.")}
+
+
+def _modules() -> dict[str, set[str]]:
+    return {".".join(p.relative_to(REPO).with_suffix("").parts): _imports(p) for p in PACKAGE.rglob("*.py")}
+
+
+def test_only_the_command_line_imports_surgery_cli():
+    offenders = sorted(m for m, names in _modules().items() if m != "surgery.cli" and "surgery.cli" in names)
+    assert offenders == []
+    assert any(n.startswith("surgery.commands") for n in _modules()["surgery.cli"])
+
+
+@pytest.mark.parametrize("layer, below", [
+    ("surgery.recipes", ("surgery.cli",)),
+    ("surgery.commands", ("surgery.cli", "surgery.recipes")),
+    ("surgery.kinds", ("surgery.cli", "surgery.recipes", "surgery.commands", "surgery.clickgen")),
+])
+def test_layers_import_only_downwards(layer, below):
+    """cli on top, then recipes, then commands, then kinds: no module imports a layer above its own."""
+    bad = {m: sorted(n for n in names if n.startswith(below)) for m, names in _modules().items()
+           if m.startswith(layer)}
+    assert {m: n for m, n in bad.items() if n} == {}
+
+
+def test_recipes_and_kinds_do_not_import_click():
+    """Recipes validate YAML into the options models and call the library: click is the command line's business."""
+    for path in [*(PACKAGE / "recipes").glob("*.py"), *(PACKAGE / "kinds").glob("*.py"), PACKAGE / "options.py"]:
+        tree = ast.parse(path.read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert "click" not in imported, path
+
+
+# ---- one rule, two spellings -----------------------------------------------------------------------------------
+RULES = [
+    ({"to": "gqa"}, "--to gqa needs --kv-heads N", "to: gqa needs kv_heads"),
+    ({"to": "gqa", "kv_heads": 0}, "--kv-heads must be at least 1, got 0", "kv_heads must be at least 1, got 0"),
+    ({"to": "mqa", "kv_heads": 2}, "--to mqa means one K/V head; use --to gqa --kv-heads N for more",
+     "to: mqa means one K/V head; use to: gqa with kv_heads for more"),
+    ({"to": "switchhead", "heads": 2}, "--to switchhead needs --heads H --experts E --topk K",
+     "to: switchhead needs heads, experts and topk"),
+    ({"to": "switchhead", "heads": 2, "experts": 2, "topk": 1, "calib_tokens": 0},
+     "--calib-tokens must be positive, got 0", "calib_tokens must be positive, got 0"),
+]
+
+
+def _flags(values: dict) -> list[str]:
+    return [a for k, v in values.items() for a in ("--" + k.replace("_", "-"), str(v))]
+
+
+@pytest.mark.parametrize("values, cli_message, recipe_message", RULES)
+def test_a_rule_is_written_once_and_said_in_each_frontend_s_words(values, cli_message, recipe_message, tmp_path,
+                                                                  capsys):
+    """The same validator refuses the command line's options and the recipe's fields, each in its own spelling."""
+    from surgery.errors import SurgeryError
+    from surgery.recipes import load_recipe
+
+    code, _, err = run_cli(capsys, "convert", tmp_path / "missing", *_flags(values), "--out", tmp_path / "o")
+    assert code == 2 and err.strip().splitlines() == [f"surgery: error: {cli_message}"]
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"source": {"path": "src"}, "output": "run", "steps": [{"convert": values}]}))
+    with pytest.raises(SurgeryError) as e:
+        load_recipe(path)
+    assert str(e.value).endswith(f"steps[0].convert: {recipe_message}"), str(e.value)
+
+
+# ---- a kind added at test time -------------------------------------------------------------------------------
+@pytest.fixture
+def demo_kind():
+    """A kind with one option of its own (`--frobnicate`, required by its rule); registered for the test only."""
+    from surgery.kinds import Kind, WriteOptions, register, unregister
+    from surgery.options import option, spelling
+
+    class DemoOptions(WriteOptions):
+        GROUP: ClassVar[str] = "demo"
+        frobnicate: int | None = option(None, "--frobnicate", "[demo] How hard to frobnicate.", metavar="F",
+                                        group=GROUP)
+
+        @model_validator(mode="after")
+        def _needed(self, info: ValidationInfo):
+            if self.frobnicate is None:
+                s = spelling(info, type(self))
+                raise ValueError(f"{s.kind('demo')} needs {s.options(['frobnicate'])}")
+            return self
+
+    class Demo(Kind):
+        seen: list = []
+
+        def convert(self, source, out, options):
+            self.seen.append(options)
+            out.mkdir()
+            (out / "options.json").write_text(options.model_dump_json())
+            return {"seconds": 0.0}
+
+    kind = register(Demo("demo", DemoOptions))
+    try:
+        yield kind
+    finally:
+        unregister("demo")
+
+
+def test_a_kind_added_at_test_time_gets_its_flags_its_recipe_fields_and_its_rule(demo_kind, tmp_path, capsys,
+                                                                                  monkeypatch):
+    import surgery.cli as cli
+    from surgery.errors import SurgeryError
+    from surgery.recipes import load_recipe
+    from surgery.recipes.schema import step_models
+
+    command = cli.convert_command()
+    flags = {o for p in command.params for o in p.opts}
+    assert "--frobnicate" in flags and "demo" in next(p for p in command.params if p.name == "to").type.choices
+    assert "frobnicate" in step_models()["convert"].model_fields
+    monkeypatch.setitem(cli.cli.commands, "convert", command)
+
+    code, out, err = run_cli(capsys, "convert", "--help")
+    assert code == 0 and "--frobnicate F" in out and "[demo] How hard to frobnicate." in out
+
+    src = tmp_path / "src"
+    tm.make_tiny("llama", src)
+    code, out, err = run_cli(capsys, "convert", src, "--to", "demo", "--out", tmp_path / "o")
+    assert code == 2 and err.strip() == "surgery: error: --to demo needs --frobnicate F"
+    code, out, err = run_cli(capsys, "convert", src, "--to", "demo", "--frobnicate", "7", "--seed", "3",
+                             "--out", tmp_path / "o")
+    assert code == 0, err
+    written = json.loads((tmp_path / "o" / "options.json").read_text())
+    assert written["frobnicate"] == 7 and written["seed"] == 3 and written["force"] is False
+    assert type(demo_kind.seen[-1]).__name__ == "DemoOptions" and demo_kind.seen[-1].frobnicate == 7
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"source": {"path": str(src)}, "output": str(tmp_path / "run"),
+                                      "steps": [{"convert": {"to": "demo", "frobnicate": 5}}]}))
+    step = load_recipe(recipe).validated_steps()[0]
+    assert step.options.kind is demo_kind and step.options.kind_options.frobnicate == 5
+    recipe.write_text(yaml.safe_dump({"source": {"path": str(src)}, "output": str(tmp_path / "run"),
+                                      "steps": [{"convert": {"to": "demo"}}]}))
+    with pytest.raises(SurgeryError, match=r"steps\[0\]\.convert: to: demo needs frobnicate$"):
+        load_recipe(recipe)
+    recipe.write_text(yaml.safe_dump({"source": {"path": str(src)}, "output": str(tmp_path / "run"),
+                                      "steps": [{"convert": {"to": "demo", "frobnicate": 4}}]}))
+    code, out, err = run_cli(capsys, "run", recipe)
+    assert code == 0, err
+    assert "$ surgery convert" in out and "--to demo --frobnicate 4" in out
+    assert demo_kind.seen[-1].frobnicate == 4 and demo_kind.seen[-1].force  # the runner owns --force
+
+
+# ---- options back into flags --------------------------------------------------------------------------------
+@pytest.mark.parametrize("values", [
+    {"to": "gqa", "kv_heads": 2, "merge": "aligned", "grouping": "consecutive", "calib_tokens": 512, "dtype": "bfloat16"},
+    {"to": "talking-heads", "logits_mixing": False, "heads_logits": 8, "chunk_size": 0, "allow_pickle": True},
+    {"to": "switchhead", "heads": 4, "experts": 2, "topk": 1, "device": "cpu", "max_shard_size": "30KB"},
+])
+def test_a_recipe_step_s_command_line_parses_back_into_the_same_options(values):
+    """The flags a recipe step shows (and an accelerate launch runs) are the command line's own flags."""
+    import click
+
+    import surgery.cli as cli
+    from surgery.clickgen import parse_options
+    from surgery.commands.convert import options_model
+    from surgery.options import command_args
+    from surgery.recipes.schema import step_models
+
+    step = step_models()["convert"].model_validate(values)
+    args = command_args(step, exclude=("name",))
+    command = cli.cli.commands["convert"]
+    ctx = command.make_context("convert", ["src", *args], parent=click.Context(cli.cli, info_name="surgery"))
+    parsed = parse_options(options_model(), {k: v for k, v in ctx.params.items() if k not in ("source",)})
+    assert parsed.kind_options == step.kind_options
+
+
+def test_uptrain_s_options_model_covers_the_library_s_options():
+    """Every option of the training run has its flag and recipe field, and no flag names an option it lacks."""
+    from dataclasses import fields
+
+    from surgery.commands.uptrain import UptrainArgs
+    from surgery.uptrain import UptrainOptions
+
+    library = {f.name for f in fields(UptrainOptions)} - {"model", "out", "progress"}
+    assert set(UptrainArgs.model_fields) == library
