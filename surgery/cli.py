@@ -9,11 +9,12 @@ from pathlib import Path
 import click
 
 from surgery import __version__
-from surgery.clickgen import model_options, parse_options
+from surgery.clickgen import GroupedCommand, model_options, parse_options
 from surgery.commands.check import CheckOptions
 from surgery.commands.push import PushOptions
 from surgery.commands.uptrain import UptrainArgs
 from surgery.errors import SurgeryError
+from surgery.kinds.kv import KVMergeOptions
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -44,7 +45,7 @@ def convert_command() -> click.Command:
     registered kind, and every kind's options model contributes its flags (help texts tagged `[gqa]`, ...)."""
     from surgery.commands.convert import options_model
 
-    @click.command("convert")
+    @click.command("convert", cls=GroupedCommand)
     @click.option("--list", "list_families", is_flag=True, is_eager=True, expose_value=False,
                   callback=_print_families, help="Print which model_types each kind converts (or why not), and exit.")
     @click.argument("source")
@@ -268,7 +269,7 @@ def run(recipe, dry_run, from_step, until, output, overrides):
 @cli.command("compare-merges")
 @click.argument("source")
 @click.option("--to", "kind", type=click.Choice(["mqa", "gqa"]), required=True, help="Target attention.")
-@click.option("--kv-heads", type=int, help="[gqa] K/V heads after conversion; must divide the source's.")
+@model_options(KVMergeOptions, only=("kv_heads",))
 @click.option("--methods", default="mean,first,random,aligned", show_default=True, help="Comma-separated merge methods.")
 @click.option("--data", default="pydoc", show_default=True, help="Held-out text (same forms as check --data).")
 @click.option("--tokens", type=int, default=16384, show_default=True, help="Held-out tokens to compare on.")

@@ -63,15 +63,19 @@ def click_option(model: type[BaseModel], name: str) -> click.Parameter:
     show = meta.get("show_default")
     kw["show_default"] = show if show is not None else (default is not None and default is not False
                                                         and default != [])
-    return click.Option(decls, **kw)
+    param = click.Option(decls, **kw)
+    param.group = meta.get("group")  # shown under its own heading by GroupedCommand
+    return param
 
 
-def model_options(model: type[BaseModel], exclude: Iterable[str] = ()):
-    """A decorator adding one click option per field of `model` (except `exclude`), in the model's field order."""
+def model_options(model: type[BaseModel], exclude: Iterable[str] = (), only: Iterable[str] | None = None):
+    """A decorator adding one click option per field of `model` (except `exclude`; or just `only`), in the model's
+    field order."""
     skip = set(exclude)
+    names = [n for n in model.model_fields if n not in skip and (only is None or n in set(only))]
 
     def decorate(f):
-        for name in reversed([n for n in model.model_fields if n not in skip]):
+        for name in reversed(names):
             click.decorators._param_memo(f, click_option(model, name))
         return f
 
@@ -89,3 +93,18 @@ def parse_options(model: type[BaseModel], values: dict) -> BaseModel:
         if field is not None and err["type"] not in ("value_error", "assertion_error"):
             message = f"{cli_meta(model, field)['flag']}: {message}"
         raise SurgeryError(message) from None
+
+
+class GroupedCommand(click.Command):
+    """--help lists the options of each group (a kind's, calibration's) under their own heading, after the common
+    ones, as mergekit's PrettyPrintHelp does."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections: dict[str | None, list] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx) if isinstance(param, click.Option) else None
+            if record is not None:
+                sections.setdefault(getattr(param, "group", None), []).append(record)
+        for group, rows in sections.items():
+            with formatter.section("Options" if group is None else f"Options: {group}"):
+                formatter.write_dl(rows)

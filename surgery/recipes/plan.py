@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..errors import SurgeryError
 from . import estimate as est
-from .runner import MODEL_STEPS, Fingerprints, State, command_line, find_step, is_done, launch_prefix, plan_steps
+from .runner import MODEL_STEPS, Fingerprints, State, command_line, is_done, launch_prefix, plan_steps, step_range
 from .schema import Recipe
 
 
@@ -70,9 +70,7 @@ def source_stats(recipe: Recipe, folder: Path | None) -> tuple[est.ModelStats | 
 def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until: str | None = None) -> dict:
     output = Path(output).absolute()
     planned = plan_steps(recipe, output)
-    start = find_step(planned, from_step, "--from") or 0
-    stop = find_step(planned, until, "--until")
-    stop = len(planned) - 1 if stop is None else stop
+    start, stop = step_range(planned, from_step, until)
     folder = local_source_folder(recipe)
     src_stats, src_note = source_stats(recipe, folder)
     state = State(output)

@@ -194,6 +194,16 @@ def find_step(planned: list[PlannedStep], key: str | None, option: str) -> int |
     raise SurgeryError(f"{option} {key}: no such step; the steps are {', '.join(ps.name for ps in planned)}")
 
 
+def step_range(planned: list[PlannedStep], from_step: str | None, until: str | None) -> tuple[int, int]:
+    """Indices of the first and last step `--from` / `--until` select (the plan and the run select alike)."""
+    start = find_step(planned, from_step, "--from") or 0
+    stop = find_step(planned, until, "--until")
+    stop = len(planned) - 1 if stop is None else stop
+    if stop < start:
+        raise SurgeryError(f"--until {until} comes before --from {from_step}")
+    return start, stop
+
+
 # ---- running ---------------------------------------------------------------------------------------------
 def resolve_source_folder(recipe: Recipe) -> Path:
     from ..source import resolve_source
@@ -252,11 +262,7 @@ def run_recipe(recipe: Recipe, output: Path, from_step: str | None = None, until
     """Run the recipe's steps in order; returns (step, 'ran'|'skipped') for each step considered."""
     output = Path(output).absolute()
     planned = plan_steps(recipe, output)
-    start = find_step(planned, from_step, "--from") or 0
-    stop = find_step(planned, until, "--until")
-    stop = len(planned) - 1 if stop is None else stop
-    if stop < start:
-        raise SurgeryError(f"--until {until} comes before --from {from_step}")
+    start, stop = step_range(planned, from_step, until)
     output.mkdir(parents=True, exist_ok=True)
     state = State(output)
     fingerprints = Fingerprints(recipe, resolve_source_folder(recipe))
