@@ -194,7 +194,22 @@ class _ModelMerge:
         w.pos = w.acalls[0].kwargs.get("position_embeddings")
         if w.pos is None and self.rotary_model:
             raise RuntimeError(f"{type(w.layer).__name__} passes its rotary embedding in a way the merge cannot see")
-        w.pairs = rotary_pairs(self.head_dim, w.pos[0].shape[-1] if w.pos is not None else 0, "half")
+        w.pairs = rotary_pairs(self.head_dim, w.pos[0].shape[-1] if w.pos is not None else 0,
+                              self.spec.rotary_pairs)
+        if w.folded and w.pairs.frequencies and not self._rotates(w):
+            w.pairs = rotary_pairs(self.head_dim, 0)  # a layer without RoPE: keys merge by any linear map
+
+    def _rotates(self, w: _Layer) -> bool:
+        """Whether the layer rotates its keys: some families receive the rotary table in every layer and skip it in
+        some (SmolLM3's no_rope_layers, Cohere2's and EXAONE 4's global layers). Read off the source layer's
+        recorded keys on the first chunk against the plain projection (no q/k norm here: the merge folds)."""
+        run = w.src_runs[0] if w.src_runs else capture.run_attention(w.la.attention, w.la.out_module, w.acalls[0])
+        recorded = run.record.keys[0].float()  # [b, KV, L, D]
+        x0 = augment(w.acalls[0].x, w.source.qkv_bias)
+        plain = project_heads(x0, w.source.k, self.head_dim, None, None, w.pairs)
+        if recorded.shape != plain.shape:
+            return True
+        return not torch.allclose(recorded, plain, rtol=1e-4, atol=1e-5 * float(plain.abs().max()) + 1e-12)
 
     def _merge(self, w: _Layer) -> LayerMerge:
         """3. Assignment, key and value fits, maps folded into q and o (float64, from the input's second moments)."""
