@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import tiny_models as tm
 from surgery.convert_kv import KVOptions, convert_to_kv_heads
 from surgery.merge import convert_aligned
+from surgery.merge.pipeline import MergeOptions
 from surgery.source import resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,8 +180,8 @@ def test_keys_equal_up_to_rope_commuting_maps_merge_exactly(arch, tmp_path):
     assert mean_diff > 100 * diff, (mean_diff, diff)
 
 
-@pytest.mark.parametrize("arch", ["smollm3", "cohere2"])
-def test_layers_without_rope_are_merged_as_such(arch, tmp_path):
+@pytest.mark.parametrize("arch,targets", [("smollm3", "local"), ("cohere2", "local"), ("cohere2", "source")])
+def test_layers_without_rope_are_merged_as_such(arch, targets, tmp_path):
     """SmolLM3 (no_rope_layers) and Cohere2 (global layers) hand the rotary table to every layer and skip it in some:
     the merge reads from the source layer's own keys which layers rotate, and merges the others' keys by any linear
     map (and refits their queries without rotating them)."""
@@ -191,7 +192,7 @@ def test_layers_without_rope_are_merged_as_such(arch, tmp_path):
     else:
         rotates = [kind == "sliding_attention" for kind in config.layer_types]
     assert True in rotates and False in rotates  # the tiny model has both kinds
-    record = aligned(src, tmp_path / "out", 1)
+    record = aligned(src, tmp_path / "out", 1, options=MergeOptions(groups=1, targets=targets))
     head_dim = config.hidden_size // config.num_attention_heads  # full rotary in both families
     assert record["merge"]["layer_rotary_dims"] == [head_dim if r else 0 for r in rotates]
 

@@ -201,9 +201,10 @@ class _ModelMerge:
 
     def _rotates(self, w: _Layer) -> bool:
         """Whether the layer rotates its keys: some families receive the rotary table in every layer and skip it in
-        some (SmolLM3's no_rope_layers, Cohere2's and EXAONE 4's global layers). Read off the source layer's
+        some (SmolLM3's no_rope_layers, Cohere2's global layers). Read off the source layer's
         recorded keys on the first chunk against the plain projection (no q/k norm here: the merge folds)."""
-        run = w.src_runs[0] if w.src_runs else capture.run_attention(w.la.attention, w.la.out_module, w.acalls[0])
+        local = w.src_runs and self.opts.targets == "local"  # the source layer's run on these same inputs
+        run = w.src_runs[0] if local else capture.run_attention(w.la.attention, w.la.out_module, w.acalls[0])
         recorded = run.record.keys[0].float()  # [b, KV, L, D]
         x0 = augment(w.acalls[0].x, w.source.qkv_bias)
         plain = project_heads(x0, w.source.k, self.head_dim, None, None, w.pairs)

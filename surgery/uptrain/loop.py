@@ -514,9 +514,35 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
            lora_targets: list[str] | None = None) -> dict:
     """Main process: the final checkpoint (atomic), its record, metrics and plot; then the run folder goes."""
     rows = metrics.read()
+    uptraining = uptraining_record(o, objective, rows, trajectory, world, state, align_record, lora_targets)
+    recovery = f"the run folder {o.run_dir} keeps the final checkpoint (--resume writes the output from it)"
+    with atomic_output_dir(o.out, force=o.force, source=source.folder, recovery=recovery) as tmp:
+        if o.lora_rank:
+            model = lora.unwrap(model, o.merge_lora, tmp)
+        model_io.write_checkpoint(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
+        model_io.write_record(source, tmp, uptraining)
+        shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
+        plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")
+        record_output_hashes(tmp)  # the files changed: record their sha256 in surgery.json, as converters do
+        ordinary_permissions(tmp)  # safetensors' save_file makes -rw-------; other outputs are ordinary files
+    if not o.keep_run_dir:
+        shutil.rmtree(o.run_dir, ignore_errors=True)
+    first, last = uptraining["initial_eval_ppl"], uptraining["final_eval_ppl"]
+    ppl = f", held-out perplexity {first:.3f} -> {last:.3f}" if first is not None else ""
+    done = [f"{o.steps} steps ({objective.kind} loss)"] if o.steps else []
+    if align_record is not None:
+        done.insert(0, f"{align_record['tokens']} aligning attention layer by layer")
+    print(f"wrote {o.out}: {uptraining['tokens']} tokens, {' then '.join(done)}{ppl}, "
+          f"{state.elapsed + (align_record or {}).get('seconds', 0):.1f}s of training", flush=True)
+    return uptraining
+
+
+def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict], trajectory: dict, world: int,
+                      state: RunState, align_record: dict | None, lora_targets: list[str] | None) -> dict:
+    """The "uptraining" entry of the output's surgery.json, from the options and the run's metrics rows."""
     evals = [m for m in rows if "eval_ppl" in m]
     teacher_ppl = next((m["teacher_eval_ppl"] for m in rows if "teacher_eval_ppl" in m), None)
-    uptraining = {
+    return {
         "data": o.data,
         "text_field": o.text_field,
         "tokens": o.total_steps * o.batch_tokens,
@@ -550,23 +576,3 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
         "final_train_loss": next((m["loss"] for m in reversed(rows) if "loss" in m), None),
         "train_seconds": round(state.elapsed, 3),
     }
-    recovery = f"the run folder {o.run_dir} keeps the final checkpoint (--resume writes the output from it)"
-    with atomic_output_dir(o.out, force=o.force, source=source.folder, recovery=recovery) as tmp:
-        if o.lora_rank:
-            model = lora.unwrap(model, o.merge_lora, tmp)
-        model_io.write_checkpoint(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
-        model_io.write_record(source, tmp, uptraining)
-        shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
-        plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")
-        record_output_hashes(tmp)  # the files changed: record their sha256 in surgery.json, as converters do
-        ordinary_permissions(tmp)  # safetensors' save_file makes -rw-------; other outputs are ordinary files
-    if not o.keep_run_dir:
-        shutil.rmtree(o.run_dir, ignore_errors=True)
-    first, last = uptraining["initial_eval_ppl"], uptraining["final_eval_ppl"]
-    ppl = f", held-out perplexity {first:.3f} -> {last:.3f}" if first is not None else ""
-    done = [f"{o.steps} steps ({objective.kind} loss)"] if o.steps else []
-    if align_record is not None:
-        done.insert(0, f"{align_record['tokens']} aligning attention layer by layer")
-    print(f"wrote {o.out}: {uptraining['tokens']} tokens, {' then '.join(done)}{ppl}, "
-          f"{state.elapsed + (align_record or {}).get('seconds', 0):.1f}s of training", flush=True)
-    return uptraining
