@@ -243,8 +243,10 @@ SPECS: list[ArchSpec] = [
     ArchSpec("granite", notes="attention_multiplier is the softmax scale; embedding/residual/logit multipliers "
              "sit outside attention"),
     ArchSpec("cohere", qk_norm=QKNorm.PER_HEAD, rotary_pairs="interleaved", qk_norm_switch="use_qk_norm",
-             refusals=(("switchhead", "use_qk_norm", _NO_PER_HEAD_NORM.format("SwitchHead", "use_qk_norm")),),
-             notes="interleaved rotary; with use_qk_norm, mean pooling averages the K norm's per-head weights"),
+             refusals=(("mqa/gqa aligned", "use_qk_norm", _NO_PER_HEAD_NORM.format("the aligned merge", "use_qk_norm")),
+                       ("switchhead", "use_qk_norm", _NO_PER_HEAD_NORM.format("SwitchHead", "use_qk_norm"))),
+             notes="interleaved rotary; with use_qk_norm, mean pooling averages the K norm's per-head weights (the "
+             "aligned merge groups heads by similarity and reorders query heads, which per-head norms cannot follow)"),
     ArchSpec("cohere2", rotary_pairs="interleaved", notes="RoPE only on sliding-window layers"),
     ArchSpec("helium"),
     ArchSpec("glm", rotary_pairs="interleaved", notes="partial, interleaved rotary"),
