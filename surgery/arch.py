@@ -208,8 +208,6 @@ _DEFAULTS = {("gpt_bigcode", "multi_query"): True, ("falcon", "multi_query"): Tr
 _WHOLE_NORM = ("q/k norms over the whole projection couple all heads (one RMS over every K head); "
                "{} regroups heads one by one and cannot carry that norm")
 _CLIP_QKV = "SwitchHead sums value experts and cannot clamp their sum as OLMo's clip_qkv clamps v_proj"
-_INTERLEAVED_ROPE = ("the aligned merge fits keys with maps that commute with half-split RoPE pairs (i, i + d/2); "
-                     "this family rotates interleaved pairs (2i, 2i + 1)")
 _ENCODER = "encoders need modeling code that travels with the checkpoint: use --to talking-heads"
 _NO_PER_HEAD_NORM = "{} cannot regroup q/k norms that give each head its own weight ({})"
 
@@ -245,14 +243,13 @@ SPECS: list[ArchSpec] = [
     ArchSpec("granite", notes="attention_multiplier is the softmax scale; embedding/residual/logit multipliers "
              "sit outside attention"),
     ArchSpec("cohere", qk_norm=QKNorm.PER_HEAD, rotary_pairs="interleaved", qk_norm_switch="use_qk_norm",
-             refusals=(("mqa/gqa aligned", None, _INTERLEAVED_ROPE),
+             refusals=(("mqa/gqa aligned", "use_qk_norm", _NO_PER_HEAD_NORM.format("the aligned merge", "use_qk_norm")),
                        ("switchhead", "use_qk_norm", _NO_PER_HEAD_NORM.format("SwitchHead", "use_qk_norm"))),
-             notes="interleaved rotary; with use_qk_norm, mean pooling averages the K norm's per-head weights"),
-    ArchSpec("cohere2", rotary_pairs="interleaved", refusals=(("mqa/gqa aligned", None, _INTERLEAVED_ROPE),),
-             notes="RoPE only on sliding-window layers"),
+             notes="interleaved rotary; with use_qk_norm, mean pooling averages the K norm's per-head weights (the "
+             "aligned merge groups heads by similarity and reorders query heads, which per-head norms cannot follow)"),
+    ArchSpec("cohere2", rotary_pairs="interleaved", notes="RoPE only on sliding-window layers"),
     ArchSpec("helium"),
-    ArchSpec("glm", rotary_pairs="interleaved", refusals=(("mqa/gqa aligned", None, _INTERLEAVED_ROPE),),
-             notes="partial, interleaved rotary"),
+    ArchSpec("glm", rotary_pairs="interleaved", notes="partial, interleaved rotary"),
     ArchSpec("exaone4", qk_norm=QKNorm.HEAD_DIM, notes="global layers without RoPE when sliding windows are used"),
     ArchSpec("arcee"),
     ArchSpec("apertus", qk_norm=QKNorm.HEAD_DIM),

@@ -110,6 +110,12 @@ def test_per_head_norms_refused_only_when_switched_on(tmp_path):
     with pytest.raises(SurgeryError, match="cannot convert 'stablelm': MQA/GQA cannot regroup q/k norms"):
         arch.spec_for(config.to_dict(), "mqa/gqa mean")
     assert arch.spec_for(tm.ARCHS["stablelm"]().to_dict(), "mqa/gqa mean").name == "stablelm"
+    # Cohere's use_qk_norm: mean pooling pools the per-head K norm weights consecutively; the aligned merge groups
+    # heads by similarity and reorders the query heads, which the per-head q/k norm weights cannot follow
+    assert arch.spec_for(tm.ARCHS["cohere_qk"]().to_dict(), "mqa/gqa mean").name == "cohere"
+    with pytest.raises(SurgeryError, match="cannot convert 'cohere': the aligned merge cannot regroup q/k norms"):
+        arch.spec_for(tm.ARCHS["cohere_qk"]().to_dict(), "mqa/gqa aligned")
+    assert arch.spec_for(tm.ARCHS["cohere"]().to_dict(), "mqa/gqa aligned").name == "cohere"
 
 
 def test_list_prints_the_table_and_readme_has_the_same():

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import tiny_models as tm
 from surgery.convert_kv import KVOptions, convert_to_kv_heads
 from surgery.merge import convert_aligned
+from surgery.merge.pipeline import MergeOptions
 from surgery.source import resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,6 +123,78 @@ def test_similar_heads_are_grouped_and_queries_permuted(tmp_path):
     convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", KVOptions(kv_heads=2), progress=False)
     _, mean_diff = kl_to_source(src, tmp_path / "mean", heldout_ids(windows=2))
     assert mean_diff > 100 * diff
+
+
+# which head dims transformers' rotary embedding pairs up, per family (from each modeling file's rotate function)
+ROTARY_PAIRING = {"llama": "half", "cohere": "interleaved", "cohere2": "interleaved", "glm": "interleaved"}
+
+
+def _rotated_copy_heads(arch: str, folder: Path) -> None:
+    """A tiny `arch` model whose K/V head 2j + 1 is K/V head 2j up to maps that commute with RoPE: each rotating pair
+    of K head 2j + 1 is K head 2j's pair times a complex scalar (a rotation and a scale), its position-free dims are
+    any invertible map of K head 2j's; V head 2j + 1 copies V head 2j. Pairs are taken as the family
+    rotates them (ROTARY_PAIRING), independently of the registry."""
+    model = tm.make_tiny(arch, folder)
+    gen = torch.Generator().manual_seed(3)
+    rot = 2 * model.model.rotary_emb.inv_freq.numel()
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        d = attn.head_dim
+        if ROTARY_PAIRING[arch] == "half":
+            a, b = torch.arange(rot // 2), torch.arange(rot // 2) + rot // 2
+        else:
+            a, b = torch.arange(0, rot, 2), torch.arange(1, rot, 2)
+        m = torch.zeros(d, d)  # K head 1 = m @ K head 0
+        scale = 0.5 + torch.rand(rot // 2, generator=gen)
+        angle = torch.rand(rot // 2, generator=gen) * 6.28
+        re, im = scale * torch.cos(angle), scale * torch.sin(angle)
+        m[a, a], m[a, b], m[b, a], m[b, b] = re, -im, im, re
+        rest = torch.arange(rot, d)
+        m[rest[:, None], rest] = torch.eye(len(rest)) + 0.3 * torch.randn(len(rest), len(rest), generator=gen)
+        with torch.no_grad():
+            for proj, heads_map in ((attn.k_proj, m), (attn.v_proj, torch.eye(d))):
+                w = proj.weight.view(-1, d, proj.weight.shape[1])
+                w[1::2] = heads_map @ w[0::2]
+                if proj.bias is not None:
+                    bias = proj.bias.view(-1, d)
+                    bias[1::2] = bias[0::2] @ heads_map.T
+    model.save_pretrained(folder)
+    char_tokenizer(folder)
+
+
+@pytest.mark.parametrize("arch", list(ROTARY_PAIRING))
+def test_keys_equal_up_to_rope_commuting_maps_merge_exactly(arch, tmp_path):
+    """Two K heads that differ by a per-pair complex scalar merge into one with no loss when the merge pairs dims as
+    the family rotates them (half-split for Llama; interleaved (2i, 2i + 1) for Cohere, Cohere2 and GLM): the
+    scalars fold into the queries. Mean pooling is far off on the same model."""
+    src = tmp_path / "src"
+    _rotated_copy_heads(arch, src)
+    kv = tm.kv_heads_of(tm.load(src).config) // 2
+    record = aligned(src, tmp_path / "out", kv)
+    assert record["layer_groups" if "layer_groups" in record else "groups"]  # the pairs were found, whatever order
+    assert record["merge"]["key_loss"] < 1e-6, record["merge"]
+    _, diff = kl_to_source(src, tmp_path / "out", heldout_ids(windows=2))
+    assert diff < 1e-5, diff  # the query and output refits keep it exact (Cohere2's global layer has no RoPE)
+    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", KVOptions(kv_heads=kv), progress=False)
+    _, mean_diff = kl_to_source(src, tmp_path / "mean", heldout_ids(windows=2))
+    assert mean_diff > 100 * diff, (mean_diff, diff)
+
+
+@pytest.mark.parametrize("arch,targets", [("smollm3", "local"), ("cohere2", "local"), ("cohere2", "source")])
+def test_layers_without_rope_are_merged_as_such(arch, targets, tmp_path):
+    """SmolLM3 (no_rope_layers) and Cohere2 (global layers) hand the rotary table to every layer and skip it in some:
+    the merge reads from the source layer's own keys which layers rotate, and merges the others' keys by any linear
+    map (and refits their queries without rotating them)."""
+    src = tiny(arch, tmp_path / "src")
+    config = tm.load(src).config
+    if arch == "smollm3":
+        rotates = [bool(flag) for flag in config.no_rope_layers]
+    else:
+        rotates = [kind == "sliding_attention" for kind in config.layer_types]
+    assert True in rotates and False in rotates  # the tiny model has both kinds
+    record = aligned(src, tmp_path / "out", 1, options=MergeOptions(groups=1, targets=targets))
+    head_dim = config.hidden_size // config.num_attention_heads  # full rotary in both families
+    assert record["merge"]["layer_rotary_dims"] == [head_dim if r else 0 for r in rotates]
 
 
 def test_output_dtype_and_untouched_tensors(tmp_path):

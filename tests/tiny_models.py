@@ -49,7 +49,7 @@ ARCHS = {
     "cohere_qk": _cfg("CohereConfig", **GQA, use_qk_norm=True),  # K norm with a weight per head: pooled too
     "cohere2": _cfg("Cohere2Config", **GQA, **SLIDING),
     "helium": _cfg("HeliumConfig", **GQA, head_dim=16),
-    "glm": _cfg("GlmConfig", **GQA, attention_bias=True),
+    "glm": _cfg("GlmConfig", **GQA, head_dim=16, attention_bias=True),  # partial (half), interleaved rotary
     "exaone4": _cfg("Exaone4Config", **GQA, **SLIDING),
     "arcee": _cfg("ArceeConfig", **GQA),
     "apertus": _cfg("ApertusConfig", **GQA),

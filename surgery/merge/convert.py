@@ -167,7 +167,7 @@ def _merge_record(text: CalibrationText, result, opts: MergeOptions, shape, seed
     permutations = {str(i): query_order(g, r_src) for i, g in enumerate(groupings)
                     if query_order(g, r_src) != list(range(shape.heads))}
     folded = all(r.folded for r in result.reports)
-    rot = result.reports[0].rotary_dims
+    rot = max(r.rotary_dims for r in result.reports)
     keys = ("per-frequency complex rank-1 fit (rotary dims), principal subspace (other dims), folded into the queries"
             if 0 < rot < shape.head_dim else
             "per-frequency complex rank-1 fit, folded into the queries" if rot else
@@ -192,6 +192,9 @@ def _merge_record(text: CalibrationText, result, opts: MergeOptions, shape, seed
         },
         "seed": seed,
     }
+    layer_rot = [r.rotary_dims for r in result.reports]
+    if any(r != rot for r in layer_rot):  # some layers without RoPE (their keys merge by any linear map)
+        extra["merge"]["layer_rotary_dims"] = layer_rot
     if any(g != groupings[0] for g in groupings) or permutations:
         extra["layer_groups"] = groupings
     if permutations:

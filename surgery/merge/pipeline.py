@@ -85,104 +85,10 @@ def merge_model(stream: LayerStream, spec: ArchSpec, config: dict, heads: int, k
     windows [N, L] token ids. `keep(index, params, report)` receives each layer's merged params as soon as they
     are final (else they are collected in the result)."""
     start = time.time()
-    layout = qkv_layout(spec, config)
-    conv1d = spec.conv1d_pattern is not None
-    chunks = list(windows.split(opts.chunk_windows))
-    rotary_model = any(name.endswith("rotary_emb") for name, _ in stream.model.named_modules())
-    gen = torch.Generator().manual_seed(opts.seed)
-    stream.plan_offload(windows.numel(), streams=4 if opts.targets == "local" else 5)
-    src_h, calls = stream.embed_chunks(chunks)
-    stream.release_embeddings()
-    cv_h = list(src_h)
-    fetch, stash = stream.fetch, stream.stash
+    merger = _ModelMerge(stream, spec, config, heads, kv_heads, head_dim, windows, opts)
     out_layers, reports = [], []
-    stages: dict[str, float] = {}
-    clock = [time.time()]
-
-    def tick(stage: str) -> None:
-        now = time.time()
-        stages[stage] = stages.get(stage, 0.0) + now - clock[0]
-        clock[0] = now
-
-    tick("embed")
     for index, path, layer in stream.layers():
-        la = LayerAttention(layer, path, spec, layout, heads, kv_heads, head_dim, conv1d)
-        source = la.read()
-        folded = opts.fold and not _has_qk_norm(la.attention)
-        # 1. the source stream through the untouched layer: targets
-        src_runs = []
-        if opts.targets == "source":
-            for i, c in enumerate(chunks):
-                h, run = capture.run_layer_recorded(layer, la.attention, la.out_module, fetch(src_h[i]), calls[i][index])
-                src_h[i] = stash(h)
-                src_runs.append(run)
-        tick("source pass")
-        # 2. what the converted stream feeds this layer's attention
-        acalls = [capture.attention_input(layer, la.attention, la.in_module, fetch(cv_h[i]), calls[i][index])
-                  for i in range(len(chunks))]
-        grouped = kv_heads // opts.groups > 1
-        refit_q = opts.refit_q and folded and grouped
-        if opts.targets == "local" and (refit_q or (opts.refit_o and grouped)):
-            src_runs = [capture.run_attention(la.attention, la.out_module, a) for a in acalls]  # the source layer
-        x = augment(_cat([a.x for a in acalls]), source.qkv_bias)  # [N, L, din]
-        flat = x.reshape(-1, x.shape[-1])
-        sigma = (flat.T @ flat).double() / flat.shape[0]
-        pos = acalls[0].kwargs.get("position_embeddings")
-        if pos is None and rotary_model:
-            raise RuntimeError(f"{type(layer).__name__} passes its rotary embedding in a way the merge cannot see")
-        pairs = rotary_pairs(head_dim, pos[0].shape[-1] if pos is not None else 0, "half")
-        tick("converted input")
-        # 3. merge
-        double = AttnParams(source.q.double(), source.k.double(), source.v.double(), source.o.double(),
-                            source.o_bias, source.qkv_bias)
-        with threads(1):
-            merged: LayerMerge = merge_layer(double, sigma, kv_heads, head_dim, opts.groups, pairs, folded, opts.assign)
-        del double, sigma  # the float64 copies are not needed by the refits (memory: one layer's attention, twice)
-        params = merged.params
-        tick("merge")
-        # 4. queries against the source's logits
-        if refit_q:
-            cos = sin = None
-            if pos is not None and pairs.frequencies:
-                cs = [hf_cos_sin(a.kwargs["position_embeddings"], pairs) for a in acalls]
-                cos = _cat([c[0].expand(a.x.shape[0], -1, -1) for c, a in zip(cs, acalls)])
-                sin = _cat([c[1].expand(a.x.shape[0], -1, -1) for c, a in zip(cs, acalls)])
-            record = src_runs[0].record
-            scaling = record.scaling if record.scaling is not None else head_dim**-0.5
-            with threads(1):
-                params.q = refit_queries(
-                    x,
-                    _cat([q for r in src_runs for q in r.record.queries]),
-                    _cat([k for r in src_runs for k in r.record.keys]),
-                    project_heads(x, params.q, head_dim, cos, sin, pairs),
-                    project_heads(x, params.k, head_dim, cos, sin, pairs),
-                    merged.groups, cos, sin, pairs, scaling, record.softcap, params.q, opts.query, gen)
-        la.write(params)
-        tick("query refit")
-        # 5. output projection against the source's attention output
-        runs = None
-        if opts.refit_o and grouped:
-            runs = [capture.run_attention(la.attention, la.out_module, a) for a in acalls]
-            z = _cat([r.heads for r in runs]).reshape(-1, params.o.shape[1])
-            target = _cat([r.output for r in src_runs])
-            with threads(1):
-                params.o, params.o_bias = refit_output(z, target.reshape(-1, target.shape[-1]), params.o,
-                                                       params.o_bias, opts.o_ridge)
-            la.write(params)
-        tick("output refit")
-        # 6. the converted stream through the converted layer (its attention output is known when o was refit)
-        for i in range(len(chunks)):
-            if runs is None:
-                cv_h[i] = stash(run_layer(layer, fetch(cv_h[i]), calls[i][index]))
-            else:
-                out = la.out_module(runs[i].heads)
-                cv_h[i] = stash(capture.run_layer_with_attention_output(layer, la.attention, fetch(cv_h[i]),
-                                                                        calls[i][index], out))
-        del acalls, src_runs, runs, x, flat
-        tick("converted pass")
-        report = LayerReport(merged.groups, merged.key_loss, merged.value_loss, folded, 2 * pairs.frequencies)
-        params = AttnParams(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in
-                              (params.q, params.k, params.v, params.o, params.o_bias, params.qkv_bias)))
+        merged, params, report = merger.merge_layer(index, path, layer)
         if keep is None:
             out_layers.append(params)
         else:
@@ -190,4 +96,179 @@ def merge_model(stream: LayerStream, spec: ArchSpec, config: dict, heads: int, k
         reports.append(report)
         if progress:
             progress(index, merged)
-    return MergeResult(out_layers, reports, time.time() - start, {k: round(v, 2) for k, v in stages.items()})
+    stages = {k: round(v, 2) for k, v in merger.stages.items()}
+    return MergeResult(out_layers, reports, time.time() - start, stages)
+
+
+@dataclass
+class _Layer:
+    """One layer's work in progress (see the stages of `_ModelMerge.merge_layer`)."""
+
+    index: int
+    layer: torch.nn.Module
+    la: LayerAttention
+    source: AttnParams
+    folded: bool  # key maps fold into the queries (no q/k norm in the way)
+    grouped: bool  # some merged K/V head serves more than one source K/V head's queries
+    refit_q: bool
+    src_runs: list = field(default_factory=list)  # the source attention's runs (targets of the refits)
+    acalls: list = field(default_factory=list)  # the attention's calls on the converted stream
+    x: torch.Tensor | None = None  # [N, L, din] the converted attention input (augmented with 1 for q/k/v biases)
+    pos: tuple | None = None  # the rotary (cos, sin) the layer receives
+    pairs: RotaryPairs | None = None
+
+
+class _ModelMerge:
+    """The two residual streams (source targets when `targets="source"`, converted) and the per-stage clock; each
+    layer goes through the stages of `merge_layer` in order."""
+
+    def __init__(self, stream: LayerStream, spec: ArchSpec, config: dict, heads: int, kv_heads: int, head_dim: int,
+                 windows: torch.Tensor, opts: MergeOptions):
+        self.stream, self.spec, self.opts = stream, spec, opts
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.layout = qkv_layout(spec, config)
+        self.conv1d = spec.conv1d_pattern is not None
+        self.chunks = list(windows.split(opts.chunk_windows))
+        self.rotary_model = any(name.endswith("rotary_emb") for name, _ in stream.model.named_modules())
+        self.gen = torch.Generator().manual_seed(opts.seed)
+        self.stages: dict[str, float] = {}
+        self._clock = time.time()
+        stream.plan_offload(windows.numel(), streams=4 if opts.targets == "local" else 5)
+        self.src_h, self.calls = stream.embed_chunks(self.chunks)
+        stream.release_embeddings()
+        self.cv_h = list(self.src_h)
+        self._tick("embed")
+
+    def _tick(self, stage: str) -> None:
+        now = time.time()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - self._clock
+        self._clock = now
+
+    def merge_layer(self, index: int, path: str, layer: torch.nn.Module) -> tuple[LayerMerge, AttnParams, LayerReport]:
+        """One layer: targets, converted input, merge, query refit, output refit, converted pass. Returns the
+        merge, the final source-shaped params (on the host) and the layer's report."""
+        la = LayerAttention(layer, path, self.spec, self.layout, self.heads, self.kv_heads, self.head_dim, self.conv1d)
+        folded = self.opts.fold and not _has_qk_norm(la.attention)
+        grouped = self.kv_heads // self.opts.groups > 1
+        w = _Layer(index, layer, la, la.read(), folded, grouped, self.opts.refit_q and folded and grouped)
+        self._source_pass(w)
+        self._tick("source pass")
+        self._converted_input(w)
+        self._tick("converted input")
+        merged = self._merge(w)
+        params = merged.params
+        self._tick("merge")
+        self._refit_queries(w, merged)
+        la.write(params)
+        self._tick("query refit")
+        runs = self._refit_output(w, params)
+        self._tick("output refit")
+        self._converted_pass(w, runs)
+        del runs
+        self._tick("converted pass")
+        report = LayerReport(merged.groups, merged.key_loss, merged.value_loss, folded, 2 * w.pairs.frequencies)
+        params = AttnParams(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in
+                              (params.q, params.k, params.v, params.o, params.o_bias, params.qkv_bias)))
+        return merged, params, report
+
+    def _source_pass(self, w: _Layer) -> None:
+        """1. With `targets="source"`: the source stream through the untouched layer, recording the targets."""
+        if self.opts.targets != "source":
+            return
+        fetch, stash = self.stream.fetch, self.stream.stash
+        for i in range(len(self.chunks)):
+            h, run = capture.run_layer_recorded(w.layer, w.la.attention, w.la.out_module, fetch(self.src_h[i]),
+                                                self.calls[i][w.index])
+            self.src_h[i] = stash(h)
+            w.src_runs.append(run)
+
+    def _converted_input(self, w: _Layer) -> None:
+        """2. What the converted stream feeds this layer's attention (with `targets="local"`, the source layer's
+        runs on it are the targets), and the rotary pairs the layer rotates."""
+        la, fetch = w.la, self.stream.fetch
+        w.acalls = [capture.attention_input(w.layer, la.attention, la.in_module, fetch(self.cv_h[i]),
+                                            self.calls[i][w.index]) for i in range(len(self.chunks))]
+        if self.opts.targets == "local" and (w.refit_q or (self.opts.refit_o and w.grouped)):
+            w.src_runs = [capture.run_attention(la.attention, la.out_module, a) for a in w.acalls]  # the source layer
+        w.x = augment(_cat([a.x for a in w.acalls]), w.source.qkv_bias)
+        w.pos = w.acalls[0].kwargs.get("position_embeddings")
+        if w.pos is None and self.rotary_model:
+            raise RuntimeError(f"{type(w.layer).__name__} passes its rotary embedding in a way the merge cannot see")
+        w.pairs = rotary_pairs(self.head_dim, w.pos[0].shape[-1] if w.pos is not None else 0,
+                              self.spec.rotary_pairs)
+        if w.folded and w.pairs.frequencies and not self._rotates(w):
+            w.pairs = rotary_pairs(self.head_dim, 0)  # a layer without RoPE: keys merge by any linear map
+
+    def _rotates(self, w: _Layer) -> bool:
+        """Whether the layer rotates its keys: some families receive the rotary table in every layer and skip it in
+        some (SmolLM3's no_rope_layers, Cohere2's global layers). Read off the source layer's
+        recorded keys on the first chunk against the plain projection (no q/k norm here: the merge folds)."""
+        local = w.src_runs and self.opts.targets == "local"  # the source layer's run on these same inputs
+        run = w.src_runs[0] if local else capture.run_attention(w.la.attention, w.la.out_module, w.acalls[0])
+        recorded = run.record.keys[0].float()  # [b, KV, L, D]
+        x0 = augment(w.acalls[0].x, w.source.qkv_bias)
+        plain = project_heads(x0, w.source.k, self.head_dim, None, None, w.pairs)
+        if recorded.shape != plain.shape:
+            return True
+        return not torch.allclose(recorded, plain, rtol=1e-4, atol=1e-5 * float(plain.abs().max()) + 1e-12)
+
+    def _merge(self, w: _Layer) -> LayerMerge:
+        """3. Assignment, key and value fits, maps folded into q and o (float64, from the input's second moments)."""
+        flat = w.x.reshape(-1, w.x.shape[-1])
+        sigma = (flat.T @ flat).double() / flat.shape[0]
+        s = w.source
+        double = AttnParams(s.q.double(), s.k.double(), s.v.double(), s.o.double(), s.o_bias, s.qkv_bias)
+        with threads(1):
+            merged = merge_layer(double, sigma, self.kv_heads, self.head_dim, self.opts.groups, w.pairs, w.folded,
+                                 self.opts.assign)
+        # the float64 copies are freed on return: the refits do not need them (memory: one layer's attention, twice)
+        return merged
+
+    def _refit_queries(self, w: _Layer, merged: LayerMerge) -> None:
+        """4. The queries, against the source's attention logits (folded merges of grouped heads only)."""
+        if not w.refit_q:
+            return
+        params, pairs, head_dim = merged.params, w.pairs, self.head_dim
+        cos = sin = None
+        if w.pos is not None and pairs.frequencies:
+            cs = [hf_cos_sin(a.kwargs["position_embeddings"], pairs) for a in w.acalls]
+            cos = _cat([c[0].expand(a.x.shape[0], -1, -1) for c, a in zip(cs, w.acalls)])
+            sin = _cat([c[1].expand(a.x.shape[0], -1, -1) for c, a in zip(cs, w.acalls)])
+        record = w.src_runs[0].record
+        scaling = record.scaling if record.scaling is not None else head_dim**-0.5
+        x = w.x
+        with threads(1):
+            params.q = refit_queries(
+                x,
+                _cat([q for r in w.src_runs for q in r.record.queries]),
+                _cat([k for r in w.src_runs for k in r.record.keys]),
+                project_heads(x, params.q, head_dim, cos, sin, pairs),
+                project_heads(x, params.k, head_dim, cos, sin, pairs),
+                merged.groups, cos, sin, pairs, scaling, record.softcap, params.q, self.opts.query, self.gen)
+
+    def _refit_output(self, w: _Layer, params: AttnParams) -> list | None:
+        """5. The output projection against the source's attention output; returns the converted attention's runs
+        (None when o was not refit)."""
+        if not (self.opts.refit_o and w.grouped):
+            return None
+        runs = [capture.run_attention(w.la.attention, w.la.out_module, a) for a in w.acalls]
+        z = _cat([r.heads for r in runs]).reshape(-1, params.o.shape[1])
+        target = _cat([r.output for r in w.src_runs])
+        with threads(1):
+            params.o, params.o_bias = refit_output(z, target.reshape(-1, target.shape[-1]), params.o, params.o_bias,
+                                                   self.opts.o_ridge)
+        w.la.write(params)
+        return runs
+
+    def _converted_pass(self, w: _Layer, runs: list | None) -> None:
+        """6. The converted stream through the converted layer (its attention output is known when o was refit)."""
+        fetch, stash = self.stream.fetch, self.stream.stash
+        for i in range(len(self.chunks)):
+            call = self.calls[i][w.index]
+            if runs is None:
+                self.cv_h[i] = stash(run_layer(w.layer, fetch(self.cv_h[i]), call))
+            else:
+                out = w.la.out_module(runs[i].heads)
+                self.cv_h[i] = stash(capture.run_layer_with_attention_output(w.layer, w.la.attention,
+                                                                             fetch(self.cv_h[i]), call, out))
+        w.acalls, w.src_runs, w.x = [], [], None  # one layer's activations alive at a time

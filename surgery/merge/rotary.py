@@ -5,7 +5,7 @@ number a + ib, the pair is multiplied by e^{i theta pos}. Multiplying the pair b
 (a 2x2 rotation-and-scale) commutes with that rotation, which is what lets a key merge fold per-pair
 complex scalars into the queries. Two layouts exist:
 - half-split (HF Llama, Mistral, Qwen, Gemma, Phi-3, GPT-NeoX): pair i is (i, i + rot/2);
-- interleaved (GPT-J, Meta's original Llama): pair i is (2i, 2i + 1).
+- interleaved (GPT-J, Meta's original Llama, Cohere, GLM): pair i is (2i, 2i + 1).
 With partial rotary (GPT-NeoX rotary_pct, Phi partial_rotary_factor) only the first `rotary_dims` dims
 rotate; the rest are position-free and may be mixed by any linear map.
 """
@@ -63,7 +63,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: RotaryP
 
 
 def hf_cos_sin(position_embeddings, pairs: RotaryPairs) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's (cos, sin) of shape [B, L, rot] (each frequency written twice, half-split) -> [B, L, F] each."""
+    """HF's (cos, sin) of shape [B, L, rot] -> [B, L, F] each, one angle per rotating pair (`pairs` says which dims
+    pair up; the table does not). HF writes each frequency twice, in one of two orders: as two halves
+    (cat(freqs, freqs): Llama's table, and GLM's, which GLM interleaves itself when it rotates) or pair by pair
+    (repeat_interleave: Cohere). The order is read off the table: the halves of a pair-by-pair table differ (their
+    frequencies do) and its even and odd columns are equal."""
     cos, sin = position_embeddings
     f = pairs.frequencies
+    if cos.shape[-1] == 2 * f and _pair_by_pair(cos, f):
+        return cos[..., 0::2].float(), sin[..., 0::2].float()
     return cos[..., :f].float(), sin[..., :f].float()
+
+
+def _pair_by_pair(cos: torch.Tensor, f: int) -> bool:
+    return f > 1 and torch.equal(cos[..., 0::2], cos[..., 1::2]) and not torch.equal(cos[..., :f], cos[..., f:])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -160,12 +161,7 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
     Ablations: `respect_kv_groups=False` clusters a GQA source's heads freely (see cluster.py); `qk_merge="mean"`
     averages the members' queries and keys instead of taking the medoid's; `refit=False` keeps the members' own
     output projections (see refit.py; `ridge` is its pull toward them)."""
-    if dtype is not None and dtype not in DTYPES:
-        raise SurgeryError(f"bad dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
-    if calib_tokens < 1:
-        raise SurgeryError(f"--calib-tokens must be at least 1, got {calib_tokens}")
-    if qk_merge not in QK_MERGES:
-        raise SurgeryError(f"unknown query/key merge {qk_merge!r}; choose from {', '.join(QK_MERGES)}")
+    _check_options(dtype, calib_tokens, qk_merge)
     check_output_path(out, force, source=src.folder)
     config = src.config
     family = family_for(config)
@@ -181,56 +177,18 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
     if experts == 1:  # one source head per head: no choice to make, nothing to calibrate; exact
         clusters = [cluster_heads(None, shape.heads, shape.kv_heads, shape.new_heads, mode)] * shape.layers
         builder = LayerBuilder(reader, family, names, shape, clusters, None, out_dtype)
-        fits = pivots = refit_report = calibration = None
+        calibrated = Calibrated(clusters)
     else:
-        dev = pick_device(device)
-        text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config))
-        store = LayerStore(out)  # removes itself when closed, dropped on an error, or at exit (store.py)
-        builder = LayerBuilder(reader, family, names, shape, [], store, out_dtype)
-        stream = open_stream(src.folder, reader, dev, attn_implementation="eager")
-        layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress)
-        fits, clusters, pivots, refit_report = layers.fits, layers.clusters, layers.pivots, layers.refit
-        builder.clusters = clusters
-        calibration = text.record() | {
-            "device": str(dev),
-            "streaming": "layer by layer from the checkpoint (float32 on the device, eager attention)",
-            "distance": "mean over query rows of the squared L2 distance between two heads' attention probabilities",
-            "seconds": round(time.time() - start, 3)}
+        builder = LayerBuilder(reader, family, names, shape, [], None, out_dtype)
+        calibrated = _calibrate(src, reader, out, builder, mode, calib, calib_tokens, qk_merge, refit, ridge, device,
+                                progress, start)
     planned = builder.plan(out_dtype)
     new_config = target_config(config, family, shape, dtype, builder.biases())
-
-    pattern = layer_pattern(family, names[0]["module"])
+    settings = {"mode": mode, "qk_merge": qk_merge, "ridge": ridge, "seed": seed, "dtype": dtype, "start": start,
+                "pattern": layer_pattern(family, names[0]["module"])}
 
     def record_fields(output_files: list[str]) -> dict:
-        return {
-            "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
-                             "architectures": new_config["architectures"]},
-            "layers": shape.layers,
-            "head_dim": shape.head_dim,
-            "heads": {"before": shape.heads, "after": shape.new_heads},
-            "kv_heads": {"before": shape.kv_heads, "after": shape.new_heads},
-            "experts": shape.experts,
-            "topk": shape.topk,
-            "kv_mapping": {"mode": mode, "note": KV_NOTES[mode]},
-            "clusters": clusters,
-            "clusters_note": "clusters[layer][head] = the source query heads that became that head's experts, in "
-                             "expert order",
-            "cluster_distance": [round(within_cost(f.distance, c), 6) for f, c in zip(fits, clusters)] if fits else None,
-            "qk_merge": qk_merge if experts > 1 else None,
-            "qk_pivots": pivots,
-            "output_refit": ({"ridge": ridge, "relative_error": refit_report} if refit_report else None),
-            "router_fit_explained": ({"output": [round(f.r2_o, 4) for f in fits], "value": [round(f.r2_v, 4) for f in fits]}
-                                     if fits else None),
-            "calibration": calibration,
-            "init": INIT_NOTE,
-            "exact_at_init": shape.experts == 1,
-            "new_parameters": [f"{pattern}.v_router.weight", f"{pattern}.o_router.weight"],
-            "added_parameters": 2 * shape.layers * shape.new_heads * shape.experts * shape.hidden,
-            "seed": seed,
-            "dtype": dtype or "auto",
-            "output_files": output_files,
-            "seconds": round(time.time() - start, 3),
-        }
+        return _record_fields(config, new_config, shape, calibrated, settings, output_files)
 
     record = write_conversion(src, reader, out, planned, new_config, "switchhead", record_fields, force=force,
                               progress=progress, max_shard_bytes=max_shard_bytes, code_dir=Path(__file__).parent,
@@ -238,3 +196,77 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
     if builder.tensors is not None:
         builder.tensors.close()
     return record
+
+
+def _check_options(dtype: str | None, calib_tokens: int, qk_merge: str) -> None:
+    if dtype is not None and dtype not in DTYPES:
+        raise SurgeryError(f"bad dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
+    if calib_tokens < 1:
+        raise SurgeryError(f"--calib-tokens must be at least 1, got {calib_tokens}")
+    if qk_merge not in QK_MERGES:
+        raise SurgeryError(f"unknown query/key merge {qk_merge!r}; choose from {', '.join(QK_MERGES)}")
+
+
+@dataclass
+class Calibrated:
+    """What calibration decided (E > 1), or the fixed clusters of one expert per head (E = 1: nothing calibrated)."""
+
+    clusters: list[list[list[int]]]
+    fits: list | None = None
+    pivots: list | None = None
+    refit_report: list | None = None
+    calibration: dict | None = None
+
+
+def _calibrate(src: Source, reader: CheckpointReader, out: Path, builder: LayerBuilder, mode: str, calib: str,
+               calib_tokens: int, qk_merge: str, refit: bool, ridge: float, device: str, progress: bool,
+               start: float) -> Calibrated:
+    """Stream the source layer by layer over the calibration text: head distances and clusters, router fits and the
+    output refit per layer; the new tensors go into a layer store the builder serves."""
+    dev = pick_device(device)
+    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(src.config))
+    builder.tensors = LayerStore(out)  # removes itself when closed, dropped on an error, or at exit
+    stream = open_stream(src.folder, reader, dev, attn_implementation="eager")
+    layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress)
+    builder.clusters = layers.clusters
+    calibration = text.record() | {
+        "device": str(dev),
+        "streaming": "layer by layer from the checkpoint (float32 on the device, eager attention)",
+        "distance": "mean over query rows of the squared L2 distance between two heads' attention probabilities",
+        "seconds": round(time.time() - start, 3)}
+    return Calibrated(layers.clusters, layers.fits, layers.pivots, layers.refit, calibration)
+
+
+def _record_fields(config: dict, new_config: dict, shape: SwitchHeadShape, c: Calibrated, settings: dict,
+                   output_files: list[str]) -> dict:
+    """surgery.json's fields for a SwitchHead conversion."""
+    fits, clusters, pattern = c.fits, c.clusters, settings["pattern"]
+    return {
+        "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
+                         "architectures": new_config["architectures"]},
+        "layers": shape.layers,
+        "head_dim": shape.head_dim,
+        "heads": {"before": shape.heads, "after": shape.new_heads},
+        "kv_heads": {"before": shape.kv_heads, "after": shape.new_heads},
+        "experts": shape.experts,
+        "topk": shape.topk,
+        "kv_mapping": {"mode": settings["mode"], "note": KV_NOTES[settings["mode"]]},
+        "clusters": clusters,
+        "clusters_note": "clusters[layer][head] = the source query heads that became that head's experts, in "
+                         "expert order",
+        "cluster_distance": [round(within_cost(f.distance, c), 6) for f, c in zip(fits, clusters)] if fits else None,
+        "qk_merge": settings["qk_merge"] if shape.experts > 1 else None,
+        "qk_pivots": c.pivots,
+        "output_refit": ({"ridge": settings["ridge"], "relative_error": c.refit_report} if c.refit_report else None),
+        "router_fit_explained": ({"output": [round(f.r2_o, 4) for f in fits], "value": [round(f.r2_v, 4) for f in fits]}
+                                 if fits else None),
+        "calibration": c.calibration,
+        "init": INIT_NOTE,
+        "exact_at_init": shape.experts == 1,
+        "new_parameters": [f"{pattern}.v_router.weight", f"{pattern}.o_router.weight"],
+        "added_parameters": 2 * shape.layers * shape.new_heads * shape.experts * shape.hidden,
+        "seed": settings["seed"],
+        "dtype": settings["dtype"] or "auto",
+        "output_files": output_files,
+        "seconds": round(time.time() - settings["start"], 3),
+    }

@@ -202,218 +202,311 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def run(o: UptrainOptions) -> dict:
-    from accelerate.utils import DistributedType, set_seed
-    from transformers.utils import logging as hf_logging
+    """One uptraining run, in torchtune's recipe shape: setup, train (steps, evaluations, checkpoints), save."""
+    recipe = UptrainRecipe(o)
+    recipe.setup()
+    recipe.train()
+    return recipe.save()
 
-    hf_logging.disable_progress_bar()  # weight loading/writing bars: stderr stays for our bar and errors
-    fixed_mmap_threshold()
-    logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)  # "removed shared tensor" on tied weights
-    if o.lora_rank:
-        lora.require_peft()
-    source = resolve_source(o.model)
-    record = model_io.read_record(source.folder)
-    objective = resolve_objective(o, record)
-    acc = make_accelerator()
-    main, world = acc.is_main_process, acc.num_processes
-    per_process, rem = divmod(o.sequences_per_step, world)
-    if rem or per_process % o.micro_batch:
-        raise SurgeryError(
-            f"--batch-tokens {o.batch_tokens} gives {o.sequences_per_step} sequences of {o.seq_len} per step, which "
-            f"{world} process(es) cannot split into micro-batches of {o.micro_batch}: make it a multiple of "
-            f"{world * o.micro_batch * o.seq_len}")
-    accum = per_process // o.micro_batch
-    trajectory = o.trajectory() | {"model": str(Path(source.folder).absolute()), "loss": objective.kind}
-    check_output_path(o.out, o.force, source=source.folder)
-    check_run_dir(o, trajectory)
-    set_seed(o.seed)
 
-    tokenizer = model_io.load_tokenizer(source, "model", o.trust_remote_code)
-    model = model_io.load_causal_lm(source, "model", o.trust_remote_code)
-    model_io.check_seq_len(model, o.seq_len, source.spec)
-    out_dtype = model_io.checkpoint_dtype(source.folder, source.config)
-    teacher = None
-    if objective.needs_teacher or "align" in o.stages:
-        t_src = model_io.teacher_source(record, o.teacher)
-        teacher = model_io.load_causal_lm(t_src, "teacher", o.trust_teacher_code)
-        model_io.check_teacher(model, teacher, tokenizer, t_src, o.trust_teacher_code)
-        teacher.requires_grad_(False)
-        teacher.eval().to(acc.device)
-    train_tokens = o.total_steps * o.sequences_per_step * o.seq_len
-    key = cache_key(data=o.data, text_field=o.text_field, seq_len=o.seq_len, eval_tokens=o.eval_tokens,
-                    train_tokens=train_tokens, vocab=len(tokenizer), eos=tokenizer.eos_token_id,
-                    tokenizer=type(tokenizer).__name__)
+class UptrainRecipe:
+    """The stages of one run. `setup` loads and prepares everything (nothing is written before the inputs prove
+    good); `train` runs the optimizer steps with their evaluations and checkpoints; `save` writes the output."""
 
-    def build():
-        from ..data import load_texts
+    def __init__(self, o: UptrainOptions):
+        self.o = o
 
-        return pack(load_texts(o.data, o.text_field, o.streaming), tokenizer, o.seq_len, o.eval_tokens, train_tokens,
-                    seed=o.seed)
+    # --- setup -------------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        self._setup_environment()
+        self._setup_run()
+        self._setup_models()
+        self._setup_data()
+        self.ckpts = Checkpoints(self.o.run_dir, self.o.keep_last, self.acc)
+        self.align_record = self._setup_align()
+        self._setup_training()
+        self._setup_heads()
+        self._announce()
 
-    with acc.main_process_first():  # the main process packs the data and caches it for the others (and resumes)
-        cache = o.run_dir / "data.pt"
-        data = read_cache(cache, key, o.seed) if (o.resume or not main) else None
-        if data is None:
-            data = build()
-            if main:
-                if not o.resume:
-                    start_run_dir(o, trajectory)
-                write_cache(cache, key, data)
+    def _setup_environment(self) -> None:
+        from transformers.utils import logging as hf_logging
 
-    ckpts = Checkpoints(o.run_dir, o.keep_last, acc)
-    align_record = None
-    if "align" in o.stages and not (o.resume and ckpts.latest() is not None):  # else the checkpoint has it
+        hf_logging.disable_progress_bar()  # weight loading/writing bars: stderr stays for our bar and errors
+        fixed_mmap_threshold()
+        logging.getLogger("accelerate.utils.other").setLevel(logging.ERROR)  # "removed shared tensor" on tied weights
+        if self.o.lora_rank:
+            lora.require_peft()
+
+    def _setup_run(self) -> None:
+        """The source, the objective, the processes and the batch split; the output and run folders checked."""
+        from accelerate.utils import set_seed
+
+        o = self.o
+        self.source = resolve_source(o.model)
+        self.record = model_io.read_record(self.source.folder)
+        self.objective = resolve_objective(o, self.record)
+        self.acc = make_accelerator()
+        self.main, self.world = self.acc.is_main_process, self.acc.num_processes
+        per_process, rem = divmod(o.sequences_per_step, self.world)
+        if rem or per_process % o.micro_batch:
+            raise SurgeryError(
+                f"--batch-tokens {o.batch_tokens} gives {o.sequences_per_step} sequences of {o.seq_len} per step, "
+                f"which {self.world} process(es) cannot split into micro-batches of {o.micro_batch}: make it a "
+                f"multiple of {self.world * o.micro_batch * o.seq_len}")
+        self.accum = per_process // o.micro_batch
+        self.tokens_per_step = o.sequences_per_step * o.seq_len
+        self.trajectory = o.trajectory() | {"model": str(Path(self.source.folder).absolute()),
+                                            "loss": self.objective.kind}
+        check_output_path(o.out, o.force, source=self.source.folder)
+        check_run_dir(o, self.trajectory)
+        set_seed(o.seed)
+
+    def _setup_models(self) -> None:
+        """The student (and its tokenizer) and, when the objective or the alignment needs one, the frozen teacher."""
+        o, source = self.o, self.source
+        self.tokenizer = model_io.load_tokenizer(source, "model", o.trust_remote_code)
+        self.model = model_io.load_causal_lm(source, "model", o.trust_remote_code)
+        model_io.check_seq_len(self.model, o.seq_len, source.spec)
+        self.out_dtype = model_io.checkpoint_dtype(source.folder, source.config)
+        self.teacher = None
+        if self.objective.needs_teacher or "align" in o.stages:
+            t_src = model_io.teacher_source(self.record, o.teacher)
+            teacher = model_io.load_causal_lm(t_src, "teacher", o.trust_teacher_code)
+            model_io.check_teacher(self.model, teacher, self.tokenizer, t_src, o.trust_teacher_code)
+            teacher.requires_grad_(False)
+            self.teacher = teacher.eval().to(self.acc.device)
+
+    def _setup_data(self) -> None:
+        """Packed training and held-out windows: the main process packs them and caches them for the others (and
+        for resuming); a fresh run's folder is started here, once the inputs proved good."""
+        o, tokenizer = self.o, self.tokenizer
+        train_tokens = o.total_steps * o.sequences_per_step * o.seq_len
+        self.key = cache_key(data=o.data, text_field=o.text_field, seq_len=o.seq_len, eval_tokens=o.eval_tokens,
+                             train_tokens=train_tokens, vocab=len(tokenizer), eos=tokenizer.eos_token_id,
+                             tokenizer=type(tokenizer).__name__)
+
+        def build():
+            from ..data import load_texts
+
+            return pack(load_texts(o.data, o.text_field, o.streaming), tokenizer, o.seq_len, o.eval_tokens,
+                        train_tokens, seed=o.seed)
+
+        with self.acc.main_process_first():
+            cache = o.run_dir / "data.pt"
+            data = read_cache(cache, self.key, o.seed) if (o.resume or not self.main) else None
+            if data is None:
+                data = build()
+                if self.main:
+                    if not o.resume:
+                        start_run_dir(o, self.trajectory)
+                    write_cache(cache, self.key, data)
+        self.data = data
+
+    def _setup_align(self) -> dict | None:
+        """The `align` stage (attention layer by layer against the teacher), unless a checkpoint already has it."""
+        o, acc, data = self.o, self.acc, self.data
+        if "align" not in o.stages:
+            return None
+        if o.resume and self.ckpts.latest() is not None:
+            align_json = o.run_dir / "align.json"
+            return json.loads(align_json.read_text()) if align_json.exists() else None
         windows = data.train[data.window_indices(0, o.align_steps * o.sequences_per_step)]
-        log = (lambda line: print(line, flush=True)) if main else (lambda line: None)
-        model.to(acc.device)
-        before = evaluate(model, data, acc, o.micro_batch)["eval_ppl"] if data.eval.shape[0] else None
+        log = (lambda line: print(line, flush=True)) if self.main else (lambda line: None)
+        self.model.to(acc.device)
+        before = evaluate(self.model, data, acc, o.micro_batch)["eval_ppl"] if data.eval.shape[0] else None
         held_out = data.eval[: windows.shape[0]]  # the per-layer errors on as many held-out windows as it trains on
-        align_record = align(model, teacher, windows.long(), held_out.long(), micro_batch=o.micro_batch,
-                             epochs=o.align_epochs, lr=o.align_lr, device=acc.device, log=log)
-        align_record["tokens"] = o.align_steps * o.batch_tokens
-        align_record["eval_ppl_before"] = before
-        if main:
-            (o.run_dir / "align.json").write_text(json.dumps(align_record, indent=2) + "\n")
-    elif "align" in o.stages and (o.run_dir / "align.json").exists():
-        align_record = json.loads((o.run_dir / "align.json").read_text())
+        record = align(self.model, self.teacher, windows.long(), held_out.long(), micro_batch=o.micro_batch,
+                       epochs=o.align_epochs, lr=o.align_lr, device=acc.device, log=log)
+        record["tokens"] = o.align_steps * o.batch_tokens
+        record["eval_ppl_before"] = before
+        if self.main:
+            (o.run_dir / "align.json").write_text(json.dumps(record, indent=2) + "\n")
+        return record
 
-    trainable = select_trainable(model, o.train, record)
-    lora_targets = None
-    if o.lora_rank:
-        model, lora_targets = lora.wrap(model, o.lora_rank, o.lora_alpha, o.lora_targets)
-        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    if o.gradient_checkpointing:
-        model_io.enable_checkpointing(model, source.spec)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(params, o)
-    model, optimizer = acc.prepare(model, optimizer)
-    params = [p for p in model.parameters() if p.requires_grad]  # as prepared (FSDP replaces them)
-    if acc.distributed_type == DistributedType.DEEPSPEED:
-        raise SurgeryError("uptrain does not run under DeepSpeed (its checkpoints are pickles, which --resume would "
-                           "have to run): use FSDP (recipes/accelerate/fsdp-8gpu.yaml) or DDP")
-    sharded = acc.distributed_type == DistributedType.FSDP
-    if sharded and o.lora_rank:
-        raise SurgeryError("--lora-rank does not run under FSDP yet: use DDP or one process")
-    state = RunState()
-    state.data_key = key
-    ckpts.remove_partial()
-    metrics = MetricsLog(o.run_dir / "metrics.jsonl", main)
-    resumed_from = None
-    if o.resume and ckpts.latest() is not None:
-        resumed_from = ckpts.load_latest(model, optimizer, state)
-        if state.data_key != key:
-            raise SurgeryError(f"--resume: the data no longer matches the checkpoint in {resumed_from}")
-    acc.wait_for_everyone()
-    metrics.start(state.step if resumed_from else None)
+    def _setup_training(self) -> None:
+        """Trainable parameters (LoRA adapters), optimizer, accelerate's preparation, and the resumed state."""
+        from accelerate.utils import DistributedType
 
-    # The output projections move into the losses (no whole-micro-batch logits) where that gives the same logits;
-    # not under FSDP, whose root unit may reshard the projection after the forward.
-    s_head = None if sharded else OutputHead.of(acc.unwrap_model(model), model_io.vocab_size(acc.unwrap_model(model)))
-    t_head = OutputHead.of(teacher, model_io.vocab_size(teacher)) if teacher is not None else None
-    projections = (s_head.project if s_head else _same, t_head.project if t_head else _same)
+        o, acc = self.o, self.acc
+        model = self.model
+        self.trainable = select_trainable(model, o.train, self.record)
+        self.lora_targets = None
+        if o.lora_rank:
+            model, self.lora_targets = lora.wrap(model, o.lora_rank, o.lora_alpha, o.lora_targets)
+            self.trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        if o.gradient_checkpointing:
+            model_io.enable_checkpointing(model, self.source.spec)
+        model.train()
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], o)
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]  # as prepared (FSDP replaces them)
+        if acc.distributed_type == DistributedType.DEEPSPEED:
+            raise SurgeryError("uptrain does not run under DeepSpeed (its checkpoints are pickles, which --resume "
+                               "would have to run): use FSDP (recipes/accelerate/fsdp-8gpu.yaml) or DDP")
+        self.sharded = acc.distributed_type == DistributedType.FSDP
+        if self.sharded and o.lora_rank:
+            raise SurgeryError("--lora-rank does not run under FSDP yet: use DDP or one process")
+        self.state = RunState()
+        self.state.data_key = self.key
+        self.ckpts.remove_partial()
+        self.metrics = MetricsLog(o.run_dir / "metrics.jsonl", self.main)
+        self.resumed_from = None
+        if o.resume and self.ckpts.latest() is not None:
+            self.resumed_from = self.ckpts.load_latest(self.model, self.optimizer, self.state)
+            if self.state.data_key != self.key:
+                raise SurgeryError(f"--resume: the data no longer matches the checkpoint in {self.resumed_from}")
+        acc.wait_for_everyone()
+        self.metrics.start(self.state.step if self.resumed_from else None)
 
-    tokens_per_step = o.sequences_per_step * o.seq_len
-    n_params = sum(p.numel() for p in params)
-    if main:
-        print(f"uptrain: {objective.kind} loss, training {len(trainable)} tensors ({n_params:,} parameters), "
-              f"{o.steps} steps x {tokens_per_step} tokens, {world} process(es) x {accum} micro-batch(es) of "
-              f"{o.micro_batch}, {data.train.shape[0]} training / {data.eval.shape[0]} held-out windows of {o.seq_len}"
-              + (f", parameters sharded by {acc.distributed_type.value}" if sharded else "")
-              + (f"; resumed at step {state.step} from {resumed_from.name}" if resumed_from else ""), flush=True)
+    def _setup_heads(self) -> None:
+        """The output projections move into the losses (no whole-micro-batch logits) where that gives the same
+        logits; not under FSDP, whose root unit may reshard the projection after the forward."""
+        student = self.acc.unwrap_model(self.model)
+        self.s_head = None if self.sharded else OutputHead.of(student, model_io.vocab_size(student))
+        teacher = self.teacher
+        self.t_head = OutputHead.of(teacher, model_io.vocab_size(teacher)) if teacher is not None else None
+        self.projections = (self.s_head.project if self.s_head else _same, self.t_head.project if self.t_head else _same)
+
+    def _announce(self) -> None:
+        o, data, state = self.o, self.data, self.state
+        if not self.main:
+            return
+        n_params = sum(p.numel() for p in self.params)
+        print(f"uptrain: {self.objective.kind} loss, training {len(self.trainable)} tensors ({n_params:,} parameters), "
+              f"{o.steps} steps x {self.tokens_per_step} tokens, {self.world} process(es) x {self.accum} "
+              f"micro-batch(es) of {o.micro_batch}, {data.train.shape[0]} training / {data.eval.shape[0]} held-out "
+              f"windows of {o.seq_len}"
+              + (f", parameters sharded by {self.acc.distributed_type.value}" if self.sharded else "")
+              + (f"; resumed at step {state.step} from {self.resumed_from.name}" if self.resumed_from else ""),
+              flush=True)
         if 0 < o.steps < FEW_STEPS:
             warn(f"--tokens {o.tokens} with --batch-tokens {o.batch_tokens} makes only {o.steps} optimizer step"
-                 f"{'s' if o.steps > 1 else ''}: too few for the learning-rate schedule to mean much; raise --tokens or "
-                 f"lower --batch-tokens")
+                 f"{'s' if o.steps > 1 else ''}: too few for the learning-rate schedule to mean much; raise --tokens "
+                 f"or lower --batch-tokens")
 
-    def do_eval(step: int) -> dict | None:
-        if data.eval.shape[0] == 0:
+    # --- train ---------------------------------------------------------------------------------------------------
+    def train(self) -> None:
+        """Optimizer steps from the resumed one to the last, each followed by its evaluation and checkpoint when due."""
+        o, state = self.o, self.state
+        try:
+            if self.resumed_from is None:
+                self._evaluate_start()
+            bar = Progress(o.steps, state.step, self.tokens_per_step, enabled=self.main and o.progress,
+                           every_s=o.progress_every)
+            for step in range(state.step, o.steps):
+                row = self.train_step(step)
+                self.metrics.write(**row)
+                bar.step(row)
+                last = state.step == o.steps
+                if last or state.step % o.eval_interval == 0:
+                    result = self.evaluate_at(state.step)
+                    if result is not None and self.main and o.progress:
+                        bar.write(f"step {state.step}: held-out perplexity {result['eval_ppl']:.3f}")
+                if last or (o.save_every and state.step % o.save_every == 0):
+                    self.save_checkpoint()
+            bar.close()
+        except (RuntimeError, torch.OutOfMemoryError) as e:
+            if _is_oom(e):
+                raise SurgeryError(f"out of memory at step {state.step + 1} (micro-batch {o.micro_batch} x {o.seq_len} "
+                                   "tokens): lower --micro-batch (accumulation keeps the batch) or add "
+                                   "--gradient-checkpointing; --resume continues from the last checkpoint") from None
+            raise
+
+    def train_step(self, step: int) -> dict:
+        """One optimizer step (0-based `step`): the micro-batches' forward and backward passes, clipping, the
+        update; returns the metrics row. A step whose loss or gradient norm is not finite changes nothing."""
+        o, acc, state, optimizer = self.o, self.acc, self.state, self.optimizer
+        start = time.perf_counter()
+        lr = lr_at(step, o)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = self.data.step_batch(o.align_steps + step, o.sequences_per_step, acc.process_index, self.world)
+        loss_sum = torch.zeros((), device=acc.device)
+        parts_sum: dict[str, torch.Tensor] = {}
+        for m in range(self.accum):
+            ids = batch[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device)
+            loss, parts = self._micro_step(ids, last=m == self.accum - 1)
+            loss_sum += loss / self.accum
+            for k, v in parts.items():
+                parts_sum[k] = parts_sum.get(k, 0) + v / self.accum
+        # inf max_norm: the norm (of all processes' gradients) without clipping
+        grad_norm = acc.clip_grad_norm_(self.params, o.max_grad_norm if o.max_grad_norm > 0 else math.inf)
+        logged = acc.reduce(torch.stack([loss_sum, *parts_sum.values()]), reduction="mean").tolist()  # syncs
+        grad_norm = float(grad_norm)
+        if not all_finite(acc, logged[0], grad_norm):
+            what = "loss" if not math.isfinite(logged[0]) else "gradient norm"
+            raise SurgeryError(f"the training {what} is not finite at step {step + 1} (lower --lr, now {o.lr:g}); "
+                               f"nothing of this step was written, {last_good(self.ckpts)}")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.step = step + 1
+        seconds = time.perf_counter() - start
+        state.elapsed += seconds
+        return dict(step=state.step, tokens=state.step * self.tokens_per_step, loss=logged[0],
+                    **{f"{k}_loss": v for k, v in zip(parts_sum, logged[1:])}, lr=lr, grad_norm=grad_norm,
+                    tokens_per_s=self.tokens_per_step / seconds, elapsed=state.elapsed)
+
+    def _micro_step(self, ids: torch.Tensor, last: bool) -> tuple[torch.Tensor, dict]:
+        """Forward and backward of one micro-batch (gradients synchronised on the step's last one only); returns
+        its detached loss and loss parts."""
+        acc, model, teacher = self.acc, self.model, self.teacher
+        sync = contextlib.nullcontext() if last else acc.no_sync(model)
+        with sync:
+            with acc.autocast():  # logits, or final hidden states the losses project chunk by chunk
+                with hidden(self.s_head):
+                    logits = model(input_ids=ids, use_cache=False).logits
+                t_logits = None
+                if teacher is not None:
+                    with torch.no_grad(), hidden(self.t_head):
+                        t_logits = teacher(input_ids=ids, use_cache=False).logits
+                loss, parts = self.objective(logits, ids, t_logits, *self.projections)
+            acc.backward(loss / self.accum)
+        del logits, t_logits
+        return loss.detach(), parts
+
+    # --- evaluate ------------------------------------------------------------------------------------------------
+    def evaluate_at(self, step: int) -> dict | None:
+        """Held-out loss and perplexity after `step` (None without held-out windows), written to the metrics."""
+        o = self.o
+        if self.data.eval.shape[0] == 0:
             return None
-        result = evaluate(model, data, acc, o.micro_batch)
-        if not all_finite(acc, result["eval_loss"]):
+        result = evaluate(self.model, self.data, self.acc, o.micro_batch)
+        if not all_finite(self.acc, result["eval_loss"]):
             raise SurgeryError(f"the held-out loss is not finite after step {step} (the weights diverged: lower --lr, "
-                               f"now {o.lr:g}); {last_good(ckpts)}")
-        metrics.write(step=step, tokens=step * tokens_per_step, **result)
+                               f"now {o.lr:g}); {last_good(self.ckpts)}")
+        self.metrics.write(step=step, tokens=step * self.tokens_per_step, **result)
         return result
 
-    try:
-        if resumed_from is None:
-            first = do_eval(0)
-            if teacher is not None and first is not None:
-                metrics.write(step=0, tokens=0, teacher_eval_ppl=evaluate(teacher, data, acc, o.micro_batch)["eval_ppl"])
-            if align_record is not None and first is not None:  # the evaluation at step 0 came after the alignment
-                align_record["eval_ppl"] = first["eval_ppl"]
-        bar = Progress(o.steps, state.step, tokens_per_step, enabled=main and o.progress, every_s=o.progress_every)
-        for step in range(state.step, o.steps):
-            start = time.perf_counter()
-            lr = lr_at(step, o)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batch = data.step_batch(o.align_steps + step, o.sequences_per_step, acc.process_index, world)
-            loss_sum = torch.zeros((), device=acc.device)
-            parts_sum: dict[str, torch.Tensor] = {}
-            for m in range(accum):
-                ids = batch[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device)
-                sync = contextlib.nullcontext() if m == accum - 1 else acc.no_sync(model)
-                with sync:
-                    with acc.autocast():  # logits, or final hidden states the losses project chunk by chunk
-                        with hidden(s_head):
-                            logits = model(input_ids=ids, use_cache=False).logits
-                        t_logits = None
-                        if teacher is not None:
-                            with torch.no_grad(), hidden(t_head):
-                                t_logits = teacher(input_ids=ids, use_cache=False).logits
-                        loss, parts = objective(logits, ids, t_logits, *projections)
-                    acc.backward(loss / accum)
-                loss_sum += loss.detach() / accum
-                for k, v in parts.items():
-                    parts_sum[k] = parts_sum.get(k, 0) + v / accum
-                del logits, t_logits, loss
-            # inf max_norm: the norm (of all processes' gradients) without clipping
-            grad_norm = acc.clip_grad_norm_(params, o.max_grad_norm if o.max_grad_norm > 0 else math.inf)
-            logged = acc.reduce(torch.stack([loss_sum, *parts_sum.values()]), reduction="mean").tolist()  # syncs
-            grad_norm = float(grad_norm)
-            if not all_finite(acc, logged[0], grad_norm):
-                what = "loss" if not math.isfinite(logged[0]) else "gradient norm"
-                raise SurgeryError(f"the training {what} is not finite at step {step + 1} (lower --lr, now {o.lr:g}); "
-                                   f"nothing of this step was written, {last_good(ckpts)}")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            state.step = step + 1
-            seconds = time.perf_counter() - start
-            state.elapsed += seconds
-            row = dict(step=state.step, tokens=state.step * tokens_per_step, loss=logged[0],
-                       **{f"{k}_loss": v for k, v in zip(parts_sum, logged[1:])}, lr=lr,
-                       grad_norm=float(grad_norm),
-                       tokens_per_s=tokens_per_step / seconds, elapsed=state.elapsed)
-            metrics.write(**row)
-            bar.step(row)
-            last = state.step == o.steps
-            if last or state.step % o.eval_interval == 0:
-                result = do_eval(state.step)
-                if result is not None and main and o.progress:
-                    bar.write(f"step {state.step}: held-out perplexity {result['eval_ppl']:.3f}")
-            if last or (o.save_every and state.step % o.save_every == 0):
-                if not all_finite(acc, *(p.detach() for p in params)):
-                    raise SurgeryError(f"the weights are not finite after step {state.step} (lower --lr, now {o.lr:g});"
-                                       f" {last_good(ckpts)}")
-                ckpts.save(state.step, model, optimizer, state)
-        bar.close()
-    except (RuntimeError, torch.OutOfMemoryError) as e:
-        if _is_oom(e):
-            raise SurgeryError(f"out of memory at step {state.step + 1} (micro-batch {o.micro_batch} x {o.seq_len} "
-                               "tokens): lower --micro-batch (accumulation keeps the batch) or add "
-                               "--gradient-checkpointing; --resume continues from the last checkpoint") from None
-        raise
+    def _evaluate_start(self) -> None:
+        """A fresh run's step 0: the student's (and the teacher's) held-out perplexity, after any alignment."""
+        first = self.evaluate_at(0)
+        if self.teacher is not None and first is not None:
+            teacher_ppl = evaluate(self.teacher, self.data, self.acc, self.o.micro_batch)["eval_ppl"]
+            self.metrics.write(step=0, tokens=0, teacher_eval_ppl=teacher_ppl)
+        if self.align_record is not None and first is not None:  # the evaluation at step 0 came after the alignment
+            self.align_record["eval_ppl"] = first["eval_ppl"]
 
-    # Sharded parameters are gathered for the final save (a collective: every process calls it).
-    full_state = acc.get_state_dict(model) if sharded else None
-    result = None
-    if main:
-        result = finish(o, source, acc.unwrap_model(model), full_state, out_dtype, objective, metrics, trajectory,
-                        world, state, align_record, lora_targets)
-    acc.wait_for_everyone()
-    acc.end_training()
-    return result
+    # --- save ----------------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        """A resumable checkpoint of the current step, refused when the weights are not finite."""
+        if not all_finite(self.acc, *(p.detach() for p in self.params)):
+            raise SurgeryError(f"the weights are not finite after step {self.state.step} (lower --lr, now "
+                               f"{self.o.lr:g}); {last_good(self.ckpts)}")
+        self.ckpts.save(self.state.step, self.model, self.optimizer, self.state)
+
+    def save(self) -> dict | None:
+        """The final checkpoint, written by the main process (`finish`); the uptraining record on the main one."""
+        acc = self.acc
+        # Sharded parameters are gathered for the final save (a collective: every process calls it).
+        full_state = acc.get_state_dict(self.model) if self.sharded else None
+        result = None
+        if self.main:
+            result = finish(self.o, self.source, acc.unwrap_model(self.model), full_state, self.out_dtype,
+                            self.objective, self.metrics, self.trajectory, self.world, self.state, self.align_record,
+                            self.lora_targets)
+        acc.wait_for_everyone()
+        acc.end_training()
+        return result
 
 
 def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective: Objective, metrics: MetricsLog,
@@ -421,9 +514,35 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
            lora_targets: list[str] | None = None) -> dict:
     """Main process: the final checkpoint (atomic), its record, metrics and plot; then the run folder goes."""
     rows = metrics.read()
+    uptraining = uptraining_record(o, objective, rows, trajectory, world, state, align_record, lora_targets)
+    recovery = f"the run folder {o.run_dir} keeps the final checkpoint (--resume writes the output from it)"
+    with atomic_output_dir(o.out, force=o.force, source=source.folder, recovery=recovery) as tmp:
+        if o.lora_rank:
+            model = lora.unwrap(model, o.merge_lora, tmp)
+        model_io.write_checkpoint(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
+        model_io.write_record(source, tmp, uptraining)
+        shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
+        plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")
+        record_output_hashes(tmp)  # the files changed: record their sha256 in surgery.json, as converters do
+        ordinary_permissions(tmp)  # safetensors' save_file makes -rw-------; other outputs are ordinary files
+    if not o.keep_run_dir:
+        shutil.rmtree(o.run_dir, ignore_errors=True)
+    first, last = uptraining["initial_eval_ppl"], uptraining["final_eval_ppl"]
+    ppl = f", held-out perplexity {first:.3f} -> {last:.3f}" if first is not None else ""
+    done = [f"{o.steps} steps ({objective.kind} loss)"] if o.steps else []
+    if align_record is not None:
+        done.insert(0, f"{align_record['tokens']} aligning attention layer by layer")
+    print(f"wrote {o.out}: {uptraining['tokens']} tokens, {' then '.join(done)}{ppl}, "
+          f"{state.elapsed + (align_record or {}).get('seconds', 0):.1f}s of training", flush=True)
+    return uptraining
+
+
+def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict], trajectory: dict, world: int,
+                      state: RunState, align_record: dict | None, lora_targets: list[str] | None) -> dict:
+    """The "uptraining" entry of the output's surgery.json, from the options and the run's metrics rows."""
     evals = [m for m in rows if "eval_ppl" in m]
     teacher_ppl = next((m["teacher_eval_ppl"] for m in rows if "teacher_eval_ppl" in m), None)
-    uptraining = {
+    return {
         "data": o.data,
         "text_field": o.text_field,
         "tokens": o.total_steps * o.batch_tokens,
@@ -457,23 +576,3 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
         "final_train_loss": next((m["loss"] for m in reversed(rows) if "loss" in m), None),
         "train_seconds": round(state.elapsed, 3),
     }
-    recovery = f"the run folder {o.run_dir} keeps the final checkpoint (--resume writes the output from it)"
-    with atomic_output_dir(o.out, force=o.force, source=source.folder, recovery=recovery) as tmp:
-        if o.lora_rank:
-            model = lora.unwrap(model, o.merge_lora, tmp)
-        model_io.write_checkpoint(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
-        model_io.write_record(source, tmp, uptraining)
-        shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
-        plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")
-        record_output_hashes(tmp)  # the files changed: record their sha256 in surgery.json, as converters do
-        ordinary_permissions(tmp)  # safetensors' save_file makes -rw-------; other outputs are ordinary files
-    if not o.keep_run_dir:
-        shutil.rmtree(o.run_dir, ignore_errors=True)
-    first, last = uptraining["initial_eval_ppl"], uptraining["final_eval_ppl"]
-    ppl = f", held-out perplexity {first:.3f} -> {last:.3f}" if first is not None else ""
-    done = [f"{o.steps} steps ({objective.kind} loss)"] if o.steps else []
-    if align_record is not None:
-        done.insert(0, f"{align_record['tokens']} aligning attention layer by layer")
-    print(f"wrote {o.out}: {uptraining['tokens']} tokens, {' then '.join(done)}{ppl}, "
-          f"{state.elapsed + (align_record or {}).get('seconds', 0):.1f}s of training", flush=True)
-    return uptraining
