@@ -59,7 +59,8 @@ def click_option(model: type[BaseModel], name: str) -> click.Parameter:
         if multiple:
             kw["multiple"] = True
             default = list(default or [])
-        kw["default"] = default
+        if default is not None:  # (an explicit None would count as given: --to would not be required)
+            kw["default"] = default
     show = meta.get("show_default")
     kw["show_default"] = show if show is not None else (default is not None and default is not False
                                                         and default != [])

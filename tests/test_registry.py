@@ -216,3 +216,15 @@ def test_uptrain_s_options_model_covers_the_library_s_options():
 
     library = {f.name for f in fields(UptrainOptions)} - {"model", "out", "progress"}
     assert set(UptrainArgs.model_fields) == library
+
+
+@pytest.mark.parametrize("args, message", [
+    (("convert", "x"), "Missing option '--to'."),
+    (("uptrain", "x", "--out", "y"), "Missing option '--tokens'."),
+    (("push", "x"), "Missing argument 'REPO_ID'."),
+])
+def test_a_required_field_is_a_required_option(args, message, capsys, tmp_path, monkeypatch):
+    """A field without a default is one the command line asks for, in click's words, before anything runs."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and err.startswith(f"surgery: error: {message}") and list(tmp_path.iterdir()) == []
