@@ -370,7 +370,7 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], tokens: 
     n_layer_windows = layer_errors.layer_windows(batches.shape[0], batches.shape[1]) if layers else 0
     # A talking-heads model computes eager attention: compare it with the source's eager attention, so that the
     # report measures the surgery and not the source's own sdpa-vs-eager rounding (~1e-4 on SmolLM2's logits).
-    source_attention = "eager" if surgery_kind(converted) == "talking-heads" else None
+    source_attention = _source_attention(converted)
     return CheckPlan(source, converted, dev, dtype, (trust_a, trust_b), causal,
                      vocab_size(config_a) if causal else hidden_size(config_a), source_attention, tok, tokenizer_note,
                      batches, batch_size, prompts, generate, n_layer_windows,
@@ -482,16 +482,17 @@ def converted_pass(model, batches: torch.Tensor, batch_size: int, store: SpillSt
     return acc
 
 
-def surgery_kind(source: Source) -> str | None:
-    """The `kind` recorded in a checkpoint's surgery.json, if it has one."""
-    import json
+def _source_attention(converted: Source) -> str | None:
+    """The attention implementation the source runs with in the check, as the converted checkpoint's kind says."""
+    from .kinds import find_kind
+    from .record import read_record
 
-    record = Path(source.folder) / "surgery.json"
     try:
-        value = json.loads(record.read_text()) if record.exists() else None
-        return value.get("kind") if isinstance(value, dict) else None
-    except (OSError, ValueError):
-        return None
+        record = read_record(Path(converted.folder))
+    except (OSError, ValueError, SurgeryError):
+        record = {}
+    kind = find_kind(record=record)
+    return kind.source_attention if kind else None
 
 
 # --- the report ----------------------------------------------------------------------------------------------------

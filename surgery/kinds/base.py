@@ -99,6 +99,10 @@ class Kind:
     ships_code: bool = False  # the output carries its own modeling code (load with trust_remote_code=True)
     model_type_prefix: str | None = None  # converted configs' model_type = prefix + the source's
     config_key: str | None = None  # the converted config.json's key holding the kind's settings
+    # the attention implementation `surgery check` runs the source with, when the converted model computes its
+    # attention the way one implementation does (talking-heads: eager), so the check measures the surgery and not
+    # the source's own sdpa-vs-eager rounding
+    source_attention: str | None = None
 
     # ---- conversion -------------------------------------------------------------------------------------------
     def calibrates(self, options: WriteOptions) -> bool:
