@@ -8,41 +8,16 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-import time
 from pathlib import Path
 from typing import Callable
 
-from . import __version__
 from .atomic import atomic_output_dir
-from .publish.hashes import record_output_hashes
 from .errors import SurgeryError
-from .record import LOCAL_KEY, public_name
+from .record import new_record, write_record
 from .source import Source, copy_side_files, custom_code_files, public_config
 from .tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
 from .threads import threads
 from .trust import CODE_RECORD, code_record
-
-
-def conversion_record(kind: str, source: Source, shard_hashes: dict[str, str]) -> dict:
-    """The header of surgery.json; `shard_hashes`: {file name: sha256} of the source's weight files."""
-    return {
-        "toolkit": "surgery",
-        "version": __version__,
-        "kind": kind,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "source": {
-            "spec": public_name(source.spec),
-            "revision": source.revision,
-            "gguf_file": Path(source.gguf_file).name if source.gguf_file else None,
-            "model_type": source.config.get("model_type"),
-            "shards_sha256": shard_hashes,
-        },
-        LOCAL_KEY: {
-            "source_spec": source.spec,
-            "source_folder": str(Path(source.folder).absolute()),
-            "gguf_path": str(Path(source.gguf_file).absolute()) if source.gguf_file else None,
-        },
-    }
 
 
 def write_conversion(source: Source, reader: CheckpointReader, out: Path, planned: list[PlannedTensor],
@@ -84,10 +59,10 @@ def write_conversion(source: Source, reader: CheckpointReader, out: Path, planne
             why = f": {failed[0]}" if failed else ""
             raise SurgeryError(f"cannot hash the source's weight files{why}")
         code_files = code_files + tuple(source_code)
-        record = {**conversion_record(kind, source, hashes), **record_fields(files + list(code_files))}
+        record = {**new_record(kind, source, hashes), **record_fields(files + list(code_files))}
         if code_files:  # lets surgery.trust recognise the toolkit's own, unmodified modeling code
             record[CODE_RECORD] = code_record(tmp, code_files)
-        record_output_hashes(tmp, record)  # writes surgery.json, with the sha256 of every file written
+        write_record(tmp, record)  # surgery.json, with the sha256 of every file written: the last file
     return record
 
 

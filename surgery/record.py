@@ -1,5 +1,10 @@
 """surgery.json: what a checkpoint records about how it was made, and which part of it is machine-local.
 
+This module owns the file: `new_record` starts a conversion's record, `write_record` writes it as the last file of
+an output (with the sha256 of every other file), `read_record` reads and type-checks it, `verify_record` checks a
+folder's files against it (before a push). `Record` is its schema: the fields the toolkit reads, typed; kinds add
+their own fields (kept as they are).
+
 Everything under the "local" key (absolute source folders, GGUF file paths, the spec as typed when it is a path)
 is useful on the machine that wrote the checkpoint: `uptrain` finds its default teacher there, `push` compares
 with the source's folder. It is never published: `public_record` drops it, and the other fields hold only hub
@@ -9,13 +14,60 @@ ids, file names and hashes.
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+
+from .digest import sha256_file
 from .errors import SurgeryError
 
 RECORD_FILE = "surgery.json"
 LOCAL_KEY = "local"
 EMBEDDED_NAMES = ("smollm2",)
+# Files that may change after a conversion without invalidating it: the record itself and the model card.
+UNHASHED = {RECORD_FILE, "README.md"}
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class SourceRecord(_Part):
+    """The source a conversion read: as the user named it (public), and the sha256 of its weight files."""
+
+    spec: StrictStr | None = None
+    revision: StrictStr | None = None
+    gguf_file: StrictStr | None = None
+    model_type: StrictStr | None = None
+    shards_sha256: dict[str, StrictStr] | None = None
+
+
+class CalibrationRecord(_Part):
+    """The text a calibrated conversion read (checked against `check`'s evaluation text)."""
+
+    data: StrictStr | None = None
+    documents_sha256: list[StrictStr] | None = None
+
+
+class Record(_Part):
+    """surgery.json. Every field is optional (a hand-made or older record may lack any); the ones present must have
+    these types. Kinds' own fields (`kv_heads`, `switchhead`, ...) are kept as they are."""
+
+    toolkit: StrictStr | None = None
+    version: StrictStr | None = None
+    kind: StrictStr | None = None
+    created: StrictStr | None = None
+    source: SourceRecord | None = None
+    kv_heads: dict | None = None
+    mix_macs_per_query_key_per_layer: StrictInt | None = None
+    calibration: CalibrationRecord | None = None
+    code_sha256: dict[str, StrictStr] | None = None  # the toolkit's own modeling files copied (surgery/trust.py)
+    output_sha256: dict[str, StrictStr] | None = None  # every file written but this one and the card
+    uptraining: dict | None = None
+    previous_uptraining: list[dict] | None = None
+    local: dict | None = None  # machine-local part, never published
 
 
 def looks_like_hub_id(spec: str) -> bool:
@@ -30,8 +82,50 @@ def public_name(spec: str | None) -> str | None:
     return Path(spec).expanduser().name or spec
 
 
+def new_record(kind: str, source, shard_hashes: dict[str, str]) -> dict:
+    """The header of a conversion's record; `source` a surgery.source.Source, `shard_hashes` {file name: sha256}
+    of its weight files."""
+    from . import __version__
+
+    return {
+        "toolkit": "surgery",
+        "version": __version__,
+        "kind": kind,
+        "created": now(),
+        "source": {
+            "spec": public_name(source.spec),
+            "revision": source.revision,
+            "gguf_file": Path(source.gguf_file).name if source.gguf_file else None,
+            "model_type": source.config.get("model_type"),
+            "shards_sha256": shard_hashes,
+        },
+        LOCAL_KEY: {
+            "source_spec": source.spec,
+            "source_folder": str(Path(source.folder).absolute()),
+            "gguf_path": str(Path(source.gguf_file).absolute()) if source.gguf_file else None,
+        },
+    }
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def check_record(record: object, path: Path | str = RECORD_FILE) -> dict:
+    """`record` if it is a JSON object whose known fields have their types, else one clear error naming `path`."""
+    if not isinstance(record, dict):
+        raise SurgeryError(f"corrupt {path}: not a JSON object")
+    try:
+        Record.model_validate(record)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise SurgeryError(f"corrupt {path}: {where} is {first.get('input')!r} ({first['msg'].lower()})") from None
+    return record
+
+
 def read_record(folder: Path) -> dict:
-    """The folder's surgery.json, {} when it has none; a corrupt one is one clear error."""
+    """The folder's surgery.json, {} when it has none; a corrupt or mistyped one is one clear error."""
     from . import sanity
 
     path = Path(folder) / RECORD_FILE
@@ -42,9 +136,57 @@ def read_record(folder: Path) -> dict:
         record = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as e:
         raise SurgeryError(f"corrupt {path}: {str(e).splitlines()[0][:200]}") from None
-    if not isinstance(record, dict):
-        raise SurgeryError(f"corrupt {path}: not a JSON object")
+    return check_record(record, path)
+
+
+def write_record(folder: Path, record: dict) -> dict:
+    """Record the sha256 of every file now in `folder` (`output_sha256`) and write `folder`/surgery.json. Call it as
+    the last write of an output. Returns the record."""
+    folder = Path(folder)
+    record["output_sha256"] = sha256_many(folder, hashed_files(folder))
+    check_record(record, folder / RECORD_FILE)
+    (folder / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+def verify_record(folder: Path, record: dict, covered=lambda name: True) -> None:
+    """One clear error unless every file `record` hashes is in `folder` with that sha256, and every file for which
+    `covered(name)` holds is hashed (a weight or code file added after the conversion is refused)."""
+    folder = Path(folder)
+    recorded = record.get("output_sha256")
+    if not isinstance(recorded, dict) or not recorded:
+        raise SurgeryError(f"{folder}/{RECORD_FILE} records no sha256 of the output files, so the folder cannot be "
+                           "verified (written by a converter that does not record them?)")
+    missing = [n for n in recorded if not (folder / n).is_file()]
+    if missing:
+        raise SurgeryError(f"{missing[0]} is recorded in {RECORD_FILE} but missing from {folder}")
+    actual = sha256_many(folder, sorted(recorded))
+    changed = [n for n in recorded if actual[n] != recorded[n]]
+    if changed:
+        raise SurgeryError(f"{changed[0]} does not match the sha256 recorded in {RECORD_FILE}: changed after the "
+                           "conversion")
+    extra = [n for n in hashed_files(folder) if n not in recorded and covered(n)]
+    if extra:
+        raise SurgeryError(f"{extra[0]} is not covered by the sha256 recorded in {RECORD_FILE} (added after the "
+                           "conversion?)")
+
+
+def hashed_files(folder: Path) -> list[str]:
+    """Every regular file under `folder` (relative POSIX paths) except the record and the card; no hidden files."""
+    folder = Path(folder)
+    names = []
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder)
+        if p.is_file() and rel.as_posix() not in UNHASHED and not any(part.startswith(".") for part in rel.parts):
+            if "__pycache__" not in rel.parts:
+                names.append(rel.as_posix())
+    return names
+
+
+def sha256_many(folder: Path, names: list[str]) -> dict[str, str]:
+    """Hash files in parallel threads (hashlib releases the GIL on large buffers)."""
+    with ThreadPoolExecutor(max_workers=min(4, max(1, len(names)))) as pool:
+        return dict(zip(names, pool.map(lambda n: sha256_file(Path(folder) / n), names)))
 
 
 def local_source_folder(record: dict) -> Path | None:

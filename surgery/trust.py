@@ -19,11 +19,11 @@ from pathlib import Path
 
 from .digest import sha256_file
 from .errors import SurgeryError
+from .record import RECORD_FILE
 
 PACKAGE = Path(__file__).resolve().parent
 CODE_PACKAGES = ("talking_heads", "switchhead")  # the toolkit's kinds whose outputs carry modeling code
 CODE_RECORD = "code_sha256"  # surgery.json key: {file name: sha256} of the code files a converter copied
-RECORD = "surgery.json"
 
 
 def _read_json_object(path: Path) -> dict:
@@ -86,7 +86,7 @@ def is_own_code(folder) -> bool:
     if not refs:
         return False
     shipped = own_code_hashes()
-    recorded = _read_json_object(folder / RECORD).get(CODE_RECORD)
+    recorded = _read_json_object(folder / RECORD_FILE).get(CODE_RECORD)
     if not isinstance(recorded, dict):
         return False
     for name in refs:

@@ -66,3 +66,67 @@ def test_gguf_dequantizing_time_is_reported_once(tmp_path, monkeypatch):
     first, second = source.dequantize_gguf(gguf, str(gguf)), source.dequantize_gguf(gguf, str(gguf))
     assert first.folder == second.folder
     assert first.prepare_seconds >= 0.2 and second.prepare_seconds < 0.2
+
+
+def _convert_each_kind(tmp_path):
+    """Real outputs of every kind (the streamed ones on a tiny llama), as the CLI's library functions write them."""
+    from surgery.kinds import get_kind
+    from test_switchhead import tiny_tokenizer
+
+    src = tmp_path / "src"
+    tm.make_tiny("llama", src)
+    tiny_tokenizer().save_pretrained(src)  # calibrated kinds read text
+    source = resolve_source(str(src))
+    outs = {}
+    for name, opts in (("mqa", {}), ("gqa", {"kv_heads": 2}), ("talking-heads", {}),
+                       ("switchhead", {"heads": 2, "experts": 4, "topk": 1, "calib_tokens": 64})):
+        kind = get_kind(name)
+        options = kind.options.model_validate(opts)
+        outs[name] = tmp_path / name
+        kind.convert(source, outs[name], options)
+    return outs
+
+
+def test_every_kind_writes_a_record_that_reads_back_typed_and_verifies(tmp_path):
+    """write_record / read_record / verify_record are symmetric for what every kind writes."""
+    from surgery.record import Record, verify_record
+
+    for name, out in _convert_each_kind(tmp_path).items():
+        record = read_record(out)
+        typed = Record.model_validate(record)
+        assert typed.kind == name and typed.source.model_type == "llama" and typed.source.shards_sha256
+        assert set(typed.output_sha256) == {p.name for p in out.iterdir() if p.name != "surgery.json"}
+        verify_record(out, record)  # nothing changed since the conversion
+
+
+def test_verify_record_names_a_changed_file(tmp_path):
+    import pytest
+
+    from surgery.errors import SurgeryError
+    from surgery.record import verify_record
+
+    src = tmp_path / "src"
+    tm.make_tiny("llama", src)
+    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "o", KVOptions(kv_heads=1))
+    record = read_record(tmp_path / "o")
+    config = tmp_path / "o" / "config.json"
+    config.write_text(config.read_text() + " ")  # one byte more
+    with pytest.raises(SurgeryError, match="config.json does not match"):
+        verify_record(tmp_path / "o", record)
+
+
+def test_a_mistyped_record_is_one_error_naming_the_field(tmp_path):
+    import pytest
+
+    from surgery.errors import SurgeryError
+
+    src = tmp_path / "src"
+    tm.make_tiny("llama", src)
+    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "o", KVOptions(kv_heads=1))
+    path = tmp_path / "o" / "surgery.json"
+    record = json.loads(path.read_text())
+    for field, value, named in (("kind", [], "kind"), ("source", {"shards_sha256": {"a": 1}}, "source.shards_sha256"),
+                                ("calibration", {"documents_sha256": "abc"}, "calibration.documents_sha256")):
+        path.write_text(json.dumps({**record, field: value}))
+        with pytest.raises(SurgeryError, match=rf"corrupt .*surgery.json: {named}"):
+            read_record(tmp_path / "o")

@@ -9,9 +9,11 @@ flatter the conversion.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from ..errors import SurgeryError
+from ..record import read_record
 
 
 def document_sha256(text: str) -> str:
@@ -37,16 +39,11 @@ class HashedTexts:
 def calibration_hashes(folder: Path) -> tuple[str | None, set[str]]:
     """(calibration data spec, document hashes) from a checkpoint's surgery.json; (None, empty) when absent."""
     try:
-        record = json.loads((Path(folder) / "surgery.json").read_text())
-    except (OSError, ValueError):
+        record = read_record(Path(folder))
+    except SurgeryError:  # a corrupt record names no calibration text: nothing to warn about
         return None, set()
-    calibration = record.get("calibration") if isinstance(record, dict) else None
-    if not isinstance(calibration, dict):
-        return None, set()
-    hashes = calibration.get("documents_sha256")
-    if not isinstance(hashes, list):
-        return calibration.get("data"), set()
-    return calibration.get("data"), {h for h in hashes if isinstance(h, str)}
+    calibration = record.get("calibration") or {}
+    return calibration.get("data"), set(calibration.get("documents_sha256") or ())
 
 
 def calibration_overlap(folder: Path, evaluated: list[str]) -> dict | None:

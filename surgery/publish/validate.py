@@ -10,7 +10,7 @@ from pathlib import Path
 from ..errors import SurgeryError
 from ..tensors import read_safetensors_header
 from ..trust import has_custom_code
-from .hashes import RECORD, hashed_files, sha256_many
+from ..record import RECORD_FILE as RECORD, check_record, verify_record
 
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -112,21 +112,9 @@ def check_custom_code(config: dict, folder: Path) -> list[str]:
 
 
 def check_hashes(folder: Path, record: dict) -> None:
-    recorded = record.get("output_sha256")
-    if not isinstance(recorded, dict) or not recorded:
-        raise SurgeryError(f"{folder}/{RECORD} records no sha256 of the output files, so the folder cannot be "
-                           "verified (written by a converter that does not record them?)")
-    missing = [n for n in recorded if not (folder / n).is_file()]
-    if missing:
-        raise SurgeryError(f"{missing[0]} is recorded in {RECORD} but missing from {folder}")
-    actual = sha256_many(folder, sorted(recorded))
-    changed = [n for n in recorded if actual[n] != recorded[n]]
-    if changed:
-        raise SurgeryError(f"{changed[0]} does not match the sha256 recorded in {RECORD}: changed after the conversion")
-    extra = [n for n in hashed_files(folder)
-             if n not in recorded and (n.endswith(WEIGHT_SUFFIXES + (".py",)) or n in ("config.json", *INDEX_FILES))]
-    if extra:
-        raise SurgeryError(f"{extra[0]} is not covered by the sha256 recorded in {RECORD} (added after the conversion?)")
+    """The folder's files match surgery.json, and no weight, index, config or code file was added after."""
+    verify_record(folder, record, covered=lambda n: n.endswith(WEIGHT_SUFFIXES + (".py",))
+                  or n in ("config.json", *INDEX_FILES))
 
 
 def check_config_loads(folder: Path, custom_code: bool) -> None:
@@ -150,7 +138,8 @@ def validate_folder(folder: Path) -> Validation:
     if not (folder / "config.json").is_file():
         raise SurgeryError(f"{folder} has no config.json: not a transformers checkpoint")
     config = _read_json(folder / "config.json", "config")
-    record = _read_json(folder / RECORD, "record") if (folder / RECORD).exists() else None
+    record = (check_record(_read_json(folder / RECORD, "record"), folder / RECORD)
+              if (folder / RECORD).exists() else None)
     weights = check_weights(folder)
     code = check_custom_code(config, folder)
     if record is not None:

@@ -22,9 +22,8 @@ import torch
 
 from ..atomic import atomic_output_dir, check_output_path, ordinary_permissions
 from ..errors import SurgeryError
-from ..publish.hashes import record_output_hashes
 from ..source import resolve_source
-from ..record import local_source_folder, public_name
+from ..record import local_source_folder, public_name, read_record, write_record
 from . import lora, model_io
 from .align import align
 from .data import cache_key, pack, read_cache, write_cache
@@ -243,7 +242,7 @@ class UptrainRecipe:
 
         o = self.o
         self.source = resolve_source(o.model)
-        self.record = model_io.read_record(self.source.folder)
+        self.record = read_record(self.source.folder)
         self.objective = resolve_objective(o, self.record)
         self.acc = make_accelerator()
         self.main, self.world = self.acc.is_main_process, self.acc.num_processes
@@ -520,10 +519,9 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
         if o.lora_rank:
             model = lora.unwrap(model, o.merge_lora, tmp)
         model_io.write_checkpoint(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
-        model_io.write_record(source, tmp, uptraining)
         shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
         plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")
-        record_output_hashes(tmp)  # the files changed: record their sha256 in surgery.json, as converters do
+        write_record(tmp, model_io.uptrained_record(source, uptraining))  # with the sha256 of the files written
         ordinary_permissions(tmp)  # safetensors' save_file makes -rw-------; other outputs are ordinary files
     if not o.keep_run_dir:
         shutil.rmtree(o.run_dir, ignore_errors=True)

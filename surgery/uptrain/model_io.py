@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import shutil
-import time
 from pathlib import Path
 
 import torch
@@ -14,20 +12,10 @@ from .. import check
 from ..check import context_length, is_causal_lm
 from ..errors import SurgeryError
 from ..source import Source, copy_side_files, resolve_source
-from ..record import LOCAL_KEY, local_source_folder, public_name
+from ..record import LOCAL_KEY, local_source_folder, now, public_name, read_record
 from ..trust import resolve_trust
 from ..tensors import DTYPES
 
-
-
-def read_record(folder: Path) -> dict:
-    path = Path(folder) / "surgery.json"
-    if not path.exists():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise SurgeryError(f"corrupt {path}: {e}") from None
 
 
 FLAGS = {"model": "--trust-remote-code", "teacher": "--trust-teacher-code"}  # the flag that trusts each role's code
@@ -155,15 +143,13 @@ def write_checkpoint(model, state: dict | None, source: Source, dst: Path, dtype
             shutil.copy2(f, dst / f.name)
 
 
-def write_record(source: Source, dst: Path, uptraining: dict) -> dict:
+def uptrained_record(source: Source, uptraining: dict) -> dict:
     """The input's surgery.json (or a new one) with an "uptraining" record; earlier ones move to a history."""
     record = read_record(source.folder)
     if not record:
         record = {"toolkit": "surgery", "version": __version__, "kind": "uptrained"}
     if "uptraining" in record:
         record.setdefault("previous_uptraining", []).append(record["uptraining"])
-    record["uptraining"] = uptraining | {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                         "input": {"spec": public_name(source.spec)},
+    record["uptraining"] = uptraining | {"created": now(), "input": {"spec": public_name(source.spec)},
                                          LOCAL_KEY: {"input_folder": str(Path(source.folder).absolute())}}
-    (dst / "surgery.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
