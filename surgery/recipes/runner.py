@@ -105,7 +105,7 @@ def launch_prefix(recipe: Recipe, ps: PlannedStep) -> list[str] | None:
 # ---- fingerprints and state ------------------------------------------------------------------------------
 def folder_digest(folder: Path) -> str:
     """sha256 over the sha256 of every file of a model folder (cached per file by path, size, mtime, inode)."""
-    from ..publish.hashes import hashed_files
+    from ..record import hashed_files
     from ..tensors import sha256_files
 
     folder = Path(folder)
