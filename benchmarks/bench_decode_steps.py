@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from surgery.check import load_model  # noqa: E402
-from surgery.source import resolve_source  # noqa: E402
+from surgery.check import load_model
+from surgery.source import resolve_source
 
 
 def load(spec: str, trust: bool):
