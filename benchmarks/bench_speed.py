@@ -4,10 +4,14 @@ bytes each decode step reads.
     python benchmarks/bench_speed.py --work DIR                      # SmolLM2-135M -> mqa, switchhead, talking-heads
     python benchmarks/bench_speed.py --work DIR --kinds mqa --batch 1,8 --context 2048,8192 --replicate-prefill
     python benchmarks/bench_speed.py --work DIR --report-only         # tables from the JSON files already in DIR
+    python benchmarks/bench_speed.py --work DIR --kinds mqa --engine llama.cpp \
+        --llama-converter llama.cpp/convert_hf_to_gguf.py --context 512,2048     # the same in llama.cpp (f32 GGUF)
 
 For every kind: converts SOURCE into DIR/KIND unless it is there (`surgery convert`), runs `surgery bench SOURCE
 DIR/KIND --json DIR/KIND.json ...` (both models in one process, alternating rounds, medians), and prints a Markdown
-table per kind. The decode limit: a decode step of a small model on CPU is bound by the bytes it reads, the
+table per kind. With `--engine llama.cpp` (needs llama-cpp-python) SOURCE and DIR/KIND are first converted by
+llama.cpp's own converter into DIR/source-f32.gguf and DIR/KIND-f32.gguf (only MQA/GQA outputs are llama.cpp
+architectures), and the reports are DIR/KIND-llama.cpp.json. The decode limit: a decode step of a small model on CPU is bound by the bytes it reads, the
 weights plus the KV cache of the batch, so the best possible decode speed-up is
 (weights + KV of the source) / (weights + KV of the conversion), with both KV sizes measured by `surgery bench`.
 """
@@ -33,10 +37,21 @@ def surgery(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "cli", *args], cwd=REPO, env=env, check=True)
 
 
+def to_gguf(converter: Path, folder: Path, out: Path) -> Path:
+    """llama.cpp's convert_hf_to_gguf.py on a checkpoint folder (f32, unless `out` is already there)."""
+    if not out.exists():
+        subprocess.run([sys.executable, str(converter), str(folder), "--outtype", "f32", "--outfile", str(out)],
+                       check=True)
+    return out
+
+
 def weight_bytes(folder: str) -> int:
-    """Bytes of the weights a forward pass reads (tied embeddings once), from the safetensors headers."""
+    """Bytes of the weights a forward pass reads (tied embeddings once), from the safetensors headers (a .gguf
+    file: its size, the tensors and a small header)."""
     from safetensors import safe_open
 
+    if str(folder).endswith(".gguf"):
+        return Path(folder).stat().st_size
     total, seen = 0, set()
     for f in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(f, "pt") as st:
@@ -84,23 +99,43 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--replicate-prefill", action="store_true")
     parser.add_argument("--report-only", action="store_true", help="only print the tables of existing reports")
+    parser.add_argument("--engine", default="transformers", choices=("transformers", "llama.cpp"))
+    parser.add_argument("--llama-converter", type=Path, help="llama.cpp's convert_hf_to_gguf.py (--engine llama.cpp)")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
+    llama = args.engine == "llama.cpp"
+    if llama and not args.report_only and (args.llama_converter is None or not args.llama_converter.is_file()):
+        parser.error("--engine llama.cpp needs --llama-converter PATH/convert_hf_to_gguf.py")
     for kind in args.kinds.split(","):
-        out, report = args.work / kind, args.work / f"{kind}.json"
+        if llama and kind != "mqa":
+            parser.error(f"--engine llama.cpp runs MQA/GQA outputs only, not {kind}")
+        out = args.work / kind
+        report = args.work / (f"{kind}-llama.cpp.json" if llama else f"{kind}.json")
         if not args.report_only:
             if not (out / "config.json").exists():
                 surgery("convert", args.source, *CONVERT[kind], "--out", str(out))
-            extra = ["--trust-remote-code"] if kind != "mqa" else []
+            source, converted, extra = args.source, str(out), []
+            if llama:
+                sys.path.insert(0, str(REPO))
+                from surgery.source import resolve_source
+
+                source = str(to_gguf(args.llama_converter, resolve_source(args.source).folder,
+                                     args.work / "source-f32.gguf"))
+                converted = str(to_gguf(args.llama_converter, out, args.work / f"{kind}-f32.gguf"))
+                extra += ["--engine", "llama.cpp"]
+            extra += ["--trust-remote-code"] if kind != "mqa" else []
             extra += ["--replicate-prefill"] if args.replicate_prefill else []
-            surgery("bench", args.source, str(out), "--batch", args.batch, "--context", args.context, "--new", args.new,
+            plot = args.work / (f"{kind}-llama.cpp.png" if llama else f"{kind}.png")
+            surgery("bench", source, converted, "--batch", args.batch, "--context", args.context, "--new", args.new,
                     "--rounds", args.rounds, "--threads", args.threads, "--device", args.device, "--json", str(report),
-                    "--plot", str(args.work / f"{kind}.png"), *extra)
+                    "--plot", str(plot), *extra)
         data = json.loads(report.read_text())
         m = data["machine"]
+        engine = data["models"]["source"]["attention"] if data["engine"] == "llama.cpp" else \
+            f"transformers {m['transformers']}"
         print(f"\n### {kind}: `{data['command']}`\n\n{data['date']}, {m['processor']} ({m['cpu_count']} cores, "
               f"load average {', '.join(f'{x:.1f}' for x in m.get('load_average', []))} at the start), "
-              f"{m['threads']} thread(s), {data['engine']} {m['transformers']}, torch {m['torch']}, {data['dtype']}, "
+              f"{m['threads']} thread(s), {engine}, torch {m['torch']}, {data['dtype']}, "
               f"{data['rounds']} alternating rounds, {data['new_tokens']} new tokens\n")
         print("\n".join(table(data)))
 

@@ -238,8 +238,9 @@ class LlamaCppEngine:
         if path.suffix != ".gguf" or not path.is_file():
             raise SurgeryError(f"--engine llama.cpp takes .gguf files (convert a folder with llama.cpp's "
                                f"convert_hf_to_gguf.py first), got {spec}")
+        threads = self.threads or os.cpu_count()  # prefill (batch) threads too: llama.cpp's default is every core
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=self.max_tokens, n_batch=512, n_ubatch=512,
-                              n_threads=self.threads or os.cpu_count(), n_gpu_layers=self.gpu_layers,
+                              n_threads=threads, n_threads_batch=threads, n_gpu_layers=self.gpu_layers,
                               logits_all=False, verbose=False)
         meta = llm.metadata
         arch = meta.get("general.architecture", "llama")
@@ -248,7 +249,8 @@ class LlamaCppEngine:
         embd = int(meta[f"{arch}.embedding_length"])
         head_dim = int(meta.get(f"{arch}.attention.key_length", embd // int(meta[f"{arch}.attention.head_count"])))
         return {"model": llm, "spec": spec, "folder": str(path), "custom_code": False, "model_type": arch,
-                "attention": "llama.cpp", "vocab_size": int(llm.n_vocab()), "max_positions": self.max_tokens,
+                "attention": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})",
+                "vocab_size": int(llm.n_vocab()), "max_positions": self.max_tokens,
                 "kv_per_token": 2 * layers * kv_heads * head_dim * 2}
 
     def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor, replicate: bool = False) -> dict:

@@ -210,24 +210,33 @@ def test_converted_output_has_a_portable_tokenizer_config(pair, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None or not os.environ.get("LLAMA_CPP_CONVERT"),
                     reason="needs llama-cpp-python and LLAMA_CPP_CONVERT=path/to/llama.cpp/convert_hf_to_gguf.py")
 def test_mqa_output_converts_with_llama_cpp_and_gives_the_same_logits(tmp_path):
-    """An MQA output as it is (tokenizer files included) through llama.cpp's own converter, then the same tokens
-    through llama.cpp and transformers in float32: the logits agree."""
+    """An MQA output as it is (tokenizer files included) through llama.cpp's own converter (it finds the gguf package
+    of its llama.cpp in gguf-py/ beside itself, and imports sentencepiece), then the same tokens of real text through
+    llama.cpp and transformers in float32 (weights and KV cache): the logits agree to rounding."""
+    import llama_cpp
     import numpy as np
     import torch
-    import llama_cpp
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from surgery.data import pydoc_texts, token_stream
 
     out, gguf = tmp_path / "mqa", tmp_path / "mqa-f32.gguf"
     assert surgery("convert", "smollm2", "--to", "mqa", "--out", out).returncode == 0
-    subprocess.run([sys.executable, os.environ["LLAMA_CPP_CONVERT"], str(out), "--outtype", "f32", "--outfile",
-                    str(gguf)], check=True, capture_output=True, timeout=900)
-    ids = AutoTokenizer.from_pretrained(out)("def f(x):\n    return x + 1\n", return_tensors="pt").input_ids
+    done = subprocess.run([sys.executable, os.environ["LLAMA_CPP_CONVERT"], str(out), "--outtype", "f32", "--outfile",
+                           str(gguf)], check=False, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ids = token_stream(pydoc_texts(), AutoTokenizer.from_pretrained(out), 96)[None]
     with torch.no_grad():
         ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits[0].numpy()
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=256, logits_all=True, verbose=False, n_threads=1)
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=256, n_batch=128, n_ubatch=128, logits_all=True, verbose=False,
+                          n_threads=1, n_threads_batch=1, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    assert llm.metadata["llama.attention.head_count_kv"] == "1"
     llm.eval(ids[0].tolist())
     got = np.asarray(llm.scores[: ids.shape[1]])
-    assert np.abs(got - ref).max() < 1e-2
+    # f32 rounding only: measured 2.5e-3 over 256 tokens (llama.cpp's default f16 cache: 0.2)
+    assert np.abs(got - ref).max() <= 5e-3, np.abs(got - ref).max()
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.98
+    del llm
     report = run_bench(BenchOptions(source=str(gguf), converted=str(gguf), contexts=[32], new=2, rounds=1,
                                     engine="llama.cpp", threads=1))
     assert report["results"][0]["ratio"]["kv_cache_bytes"] == pytest.approx(1.0)

@@ -144,10 +144,11 @@ class SwitchHeadExperts(nn.Module):
         return f"heads={h}, experts={e}, in_features={i}, out_features={o}, bias={self.bias is not None}"
 
 
-# Up to this many tokens per call (decode steps of small batches) each selected (token, expert) pair is one small
-# matmul on the expert's own weights (read in place: at decode the cost is reading weights, and gathering them into
-# a batch would copy them first); above it (prefill) the (token, head, slot) assignments are sorted by expert and
-# each expert multiplies the rows routed to it in one matmul. Both compute exactly the selected experts (cost ∝ k).
+# Up to this many tokens per call (decode steps of small batches) the value side gathers the selected experts'
+# weights per token (a small copy that stays in cache) and applies them in one batched matmul, and the output side
+# accumulates the selected experts' matrix-vector products in place (their weights read where they are); above it
+# (prefill) the (token, head, slot) assignments are sorted by expert and each expert multiplies the rows routed to
+# it in one matmul. All compute exactly the selected experts (cost ∝ k).
 FEW_TOKENS = 4
 
 
@@ -164,7 +165,14 @@ def dispatch(index: torch.Tensor, experts: int) -> tuple[torch.Tensor, list[int]
 def flat_expert_index(index: torch.Tensor, experts: int) -> torch.Tensor:
     """(N, H, k) expert numbers per head -> (N, H, k) numbers h*E+e among all H*E experts."""
     heads = index.shape[1]
-    return index + torch.arange(0, heads * experts, experts, device=index.device).view(1, heads, 1)
+    key = (heads, experts, index.device)
+    offsets = _EXPERT_OFFSETS.get(key)
+    if offsets is None:  # made once: an arange per call is a measurable part of a decode step
+        offsets = _EXPERT_OFFSETS[key] = torch.arange(0, heads * experts, experts, device=index.device).view(1, heads, 1)
+    return index + offsets
+
+
+_EXPERT_OFFSETS: dict = {}
 
 
 def expert_values(experts: SwitchHeadExperts, x: torch.Tensor, gates: torch.Tensor,
@@ -179,12 +187,13 @@ def expert_values(experts: SwitchHeadExperts, x: torch.Tensor, gates: torch.Tens
             y = y + b
         return (y * gates.unsqueeze(-1)).sum(2)
     k = index.shape[-1]
-    if n <= FEW_TOKENS:  # decode: each selected expert's weights multiply their token directly
-        wf, bf = w.reshape(heads * n_exp, d, dim), None if b is None else b.reshape(heads * n_exp, d)
-        ids = [[h * n_exp + e for h, row in enumerate(token) for e in row] for token in index.tolist()]
-        y = torch.cat([F.linear(x[i : i + 1], wf[j], None if bf is None else bf[j])
-                       for i, row in enumerate(ids) for j in row])
-        return (y.view(n, heads, k, d) * gates.unsqueeze(-1)).sum(2)
+    if n <= FEW_TOKENS:  # decode: the selected experts' weights gathered per token, one batched matmul
+        flat = flat_expert_index(index, n_exp).reshape(-1)
+        wsel = w.reshape(heads * n_exp, d, dim).index_select(0, flat).view(n, heads * k * d, dim)
+        y = torch.bmm(wsel, x.unsqueeze(-1)).view(n * heads, k, d)
+        if b is not None:
+            y = y + b.reshape(heads * n_exp, d).index_select(0, flat).view(n * heads, k, d)
+        return (y.view(n, heads, k, d) * gates.unsqueeze(-1).to(y.dtype)).sum(2)
     order, counts = dispatch(index, n_exp)
     rows = order // k  # token * H + head
     tokens = rows // heads
@@ -212,18 +221,17 @@ def expert_outputs(experts: SwitchHeadExperts, a: torch.Tensor, gates: torch.Ten
         return F.linear(z, w.permute(2, 0, 1, 3).reshape(dim, heads * n_exp * d))
     k = index.shape[-1]
     gated = a.unsqueeze(2) * gates.unsqueeze(-1).to(a.dtype)  # (N, H, k, d): the gate applied on the small side
-    if n <= FEW_TOKENS:  # decode: each selected expert's weights multiply their token's gated head output
+    if n <= FEW_TOKENS:  # decode: each selected expert's weights (read in place) times its gated head output
         wf = w.reshape(heads * n_exp, dim, d)
-        ids = [[h * n_exp + e for h, row in enumerate(token) for e in row] for token in index.tolist()]
         rows = gated.reshape(n, heads * k, d)
         out = []
-        for i, row in enumerate(ids):
-            y = None
-            for slot, j in enumerate(row):
-                z = rows[i, slot : slot + 1]
-                y = F.linear(z, wf[j]) if y is None else torch.addmm(y, z, wf[j].t())
+        for i, experts_of_token in enumerate(flat_expert_index(index, n_exp).view(n, heads * k).tolist()):
+            z = rows[i]
+            y = F.linear(z[0:1], wf[experts_of_token[0]])
+            for slot in range(1, len(experts_of_token)):
+                y = torch.addmm(y, z[slot : slot + 1], wf[experts_of_token[slot]].t())
             out.append(y)
-        return torch.cat(out)
+        return torch.cat(out) if n > 1 else out[0]
     order, counts = dispatch(index, n_exp)
     tokens = order // (k * heads)
     gated = gated.reshape(n * heads * k, d)
