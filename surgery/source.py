@@ -111,10 +111,19 @@ def download(repo_id: str, revision: str | None, allow_pickle: bool) -> Path:
     return Path(folder)
 
 
+# Bumped when what the dequantized folder holds changes (2: tokenizer_config.json that transformers 4.x loads too), so
+# a folder written by an older version is not reused.
+GGUF_CACHE_VERSION = 2
+
+
+def gguf_cache_folder(path: Path) -> Path:
+    """Where a GGUF file's dequantized folder is cached: keyed by the file's sha256 and the cache layout."""
+    return CACHE_DIR / "gguf" / f"{Path(path).stem}-{sha256_file(path)[:16]}-v{GGUF_CACHE_VERSION}"
+
+
 def dequantize_gguf(path: Path, spec: str) -> Source:
-    """Dequantize a GGUF file once into a cached fp32 safetensors folder (keyed by the file's hash)."""
-    digest = sha256_file(path)
-    folder = CACHE_DIR / "gguf" / f"{path.stem}-{digest[:16]}"
+    """Dequantize a GGUF file once into a cached fp32 safetensors folder (see gguf_cache_folder)."""
+    folder = gguf_cache_folder(path)
     start = time.time()
     if not (folder / "config.json").exists():
         _write_dequantized(path, folder)

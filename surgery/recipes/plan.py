@@ -19,8 +19,7 @@ from .schema import Recipe
 
 def local_source_folder(recipe: Recipe) -> Path | None:
     """The source's folder if it is already on disk; never downloads or dequantizes."""
-    from ..digest import sha256_file
-    from ..source import CACHE_DIR, HUB_PATTERNS, embedded_smollm2_gguf
+    from ..source import HUB_PATTERNS, embedded_smollm2_gguf, gguf_cache_folder
 
     s = recipe.source
     if s.path:  # with `package`, the path is inside the package's folder (located without importing it)
@@ -32,7 +31,7 @@ def local_source_folder(recipe: Recipe) -> Path | None:
             return None
         if not gguf.is_file():
             return None
-        folder = CACHE_DIR / "gguf" / f"{gguf.stem}-{sha256_file(gguf)[:16]}"
+        folder = gguf_cache_folder(gguf)
         return folder if (folder / "config.json").exists() else None
     try:
         from huggingface_hub import snapshot_download
