@@ -133,11 +133,9 @@ def merge_model(stream: LayerStream, spec: ArchSpec, config: dict, heads: int, k
         pairs = rotary_pairs(head_dim, pos[0].shape[-1] if pos is not None else 0, "half")
         tick("converted input")
         # 3. merge
-        double = AttnParams(source.q.double(), source.k.double(), source.v.double(), source.o.double(),
-                            source.o_bias, source.qkv_bias)
-        with threads(1):
-            merged: LayerMerge = merge_layer(double, sigma, kv_heads, head_dim, opts.groups, pairs, folded, opts.assign)
-        del double, sigma  # the float64 copies are not needed by the refits (memory: one layer's attention, twice)
+        with threads(1):  # float64 one group at a time, inside
+            merged: LayerMerge = merge_layer(source, sigma, kv_heads, head_dim, opts.groups, pairs, folded, opts.assign)
+        del source, sigma
         params = merged.params
         tick("merge")
         # 4. queries against the source's logits
