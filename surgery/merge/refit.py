@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..solve import lu_in_place
 from .rotary import RotaryPairs, rotate
 
 
@@ -36,8 +37,7 @@ def refit_output(heads: torch.Tensor, target: torch.Tensor, o: torch.Tensor, o_b
     reg = float(ridge * torch.diagonal(gram).mean().clamp_min(1e-12))  # times I, added in place
     rhs.add_(w0.T, alpha=reg)
     gram.diagonal().add_(reg)
-    lu, pivots = torch.linalg.lu_factor(gram)
-    del gram
+    lu, pivots = lu_in_place(gram)
     w = torch.linalg.lu_solve(lu, pivots, rhs).T.float()
     return (w[:, :-1].contiguous(), w[:, -1].contiguous()) if o_bias is not None else (w.contiguous(), None)
 
@@ -160,8 +160,7 @@ def refit_queries(x: torch.Tensor, q_src: torch.Tensor, k_src: torch.Tensor, q_c
     xtx += c * xtx_all
     del xtx_all
     xtx.diagonal().add_(ridge)
-    lu, pivots = torch.linalg.lu_factor(xtx)
-    del xtx
+    lu, pivots = lu_in_place(xtx)
     fitted = torch.empty(heads, head_dim, din, dtype=torch.float32, device=dev)
     for h in range(heads):
         fitted[h] = torch.linalg.lu_solve(lu, pivots, xty[h]).T.float()
