@@ -86,7 +86,7 @@ def merge_loss(p: AttnParams, sigma: torch.Tensor, kv_heads: int, head_dim: int,
 
     def cost(members) -> float:
         idx = list(members)
-        m = merge_group(k[idx], v[idx], q[idx], o[idx], sigma, pairs, fold_queries)
+        m = merge_group(k[idx].double(), v[idx].double(), q[idx].double(), o[idx].double(), sigma, pairs, fold_queries)
         key = 0.0 if m.key_loss != m.key_loss else m.key_loss  # NaN when keys are not fitted
         return key + m.value_loss
 
