@@ -23,7 +23,7 @@ from .calibrate import AttentionCapture
 from .modeling_switchhead import SwitchHeadAttention
 
 RIDGE = 0.1
-ROW_BLOCK = 512  # rows of W per block in the error's quadratic form
+ROW_BLOCK = 512  # rows of W per block (solve, error)
 
 
 class OutputStats:
@@ -48,13 +48,17 @@ class OutputStats:
         return max(resid, 0.0) / max(self.energy, 1e-30)
 
     def solve(self, w0: torch.Tensor, ridge: float) -> torch.Tensor:
-        """W = (Yᵀφ + λ W0)(φᵀφ + λ I)⁻¹ (float64), factorised in a copy of the Gram (kept for `error`)."""
+        """W = (Yᵀφ + λ W0)(φᵀφ + λ I)⁻¹ (float64), factorised in a copy of the Gram (kept for `error`) and solved
+        in row blocks of W (each row's solve is independent), so no [D, features] temporaries."""
         lam = float(ridge * self.gram.diagonal().mean().clamp(min=1e-30))
         a = self.gram.clone()
         a.diagonal().add_(lam)
         lu, pivots = lu_in_place(a)
-        rhs = self.cross.clone().add_(w0, alpha=lam)
-        return torch.linalg.lu_solve(lu, pivots, rhs, left=False)  # X A = rhs, A symmetric
+        w = torch.empty_like(self.cross)
+        for lo in range(0, w.shape[0], ROW_BLOCK):
+            rhs = self.cross[lo:lo + ROW_BLOCK] + lam * w0[lo:lo + ROW_BLOCK].double()
+            w[lo:lo + ROW_BLOCK] = torch.linalg.lu_solve(lu, pivots, rhs, left=False)  # X A = rhs, A symmetric
+        return w
 
 
 def features(attn: SwitchHeadAttention, heads_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
