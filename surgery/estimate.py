@@ -262,14 +262,18 @@ def largest_layer_tensor(s: LayerShape) -> int:
 
 
 def fit_bytes(s: LayerShape, kind: str) -> int:
-    """float64 matrices of the fits alive at once (not counted by the streaming model)."""
-    din, hd = s.hidden + s.qkv_bias, s.heads * s.head_dim
-    if kind == "switchhead":
-        return 8 * (3 * din * din + 2 * hd * hd)
-    # the query refit: input Grams, prior and factorisation (5 d_in x d_in), q_proj's rows, right-hand sides and
-    # solution (5 H D x d_in); the merge before it: sigma and the layer's attention weights in float64 (freed
-    # before the refit, never larger than the refit's)
-    return 8 * (5 * din * din + 5 * hd * din)
+    """float64 matrices of the fits alive at once (not counted by the streaming model), as the code builds them (in
+    place: no identity matrices, priors or transposed copies)."""
+    din, hd, d = s.hidden + s.qkv_bias, s.heads * s.head_dim, s.hidden
+    if kind == "switchhead":  # output refit: features' Gram and its LU (a copy), targets' cross products, W; W0 float32
+        f = hd
+        return 8 * (2 * f * f + 2 * d * f) + 4 * d * f
+    # the query refit: two input Grams (one becomes the LU) and the right-hand sides, float32 solution; the output
+    # refit: the heads' Gram (its own LU), right-hand sides and solution, float32 copy. The merge before them holds
+    # sigma and one group's heads in float64 (less).
+    query = 8 * (2 * din * din + hd * din) + 4 * hd * din
+    output = 8 * ((hd + 1) ** 2 + 2 * (hd + 1) * d) + 4 * (hd + 1) * d
+    return max(query, output)
 
 
 @dataclass
