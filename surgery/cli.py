@@ -65,8 +65,8 @@ def _print_families(ctx: click.Context, param, value) -> None:
               "head, random init (the paper's ablations), or aligned (activation-aware, RoPE-compatible).")
 @click.option("--grouping", type=click.Choice(["similarity", "consecutive"]), default="similarity", show_default=True,
               help="[aligned] Which K/V heads share a merged head: similarity (the grouping that loses least, searched "
-              "over up to C(K, K/G) candidate groups per layer) or consecutive (as the plain merges; G group fits per "
-              "layer, much faster on large models).")
+              "over up to C(K, K/G) candidate groups per layer, each scored from per-head products computed once) or "
+              "consecutive (as the plain merges; skips the search).")
 @optgroup("calibration (aligned merge, switchhead)")
 @click.option("--calib", default="pydoc", show_default=True, help="Calibration text (same forms as check --data).")
 @click.option("--calib-tokens", type=int, default=8192, show_default=True, help="Calibration tokens.")
