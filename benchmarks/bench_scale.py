@@ -275,8 +275,9 @@ def grouping_search(layout: str, full_max: int = 12, sample: int = 2) -> dict | 
             worst = None
         else:
             probe = list(itertools.combinations(range(s.kv_heads), n))[:sample]
-            worst = max(abs(old_cost(m) - group_loss(grams, m)) / abs(old_cost(m)) for m in probe)
+            scores = [old_cost(m) for m in probe]
             old = (time.perf_counter() - start) / len(probe) * candidates
+            worst = max(abs(a - group_loss(grams, m)) / abs(a) for a, m in zip(scores, probe))
             same, how = None, f"{len(probe)} of {candidates} candidates timed, x{candidates}"
     print(f"-- grouping search ({s.kv_heads} -> {kv_out} K/V heads, {candidates} candidate groups of {n}, d_in {din}, "
           f"float64, 1 thread): new {new:.1f} s (shared products {shared:.1f} s; estimated "
