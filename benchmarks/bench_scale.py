@@ -11,7 +11,8 @@ written once under --root and reused), runs as subprocesses, exactly as a user w
     surgery convert SYNTH --to switchhead --heads 8 --experts 4 --topk 2 ...            (switchhead)
     surgery check SYNTH CONVERTED --tokens 1024 --dtype bfloat16                        (check)
 
-and measures each one's peak resident memory (the process tree, polled every 0.1 s with psutil), its wall time and
+(`--runs search`: the grouping search alone at the layout's shapes, the new way against the old way measured in the
+same run; `--runs group-merge`: one K/V group merge) and measures each conversion's peak resident memory (the process tree, polled every 0.1 s with psutil), its wall time and
 its seconds per layer (from the per-layer progress lines the calibration prints when stderr is not a terminal, else
 from the wall time). Before each conversion `surgery convert ... --dry-run` prints the estimate (surgery/estimate.py,
 with its one-second throughput probe on the same device and threads): the script prints measured / estimated.
@@ -226,6 +227,68 @@ def group_merge(layout: str, repeats: int = 2) -> dict:
             "gflop": group_merge_flops(s, n) / 1e9, "float64_rate": rate, "per_layer_with_search": count}
 
 
+def grouping_search(layout: str, full_max: int = 12, sample: int = 2) -> dict | None:
+    """The --grouping similarity search for one layer at the layout's shapes (random weights and sigma, float64, one
+    thread), the new way (per-head products once, each candidate scored from them: surgery/merge/grams.py) against
+    the old way (merging every candidate: layer.merge_loss), measured in the same run. With more than `full_max`
+    candidates the old way is timed on `sample` of them and multiplied by the count (the candidates all cost the
+    same: one group merge each); otherwise both searches run whole and must pick the same groups."""
+    import itertools
+
+    import torch
+
+    from surgery.estimate import group_evaluations, layer_shape, probe_throughput, search_flops
+    from surgery.merge.assign import assign_groups, searched
+    from surgery.merge.grams import group_loss, head_grams
+    from surgery.merge.layer import _split, merge_loss
+    from surgery.merge.params import AttnParams
+    from surgery.merge.rotary import rotary_pairs
+    from surgery.threads import threads
+
+    s = layer_shape(LAYOUTS[layout])
+    kv_out = KV_HEADS[layout]
+    if not searched(s.kv_heads, kv_out):
+        print(f"-- grouping search: {s.kv_heads} -> {kv_out} K/V heads has a single grouping; nothing to search")
+        return None
+    n, d, din = s.kv_heads // kv_out, s.head_dim, s.hidden + s.qkv_bias
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * din, din, generator=g, dtype=torch.float64)
+    sigma = x.T @ x / x.shape[0]
+    rnd = lambda *shape: torch.randn(*shape, generator=g) * 0.02  # noqa: E731  (float32, as the pipeline has them)
+    p = AttnParams(rnd(s.heads * d, din), rnd(s.kv_heads * d, din), rnd(s.kv_heads * d, din), rnd(s.hidden, s.heads * d),
+                   None, False)
+    pairs = rotary_pairs(d, s.rotary, "half")
+    candidates = len(group_evaluations(s.kv_heads, kv_out)) - kv_out
+    with threads(1):
+        rate = probe_throughput("cpu").float64
+        start = time.perf_counter()
+        grams = head_grams(*_split(p, s.kv_heads, d), sigma, pairs, True)
+        shared = time.perf_counter() - start
+        new_groups = assign_groups(lambda m: group_loss(grams, m), s.kv_heads, kv_out)
+        new = time.perf_counter() - start
+        old_cost = merge_loss(p, sigma, s.kv_heads, d, pairs, True)
+        start = time.perf_counter()
+        if candidates <= full_max:
+            old_groups = assign_groups(old_cost, s.kv_heads, kv_out)
+            old = time.perf_counter() - start
+            same, how = old_groups == new_groups, "whole search"
+            worst = None
+        else:
+            probe = list(itertools.combinations(range(s.kv_heads), n))[:sample]
+            scores = [old_cost(m) for m in probe]
+            old = (time.perf_counter() - start) / len(probe) * candidates
+            worst = max(abs(a - group_loss(grams, m)) / abs(a) for a, m in zip(scores, probe))
+            same, how = None, f"{len(probe)} of {candidates} candidates timed, x{candidates}"
+    print(f"-- grouping search ({s.kv_heads} -> {kv_out} K/V heads, {candidates} candidate groups of {n}, d_in {din}, "
+          f"float64, 1 thread): new {new:.1f} s (shared products {shared:.1f} s; estimated "
+          f"{search_flops(s, kv_out) / rate:.1f} s at {rate / 1e9:.1f} GFLOP/s), old {old:.0f} s ({how}); "
+          f"old/new {old / new:.1f}x"
+          + (f"; same groups: {same}" if same is not None else f"; largest score difference {worst:.1e} (relative)"))
+    return {"layout": layout, "kind": "grouping-search", "candidates": candidates, "new_seconds": new,
+            "shared_seconds": shared, "old_seconds": old, "old_measured": how, "ratio": old / new,
+            "same_groups": same, "score_difference": worst, "estimated_new_seconds": search_flops(s, kv_out) / rate}
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
 
@@ -240,7 +303,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, help="Decoder layers of the synthetic checkpoints (default: the real count).")
     p.add_argument("--runs", default="aligned,switchhead,check",
                    help="Comma-separated: aligned, switchhead, check (of the last conversion), group-merge (one K/V "
-                        "group merge in isolation, the unit of the grouping search).")
+                        "group merge in isolation), search (the grouping search, new way vs old way).")
     p.add_argument("--grouping", default="similarity", choices=["similarity", "consecutive"],
                    help="The aligned merge's --grouping (consecutive skips the search over groupings).")
     p.add_argument("--calib-tokens", type=int, default=1024)
@@ -259,7 +322,7 @@ def main() -> None:
           f"{time.strftime('%Y-%m-%d %H:%M')}")
     for layout in [x.strip() for x in args.layouts.split(",") if x.strip()]:
         kinds = [x.strip() for x in args.runs.split(",") if x.strip()]
-        needs_checkpoint = any(k != "group-merge" for k in kinds)
+        needs_checkpoint = any(k not in ("group-merge", "search") for k in kinds)
         folder = ensure(layout, args.layers, args.root) if needs_checkpoint else None
         size = checkpoint_bytes(layout)
         tag = f"{layout}-{args.layers}l" if args.layers else layout
@@ -278,6 +341,9 @@ def main() -> None:
                        str(k), "--calib-tokens", str(args.calib_tokens), "--out", str(out), "--force", *device_opt]
             elif kind == "group-merge":
                 results.append(group_merge(layout))
+                continue
+            elif kind == "search":
+                results.append(grouping_search(layout))
                 continue
             elif kind == "check":
                 if converted is None:

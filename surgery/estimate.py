@@ -166,8 +166,32 @@ def group_merge_flops(s: LayerShape, members: int) -> float:
     return sigma_products + stacked + o_gram
 
 
+def head_grams_flops(s: LayerShape) -> float:
+    """float64 work of the grouping search's per-layer products (surgery/merge/grams.py head_grams): the K, V and Q
+    rows times sigma, the K and V Grams, the o_proj Grams and their square roots."""
+    din, d, kv = s.hidden + s.qkv_bias, s.head_dim, s.kv_heads
+    rows = 2 * kv * d + s.heads * d
+    return 2 * din * din * rows + 2 * 2 * (kv * d) ** 2 * din + 2 * s.heads * s.hidden * d * d + 9 * kv * d**3
+
+
+def group_score_flops(s: LayerShape, members: int) -> float:
+    """float64 work of scoring one candidate group from those products (grams.group_loss): the whitened values'
+    covariance and its eigenvalues (and the same for the non-rotary key dims)."""
+    nd = members * s.head_dim
+    rest = members * (s.head_dim - s.rotary)
+    return 6 * nd**3 + 6 * rest**3 + 9 * members**3 * s.rotary
+
+
+def search_flops(s: LayerShape, groups: int) -> float:
+    """float64 work of the grouping search (--grouping similarity) for one layer; 0 when there is no choice."""
+    scored = group_evaluations(s.kv_heads, groups)[:-groups]
+    if not scored:
+        return 0.0
+    return head_grams_flops(s) + sum(group_score_flops(s, n) for n in scored)
+
+
 def group_evaluations(kv_heads: int, groups: int, assign: bool = True) -> list[int]:
-    """Sizes of the groups merged for one layer: the assignment search's scored groups, then the final ones."""
+    """Sizes of the groups the assignment search scores for one layer, then the final groups (merged)."""
     n = kv_heads // groups
     final = [n] * groups
     if n == 1 or groups == 1 or not assign:
@@ -207,7 +231,9 @@ def aligned_layer_flops(s: LayerShape, kv_out: int, tokens: int, window: int = D
     else:
         f.float32 += _attention(s, tokens, window)
     f.float32 += _mlp(s, tokens)  # the converted pass through the layer's MLP
-    f.float64 += sum(group_merge_flops(s, n) for n in group_evaluations(s.kv_heads, kv_out, assign))
+    f.float64 += sum(group_merge_flops(s, n) for n in group_evaluations(s.kv_heads, kv_out, assign=False))
+    if assign:
+        f.float64 += search_flops(s, kv_out)
     return f
 
 
@@ -236,14 +262,18 @@ def largest_layer_tensor(s: LayerShape) -> int:
 
 
 def fit_bytes(s: LayerShape, kind: str) -> int:
-    """float64 matrices of the fits alive at once (not counted by the streaming model)."""
-    din, hd = s.hidden + s.qkv_bias, s.heads * s.head_dim
-    if kind == "switchhead":
-        return 8 * (3 * din * din + 2 * hd * hd)
-    # the query refit: input Grams, prior and factorisation (5 d_in x d_in), q_proj's rows, right-hand sides and
-    # solution (5 H D x d_in); the merge before it: sigma and the layer's attention weights in float64 (freed
-    # before the refit, never larger than the refit's)
-    return 8 * (5 * din * din + 5 * hd * din)
+    """float64 matrices of the fits alive at once (not counted by the streaming model), as the code builds them (in
+    place: no identity matrices, priors or transposed copies)."""
+    din, hd, d = s.hidden + s.qkv_bias, s.heads * s.head_dim, s.hidden
+    if kind == "switchhead":  # output refit: features' Gram and its LU (a copy), targets' cross products, W; W0 float32
+        f = hd
+        return 8 * (2 * f * f + 2 * d * f) + 4 * d * f
+    # the query refit: two input Grams (one becomes the LU) and the right-hand sides, float32 solution; the output
+    # refit: the heads' Gram (its own LU), right-hand sides and solution, float32 copy. The merge before them holds
+    # sigma and one group's heads in float64 (less).
+    query = 8 * (2 * din * din + hd * din) + 4 * hd * din
+    output = 8 * ((hd + 1) ** 2 + 2 * (hd + 1) * d) + 4 * (hd + 1) * d
+    return max(query, output)
 
 
 @dataclass

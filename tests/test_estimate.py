@@ -11,7 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import tiny_models as tm
 from surgery.estimate import (LayerShape, Throughput, estimate_calibrated, group_evaluations, group_merge_flops,
-                              layer_shape, probe_throughput)
+                              group_score_flops, head_grams_flops, layer_shape, probe_throughput)
+from surgery.merge.grams import head_grams
 from surgery.merge.assign import assign_groups
 from surgery.merge.fit import merge_group
 from surgery.merge.rotary import rotary_pairs
@@ -38,6 +39,23 @@ def test_group_merge_flops_match_torch_flop_counter(members, queries_per_kv, rot
     assert abs(group_merge_flops(s, members) / counted - 1) < 0.10, (group_merge_flops(s, members), counted)
 
 
+@pytest.mark.parametrize("kv_heads,queries_per_kv,rotary", [(8, 4, 16), (4, 2, 8), (6, 1, 0)])
+def test_head_grams_flops_match_torch_flop_counter(kv_heads, queries_per_kv, rotary):
+    """The grouping search's shared products (grams.head_grams), as counted by torch, within 10% of the formula."""
+    d, din = 16, 256
+    s = LayerShape(layers=1, hidden=din, heads=kv_heads * queries_per_kv, kv_heads=kv_heads, head_dim=d,
+                   intermediate=512, mlp_matrices=3, qkv_bias=False, rotary_dims=rotary)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * din, din, generator=g, dtype=torch.float64)
+    sigma = x.T @ x / x.shape[0]
+    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731  (float32, as the pipeline passes them)
+    with FlopCounterMode(display=False) as counter:
+        head_grams(rnd(kv_heads, queries_per_kv, d, din), rnd(kv_heads, d, din), rnd(kv_heads, d, din),
+                   rnd(kv_heads, queries_per_kv, din, d), sigma, rotary_pairs(d, rotary, "half"), True)
+    counted = counter.get_total_flops()
+    assert abs(head_grams_flops(s) / counted - 1) < 0.10, (head_grams_flops(s), counted)
+
+
 @pytest.mark.parametrize("kv_heads,groups", [(8, 2), (8, 4), (4, 2), (6, 3), (16, 2), (8, 1), (8, 8)])
 def test_group_evaluations_count_the_assignment_search(kv_heads, groups):
     """As many group merges of each size as assign_groups scores, plus the final groups."""
@@ -49,12 +67,16 @@ def test_group_evaluations_count_the_assignment_search(kv_heads, groups):
 
 
 def test_llama_8b_costs_scale_as_the_algorithm_does():
-    """Real Llama-3.1-8B shapes: the similarity search dominates the merge; memory stays far below the model."""
+    """Real Llama-3.1-8B shapes: the similarity search costs about one group merge plus its 70 scores (not 70
+    merges); memory stays far below the model."""
     rate = Throughput("cpu", 10e9, 5e9)
     search = estimate_calibrated(LLAMA_8B, "aligned", 1024, kv_heads=2, throughput=rate)
     plain = estimate_calibrated(LLAMA_8B, "aligned", 1024, kv_heads=2, assign=False, throughput=rate)
-    group = group_merge_flops(layer_shape(LLAMA_8B), 4)
-    assert search.flops_per_layer.float64 - plain.flops_per_layer.float64 == pytest.approx(70 * group)
+    shape = layer_shape(LLAMA_8B)
+    group = group_merge_flops(shape, 4)
+    searched = search.flops_per_layer.float64 - plain.flops_per_layer.float64
+    assert searched == pytest.approx(head_grams_flops(shape) + 70 * group_score_flops(shape, 4))
+    assert 0.1 * 70 * group > searched > group  # scored from shared products: far below merging each candidate
     assert search.flops_per_layer.float32 == plain.flops_per_layer.float32
     more = estimate_calibrated(LLAMA_8B, "aligned", 8192, kv_heads=2, assign=False, throughput=rate)
     assert 6 < more.flops_per_layer.float32 / plain.flops_per_layer.float32 < 8.5  # linear in the tokens

@@ -29,8 +29,8 @@ class KVMergeOptions(WriteOptions):
         "(the paper's ablations), or aligned (activation-aware, RoPE-compatible).", aliases=("--method",), group=GROUP)
     grouping: Literal["similarity", "consecutive"] = option(
         "similarity", "--grouping", "[aligned] Which K/V heads share a merged head: similarity (the grouping that "
-        "loses least, searched over up to C(K, K/G) candidate groups per layer) or consecutive (as the plain merges; "
-        "G group fits per layer, much faster on large models).", group=GROUP)
+        "loses least, searched over up to C(K, K/G) candidate groups per layer, each scored from per-head products "
+        "computed once) or consecutive (as the plain merges; skips the search).", group=GROUP)
     calib: str = CalibrationOptions.model_fields["calib"]
     calib_tokens: int = CalibrationOptions.model_fields["calib_tokens"]
     _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)

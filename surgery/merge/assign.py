@@ -37,10 +37,15 @@ def _partitions(heads: tuple[int, ...], n: int):
             yield [group, *tail]
 
 
+def searched(kv_heads: int, groups: int) -> bool:
+    """Whether there is a choice to make (else the consecutive grouping is the only balanced one)."""
+    return kv_heads // groups > 1 and groups > 1
+
+
 def assign_groups(cost: Callable[[tuple[int, ...]], float], kv_heads: int, groups: int) -> list[list[int]]:
     """Partition heads 0..kv_heads-1 into `groups` groups of equal size minimising the summed `cost`."""
     n = kv_heads // groups
-    if n == 1 or groups == 1:
+    if not searched(kv_heads, groups):
         return consecutive(kv_heads, groups)
     cache: dict[tuple[int, ...], float] = {}
 

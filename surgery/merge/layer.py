@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .assign import assign_groups, consecutive
+from .assign import assign_groups, consecutive, searched
 from .fit import merge_group
+from .grams import group_loss, head_grams
 from .params import AttnParams
 from .rotary import RotaryPairs
 
@@ -37,38 +38,59 @@ def _split(p: AttnParams, kv: int, head_dim: int):
 
 def merge_layer(p: AttnParams, sigma: torch.Tensor, kv_heads: int, head_dim: int, groups: int,
                 pairs: RotaryPairs, fold_queries: bool = True, assign: bool = True) -> LayerMerge:
-    """p in float64 (sigma too) -> merged params (float32), source-shaped."""
+    """p (float32 or float64), sigma in float64 -> merged params (float32), source-shaped.
+
+    The fits run in float64 on one group's heads at a time (converted on the way in: exact), and each merged head is
+    written straight into the float32 result: the layer's attention is never held in float64 whole."""
     q, k, v, o = _split(p, kv_heads, head_dim)
 
     def merged(members):
         idx = list(members)
-        return merge_group(k[idx], v[idx], q[idx], o[idx], sigma, pairs, fold_queries)
+        return merge_group(k[idx].double(), v[idx].double(), q[idx].double(), o[idx].double(), sigma, pairs,
+                           fold_queries)
 
-    def cost(members) -> float:
-        m = merged(members)
-        key = 0.0 if m.key_loss != m.key_loss else m.key_loss  # NaN when keys are not fitted
-        return key + m.value_loss
-
-    grouping = assign_groups(cost, kv_heads, groups) if assign else consecutive(kv_heads, groups)
-    new_q, new_k, new_v, new_o = q.clone(), k.clone(), v.clone(), o.clone()
+    if assign and searched(kv_heads, groups):  # candidates scored from per-head products computed once (grams.py)
+        grams = head_grams(q, k, v, o, sigma, pairs, fold_queries)
+        grouping = assign_groups(lambda members: group_loss(grams, members), kv_heads, groups)
+        del grams
+    else:
+        grouping = consecutive(kv_heads, groups)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    new_q, new_k, new_v, new_o = (torch.empty(t.shape, **f32) for t in (q, k, v, o))  # every head is in a group
     key_losses, value_losses = [], []
     for members in grouping:
         m = merged(members)
         for i, j in enumerate(members):
             new_k[j], new_v[j], new_q[j] = m.key, m.value, m.queries[i]
-            new_o[j] = o[j] @ m.value_maps[i]
+            new_o[j] = o[j].double() @ m.value_maps[i]
         key_losses.append(m.key_loss)
         value_losses.append(m.value_loss)
+        del m
     d = p.o.shape[0]
     out = AttnParams(
-        q=new_q.reshape(-1, p.q.shape[1]).float(),
-        k=new_k.reshape(-1, p.k.shape[1]).float(),
-        v=new_v.reshape(-1, p.v.shape[1]).float(),
-        o=new_o.permute(2, 0, 1, 3).reshape(d, -1).float(),
+        q=new_q.reshape(-1, p.q.shape[1]),
+        k=new_k.reshape(-1, p.k.shape[1]),
+        v=new_v.reshape(-1, p.v.shape[1]),
+        o=new_o.permute(2, 0, 1, 3).reshape(d, -1),
         o_bias=p.o_bias.float() if p.o_bias is not None else None,
         qkv_bias=p.qkv_bias,
     )
     return LayerMerge(out, grouping, sum(key_losses) / len(key_losses), sum(value_losses) / len(value_losses))
+
+
+def merge_loss(p: AttnParams, sigma: torch.Tensor, kv_heads: int, head_dim: int, pairs: RotaryPairs,
+               fold_queries: bool = True):
+    """The grouping search's score measured by merging each candidate group (fit.merge_group, d_in x d_in products
+    every time): the reference `grams.group_loss` is tested and benchmarked against."""
+    q, k, v, o = _split(p, kv_heads, head_dim)
+
+    def cost(members) -> float:
+        idx = list(members)
+        m = merge_group(k[idx].double(), v[idx].double(), q[idx].double(), o[idx].double(), sigma, pairs, fold_queries)
+        key = 0.0 if m.key_loss != m.key_loss else m.key_loss  # NaN when keys are not fitted
+        return key + m.value_loss
+
+    return cost
 
 
 def query_order(grouping: list[list[int]], queries_per_kv: int) -> list[int]:

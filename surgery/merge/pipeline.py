@@ -107,7 +107,7 @@ class _Layer:
     index: int
     layer: torch.nn.Module
     la: LayerAttention
-    source: AttnParams
+    source: AttnParams | None  # freed after the merge
     folded: bool  # key maps fold into the queries (no q/k norm in the way)
     grouped: bool  # some merged K/V head serves more than one source K/V head's queries
     refit_q: bool
@@ -216,12 +216,10 @@ class _ModelMerge:
         """3. Assignment, key and value fits, maps folded into q and o (float64, from the input's second moments)."""
         flat = w.x.reshape(-1, w.x.shape[-1])
         sigma = (flat.T @ flat).double() / flat.shape[0]
-        s = w.source
-        double = AttnParams(s.q.double(), s.k.double(), s.v.double(), s.o.double(), s.o_bias, s.qkv_bias)
-        with threads(1):
-            merged = merge_layer(double, sigma, self.kv_heads, self.head_dim, self.opts.groups, w.pairs, w.folded,
+        with threads(1):  # float64 one group at a time, inside
+            merged = merge_layer(w.source, sigma, self.kv_heads, self.head_dim, self.opts.groups, w.pairs, w.folded,
                                  self.opts.assign)
-        # the float64 copies are freed on return: the refits do not need them (memory: one layer's attention, twice)
+        w.source = None  # the refits do not need the source's attention: one layer's attention held, not two
         return merged
 
     def _refit_queries(self, w: _Layer, merged: LayerMerge) -> None:

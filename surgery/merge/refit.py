@@ -18,13 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..solve import lu_in_place
 from .rotary import RotaryPairs, rotate
-
-
-def _ridge(gram: torch.Tensor, rel: float) -> torch.Tensor:
-    scale = torch.diagonal(gram, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)
-    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
-    return eye * (rel * scale)[..., None, None] if gram.dim() > 2 else eye * rel * scale
 
 
 def augment(x: torch.Tensor, bias: bool) -> torch.Tensor:
@@ -37,8 +32,13 @@ def refit_output(heads: torch.Tensor, target: torch.Tensor, o: torch.Tensor, o_b
     z = augment(heads.float(), o_bias is not None)
     w0 = torch.cat([o, o_bias[:, None]], dim=1) if o_bias is not None else o
     gram = (z.T @ z).double()
-    reg = _ridge(gram, ridge)
-    w = torch.linalg.solve(gram + reg, (z.T @ target.float()).double() + reg @ w0.double().T).T.float()
+    rhs = (z.T @ target.float()).double()
+    del z
+    reg = float(ridge * torch.diagonal(gram).mean().clamp_min(1e-12))  # times I, added in place
+    rhs.add_(w0.T, alpha=reg)
+    gram.diagonal().add_(reg)
+    lu, pivots = lu_in_place(gram)
+    w = torch.linalg.lu_solve(lu, pivots, rhs).T.float()
     return (w[:, :-1].contiguous(), w[:, -1].contiguous()) if o_bias is not None else (w.contiguous(), None)
 
 
@@ -148,8 +148,20 @@ def refit_queries(x: torch.Tensor, q_src: torch.Tensor, k_src: torch.Tensor, q_c
             if cos is not None and pairs.frequencies:
                 target = rotate(target, cos[sl][:, None, positions], sin[sl][:, None, positions], pairs, inverse=True)
             xty[hs] += torch.einsum("tx,htd->hxd", xs, target.transpose(0, 1).reshape(len(hs), -1, head_dim)).double()
-    prior = xtx_all * (opts.prior * samples / (n_win * length))
-    prior = prior + _ridge(xtx, opts.weight_ridge)  # directions the calibration barely saw keep the folded weights
-    rows = q_rows.double().reshape(heads, head_dim, din)
-    fitted = torch.linalg.solve(xtx + prior, xty + prior @ rows.transpose(1, 2))  # [H, din, D]
-    return fitted.transpose(1, 2).reshape(heads * head_dim, din).float()
+    # (xtx + prior) W_h = xty_h + prior rows_h^T for every head h, prior = c xtx_all + ridge I (directions the
+    # calibration barely saw keep the folded weights). Built in place and solved head by head from one LU
+    # factorisation: the float64 matrices alive at once are three d_in x d_in / H x d_in x D ones, not ten.
+    c = opts.prior * samples / (n_win * length)
+    ridge = opts.weight_ridge * torch.diagonal(xtx).mean().clamp_min(1e-12)
+    rows = q_rows.reshape(heads, head_dim, din)
+    for h in range(heads):
+        rows_h = rows[h].T.double()
+        xty[h] += c * (xtx_all @ rows_h) + ridge * rows_h
+    xtx += c * xtx_all
+    del xtx_all
+    xtx.diagonal().add_(ridge)
+    lu, pivots = lu_in_place(xtx)
+    fitted = torch.empty(heads, head_dim, din, dtype=torch.float32, device=dev)
+    for h in range(heads):
+        fitted[h] = torch.linalg.lu_solve(lu, pivots, xty[h]).T.float()
+    return fitted.reshape(heads * head_dim, din)

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import torch
 
+from ..solve import lu_in_place
 from .calibrate import AttentionCapture
 from .modeling_switchhead import SwitchHeadAttention
 
 RIDGE = 0.1
+ROW_BLOCK = 512  # rows of W per block (solve, error)
 
 
 class OutputStats:
@@ -36,14 +38,27 @@ class OutputStats:
         self.energy += float(target.double().pow(2).sum())
 
     def error(self, w: torch.Tensor) -> float:
-        """||Y - W φ||² / ||Y||² over the calibration tokens."""
-        resid = self.energy - 2 * float((w * self.cross).sum()) + float(((w @ self.gram) * w).sum())
+        """||Y - W φ||² / ||Y||² over the calibration tokens (W in row blocks: no [D, features] float64 temporary)."""
+        cross = quad = 0.0
+        for lo in range(0, w.shape[0], ROW_BLOCK):
+            wb = w[lo:lo + ROW_BLOCK].double()
+            cross += float((wb * self.cross[lo:lo + ROW_BLOCK]).sum())
+            quad += float(((wb @ self.gram) * wb).sum())
+        resid = self.energy - 2 * cross + quad
         return max(resid, 0.0) / max(self.energy, 1e-30)
 
     def solve(self, w0: torch.Tensor, ridge: float) -> torch.Tensor:
-        lam = ridge * self.gram.diagonal().mean().clamp(min=1e-30)
-        eye = torch.eye(self.gram.shape[0], dtype=self.gram.dtype, device=self.gram.device)
-        return torch.linalg.solve(self.gram + lam * eye, (self.cross + lam * w0).T).T
+        """W = (Yᵀφ + λ W0)(φᵀφ + λ I)⁻¹ (float64), factorised in a copy of the Gram (kept for `error`) and solved
+        in row blocks of W (each row's solve is independent), so no [D, features] temporaries."""
+        lam = float(ridge * self.gram.diagonal().mean().clamp(min=1e-30))
+        a = self.gram.clone()
+        a.diagonal().add_(lam)
+        lu, pivots = lu_in_place(a)
+        w = torch.empty_like(self.cross)
+        for lo in range(0, w.shape[0], ROW_BLOCK):
+            rhs = self.cross[lo:lo + ROW_BLOCK] + lam * w0[lo:lo + ROW_BLOCK].double()
+            w[lo:lo + ROW_BLOCK] = torch.linalg.lu_solve(lu, pivots, rhs, left=False)  # X A = rhs, A symmetric
+        return w
 
 
 def features(attn: SwitchHeadAttention, heads_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +98,7 @@ def refit_layer(attn: torch.nn.Module, config, settings: dict, tensors: dict[str
             target = target - o_bias
         st.add(features(sh, heads_out, x), target)
     w_shape = tensors["o_experts.weight"].shape  # (H, E, D, d)
-    w0 = tensors["o_experts.weight"].double().permute(2, 0, 1, 3).reshape(w_shape[2], -1)
+    w0 = tensors["o_experts.weight"].permute(2, 0, 1, 3).reshape(w_shape[2], -1)  # float32: upcast where used
     w = st.solve(w0, ridge)
     tensors["o_experts.weight"] = w.reshape(w_shape[2], *w_shape[:2], w_shape[3]).permute(1, 2, 0, 3).float().contiguous()
     return {"before": round(st.error(w0), 5), "after": round(st.error(w), 5)}
