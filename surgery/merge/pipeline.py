@@ -23,7 +23,9 @@ from ..threads import threads
 from . import capture
 from .layer import LayerMerge, merge_layer
 from .params import AttnParams, LayerAttention
+from .keyrefit import KeyRefit, refit_keys
 from .refit import QueryRefit, augment, refit_output, refit_queries
+from .valuerefit import ValueRefit, refit_values
 from .rotary import RotaryPairs, hf_cos_sin, rotary_pairs, rotate
 
 QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
@@ -37,10 +39,15 @@ class MergeOptions:
     assign: bool = True  # group K/V heads by similarity (else consecutively)
     fold: bool = True  # fit keys with RoPE-commuting maps folded into the queries
     refit_q: bool = True
+    refit_k: bool = False  # refit the merged keys against the source's logits before each query refit
+    refit_rounds: int = 1  # key/query refit alternations (with refit_k)
+    refit_v: bool = False  # refit the merged values against the source heads' outputs before the output refit
     refit_o: bool = True
     o_ridge: float = 0.1
     targets: str = "local"  # "source": the source model's own activations; "local": the source layer on converted inputs
     query: QueryRefit = field(default_factory=QueryRefit)
+    key: KeyRefit = field(default_factory=KeyRefit)
+    value: ValueRefit = field(default_factory=ValueRefit)
     seed: int = 0
 
 
@@ -122,7 +129,8 @@ def merge_model(stream: LayerStream, spec: ArchSpec, config: dict, heads: int, k
                   for i in range(len(chunks))]
         grouped = kv_heads // opts.groups > 1
         refit_q = opts.refit_q and folded and grouped
-        if opts.targets == "local" and (refit_q or (opts.refit_o and grouped)):
+        refit_v = opts.refit_v and folded and grouped
+        if opts.targets == "local" and (refit_q or refit_v or (opts.refit_o and grouped)):
             src_runs = [capture.run_attention(la.attention, la.out_module, a) for a in acalls]  # the source layer
         x = augment(_cat([a.x for a in acalls]), source.qkv_bias)  # [N, L, din]
         flat = x.reshape(-1, x.shape[-1])
@@ -140,23 +148,39 @@ def merge_model(stream: LayerStream, spec: ArchSpec, config: dict, heads: int, k
         del double, sigma  # the float64 copies are not needed by the refits (memory: one layer's attention, twice)
         params = merged.params
         tick("merge")
-        # 4. queries against the source's logits
-        if refit_q:
-            cos = sin = None
-            if pos is not None and pairs.frequencies:
-                cs = [hf_cos_sin(a.kwargs["position_embeddings"], pairs) for a in acalls]
-                cos = _cat([c[0].expand(a.x.shape[0], -1, -1) for c, a in zip(cs, acalls)])
-                sin = _cat([c[1].expand(a.x.shape[0], -1, -1) for c, a in zip(cs, acalls)])
+        # 4. keys and queries against the source's logits, then values against the source heads' outputs
+        cos = sin = None
+        if (refit_q or refit_v) and pos is not None and pairs.frequencies:
+            cs = [hf_cos_sin(a.kwargs["position_embeddings"], pairs) for a in acalls]
+            cos = _cat([c[0].expand(a.x.shape[0], -1, -1) for c, a in zip(cs, acalls)])
+            sin = _cat([c[1].expand(a.x.shape[0], -1, -1) for c, a in zip(cs, acalls)])
+        if refit_q or refit_v:
             record = src_runs[0].record
             scaling = record.scaling if record.scaling is not None else head_dim**-0.5
+        if refit_q:
+            q_src = _cat([q for r in src_runs for q in r.record.queries])
+            k_src = _cat([k for r in src_runs for k in r.record.keys])
             with threads(1):
-                params.q = refit_queries(
-                    x,
-                    _cat([q for r in src_runs for q in r.record.queries]),
-                    _cat([k for r in src_runs for k in r.record.keys]),
-                    project_heads(x, params.q, head_dim, cos, sin, pairs),
+                for _ in range(opts.refit_rounds if opts.refit_k else 1):
+                    if opts.refit_k:
+                        params.k = refit_keys(
+                            x, q_src, k_src,
+                            project_heads(x, params.q, head_dim, cos, sin, pairs),
+                            project_heads(x, params.k, head_dim, cos, sin, pairs),
+                            merged.groups, cos, sin, pairs, scaling, record.softcap, params.k, opts.key, gen)
+                    params.q = refit_queries(
+                        x, q_src, k_src,
+                        project_heads(x, params.q, head_dim, cos, sin, pairs),
+                        project_heads(x, params.k, head_dim, cos, sin, pairs),
+                        merged.groups, cos, sin, pairs, scaling, record.softcap, params.q, opts.query, gen)
+            del q_src, k_src
+        if refit_v:
+            with threads(1):
+                params.v = refit_values(
+                    x, project_heads(x, params.q, head_dim, cos, sin, pairs),
                     project_heads(x, params.k, head_dim, cos, sin, pairs),
-                    merged.groups, cos, sin, pairs, scaling, record.softcap, params.q, opts.query, gen)
+                    _cat([r.heads for r in src_runs]), merged.groups, scaling, record.softcap, params.v, params.o,
+                    source.o, opts.value, gen)
         la.write(params)
         tick("query refit")
         # 5. output projection against the source's attention output
