@@ -131,3 +131,22 @@ def test_value_refit_lowers_the_head_output_error_and_keeps_exact_values():
     assert torch.allclose(again, v, atol=1e-4), (again - v).abs().max()
     assert torch.equal(refit_values(x, q_src, k_src, heads_src, [[0], [1]], SCALING, None, v, o, o, ValueRefit(),
                                     torch.Generator().manual_seed(0)), v)
+
+
+def test_aligned_merge_with_key_and_value_refits(tmp_path):
+    """The refits inside the whole aligned conversion (tiny Llama): G = source K/V heads stays exact, 4 -> 1 stays far
+    closer to the source than mean pooling, and surgery.json says which refits ran."""
+    from surgery.convert_kv import KVOptions, convert_to_kv_heads
+    from surgery.merge.pipeline import MergeOptions
+    from surgery.source import resolve_source
+    from test_merge_convert import aligned, heldout_ids, kl_to_source, tiny
+
+    src = tiny("llama", tmp_path / "src")
+    opts = MergeOptions(groups=1, refit_k=True, refit_rounds=2, refit_v=True)
+    record = aligned(src, tmp_path / "same", 4, options=opts)
+    assert kl_to_source(src, tmp_path / "same", heldout_ids(windows=2))[1] <= 1e-5
+    record = aligned(src, tmp_path / "mqa", 1, options=opts)
+    assert record["merge"]["key_refit"] == {"rounds": 2} and record["merge"]["value_refit"] is True
+    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", KVOptions(kv_heads=1), progress=False)
+    ids = heldout_ids()
+    assert kl_to_source(src, tmp_path / "mqa", ids)[0] < 0.5 * kl_to_source(src, tmp_path / "mean", ids)[0]
