@@ -1,7 +1,8 @@
 """Aligned K/V merge ablations on the real SmolLM2-135M (3 -> 1 K/V heads): calibration size and domain, refits.
 
     python benchmarks/bench_merge_ablation.py NAME [--calib pydoc|FILES] [--calib-tokens 8192] [--tokens 16384]
-                                              [--refit-k] [--refit-rounds 1] [--refit-v] [--json results.jsonl]
+                                              [--refit-k] [--refit-rounds 1] [--refit-v] [--query-samples 128]
+                                              [--json results.jsonl]
 
 The merge runs in memory through the converter's own layer pipeline (`surgery.merge.pipeline.merge_model` on the
 resident model, which keeps the merged layers in the source's shape: the same function as `surgery convert --merge
@@ -33,6 +34,7 @@ from surgery.data import pydoc_texts, token_stream  # noqa: E402
 from surgery.merge import capture  # noqa: E402
 from surgery.merge.compare import heldout_documents  # noqa: E402
 from surgery.merge.pipeline import MergeOptions, merge_model  # noqa: E402
+from surgery.merge.refit import QueryRefit  # noqa: E402
 from surgery.source import resolve_source  # noqa: E402
 
 
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--refit-k", action="store_true")
     ap.add_argument("--refit-rounds", type=int, default=1)
     ap.add_argument("--refit-v", action="store_true")
+    ap.add_argument("--query-samples", type=int, default=None, help="query refit positions per window (default 128)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -63,6 +66,8 @@ def main() -> None:
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     text = calibration_text(a.calib, tok, a.calib_tokens, context_of(config))
     opts = MergeOptions(groups=a.kv_heads, refit_k=a.refit_k, refit_rounds=a.refit_rounds, refit_v=a.refit_v)
+    if a.query_samples:
+        opts.query = QueryRefit(samples=a.query_samples)
     result = merge_model(resident_stream(work, "cpu"), spec_for(config, "mqa/gqa aligned"), config, heads, kv,
                          head_dim, text.windows, opts)
     merge_cpu = time.process_time()
@@ -70,6 +75,7 @@ def main() -> None:
     report = compare_models(model, work, ids, 1024, 1, causal=True)
     row = {"name": a.name, "calib": a.calib, "calib_tokens": text.tokens, "tokens": int(report["tokens"]),
            "refit_k": a.refit_k, "refit_rounds": a.refit_rounds, "refit_v": a.refit_v,
+           "query_samples": opts.query.samples,
            "ppl_source": report["ppl_source"], "ppl": report["ppl_converted"],
            "ratio": report["ppl_converted"] / report["ppl_source"], "kl": report["kl"],
            "top1": report["top1_agreement"], "merge_wall_s": round(result.seconds, 1),
