@@ -23,7 +23,9 @@ from ..threads import threads
 from . import capture
 from .layer import LayerMerge, merge_layer
 from .params import AttnParams, LayerAttention
+from .keyrefit import KeyRefit, refit_keys
 from .refit import QueryRefit, augment, refit_output, refit_queries
+from .valuerefit import ValueRefit, refit_values
 from .rotary import RotaryPairs, hf_cos_sin, rotary_pairs, rotate
 
 QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
@@ -37,10 +39,15 @@ class MergeOptions:
     assign: bool = True  # group K/V heads by similarity (else consecutively)
     fold: bool = True  # fit keys with RoPE-commuting maps folded into the queries
     refit_q: bool = True
+    refit_k: bool = False  # refit the merged keys against the source's logits before each query refit
+    refit_rounds: int = 1  # key/query refit alternations (with refit_k)
+    refit_v: bool = False  # refit the merged values against the source heads' outputs before the output refit
     refit_o: bool = True
     o_ridge: float = 0.1
     targets: str = "local"  # "source": the source model's own activations; "local": the source layer on converted inputs
     query: QueryRefit = field(default_factory=QueryRefit)
+    key: KeyRefit = field(default_factory=KeyRefit)
+    value: ValueRefit = field(default_factory=ValueRefit)
     seed: int = 0
 
 
@@ -111,6 +118,8 @@ class _Layer:
     folded: bool  # key maps fold into the queries (no q/k norm in the way)
     grouped: bool  # some merged K/V head serves more than one source K/V head's queries
     refit_q: bool
+    refit_v: bool
+    source_o: torch.Tensor | None = None  # the source's output projection, kept past the merge for the value refit
     src_runs: list = field(default_factory=list)  # the source attention's runs (targets of the refits)
     acalls: list = field(default_factory=list)  # the attention's calls on the converted stream
     x: torch.Tensor | None = None  # [N, L, din] the converted attention input (augmented with 1 for q/k/v biases)
@@ -150,7 +159,8 @@ class _ModelMerge:
         la = LayerAttention(layer, path, self.spec, self.layout, self.heads, self.kv_heads, self.head_dim, self.conv1d)
         folded = self.opts.fold and not _has_qk_norm(la.attention)
         grouped = self.kv_heads // self.opts.groups > 1
-        w = _Layer(index, layer, la, la.read(), folded, grouped, self.opts.refit_q and folded and grouped)
+        w = _Layer(index, layer, la, la.read(), folded, grouped, self.opts.refit_q and folded and grouped,
+                   self.opts.refit_v and folded and grouped)
         self._source_pass(w)
         self._tick("source pass")
         self._converted_input(w)
@@ -188,7 +198,7 @@ class _ModelMerge:
         la, fetch = w.la, self.stream.fetch
         w.acalls = [capture.attention_input(w.layer, la.attention, la.in_module, fetch(self.cv_h[i]),
                                             self.calls[i][w.index]) for i in range(len(self.chunks))]
-        if self.opts.targets == "local" and (w.refit_q or (self.opts.refit_o and w.grouped)):
+        if self.opts.targets == "local" and (w.refit_q or w.refit_v or (self.opts.refit_o and w.grouped)):
             w.src_runs = [capture.run_attention(la.attention, la.out_module, a) for a in w.acalls]  # the source layer
         w.x = augment(_cat([a.x for a in w.acalls]), w.source.qkv_bias)
         w.pos = w.acalls[0].kwargs.get("position_embeddings")
@@ -219,14 +229,16 @@ class _ModelMerge:
         with threads(1):  # float64 one group at a time, inside
             merged = merge_layer(w.source, sigma, self.kv_heads, self.head_dim, self.opts.groups, w.pairs, w.folded,
                                  self.opts.assign)
+        w.source_o = w.source.o if w.refit_v else None
         w.source = None  # the refits do not need the source's attention: one layer's attention held, not two
         return merged
 
     def _refit_queries(self, w: _Layer, merged: LayerMerge) -> None:
-        """4. The queries, against the source's attention logits (folded merges of grouped heads only)."""
-        if not w.refit_q:
+        """4. Keys (optionally) and queries against the source's attention logits, then values (optionally)
+        against the source heads' outputs (folded merges of grouped heads only)."""
+        if not (w.refit_q or w.refit_v):
             return
-        params, pairs, head_dim = merged.params, w.pairs, self.head_dim
+        params, pairs, head_dim, opts = merged.params, w.pairs, self.head_dim, self.opts
         cos = sin = None
         if w.pos is not None and pairs.frequencies:
             cs = [hf_cos_sin(a.kwargs["position_embeddings"], pairs) for a in w.acalls]
@@ -235,14 +247,31 @@ class _ModelMerge:
         record = w.src_runs[0].record
         scaling = record.scaling if record.scaling is not None else head_dim**-0.5
         x = w.x
-        with threads(1):
-            params.q = refit_queries(
-                x,
-                _cat([q for r in w.src_runs for q in r.record.queries]),
-                _cat([k for r in w.src_runs for k in r.record.keys]),
-                project_heads(x, params.q, head_dim, cos, sin, pairs),
-                project_heads(x, params.k, head_dim, cos, sin, pairs),
-                merged.groups, cos, sin, pairs, scaling, record.softcap, params.q, self.opts.query, self.gen)
+        if w.refit_q:
+            q_src = _cat([q for r in w.src_runs for q in r.record.queries])
+            k_src = _cat([k for r in w.src_runs for k in r.record.keys])
+            with threads(1):
+                for _ in range(opts.refit_rounds if opts.refit_k else 1):
+                    if opts.refit_k:
+                        params.k = refit_keys(
+                            x, q_src, k_src,
+                            project_heads(x, params.q, head_dim, cos, sin, pairs),
+                            project_heads(x, params.k, head_dim, cos, sin, pairs),
+                            merged.groups, cos, sin, pairs, scaling, record.softcap, params.k, opts.key, self.gen)
+                    params.q = refit_queries(
+                        x, q_src, k_src,
+                        project_heads(x, params.q, head_dim, cos, sin, pairs),
+                        project_heads(x, params.k, head_dim, cos, sin, pairs),
+                        merged.groups, cos, sin, pairs, scaling, record.softcap, params.q, opts.query, self.gen)
+            del q_src, k_src
+        if w.refit_v:
+            with threads(1):
+                params.v = refit_values(
+                    x, project_heads(x, params.q, head_dim, cos, sin, pairs),
+                    project_heads(x, params.k, head_dim, cos, sin, pairs),
+                    _cat([r.heads for r in w.src_runs]), merged.groups, scaling, record.softcap, params.v, params.o,
+                    w.source_o, opts.value, self.gen)
+            w.source_o = None
 
     def _refit_output(self, w: _Layer, params: AttnParams) -> list | None:
         """5. The output projection against the source's attention output; returns the converted attention's runs

@@ -1,0 +1,112 @@
+"""Least-squares refit of the merged keys against the source's attention logits (the key side of a joint q/k refit).
+
+After the merge, every query head of a group attends to the group's one merged key. For a sample of key positions n,
+the rotated key that best reproduces the source's logits from *all* the group's (converted) queries is solved for:
+
+    kappa_n = argmin  sum_{h in group} sum_{m >= n} w_hmn (s * q_hm . kappa - (t_hmn - c_hm))^2 + ridge |kappa - kappa0|^2
+
+where t is the source's logit (its own query against its own key head), s the softmax scaling, c_hm the per-query
+offset softmax ignores (the source-probability-weighted mean of t - converted logit over row m), w the source's
+attention probability plus a uniform share over the visible queries (so that logits the source gives little weight
+keep in check too), and kappa0 the current merged key. k_proj's rows are then regressed onto those keys (after
+undoing the rotation at each key's position), regularised toward the current rows on all calibration tokens.
+
+The queries only enter as the converted model computes them, so alternating this with the query refit
+(`refit.refit_queries`) descends the same logit objective from both sides. A group of one head is not refit (its key
+is the source's, exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .rotary import RotaryPairs, rotate
+
+
+@dataclass
+class KeyRefit:
+    samples: int = 96  # key positions per window whose ideal keys are solved for
+    uniform: float = 0.1  # total weight of the uniform share over a key's visible queries, per head
+    ridge: float = 1e-2  # per-position pull toward the current key (relative to the query Gram's scale)
+    prior: float = 0.1  # pull of k_proj toward the current rows on all tokens (relative to the sample count)
+    weight_ridge: float = 1e-3  # plain ridge toward the current k_proj (relative to the input Gram's scale)
+
+
+@torch.no_grad()
+def ideal_keys(q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor, scaling: float,
+               softcap: float | None, positions: torch.Tensor, opts: KeyRefit) -> torch.Tensor:
+    """One window. q_src [R, L, D] the group's source queries, k_src [R, L, D] the source key each of them used,
+    q_cv [R, L, D] the converted queries, k_cv [L, D] the merged key; positions [M] key positions -> [M, D]."""
+    heads, length, head_dim = q_src.shape
+    dev = q_src.device
+    positions = positions.to(dev)
+    causal = torch.ones(length, length, dtype=torch.bool, device=dev).tril()  # [m, n]: query m sees key n
+    target = scaling * (q_src.float() @ k_src.float().transpose(-1, -2))  # [R, L, L]
+    capped = softcap * torch.tanh(target / softcap) if softcap else target
+    prob = torch.softmax(capped.masked_fill(~causal, float("-inf")), dim=-1)
+    qs = scaling * q_cv.float()  # [R, L, D]
+    current = qs @ k_cv.float().T  # [R, L, L]
+    offset = (prob * (target - current)).sum(-1, keepdim=True)  # [R, L, 1]
+    seen = causal[:, positions].float()  # [L(m), M]
+    share = seen / seen.sum(0, keepdim=True).clamp_min(1)
+    w = prob[:, :, positions] + opts.uniform * share  # [R, L, M]
+    resid = (target - offset)[:, :, positions]  # [R, L, M]
+    gram = torch.einsum("hmd,hmn,hme->nde", qs, w, qs).double()  # [M, D, D]
+    rhs = torch.einsum("hmd,hmn->nd", qs, w * resid).double()  # [M, D]
+    lam = opts.ridge * torch.diagonal(gram, dim1=-2, dim2=-1).mean(-1).clamp_min(1e-12)  # [M]
+    eye = torch.eye(head_dim, dtype=torch.float64, device=dev)
+    k0 = k_cv[positions].double()
+    out = torch.linalg.solve(gram + lam[:, None, None] * eye, (rhs + lam[:, None] * k0)[..., None])[..., 0]
+    return out.float()
+
+
+@torch.no_grad()
+def refit_keys(x: torch.Tensor, q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor,
+               groups: list[list[int]], cos: torch.Tensor | None, sin: torch.Tensor | None, pairs: RotaryPairs,
+               scaling: float, softcap: float | None, k_rows: torch.Tensor, opts: KeyRefit,
+               generator: torch.Generator) -> torch.Tensor:
+    """New k_proj rows [KV*D, d_in] (source-shaped: every slot of a group holds the group's refit key).
+
+    x [N, L, d_in] converted attention input (augmented when k has a bias); q_src/k_src [N, H|KV, L, D] the source's
+    rotated queries/keys; q_cv/k_cv the converted layer's on x (source-shaped); groups: the source K/V heads of each
+    merged head; cos/sin [N, L, F] (None: no rotary).
+    """
+    n_win, heads, length, head_dim = q_src.shape
+    kv = k_cv.shape[1]
+    r = heads // kv
+    din = x.shape[-1]
+    dev = x.device
+    rows = k_rows.double().reshape(kv, head_dim, din).clone()
+    fit = [members for members in groups if len(members) > 1]
+    if not fit:
+        return k_rows
+    xtx_all = torch.zeros(din, din, dtype=torch.float64, device=dev)
+    xtx = torch.zeros(din, din, dtype=torch.float64, device=dev)
+    xty = torch.zeros(len(fit), din, head_dim, dtype=torch.float64, device=dev)
+    samples = 0
+    m = min(opts.samples, length)
+    for i in range(n_win):
+        xa = x[i].float()
+        xtx_all += (xa.T @ xa).double()
+        positions = torch.randperm(length, generator=generator)[:m].sort().values.to(dev)
+        xs = xa[positions]
+        xtx += (xs.T @ xs).double()
+        samples += m
+        for g, members in enumerate(fit):
+            hs = torch.tensor([j * r + h for j in members for h in range(r)], device=dev)
+            target = ideal_keys(q_src[i, hs], k_src[i, hs // r], q_cv[i, hs], k_cv[i, members[0]], scaling, softcap,
+                                positions, opts)  # [M, D]
+            if cos is not None and pairs.frequencies:
+                target = rotate(target, cos[i, positions], sin[i, positions], pairs, inverse=True)
+            xty[g] += (xs.T @ target).double()
+    prior = xtx_all * (opts.prior * samples / (n_win * length))
+    scale = torch.diagonal(xtx).mean().clamp_min(1e-12)
+    prior = prior + torch.eye(din, dtype=torch.float64, device=dev) * (opts.weight_ridge * scale)
+    for g, members in enumerate(fit):
+        old = rows[members[0]]  # [D, din]
+        new = torch.linalg.solve(xtx + prior, xty[g] + prior @ old.T).T
+        for j in members:
+            rows[j] = new
+    return rows.reshape(kv * head_dim, din).float()
