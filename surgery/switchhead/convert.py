@@ -40,8 +40,8 @@ KV_NOTES = {
     "free": "heads are clustered one by one: a cluster's key projection is the mean of its members' K heads, its "
             "value experts are the members' V heads",
 }
-INIT_NOTE = ("q_proj and k_proj of a head: the query and K head of its medoid member (the member whose attention "
-             "is closest to the others'; qk_merge=mean: the members' mean); value expert e: V head of member e times "
+INIT_NOTE = ("q_proj and k_proj of a head: the members' mean query and K head (qk_merge=medoid: those of the "
+             "member whose attention is closest to the others'); value expert e: V head of member e times "
              "2/k; output expert e: O slice of member e times 2 (gates start near sigmoid(0) = 1/2: the output side "
              "sums the selected experts, the value side averages them), then refit by ridge regression to the "
              "source's attention output on calibration text (output_refit); routers: zero when E = 1 (exact), else "
@@ -152,14 +152,14 @@ def layer_pattern(family: Family, module: str) -> str:
 def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, topk: int, calib: str = "pydoc",
                           calib_tokens: int = 8192, force: bool = False, dtype: str | None = None,
                           max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
-                          progress: bool = True, respect_kv_groups: bool = True, qk_merge: str = "medoid",
+                          progress: bool = True, respect_kv_groups: bool = True, qk_merge: str = "mean",
                           refit: bool = True, ridge: float = RIDGE, device: str = "auto") -> dict:
     """Convert every self-attention layer of `src` into SwitchHead attention with H=`heads` heads of E=`experts`
     experts, k=`topk` selected per token; write the checkpoint to `out`. Returns the surgery.json record.
 
     `seed` is recorded but nothing is random: calibration, clustering and initialisation are deterministic.
-    Ablations: `respect_kv_groups=False` clusters a GQA source's heads freely (see cluster.py); `qk_merge="mean"`
-    averages the members' queries and keys instead of taking the medoid's; `refit=False` keeps the members' own
+    Ablations: `respect_kv_groups=False` clusters a GQA source's heads freely (see cluster.py); `qk_merge="medoid"`
+    takes the medoid member's query and key instead of the members' mean; `refit=False` keeps the members' own
     output projections (see refit.py; `ridge` is its pull toward them)."""
     _check_options(dtype, calib_tokens, qk_merge)
     check_output_path(out, force, source=src.folder)
