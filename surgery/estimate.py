@@ -208,8 +208,8 @@ def group_evaluations(kv_heads: int, groups: int, assign: bool = True) -> list[i
 
 
 def aligned_layer_flops(s: LayerShape, kv_out: int, tokens: int, window: int = DEFAULT_WINDOW,
-                        assign: bool = True) -> Flops:
-    """Work of one layer of the aligned merge (default options: local targets, query and output refits)."""
+                        assign: bool = True, query_samples: int = QUERY_SAMPLES, refit_values: bool = False) -> Flops:
+    """Work of one layer of the aligned merge (local targets, query and output refits, optionally the value refit)."""
     f = Flops()
     grouped = s.kv_heads // kv_out > 1
     din, hd = s.hidden + s.qkv_bias, s.heads * s.head_dim
@@ -218,7 +218,7 @@ def aligned_layer_flops(s: LayerShape, kv_out: int, tokens: int, window: int = D
     if grouped:
         f.float32 += _attention(s, tokens, window)  # the source attention on the converted stream (targets)
         # query refit: converted queries/keys, input Grams, ideal queries at sampled positions, right-hand sides
-        samples = windows * min(QUERY_SAMPLES, window)
+        samples = windows * min(query_samples, window)
         e = s.head_dim + 1
         f.float32 += 2 * tokens * din * (s.heads + s.kv_heads) * s.head_dim + 2 * tokens * din * din
         f.float32 += 2 * samples * din * din + 2 * samples * din * hd
@@ -228,6 +228,9 @@ def aligned_layer_flops(s: LayerShape, kv_out: int, tokens: int, window: int = D
         f.float32 += _attention(s, tokens, window) + 2 * tokens * hd * hd + 2 * tokens * hd * s.hidden
         f.float64 += 2 / 3 * (hd + 1) ** 3 + 2 * hd * hd * s.hidden
         f.float32 += 2 * tokens * hd * s.hidden  # o_proj of the refit heads, for the converted pass
+        if refit_values:  # per head: z = attention-weighted inputs at the sampled positions, their Gram, CG solves
+            f.float32 += 2 * samples * window * din * s.heads + 2 * samples * din * din * s.heads
+            f.float64 += 40 * 4 * s.heads * s.head_dim * din * din  # at most 40 CG steps (fewer when converged)
     else:
         f.float32 += _attention(s, tokens, window)
     f.float32 += _mlp(s, tokens)  # the converted pass through the layer's MLP
@@ -261,7 +264,7 @@ def largest_layer_tensor(s: LayerShape) -> int:
     return max(s.hidden * s.intermediate, s.hidden * s.heads * s.head_dim, s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim)
 
 
-def fit_bytes(s: LayerShape, kind: str) -> int:
+def fit_bytes(s: LayerShape, kind: str, refit_values: bool = False) -> int:
     """float64 matrices of the fits alive at once (not counted by the streaming model), as the code builds them (in
     place: no identity matrices, priors or transposed copies)."""
     din, hd, d = s.hidden + s.qkv_bias, s.heads * s.head_dim, s.hidden
@@ -273,7 +276,8 @@ def fit_bytes(s: LayerShape, kind: str) -> int:
     # sigma and one group's heads in float64 (less).
     query = 8 * (2 * din * din + hd * din) + 4 * hd * din
     output = 8 * ((hd + 1) ** 2 + 2 * (hd + 1) * d) + 4 * (hd + 1) * d
-    return max(query, output)
+    value = 8 * (s.heads * din * din + 2 * hd * din) if refit_values else 0  # every query head's input Gram
+    return max(query, output, value)
 
 
 @dataclass
@@ -321,7 +325,8 @@ def _duration(seconds: float) -> str:
 def estimate_calibrated(config: dict, kind: str, tokens: int, *, dtype: str = "bfloat16", device: str = "cpu",
                         kv_heads: int | None = None, assign: bool = True, heads: int | None = None, experts: int | None = None,
                         topk: int | None = None, throughput: Throughput | None = None,
-                        window: int = DEFAULT_WINDOW) -> Estimate:
+                        window: int = DEFAULT_WINDOW, query_samples: int = QUERY_SAMPLES,
+                        refit_values: bool = False) -> Estimate:
     """Peak memory and time of a calibrated conversion: kind "aligned" (with `kv_heads`) or "switchhead" (with
     `heads`, `experts`, `topk`) of the checkpoint described by `config` stored in `dtype`, on `device`."""
     from .calibration.stream import estimate_peak_bytes
@@ -332,13 +337,13 @@ def estimate_calibrated(config: dict, kind: str, tokens: int, *, dtype: str = "b
     dev = torch.device(device)
     rate = throughput or probe_throughput(dev)
     if kind == "aligned":
-        flops = aligned_layer_flops(s, kv_heads or 1, tokens, window, assign)
+        flops = aligned_layer_flops(s, kv_heads or 1, tokens, window, assign, query_samples, refit_values)
     elif kind == "switchhead":
         flops = switchhead_layer_flops(s, heads or s.heads, experts or 1, topk or 1, tokens, window)
     else:
         raise ValueError(f"unknown calibrated kind {kind!r}")
     terms = estimate_peak_bytes(config, tokens, dtype, kind=kind, device=dev.type, window=window)
-    fits = fit_bytes(s, kind)
+    fits = fit_bytes(s, kind, refit_values)
     read = largest_layer_tensor(s) * DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 4)
     memory = {"runtime": terms["runtime"], "layer (float32)": terms["layer"], "embeddings": terms["embedding"],
               "activations": terms["activations"], "scratch": terms["scratch"], "fits (float64)": fits,

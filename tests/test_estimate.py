@@ -117,3 +117,17 @@ def test_convert_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys
         "surgery: error: Missing option '--out'. (see `surgery convert --help`)"]
     code, _, err = _surgery(capsys, "convert", src, "--to", "gqa", "--merge", "aligned", "--dry-run")
     assert code == 2 and "--to gqa needs --kv-heads N" in err
+
+
+def test_aligned_options_move_the_estimate_as_their_work_does():
+    """--query-samples and --refit-values reach the cost model: more sampled queries cost more time, the value
+    refit holds one hidden x hidden float64 matrix per query head (Llama-3-8B: 32 x 4096^2 x 8 bytes = 4.3 GB)."""
+    from surgery.estimate import aligned_layer_flops, fit_bytes, layer_shape
+
+    s = layer_shape(LLAMA_8B)
+    base = aligned_layer_flops(s, 2, 1024)
+    more = aligned_layer_flops(s, 2, 1024, query_samples=512)
+    values = aligned_layer_flops(s, 2, 1024, refit_values=True)
+    assert more.float32 > base.float32 and more.float64 == base.float64
+    assert values.float64 > base.float64
+    assert fit_bytes(s, "aligned", refit_values=True) >= 32 * 4096**2 * 8 > fit_bytes(s, "aligned")

@@ -150,3 +150,25 @@ def test_aligned_merge_with_key_and_value_refits(tmp_path):
     convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", KVOptions(kv_heads=1), progress=False)
     ids = heldout_ids()
     assert kl_to_source(src, tmp_path / "mqa", ids)[0] < 0.5 * kl_to_source(src, tmp_path / "mean", ids)[0]
+
+
+def test_cli_flags_reach_the_aligned_merge(tmp_path, capsys):
+    """`--refit-values` and `--query-samples` (generated from the gqa kind's options model) change the conversion and
+    are recorded; a bad value is one line, exit 2."""
+    import json
+
+    from inprocess import run_cli
+    from test_merge_convert import tiny
+
+    src = tiny("llama", tmp_path / "src")
+    common = ("convert", str(src), "--to", "mqa", "--merge", "aligned", "--calib-tokens", "256", "--device", "cpu")
+    assert run_cli(capsys, *common, "--out", str(tmp_path / "plain"))[0] == 0
+    code, _, err = run_cli(capsys, *common, "--refit-values", "--query-samples", "256", "--out", str(tmp_path / "v"))
+    assert code == 0, err
+    plain, refit = (json.loads((tmp_path / n / "surgery.json").read_text())["merge"] for n in ("plain", "v"))
+    assert (plain["value_refit"], plain["query_samples"]) == (False, 128)
+    assert (refit["value_refit"], refit["query_samples"]) == (True, 256)
+    a, b = ((tmp_path / n / "model.safetensors").read_bytes() for n in ("plain", "v"))
+    assert a != b
+    code, _, err = run_cli(capsys, *common, "--query-samples", "0", "--out", str(tmp_path / "bad"))
+    assert code == 2 and "--query-samples" in err and not (tmp_path / "bad").exists()

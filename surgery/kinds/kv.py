@@ -31,9 +31,24 @@ class KVMergeOptions(WriteOptions):
         "similarity", "--grouping", "[aligned] Which K/V heads share a merged head: similarity (the grouping that "
         "loses least, searched over up to C(K, K/G) candidate groups per layer, each scored from per-head products "
         "computed once) or consecutive (as the plain merges; skips the search).", group=GROUP)
+    query_samples: int = option(
+        128, "--query-samples", "[aligned] Query positions per calibration window whose ideal queries the query refit "
+        "solves for (more fits better and costs more; the window's length = every position).", metavar="N",
+        group=GROUP)
+    refit_values: bool = option(
+        False, "--refit-values", "[aligned] Also refit the merged values so that each query head reproduces its "
+        "source head's output under the converted attention (holds one hidden x hidden float64 matrix per query head: "
+        "about 4 GB on Llama-3-8B).", group=GROUP)
     calib: str = CalibrationOptions.model_fields["calib"]
     calib_tokens: int = CalibrationOptions.model_fields["calib_tokens"]
     _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
+
+    @field_validator("query_samples")
+    @classmethod
+    def _samples(cls, v: int, info: ValidationInfo) -> int:
+        if v < 1:
+            raise ValueError(f"{spelling(info, cls).flag('query_samples')} must be positive, got {v}")
+        return v
 
     @property
     def groups(self) -> int:
@@ -70,11 +85,12 @@ class KVMerge(Kind):
         if options.merge == "aligned":
             from ..merge import convert_aligned
             from ..merge.pipeline import MergeOptions
+            from ..merge.refit import QueryRefit
 
+            merge = MergeOptions(groups=options.groups, assign=options.grouping == "similarity",
+                                 refit_v=options.refit_values, query=QueryRefit(samples=options.query_samples))
             return convert_aligned(source, out, kv_heads=options.groups, calib=options.calib,
-                                   calib_tokens=options.calib_tokens, device=options.device,
-                                   options=MergeOptions(groups=options.groups, assign=options.grouping == "similarity"),
-                                   **common)
+                                   calib_tokens=options.calib_tokens, device=options.device, options=merge, **common)
         from ..convert_kv import KVOptions, convert_to_kv_heads
 
         force = common.pop("force")
@@ -96,6 +112,7 @@ class KVMerge(Kind):
 
         return estimate_calibrated(config, "aligned", options.calib_tokens, dtype=dtype, device=device,
                                    kv_heads=options.groups, assign=options.grouping == "similarity",
+                                   query_samples=options.query_samples, refit_values=options.refit_values,
                                    throughput=throughput)
 
     def card_lines(self, record: dict) -> list[str]:

@@ -184,6 +184,7 @@ def _merge_record(text: CalibrationText, result, opts: MergeOptions, shape, seed
             "keys": keys if folded else "mean of the members (per-head q/k norms: nothing can be folded)",
             "values": "principal subspace in o_proj's metric, member maps folded into o_proj",
             "query_refit": opts.refit_q and folded,
+            "query_samples": opts.query.samples,
             "key_refit": ({"rounds": opts.refit_rounds} if opts.refit_q and opts.refit_k and folded else False),
             "value_refit": opts.refit_v and folded,
             "output_refit": opts.refit_o,
