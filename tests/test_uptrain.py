@@ -155,7 +155,9 @@ def test_kd_is_the_default_for_a_converted_model_and_uses_its_source_as_teacher(
     rec = run(tiny_mqa, out, tokens=512 * 6, eval_every=3, keep_run_dir=True)
     assert rec["loss"] == "kd" and rec["teacher"] == "surgery.json source"
     # The teacher's held-out perplexity equals the source model's, recomputed on the run's held-out windows.
-    held_out = torch.load(tmp_path / "o.run" / "data.pt", weights_only=True)["eval"].long()
+    from safetensors.torch import load_file
+
+    held_out = load_file(tmp_path / "o.run" / "data.safetensors")["eval"].long()
     with torch.no_grad():
         nll = load(trained[0])(input_ids=held_out, labels=held_out).loss.item()
     assert rec["teacher_eval_ppl"] == pytest.approx(math.exp(nll), rel=1e-4)

@@ -98,7 +98,7 @@ def test_checkpoints_hold_no_pickles_and_planted_pickles_never_run(tiny, finishe
     for name in ("custom_checkpoint_0.pkl", "random_states_0.pkl", "optimizer.bin", "pytorch_model.bin",
                  "scheduler.bin"):
         (ckpt / name).write_bytes(pickle.dumps(Marker(marker)))
-    torch.save({"key": "x", "bad": Marker(marker)}, run_dir / "data.pt")  # the data cache, too
+    (run_dir / "data.safetensors").write_bytes(pickle.dumps(Marker(marker)))  # the data cache, too (safetensors)
     result = cli(tiny, "--out", out, *cli_args(ARGS), "--resume")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "resumed at step 3 from step-00000003" in result.stdout

@@ -114,18 +114,28 @@ def cache_key(**fields) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+DATA_CACHE = "data.safetensors"  # the packed token windows of a run, in its run folder (reused by --resume)
+
+
 def read_cache(cache: Path, key: str, seed: int) -> PackedData | None:
-    """The packed data saved in `cache` when it was built with the same key, else None."""
+    """The packed data saved in `cache` (safetensors: nothing is unpickled) when it was built with the same key,
+    else None (an unreadable or foreign file is rebuilt)."""
+    from safetensors import safe_open
+
     if not cache.exists():
         return None
     try:
-        saved = torch.load(cache, weights_only=True)
-    except Exception:  # unreadable: rebuilt
+        with safe_open(str(cache), framework="pt") as f:
+            if (f.metadata() or {}).get("key") != key:
+                return None
+            return PackedData(f.get_tensor("train"), f.get_tensor("eval"), seed=seed)
+    except Exception:  # unreadable, or not a safetensors file: rebuilt
         return None
-    return PackedData(saved["train"], saved["eval"], seed=seed) if saved.get("key") == key else None
 
 
 def write_cache(cache: Path, key: str, data: PackedData) -> None:
+    from safetensors.torch import save_file
+
     tmp = cache.with_name(cache.name + ".tmp")
-    torch.save({"key": key, "train": data.train, "eval": data.eval}, tmp)
+    save_file({"train": data.train.contiguous(), "eval": data.eval.contiguous()}, str(tmp), metadata={"key": key})
     tmp.replace(cache)

@@ -26,7 +26,7 @@ from ..source import resolve_source
 from ..record import local_source_folder, public_name, read_record, write_record
 from . import lora, model_io
 from .align import align
-from .data import cache_key, pack, read_cache, write_cache
+from .data import DATA_CACHE, cache_key, pack, read_cache, write_cache
 from .heads import OutputHead
 from .losses import Objective, _same
 from .metrics import MetricsLog
@@ -291,7 +291,7 @@ class UptrainRecipe:
                         train_tokens, seed=o.seed)
 
         with self.acc.main_process_first():
-            cache = o.run_dir / "data.pt"
+            cache = o.run_dir / DATA_CACHE
             data = read_cache(cache, self.key, o.seed) if (o.resume or not self.main) else None
             if data is None:
                 data = build()
