@@ -172,3 +172,13 @@ def test_cli_flags_reach_the_aligned_merge(tmp_path, capsys):
     assert a != b
     code, _, err = run_cli(capsys, *common, "--query-samples", "0", "--out", str(tmp_path / "bad"))
     assert code == 2 and "--query-samples" in err and not (tmp_path / "bad").exists()
+
+
+def test_query_samples_default_is_one_number():
+    """The CLI's --query-samples default (a literal: the kinds import no torch at start-up), the library's QueryRefit
+    default and the estimate's cost model must agree."""
+    from surgery.estimate import QUERY_SAMPLES
+    from surgery.kinds.kv import KVMergeOptions
+    from surgery.merge.refit import QueryRefit
+
+    assert KVMergeOptions.model_fields["query_samples"].default == QueryRefit.samples == QUERY_SAMPLES
