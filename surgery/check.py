@@ -485,13 +485,9 @@ def converted_pass(model, batches: torch.Tensor, batch_size: int, store: SpillSt
 def _source_attention(converted: Source) -> str | None:
     """The attention implementation the source runs with in the check, as the converted checkpoint's kind says."""
     from .kinds import find_kind
-    from .record import read_record
+    from .record import read_record_or_empty
 
-    try:
-        record = read_record(Path(converted.folder))
-    except (OSError, ValueError, SurgeryError):
-        record = {}
-    kind = find_kind(record=record)
+    kind = find_kind(record=read_record_or_empty(Path(converted.folder)))
     return kind.source_attention if kind else None
 
 

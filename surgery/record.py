@@ -139,6 +139,16 @@ def read_record(folder: Path) -> dict:
     return check_record(record, path)
 
 
+def read_record_or_empty(folder: Path) -> dict:
+    """The folder's surgery.json, or {} when it has none or it cannot be read: for readers to whom a broken record
+    only means "nothing recorded" (trust of the toolkit's own code, the calibration-overlap warning, the source's
+    attention in `check`), never an error."""
+    try:
+        return read_record(folder)
+    except (OSError, SurgeryError):
+        return {}
+
+
 def write_record(folder: Path, record: dict) -> dict:
     """Record the sha256 of every file now in `folder` (`output_sha256`) and write `folder`/surgery.json. Call it as
     the last write of an output. Returns the record."""

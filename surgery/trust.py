@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .digest import sha256_file
 from .errors import SurgeryError
-from .record import RECORD_FILE
+from .record import read_record_or_empty
 
 PACKAGE = Path(__file__).resolve().parent
 CODE_PACKAGES = ("talking_heads", "switchhead")  # the toolkit's kinds whose outputs carry modeling code
@@ -86,7 +86,7 @@ def is_own_code(folder) -> bool:
     if not refs:
         return False
     shipped = own_code_hashes()
-    recorded = _read_json_object(folder / RECORD_FILE).get(CODE_RECORD)
+    recorded = read_record_or_empty(folder).get(CODE_RECORD)
     if not isinstance(recorded, dict):
         return False
     for name in refs:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import tiny_models as tm
 from surgery.convert_kv import KVOptions, convert_to_kv_heads
-from surgery.record import local_source_folder, public_name, public_record, read_record
+from surgery.record import local_source_folder, public_name, public_record, read_record, read_record_or_empty
 from surgery.source import resolve_source
 
 
@@ -130,3 +130,8 @@ def test_a_mistyped_record_is_one_error_naming_the_field(tmp_path):
         path.write_text(json.dumps({**record, field: value}))
         with pytest.raises(SurgeryError, match=rf"corrupt .*surgery.json: {named}"):
             read_record(tmp_path / "o")
+        assert read_record_or_empty(tmp_path / "o") == {}  # for readers to whom broken means "nothing recorded"
+    path.write_text(json.dumps(record))
+    assert read_record_or_empty(tmp_path / "o") == read_record(tmp_path / "o") == record
+    path.unlink()
+    assert read_record_or_empty(tmp_path / "o") == {}

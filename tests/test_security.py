@@ -292,6 +292,11 @@ def test_own_outputs_load_without_flags_and_one_changed_byte_is_refused(kind, ti
     rec["code_sha256"][code[0]] = "0" * 64
     (unrecorded / "surgery.json").write_text(json.dumps(rec))
     assert not trust.is_own_code(unrecorded)
+    for broken in ("{not json", json.dumps({**record, "code_sha256": list(code)}), json.dumps([record])):
+        (unrecorded / "surgery.json").write_text(broken)  # a corrupt or mistyped record vouches for nothing
+        assert not trust.is_own_code(unrecorded)
+        with pytest.raises(SurgeryError, match="ships its own modeling code"):
+            load_causal_lm(resolve_source(str(unrecorded)), "model")
     (unrecorded / "surgery.json").unlink()
     assert not trust.is_own_code(unrecorded)
 

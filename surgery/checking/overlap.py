@@ -12,8 +12,7 @@ import hashlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ..errors import SurgeryError
-from ..record import read_record
+from ..record import read_record_or_empty
 
 
 def document_sha256(text: str) -> str:
@@ -38,10 +37,7 @@ class HashedTexts:
 
 def calibration_hashes(folder: Path) -> tuple[str | None, set[str]]:
     """(calibration data spec, document hashes) from a checkpoint's surgery.json; (None, empty) when absent."""
-    try:
-        record = read_record(Path(folder))
-    except SurgeryError:  # a corrupt record names no calibration text: nothing to warn about
-        return None, set()
+    record = read_record_or_empty(Path(folder))  # a corrupt record names no calibration text: nothing to warn about
     calibration = record.get("calibration") or {}
     return calibration.get("data"), set(calibration.get("documents_sha256") or ())
 
