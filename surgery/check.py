@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from .checking import generate as gen
 from .checking import layers as layer_errors
+from .checking import tasks as task_runs
 from .checking.overlap import HashedTexts, calibration_overlap
 from .checking.spill import MEMORY_BYTES, SpillStore
 from .checking.tokenizers import choose_tokenizer, has_tokenizer
@@ -311,6 +312,7 @@ class CheckPlan:
     layer_bytes: int
     overlap: dict | None
     data: str
+    tasks: object = None  # checking.tasks.TaskSet of --tasks, loaded before any model
 
     @property
     def seq_len(self) -> int:
@@ -324,7 +326,7 @@ class CheckPlan:
 def plan_check(source: Source, converted: Source, texts: Iterable[str], tokens: int, seq_len: int, batch_size: int,
                device: str, dtype: str, trust_remote_code: bool, trust_source_code: bool, allow_pickle: bool,
                tokenizer: str | None, generate: int, prompts_file: Path | None, layers: bool, data: str,
-               warn) -> CheckPlan:
+               warn, tasks: str | None = None, tasks_limit: int | None = None) -> CheckPlan:
     """Check every input (options, trust, weights, tokenizers, prompts) and tokenize the text; loads no model."""
     check_counts(tokens, seq_len, batch_size, generate)
     if prompts_file is not None and not generate:
@@ -341,6 +343,10 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], tokens: 
                            f"{vocab_size(config_b)} ids)")
     if generate and not causal:
         raise SurgeryError("--generate needs a causal LM")
+    if tasks_limit is not None and not tasks:
+        raise SurgeryError("--tasks-limit needs --tasks")
+    if tasks and not causal:
+        raise SurgeryError("--tasks needs a causal LM")
     validate_weights(source, config_a, causal, trust_a, allow_pickle)
     validate_weights(converted, config_b, causal, trust_b, allow_pickle)
 
@@ -371,10 +377,12 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], tokens: 
     # A talking-heads model computes eager attention: compare it with the source's eager attention, so that the
     # report measures the surgery and not the source's own sdpa-vs-eager rounding (~1e-4 on SmolLM2's logits).
     source_attention = _source_attention(converted)
+    task_set = task_runs.load_tasks(tasks, tasks_limit) if tasks else None  # a task's data that cannot be had: before any model
     return CheckPlan(source, converted, dev, dtype, (trust_a, trust_b), causal,
                      vocab_size(config_a) if causal else hidden_size(config_a), source_attention, tok, tokenizer_note,
                      batches, batch_size, prompts, generate, n_layer_windows,
-                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), overlap, data)
+                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), overlap, data,
+                     task_set)
 
 
 def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str], tokens: int = 16384,
@@ -382,7 +390,8 @@ def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str],
                         trust_remote_code: bool = False, trust_source_code: bool = False, allow_pickle: bool = False,
                         tokenizer: str | None = None, generate: int = 0, prompts_file: Path | None = None,
                         layers: bool = False, data: str = "text", progress: bool = True,
-                        spill_bytes: int = MEMORY_BYTES, warn=None) -> dict:
+                        spill_bytes: int = MEMORY_BYTES, warn=None, tasks: str | None = None,
+                        tasks_limit: int | None = None) -> dict:
     """Run the source, then the converted model, over the same windows of `texts`; see the module docstring.
 
     trust_remote_code trusts the converted model's own code, trust_source_code the source's (the toolkit's own
@@ -390,7 +399,7 @@ def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str],
     warnings (the CLI prints them on stderr). `spill_bytes`: the largest store of source outputs kept in memory."""
     plan = plan_check(source, converted, texts, tokens, seq_len, batch_size, device, dtype, trust_remote_code,
                       trust_source_code, allow_pickle, tokenizer, generate, prompts_file, layers, data,
-                      warn or (lambda line: None))
+                      warn or (lambda line: None), tasks, tasks_limit)
     return run_check(plan, progress, spill_bytes)
 
 
@@ -405,6 +414,7 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         source_pass(model, p.batches, p.batch_size, store, p.device, p.causal, progress, "check source")
         source_continuations = continuations(model, p, progress, "generate source")
         source_layers = layer_errors.record_layers(model, p.layer_batches(), layer_store) if p.layer_windows else 0
+        source_scores = task_scores(model, p)
         del model
         free(p.device)
         seconds["source"] = round(time.time() - start, 2)
@@ -422,6 +432,9 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         if p.layer_windows:
             report["layers"] = layer_errors.compare_layers(model, p.layer_batches(), layer_store, source_layers)
             report["layers_tokens"] = p.layer_windows * p.seq_len
+        if p.tasks is not None:
+            report["tasks"] = task_runs.compare(source_scores, task_scores(model, p))
+            report["tasks_limit"] = p.tasks.limit
         del model
         free(p.device)
         seconds["converted"] = round(time.time() - start, 2)
@@ -436,6 +449,13 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
     if p.overlap:
         report["calibration_overlap"] = p.overlap
     return report
+
+
+def task_scores(model, plan: CheckPlan) -> dict:
+    """--tasks: lm-eval's scores of the loaded model ({} without --tasks)."""
+    if plan.tasks is None:
+        return {}
+    return task_runs.score(model, plan.tokenizer, plan.tasks, plan.batch_size, plan.device)
 
 
 def continuations(model, plan: CheckPlan, progress: bool, desc: str) -> list[list[int]] | None:
@@ -539,6 +559,14 @@ def print_report(report: dict, title: str = "") -> None:
         for row in report["layers"]:
             layers.add_row(str(row["layer"]), f"{row['attention_rel_error']:.3e}", f"{row['hidden_rel_error']:.3e}")
         console.print(layers)
+    if report.get("tasks"):
+        limit = f", at most {report['tasks_limit']} examples each" if report.get("tasks_limit") else ""
+        tasks = Table(title=f"lm-eval tasks{limit}")
+        for col in ("task", "metric", "source", "converted"):
+            tasks.add_column(col, justify="right")
+        for task, metric, a, b in task_runs.rows(report["tasks"]):
+            tasks.add_row(task, metric, f"{a:.4g}", f"{b:.4g}")
+        console.print(tasks)
     if report.get("generation", {}).get("samples"):
         samples = Table(title="greedy continuations, side by side", show_lines=True)
         for col in ("prompt", "source", "converted"):

@@ -34,6 +34,9 @@ class CheckOptions(CliModel):
     prompts: str | None = option(None, "--prompts", "With --generate: a text file of extra prompts, one a line.",
                                  path="file")
     layers: bool = option(False, "--layers", "Also report each layer's attention and hidden-state error vs the source.")
+    tasks: str | None = option(None, "--tasks", "Also score both models on lm-eval tasks: comma-separated task names "
+                                                "and task YAML files (needs the `eval` extra).")
+    tasks_limit: int | None = option(None, "--tasks-limit", "With --tasks: at most N examples per task.")
     tokenizer: Literal["source", "converted"] | None = option(
         None, "--tokenizer", "Which tokenizer encodes the text when the two checkpoints' tokenizers differ.")
     trust_remote_code: bool = option(False, "--trust-remote-code", "Run the modeling code shipped with CONVERTED.")
@@ -61,7 +64,7 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
                                  trust_source_code=o.trust_source_code, allow_pickle=o.allow_pickle,
                                  tokenizer=o.tokenizer, generate=o.generate,
                                  prompts_file=Path(o.prompts) if o.prompts else None, layers=o.layers, data=o.data,
-                                 warn=warn)
+                                 tasks=o.tasks, tasks_limit=o.tasks_limit, warn=warn)
     tol = o.atol if o.atol is not None else tolerance(o.dtype)
     report["tolerance"] = tol
     report["exact"] = report["max_abs_diff"] <= tol

@@ -152,7 +152,22 @@ def check_section(reports: list[tuple[str, dict]]) -> list[str]:
         lines.append(f"| {name} | {r.get('tokens', '-')} | {f('max_abs_diff', '.3g')} | {f('kl', '.4g')} | {top1} "
                      f"| {f('ppl_source', '.3f')} | {f('ppl_converted', '.3f')} |")
     lines.append("")
-    return lines
+    return lines + tasks_section(reports)
+
+
+def tasks_section(reports: list[tuple[str, dict]]) -> list[str]:
+    """The lm-eval scores of reports made with `check --tasks`."""
+    from ..checking.tasks import rows
+
+    scored = [(name, r) for name, r in reports if isinstance(r.get("tasks"), dict) and r["tasks"]]
+    if not scored:
+        return []
+    lines = ["### lm-eval tasks", "", "Both models scored by lm-evaluation-harness (`surgery check --tasks`).", "",
+             "| report | task | metric | source | converted |", "|---|---|---|---:|---:|"]
+    for name, r in scored:
+        for task, metric, a, b in rows(r["tasks"]):
+            lines.append(f"| {name} | {task} | {metric} | {a:.4g} | {b:.4g} |")
+    return lines + [""]
 
 
 def uptraining_section(v: Validation) -> list[str]:
