@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -303,7 +304,14 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread like Ctrl-C so that every temporary output is removed on the way out."""
 
 
+_HANDLER_PID: list[int] = []  # the process that installed _on_sigterm
+
+
 def _on_sigterm(signum, frame) -> None:
+    if _HANDLER_PID and os.getpid() != _HANDLER_PID[-1]:
+        # a forked worker (a library's multiprocessing pool, e.g. lm-eval's bootstrap) inherited the handler: it has
+        # no temporary output of its own, and raising here would leave its pool waiting for it forever
+        os._exit(128 + signum)
     raise Terminated()
 
 
@@ -312,6 +320,7 @@ def main() -> None:
 
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        _HANDLER_PID.append(os.getpid())
     except ValueError:  # not the main thread (an embedding application): leave its handler alone
         previous = None
     try:
@@ -334,6 +343,7 @@ def main() -> None:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+            _HANDLER_PID.pop()
 
 
 if __name__ == "__main__":

@@ -222,6 +222,28 @@ def test_sigterm_mid_convert_removes_the_temporary_folder(src, tmp_path):
     nothing_written(tmp_path)
 
 
+def test_a_forked_worker_exits_on_sigterm_instead_of_raising():
+    """A library's fork pool (lm-eval's bootstrap in `check --tasks`) inherits the CLI's SIGTERM handler; the pool
+    terminates its workers with SIGTERM, and a worker that raised instead of exiting left `check` waiting forever."""
+    from surgery import cli
+
+    cli._HANDLER_PID.append(os.getpid())
+    try:
+        pid = os.fork()
+        if pid == 0:  # the worker: the handler must end the process, never return or raise
+            try:
+                cli._on_sigterm(signal.SIGTERM, None)
+            except BaseException:
+                os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM
+        with pytest.raises(cli.Terminated):  # the process that installed it still unwinds and cleans up
+            cli._on_sigterm(signal.SIGTERM, None)
+    finally:
+        cli._HANDLER_PID.pop()
+
+
 def test_stale_temporary_siblings_of_a_killed_run_are_removed(src, tmp_path, run_cli):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)  # that process has exited
