@@ -172,14 +172,15 @@ def naive_values(w, b, x, gates, index):
     return (y * chosen.unsqueeze(-1)).sum(2)
 
 
-@pytest.mark.parametrize("n", [1, 3, 50])  # 1 and 3: one matmul per selected (token, expert); 50: tokens sorted by expert
-def test_expert_computation_is_conditional(n):
+@pytest.mark.parametrize("n", [1, 8, 200])  # 1 and 8: every expert, gates zero-padded; 200: tokens sorted by expert
+def test_expert_computation_is_dense_for_few_tokens_and_conditional_beyond(n):
     from torch.utils.flop_counter import FlopCounterMode
 
     from surgery.switchhead import modeling_switchhead as msh
     from surgery.switchhead.modeling_switchhead import SigmaMoERouter, SwitchHeadExperts
 
-    assert (n <= msh.FEW_TOKENS) == (n < 50)
+    dense = n <= msh.DENSE_TOKENS
+    assert dense == (n < 200)
     gen = torch.Generator().manual_seed(0)
     heads, n_exp, d, dim = 3, 4, 8, 32
     x = torch.randn(n, dim, generator=gen)
@@ -198,15 +199,17 @@ def test_expert_computation_is_conditional(n):
             values = expert_values(v, x, gates, index)
             outputs = expert_outputs(o, a, gates, index)
         flops[k] = counter.get_total_flops()
-        # each side: one (d x D) product for each of the n * heads * k selected (token, head, expert) triples
-        assert flops[k] == 2 * (2 * n * heads * k * d * dim)
+        # each side: one (d x D) product for each of the n * heads * k selected (token, head, expert) triples; with
+        # few tokens, for every expert of every head
+        assert flops[k] == 2 * (2 * n * heads * (n_exp if dense else k) * d * dim)
         if index is None:
             index = torch.arange(n_exp).expand(n, heads, n_exp)
         assert torch.allclose(values, naive_values(v.weight, v.bias, x, gates, index), atol=1e-4)
         dense_o = torch.einsum("heDd,nhd->nheD", o.weight, a)
         chosen = torch.zeros(n, heads, n_exp).scatter(2, index, gates)
         assert torch.allclose(outputs, (dense_o * chosen.unsqueeze(-1)).sum((1, 2)), atol=1e-3)
-    assert flops[1] * 2 == flops[2] and flops[1] * n_exp == flops[n_exp]
+    if not dense:
+        assert flops[1] * 2 == flops[2] and flops[1] * n_exp == flops[n_exp]
 
 
 @pytest.fixture(scope="module")
@@ -217,24 +220,31 @@ def routed(llama, tmp_path_factory):
     return out, record
 
 
-def test_attention_module_computes_only_selected_experts(routed):
+def test_attention_module_computes_only_selected_experts_beyond_few_tokens(routed):
     from torch.utils.flop_counter import FlopCounterMode
+
+    from surgery.switchhead import modeling_switchhead as msh
 
     out, record = routed
     model = load(out)
     attn = attention_modules(model)[0]
-    ids = tm.sample_ids(batch=1, length=40)
-    flops = {}
-    for k in (1, 2, 4):
-        for m in attention_modules(model):
-            m.topk = m.v_router.topk = m.o_router.topk = k
-        with FlopCounterMode(display=False) as counter:
-            with torch.no_grad():
-                model(input_ids=ids)
-        flops[k] = counter.get_total_flops()
-    per_expert = 2 * 2 * 40 * attn.num_heads * attn.head_dim * model.config.hidden_size  # V and O, per layer
     layers = model.config.num_hidden_layers
-    assert flops[2] - flops[1] == layers * per_expert and flops[4] - flops[2] == 2 * layers * per_expert
+    for batch, length in ((2, 100), (1, 8)):  # 200 tokens a call: conditional; 8 (a decode step's size): dense
+        ids = tm.sample_ids(batch=batch, length=length)
+        flops = {}
+        for k in (1, 2, 4):
+            for m in attention_modules(model):
+                m.topk = m.v_router.topk = m.o_router.topk = k
+            with FlopCounterMode(display=False) as counter:
+                with torch.no_grad():
+                    model(input_ids=ids)
+            flops[k] = counter.get_total_flops()
+        n = batch * length
+        per_expert = 2 * 2 * n * attn.num_heads * attn.head_dim * model.config.hidden_size  # V and O, per layer
+        if n > msh.DENSE_TOKENS:
+            assert flops[2] - flops[1] == layers * per_expert and flops[4] - flops[2] == 2 * layers * per_expert
+        else:
+            assert flops[1] == flops[2] == flops[4]
 
 
 def test_kv_cache_holds_new_heads_and_generate_works(routed):
