@@ -172,6 +172,8 @@ def _key_range(mask: torch.Tensor | None, keys: int) -> tuple[int, int, int, int
     if mask.dtype != torch.bool:
         return 0, keys, 0, keys
     rows = mask.flatten(0, -2)
+    if bool(rows.all()):  # every key visible to every query (a decode step without padding): one reduction
+        return 0, keys, 0, 0
     visible = rows.any(0).nonzero()
     if visible.numel() == 0:
         return 0, keys, 0, keys
