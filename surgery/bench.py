@@ -52,6 +52,7 @@ class BenchOptions:
     trust_remote_code: bool = False
     seed: int = 0
     replicate_prefill: bool = False  # batch > 1: prefill one row, copy its cache to the batch (decode only)
+    compile: str | None = None  # torch.compile backend for both models (transformers engine): "inductor", "eager" ...
 
 
 def parse_int_list(text: str, name: str) -> list[int]:
@@ -153,10 +154,10 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, device: torch.device, dtype: str, trust_remote_code: bool):
+    def __init__(self, device: torch.device, dtype: str, trust_remote_code: bool, compile: str | None = None):
         from transformers.utils import logging as hf_logging
 
-        self.device, self.dtype, self.trust = device, dtype, trust_remote_code
+        self.device, self.dtype, self.trust, self.compile = device, dtype, trust_remote_code, compile
         hf_logging.disable_progress_bar()
 
     def preflight(self, spec: str) -> None:
@@ -186,7 +187,10 @@ class TransformersEngine:
                            attn_implementation=None if custom else "sdpa")
         if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (model.config.architectures or [])):
             raise SurgeryError(f"{spec} is not a causal language model: bench measures prefill and decode")
+        if self.compile:  # both models alike; dynamic shapes, so a new cache length is not a new graph
+            model.forward = torch.compile(model.forward, backend=self.compile, dynamic=True)
         return {"model": model, "spec": spec, "folder": str(source.folder), "custom_code": custom,
+                "compiled": self.compile,
                 "model_type": source.config.get("model_type"),
                 "attention": getattr(model.config, "_attn_implementation", None),
                 "vocab_size": int(model.config.get_text_config().vocab_size),
@@ -332,8 +336,28 @@ def _max_positions(config) -> int | None:
     return None
 
 
+def require_compile(backend: str | None, engine: str, device: torch.device) -> None:
+    """Refuse (one line) a --compile that cannot run: other engines, unknown backends, no C++ compiler on CPU."""
+    if not backend:
+        return
+    if engine != "transformers":
+        raise SurgeryError("--compile works with the transformers engine only")
+    import torch._dynamo
+
+    if backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise SurgeryError(f"--compile {backend}: not a torch.compile backend (choose from "
+                           f"{', '.join(torch._dynamo.list_backends())}, eager)")
+    if backend == "inductor" and device.type == "cpu":
+        import shutil
+
+        compiler = os.environ.get("CXX", "g++")
+        if shutil.which(compiler) is None:
+            raise SurgeryError(f"--compile inductor on CPU needs a C++ compiler ({compiler} is not on PATH)")
+
+
 def make_engine(opts: BenchOptions, device: torch.device):
     require_engine(opts.engine)
+    require_compile(opts.compile, opts.engine, device)
     longest = max(opts.contexts) + opts.new
     if opts.engine == "llama.cpp":
         return LlamaCppEngine(device, opts.dtype, opts.threads, longest)
@@ -341,7 +365,7 @@ def make_engine(opts: BenchOptions, device: torch.device):
         if device.type != "cuda":
             raise SurgeryError("--engine vllm needs a CUDA device")
         return VllmEngine(device, opts.dtype, opts.trust_remote_code, longest)
-    return TransformersEngine(device, opts.dtype, opts.trust_remote_code)
+    return TransformersEngine(device, opts.dtype, opts.trust_remote_code, opts.compile)
 
 
 # --- statistics -------------------------------------------------------------------------------------------------
@@ -449,6 +473,14 @@ def _run(opts: BenchOptions, engine, device: torch.device, log, partial=None) ->
             rounds = {"source": [], "converted": []}
             replicate = opts.replicate_prefill and batch > 1
             prefill_batch = 1 if replicate else batch
+            compile_s = {}
+            if opts.compile:  # compiled graphs are made for the first calls of a shape: not measured
+                for role, h in handles.items():
+                    start = time.perf_counter()
+                    engine.measure(h, ids, next_ids[:, :2], replicate=replicate)
+                    compile_s[role] = round(time.perf_counter() - start, 2)
+                log(f"batch {batch} context {context}: compiled in {compile_s['source']:.0f} s (source) and "
+                    f"{compile_s['converted']:.0f} s (converted)")
             for r in range(opts.rounds):
                 order = ("source", "converted") if r % 2 == 0 else ("converted", "source")
                 for role in order:
@@ -459,7 +491,8 @@ def _run(opts: BenchOptions, engine, device: torch.device, log, partial=None) ->
                     f"{rounds['converted'][-1]['decode_tokens_per_s']:.1f} tokens/s")
             summary = {role: summarize(rs) for role, rs in rounds.items()}
             results.append({"batch": batch, "context": context, "prefill_batch": prefill_batch, **summary,
-                            "ratio": ratios(summary["source"], summary["converted"]), "rounds": rounds})
+                            "ratio": ratios(summary["source"], summary["converted"]), "rounds": rounds,
+                            **({"compile_warmup_s": compile_s} if opts.compile else {})})
             if partial is not None:  # the report so far, after every batch x context (long runs)
                 partial(_report(opts, engine, handles, results, started, start_info))
     report = _report(opts, engine, handles, results, started, start_info)
@@ -479,6 +512,7 @@ def _report(opts: BenchOptions, engine, handles: dict, results: list, started: f
         "new_tokens": opts.new,
         "rounds": opts.rounds,
         "replicate_prefill": opts.replicate_prefill,
+        "compile": opts.compile,
         "batches": opts.batches,
         "contexts": opts.contexts,
         "machine": start_info["machine"],

@@ -240,3 +240,35 @@ def test_mqa_output_converts_with_llama_cpp_and_gives_the_same_logits(tmp_path):
     report = run_bench(BenchOptions(source=str(gguf), converted=str(gguf), contexts=[32], new=2, rounds=1,
                                     engine="llama.cpp", threads=1))
     assert report["results"][0]["ratio"]["kv_cache_bytes"] == pytest.approx(1.0)
+
+
+def test_compile_runs_both_models_through_dynamo_and_says_so(pair):
+    import torch._dynamo
+
+    src, mqa = pair
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    report = run_bench(BenchOptions(source=str(src), converted=str(mqa), batches=[1], contexts=[8], new=2, rounds=1,
+                                    device="cpu", threads=1, compile="eager"))
+    assert report["compile"] == "eager"
+    assert all(report["models"][role]["compiled"] == "eager" for role in ("source", "converted"))
+    row = report["results"][0]
+    assert set(row["compile_warmup_s"]) == {"source", "converted"} and min(row["compile_warmup_s"].values()) > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # at least one graph per model
+    assert len(row["rounds"]["converted"][0]["decode_steps_s"]) == 2
+    torch._dynamo.reset()
+
+
+def test_compile_that_cannot_run_is_one_line(pair, monkeypatch):
+    import torch
+
+    from surgery.bench import require_compile
+
+    src, mqa = pair
+    assert_one_line_error(surgery("bench", src, mqa, "--compile", "no_such_backend", "--context", "8"),
+                          "--compile no_such_backend: not a torch.compile backend")
+    with pytest.raises(SurgeryError, match="transformers engine only"):
+        require_compile("inductor", "llama.cpp", torch.device("cpu"))
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    with pytest.raises(SurgeryError, match="needs a C\\+\\+ compiler"):
+        require_compile("inductor", "transformers", torch.device("cpu"))
