@@ -6,7 +6,7 @@ default; measured on SmolLM2-135M 3 -> 1, 8192 calibration tokens, first 4096 he
 33.2 against 36.2 for `targets="source"`, the untouched source model's own activations, which also costs a
 second full stream through the model).
 Each layer: converted attention input -> second moments -> merge (assignment, key and value fits, folds)
--> query refit -> output refit -> the converted layer's pass. Only one layer's activations for the
+-> q/k/v refits -> output refit -> the converted layer's pass. Only one layer's activations for the
 calibration tokens are alive at a time.
 """
 
@@ -154,7 +154,7 @@ class _ModelMerge:
         self._clock = now
 
     def merge_layer(self, index: int, path: str, layer: torch.nn.Module) -> tuple[LayerMerge, AttnParams, LayerReport]:
-        """One layer: targets, converted input, merge, query refit, output refit, converted pass. Returns the
+        """One layer: targets, converted input, merge, q/k/v refits, output refit, converted pass. Returns the
         merge, the final source-shaped params (on the host) and the layer's report."""
         la = LayerAttention(layer, path, self.spec, self.layout, self.heads, self.kv_heads, self.head_dim, self.conv1d)
         folded = self.opts.fold and not _has_qk_norm(la.attention)
@@ -168,9 +168,9 @@ class _ModelMerge:
         merged = self._merge(w)
         params = merged.params
         self._tick("merge")
-        self._refit_queries(w, merged)
+        self._refit_qkv(w, merged)
         la.write(params)
-        self._tick("query refit")
+        self._tick("q/k/v refit")
         runs = self._refit_output(w, params)
         self._tick("output refit")
         self._converted_pass(w, runs)
@@ -233,7 +233,7 @@ class _ModelMerge:
         w.source = None  # the refits do not need the source's attention: one layer's attention held, not two
         return merged
 
-    def _refit_queries(self, w: _Layer, merged: LayerMerge) -> None:
+    def _refit_qkv(self, w: _Layer, merged: LayerMerge) -> None:
         """4. Keys (optionally) and queries against the source's attention logits, then values (optionally)
         against the source heads' outputs (folded merges of grouped heads only)."""
         if not (w.refit_q or w.refit_v):
