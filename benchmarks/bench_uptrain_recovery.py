@@ -11,6 +11,7 @@ heads, E=3 experts, k=2: the same K/V-cache size as the source's 3 K/V heads).
 
     python benchmarks/bench_uptrain_recovery.py --tokens 200000                       # mean:lm,mean:kd
     python benchmarks/bench_uptrain_recovery.py --runs aligned:kd,switchhead:kd,mean:kd,mean:lm --tokens 32768
+    python benchmarks/bench_uptrain_recovery.py --runs aligned:kd --converted aligned=DIR --tokens 49152
 """
 
 from __future__ import annotations
@@ -60,7 +61,13 @@ def main() -> None:
     p.add_argument("--evals", type=int, default=4, help="evaluations spread over the run (besides the one at 0)")
     p.add_argument("--work", type=Path, default=Path("/tmp/surgery-bench-uptrain-recovery"))
     p.add_argument("--plot", type=Path, help="PNG path (default WORK/recovery.png)")
+    p.add_argument("--converted", action="append", default=[], metavar="KIND=DIR",
+                   help="train this converted folder for KIND instead of converting with the defaults (e.g. "
+                        "aligned=DIR written with --calib-tokens 65536 --refit-values); repeatable")
     a = p.parse_args()
+    given = dict(c.split("=", 1) for c in a.converted if "=" in c)
+    if len(given) != len(a.converted):
+        sys.exit("--converted takes KIND=DIR")
 
     from surgery.source import resolve_source
     from surgery.uptrain import UptrainOptions, uptrain
@@ -79,9 +86,10 @@ def main() -> None:
 
     metrics, records, seconds = {}, {}, {}
     for kind, loss in runs:
-        folder = a.work / kind
+        folder = Path(given[kind]) if kind in given else a.work / kind
         start = time.time()
-        convert(kind, src, folder)
+        if kind not in given:
+            convert(kind, src, folder)
         label = f"{LABELS.get(kind, kind)}, {loss}"
         records[label] = uptrain(UptrainOptions(
             model=str(folder), out=a.work / f"uptrained-{kind}-{loss}", data="pydoc", tokens=a.tokens,
