@@ -169,7 +169,7 @@ def _key_range(mask: torch.Tensor | None, keys: int) -> tuple[int, int, int, int
     masks: all keys, all masked (a float mask is added where it applies)."""
     if mask is None:
         return 0, keys, 0, 0
-    if mask.dtype != torch.bool:
+    if mask.dtype != torch.bool or torch.compiler.is_compiling():  # (compiled: no data-dependent Python ints)
         return 0, keys, 0, keys
     rows = mask.flatten(0, -2)
     if bool(rows.all()):  # every key visible to every query (a decode step without padding): one reduction

@@ -1,0 +1,75 @@
+"""Greedy-continuation agreement of a conversion against the source's self-agreement baseline (issue 15 §2).
+
+Greedy decoding is chaotic: two runs of the very same source model that differ only in rounding (float32 and
+bfloat16) agree on the first tokens of a continuation and then drift apart. That self-agreement is the baseline a
+conversion is held to: the converted model's token agreement with the source (both float32, what `surgery check
+--generate` reports) divided by the source's agreement with itself in bfloat16. Target: >= 0.8.
+
+Prompts: `--prompts` windows of 32 tokens, evenly spaced over pydoc's first `--tokens` tokens (`surgery check`'s
+default evaluation text, which no calibration reads; give `--tokens 4096` for models uptrained by
+bench_uptrain_recovery.py, which holds out only pydoc's first 4,096 tokens). One model in memory at a time.
+
+    python benchmarks/bench_generation_agreement.py SOURCE CONVERTED [CONVERTED ...] [--new 32] [--prompts 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from surgery.check import load_model, load_tokenizer  # noqa: E402
+from surgery.checking import generate as gen  # noqa: E402
+from surgery.data import pydoc_texts, token_stream  # noqa: E402
+from surgery.source import resolve_source  # noqa: E402
+from surgery.trust import resolve_trust  # noqa: E402
+
+
+def continuations(spec: str, dtype: str, prompts, new: int, device: torch.device) -> list[list[int]]:
+    source = resolve_source(spec)
+    model = load_model(source, device, dtype, resolve_trust(source.folder, False, what=spec))
+    out = gen.continue_prompts(model, prompts, new, 8, device)
+    del model
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("source")
+    p.add_argument("converted", nargs="+")
+    p.add_argument("--new", type=int, default=32, help="greedy tokens per prompt")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=16384, help="the evaluation text the prompts are cut from")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = load_tokenizer(resolve_source(a.source))
+    ids = token_stream(pydoc_texts(), tokenizer, a.tokens)
+    prompts = gen.prompts_from_stream(ids, count=a.prompts)
+
+    reference = continuations(a.source, "float32", prompts, a.new, device)
+    rounded = continuations(a.source, "bfloat16", prompts, a.new, device)
+    baseline = gen.compare_continuations(prompts, reference, rounded, tokenizer, a.new, samples=0)
+    print(f"source float32 vs source bfloat16 (the self-agreement baseline): token agreement "
+          f"{baseline['token_agreement']:.1%}, first divergence at {baseline['mean_first_divergence']:.1f} of {a.new}")
+    result = {"source": a.source, "new_tokens": a.new, "prompts": len(prompts), "text": f"pydoc[0:{a.tokens}]",
+              "baseline": baseline, "converted": {}}
+    for spec in a.converted:
+        r = gen.compare_continuations(prompts, reference, continuations(spec, "float32", prompts, a.new, device),
+                                      tokenizer, a.new, samples=0)
+        r["relative_to_baseline"] = r["token_agreement"] / baseline["token_agreement"]
+        result["converted"][spec] = r
+        print(f"{spec}: token agreement {r['token_agreement']:.1%} ({r['relative_to_baseline']:.2f}x the baseline; "
+              f"target >= 0.8), first divergence at {r['mean_first_divergence']:.1f}")
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
