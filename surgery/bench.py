@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 
 from .errors import SurgeryError
+from .kvcache import cache_keyword, returned_cache
 
 ENGINES = ("transformers", "llama.cpp", "vllm")
 ENGINE_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python"), "vllm": ("vllm", "vllm")}
@@ -208,14 +209,15 @@ class TransformersEngine:
             out = model(input_ids=ids[:1] if replicate else ids, use_cache=True, logits_to_keep=1)
             _sync(device)
             prefill = time.perf_counter() - start
-            cache = out.past_key_values
+            cache = returned_cache(out)
             if replicate and batch > 1:  # the same prompt in every row: decode costs do not depend on the tokens
                 cache.batch_repeat_interleave(batch)
             kv = cache_bytes(cache)
             del out
+            keyword = cache_keyword(model)
             for j in range(next_ids.shape[1]):
                 start = time.perf_counter()
-                model(input_ids=next_ids[:, j : j + 1], past_key_values=cache, use_cache=True)
+                model(input_ids=next_ids[:, j : j + 1], use_cache=True, **{keyword: cache})
                 _sync(device)
                 steps.append(time.perf_counter() - start)
             del cache

@@ -264,6 +264,27 @@ def test_kv_cache_holds_new_heads_and_generate_works(routed):
     assert cached.shape == (1, 15) and torch.equal(cached, uncached)
 
 
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values", "layer_past"])
+def test_attention_takes_its_cache_under_every_name_decoder_layers_use(routed, keyword):
+    """transformers 5.24's decoder layers pass the cache as `cache`, earlier 5.x as `past_key_values`, GPT-NeoX and
+    GPTBigCode as `layer_past`: under each name the step must see the cached keys (an ignored cache still runs,
+    attending to the new token alone)."""
+    out, _ = routed
+    model = load(out)
+    ids = tm.sample_ids(batch=1, length=9)
+    attn = attention_modules(model)[0]
+    with torch.no_grad():
+        x = model.get_input_embeddings()(ids)
+        pos = model.model.rotary_emb(x, torch.arange(9)[None])
+        mask = torch.full((9, 9), float("-inf")).triu(1)[None, None]
+        full, _ = attn(x, pos, mask)
+        cache = tf.DynamicCache(config=model.config)
+        attn(x[:, :8], tuple(p[:, :8] for p in pos), mask[..., :8, :8], **{keyword: cache})
+        step, _ = attn(x[:, 8:], tuple(p[:, 8:] for p in pos), None, **{keyword: cache})
+    assert cache.layers[0].keys.shape[2] == 9
+    assert (step - full[:, 8:]).abs().max() <= 1e-5
+
+
 # fused q/k/v layouts, Conv1D, an output projection named `dense`: calibration finds them through the spec
 @pytest.mark.parametrize("arch, module, causal_lm", [
     ("gpt2", "transformer.h.*.attn", "GPT2LMHeadModel"), ("phi3", "model.layers.*.self_attn", "Phi3ForCausalLM"),

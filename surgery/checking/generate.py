@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SurgeryError
+from ..kvcache import cache_keyword, returned_cache
 
 PROMPT_TOKENS = 32
 TEXT_PROMPTS = 8
@@ -70,12 +71,12 @@ def check_lengths(prompts: list[Prompt], new_tokens: int, context: int | None) -
 def greedy(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """(batch, new_tokens) argmax continuations of `prompt` (batch, length), with the model's KV cache."""
     out = model(input_ids=prompt, use_cache=True)
-    past = out.past_key_values
+    past, keyword = returned_cache(out), cache_keyword(model)
     token = out.logits[:, -1].argmax(-1)
     tokens = [token]
     for _ in range(new_tokens - 1):
-        out = model(input_ids=token[:, None], past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=token[:, None], use_cache=True, **{keyword: past})
+        past = returned_cache(out)
         token = out.logits[:, -1].argmax(-1)
         tokens.append(token)
     return torch.stack(tokens, dim=1)

@@ -39,6 +39,7 @@ from .configuration_switchhead import switchhead_config_class
 
 CLASS_PREFIX = "SwitchHead"
 QK_NORM_NAMES = (("q_norm", "k_norm"), ("q_layernorm", "k_layernorm"))
+CACHE_KWARGS = ("cache", "past_key_values", "layer_past")  # the names decoder layers give their KV cache
 
 
 def self_attention_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -344,10 +345,12 @@ class SwitchHeadAttention(nn.Module):
                 query, key = torch.cat([q_rot, query[..., rot:]], -1), torch.cat([k_rot, key[..., rot:]], -1)
             else:
                 query, key = self._apply_rotary(query, key, cos, sin)
-        if past_key_values is None:  # GPT-NeoX and GPTBigCode pass their cache as layer_past
-            past_key_values = kwargs.pop("layer_past", None)
-        else:
-            kwargs.pop("layer_past", None)
+        # the decoder layer's cache: `cache` (transformers >= 5.24), `past_key_values` (earlier 5.x) or `layer_past`
+        # (GPT-NeoX, GPTBigCode); whichever names it, none of them goes on to the attention function
+        for name in CACHE_KWARGS:
+            passed = kwargs.pop(name, None)
+            if past_key_values is None:
+                past_key_values = passed
         if isinstance(past_key_values, EncoderDecoderCache):
             past_key_values = past_key_values.self_attention_cache
         if past_key_values is not None:

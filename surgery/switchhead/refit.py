@@ -20,7 +20,7 @@ import torch
 
 from ..solve import lu_in_place
 from .calibrate import AttentionCapture
-from .modeling_switchhead import SwitchHeadAttention
+from .modeling_switchhead import CACHE_KWARGS, SwitchHeadAttention
 
 RIDGE = 0.1
 ROW_BLOCK = 512  # rows of W per block (solve, error)
@@ -90,7 +90,7 @@ def refit_layer(attn: torch.nn.Module, config, settings: dict, tensors: dict[str
     for cap in captures:
         kwargs = dict(cap.kwargs)
         hidden = cap.args[0] if cap.args else kwargs.pop("hidden_states")
-        for key in ("past_key_values", "use_cache", "output_attentions"):
+        for key in (*CACHE_KWARGS, "use_cache", "output_attentions"):
             kwargs.pop(key, None)
         heads_out, x, _ = sh.attend(hidden, *cap.args[1:], **kwargs)
         target = cap.output.reshape(x.shape[0], -1).float()
