@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from surgery.check import load_model
+from surgery.kvcache import cache_keyword, returned_cache
 from surgery.source import resolve_source
 
 
@@ -63,16 +64,17 @@ def main() -> None:
     step_ids = torch.randint(0, vocab, (args.batch, 1), generator=gen)
     times = {name: [] for name in models}
     with torch.no_grad():
-        caches = {name: m(input_ids=ids, use_cache=True, logits_to_keep=1).past_key_values for name, m in models.items()}
+        caches = {name: returned_cache(m(input_ids=ids, use_cache=True, logits_to_keep=1)) for name, m in models.items()}
+        keyword = {name: cache_keyword(m) for name, m in models.items()}
         for name, m in models.items():  # warm-up step
-            m(input_ids=step_ids, past_key_values=caches[name], use_cache=True)
+            m(input_ids=step_ids, use_cache=True, **{keyword[name]: caches[name]})
             caches[name].crop(-1)
             spent[name].clear()
         names = list(models)
         for step in range(args.steps):
             for name in names[step % len(names):] + names[: step % len(names)]:
                 start = time.perf_counter()
-                models[name](input_ids=step_ids, past_key_values=caches[name], use_cache=True)
+                models[name](input_ids=step_ids, use_cache=True, **{keyword[name]: caches[name]})
                 times[name].append(time.perf_counter() - start)
                 caches[name].crop(-1)
     base = names[0]
