@@ -12,6 +12,11 @@ heads, E=3 experts, k=2: the same K/V-cache size as the source's 3 K/V heads).
     python benchmarks/bench_uptrain_recovery.py --tokens 200000                       # mean:lm,mean:kd
     python benchmarks/bench_uptrain_recovery.py --runs aligned:kd,switchhead:kd,mean:kd,mean:lm --tokens 32768
     python benchmarks/bench_uptrain_recovery.py --runs aligned:kd --converted aligned=DIR --tokens 49152
+    python benchmarks/bench_uptrain_recovery.py --runs switchhead:kd --stage align,kd --align-tokens 8192 \
+        --align-epochs 4 --align-lr 1e-3 --tokens 49152          # layer-local alignment first, then KD
+
+With `--stage align,kd` the align stage reads the first `--align-tokens` of the same training windows and KD the
+windows after them (the tokens seen stay equal); its held-out perplexity is measured at the stage's end.
 """
 
 from __future__ import annotations
@@ -58,6 +63,12 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--eval-tokens", type=int, default=4096)
+    p.add_argument("--stage", default="kd", choices=("kd", "align", "align,kd"),
+                   help="uptrain --stage: kd (end to end, by LOSS), align (layer-local), or align then kd")
+    p.add_argument("--align-tokens", type=int, help="[align,kd] the align stage's share of --tokens "
+                   "(default: a quarter)")
+    p.add_argument("--align-epochs", type=int, default=4)
+    p.add_argument("--align-lr", type=float, default=1e-3)
     p.add_argument("--evals", type=int, default=4, help="evaluations spread over the run (besides the one at 0)")
     p.add_argument("--work", type=Path, default=Path("/tmp/surgery-bench-uptrain-recovery"))
     p.add_argument("--plot", type=Path, help="PNG path (default WORK/recovery.png)")
@@ -90,13 +101,16 @@ def main() -> None:
         start = time.time()
         if kind not in given:
             convert(kind, src, folder)
-        label = f"{LABELS.get(kind, kind)}, {loss}"
+        stage = "" if a.stage == "kd" else f", {a.stage}"
+        label = f"{LABELS.get(kind, kind)}, {loss}{stage}"
+        out = a.work / f"uptrained-{kind}-{loss}{stage.replace(', ', '-').replace(',', '-')}"
         records[label] = uptrain(UptrainOptions(
-            model=str(folder), out=a.work / f"uptrained-{kind}-{loss}", data="pydoc", tokens=a.tokens,
+            model=str(folder), out=out, data="pydoc", tokens=a.tokens,
             seq_len=a.seq_len, batch_tokens=a.batch_tokens, micro_batch=a.micro_batch, eval_tokens=a.eval_tokens,
-            eval_every=eval_every, save_every=0, loss=loss, lr=a.lr, force=True, progress=False))
+            eval_every=eval_every, save_every=0, loss=loss, lr=a.lr, force=True, progress=False, stage=a.stage,
+            align_tokens=a.align_tokens, align_epochs=a.align_epochs, align_lr=a.align_lr))
         seconds[label] = time.time() - start
-        metrics[label] = read_metrics(a.work / f"uptrained-{kind}-{loss}" / "uptrain_metrics.jsonl")
+        metrics[label] = read_metrics(out / "uptrain_metrics.jsonl")
         r = records[label]
         print(f"{label}: ppl {r['initial_eval_ppl']:.2f} -> {r['final_eval_ppl']:.2f} after {r['tokens']} tokens "
               f"({r['tokens'] / r['train_seconds']:.1f} tokens/s)", flush=True)

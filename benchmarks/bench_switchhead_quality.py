@@ -1,0 +1,78 @@
+"""SwitchHead zero-shot quality: which conversion choice costs what (issue 15 §3).
+
+Converts SOURCE to SwitchHead once per VARIANT and measures each with `surgery check`'s metrics (perplexity, KL
+per token, top-1 agreement against the source) on check's default held-out text: pydoc's first `--tokens` tokens
+in windows of 1,024. The calibration reads pydoc's last documents, never these (the converter's policy).
+
+Variants (comma-separated NAME=OPTIONS, OPTIONS joined by '+'):
+  k2             the default: H=3 E=3, top-2 experts, clusters inside the source's K/V groups, the members' mean
+                 query/key, output refit
+  k3             top-3 (every expert): what routing drops, with the same attention patterns
+  free           clusters across K/V groups (respect_kv_groups=False): heads grouped by attention maps alone, the
+                 key the members' mean K head
+  medoid         the medoid member's query/key instead of the members' mean
+  norefit        the members' own output projections (no output refit)
+
+    python benchmarks/bench_switchhead_quality.py --variants k2,k3,free --work DIR --json R
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from surgery.check import compare_checkpoints  # noqa: E402
+from surgery.data import pydoc_texts  # noqa: E402
+from surgery.source import resolve_source  # noqa: E402
+from surgery.switchhead import convert_to_switchhead  # noqa: E402
+
+OPTIONS = {"k2": {}, "k3": {"topk": 3}, "free": {"respect_kv_groups": False}, "medoid": {"qk_merge": "medoid"},
+           "norefit": {"refit": False}}
+
+
+def variant_options(spec: str) -> dict:
+    options = {"heads": 3, "experts": 3, "topk": 2}
+    for part in spec.split("+"):
+        if part not in OPTIONS:
+            sys.exit(f"unknown variant part {part!r}; choose from {', '.join(OPTIONS)}")
+        options |= OPTIONS[part]
+    return options
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--source", default="smollm2")
+    p.add_argument("--variants", default="k2,k3,free")
+    p.add_argument("--calib-tokens", type=int, default=8192)
+    p.add_argument("--tokens", type=int, default=16384, help="held-out tokens (pydoc's first)")
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    src = resolve_source(a.source)
+    rows = {}
+    for spec in a.variants.split(","):
+        out = a.work / f"sh-{spec}"
+        start = time.time()
+        if not (out / "surgery.json").exists():
+            convert_to_switchhead(src, out, calib_tokens=a.calib_tokens, force=True, progress=False,
+                                  **variant_options(spec))
+        seconds = time.time() - start
+        report = compare_checkpoints(src, resolve_source(str(out)), pydoc_texts(), tokens=a.tokens, progress=False,
+                                     trust_remote_code=True)
+        m = {key: report[key] for key in ("ppl_source", "ppl_converted", "kl", "top1_agreement")}
+        m["ratio"] = m["ppl_converted"] / m["ppl_source"]
+        rows[spec] = {"options": variant_options(spec), "convert_seconds": round(seconds, 1), **m}
+        print(f"{spec}: perplexity {m['ppl_converted']:.2f} vs the source's {m['ppl_source']:.2f} = {m['ratio']:.2f}x, "
+              f"KL {m['kl']:.3f}, top-1 {m['top1_agreement']:.1%} (conversion {seconds:.0f} s)", flush=True)
+    if a.json:
+        a.json.write_text(json.dumps({"source": a.source, "text": f"pydoc[0:{a.tokens}] (tokens), windows of 1024",
+                                      "calib_tokens": a.calib_tokens, "variants": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
