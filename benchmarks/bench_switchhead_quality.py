@@ -6,13 +6,12 @@ in windows of 1,024. The calibration reads pydoc's last documents, never these (
 
 Variants (comma-separated NAME=OPTIONS, OPTIONS joined by '+'):
   k2             the default: H=3 E=3, top-2 experts, clusters inside the source's K/V groups, the members' mean
-                 query/key, output refit, output-router refit
+                 query/key, output refit
   k1, k3         top-1 / top-3 (every expert) instead of top-2, with the same attention patterns
   free           clusters across K/V groups (respect_kv_groups=False): heads grouped by attention maps alone, the
                  key the members' mean K head
   medoid         the medoid member's query/key instead of the members' mean
   norefit        the members' own output projections (no output refit)
-  norouter       the output experts refit, the calibration's output router kept (no router refit)
 
     python benchmarks/bench_switchhead_quality.py --variants k2,k3,free --work DIR --json R
 """
@@ -34,7 +33,7 @@ from surgery.switchhead import convert_to_switchhead  # noqa: E402
 
 OPTIONS = {"k2": {}, "k1": {"topk": 1}, "k3": {"topk": 3}, "free": {"respect_kv_groups": False},
            "medoid": {"qk_merge": "medoid"},
-           "norefit": {"refit": False}, "norouter": {"router_rounds": 0}}
+           "norefit": {"refit": False}}
 
 
 def variant_options(spec: str) -> dict:

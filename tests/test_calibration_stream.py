@@ -25,7 +25,6 @@ from surgery.switchhead.convert import LayerBuilder, switchhead_shape
 from surgery.switchhead.cluster import kv_mapping
 from surgery.switchhead.families import attention_tensors, family_for
 from surgery.switchhead.layers import calibrate_layers
-from surgery.switchhead.refit import OutputRefit
 from surgery.tensors import CheckpointReader
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,7 +95,7 @@ def switchhead_layers(stream, folder: Path, heads: int, experts: int, topk: int,
     store = LayerStore(spill=False)
     builder = LayerBuilder(reader, family, attention_tensors(reader, family), shape, [], store, None)
     mode = kv_mapping(shape.heads, shape.kv_heads, shape.new_heads, True)
-    result = calibrate_layers(stream, builder, windows() if ids is None else ids, mode, "medoid", OutputRefit(0.1),
+    result = calibrate_layers(stream, builder, windows() if ids is None else ids, mode, "medoid", True, 0.1,
                               progress=False, chunk_windows=2)
     return result, [store.get(i) for i in range(shape.layers)]
 

@@ -71,31 +71,20 @@ class LayerStats:
         distance = (diag[:, None] + diag[None, :] - 2 * g).clamp(min=0)
         n, heads = self.tokens, self.gram.shape[0]
         second = self.xtx / n
+        ridge = RIDGE * second.diagonal().mean() * torch.eye(second.shape[0], dtype=second.dtype, device=second.device)
         count = n * heads
         mu = self.ysum / count
         sd = (self.ysq / count - mu * mu).clamp(min=1e-12).sqrt()
         xtz = (self.xty - self.xsum[None, :, None] * mu[:, None, None]) / (sd[:, None, None] * n)  # E[x z] (2, D, h)
-        both = ridge_fit(second, torch.cat(list(xtz), dim=1))  # (D, 2h), one factorisation
+        both = torch.linalg.solve(second + ridge, torch.cat(list(xtz), dim=1))  # (D, 2h), one factorisation
         fits, r2 = [], []
         for side in range(2):
             w = both[:, side * heads : (side + 1) * heads]
             explained = float((w * xtz[side]).sum() / heads)  # mean over heads of E[(x.w) z]: R² for a unit-variance z
-            fits.append(router_weights(w, second))
+            rms = ((second @ w) * w).sum(0).mean().clamp(min=1e-30).sqrt()  # rms of the scores x.w
+            fits.append((w * (ROUTER_RMS / rms)).T.float())
             r2.append(explained)
         return LayerFit(distance.float().cpu(), fits[0], fits[1], r2[0], r2[1])
-
-
-def ridge_fit(second: torch.Tensor, xtz: torch.Tensor) -> torch.Tensor:
-    """w = (E[x xᵀ] + λI)⁻¹ E[x z] (D, n): linear score fits of standardised per-token targets z (routers have no
-    bias), λ = RIDGE times the mean eigenvalue of x's second moment."""
-    ridge = RIDGE * second.diagonal().mean() * torch.eye(second.shape[0], dtype=second.dtype, device=second.device)
-    return torch.linalg.solve(second + ridge, xtz)
-
-
-def router_weights(w: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-    """Router rows (n, D), float32: the fits `w` (D, n) scaled so that the scores x.w have rms ROUTER_RMS."""
-    rms = ((second @ w) * w).sum(0).mean().clamp(min=1e-30).sqrt()
-    return (w * (ROUTER_RMS / rms)).T.float()
 
 
 def _projections(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.nn.Module]:

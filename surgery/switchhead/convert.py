@@ -28,7 +28,7 @@ from .build import SwitchHeadShape, layer_tensors
 from .layers import calibrate_layers
 from .cluster import cluster_heads, kv_mapping, within_cost
 from .families import Family, attention_tensors, biases, check_attention_shapes, family_for, read_attention
-from .refit import RIDGE, ROUTER_ROUNDS, OutputRefit
+from .refit import RIDGE
 
 QK_MERGES = ("medoid", "mean")
 CODE_FILES = ("configuration_switchhead.py", "modeling_switchhead.py")
@@ -46,8 +46,7 @@ INIT_NOTE = ("q_proj and k_proj of a head: the members' mean query and K head (q
              "sums the selected experts, the value side averages them), then refit by ridge regression to the "
              "source's attention output on calibration text (output_refit); routers: zero when E = 1 (exact), else "
              "ridge fits of each member's per-token importance, scaled to rms 0.1 (top-k ranks by them, gates stay "
-             "near 1/2); the output router then refit to what each refit expert adds to its head's fit, and the "
-             "output experts refit again (output_refit.router_rounds, kept where the error falls)")
+             "near 1/2)")
 
 
 def switchhead_shape(config: dict, heads: int, experts: int, topk: int) -> SwitchHeadShape:
@@ -154,16 +153,14 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
                           calib_tokens: int = 8192, force: bool = False, dtype: str | None = None,
                           max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
                           progress: bool = True, respect_kv_groups: bool = True, qk_merge: str = "mean",
-                          refit: bool = True, ridge: float = RIDGE, router_rounds: int = ROUTER_ROUNDS,
-                          device: str = "auto") -> dict:
+                          refit: bool = True, ridge: float = RIDGE, device: str = "auto") -> dict:
     """Convert every self-attention layer of `src` into SwitchHead attention with H=`heads` heads of E=`experts`
     experts, k=`topk` selected per token; write the checkpoint to `out`. Returns the surgery.json record.
 
     `seed` is recorded but nothing is random: calibration, clustering and initialisation are deterministic.
     Ablations: `respect_kv_groups=False` clusters a GQA source's heads freely (see cluster.py); `qk_merge="medoid"`
     takes the medoid member's query and key instead of the members' mean; `refit=False` keeps the members' own
-    output projections (see refit.py; `ridge` is its pull toward them); `router_rounds=0` keeps the calibration's
-    output router instead of refitting it to the refit experts."""
+    output projections (see refit.py; `ridge` is its pull toward them)."""
     _check_options(dtype, calib_tokens, qk_merge)
     check_output_path(out, force, source=src.folder)
     config = src.config
@@ -183,12 +180,11 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
         calibrated = Calibrated(clusters)
     else:
         builder = LayerBuilder(reader, family, names, shape, [], None, out_dtype)
-        how = OutputRefit(ridge, router_rounds) if refit else None
-        calibrated = _calibrate(src, reader, out, builder, mode, calib, calib_tokens, qk_merge, how, device, progress,
-                                start)
+        calibrated = _calibrate(src, reader, out, builder, mode, calib, calib_tokens, qk_merge, refit, ridge, device,
+                                progress, start)
     planned = builder.plan(out_dtype)
     new_config = target_config(config, family, shape, dtype, builder.biases())
-    settings = {"mode": mode, "qk_merge": qk_merge, "ridge": ridge, "router_rounds": router_rounds, "seed": seed, "dtype": dtype, "start": start,
+    settings = {"mode": mode, "qk_merge": qk_merge, "ridge": ridge, "seed": seed, "dtype": dtype, "start": start,
                 "pattern": layer_pattern(family, names[0]["module"])}
 
     def record_fields(output_files: list[str]) -> dict:
@@ -223,7 +219,7 @@ class Calibrated:
 
 
 def _calibrate(src: Source, reader: CheckpointReader, out: Path, builder: LayerBuilder, mode: str, calib: str,
-               calib_tokens: int, qk_merge: str, refit: OutputRefit | None, device: str, progress: bool,
+               calib_tokens: int, qk_merge: str, refit: bool, ridge: float, device: str, progress: bool,
                start: float) -> Calibrated:
     """Stream the source layer by layer over the calibration text: head distances and clusters, router fits and the
     output refit per layer; the new tensors go into a layer store the builder serves."""
@@ -231,7 +227,7 @@ def _calibrate(src: Source, reader: CheckpointReader, out: Path, builder: LayerB
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(src.config))
     builder.tensors = LayerStore(out)  # removes itself when closed, dropped on an error, or at exit
     stream = open_stream(src.folder, reader, dev, attn_implementation="eager")
-    layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, progress)
+    layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress)
     builder.clusters = layers.clusters
     calibration = text.record() | {
         "device": str(dev),
@@ -261,8 +257,7 @@ def _record_fields(config: dict, new_config: dict, shape: SwitchHeadShape, c: Ca
         "cluster_distance": [round(within_cost(f.distance, c), 6) for f, c in zip(fits, clusters)] if fits else None,
         "qk_merge": settings["qk_merge"] if shape.experts > 1 else None,
         "qk_pivots": c.pivots,
-        "output_refit": ({"ridge": settings["ridge"], "router_rounds": settings["router_rounds"],
-                          "relative_error": c.refit_report} if c.refit_report else None),
+        "output_refit": ({"ridge": settings["ridge"], "relative_error": c.refit_report} if c.refit_report else None),
         "router_fit_explained": ({"output": [round(f.r2_o, 4) for f in fits], "value": [round(f.r2_v, 4) for f in fits]}
                                  if fits else None),
         "calibration": c.calibration,

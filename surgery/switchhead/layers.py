@@ -17,7 +17,7 @@ from ..calibration.stream import LayerProgress, LayerStream
 from .build import layer_tensors
 from .calibrate import LayerFit, attention_module, calibrate_layer
 from .cluster import cluster_heads, medoid
-from .refit import OutputRefit, refit_layer
+from .refit import refit_layer
 
 # windows per forward: one, as the in-memory path ran them. The router fit and the output refit solve
 # ill-conditioned systems, which turn float32 summation-order differences from batching windows into ~1% changes
@@ -34,22 +34,19 @@ class CalibratedLayers:
 
 
 @torch.no_grad()
-def calibrate_layers(stream: LayerStream, builder, windows: torch.Tensor, mode: str, qk_merge: str,
-                     refit: OutputRefit | None, progress: bool = True, chunk_windows: int = CHUNK_WINDOWS
-                     ) -> CalibratedLayers:
-    """Calibrate and convert every layer `stream` serves; each layer's tensors go to `builder.tensors` (a store).
-    `refit`: how the output experts are refit (None: the members' own projections)."""
+def calibrate_layers(stream: LayerStream, builder, windows: torch.Tensor, mode: str, qk_merge: str, refit: bool,
+                     ridge: float, progress: bool = True, chunk_windows: int = CHUNK_WINDOWS) -> CalibratedLayers:
+    """Calibrate and convert every layer `stream` serves; each layer's tensors go to `builder.tensors` (a store)."""
     shape = builder.shape
     settings = {"heads": shape.new_heads, "experts": shape.experts, "topk": shape.topk, "head_dim": shape.head_dim}
     stream.plan_offload(windows.numel(), streams=4)
     hidden, calls = stream.embed_chunks(list(windows.split(chunk_windows)))
     stream.release_embeddings()
-    result = CalibratedLayers([], [], [] if qk_merge == "medoid" else None, [] if refit is not None else None)
+    result = CalibratedLayers([], [], [] if qk_merge == "medoid" else None, [] if refit else None)
     with LayerProgress("calibrate switchhead", len(stream), progress) as bar:
         for index, _, layer in stream.layers():
             fit, captures, outputs = calibrate_layer(layer, hidden, [c[index] for c in calls], shape.heads,
-                                                     shape.kv_heads, shape.head_dim, stream.fetch,
-                                                     keep_calls=refit is not None)
+                                                     shape.kv_heads, shape.head_dim, stream.fetch, keep_calls=refit)
             hidden = [stream.stash(h) for h in outputs]
             del outputs
             clusters = cluster_heads(fit.distance, shape.heads, shape.kv_heads, shape.new_heads, mode)
@@ -59,9 +56,9 @@ def calibrate_layers(stream: LayerStream, builder, windows: torch.Tensor, mode: 
                                                     for f in dataclasses.fields(source)
                                                     if getattr(source, f.name) is not None})
             tensors = layer_tensors(source, clusters, shape, fit.router_o, fit.router_v, pivots)
-            if refit is not None:
+            if refit:
                 result.refit.append(refit_layer(attention_module(layer), stream.config, settings, tensors, captures,
-                                                refit))
+                                                ridge))
             del captures
             builder.tensors.put(index, tensors)
             result.fits.append(dataclasses.replace(fit, router_o=None, router_v=None))

@@ -9,15 +9,6 @@ routers fixed, the layer's output is linear in its output experts:
 so one ridge regression per layer fits W (D x H*E*d) to the source's attention output (minus its bias), pulled
 toward the members' own projections W0:  W = (Yᵀφ + λ W0)(φᵀφ + λ I)⁻¹,  λ = `ridge` · mean(diag φᵀφ).
 
-Router refit (top-k < E): the output router was fitted at calibration to the members' importance in the source,
-before the merge. With the experts refit, the choice that matters is which experts fit each token best, so the
-router is refit to that: per token, head and expert the gain of adding the expert (at gate 1/2) to what its head
-should write (the target minus the other heads' outputs), relative to the head's mean gain, standardised and
-regressed on x like the calibration's fits; then the experts are refit to the new routing. Up to ROUTER_ROUNDS
-rounds, each kept only where it lowers the layer's calibration error. The selection then acts like a
-token-dependent choice among E output maps, which is what the refit can use: on SmolLM2 H=3 E=3, top-3 (every
-expert, one map) measured 6.12x the source's perplexity, top-2 4.71x, top-1 4.57x (BENCHMARKS.md).
-
 Every layer is fitted on the source's own hidden states, right after its calibration (the layer streams through
 `surgery.calibration.stream` once): the SwitchHead attention built from the new tensors runs on the source
 attention's captured calls, against the source attention's captured outputs.
@@ -25,26 +16,13 @@ attention's captured calls, against the source attention's captured outputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ..solve import lu_in_place
-from .build import GATE_AT_ZERO
-from .calibrate import AttentionCapture, ridge_fit, router_weights
+from .calibrate import AttentionCapture
 from .modeling_switchhead import CACHE_KWARGS, SwitchHeadAttention
 
 RIDGE = 0.1
-ROUTER_ROUNDS = 2  # output-router refits, each followed by an expert refit, while the error falls
-
-
-@dataclass(frozen=True)
-class OutputRefit:
-    """How the output experts (and the output router) are refit: `ridge` is the pull toward the members' own
-    projections, `router_rounds` the router refits (0: the calibration's router stays)."""
-
-    ridge: float = RIDGE
-    router_rounds: int = ROUTER_ROUNDS
 ROW_BLOCK = 512  # rows of W per block (solve, error)
 
 
@@ -96,78 +74,11 @@ def features(attn: SwitchHeadAttention, heads_out: torch.Tensor, x: torch.Tensor
     return phi.reshape(n, -1)
 
 
-def dense_gates(attn: SwitchHeadAttention, x: torch.Tensor) -> torch.Tensor:
-    """(N, H, E): each output expert's gate for every token, zero where the router did not select it."""
-    gates, index = attn.o_router(x)
-    if index is None:
-        return gates
-    return gates.new_zeros(*gates.shape[:2], attn.num_experts).scatter_(2, index, gates)
-
-
-class RouterStats:
-    """Running sums for refitting the output router to the refit experts (module docstring, "router refit")."""
-
-    def __init__(self, hidden: int, slots: int, device: torch.device | str = "cpu"):
-        f64 = dict(dtype=torch.float64, device=device)
-        self.xtx = torch.zeros(hidden, hidden, **f64)
-        self.xsum = torch.zeros(hidden, **f64)
-        self.xtu = torch.zeros(hidden, slots, **f64)
-        self.usum = self.usq = 0.0
-        self.tokens = 0
-
-    def add(self, x: torch.Tensor, gain: torch.Tensor) -> None:
-        """x (N, D); gain (N, H, E): what each expert would add to its head's fit, relative to its head's mean."""
-        u = (gain - gain.mean(-1, keepdim=True)).reshape(x.shape[0], -1)
-        self.xtx += (x.T @ x).double()
-        self.xsum += x.sum(0).double()
-        self.xtu += (x.T @ u).double()
-        self.usum += float(u.double().sum())
-        self.usq += float(u.double().pow(2).sum())
-        self.tokens += x.shape[0]
-
-    def finish(self) -> torch.Tensor:
-        """Router rows (H*E, D): ridge fits of the standardised gains, scaled like the calibration's router fits."""
-        n, slots = self.tokens, self.xtu.shape[1]
-        mu = self.usum / (n * slots)
-        sd = max(self.usq / (n * slots) - mu * mu, 1e-24) ** 0.5
-        second = self.xtx / n
-        xtz = (self.xtu - self.xsum[:, None] * mu) / (sd * n)
-        return router_weights(ridge_fit(second, xtz), second)
-
-
-def expert_gains(attn: SwitchHeadAttention, heads_out: torch.Tensor, x: torch.Tensor, target: torch.Tensor,
-                 w: torch.Tensor) -> torch.Tensor:
-    """(N, H, E): for every token, head and output expert e with weights W_h,e: how much adding g·W_h,e a_h at the
-    gate g = 1/2 lowers the squared error of what head h should write, r_h = target - (the other heads' outputs):
-    g⟨r_h, W_h,e a_h⟩ - ½ g² ||W_h,e a_h||²  (the error with e alone, against none; the cross terms of two
-    selected experts left out)."""
-    n, heads, d = heads_out.shape
-    experts = attn.num_experts
-    w = w.float().view(-1, heads, experts, d)  # (D, H, E, d)
-    gates = dense_gates(attn, x)
-
-    def head(h: int) -> tuple[torch.Tensor, torch.Tensor]:  # every expert's output (N, E, D), the head's (N, D)
-        c = torch.einsum("nd,Ded->neD", heads_out[:, h], w[:, h])
-        return c, (gates[:, h, :, None] * c).sum(1)
-
-    residual = target.clone()
-    for h in range(heads):  # one head's expert outputs at a time, twice, rather than all heads' at once
-        residual -= head(h)[1]
-    g = GATE_AT_ZERO
-    gains = []
-    for h in range(heads):
-        c, own = head(h)
-        gains.append(g * torch.einsum("nD,neD->ne", residual + own, c) - 0.5 * g * g * c.pow(2).sum(-1))
-    return torch.stack(gains, 1)
-
-
 @torch.no_grad()
 def refit_layer(attn: torch.nn.Module, config, settings: dict, tensors: dict[str, torch.Tensor],
-                captures: list[AttentionCapture], how: OutputRefit = OutputRefit()) -> dict:
+                captures: list[AttentionCapture], ridge: float = RIDGE) -> dict:
     """Refit `tensors["o_experts.weight"]` (in place) of the SwitchHead attention replacing the source attention
-    `attn`, on the source attention's captured calls, then (top-k < E) the output router to the refit experts and
-    the experts again, for up to `how.router_rounds` rounds while the error falls (`tensors["o_router.weight"]` in
-    place). Returns the relative errors: the members' own projections, the first refit, the final one."""
+    `attn`, on the source attention's captured calls; returns the relative errors before and after."""
     device = next(attn.parameters()).device
     with torch.device(device):
         sh = SwitchHeadAttention(attn, config, settings).eval()
@@ -175,7 +86,7 @@ def refit_layer(attn: torch.nn.Module, config, settings: dict, tensors: dict[str
     if unexpected or any(not m.startswith(("q_norm.", "k_norm.")) for m in missing):
         raise RuntimeError(f"layer {sh.layer_idx}: tensors do not fit the attention module ({missing}, {unexpected})")
     o_bias = tensors.get("o_bias")
-    calls = []  # (heads' outputs, x, target) per capture: none depends on the output router
+    st = OutputStats(sh.num_heads * sh.num_experts * sh.head_dim, sh.o_experts.weight.shape[2], device)
     for cap in captures:
         kwargs = dict(cap.kwargs)
         hidden = cap.args[0] if cap.args else kwargs.pop("hidden_states")
@@ -183,31 +94,11 @@ def refit_layer(attn: torch.nn.Module, config, settings: dict, tensors: dict[str
             kwargs.pop(key, None)
         heads_out, x, _ = sh.attend(hidden, *cap.args[1:], **kwargs)
         target = cap.output.reshape(x.shape[0], -1).float()
-        calls.append((heads_out, x, target if o_bias is None else target - o_bias))
+        if o_bias is not None:
+            target = target - o_bias
+        st.add(features(sh, heads_out, x), target)
     w_shape = tensors["o_experts.weight"].shape  # (H, E, D, d)
     w0 = tensors["o_experts.weight"].permute(2, 0, 1, 3).reshape(w_shape[2], -1)  # float32: upcast where used
-
-    def fit_experts() -> tuple[torch.Tensor, float, float]:
-        st = OutputStats(sh.num_heads * sh.num_experts * sh.head_dim, w_shape[2], device)
-        for heads_out, x, target in calls:
-            st.add(features(sh, heads_out, x), target)
-        w = st.solve(w0, how.ridge)
-        return w, st.error(w), st.error(w0)
-
-    w, error, before = fit_experts()
-    report = {"before": round(before, 5), "refit": round(error, 5)}
-    rounds = how.router_rounds if sh.topk < sh.num_experts else 0
-    for _ in range(rounds):
-        kept = sh.o_router.weight.detach().clone()
-        stats = RouterStats(w_shape[2], sh.num_heads * sh.num_experts, device)
-        for heads_out, x, target in calls:
-            stats.add(x, expert_gains(sh, heads_out, x, target, w))
-        sh.o_router.weight.copy_(stats.finish())
-        w_new, error_new, _ = fit_experts()
-        if error_new >= error:  # the refit router fits worse: keep the calibration's
-            sh.o_router.weight.copy_(kept)
-            break
-        w, error = w_new, error_new
-    tensors["o_router.weight"] = sh.o_router.weight.detach().clone()
+    w = st.solve(w0, ridge)
     tensors["o_experts.weight"] = w.reshape(w_shape[2], *w_shape[:2], w_shape[3]).permute(1, 2, 0, 3).float().contiguous()
-    return report | {"after": round(error, 5)}
+    return {"before": round(st.error(w0), 5), "after": round(st.error(w), 5)}
