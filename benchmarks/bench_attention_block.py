@@ -26,6 +26,7 @@ from transformers import LlamaConfig  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding  # noqa: E402
 
+from surgery.kvcache import cache_keyword  # noqa: E402
 from surgery.switchhead.modeling_switchhead import SwitchHeadAttention  # noqa: E402
 from surgery.talking_heads.modeling_talking_heads import TalkingHeadsMixing, talking_heads_settings  # noqa: E402
 
@@ -86,14 +87,15 @@ def time_decode(module, config, x, rope, steps: int) -> float:
     cos, sin = rope
     t = x.shape[1] - 1
     cache = DynamicCache()
-    module(x[:, :t], position_embeddings=(cos[:, :t], sin[:, :t]), past_key_values=cache,
+    keyword = cache_keyword(module)  # the attention module's own name for it
+    module(x[:, :t], position_embeddings=(cos[:, :t], sin[:, :t]), **{keyword: cache},
            attention_mask=None if config._attn_implementation != "talking_heads"
            else torch.ones(t, t, dtype=torch.bool, device=x.device).tril()[None, None])
     times = []
     for _ in range(steps):
         sync(x.device)
         start = time.perf_counter()
-        module(x[:, t:], position_embeddings=(cos[:, t:], sin[:, t:]), past_key_values=cache, attention_mask=None)
+        module(x[:, t:], position_embeddings=(cos[:, t:], sin[:, t:]), **{keyword: cache}, attention_mask=None)
         sync(x.device)
         times.append(time.perf_counter() - start)
         cache.crop(-1)

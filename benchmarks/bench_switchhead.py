@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from surgery.inspect import inspect_checkpoint  # noqa: E402
+from surgery.kvcache import cache_keyword, returned_cache  # noqa: E402
 from surgery.source import resolve_source  # noqa: E402
 
 
@@ -56,13 +57,13 @@ def measure(model, length: int, repeats: int, decode: int, device: torch.device,
         sync(device)
         if i:  # the first run is a warm-up
             times.append(time.perf_counter() - start)
-    cache = out.past_key_values
+    cache, keyword = returned_cache(out), cache_keyword(model)
     kv = cache_bytes(cache)
     steps = []
     for j in range(decode):
         sync(device)
         start = time.perf_counter()
-        model(input_ids=next_ids[:, j : j + 1], past_key_values=cache, use_cache=True)
+        model(input_ids=next_ids[:, j : j + 1], use_cache=True, **{keyword: cache})
         sync(device)
         steps.append(time.perf_counter() - start)
     return {"prefill_s": statistics.median(times), "decode_s_per_token": statistics.mean(steps) if steps else None,
