@@ -4,7 +4,7 @@ Converts SOURCE to SwitchHead once per VARIANT and measures each with `surgery c
 per token, top-1 agreement against the source) on check's default held-out text: pydoc's first `--tokens` tokens
 in windows of 1,024. The calibration reads pydoc's last documents, never these (the converter's policy).
 
-Variants (comma-separated NAME=OPTIONS, OPTIONS joined by '+'):
+Variants (comma-separated; one variant is one or more of these names joined by '+', e.g. k1+medoid):
   k2             the default: H=3 E=3, top-2 experts, clusters inside the source's K/V groups, the members' mean
                  query/key, output refit
   k1, k3         top-1 / top-3 (every expert) instead of top-2, with the same attention patterns
@@ -57,17 +57,16 @@ def main() -> None:
     src = resolve_source(a.source)
     rows = {}
     for spec in a.variants.split(","):
-        out = a.work / f"sh-{spec}"
+        out, options = a.work / f"sh-{spec}", variant_options(spec)
         start = time.time()
         if not (out / "surgery.json").exists():
-            convert_to_switchhead(src, out, calib_tokens=a.calib_tokens, force=True, progress=False,
-                                  **variant_options(spec))
+            convert_to_switchhead(src, out, calib_tokens=a.calib_tokens, force=True, progress=False, **options)
         seconds = time.time() - start
         report = compare_checkpoints(src, resolve_source(str(out)), pydoc_texts(), tokens=a.tokens, progress=False,
                                      trust_remote_code=True)
         m = {key: report[key] for key in ("ppl_source", "ppl_converted", "kl", "top1_agreement")}
         m["ratio"] = m["ppl_converted"] / m["ppl_source"]
-        rows[spec] = {"options": variant_options(spec), "convert_seconds": round(seconds, 1), **m}
+        rows[spec] = {"options": options, "convert_seconds": round(seconds, 1), **m}
         print(f"{spec}: perplexity {m['ppl_converted']:.2f} vs the source's {m['ppl_source']:.2f} = {m['ratio']:.2f}x, "
               f"KL {m['kl']:.3f}, top-1 {m['top1_agreement']:.1%} (conversion {seconds:.0f} s)", flush=True)
     if a.json:

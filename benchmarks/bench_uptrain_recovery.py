@@ -101,9 +101,9 @@ def main() -> None:
         start = time.time()
         if kind not in given:
             convert(kind, src, folder)
-        stage = "" if a.stage == "kd" else f", {a.stage}"
-        label = f"{LABELS.get(kind, kind)}, {loss}{stage}"
-        out = a.work / f"uptrained-{kind}-{loss}{stage.replace(', ', '-').replace(',', '-')}"
+        staged = a.stage != "kd"  # the default stage keeps the labels and folders of earlier runs
+        label = f"{LABELS.get(kind, kind)}, {loss}" + (f", {a.stage}" if staged else "")
+        out = a.work / (f"uptrained-{kind}-{loss}" + ("-" + a.stage.replace(",", "-") if staged else ""))
         records[label] = uptrain(UptrainOptions(
             model=str(folder), out=out, data="pydoc", tokens=a.tokens,
             seq_len=a.seq_len, batch_tokens=a.batch_tokens, micro_batch=a.micro_batch, eval_tokens=a.eval_tokens,
