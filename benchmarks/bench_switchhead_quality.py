@@ -12,8 +12,10 @@ Variants (comma-separated; one variant is one or more of these names joined by '
                  key the members' mean K head
   medoid         the medoid member's query/key instead of the members' mean
   norefit        the members' own output projections (no output refit)
+  srcin          every layer calibrated on the source's own hidden states (calib_inputs="source") instead of the
+                 converted layers' outputs
 
-    python benchmarks/bench_switchhead_quality.py --variants k2,k3,free --work DIR --json R
+    python benchmarks/bench_switchhead_quality.py --variants k2,srcin,k1 --work DIR --json R
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from surgery.switchhead import convert_to_switchhead  # noqa: E402
 
 OPTIONS = {"k2": {}, "k1": {"topk": 1}, "k3": {"topk": 3}, "free": {"respect_kv_groups": False},
            "medoid": {"qk_merge": "medoid"},
-           "norefit": {"refit": False}}
+           "norefit": {"refit": False}, "srcin": {"calib_inputs": "source"}}
 
 
 def variant_options(spec: str) -> dict:

@@ -18,7 +18,8 @@ matrix products). The counts follow the code they estimate:
   rotary heads (products with the d_in x d_in second moment dominate).
 - SwitchHead (surgery/switchhead/layers.py, calibrate.py, refit.py): the source layer over the calibration tokens
   (eager attention; statistics), the attention-map Gram, the router fits' normal equations, then the SwitchHead
-  attention on the captured calls and the output refit's normal equations.
+  attention on the captured calls and the output refit's normal equations, then the converted layer's pass (the next
+  layer's inputs).
 The float32 and float64 work at the probe's rates, divided by `EFFICIENCY` (the rest of the work, measured once),
 gives the CPU seconds per layer, whatever the machine's load, and the wall seconds per layer at the load of the
 moment of the probe (a machine shared with other jobs gives a long run a different share than a one-second probe).
@@ -256,6 +257,9 @@ def switchhead_layer_flops(s: LayerShape, heads: int, experts: int, topk: int, t
         f.float32 += 2 * tokens * d * heads * s.head_dim * (2 + topk) + 4 * tokens * d * heads * experts
         f.float32 += 4 * tokens * window * heads * s.head_dim + 2 * tokens * feats * feats + 2 * tokens * d * feats
         f.float64 += 2 / 3 * feats**3 + 2 * feats * feats * d
+        # the converted layer's pass that gives the next layer its inputs: the MLP and the SwitchHead attention again
+        f.float32 += _mlp(s, tokens) + 2 * tokens * d * heads * s.head_dim * (2 + topk) + 4 * tokens * d * heads * experts
+        f.float32 += 4 * tokens * window * heads * s.head_dim
     return f
 
 

@@ -91,6 +91,34 @@ def read_layer(tensors: dict, layer: int, d: int = 8, dim: int = 64):
     return p, q, k, v, tensors[p + "o_proj.weight"].view(dim, -1, d)
 
 
+@pytest.mark.parametrize("inputs", ["converted", "source"])
+def test_each_layer_calibrates_on_the_hidden_states_it_is_given(llama, tmp_path, tokenizer, monkeypatch, inputs):
+    """calib_inputs="converted": layer 1 calibrates on what the converted layer 0 outputs (as the written checkpoint
+    computes it), not on the source's hidden states; "source": on the source's own."""
+    from surgery.calibration.text import calibration_text
+    from surgery.switchhead import layers
+
+    seen = []
+    original = layers.calibrate_layer
+
+    def recording(layer, hidden, calls, *args, **kw):
+        seen.append(torch.cat([h.clone() for h in hidden]))  # one window per chunk, on the host here
+        return original(layer, hidden, calls, *args, **kw)
+
+    monkeypatch.setattr(layers, "calibrate_layer", recording)
+    out = tmp_path / "sh"
+    convert(llama, out, heads=4, experts=2, topk=1, calib_tokens=256, calib_inputs=inputs)
+    config = json.loads((llama / "config.json").read_text())
+    windows = calibration_text("pydoc", tokenizer, 256, config.get("max_position_embeddings")).windows
+    with torch.no_grad():
+        hidden = {name: model(windows, output_hidden_states=True).hidden_states[1]
+                  for name, model in (("converted", load(out)), ("source", tm.load(llama)))}
+    other = "source" if inputs == "converted" else "converted"
+    assert seen[1].shape == hidden[inputs].shape
+    error = {name: (seen[1] - h).abs().max().item() for name, h in hidden.items()}
+    assert error[inputs] < 1e-5 and error[other] > 100 * error[inputs], error
+
+
 @pytest.mark.parametrize("qk_merge, refit", [("medoid", True), ("mean", False)])
 def test_clusters_tensors_and_record(llama, tmp_path, qk_merge, refit):
     out = tmp_path / "sh"
@@ -402,6 +430,7 @@ def test_cli_refuses_bad_head_counts(llama, tmp_path):
     (dict(heads=0, experts=8, topk=1), "--heads and --experts must be at least 1"),
     (dict(heads=4, experts=2, topk=1, calib="/nonexistent/x.txt"), "does not exist"),
     (dict(heads=4, experts=2, topk=1, dtype="int8"), "bad dtype"),
+    (dict(heads=4, experts=2, topk=1, calib_inputs="teacher"), "unknown calibration inputs 'teacher'"),
 ])
 def test_bad_options(llama, tmp_path, kw, message):
     with pytest.raises(SurgeryError, match=message.replace("(", r"\(")):

@@ -2,7 +2,8 @@
 linear fits of each head's per-token importance (for the routers' initial weights).
 
 The source streams layer by layer over the calibration tokens (`surgery.calibration.stream`: float32 on the
-device, eager attention, the layer's input being the source's own hidden states). Hooks on the layer's
+device, eager attention; the layer's input is what `layers.py` gives it, by default the hidden states of the layers
+before it already converted). Hooks on the layer's
 self-attention module see its input x, its attention probabilities and the per-head outputs entering the output
 projection, and reduce them on the spot to running sums, so memory stays at one chunk's attention map:
 
@@ -93,13 +94,18 @@ def _projections(attn: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | No
     return module_value_output(attn, family_for(config), config)
 
 
-def attention_module(layer: torch.nn.Module) -> torch.nn.Module:
-    """The decoder layer's self-attention module, where its family's spec says it lives."""
+def attention_path(layer: torch.nn.Module) -> str:
+    """Where the decoder layer's self-attention module lives inside it, as its family's spec says."""
     config = next((m.config for m in layer.modules() if getattr(m, "config", None) is not None), None)
     if config is None:
         raise SurgeryError(f"no configuration found in {type(layer).__name__} to locate its attention")
+    return family_for(config.to_dict()).spec.attention
+
+
+def attention_module(layer: torch.nn.Module) -> torch.nn.Module:
+    """The decoder layer's self-attention module."""
     try:
-        return layer.get_submodule(family_for(config.to_dict()).spec.attention)
+        return layer.get_submodule(attention_path(layer))
     except AttributeError:
         raise SurgeryError(f"no self-attention module found in {type(layer).__name__}") from None
 

@@ -31,6 +31,11 @@ from .families import Family, attention_tensors, biases, check_attention_shapes,
 from .refit import RIDGE
 
 QK_MERGES = ("medoid", "mean")
+LAYER_INPUTS = {
+    "converted": "each layer is calibrated on the hidden states of the layers before it already converted; its "
+                 "targets are the source attention's outputs on those inputs",
+    "source": "each layer is calibrated on the source model's own hidden states",
+}
 CODE_FILES = ("configuration_switchhead.py", "modeling_switchhead.py")
 KV_NOTES = {
     "within-groups": "every cluster lies inside one K/V group of the source: its key projection is the group's K "
@@ -153,15 +158,17 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
                           calib_tokens: int = 8192, force: bool = False, dtype: str | None = None,
                           max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
                           progress: bool = True, respect_kv_groups: bool = True, qk_merge: str = "mean",
-                          refit: bool = True, ridge: float = RIDGE, device: str = "auto") -> dict:
+                          refit: bool = True, ridge: float = RIDGE, device: str = "auto",
+                          calib_inputs: str = "converted") -> dict:
     """Convert every self-attention layer of `src` into SwitchHead attention with H=`heads` heads of E=`experts`
     experts, k=`topk` selected per token; write the checkpoint to `out`. Returns the surgery.json record.
 
     `seed` is recorded but nothing is random: calibration, clustering and initialisation are deterministic.
     Ablations: `respect_kv_groups=False` clusters a GQA source's heads freely (see cluster.py); `qk_merge="medoid"`
     takes the medoid member's query and key instead of the members' mean; `refit=False` keeps the members' own
-    output projections (see refit.py; `ridge` is its pull toward them)."""
-    _check_options(dtype, calib_tokens, qk_merge)
+    output projections (see refit.py; `ridge` is its pull toward them); `calib_inputs="source"` calibrates every
+    layer on the source's own hidden states instead of the converted layers' (see layers.py)."""
+    _check_options(dtype, calib_tokens, qk_merge, calib_inputs)
     check_output_path(out, force, source=src.folder)
     config = src.config
     family = family_for(config)
@@ -181,7 +188,7 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
     else:
         builder = LayerBuilder(reader, family, names, shape, [], None, out_dtype)
         calibrated = _calibrate(src, reader, out, builder, mode, calib, calib_tokens, qk_merge, refit, ridge, device,
-                                progress, start)
+                                progress, start, calib_inputs)
     planned = builder.plan(out_dtype)
     new_config = target_config(config, family, shape, dtype, builder.biases())
     settings = {"mode": mode, "qk_merge": qk_merge, "ridge": ridge, "seed": seed, "dtype": dtype, "start": start,
@@ -198,13 +205,15 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
     return record
 
 
-def _check_options(dtype: str | None, calib_tokens: int, qk_merge: str) -> None:
+def _check_options(dtype: str | None, calib_tokens: int, qk_merge: str, calib_inputs: str = "converted") -> None:
     if dtype is not None and dtype not in DTYPES:
         raise SurgeryError(f"bad dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
     if calib_tokens < 1:
         raise SurgeryError(f"--calib-tokens must be at least 1, got {calib_tokens}")
     if qk_merge not in QK_MERGES:
         raise SurgeryError(f"unknown query/key merge {qk_merge!r}; choose from {', '.join(QK_MERGES)}")
+    if calib_inputs not in LAYER_INPUTS:
+        raise SurgeryError(f"unknown calibration inputs {calib_inputs!r}; choose from {', '.join(LAYER_INPUTS)}")
 
 
 @dataclass
@@ -220,18 +229,19 @@ class Calibrated:
 
 def _calibrate(src: Source, reader: CheckpointReader, out: Path, builder: LayerBuilder, mode: str, calib: str,
                calib_tokens: int, qk_merge: str, refit: bool, ridge: float, device: str, progress: bool,
-               start: float) -> Calibrated:
+               start: float, inputs: str) -> Calibrated:
     """Stream the source layer by layer over the calibration text: head distances and clusters, router fits and the
     output refit per layer; the new tensors go into a layer store the builder serves."""
     dev = pick_device(device)
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(src.config))
     builder.tensors = LayerStore(out)  # removes itself when closed, dropped on an error, or at exit
     stream = open_stream(src.folder, reader, dev, attn_implementation="eager")
-    layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress)
+    layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress, inputs=inputs)
     builder.clusters = layers.clusters
     calibration = text.record() | {
         "device": str(dev),
         "streaming": "layer by layer from the checkpoint (float32 on the device, eager attention)",
+        "layer_inputs": LAYER_INPUTS[inputs],
         "distance": "mean over query rows of the squared L2 distance between two heads' attention probabilities",
         "seconds": round(time.time() - start, 3)}
     return Calibrated(layers.clusters, layers.fits, layers.pivots, layers.refit, calibration)

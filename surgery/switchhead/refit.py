@@ -9,9 +9,9 @@ routers fixed, the layer's output is linear in its output experts:
 so one ridge regression per layer fits W (D x H*E*d) to the source's attention output (minus its bias), pulled
 toward the members' own projections W0:  W = (Yᵀφ + λ W0)(φᵀφ + λ I)⁻¹,  λ = `ridge` · mean(diag φᵀφ).
 
-Every layer is fitted on the source's own hidden states, right after its calibration (the layer streams through
-`surgery.calibration.stream` once): the SwitchHead attention built from the new tensors runs on the source
-attention's captured calls, against the source attention's captured outputs.
+Every layer is fitted right after its calibration, on the same inputs (the layer streams through
+`surgery.calibration.stream` once; see `layers.py` for which hidden states): the SwitchHead attention built from
+the new tensors runs on the source attention's captured calls, against the source attention's captured outputs.
 """
 
 from __future__ import annotations
@@ -74,17 +74,25 @@ def features(attn: SwitchHeadAttention, heads_out: torch.Tensor, x: torch.Tensor
     return phi.reshape(n, -1)
 
 
-@torch.no_grad()
-def refit_layer(attn: torch.nn.Module, config, settings: dict, tensors: dict[str, torch.Tensor],
-                captures: list[AttentionCapture], ridge: float = RIDGE) -> dict:
-    """Refit `tensors["o_experts.weight"]` (in place) of the SwitchHead attention replacing the source attention
-    `attn`, on the source attention's captured calls; returns the relative errors before and after."""
+def switchhead_attention(attn: torch.nn.Module, config, settings: dict,
+                         tensors: dict[str, torch.Tensor]) -> SwitchHeadAttention:
+    """The SwitchHead attention that replaces the source attention `attn`, holding `tensors`, on attn's device."""
     device = next(attn.parameters()).device
     with torch.device(device):
         sh = SwitchHeadAttention(attn, config, settings).eval()
     missing, unexpected = sh.load_state_dict(tensors, strict=False)
     if unexpected or any(not m.startswith(("q_norm.", "k_norm.")) for m in missing):
         raise RuntimeError(f"layer {sh.layer_idx}: tensors do not fit the attention module ({missing}, {unexpected})")
+    return sh
+
+
+@torch.no_grad()
+def refit_layer(attn: torch.nn.Module, config, settings: dict, tensors: dict[str, torch.Tensor],
+                captures: list[AttentionCapture], ridge: float = RIDGE) -> dict:
+    """Refit `tensors["o_experts.weight"]` (in place) of the SwitchHead attention replacing the source attention
+    `attn`, on the source attention's captured calls; returns the relative errors before and after."""
+    sh = switchhead_attention(attn, config, settings, tensors)
+    device = sh.q_proj.weight.device
     o_bias = tensors.get("o_bias")
     st = OutputStats(sh.num_heads * sh.num_experts * sh.head_dim, sh.o_experts.weight.shape[2], device)
     for cap in captures:
