@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
     src = resolve_source(a.source)
     rows = {}
     for spec in a.variants.split(","):
