@@ -7,8 +7,8 @@ For cluster c with member heads m_1..m_E (K/V head g(m) of each member):
   members share their K head, the mean query gives the mean of the members' logits, the least-squares merge in
   logit space. ("medoid" merge: the query and K head of the cluster's medoid, the member whose attention maps are
   closest to the other members': head c then attends exactly like one of its members. Measured on SmolLM2-135M,
-  H=3 E=3 k=2, with the output refit, on 16,384 held-out pydoc tokens: mean 62.5, medoid 113.0, the source 13.3;
-  BENCHMARKS.md.)
+  H=3 E=3 k=2, with the output refit, calibrated on the source's hidden states, on 16,384 held-out pydoc tokens:
+  mean 62.5, medoid 113.0, the source 13.3; BENCHMARKS.md.)
 - value expert e = V_{g(m_e)} and output expert e = O_{m_e}: the members' own projections, scaled so that the
   σ-MoE gates at their initial value sigmoid(0) = 1/2 give the source's scale: the output side sums the selected
   experts (each O_e scaled by 2, so a gate of 1/2 counts 1) and the value side averages them (each V_e scaled by
