@@ -254,12 +254,12 @@ def switchhead_layer_flops(s: LayerShape, heads: int, experts: int, topk: int, t
     if experts > 1:
         feats = heads * experts * s.head_dim
         # refit on the captured attention calls: the SwitchHead attention, the features' Gram and the solve
-        f.float32 += 2 * tokens * d * heads * s.head_dim * (2 + topk) + 4 * tokens * d * heads * experts
-        f.float32 += 4 * tokens * window * heads * s.head_dim + 2 * tokens * feats * feats + 2 * tokens * d * feats
+        attention = (2 * tokens * d * heads * s.head_dim * (2 + topk) + 4 * tokens * d * heads * experts
+                     + 4 * tokens * window * heads * s.head_dim)
+        f.float32 += attention + 2 * tokens * feats * feats + 2 * tokens * d * feats
         f.float64 += 2 / 3 * feats**3 + 2 * feats * feats * d
-        # the converted layer's pass that gives the next layer its inputs: the MLP and the SwitchHead attention again
-        f.float32 += _mlp(s, tokens) + 2 * tokens * d * heads * s.head_dim * (2 + topk) + 4 * tokens * d * heads * experts
-        f.float32 += 4 * tokens * window * heads * s.head_dim
+        # the converted layer's pass that gives the next layer its inputs: the SwitchHead attention again, the MLP
+        f.float32 += attention + _mlp(s, tokens)
     return f
 
 

@@ -205,7 +205,7 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
     return record
 
 
-def _check_options(dtype: str | None, calib_tokens: int, qk_merge: str, calib_inputs: str = "converted") -> None:
+def _check_options(dtype: str | None, calib_tokens: int, qk_merge: str, calib_inputs: str) -> None:
     if dtype is not None and dtype not in DTYPES:
         raise SurgeryError(f"bad dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
     if calib_tokens < 1:

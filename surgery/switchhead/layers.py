@@ -37,14 +37,12 @@ def converted_outputs(layer: torch.nn.Module, config, settings: dict, tensors: d
                       hidden: list[torch.Tensor], calls: list, fetch) -> list[torch.Tensor]:
     """The decoder layer's outputs with its attention replaced by the SwitchHead attention holding `tensors`."""
     path = attention_path(layer)
-    parent_path, _, name = path.rpartition(".")
-    parent = layer.get_submodule(parent_path) if parent_path else layer
-    source = getattr(parent, name)
-    setattr(parent, name, switchhead_attention(source, config, settings, tensors))
+    source = layer.get_submodule(path)
+    layer.set_submodule(path, switchhead_attention(source, config, settings, tensors))
     try:
         return [run_layer(layer, fetch(h), call) for h, call in zip(hidden, calls)]
     finally:
-        setattr(parent, name, source)
+        layer.set_submodule(path, source)
 
 
 @dataclass
