@@ -16,8 +16,8 @@ matrix products). The counts follow the code they estimate:
   group merges (surgery/merge/fit.py), once per group the assignment search scores (surgery/merge/assign.py) plus
   once per final group. Each group merge costs about 2 d_in² D (s r + 4 s + 2) flops for s members and fully
   rotary heads (products with the d_in x d_in second moment dominate).
-- SwitchHead (surgery/switchhead/layers.py, calibrate.py, refit.py): the source layer over the calibration tokens
-  (eager attention; statistics), the attention-map Gram, the router fits' normal equations, then the SwitchHead
+- SwitchHead (surgery/switchhead/layers.py, calibrate.py, refit.py): the source attention over the calibration
+  tokens (eager; statistics; the layer's forward stops after it), the attention-map Gram, the router fits' normal equations, then the SwitchHead
   attention on the captured calls and the output refit's normal equations, then the converted layer's pass (the next
   layer's inputs).
 The float32 and float64 work at the probe's rates, divided by `EFFICIENCY` (the rest of the work, measured once),
@@ -246,9 +246,9 @@ def switchhead_layer_flops(s: LayerShape, heads: int, experts: int, topk: int, t
     """Work of one layer of the SwitchHead calibration (statistics pass, router fits, output-expert refit)."""
     f = Flops()
     d, h = s.hidden, s.heads
-    layer = _attention(s, tokens, window) + _mlp(s, tokens)
-    # statistics: the source layer, values, per-head output energies, attention-map Gram, input moments
-    f.float32 += layer + 2 * tokens * d * s.kv_heads * s.head_dim + 4 * tokens * h * s.head_dim**2
+    # statistics: the source attention (the layer's forward stops after it), values, per-head output energies,
+    # attention-map Gram, input moments
+    f.float32 += _attention(s, tokens, window) + 2 * tokens * d * s.kv_heads * s.head_dim + 4 * tokens * h * s.head_dim**2
     f.float32 += 2 * h * h * tokens * window + 2 * tokens * d * d + 4 * tokens * d * h
     f.float64 += 2 / 3 * d**3 + 4 * d * d * h
     if experts > 1:
@@ -258,8 +258,9 @@ def switchhead_layer_flops(s: LayerShape, heads: int, experts: int, topk: int, t
                      + 4 * tokens * window * heads * s.head_dim)
         f.float32 += attention + 2 * tokens * feats * feats + 2 * tokens * d * feats
         f.float64 += 2 / 3 * feats**3 + 2 * feats * feats * d
-        # the converted layer's pass that gives the next layer its inputs: the SwitchHead attention again, the MLP
-        f.float32 += attention + _mlp(s, tokens)
+        # the converted layer's pass that gives the next layer its inputs: the SwitchHead attention again
+        f.float32 += attention
+    f.float32 += _mlp(s, tokens)  # the MLP, once: in that converted pass
     return f
 
 

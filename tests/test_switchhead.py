@@ -119,6 +119,32 @@ def test_each_layer_calibrates_on_the_hidden_states_it_is_given(llama, tmp_path,
     assert error[inputs] < 1e-5 and error[other] > 100 * error[inputs], error
 
 
+def test_the_source_pass_stops_after_the_attention_when_its_outputs_are_not_needed(llama, tmp_path, monkeypatch):
+    """With calib_inputs="converted" the source layer's outputs are not read (the converted pass makes the next
+    inputs): its forward ends after the attention, so each layer's MLP runs once per window (the converted pass),
+    not twice; the checkpoint is the same as with the whole source forward."""
+    import transformers.models.llama.modeling_llama as llama_code
+
+    from surgery.switchhead import layers
+
+    mlp_calls = []
+    forward = llama_code.LlamaMLP.forward
+    monkeypatch.setattr(llama_code.LlamaMLP, "forward", lambda self, x: mlp_calls.append(1) or forward(self, x))
+    record = convert(llama, tmp_path / "skip", heads=4, experts=2, topk=1, calib_tokens=256)
+    skipping = len(mlp_calls)
+    windows = record["calibration"]["windows"]
+    n_layers = json.loads((llama / "config.json").read_text())["num_hidden_layers"]
+    assert skipping == windows * n_layers
+
+    original = layers.calibrate_layer
+    monkeypatch.setattr(layers, "calibrate_layer", lambda *a, **kw: original(*a, **(kw | {"keep_outputs": True})))
+    mlp_calls.clear()
+    convert(llama, tmp_path / "whole", heads=4, experts=2, topk=1, calib_tokens=256)
+    assert len(mlp_calls) == 2 * skipping
+    a, b = load_file(tmp_path / "skip" / "model.safetensors"), load_file(tmp_path / "whole" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("qk_merge, refit", [("medoid", True), ("mean", False)])
 def test_clusters_tensors_and_record(llama, tmp_path, qk_merge, refit):
     out = tmp_path / "sh"

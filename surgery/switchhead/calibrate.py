@@ -121,12 +121,14 @@ class AttentionCapture:
 
 @torch.no_grad()
 def calibrate_layer(layer: torch.nn.Module, hidden: list[torch.Tensor], calls: list[LayerCall], heads: int,
-                    kv_heads: int, head_dim: int, fetch=lambda t: t, keep_calls: bool = True
-                    ) -> tuple[LayerFit, list[AttentionCapture], list[torch.Tensor]]:
+                    kv_heads: int, head_dim: int, fetch=lambda t: t, keep_calls: bool = True, keep_outputs: bool = True
+                    ) -> tuple[LayerFit, list[AttentionCapture], list[torch.Tensor] | None]:
     """Run the source layer (float32, eager attention) over every chunk of its input hidden states and fit it.
 
     Returns the layer's fit (see the module docstring), its attention calls and outputs per chunk (for the output
-    refit; empty unless `keep_calls`) and the layer's output hidden states per chunk (the next layer's input)."""
+    refit; empty unless `keep_calls`) and the layer's output hidden states per chunk (the next layer's input).
+    Without `keep_outputs` each chunk's forward stops once the attention has run (the rest of the layer, its MLP,
+    would only compute outputs nobody reads) and None stands for the outputs."""
     attn = attention_module(layer)
     v_w, v_b, o_w, out_module = _projections(attn)
     hidden_size = o_w.shape[0]
@@ -156,13 +158,31 @@ def calibrate_layer(layer: torch.nn.Module, hidden: list[torch.Tensor], calls: l
         call_args, call_kwargs = caught.pop("args"), caught.pop("kwargs")
         if keep_calls:
             captures.append(AttentionCapture(call_args, call_kwargs, output[0]))
+        if not keep_outputs:
+            raise _AttentionDone
+
+    def attention_only(h: torch.Tensor, call: LayerCall) -> None:
+        try:
+            run_layer(layer, h, call)
+        except _AttentionDone:
+            return
+        raise SurgeryError(f"calibration: the attention of {type(layer).__name__} did not run in its forward")
 
     handles = [attn.register_forward_pre_hook(on_input, with_kwargs=True),
                out_module.register_forward_pre_hook(on_heads),
                attn.register_forward_hook(on_output, with_kwargs=True)]
     try:
-        outputs = [run_layer(layer, fetch(h), call) for h, call in zip(hidden, calls)]
+        if keep_outputs:
+            outputs = [run_layer(layer, fetch(h), call) for h, call in zip(hidden, calls)]
+        else:
+            outputs = None
+            for h, call in zip(hidden, calls):
+                attention_only(fetch(h), call)
     finally:
         for handle in handles:
             handle.remove()
     return stats.finish(), captures, outputs
+
+
+class _AttentionDone(Exception):
+    """Raised by the attention's forward hook to end a layer forward whose outputs are not needed."""

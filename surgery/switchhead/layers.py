@@ -69,8 +69,9 @@ def calibrate_layers(stream: LayerStream, builder, windows: torch.Tensor, mode: 
     with LayerProgress("calibrate switchhead", len(stream), progress) as bar:
         for index, _, layer in stream.layers():
             layer_calls = [c[index] for c in calls]
-            fit, captures, outputs = calibrate_layer(layer, hidden, layer_calls, shape.heads,
-                                                     shape.kv_heads, shape.head_dim, stream.fetch, keep_calls=refit)
+            fit, captures, outputs = calibrate_layer(layer, hidden, layer_calls, shape.heads, shape.kv_heads,
+                                                     shape.head_dim, stream.fetch, keep_calls=refit,
+                                                     keep_outputs=inputs == "source")
             if inputs == "source":
                 hidden = [stream.stash(h) for h in outputs]
             del outputs
