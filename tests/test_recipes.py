@@ -79,6 +79,33 @@ BASE = {"name": "t", "source": {"id": "smollm2"}, "output": "out",
         "steps": [{"convert": {"to": "mqa"}}, {"check": {"tokens": 512}}, {"uptrain": {"tokens": 1024}}]}
 
 
+def test_the_plan_counts_the_teacher_and_its_hidden_states_for_hidden_weight(tmp_path):
+    """--loss lm needs no teacher, unless --hidden-weight asks for its hidden states: then the teacher's fp32
+    weights (4 P) and its hidden states for one micro-batch (4 n (L + 1) H) join the estimate."""
+    from surgery.recipes import load_recipe
+    from surgery.recipes.plan import build_plan
+
+    memory = {}
+    for weight in (0.0, 5.0):
+        data = json.loads(json.dumps(BASE))
+        data["steps"][2]["uptrain"].update(loss="lm", hidden_weight=weight, seq_len=256, micro_batch=2)
+        r = load_recipe(write_recipe(tmp_path / f"h{weight}.yaml", data))
+        memory[weight] = build_plan(r, tmp_path / "out")["steps"][2]["memory"]
+    from surgery.recipes import estimate as est
+
+    folder = resolve_source_folder("smollm2")
+    config = json.loads((folder / "config.json").read_text())
+    params = est.stats_from_folder(folder).params  # the teacher: the source
+    states = 4 * 2 * 256 * (config["num_hidden_layers"] + 1) * config["hidden_size"]
+    assert memory[5.0] - memory[0.0] == pytest.approx(4 * params + states, rel=0.01)
+
+
+def resolve_source_folder(spec: str) -> Path:
+    from surgery.source import resolve_source
+
+    return Path(resolve_source(spec).folder)
+
+
 @pytest.mark.parametrize("change, line, fragment", [
     (lambda d: d["steps"][2]["uptrain"].update(tokens="lots"), 11, "steps[2].uptrain.tokens: Input should be a valid integer"),
     (lambda d: d["steps"][1]["check"].update(tokenz=5), 10, "steps[1].check.tokenz: unknown field"),

@@ -248,3 +248,62 @@ def test_the_record_starts_from_the_perplexity_before_alignment(mqa, tmp_path):
     assert rec["initial_eval_ppl"] == rec["align"]["eval_ppl_before"]
     assert rec["final_eval_ppl"] == pytest.approx(rec["align"]["eval_ppl"], rel=1e-6)  # metrics keep 7 digits
     assert rec["final_eval_ppl"] < 0.999 * rec["initial_eval_ppl"]
+
+
+# ---------------------------------------------------------------------------------------------- hidden states
+
+
+def test_hidden_state_loss_is_each_layers_cosine_distance_without_the_embeddings():
+    from surgery.uptrain.losses import hidden_state_loss
+
+    torch.manual_seed(0)
+    teacher = tuple(torch.randn(2, 5, 8) * (i + 1) for i in range(4))  # embeddings, then 3 layers' outputs
+    assert hidden_state_loss(teacher, teacher).abs().item() < 1e-6
+    student = tuple(t + 0.5 * torch.randn_like(t) for t in teacher)
+    expect = sum((1 - (s * t).sum(-1) / (s.norm(dim=-1) * t.norm(dim=-1))).mean()
+                 for s, t in zip(student[1:], teacher[1:])) / 3
+    torch.testing.assert_close(hidden_state_loss(student, teacher), expect)
+    assert expect > 0.01
+    moved_embeddings = (student[0] + 5.0, *student[1:])
+    torch.testing.assert_close(hidden_state_loss(moved_embeddings, teacher), expect)
+    # One position whose activation is 1000x larger in the student (a massive activation at another place than the
+    # teacher's) counts as one position: the loss stays bounded by 2 per position.
+    scale = torch.ones(2, 5, 1)
+    scale[0, 0] = 1000.0
+    loud = hidden_state_loss(tuple(s * scale for s in student), teacher)
+    torch.testing.assert_close(loud, expect)
+    opposite = hidden_state_loss(tuple(-t for t in teacher), teacher)
+    torch.testing.assert_close(opposite, torch.tensor(2.0))
+
+
+@torch.no_grad()
+def held_out_hidden_error(teacher, student, ids) -> float:
+    from surgery.uptrain.losses import hidden_state_loss
+
+    return hidden_state_loss(student(input_ids=ids, output_hidden_states=True).hidden_states,
+                             teacher(input_ids=ids, output_hidden_states=True).hidden_states).item()
+
+
+def test_hidden_weight_pulls_every_layer_toward_the_teacher_on_held_out_tokens(source, mqa, tokenizer, tmp_path):
+    kd = run(mqa, tmp_path / "kd", loss="kd", tokens=512 * 8, lr=1e-3)
+    both = run(mqa, tmp_path / "both", loss="kd", tokens=512 * 8, lr=1e-3, hidden_weight=10.0)
+    assert kd["hidden_weight"] is None and both["hidden_weight"] == 10.0
+    assert json.loads((tmp_path / "both" / "surgery.json").read_text())["uptraining"]["hidden_weight"] == 10.0
+    rows = [json.loads(line) for line in (tmp_path / "both" / "uptrain_metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if "hidden_loss" in r]
+    assert len(logged) == 8 and all(r["loss"] > r["kd_loss"] for r in logged)
+    teacher, ids = load(source), held_out_ids(tokenizer)
+    before = held_out_hidden_error(teacher, load(mqa), ids)
+    after_kd = held_out_hidden_error(teacher, load(tmp_path / "kd"), ids)
+    after_both = held_out_hidden_error(teacher, load(tmp_path / "both"), ids)
+    # (measured: 0.066 before, 0.064 after KD alone, 0.052 with the hidden-state term)
+    assert after_both < 0.9 * min(before, after_kd)
+
+
+def test_hidden_weight_refuses_a_teacher_with_other_layers_and_negative_weights(mqa, tokenizer, tmp_path):
+    big = make_sibling(tmp_path / "big", tokenizer)
+    with pytest.raises(SurgeryError, match="--hidden-weight needs a teacher with the student's layers"):
+        run(mqa, tmp_path / "o", teacher=str(big), tokens=512, hidden_weight=1.0)
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(SurgeryError, match="--hidden-weight must not be negative"):
+        UptrainOptions(model="x", out=tmp_path / "o", tokens=1024, hidden_weight=-1.0)

@@ -27,6 +27,8 @@ class UptrainArgs(CliModel):
                                                                       "ships.")
     temperature: float = option(1.0, "--temperature", "[kd/mix] Distillation temperature.")
     kd_weight: float = option(0.5, "--kd-weight", "[mix] Weight of the KD term.")
+    hidden_weight: float = option(0.0, "--hidden-weight", "Add this weight times every layer's hidden-state cosine "
+                                  "distance to the teacher's (same depth and width) to the loss; 0: off.")
     train: Literal["all", "attention", "new"] = option(
         "all", "--train", "What trains: everything, attention (projections + new parameters), or only new parameters.")
     seq_len: int = option(1024, "--seq-len", "Tokens per packed sequence.")

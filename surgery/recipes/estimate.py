@@ -18,6 +18,8 @@ length, n = m s tokens per forward pass:
   step needs max(activations, 4T), or their sum when accumulating. The losses take the final hidden states and
   project 256 positions at a time (surgery/uptrain/heads.py), ~6 x 4 x 256 V of temporaries; under FSDP, which
   keeps the whole logits, 3 x 4 x n V. Weights, moments and gradients are divided by the processes under FSDP.
+  With --hidden-weight the teacher's hidden states, n (L + 1) H x 4, wait for the loss (the student's are among
+  the saved activations already).
 Measured against these (BENCHMARKS.md, "Memory estimates"): within about 25% on SmolLM2-135M and tiny models.
 """
 
@@ -163,6 +165,8 @@ def uptrain_memory(stats: ModelStats, options, teacher: ModelStats | None, proce
         logits = 6 * 4 * min(tokens, LOSS_CHUNK) * stats.vocab
     weights = 4 * stats.params // procs + 8 * trainable // procs
     teacher_bytes = 4 * teacher.params if teacher else 0
+    if teacher and getattr(options, "hidden_weight", 0):
+        teacher_bytes += 4 * tokens * (stats.layers + 1) * stats.hidden
     return RUNTIME["uptrain"] + weights + teacher_bytes + step + logits
 
 

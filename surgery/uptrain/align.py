@@ -53,11 +53,12 @@ def attention_of(layer: nn.Module) -> nn.Module:
                        "(self_attn, attn, attention or self_attention)")
 
 
-def check_alignable(student, teacher) -> None:
+def check_alignable(student, teacher, option: str = "--stage align") -> None:
+    """`option` (the alignment, or --hidden-weight) compares layer i with the teacher's layer i."""
     s, t = decoder_layers(student), decoder_layers(teacher)
     sh, th = student.get_input_embeddings().weight.shape[1], teacher.get_input_embeddings().weight.shape[1]
     if len(s) != len(t) or sh != th:
-        raise SurgeryError(f"--stage align needs a teacher with the student's layers (the source it was converted "
+        raise SurgeryError(f"{option} needs a teacher with the student's layers (the source it was converted "
                            f"from): the student has {len(s)} layers of width {sh}, the teacher {len(t)} of width {th}")
 
 

@@ -25,7 +25,7 @@ from ..errors import SurgeryError
 from ..source import resolve_source
 from ..record import local_source_folder, public_name, read_record, write_record
 from . import lora, model_io
-from .align import align
+from .align import align, check_alignable
 from .data import DATA_CACHE, cache_key, pack, read_cache, write_cache
 from .heads import OutputHead
 from .losses import Objective, _same
@@ -98,7 +98,10 @@ def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
     kind = o.loss if o.loss != "auto" else ("kd" if teacher_known else "lm")
     if kind in ("kd", "mix") and not teacher_known:
         raise SurgeryError(f"--loss {kind} needs a teacher: the input has no surgery.json naming its source; pass --teacher")
-    return Objective(kind, temperature=o.temperature, kd_weight=o.kd_weight)
+    if o.hidden_weight and not teacher_known:
+        raise SurgeryError("--hidden-weight needs a teacher: the input has no surgery.json naming its source; pass "
+                           "--teacher")
+    return Objective(kind, temperature=o.temperature, kd_weight=o.kd_weight, hidden_weight=o.hidden_weight)
 
 
 def check_run_dir(o: UptrainOptions, trajectory: dict) -> None:
@@ -272,6 +275,8 @@ class UptrainRecipe:
             t_src = model_io.teacher_source(self.record, o.teacher)
             teacher = model_io.load_causal_lm(t_src, "teacher", o.trust_teacher_code)
             model_io.check_teacher(self.model, teacher, self.tokenizer, t_src, o.trust_teacher_code)
+            if self.objective.needs_hidden_states:
+                check_alignable(self.model, teacher, "--hidden-weight")
             teacher.requires_grad_(False)
             self.teacher = teacher.eval().to(self.acc.device)
 
@@ -451,16 +456,19 @@ class UptrainRecipe:
         acc, model, teacher = self.acc, self.model, self.teacher
         sync = contextlib.nullcontext() if last else acc.no_sync(model)
         with sync:
+            states = {"output_hidden_states": True} if self.objective.needs_hidden_states else {}
             with acc.autocast():  # logits, or final hidden states the losses project chunk by chunk
                 with hidden(self.s_head):
-                    logits = model(input_ids=ids, use_cache=False).logits
-                t_logits = None
+                    out = model(input_ids=ids, use_cache=False, **states)
+                t_out = None
                 if teacher is not None:
                     with torch.no_grad(), hidden(self.t_head):
-                        t_logits = teacher(input_ids=ids, use_cache=False).logits
-                loss, parts = self.objective(logits, ids, t_logits, *self.projections)
+                        t_out = teacher(input_ids=ids, use_cache=False, **states)
+                loss, parts = self.objective(out.logits, ids, t_out.logits if t_out is not None else None,
+                                             *self.projections, states=out.hidden_states if states else None,
+                                             teacher_states=t_out.hidden_states if states else None)
             acc.backward(loss / self.accum)
-        del logits, t_logits
+        del out, t_out
         return loss.detach(), parts
 
     # --- evaluate ------------------------------------------------------------------------------------------------
@@ -555,6 +563,7 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
         "loss": objective.kind if o.steps else None,
         "temperature": o.temperature if objective.needs_teacher else None,
         "kd_weight": o.kd_weight if objective.kind == "mix" else None,
+        "hidden_weight": o.hidden_weight or None,
         "teacher": ((public_name(trajectory.get("teacher")) or "surgery.json source")
                     if objective.needs_teacher or "align" in o.stages else None),
         "train": o.train,

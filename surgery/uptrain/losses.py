@@ -1,4 +1,5 @@
-"""Training losses: next-token cross-entropy, distillation (KL to a teacher's logits), and their mix.
+"""Training losses: next-token cross-entropy, distillation (KL to a teacher's logits), their mix, and an optional
+term pulling every layer's output (the residual stream) toward the teacher's on the same tokens.
 
 All are means over token positions, so a step's loss does not depend on how its batch is split into
 micro-batches or processes (every packed window has the same number of positions).
@@ -67,20 +68,46 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
     return _chunked_sum(kl_sum, s, t) / s.shape[0] * (temperature * temperature)
 
 
+def hidden_state_loss(student_states: tuple[torch.Tensor, ...], teacher_states: tuple[torch.Tensor, ...]
+                      ) -> torch.Tensor:
+    """Mean over layers and positions of 1 - cos(h_s, h_t): each layer's output hidden state [B, T, H] against the
+    teacher's on the same tokens (the cosine embedding loss of DistilBERT, at every layer). The direction, not the
+    norm: residual streams carry a few positions with activations ~100x the others (SmolLM2: norms up to 22,000
+    against ~100-500), and a converted model that puts one at another position would make a squared error, even
+    one relative to the teacher's norm, a matter of those positions alone (measured: a relative squared error
+    of 256 at one SwitchHead position against a median of 0.12, and training on it diverged). The next layer
+    normalises its input anyway. The states are the models' `hidden_states` (the embeddings first, then every
+    layer's output); the embeddings are left out."""
+    if len(student_states) != len(teacher_states):
+        raise ValueError(f"{len(student_states)} student hidden states against {len(teacher_states)} of the teacher")
+    total = None
+    for s, t in zip(student_states[1:], teacher_states[1:]):
+        part = (1 - F.cosine_similarity(s.float(), t.detach().float(), dim=-1)).mean()
+        total = part if total is None else total + part
+    return total / (len(student_states) - 1)
+
+
 @dataclass(frozen=True)
 class Objective:
     kind: str  # lm | kd | mix
     temperature: float = 1.0
     kd_weight: float = 0.5  # mix: kd_weight * kd + (1 - kd_weight) * lm
+    hidden_weight: float = 0.0  # > 0: + hidden_weight * hidden_state_loss (needs the teacher's hidden states)
 
     @property
     def needs_teacher(self) -> bool:
-        return self.kind in ("kd", "mix")
+        return self.kind in ("kd", "mix") or self.needs_hidden_states
+
+    @property
+    def needs_hidden_states(self) -> bool:
+        return self.hidden_weight > 0
 
     def __call__(self, logits: torch.Tensor, ids: torch.Tensor, teacher_logits: torch.Tensor | None = None,
-                 project: Projection = _same, project_teacher: Projection = _same):
+                 project: Projection = _same, project_teacher: Projection = _same,
+                 states: tuple[torch.Tensor, ...] | None = None, teacher_states: tuple[torch.Tensor, ...] | None = None):
         """(loss, parts): the loss to minimise and its terms, detached, for logging. `project` / `project_teacher`:
-        the output projections when `logits` / `teacher_logits` are final hidden states (see `lm_loss`)."""
+        the output projections when `logits` / `teacher_logits` are final hidden states (see `lm_loss`).
+        `states` / `teacher_states`: both models' hidden states, for the hidden-state term."""
         parts: dict[str, torch.Tensor] = {}
         if self.kind in ("lm", "mix"):
             parts["lm"] = lm_loss(logits, ids, project)
@@ -90,4 +117,7 @@ class Objective:
             loss = self.kd_weight * parts["kd"] + (1 - self.kd_weight) * parts["lm"]
         else:
             loss = parts[self.kind]
+        if self.needs_hidden_states:
+            parts["hidden"] = hidden_state_loss(states, teacher_states)
+            loss = loss + self.hidden_weight * parts["hidden"]
         return loss, {k: v.detach() for k, v in parts.items()}

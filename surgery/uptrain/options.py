@@ -15,7 +15,7 @@ STAGES = ("align", "kd")  # --stage: layer-local attention alignment, end-to-end
 # Options that fix the trajectory of a run: a resumed run must repeat them. (micro_batch and the number of
 # processes only change how a step's batch is split, not what the step computes, so they may change on resume.)
 TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_tokens", "eval_tokens", "loss",
-                   "teacher", "temperature", "kd_weight", "train", "lr", "min_lr_ratio", "warmup_steps",
+                   "teacher", "temperature", "kd_weight", "hidden_weight", "train", "lr", "min_lr_ratio", "warmup_steps",
                    "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens", "align_epochs", "align_lr",
                    "lora_rank", "lora_alpha", "lora_targets")
 
@@ -37,6 +37,7 @@ class UptrainOptions:
     teacher: str | None = None  # overrides the source named in surgery.json
     temperature: float = 1.0
     kd_weight: float = 0.5  # weight of the KD term in `mix`
+    hidden_weight: float = 0.0  # weight of the per-layer hidden-state term (surgery/uptrain/losses.py); 0: none
     train: str = "all"
     lr: float = 1e-4
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
@@ -72,10 +73,11 @@ class UptrainOptions:
         for name in positive:
             if getattr(self, name) < 1:
                 raise SurgeryError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("lr", "weight_decay", "max_grad_norm", "temperature", "kd_weight", "min_lr_ratio", "progress_every"):
+        for name in ("lr", "weight_decay", "max_grad_norm", "temperature", "kd_weight", "hidden_weight", "min_lr_ratio",
+                     "progress_every"):
             if not math.isfinite(getattr(self, name)):
                 raise SurgeryError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
-        for name in ("eval_tokens", "eval_every", "save_every", "weight_decay", "max_grad_norm"):
+        for name in ("eval_tokens", "eval_every", "save_every", "weight_decay", "max_grad_norm", "hidden_weight"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise SurgeryError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         if self.seq_len < 2:
