@@ -31,7 +31,7 @@ from ..tensors import CheckpointReader, dtype_size
 from .layout import memory_layout
 
 __all__ = ["LayerCall", "LayerStream", "estimate_peak_bytes", "open_stream", "pick_device", "run_layer",
-           "LayerProgress"]
+           "LayerProgress", "StopForward", "run_until_stopped"]
 
 OFFLOAD_FRACTION = 0.5  # activations may take at most this share of the device's free memory
 RUNTIME_BYTES = 400 << 20  # the process before any tensor: Python, torch, transformers (measured: 389 MiB RSS)
@@ -52,6 +52,19 @@ def _first(out):
 @torch.no_grad()
 def run_layer(layer: nn.Module, hidden: torch.Tensor, call: LayerCall) -> torch.Tensor:
     return _first(layer(hidden, *call.args, **call.kwargs))
+
+
+class StopForward(Exception):
+    """Raised by a hook to end a forward pass once it has what it needs (the rest would compute unread outputs)."""
+
+
+def run_until_stopped(forward: Callable, *args, **kwargs) -> bool:
+    """Call `forward`; True when a hook ended it early with `StopForward`, False when it ran to the end."""
+    try:
+        forward(*args, **kwargs)
+    except StopForward:
+        return True
+    return False
 
 
 def decoder_layers(model: nn.Module, count: int) -> tuple[list[str], list[nn.Module]]:

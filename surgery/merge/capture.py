@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..calibration.stream import LayerCall, _first, run_layer
+from ..calibration.stream import LayerCall, StopForward, _first, run_layer, run_until_stopped
 
 CAPTURE_PREFIX = "surgery_capture_"
 _RECORDER: list["AttentionRecord"] = []
@@ -70,10 +70,6 @@ def recording():
         _RECORDER.remove(rec)
 
 
-class _Stop(Exception):
-    pass
-
-
 def instrument(model):
     """Route `model`'s attention calls through the recording attention function (same math, recorded)."""
     impl = model.config._attn_implementation
@@ -117,14 +113,12 @@ def attention_input(layer: torch.nn.Module, attention: torch.nn.Module, in_modul
 
     def on_projection(module, args):
         caught["x"] = args[0]
-        raise _Stop
+        raise StopForward
 
     handles = [attention.register_forward_pre_hook(on_attention, with_kwargs=True),
                in_module.register_forward_pre_hook(on_projection)]
     try:
-        run_layer(layer, hidden, call)
-    except _Stop:
-        pass
+        run_until_stopped(run_layer, layer, hidden, call)
     finally:
         for h in handles:
             h.remove()

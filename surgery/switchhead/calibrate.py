@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..calibration.stream import LayerCall, run_layer
+from ..calibration.stream import LayerCall, StopForward, run_layer, run_until_stopped
 from ..errors import SurgeryError
 from .families import family_for, module_value_output
 
@@ -159,14 +159,7 @@ def calibrate_layer(layer: torch.nn.Module, hidden: list[torch.Tensor], calls: l
         if keep_calls:
             captures.append(AttentionCapture(call_args, call_kwargs, output[0]))
         if not keep_outputs:
-            raise _AttentionDone
-
-    def attention_only(h: torch.Tensor, call: LayerCall) -> None:
-        try:
-            run_layer(layer, h, call)
-        except _AttentionDone:
-            return
-        raise SurgeryError(f"calibration: the attention of {type(layer).__name__} did not run in its forward")
+            raise StopForward
 
     handles = [attn.register_forward_pre_hook(on_input, with_kwargs=True),
                out_module.register_forward_pre_hook(on_heads),
@@ -177,12 +170,10 @@ def calibrate_layer(layer: torch.nn.Module, hidden: list[torch.Tensor], calls: l
         else:
             outputs = None
             for h, call in zip(hidden, calls):
-                attention_only(fetch(h), call)
+                if not run_until_stopped(run_layer, layer, fetch(h), call):
+                    raise SurgeryError(f"calibration: the attention of {type(layer).__name__} did not run in its "
+                                       "forward")
     finally:
         for handle in handles:
             handle.remove()
     return stats.finish(), captures, outputs
-
-
-class _AttentionDone(Exception):
-    """Raised by the attention's forward hook to end a layer forward whose outputs are not needed."""

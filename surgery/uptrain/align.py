@@ -26,13 +26,10 @@ import time
 import torch
 from torch import nn
 
+from ..calibration.stream import StopForward, _first, run_until_stopped
 from ..errors import SurgeryError
 
 ATTENTION_NAME = re.compile(r"self_attn|attn|attention|self_attention")
-
-
-class _Stop(Exception):
-    """Raised by a hook to end a forward pass once it has captured what it needs."""
 
 
 def decoder_layers(model) -> nn.ModuleList:
@@ -62,10 +59,6 @@ def check_alignable(student, teacher, option: str = "--stage align") -> None:
                            f"from): the student has {len(s)} layers of width {sh}, the teacher {len(t)} of width {th}")
 
 
-def _first(output):
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
 class _Batch:
     """One micro-batch of windows on its way through the teacher: residual stream and per-layer kwargs."""
 
@@ -82,13 +75,11 @@ def _call_until(module: nn.Module, hooked: nn.Module, *args, **kwargs) -> tuple[
 
     def hook(_, a, kw):
         captured["args"], captured["kwargs"] = a, dict(kw)
-        raise _Stop
+        raise StopForward
 
     handle = hooked.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        module(*args, **kwargs)
-    except _Stop:
-        pass
+        run_until_stopped(module, *args, **kwargs)
     finally:
         handle.remove()
     if "args" not in captured:
