@@ -1,4 +1,5 @@
-"""Compare two checkpoints on the same tokens: |Δlogits|, KL(source‖converted), top-1 agreement, perplexity.
+"""Compare two checkpoints on the same tokens: |Δlogits|, KL(source‖converted), top-1 agreement, perplexity, and
+the last three by position in the window (`by_position`: where in the context the conversion hurts).
 
 Causal LMs are compared on their logits; encoders (no causal LM head) on their last hidden states.
 
@@ -29,6 +30,8 @@ import torch.nn.functional as F
 from .checking import generate as gen
 from .checking import layers as layer_errors
 from .checking import tasks as task_runs
+from .checking.positions import PositionBuckets, window_positions
+from .checking.positions import print_table as print_position_table
 from .checking.overlap import HashedTexts, calibration_overlap
 from .checking.spill import MEMORY_BYTES, SpillStore
 from .checking.tokenizers import choose_tokenizer, has_tokenizer
@@ -134,7 +137,8 @@ def hidden_size(config) -> int:
 class Accumulator:
     """Running sums for the comparison metrics, slice of positions after slice (sums in float64)."""
 
-    def __init__(self):
+    def __init__(self, seq_len: int | None = None):
+        self.by_position = PositionBuckets(seq_len) if seq_len else None
         self.max_abs = 0.0
         self.sum_abs = 0.0
         self.n_values = 0
@@ -152,26 +156,36 @@ class Accumulator:
         self.sum_abs += diff.sum(dtype=torch.float64).item()
         self.n_values += diff.numel()
 
-    def add_logit_rows(self, a: torch.Tensor, b: torch.Tensor, targets: torch.Tensor) -> None:
-        """a, b: (positions, vocab) logits of the source and the converted model; targets: (positions,) the next
-        token of each position, IGNORE where the window ends."""
+    def add_logit_rows(self, a: torch.Tensor, b: torch.Tensor, targets: torch.Tensor,
+                       positions: torch.Tensor | None = None) -> None:
+        """a, b: (rows, vocab) logits of the source and the converted model; targets: (rows,) the next token of each
+        row, IGNORE where the window ends; positions: (rows,) each row's position in its window (for
+        `by_position`)."""
         a, b = a.float(), b.float()
         self.add_outputs(a, b)
         logp_a, logp_b = F.log_softmax(a, -1), F.log_softmax(b, -1)
-        self.kl += (logp_a.exp() * (logp_a - logp_b)).sum(dtype=torch.float64).item()
-        self.agree += (a.argmax(-1) == b.argmax(-1)).sum().item()
+        kl = (logp_a.exp() * (logp_a - logp_b)).sum(-1)
+        agree = (a.argmax(-1) == b.argmax(-1)).double()
+        nll = [F.nll_loss(logp, targets, ignore_index=IGNORE, reduction="none") for logp in (logp_a, logp_b)]
+        has_target = (targets != IGNORE).double()
+        self.kl += kl.sum(dtype=torch.float64).item()
+        self.agree += int(agree.sum().item())
         self.n_positions += a.shape[0]
-        for i, logp in enumerate((logp_a, logp_b)):
-            self.nll[i] += F.nll_loss(logp, targets, ignore_index=IGNORE, reduction="sum").double().item()
-        self.n_targets += int((targets != IGNORE).sum().item())
+        for i in (0, 1):
+            self.nll[i] += nll[i].sum(dtype=torch.float64).item()
+        self.n_targets += int(has_target.sum().item())
+        if self.by_position is not None and positions is not None:
+            self.by_position.add(positions, nll[0], nll[1], has_target, kl, agree)
 
     def add_logits(self, a: torch.Tensor, b: torch.Tensor, input_ids: torch.Tensor) -> None:
         """a, b: (batch, length, vocab) logits for `input_ids` (batch, length)."""
         targets = next_token_targets(input_ids).reshape(-1)
+        positions = window_positions(*input_ids.shape)
         a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
         step = slice_rows(a.shape[-1])
         for start in range(0, a.shape[0], step):
-            self.add_logit_rows(a[start:start + step], b[start:start + step], targets[start:start + step])
+            rows = slice(start, start + step)
+            self.add_logit_rows(a[rows], b[rows], targets[rows], positions[rows])
 
     def report(self) -> dict:
         out = {"max_abs_diff": self.max_abs, "mean_abs_diff": self.sum_abs / max(self.n_values, 1)}
@@ -182,6 +196,8 @@ class Accumulator:
                 ppl_source=math.exp(self.nll[0] / self.n_targets),
                 ppl_converted=math.exp(self.nll[1] / self.n_targets),
             )
+            if self.by_position is not None and len(self.by_position.edges) > 2:
+                out["by_position"] = self.by_position.report()
         return out
 
 
@@ -206,7 +222,7 @@ def compare_models(model_a, model_b, ids: torch.Tensor, seq_len: int, batch_size
     """Both models in memory at once (callers that hold both anyway); `compare_checkpoints` holds one at a time."""
     device = next(model_a.parameters()).device
     batches = windows(ids, seq_len)
-    acc = Accumulator()
+    acc = Accumulator(seq_len)
     with Progress(batches.numel(), desc, enabled=progress) as bar:
         for start in range(0, batches.shape[0], batch_size):
             x = batches[start : start + batch_size].to(device)
@@ -480,7 +496,7 @@ def source_pass(model, batches: torch.Tensor, batch_size: int, store: SpillStore
 def converted_pass(model, batches: torch.Tensor, batch_size: int, store: SpillStore, device: torch.device,
                    causal: bool, progress: bool, desc: str) -> Accumulator:
     """The converted model's outputs for every chunk, compared slice by slice with the stored source outputs."""
-    acc = Accumulator()
+    acc = Accumulator(batches.shape[1])
     with Progress(batches.numel(), desc, enabled=progress) as bar:
         for k, start in enumerate(range(0, batches.shape[0], batch_size)):
             x = batches[start:start + batch_size].to(device)
@@ -490,11 +506,12 @@ def converted_pass(model, batches: torch.Tensor, batch_size: int, store: SpillSt
                                    f"{list(store.shape(str(k)))}")
             rows = out.reshape(-1, out.shape[-1])
             targets = next_token_targets(x).reshape(-1)
+            positions = window_positions(*x.shape)
             step = slice_rows(rows.shape[-1])
             for r in range(0, rows.shape[0], step):
                 a = store.rows(str(k), r, min(r + step, rows.shape[0])).to(device)
                 if causal:
-                    acc.add_logit_rows(a, rows[r:r + step], targets[r:r + step])
+                    acc.add_logit_rows(a, rows[r:r + step], targets[r:r + step], positions[r:r + step])
                 else:
                     acc.add_outputs(a, rows[r:r + step])
             del out, rows
@@ -552,6 +569,8 @@ def print_report(report: dict, title: str = "") -> None:
     for name, value in rows:
         table.add_row(name, str(value))
     console.print(table)
+    if report.get("by_position"):
+        print_position_table(report["by_position"], console)
     if report.get("layers"):
         layers = Table(title=f"per-layer relative error vs the source (first {report.get('layers_tokens')} tokens)")
         for col in ("layer", "attention output", "hidden state"):

@@ -105,6 +105,40 @@ def test_sequential_check_gives_the_numbers_of_both_models_at_once(models, spill
         assert report[key] == pytest.approx(at_once[key], rel=1e-6, abs=1e-12), key
 
 
+def test_metrics_by_position_in_the_window_match_their_definitions(models, capsys, tmp_path):
+    """Perplexity, KL and top-1 per bucket of positions (0-63, 64-127 for windows of 128), from both models' full
+    logits at once, against the one-model-at-a-time check; the buckets add up to the whole-window numbers."""
+    seq_len, tokens = 128, 1024
+    report = check(models["other"], models["lossy"], tokens=tokens, seq_len=seq_len, spill_bytes=0)
+    a_model, b_model = tm.load(models["other"]), tm.load(models["lossy"])
+    ids = token_stream(pydoc_texts(), tf.AutoTokenizer.from_pretrained(models["other"]), tokens)
+    x = ids[: tokens // seq_len * seq_len].view(-1, seq_len)
+    with torch.no_grad():
+        logp_a, logp_b = (F.log_softmax(m(input_ids=x).logits.double(), -1) for m in (a_model, b_model))
+    kl = (logp_a.exp() * (logp_a - logp_b)).sum(-1)
+    agree = (logp_a.argmax(-1) == logp_b.argmax(-1)).double()
+    nll = [-lp[:, :-1].gather(-1, x[:, 1:, None])[..., 0] for lp in (logp_a, logp_b)]
+    rows = report["by_position"]
+    assert [r["positions"] for r in rows] == [[0, 64], [64, 128]]
+    for row in rows:
+        lo, hi = row["positions"]
+        expected_ppl = [math.exp(n[:, lo:min(hi, seq_len - 1)].mean().item()) for n in nll]
+        assert row["targets"] == x.shape[0] * (min(hi, seq_len - 1) - lo)
+        assert row["ppl_source"] == pytest.approx(expected_ppl[0], rel=1e-4)
+        assert row["ppl_converted"] == pytest.approx(expected_ppl[1], rel=1e-4)
+        assert row["ppl_ratio"] == pytest.approx(expected_ppl[1] / expected_ppl[0], rel=1e-4)
+        assert row["kl"] == pytest.approx(kl[:, lo:hi].mean().item(), rel=1e-4)
+        assert row["top1_agreement"] == pytest.approx(agree[:, lo:hi].mean().item(), abs=1e-9)
+    assert rows[0]["ppl_converted"] != pytest.approx(rows[1]["ppl_converted"], rel=1e-3)  # the buckets differ
+    total = sum(r["targets"] * math.log(r["ppl_converted"]) for r in rows) / sum(r["targets"] for r in rows)
+    assert math.exp(total) == pytest.approx(report["ppl_converted"], rel=1e-6)
+    assert "by_position" not in check(models["other"], models["lossy"], tokens=512, seq_len=64)  # one bucket: none
+
+    code, out, err = surgery(capsys, "check", models["other"], models["lossy"], "--tokens", "512", "--seq-len", "128")
+    assert code == 0, err
+    assert "by position in the window" in out and "64-127" in out
+
+
 def test_encoders_are_compared_on_hidden_states_one_at_a_time(tmp_path):
     config = tf.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                            intermediate_size=64, max_position_embeddings=128)
