@@ -23,6 +23,7 @@ from surgery.checking.spill import SpillStore
 from surgery.convert_kv import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts, token_stream
 from surgery.errors import SurgeryError
+from surgery.publish.card import positions_section
 from surgery.source import resolve_source
 
 METRICS = ("max_abs_diff", "mean_abs_diff", "kl", "top1_agreement", "ppl_source", "ppl_converted")
@@ -133,6 +134,9 @@ def test_metrics_by_position_in_the_window_match_their_definitions(models, capsy
     total = sum(r["targets"] * math.log(r["ppl_converted"]) for r in rows) / sum(r["targets"] for r in rows)
     assert math.exp(total) == pytest.approx(report["ppl_converted"], rel=1e-6)
     assert "by_position" not in check(models["other"], models["lossy"], tokens=512, seq_len=64)  # one bucket: none
+    card = "\n".join(positions_section([("check", report)]))  # the model card's table
+    assert f"| check | 64-127 | {rows[1]['ppl_source']:.3f} | {rows[1]['ppl_converted']:.3f} |" in card
+    assert positions_section([("check", {"ppl_converted": 1.0})]) == []
 
     code, out, err = surgery(capsys, "check", models["other"], models["lossy"], "--tokens", "512", "--seq-len", "128")
     assert code == 0, err

@@ -152,7 +152,24 @@ def check_section(reports: list[tuple[str, dict]]) -> list[str]:
         lines.append(f"| {name} | {r.get('tokens', '-')} | {f('max_abs_diff', '.3g')} | {f('kl', '.4g')} | {top1} "
                      f"| {f('ppl_source', '.3f')} | {f('ppl_converted', '.3f')} |")
     lines.append("")
-    return lines + tasks_section(reports)
+    return lines + positions_section(reports) + tasks_section(reports)
+
+
+def positions_section(reports: list[tuple[str, dict]]) -> list[str]:
+    """Perplexity by position in the window, for reports that have it (`check` with windows over 64 tokens)."""
+    split = [(name, r) for name, r in reports if r.get("by_position")]
+    if not split:
+        return []
+    lines = ["### By position in the window", "",
+             "Where in the context the conversion costs (positions a-b of each window of the check).", "",
+             "| report | positions | ppl source | ppl converted | ratio | KL / token | top-1 agreement |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for name, r in split:
+        for row in r["by_position"]:
+            a, b = row["positions"]
+            lines.append(f"| {name} | {a}-{b - 1} | {row['ppl_source']:.3f} | {row['ppl_converted']:.3f} "
+                         f"| {row['ppl_ratio']:.3f}x | {row['kl']:.4g} | {100 * row['top1_agreement']:.1f}% |")
+    return lines + [""]
 
 
 def tasks_section(reports: list[tuple[str, dict]]) -> list[str]:
