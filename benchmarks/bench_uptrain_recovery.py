@@ -71,6 +71,8 @@ def main() -> None:
     p.add_argument("--align-lr", type=float, default=1e-3)
     p.add_argument("--hidden-weight", type=float, default=0.0,
                    help="uptrain --hidden-weight: weight of every layer's hidden-state cosine distance to the source's")
+    p.add_argument("--kd-divergence", default="forward", choices=("forward", "reverse", "jsd"),
+                   help="uptrain --kd-divergence: forward KL, reverse KL or Jensen-Shannon to the source's logits")
     p.add_argument("--train", default="all", choices=("all", "attention", "new"),
                    help="uptrain --train: every parameter, the attention blocks only, or the conversion's new ones")
     p.add_argument("--evals", type=int, default=4, help="evaluations spread over the run (besides the one at 0)")
@@ -108,14 +110,17 @@ def main() -> None:
         # the defaults (stage kd, train all) keep the labels and folders of earlier runs
         staged, partial = a.stage != "kd", a.train != "all"
         label = (f"{LABELS.get(kind, kind)}, {loss}" + (f", {a.stage}" if staged else "")
-                 + (f", train {a.train}" if partial else "") + (f", hidden {a.hidden_weight:g}" if a.hidden_weight else ""))
+                 + (f", train {a.train}" if partial else "") + (f", hidden {a.hidden_weight:g}" if a.hidden_weight else "")
+                 + (f", {a.kd_divergence}" if a.kd_divergence != "forward" else ""))
         out = a.work / (f"uptrained-{kind}-{loss}" + ("-" + a.stage.replace(",", "-") if staged else "")
-                        + (f"-{a.train}" if partial else "") + (f"-hidden{a.hidden_weight:g}" if a.hidden_weight else ""))
+                        + (f"-{a.train}" if partial else "") + (f"-hidden{a.hidden_weight:g}" if a.hidden_weight else "")
+                        + (f"-{a.kd_divergence}" if a.kd_divergence != "forward" else ""))
         records[label] = uptrain(UptrainOptions(
             model=str(folder), out=out, data="pydoc", tokens=a.tokens,
             seq_len=a.seq_len, batch_tokens=a.batch_tokens, micro_batch=a.micro_batch, eval_tokens=a.eval_tokens,
             eval_every=eval_every, save_every=0, loss=loss, lr=a.lr, train=a.train, force=True, progress=False, stage=a.stage,
-            align_tokens=a.align_tokens, align_epochs=a.align_epochs, align_lr=a.align_lr, hidden_weight=a.hidden_weight))
+            align_tokens=a.align_tokens, align_epochs=a.align_epochs, align_lr=a.align_lr, hidden_weight=a.hidden_weight,
+            kd_divergence=a.kd_divergence))
         seconds[label] = time.time() - start
         metrics[label] = read_metrics(out / "uptrain_metrics.jsonl")
         r = records[label]

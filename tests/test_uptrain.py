@@ -112,6 +112,50 @@ def test_kd_loss_is_zero_for_identical_logits_and_matches_kl_otherwise():
     assert lm_loss(a, ids).item() == pytest.approx(manual.item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("divergence", ["forward", "reverse", "jsd"])
+def test_kd_divergences_match_their_definitions_in_value_and_gradient(divergence):
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(2, 5, 11, generator=g), 2 * torch.randn(2, 5, 11, generator=g)  # student a, teacher b
+    assert kd_loss(a, a.clone(), divergence=divergence).abs().item() < 1e-6
+    for t in (1.0, 2.0):
+        s = a.double().clone().requires_grad_()
+        p_s, p_t = F.softmax(s / t, -1), F.softmax(b.double() / t, -1)
+        kl = lambda p, q: (p * (p.log() - q.log())).sum(-1)  # noqa: E731
+        m = (p_s + p_t) / 2
+        d = {"forward": kl(p_t, p_s), "reverse": kl(p_s, p_t), "jsd": (kl(p_t, m) + kl(p_s, m)) / 2}[divergence]
+        expected = d.mean() * t * t
+        expected.backward()
+        x = a.clone().requires_grad_()
+        got = kd_loss(x, b, temperature=t, divergence=divergence)
+        got.backward()
+        assert got.item() == pytest.approx(expected.item(), rel=1e-5)
+        assert torch.allclose(x.grad.double(), s.grad, rtol=1e-4, atol=1e-7)
+    if divergence == "jsd":
+        assert kd_loss(a, b, divergence="jsd").item() <= math.log(2) + 1e-6  # bounded, unlike either KL
+    with pytest.raises(SurgeryError, match="--kd-divergence"):
+        UptrainOptions(model="x", out=Path("o"), tokens=1024, kd_divergence="js")
+
+
+def test_reverse_kd_run_is_recorded_and_a_resume_must_repeat_it(tiny_mqa, tmp_path):
+    out, run_dir = tmp_path / "o", tmp_path / "o.run"
+    rec = run(tiny_mqa, out, tokens=512 * 3, save_every=1, keep_run_dir=True, kd_divergence="reverse")
+    assert rec["loss"] == "kd" and rec["kd_divergence"] == "reverse"
+    assert json.loads((out / "surgery.json").read_text())["uptraining"]["kd_divergence"] == "reverse"
+    kd = [m["kd_loss"] for m in metrics(out) if "kd_loss" in m]
+    assert kd[0] > 1e-4 and all(math.isfinite(k) for k in kd)
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000003")  # a step left to resume
+    with pytest.raises(SurgeryError, match=r"kd_divergence: 'reverse' -> 'forward'"):
+        run(tiny_mqa, out, tokens=512 * 3, save_every=1, resume=True, force=True)
+    assert run(tiny_mqa, out, tokens=512 * 3, save_every=1, resume=True, force=True, keep_run_dir=True,
+               kd_divergence="reverse")["kd_divergence"] == "reverse"
+    # a run saved before the option existed ran forward KL: its run.json without the key reads as 'forward'
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000003")
+    saved = json.loads((run_dir / "run.json").read_text())
+    (run_dir / "run.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "kd_divergence"}))
+    with pytest.raises(SurgeryError, match=r"kd_divergence: 'forward' -> 'reverse'"):
+        run(tiny_mqa, out, tokens=512 * 3, save_every=1, resume=True, force=True, kd_divergence="reverse")
+
+
 def test_kd_run_with_student_as_its_own_teacher_has_zero_loss(tiny, tmp_path):
     rec = run(tiny, tmp_path / "o", loss="kd", teacher=str(tiny), tokens=512)
     rows = [m for m in metrics(tmp_path / "o") if "loss" in m]

@@ -27,6 +27,9 @@ class UptrainArgs(CliModel):
                                                                       "ships.")
     temperature: float = option(1.0, "--temperature", "[kd/mix] Distillation temperature.")
     kd_weight: float = option(0.5, "--kd-weight", "[mix] Weight of the KD term.")
+    kd_divergence: Literal["forward", "reverse", "jsd"] = option(
+        "forward", "--kd-divergence", "[kd/mix] forward: KL(teacher‖student), covers every token the teacher "
+        "considers; reverse: KL(student‖teacher), seeks the teacher's likeliest tokens; jsd: Jensen-Shannon, between.")
     hidden_weight: float = option(0.0, "--hidden-weight", "Add this weight times every layer's hidden-state cosine "
                                   "distance to the teacher's (same depth and width) to the loss; 0: off.")
     train: Literal["all", "attention", "new"] = option(

@@ -30,7 +30,7 @@ from .data import DATA_CACHE, cache_key, pack, read_cache, write_cache
 from .heads import OutputHead
 from .losses import Objective, _same
 from .metrics import MetricsLog
-from .options import UptrainOptions
+from .options import TRAJECTORY_DEFAULTS, UptrainOptions
 from .params import select_trainable
 from .plot import plot_metrics
 from .progress import Progress
@@ -101,7 +101,8 @@ def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
     if o.hidden_weight and not teacher_known:
         raise SurgeryError("--hidden-weight needs a teacher: the input has no surgery.json naming its source; pass "
                            "--teacher")
-    return Objective(kind, temperature=o.temperature, kd_weight=o.kd_weight, hidden_weight=o.hidden_weight)
+    return Objective(kind, temperature=o.temperature, kd_weight=o.kd_weight, hidden_weight=o.hidden_weight,
+                     divergence=o.kd_divergence)
 
 
 def check_run_dir(o: UptrainOptions, trajectory: dict) -> None:
@@ -116,6 +117,7 @@ def check_run_dir(o: UptrainOptions, trajectory: dict) -> None:
                 raise ValueError(f"a JSON {type(saved).__name__}, not an object")
         except (OSError, UnicodeDecodeError, ValueError) as e:
             raise SurgeryError(f"--resume: corrupt {run_json} ({str(e).splitlines()[0]}): start over with --force") from None
+        saved = TRAJECTORY_DEFAULTS | saved  # a key newer than the run: the run had its default behaviour
         diff = sorted(k for k in trajectory if saved.get(k) != trajectory[k])
         if diff:
             detail = ", ".join(f"{k}: {saved.get(k)!r} -> {trajectory[k]!r}" for k in diff[:4])
@@ -563,6 +565,7 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
         "loss": objective.kind if o.steps else None,
         "temperature": o.temperature if objective.needs_teacher else None,
         "kd_weight": o.kd_weight if objective.kind == "mix" else None,
+        "kd_divergence": o.kd_divergence if objective.kind in ("kd", "mix") else None,
         "hidden_weight": o.hidden_weight or None,
         "teacher": ((public_name(trajectory.get("teacher")) or "surgery.json source")
                     if objective.needs_teacher or "align" in o.stages else None),

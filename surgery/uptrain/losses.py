@@ -1,4 +1,5 @@
-"""Training losses: next-token cross-entropy, distillation (KL to a teacher's logits), their mix, and an optional
+"""Training losses: next-token cross-entropy, distillation (forward or reverse KL, or Jensen-Shannon, to a teacher's
+logits), their mix, and an optional
 term pulling every layer's output (the residual stream) toward the teacher's on the same tokens.
 
 All are means over token positions, so a step's loss does not depend on how its batch is split into
@@ -7,6 +8,7 @@ micro-batches or processes (every packed window has the same number of positions
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -53,19 +55,36 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = _same
     return _chunked_sum(nll_sum, logits.flatten(0, 1), targets) / counted
 
 
+DIVERGENCES = ("forward", "reverse", "jsd")
+
+
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
-            project: Projection = _same, project_teacher: Projection = _same) -> torch.Tensor:
-    """Mean over positions of T² · KL(softmax(teacher/T) ‖ softmax(student/T)) (Hinton et al.'s scaling), computed
+            project: Projection = _same, project_teacher: Projection = _same, divergence: str = "forward"
+            ) -> torch.Tensor:
+    """Mean over positions of T² · D(teacher ‖ student) on softmax(logits / T) (Hinton et al.'s scaling), computed
     in chunks of positions so that no [positions, V] temporary of the whole batch exists besides the inputs.
-    `project` / `project_teacher`: as for `lm_loss`, when hidden states are given instead of logits."""
-    def kl_sum(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    D by `divergence`: forward KL(p_t ‖ p_s) (mass-covering: the student spreads over all the teacher's
+    candidates), reverse KL(p_s ‖ p_t) (mode-seeking: the student concentrates on the teacher's likeliest tokens,
+    MiniLLM), or jsd, the Jensen-Shannon divergence ½ KL(p_t ‖ m) + ½ KL(p_s ‖ m), m = ½ (p_t + p_s), between the
+    two (GKD's β = 0.5). `project` / `project_teacher`: as for `lm_loss`, when hidden states are given instead of
+    logits."""
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"unknown divergence {divergence!r}")
+
+    def divergence_sum(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         log_s = F.log_softmax(project(s).float() / temperature, dim=-1)
         with torch.no_grad():
             log_t = F.log_softmax(project_teacher(t).float() / temperature, dim=-1)
-        return F.kl_div(log_s, log_t, log_target=True, reduction="sum")
+        if divergence == "forward":
+            return F.kl_div(log_s, log_t, log_target=True, reduction="sum")
+        if divergence == "reverse":
+            return F.kl_div(log_t, log_s, log_target=True, reduction="sum")
+        log_m = torch.logaddexp(log_s, log_t) - math.log(2)
+        return 0.5 * (F.kl_div(log_m, log_t, log_target=True, reduction="sum")
+                      + F.kl_div(log_m, log_s, log_target=True, reduction="sum"))
 
     s, t = student_logits.flatten(0, 1), teacher_logits.flatten(0, 1)
-    return _chunked_sum(kl_sum, s, t) / s.shape[0] * (temperature * temperature)
+    return _chunked_sum(divergence_sum, s, t) / s.shape[0] * (temperature * temperature)
 
 
 def hidden_state_loss(student_states: tuple[torch.Tensor, ...], teacher_states: tuple[torch.Tensor, ...]
@@ -93,6 +112,7 @@ class Objective:
     temperature: float = 1.0
     kd_weight: float = 0.5  # mix: kd_weight * kd + (1 - kd_weight) * lm
     hidden_weight: float = 0.0  # > 0: + hidden_weight * hidden_state_loss (needs the teacher's hidden states)
+    divergence: str = "forward"  # kd_loss's D: forward / reverse KL or Jensen-Shannon
 
     @property
     def needs_teacher(self) -> bool:
@@ -112,7 +132,8 @@ class Objective:
         if self.kind in ("lm", "mix"):
             parts["lm"] = lm_loss(logits, ids, project)
         if self.kind in ("kd", "mix"):
-            parts["kd"] = kd_loss(logits, teacher_logits, self.temperature, project, project_teacher)
+            parts["kd"] = kd_loss(logits, teacher_logits, self.temperature, project, project_teacher,
+                                 self.divergence)
         if self.kind == "mix":
             loss = self.kd_weight * parts["kd"] + (1 - self.kd_weight) * parts["lm"]
         else:

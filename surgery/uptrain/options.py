@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ..errors import SurgeryError
+from .losses import DIVERGENCES
 
 LOSSES = ("auto", "lm", "kd", "mix")
 TRAIN = ("all", "attention", "new")
@@ -15,9 +16,12 @@ STAGES = ("align", "kd")  # --stage: layer-local attention alignment, end-to-end
 # Options that fix the trajectory of a run: a resumed run must repeat them. (micro_batch and the number of
 # processes only change how a step's batch is split, not what the step computes, so they may change on resume.)
 TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_tokens", "eval_tokens", "loss",
-                   "teacher", "temperature", "kd_weight", "hidden_weight", "train", "lr", "min_lr_ratio", "warmup_steps",
+                   "teacher", "temperature", "kd_weight", "kd_divergence", "hidden_weight", "train", "lr", "min_lr_ratio", "warmup_steps",
                    "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens", "align_epochs", "align_lr",
                    "lora_rank", "lora_alpha", "lora_targets")
+
+# Keys added to TRAJECTORY_KEYS after runs were saved without them, with the behaviour those runs had.
+TRAJECTORY_DEFAULTS = {"hidden_weight": 0.0, "kd_divergence": "forward"}
 
 
 @dataclass
@@ -37,6 +41,7 @@ class UptrainOptions:
     teacher: str | None = None  # overrides the source named in surgery.json
     temperature: float = 1.0
     kd_weight: float = 0.5  # weight of the KD term in `mix`
+    kd_divergence: str = "forward"  # forward KL, reverse KL or jsd (surgery/uptrain/losses.py: kd_loss)
     hidden_weight: float = 0.0  # weight of the per-layer hidden-state term (surgery/uptrain/losses.py); 0: none
     train: str = "all"
     lr: float = 1e-4
@@ -94,6 +99,8 @@ class UptrainOptions:
             raise SurgeryError(f"--min-lr-ratio must lie in [0, 1], got {self.min_lr_ratio}")
         if not self.temperature > 0:
             raise SurgeryError(f"--temperature must be positive, got {self.temperature}")
+        if self.kd_divergence not in DIVERGENCES:
+            raise SurgeryError(f"unknown --kd-divergence {self.kd_divergence!r}; choose from {', '.join(DIVERGENCES)}")
         if not 0 <= self.kd_weight <= 1:
             raise SurgeryError(f"--kd-weight must lie in [0, 1], got {self.kd_weight}")
         stages = tuple(s.strip() for s in str(self.stage).split(","))
