@@ -5,11 +5,12 @@ bfloat16) agree on the first tokens of a continuation and then drift apart. That
 conversion is held to: the converted model's token agreement with the source (both float32, what `surgery check
 --generate` reports) divided by the source's agreement with itself in bfloat16. Target: >= 0.8.
 
-Prompts: `--prompts` windows of 32 tokens, evenly spaced over pydoc's first `--tokens` tokens (`surgery check`'s
-default evaluation text, which no calibration reads; give `--tokens 4096` for models uptrained by
+Prompts: `--prompts` windows of `--prompt-len` tokens (32), evenly spaced over pydoc's first `--tokens` tokens
+(`surgery check`'s default evaluation text, which no calibration reads; give `--tokens 4096` for models uptrained by
 bench_uptrain_recovery.py, which holds out only pydoc's first 4,096 tokens). One model in memory at a time.
 
-    python benchmarks/bench_generation_agreement.py SOURCE CONVERTED [CONVERTED ...] [--new 32] [--prompts 16]
+    python benchmarks/bench_generation_agreement.py SOURCE CONVERTED [CONVERTED ...] [--new 32] [--prompts 16] \
+        [--prompt-len 32]
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def main() -> None:
     p.add_argument("converted", nargs="+")
     p.add_argument("--new", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt (the continuation starts at this "
+                   "position: `surgery check`'s by-position table says how top-1 agreement varies with it)")
     p.add_argument("--tokens", type=int, default=16384, help="the evaluation text the prompts are cut from")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
@@ -51,14 +54,15 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(resolve_source(a.source))
     ids = token_stream(pydoc_texts(), tokenizer, a.tokens)
-    prompts = gen.prompts_from_stream(ids, count=a.prompts)
+    prompts = gen.prompts_from_stream(ids, count=a.prompts, length=a.prompt_len)
 
     reference = continuations(a.source, "float32", prompts, a.new, device)
     rounded = continuations(a.source, "bfloat16", prompts, a.new, device)
     baseline = gen.compare_continuations(prompts, reference, rounded, tokenizer, a.new, samples=0)
     print(f"source float32 vs source bfloat16 (the self-agreement baseline): token agreement "
           f"{baseline['token_agreement']:.1%}, first divergence at {baseline['mean_first_divergence']:.1f} of {a.new}")
-    result = {"source": a.source, "new_tokens": a.new, "prompts": len(prompts), "text": f"pydoc[0:{a.tokens}]",
+    result = {"source": a.source, "new_tokens": a.new, "prompts": len(prompts), "prompt_tokens": a.prompt_len,
+              "text": f"pydoc[0:{a.tokens}]",
               "baseline": baseline, "converted": {}}
     for spec in a.converted:
         r = gen.compare_continuations(prompts, reference, continuations(spec, "float32", prompts, a.new, device),

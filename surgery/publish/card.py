@@ -138,13 +138,19 @@ def conversion_section(v: Validation, info: dict) -> list[str]:
     return lines
 
 
+def _table_head(title: str, intro: str, text_columns: list[str], number_columns: list[str]) -> list[str]:
+    """A section's title, one line saying what it shows, and a markdown table's header (numbers right-aligned)."""
+    columns = text_columns + number_columns
+    return [title, "", intro, "", "| " + " | ".join(columns) + " |",
+            "|" + "|".join(["---"] * len(text_columns) + ["---:"] * len(number_columns)) + "|"]
+
+
 def check_section(reports: list[tuple[str, dict]]) -> list[str]:
     if not reports:
         return []
-    lines = ["## Check against the source", "",
-             "Same tokens through both models (`surgery check`).", "",
-             "| report | tokens | max abs Δ | KL / token | top-1 agreement | ppl source | ppl converted |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = _table_head("## Check against the source", "Same tokens through both models (`surgery check`).",
+                        ["report"], ["tokens", "max abs Δ", "KL / token", "top-1 agreement", "ppl source",
+                                     "ppl converted"])
     for name, r in reports:
         def f(key, fmt):
             return format(r[key], fmt) if isinstance(r.get(key), (int, float)) else "-"
@@ -160,10 +166,10 @@ def positions_section(reports: list[tuple[str, dict]]) -> list[str]:
     split = [(name, r) for name, r in reports if r.get("by_position")]
     if not split:
         return []
-    lines = ["### By position in the window", "",
-             "Where in the context the conversion costs (positions a-b of each window of the check).", "",
-             "| report | positions | ppl source | ppl converted | ratio | KL / token | top-1 agreement |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = _table_head("### By position in the window",
+                        "Where in the context the conversion costs (positions a-b of each window of the check).",
+                        ["report", "positions"], ["ppl source", "ppl converted", "ratio", "KL / token",
+                                                  "top-1 agreement"])
     for name, r in split:
         for row in r["by_position"]:
             a, b = row["positions"]
@@ -179,8 +185,8 @@ def tasks_section(reports: list[tuple[str, dict]]) -> list[str]:
     scored = [(name, r) for name, r in reports if isinstance(r.get("tasks"), dict) and r["tasks"]]
     if not scored:
         return []
-    lines = ["### lm-eval tasks", "", "Both models scored by lm-evaluation-harness (`surgery check --tasks`).", "",
-             "| report | task | metric | source | converted |", "|---|---|---|---:|---:|"]
+    lines = _table_head("### lm-eval tasks", "Both models scored by lm-evaluation-harness (`surgery check --tasks`).",
+                        ["report", "task", "metric"], ["source", "converted"])
     for name, r in scored:
         for task, metric, a, b in rows(r["tasks"]):
             lines.append(f"| {name} | {task} | {metric} | {a:.4g} | {b:.4g} |")
