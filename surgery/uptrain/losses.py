@@ -1,6 +1,6 @@
 """Training losses: next-token cross-entropy, distillation (forward or reverse KL, or Jensen-Shannon, to a teacher's
-logits), their mix, and an optional
-term pulling every layer's output (the residual stream) toward the teacher's on the same tokens.
+logits), their mix, and an optional term pulling every layer's output (the residual stream) toward the teacher's on
+the same tokens.
 
 All are means over token positions, so a step's loss does not depend on how its batch is split into
 micro-batches or processes (every packed window has the same number of positions).
