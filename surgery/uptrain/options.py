@@ -16,12 +16,12 @@ STAGES = ("align", "kd")  # --stage: layer-local attention alignment, end-to-end
 # Options that fix the trajectory of a run: a resumed run must repeat them. (micro_batch and the number of
 # processes only change how a step's batch is split, not what the step computes, so they may change on resume.)
 TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_tokens", "eval_tokens", "loss",
-                   "teacher", "temperature", "kd_weight", "kd_divergence", "hidden_weight", "train", "lr", "min_lr_ratio", "warmup_steps",
-                   "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens", "align_epochs", "align_lr",
-                   "lora_rank", "lora_alpha", "lora_targets")
-
-# Keys added to TRAJECTORY_KEYS after runs were saved without them, with the behaviour those runs had.
-TRAJECTORY_DEFAULTS = {"hidden_weight": 0.0, "kd_divergence": "forward"}
+                   "teacher", "temperature", "kd_weight", "kd_divergence", "hidden_weight", "train", "lr",
+                   "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
+                   "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets")
+# Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
+# (TRAJECTORY_DEFAULTS, below the options).
+LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence")
 
 
 @dataclass
@@ -169,3 +169,6 @@ class UptrainOptions:
 
     def as_record(self) -> dict:
         return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in fields(self)}
+
+
+TRAJECTORY_DEFAULTS = {f.name: f.default for f in fields(UptrainOptions) if f.name in LATER_TRAJECTORY_KEYS}
