@@ -9,6 +9,10 @@ Prompts: `--prompts` windows of `--prompt-len` tokens (32), evenly spaced over p
 (`surgery check`'s default evaluation text, which no calibration reads; give `--tokens 4096` for models uptrained by
 bench_uptrain_recovery.py, which holds out only pydoc's first 4,096 tokens). One model in memory at a time.
 
+Each model is also fed the source's float32 continuations and asked for its argmax at every step (forced
+agreement, by the source's margin between its two most probable tokens: surgery/checking/generate.py), the per-step
+quantity that greedy agreement compounds.
+
     python benchmarks/bench_generation_agreement.py SOURCE CONVERTED [CONVERTED ...] [--new 32] [--prompts 16] \
         [--prompt-len 32]
 """
@@ -31,12 +35,22 @@ from surgery.source import resolve_source  # noqa: E402
 from surgery.trust import resolve_trust  # noqa: E402
 
 
-def continuations(spec: str, dtype: str, prompts, new: int, device: torch.device) -> list[list[int]]:
+def continuations(spec: str, dtype: str, prompts, new: int, device: torch.device, reference=None):
+    """The model's greedy continuations, and its argmax and margin at every step of `reference` (the source's
+    float32 continuations; its own when None) fed as input."""
     source = resolve_source(spec)
     model = load_model(source, device, dtype, resolve_trust(source.folder, False, what=spec))
     out = gen.continue_prompts(model, prompts, new, 8, device)
+    argmax, margin = gen.forced_steps(model, prompts, reference or out, 8, device)
     del model
-    return out
+    return out, argmax, margin
+
+
+def print_forced(name: str, forced: dict) -> None:
+    by_margin = ", ".join(f"{b['margin'][0]:g}-{b['margin'][1]:g}: {b['agreement']:.1%} of {b['steps']}"
+                          for b in forced["forced_by_margin"] if b["steps"])
+    print(f"  {name}: forced agreement on the source's continuations {forced['forced_agreement']:.1%}; by the "
+          f"source's margin {by_margin}")
 
 
 def main() -> None:
@@ -56,21 +70,25 @@ def main() -> None:
     ids = token_stream(pydoc_texts(), tokenizer, a.tokens)
     prompts = gen.prompts_from_stream(ids, count=a.prompts, length=a.prompt_len)
 
-    reference = continuations(a.source, "float32", prompts, a.new, device)
-    rounded = continuations(a.source, "bfloat16", prompts, a.new, device)
-    baseline = gen.compare_continuations(prompts, reference, rounded, tokenizer, a.new, samples=0)
+    reference, _, margin = continuations(a.source, "float32", prompts, a.new, device)
+    rounded, rounded_argmax, _ = continuations(a.source, "bfloat16", prompts, a.new, device, reference)
+    baseline = gen.compare_continuations(prompts, reference, rounded, tokenizer, a.new, samples=0) | \
+        gen.compare_forced(reference, margin, rounded_argmax)
     print(f"source float32 vs source bfloat16 (the self-agreement baseline): token agreement "
           f"{baseline['token_agreement']:.1%}, first divergence at {baseline['mean_first_divergence']:.1f} of {a.new}")
+    print_forced("source bfloat16", baseline)
     result = {"source": a.source, "new_tokens": a.new, "prompts": len(prompts), "prompt_tokens": a.prompt_len,
               "text": f"pydoc[0:{a.tokens}]",
               "baseline": baseline, "converted": {}}
     for spec in a.converted:
-        r = gen.compare_continuations(prompts, reference, continuations(spec, "float32", prompts, a.new, device),
-                                      tokenizer, a.new, samples=0)
+        out, argmax, _ = continuations(spec, "float32", prompts, a.new, device, reference)
+        r = gen.compare_continuations(prompts, reference, out, tokenizer, a.new, samples=0) | \
+            gen.compare_forced(reference, margin, argmax)
         r["relative_to_baseline"] = r["token_agreement"] / baseline["token_agreement"]
         result["converted"][spec] = r
         print(f"{spec}: token agreement {r['token_agreement']:.1%} ({r['relative_to_baseline']:.2f}x the baseline; "
               f"target >= 0.8), first divergence at {r['mean_first_divergence']:.1f}")
+        print_forced(spec, r)
     if a.json:
         a.json.write_text(json.dumps(result, indent=2) + "\n")
 

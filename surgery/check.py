@@ -339,16 +339,37 @@ class CheckPlan:
         return [self.batches[s:min(s + size, n)].to(self.device) for s in range(0, n, size)]
 
 
-def plan_check(source: Source, converted: Source, texts: Iterable[str], tokens: int, seq_len: int, batch_size: int,
-               device: str, dtype: str, trust_remote_code: bool, trust_source_code: bool, allow_pickle: bool,
-               tokenizer: str | None, generate: int, prompts_file: Path | None, layers: bool, data: str,
-               warn, tasks: str | None = None, tasks_limit: int | None = None) -> CheckPlan:
+@dataclass(frozen=True)
+class CheckRequest:
+    """What the caller asked to compare (the options of `surgery check`, without its output handling)."""
+
+    tokens: int = 16384
+    seq_len: int = 1024
+    batch_size: int = 4
+    device: str = "auto"
+    dtype: str = "float32"
+    trust_remote_code: bool = False  # run the converted model's own code
+    trust_source_code: bool = False  # run the source's own code
+    allow_pickle: bool = False
+    tokenizer: str | None = None  # "source" / "converted": which one encodes the text when they differ
+    generate: int = 0  # greedy tokens per prompt (0: no generation)
+    prompts_file: Path | None = None  # extra prompts, one a line
+    prompt_len: int = gen.PROMPT_TOKENS  # tokens of each prompt cut from the text (at most half a window)
+    layers: bool = False
+    data: str = "text"  # what the text is called in the report
+    tasks: str | None = None
+    tasks_limit: int | None = None
+
+
+def plan_check(source: Source, converted: Source, texts: Iterable[str], r: CheckRequest, warn) -> CheckPlan:
     """Check every input (options, trust, weights, tokenizers, prompts) and tokenize the text; loads no model."""
-    check_counts(tokens, seq_len, batch_size, generate)
-    if prompts_file is not None and not generate:
+    check_counts(r.tokens, r.seq_len, r.batch_size, r.generate)
+    if r.prompts_file is not None and not r.generate:
         raise SurgeryError("--prompts needs --generate N (the number of tokens to generate)")
-    dev = pick_device(device)
-    trust_a, trust_b = resolve_trusts(source, converted, trust_source_code, trust_remote_code)
+    if r.prompt_len < 1:
+        raise SurgeryError(f"--prompt-len must be at least 1 (got {r.prompt_len})")
+    dev = pick_device(r.device)
+    trust_a, trust_b = resolve_trusts(source, converted, r.trust_source_code, r.trust_remote_code)
     config_a, config_b = load_config(source, trust_a), load_config(converted, trust_b)
     causal = is_causal_lm(config_a)
     if causal != is_causal_lm(config_b):
@@ -357,26 +378,26 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], tokens: 
     if vocab_size(config_a) != vocab_size(config_b):
         raise SurgeryError(f"the two checkpoints have different vocabularies ({vocab_size(config_a)} and "
                            f"{vocab_size(config_b)} ids)")
-    if generate and not causal:
+    if r.generate and not causal:
         raise SurgeryError("--generate needs a causal LM")
-    if tasks_limit is not None and not tasks:
+    if r.tasks_limit is not None and not r.tasks:
         raise SurgeryError("--tasks-limit needs --tasks")
-    if tasks and not causal:
+    if r.tasks and not causal:
         raise SurgeryError("--tasks needs a causal LM")
-    validate_weights(source, config_a, causal, trust_a, allow_pickle)
-    validate_weights(converted, config_b, causal, trust_b, allow_pickle)
+    validate_weights(source, config_a, causal, trust_a, r.allow_pickle)
+    validate_weights(converted, config_b, causal, trust_b, r.allow_pickle)
 
     texts = iter(texts)
     head = list(islice(texts, 2))
     tok, tokenizer_note = choose_tokenizer(
         load_tokenizer(source, trust_a),
-        load_tokenizer(converted, trust_b) if has_tokenizer(converted.folder) else None, tokenizer,
+        load_tokenizer(converted, trust_b) if has_tokenizer(converted.folder) else None, r.tokenizer,
         probes=[t[:4000] for t in head if t])
     hashed = HashedTexts(chain(head, texts))
-    ids = token_stream(hashed, tok, tokens)
+    ids = token_stream(hashed, tok, r.tokens)
     ctx = context_length(config_a)
     # windows: --seq-len, capped at the context and at --tokens (the report says which length was used)
-    batches = windows(ids, min(seq_len, ctx or seq_len, tokens))
+    batches = windows(ids, min(r.seq_len, ctx or r.seq_len, r.tokens))
     overlap = calibration_overlap(converted.folder, hashed.hashes)
     if overlap:
         warn(f"{overlap['documents']} of the {overlap['of']} documents checked on were calibration documents of "
@@ -384,38 +405,32 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], tokens: 
              "check on text it never saw")
 
     prompts: list[gen.Prompt] = []
-    if generate:
-        prompts = gen.prompts_from_stream(ids, length=min(gen.PROMPT_TOKENS, max(1, batches.shape[1] // 2)))
-        if prompts_file is not None:
-            prompts = gen.prompts_from_file(prompts_file, tok) + prompts
-        gen.check_lengths(prompts, generate, ctx)
-    n_layer_windows = layer_errors.layer_windows(batches.shape[0], batches.shape[1]) if layers else 0
+    if r.generate:
+        prompts = gen.prompts_from_stream(ids, length=min(r.prompt_len, max(1, batches.shape[1] // 2)))
+        if r.prompts_file is not None:
+            prompts = gen.prompts_from_file(r.prompts_file, tok) + prompts
+        gen.check_lengths(prompts, r.generate, ctx)
+    n_layer_windows = layer_errors.layer_windows(batches.shape[0], batches.shape[1]) if r.layers else 0
     # A talking-heads model computes eager attention: compare it with the source's eager attention, so that the
     # report measures the surgery and not the source's own sdpa-vs-eager rounding (~1e-4 on SmolLM2's logits).
     source_attention = _source_attention(converted)
-    task_set = task_runs.load_tasks(tasks, tasks_limit) if tasks else None  # a task's data that cannot be had: before any model
-    return CheckPlan(source, converted, dev, dtype, (trust_a, trust_b), causal,
+    task_set = task_runs.load_tasks(r.tasks, r.tasks_limit) if r.tasks else None  # a task's data that cannot be had: before any model
+    return CheckPlan(source, converted, dev, r.dtype, (trust_a, trust_b), causal,
                      vocab_size(config_a) if causal else hidden_size(config_a), source_attention, tok, tokenizer_note,
-                     batches, batch_size, prompts, generate, n_layer_windows,
-                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), overlap, data,
+                     batches, r.batch_size, prompts, r.generate, n_layer_windows,
+                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), overlap, r.data,
                      task_set)
 
 
-def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str], tokens: int = 16384,
-                        seq_len: int = 1024, batch_size: int = 4, device: str = "auto", dtype: str = "float32",
-                        trust_remote_code: bool = False, trust_source_code: bool = False, allow_pickle: bool = False,
-                        tokenizer: str | None = None, generate: int = 0, prompts_file: Path | None = None,
-                        layers: bool = False, data: str = "text", progress: bool = True,
-                        spill_bytes: int = MEMORY_BYTES, warn=None, tasks: str | None = None,
-                        tasks_limit: int | None = None) -> dict:
+def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str], progress: bool = True,
+                        spill_bytes: int = MEMORY_BYTES, warn=None, **request) -> dict:
     """Run the source, then the converted model, over the same windows of `texts`; see the module docstring.
 
-    trust_remote_code trusts the converted model's own code, trust_source_code the source's (the toolkit's own
-    modeling files in its own outputs are recognised by their sha256 and need neither). `warn(line)` receives
-    warnings (the CLI prints them on stderr). `spill_bytes`: the largest store of source outputs kept in memory."""
-    plan = plan_check(source, converted, texts, tokens, seq_len, batch_size, device, dtype, trust_remote_code,
-                      trust_source_code, allow_pickle, tokenizer, generate, prompts_file, layers, data,
-                      warn or (lambda line: None), tasks, tasks_limit)
+    `request`: the fields of CheckRequest (tokens, seq_len, generate, ...). trust_remote_code trusts the converted
+    model's own code, trust_source_code the source's (the toolkit's own modeling files in its own outputs are
+    recognised by their sha256 and need neither). `warn(line)` receives warnings (the CLI prints them on stderr).
+    `spill_bytes`: the largest store of source outputs kept in memory."""
+    plan = plan_check(source, converted, texts, CheckRequest(**request), warn or (lambda line: None))
     return run_check(plan, progress, spill_bytes)
 
 
@@ -429,6 +444,7 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         source_attention = model.config._attn_implementation
         source_pass(model, p.batches, p.batch_size, store, p.device, p.causal, progress, "check source")
         source_continuations = continuations(model, p, progress, "generate source")
+        source_forced = forced(model, p, source_continuations)  # the source's margins along its own continuations
         source_layers = layer_errors.record_layers(model, p.layer_batches(), layer_store) if p.layer_windows else 0
         source_scores = task_scores(model, p)
         del model
@@ -444,7 +460,8 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         if p.new_tokens:
             report["generation"] = gen.compare_continuations(
                 p.prompts, source_continuations, continuations(model, p, progress, "generate converted"),
-                p.tokenizer, p.new_tokens)
+                p.tokenizer, p.new_tokens) | gen.compare_forced(
+                source_continuations, source_forced[1], forced(model, p, source_continuations)[0])
         if p.layer_windows:
             report["layers"] = layer_errors.compare_layers(model, p.layer_batches(), layer_store, source_layers)
             report["layers_tokens"] = p.layer_windows * p.seq_len
@@ -479,6 +496,13 @@ def continuations(model, plan: CheckPlan, progress: bool, desc: str) -> list[lis
         return None
     with Progress(len(plan.prompts) * plan.new_tokens, desc, enabled=progress) as bar:
         return gen.continue_prompts(model, plan.prompts, plan.new_tokens, plan.batch_size, plan.device, bar)
+
+
+def forced(model, plan: CheckPlan, paths: list[list[int]] | None) -> tuple[list[list[int]], list[list[float]]] | None:
+    """The model's argmax and margin at every step of `paths` (the source's continuations), fed them as input."""
+    if not plan.new_tokens:
+        return None
+    return gen.forced_steps(model, plan.prompts, paths, plan.batch_size, plan.device)
 
 
 @torch.no_grad()
@@ -563,7 +587,11 @@ def print_report(report: dict, title: str = "") -> None:
             (f"greedy token agreement ({g['prompts']} prompts)", f"{100 * g['token_agreement']:.2f}%"),
             ("mean first divergence (token)", f"{g['mean_first_divergence']:.1f} of {g['new_tokens']}"),
             ("exact-match continuations", f"{100 * g['exact_match_rate']:.1f}%"),
+            ("forced agreement on the source's continuations", f"{100 * g['forced_agreement']:.2f}%"),
         ]
+        rows += [(f"  where the source's margin is {b['margin'][0]:g}-{b['margin'][1]:g}",
+                  f"{100 * b['agreement']:.1f}% of {b['steps']} steps")
+                 for b in g["forced_by_margin"] if b["steps"]]
     if "exact" in report:
         rows.append(("exact (tolerance)", f"{'yes' if report['exact'] else 'no'} ({report['tolerance']:g})"))
     for name, value in rows:

@@ -18,6 +18,7 @@ import tiny_models as tm
 from test_merge_convert import char_tokenizer
 
 from surgery.check import compare_checkpoints, compare_models, load_model
+from surgery.checking import generate as gen
 from surgery.checking.overlap import document_sha256
 from surgery.checking.spill import SpillStore
 from surgery.convert_kv import KVOptions, convert_to_kv_heads
@@ -195,6 +196,7 @@ def test_exact_conversion_agrees_everywhere(models, tmp_path):
     g = report["generation"]
     assert g["prompts"] == 8 + 2 and g["new_tokens"] == 6
     assert g["token_agreement"] == 1.0 and g["exact_match_rate"] == 1.0 and g["mean_first_divergence"] == 6
+    assert g["forced_agreement"] == 1.0 and sum(b["steps"] for b in g["forced_by_margin"]) == 10 * 6
     assert [s["origin"] for s in g["samples"]][:2] == ["prompts.txt:1", "prompts.txt:3"]
     assert all(s["source"] == s["converted"] for s in g["samples"])
     assert len(report["layers"]) == 2 and report["layers_tokens"] == 1024
@@ -220,6 +222,33 @@ def test_lossy_conversion_shows_where_it_hurts(models):
                 ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], dim=1)
         assert g["samples"][0]["origin"] == "text[0:32]"
         assert g["samples"][0][key] == tok.decode(ids[0, 32:].tolist())
+
+
+def test_forced_agreement_is_the_converted_argmax_on_the_source_continuations_by_the_source_margin(models):
+    report = check(models["other"], models["lossy"], generate=8, prompt_len=20)
+    g = report["generation"]
+    tok = tf.AutoTokenizer.from_pretrained(models["other"])
+    source, lossy = tm.load(models["other"]), tm.load(models["lossy"])
+    stream = token_stream(pydoc_texts(), tok, 1024)  # the text `check` cut its prompts from
+    prompts = gen.prompts_from_stream(stream, length=20)
+    assert [s["origin"] for s in g["samples"]] == [p.origin for p in prompts[:len(g["samples"])]]
+    x = torch.tensor([p.ids for p in prompts])
+    with torch.no_grad():
+        path = torch.cat([x, gen.greedy(source, x, 8)], dim=1)  # the source's continuations, as `check` wrote them
+        probs = source(input_ids=path).logits[:, 19:-1].softmax(-1)
+        converted = lossy(input_ids=path).logits[:, 19:-1].argmax(-1)
+    top2 = probs.topk(2, dim=-1).values
+    margin = top2[..., 0] - top2[..., 1]
+    same = converted == path[:, 20:]
+    assert g["forced_agreement"] == pytest.approx(same.float().mean().item())
+    assert 0 < g["forced_agreement"] < 1  # the lossy conversion disagrees somewhere, not everywhere
+    for b in g["forced_by_margin"]:
+        lo, hi = b["margin"]
+        inside = (margin >= lo) & ((margin < hi) | (hi == 1.0))
+        assert b["steps"] == int(inside.sum())
+        if b["steps"]:
+            assert b["agreement"] == pytest.approx(same[inside].float().mean().item())
+    assert sum(b["steps"] for b in g["forced_by_margin"]) == same.numel()
 
 
 def test_generate_longer_than_the_context_is_refused_before_the_run(models):
@@ -251,9 +280,18 @@ def test_different_tokenizers_are_refused_unless_one_is_chosen(models, tmp_path)
 
 # --- the command line: bad input, trust, pickle -----------------------------------------------------------------------
 @pytest.mark.parametrize("option, value", [("--tokens", "0"), ("--tokens", "-3"), ("--seq-len", "0"),
-                                           ("--seq-len", "-5"), ("--batch-size", "0"), ("--generate", "-1")])
+                                           ("--seq-len", "-5"), ("--batch-size", "0"), ("--generate", "-1"),
+                                           ("--prompt-len", "0")])
 def test_bad_counts_fail_before_any_work(models, capsys, option, value):
     assert_one_line_error(surgery(capsys, "check", models["src"], models["exact"], option, value), option)
+
+
+def test_prompt_length_reaches_the_check_from_the_command_line(models, capsys, tmp_path):
+    code, out, _ = surgery(capsys, "check", models["src"], models["exact"], "--generate", "3", "--prompt-len", "24",
+                           "--tokens", "1024", "--seq-len", "64", "--json", tmp_path / "r.json")
+    assert code == 0 and "forced agreement" in out
+    g = json.loads((tmp_path / "r.json").read_text())["generation"]
+    assert g["samples"][0]["origin"] == "text[0:24]" and g["forced_agreement"] == 1.0
 
 
 def test_prompts_without_generate_is_one_line(models, capsys, tmp_path):

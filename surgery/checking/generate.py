@@ -8,6 +8,13 @@ spaced, `PROMPT_TOKENS` tokens each) and read from a `--prompts` file (one promp
 Metrics, over all prompts: token agreement (same token at the same position of the two continuations), the mean
 position of the first divergence (N when they never diverge), the exact-match rate of whole continuations, and a
 side-by-side sample of a few continuations.
+
+Greedy agreement compounds: one different argmax and the two continuations go separate ways. The per-step quantity
+behind it is the forced agreement: the converted model fed the source's own continuation (prompt + the source's
+tokens, no sampling of its own) and asked for its argmax at every step, the same prefix as the source's each time.
+It is given by the source's margin at that step (its most probable token's probability minus the second's): where
+the source itself hesitates (small margin), any change to the logits flips the argmax, so greedy agreement needs
+near-exact logits there.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from ..kvcache import cache_keyword, returned_cache
 PROMPT_TOKENS = 32
 TEXT_PROMPTS = 8
 SAMPLES = 3
+MARGIN_EDGES = (0.0, 0.1, 0.3, 0.6, 1.0)  # buckets of the source's top-1 minus top-2 probability
 
 
 @dataclass(frozen=True)
@@ -82,22 +90,60 @@ def greedy(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
     return torch.stack(tokens, dim=1)
 
 
-def continue_prompts(model, prompts: list[Prompt], new_tokens: int, batch_size: int, device: torch.device,
-                     progress=None) -> list[list[int]]:
-    """Every prompt's greedy continuation; prompts of one length are batched together."""
-    results: list[list[int] | None] = [None] * len(prompts)
+def _by_length(prompts: list[Prompt], batch_size: int):
+    """Batches of prompt indices, every batch of one prompt length (so no padding is needed)."""
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_length.setdefault(len(p.ids), []).append(i)
     for indices in by_length.values():
         for start in range(0, len(indices), batch_size):
-            chunk = indices[start:start + batch_size]
-            x = torch.tensor([prompts[i].ids for i in chunk], dtype=torch.long, device=device)
-            for i, row in zip(chunk, greedy(model, x, new_tokens).tolist()):
-                results[i] = row
-            if progress is not None:
-                progress.update(len(chunk) * new_tokens)
+            yield indices[start:start + batch_size]
+
+
+def continue_prompts(model, prompts: list[Prompt], new_tokens: int, batch_size: int, device: torch.device,
+                     progress=None) -> list[list[int]]:
+    """Every prompt's greedy continuation; prompts of one length are batched together."""
+    results: list[list[int] | None] = [None] * len(prompts)
+    for chunk in _by_length(prompts, batch_size):
+        x = torch.tensor([prompts[i].ids for i in chunk], dtype=torch.long, device=device)
+        for i, row in zip(chunk, greedy(model, x, new_tokens).tolist()):
+            results[i] = row
+        if progress is not None:
+            progress.update(len(chunk) * new_tokens)
     return results  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def forced_steps(model, prompts: list[Prompt], paths: list[list[int]], batch_size: int,
+                 device: torch.device) -> tuple[list[list[int]], list[list[float]]]:
+    """The model fed every prompt followed by its `paths` continuation (one forward, no cache): at each step of the
+    continuation, the model's argmax and its margin (top-1 minus top-2 probability)."""
+    argmax: list[list[int] | None] = [None] * len(prompts)
+    margin: list[list[float] | None] = [None] * len(prompts)
+    for chunk in _by_length(prompts, batch_size):
+        n = len(prompts[chunk[0]].ids)
+        x = torch.tensor([list(prompts[i].ids) + paths[i] for i in chunk], dtype=torch.long, device=device)
+        logits = model(input_ids=x).logits[:, n - 1:-1].float()
+        top = logits.topk(2, dim=-1)
+        probs = (top.values - logits.logsumexp(-1, keepdim=True)).exp()  # the two largest probabilities, no softmax
+        for row, i in enumerate(chunk):
+            argmax[i] = top.indices[row, :, 0].tolist()
+            margin[i] = (probs[row, :, 0] - probs[row, :, 1]).tolist()
+    return argmax, margin  # type: ignore[return-value]
+
+
+def compare_forced(source: list[list[int]], source_margin: list[list[float]], converted_argmax: list[list[int]]) -> dict:
+    """Forced agreement: how often the converted model's argmax on the source's continuation is the source's token,
+    overall and by the source's margin at that step (MARGIN_EDGES; the last bucket includes 1)."""
+    steps = [(m, x == y) for a, ms, b in zip(source, source_margin, converted_argmax) for x, m, y in zip(a, ms, b)]
+    buckets = []
+    for k, (lo, hi) in enumerate(zip(MARGIN_EDGES, MARGIN_EDGES[1:])):
+        last = k == len(MARGIN_EDGES) - 2
+        inside = [same for m, same in steps if lo <= m < hi or (last and m == hi)]
+        buckets.append({"margin": [lo, hi], "steps": len(inside),
+                        "agreement": sum(inside) / len(inside) if inside else None})
+    return {"forced_agreement": sum(same for _, same in steps) / len(steps) if steps else 1.0,
+            "forced_by_margin": buckets}
 
 
 def first_divergence(a: list[int], b: list[int]) -> int:

@@ -31,6 +31,8 @@ class CheckOptions(CliModel):
     atol: float | None = option(None, "--atol", "Override the tolerance used by --expect exact.")
     generate: int = option(0, "--generate", "Also let both models continue prompts greedily for N tokens and compare "
                                             "the continuations.")
+    prompt_len: int = option(32, "--prompt-len", "With --generate: tokens of each prompt cut from the text (at most "
+                                                 "half a window); the continuations start at this position.")
     prompts: str | None = option(None, "--prompts", "With --generate: a text file of extra prompts, one a line.",
                                  path="file")
     layers: bool = option(False, "--layers", "Also report each layer's attention and hidden-state error vs the source.")
@@ -62,7 +64,7 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
     report = compare_checkpoints(src, dst, texts, tokens=o.tokens, seq_len=o.seq_len, batch_size=o.batch_size,
                                  device=o.device, dtype=o.dtype, trust_remote_code=o.trust_remote_code,
                                  trust_source_code=o.trust_source_code, allow_pickle=o.allow_pickle,
-                                 tokenizer=o.tokenizer, generate=o.generate,
+                                 tokenizer=o.tokenizer, generate=o.generate, prompt_len=o.prompt_len,
                                  prompts_file=Path(o.prompts) if o.prompts else None, layers=o.layers, data=o.data,
                                  tasks=o.tasks, tasks_limit=o.tasks_limit, warn=warn)
     tol = o.atol if o.atol is not None else tolerance(o.dtype)
