@@ -11,7 +11,9 @@ bench_uptrain_recovery.py, which holds out only pydoc's first 4,096 tokens). One
 
 Each model is also fed the source's float32 continuations and asked for its argmax at every step (forced
 agreement, by the source's margin between its two most probable tokens: surgery/checking/generate.py), the per-step
-quantity that greedy agreement compounds.
+quantity that greedy agreement compounds; and fed the text's own continuation of each prompt, where its argmax is
+compared with the source's (top-1 agreement off the source's path: an exposure-bias gap would show as a lower
+forced agreement than this).
 
     python benchmarks/bench_generation_agreement.py SOURCE CONVERTED [CONVERTED ...] [--new 32] [--prompts 16] \
         [--prompt-len 32]
@@ -35,22 +37,29 @@ from surgery.source import resolve_source  # noqa: E402
 from surgery.trust import resolve_trust  # noqa: E402
 
 
-def continuations(spec: str, dtype: str, prompts, new: int, device: torch.device, reference=None):
-    """The model's greedy continuations, and its argmax and margin at every step of `reference` (the source's
-    float32 continuations; its own when None) fed as input."""
+def continuations(spec: str, dtype: str, prompts, new: int, device: torch.device, text_next, reference=None):
+    """The model's greedy continuations; its argmax and margin at every step of `reference` (the source's float32
+    continuations; its own when None) fed as input; its argmax at every step of the text's own continuations."""
     source = resolve_source(spec)
     model = load_model(source, device, dtype, resolve_trust(source.folder, False, what=spec))
     out = gen.continue_prompts(model, prompts, new, 8, device)
     argmax, margin = gen.forced_steps(model, prompts, reference or out, 8, device)
+    on_text, _ = gen.forced_steps(model, prompts, text_next, 8, device)
     del model
-    return out, argmax, margin
+    return out, argmax, margin, on_text
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
+    return sum(x == y for x, y in pairs) / len(pairs)
 
 
 def print_forced(name: str, forced: dict) -> None:
     by_margin = ", ".join(f"{b['margin'][0]:g}-{b['margin'][1]:g}: {b['agreement']:.1%} of {b['steps']}"
                           for b in forced["forced_by_margin"] if b["steps"])
-    print(f"  {name}: forced agreement on the source's continuations {forced['forced_agreement']:.1%}; by the "
-          f"source's margin {by_margin}")
+    print(f"  {name}: forced agreement on the source's continuations {forced['forced_agreement']:.1%} (on the "
+          f"text's own continuations: {forced['agreement_on_text_continuation']:.1%}); by the source's margin "
+          f"{by_margin}")
 
 
 def main() -> None:
@@ -67,13 +76,17 @@ def main() -> None:
     torch.manual_seed(0)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(resolve_source(a.source))
-    ids = token_stream(pydoc_texts(), tokenizer, a.tokens)
-    prompts = gen.prompts_from_stream(ids, count=a.prompts, length=a.prompt_len)
+    ids = token_stream(pydoc_texts(), tokenizer, a.tokens + a.new)  # the text's own continuation of the last prompt
+    prompts = gen.prompts_from_stream(ids[:a.tokens], count=a.prompts, length=a.prompt_len)
+    ends = [int(p.origin.rsplit(":", 1)[1].rstrip("]")) for p in prompts]  # origin "text[START:END]"
+    text_next = [ids[e:e + a.new].tolist() for e in ends]
 
-    reference, _, margin = continuations(a.source, "float32", prompts, a.new, device)
-    rounded, rounded_argmax, _ = continuations(a.source, "bfloat16", prompts, a.new, device, reference)
+    reference, _, margin, source_on_text = continuations(a.source, "float32", prompts, a.new, device, text_next)
+    rounded, rounded_argmax, _, rounded_on_text = continuations(a.source, "bfloat16", prompts, a.new, device,
+                                                                 text_next, reference)
     baseline = gen.compare_continuations(prompts, reference, rounded, tokenizer, a.new, samples=0) | \
         gen.compare_forced(reference, margin, rounded_argmax)
+    baseline["agreement_on_text_continuation"] = agreement(source_on_text, rounded_on_text)
     print(f"source float32 vs source bfloat16 (the self-agreement baseline): token agreement "
           f"{baseline['token_agreement']:.1%}, first divergence at {baseline['mean_first_divergence']:.1f} of {a.new}")
     print_forced("source bfloat16", baseline)
@@ -81,9 +94,10 @@ def main() -> None:
               "text": f"pydoc[0:{a.tokens}]",
               "baseline": baseline, "converted": {}}
     for spec in a.converted:
-        out, argmax, _ = continuations(spec, "float32", prompts, a.new, device, reference)
+        out, argmax, _, on_text = continuations(spec, "float32", prompts, a.new, device, text_next, reference)
         r = gen.compare_continuations(prompts, reference, out, tokenizer, a.new, samples=0) | \
             gen.compare_forced(reference, margin, argmax)
+        r["agreement_on_text_continuation"] = agreement(source_on_text, on_text)
         r["relative_to_baseline"] = r["token_agreement"] / baseline["token_agreement"]
         result["converted"][spec] = r
         print(f"{spec}: token agreement {r['token_agreement']:.1%} ({r['relative_to_baseline']:.2f}x the baseline; "

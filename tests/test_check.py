@@ -24,7 +24,7 @@ from surgery.checking.spill import SpillStore
 from surgery.convert_kv import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts, token_stream
 from surgery.errors import SurgeryError
-from surgery.publish.card import positions_section
+from surgery.publish.card import generation_section, positions_section
 from surgery.source import resolve_source
 
 METRICS = ("max_abs_diff", "mean_abs_diff", "kl", "top1_agreement", "ppl_source", "ppl_converted")
@@ -290,8 +290,15 @@ def test_prompt_length_reaches_the_check_from_the_command_line(models, capsys, t
     code, out, _ = surgery(capsys, "check", models["src"], models["exact"], "--generate", "3", "--prompt-len", "24",
                            "--tokens", "1024", "--seq-len", "64", "--json", tmp_path / "r.json")
     assert code == 0 and "forced agreement" in out
-    g = json.loads((tmp_path / "r.json").read_text())["generation"]
+    report = json.loads((tmp_path / "r.json").read_text())
+    g = report["generation"]
     assert g["samples"][0]["origin"] == "text[0:24]" and g["forced_agreement"] == 1.0
+    card = generation_section([("check", report)])  # the model card's table
+    row = next(line for line in card if line.startswith("| check |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:5] == ["8 x 3", "100.0%", "3.0", "100.0%"]
+    assert sum(int(c.split(" of ")[1]) for c in cells[5:] if c != "-") == 8 * 3  # every step in one margin bucket
+    assert generation_section([("check", {"kl": 0.1})]) == []
 
 
 def test_prompts_without_generate_is_one_line(models, capsys, tmp_path):

@@ -139,7 +139,7 @@ def compare_forced(source: list[list[int]], source_margin: list[list[float]], co
     buckets = []
     for k, (lo, hi) in enumerate(zip(MARGIN_EDGES, MARGIN_EDGES[1:])):
         last = k == len(MARGIN_EDGES) - 2
-        inside = [same for m, same in steps if lo <= m < hi or (last and m == hi)]
+        inside = [same for m, same in steps if lo <= m and (m < hi or last)]
         buckets.append({"margin": [lo, hi], "steps": len(inside),
                         "agreement": sum(inside) / len(inside) if inside else None})
     return {"forced_agreement": sum(same for _, same in steps) / len(steps) if steps else 1.0,

@@ -158,7 +158,7 @@ def check_section(reports: list[tuple[str, dict]]) -> list[str]:
         lines.append(f"| {name} | {r.get('tokens', '-')} | {f('max_abs_diff', '.3g')} | {f('kl', '.4g')} | {top1} "
                      f"| {f('ppl_source', '.3f')} | {f('ppl_converted', '.3f')} |")
     lines.append("")
-    return lines + positions_section(reports) + tasks_section(reports)
+    return lines + positions_section(reports) + generation_section(reports) + tasks_section(reports)
 
 
 def positions_section(reports: list[tuple[str, dict]]) -> list[str]:
@@ -175,6 +175,30 @@ def positions_section(reports: list[tuple[str, dict]]) -> list[str]:
             a, b = row["positions"]
             lines.append(f"| {name} | {a}-{b - 1} | {row['ppl_source']:.3f} | {row['ppl_converted']:.3f} "
                          f"| {row['ppl_ratio']:.3f}x | {row['kl']:.4g} | {100 * row['top1_agreement']:.1f}% |")
+    return lines + [""]
+
+
+def generation_section(reports: list[tuple[str, dict]]) -> list[str]:
+    """Greedy continuations of reports made with `check --generate`: agreement, and forced agreement by the source's
+    margin (surgery/checking/generate.py)."""
+    from ..checking import generate as gen
+
+    made = [(name, r["generation"]) for name, r in reports if isinstance(r.get("generation"), dict)]
+    if not made:
+        return []
+    lines = _table_head("### Greedy continuations",
+                        "Both models continue the same prompts greedily (`surgery check --generate`); forced: the "
+                        "converted model's argmax on the source's own continuation, by the source's top-1 minus "
+                        "top-2 probability at that step.",
+                        ["report"], ["prompts x tokens", "token agreement", "first divergence", "forced agreement"]
+                        + [f"forced, margin {lo:g}-{hi:g}" for lo, hi in zip(gen.MARGIN_EDGES, gen.MARGIN_EDGES[1:])])
+    for name, g in made:
+        buckets = [f"{100 * b['agreement']:.1f}% of {b['steps']}" if b.get("agreement") is not None else "-"
+                   for b in g.get("forced_by_margin", [])]
+        forced = f"{100 * g['forced_agreement']:.1f}%" if "forced_agreement" in g else "-"
+        lines.append(f"| {name} | {g['prompts']} x {g['new_tokens']} | {100 * g['token_agreement']:.1f}% "
+                     f"| {g['mean_first_divergence']:.1f} | {forced} | "
+                     + " | ".join(buckets or ["-"] * (len(gen.MARGIN_EDGES) - 1)) + " |")
     return lines + [""]
 
 
