@@ -73,6 +73,8 @@ def main() -> None:
                    help="uptrain --hidden-weight: weight of every layer's hidden-state cosine distance to the source's")
     p.add_argument("--kd-divergence", default="forward", choices=("forward", "reverse", "jsd"),
                    help="uptrain --kd-divergence: forward KL, reverse KL or Jensen-Shannon to the source's logits")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="uptrain --temperature: both models' logits divided by T in the KD term (scaled by T^2)")
     p.add_argument("--train", default="all", choices=("all", "attention", "new"),
                    help="uptrain --train: every parameter, the attention blocks only, or the conversion's new ones")
     p.add_argument("--evals", type=int, default=4, help="evaluations spread over the run (besides the one at 0)")
@@ -107,20 +109,20 @@ def main() -> None:
         start = time.time()
         if kind not in given:
             convert(kind, src, folder)
-        # the defaults (stage kd, train all) keep the labels and folders of earlier runs
-        staged, partial = a.stage != "kd", a.train != "all"
-        label = (f"{LABELS.get(kind, kind)}, {loss}" + (f", {a.stage}" if staged else "")
-                 + (f", train {a.train}" if partial else "") + (f", hidden {a.hidden_weight:g}" if a.hidden_weight else "")
-                 + (f", {a.kd_divergence}" if a.kd_divergence != "forward" else ""))
-        out = a.work / (f"uptrained-{kind}-{loss}" + ("-" + a.stage.replace(",", "-") if staged else "")
-                        + (f"-{a.train}" if partial else "") + (f"-hidden{a.hidden_weight:g}" if a.hidden_weight else "")
-                        + (f"-{a.kd_divergence}" if a.kd_divergence != "forward" else ""))
+        # options away from their defaults name the run (label, folder); the defaults keep earlier runs' names
+        variants = [(a.stage != "kd", f", {a.stage}", "-" + a.stage.replace(",", "-")),
+                    (a.train != "all", f", train {a.train}", f"-{a.train}"),
+                    (a.hidden_weight != 0, f", hidden {a.hidden_weight:g}", f"-hidden{a.hidden_weight:g}"),
+                    (a.kd_divergence != "forward", f", {a.kd_divergence}", f"-{a.kd_divergence}"),
+                    (a.temperature != 1, f", T {a.temperature:g}", f"-t{a.temperature:g}")]
+        label = f"{LABELS.get(kind, kind)}, {loss}" + "".join(part for on, part, _ in variants if on)
+        out = a.work / (f"uptrained-{kind}-{loss}" + "".join(part for on, _, part in variants if on))
         records[label] = uptrain(UptrainOptions(
             model=str(folder), out=out, data="pydoc", tokens=a.tokens,
             seq_len=a.seq_len, batch_tokens=a.batch_tokens, micro_batch=a.micro_batch, eval_tokens=a.eval_tokens,
             eval_every=eval_every, save_every=0, loss=loss, lr=a.lr, train=a.train, force=True, progress=False, stage=a.stage,
             align_tokens=a.align_tokens, align_epochs=a.align_epochs, align_lr=a.align_lr, hidden_weight=a.hidden_weight,
-            kd_divergence=a.kd_divergence))
+            kd_divergence=a.kd_divergence, temperature=a.temperature))
         seconds[label] = time.time() - start
         metrics[label] = read_metrics(out / "uptrain_metrics.jsonl")
         r = records[label]

@@ -191,13 +191,24 @@ def test_run_resumes_skips_and_reruns_from_a_step(hub, tmp_path):
     assert "1 step(s) ran, 3 skipped" in third.stdout
     assert json.loads((out / "04-check-2.json").read_text())["tokens"] == 128
 
-    # a modified output and changed options are noticed: those steps and the ones after them would run again
+    # a modified output and changed options are noticed: those steps, and the later ones that read what they
+    # rewrite, would run again; the uptraining reads the converted model, not the check's report: it stays done
     (out / "02-check.json").write_text("{}")
     dry = surgery("run", recipe, "--dry-run", env=env)
     assert dry.returncode == 0, dry.stderr
     statuses = [line.split("│")[3].strip() for line in dry.stdout.splitlines() if line.startswith("│")]
-    assert statuses == ["done, unchanged: skip", "run", "run", "run", "run"]
+    assert statuses == ["done, unchanged: skip", "run", "done, unchanged: skip", "run", "run"]
     assert json.loads((out / "02-check.json").read_text()) == {}  # a dry run changes nothing
+    trained = (out / "03-uptrain" / "model.safetensors").stat().st_mtime_ns
+    rerun = surgery("run", recipe, "--until", "check-2", env=env)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "uptrain: unchanged, skipped" in rerun.stdout and "2 step(s) ran, 2 skipped" in rerun.stdout
+    assert (out / "03-uptrain" / "model.safetensors").stat().st_mtime_ns == trained
+    assert json.loads((out / "02-check.json").read_text())["exact"] is True
+    # an option given at its default value (or added to a command later, at its default) changes nothing
+    dry = surgery("run", recipe, "--dry-run", "--until", "check-2", "--set", "check-2.generate=0", env=env)
+    statuses = [line.split("│")[3].strip() for line in dry.stdout.splitlines() if line.startswith("│")]
+    assert statuses[:4] == ["done, unchanged: skip"] * 4
 
     shutil.rmtree(out / "01-convert")
     refused = surgery("run", recipe, "--from", "uptrain", env=env)

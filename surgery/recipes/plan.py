@@ -74,7 +74,8 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
     src_stats, src_note = source_stats(recipe, folder)
     state = State(output)
     fingerprints = Fingerprints(recipe, folder)
-    rows, stats, changed = [], src_stats, False
+    rows, stats = [], src_stats
+    rewritten: set[Path] = set()  # outputs of the steps that will run: a later step reading one runs too
     probes: dict = {}
     for i, ps in enumerate(planned):
         o = ps.step.options
@@ -87,11 +88,11 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
             row["status"] = "not run (--until)"
         elif i < start:
             row["status"] = "done (before --from)"
-        elif not changed and from_step is None and is_done(state, ps, fingerprints.of(ps)):
+        elif from_step is None and not ps.reads(rewritten) and is_done(state, ps, fingerprints.of(ps)):
             row["status"] = "done, unchanged: skip"
         else:
             row["status"] = "run"
-            changed = True
+            rewritten.add(ps.output)
         tokens = memory = None
         if ps.kind == "convert":
             memory = est.convert_memory(stats, o) if stats else None

@@ -4,9 +4,12 @@ runner linking outputs to inputs.
 Layout under the recipe's output folder: `NN-name/` for a step that writes a model (convert, uptrain),
 `NN-name.json` for a check report or a push record, and `recipe-state.json`, the record of finished steps.
 
-Resuming: a step's fingerprint is the sha256 of its options and of the contents of its inputs (the source, the
-model it reads, the reports it publishes). A finished step whose fingerprint is unchanged and whose output is still
-on disk, unmodified, is skipped; anything else runs again, and so does every step after it (their inputs change).
+Resuming: a step's fingerprint is the sha256 of its options that differ from their defaults (so an option added
+to a command in a later version, at its default, leaves finished steps finished) and of the contents of its inputs
+(the source, the model it reads, the reports it publishes). A finished step whose fingerprint is unchanged and whose
+output is still on disk, unmodified, is skipped; anything else runs again, and so does every later step that reads
+what it rewrote (their inputs change) — but not the others: a check that runs again, with more tokens or
+--generate, does not re-run the training after it, which reads the converted model, not the report.
 `--from STEP` re-runs STEP and what follows; the steps before it must be finished and unchanged.
 An interrupted uptraining continues from its last checkpoint (`surgery uptrain --resume`).
 """
@@ -53,13 +56,17 @@ class PlannedStep:
     def kind(self) -> str:
         return self.step.kind
 
+    def reads(self, outputs: set[Path]) -> bool:
+        """Whether this step reads one of `outputs` (earlier steps' outputs): its model or a report it publishes."""
+        return Path(self.input) in outputs or any(r in outputs for r in self.reports)
+
 
 def plan_steps(recipe: Recipe, output: Path) -> list[PlannedStep]:
     planned, current, reports = [], recipe.source.spec, []
     for i, step in enumerate(recipe.validated_steps(), start=1):
         suffix = "" if step.kind in MODEL_STEPS else ".json"
         out = output / f"{i:02d}-{step.name}{suffix}"
-        planned.append(PlannedStep(i, step, current, out, list(reports)))
+        planned.append(PlannedStep(i, step, current, out, list(reports) if step.kind == "push" else []))
         if step.kind in MODEL_STEPS:
             current = str(out)
             reports = []  # reports describe the model they checked
@@ -174,7 +181,7 @@ class Fingerprints:
                 return None
         for r in ps.reports:
             inputs[r.name] = output_digest(r)
-        options = ps.step.options.model_dump(mode="json", exclude={"name"})
+        options = ps.step.options.model_dump(mode="json", exclude={"name"}, exclude_defaults=True)
         text = json.dumps({"kind": ps.kind, "options": options, "inputs": inputs}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -267,7 +274,6 @@ def run_recipe(recipe: Recipe, output: Path, from_step: str | None = None, until
     state = State(output)
     fingerprints = Fingerprints(recipe, resolve_source_folder(recipe))
     done: list[tuple[str, str]] = []
-    rerun = False  # once a step runs, the following ones see new inputs anyway
     for i, ps in enumerate(planned[: stop + 1]):
         fp = fingerprints.of(ps)
         if i < start:
@@ -276,11 +282,10 @@ def run_recipe(recipe: Recipe, output: Path, from_step: str | None = None, until
                                    "changed; run without --from")
             done.append((ps.name, "skipped"))
             continue
-        if not rerun and from_step is None and is_done(state, ps, fp):
+        if from_step is None and is_done(state, ps, fp):  # fp covers the inputs as they are now, after any rerun
             log(f"[{ps.number}/{len(planned)}] {ps.name}: unchanged, skipped")
             done.append((ps.name, "skipped"))
             continue
-        rerun = True
         rec = state.get(ps.name)
         resume = (ps.kind == "uptrain" and rec.get("started") == fp
                   and (ps.output.parent / f"{ps.output.name}.run" / "run.json").exists())
