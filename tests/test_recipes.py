@@ -185,6 +185,28 @@ def test_run_resumes_skips_and_reruns_from_a_step(hub, tmp_path):
     assert second.returncode == 0, second.stderr
     assert "0 step(s) ran, 5 skipped" in second.stdout and len(repo.commits) == commits
 
+    # a state written by an earlier version (fingerprint scheme 1: every option counted, and the check reports as
+    # inputs of every later step) still counts: nothing runs again, and the records are rewritten the current way
+    from surgery.recipes.runner import SCHEME, Fingerprints, plan_steps, resolve_source_folder
+    from surgery.recipes.schema import load_recipe
+
+    loaded = load_recipe(recipe)
+    planned = plan_steps(loaded, out.absolute())
+    prints = Fingerprints(loaded, resolve_source_folder(loaded), planned)
+    uptrain_step = next(ps for ps in planned if ps.kind == "uptrain")
+    assert prints.of(uptrain_step, scheme=1) != prints.of(uptrain_step)  # its 02-check.json input is scheme 1's only
+    old = json.loads((out / "recipe-state.json").read_text())
+    for ps in planned:
+        record = old["steps"][ps.name]
+        record.pop("scheme")
+        record["fingerprint"] = prints.of(ps, scheme=1)
+    (out / "recipe-state.json").write_text(json.dumps(old))
+    upgraded = surgery("run", recipe, env=env)
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert "0 step(s) ran, 5 skipped" in upgraded.stdout and len(repo.commits) == commits
+    assert all(state(out)[ps.name]["scheme"] == SCHEME and state(out)[ps.name]["fingerprint"] == prints.of(ps)
+               for ps in planned)
+
     # --from re-runs from a step (the ones before it are finished and unchanged), here with a changed option
     third = surgery("run", recipe, "--from", "check-2", "--until", "check-2", "--set", "check-2.tokens=128", env=env)
     assert third.returncode == 0, third.stderr

@@ -73,7 +73,7 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
     folder = local_source_folder(recipe)
     src_stats, src_note = source_stats(recipe, folder)
     state = State(output)
-    fingerprints = Fingerprints(recipe, folder)
+    fingerprints = Fingerprints(recipe, folder, planned)
     rows, stats = [], src_stats
     rewritten: set[Path] = set()  # outputs of the steps that will run: a later step reading one runs too
     probes: dict = {}
@@ -88,7 +88,7 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
             row["status"] = "not run (--until)"
         elif i < start:
             row["status"] = "done (before --from)"
-        elif from_step is None and not ps.reads(rewritten) and is_done(state, ps, fingerprints.of(ps)):
+        elif from_step is None and not ps.reads(rewritten) and is_done(state, ps, fingerprints):
             row["status"] = "done, unchanged: skip"
         else:
             row["status"] = "run"

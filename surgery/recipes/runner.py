@@ -156,12 +156,21 @@ class State:
         os.replace(tmp, self.path)
 
 
-class Fingerprints:
-    """Step fingerprints; the source's digest is computed once (it may need the source resolved first)."""
+SCHEME = 2  # how a state's fingerprints were computed (recorded with each step; a record without one is scheme 1)
 
-    def __init__(self, recipe: Recipe, source_folder: Path | None):
+
+class Fingerprints:
+    """Step fingerprints; the source's digest is computed once (it may need the source resolved first).
+
+    Scheme 2 (2026-11-25) counts the options away from their defaults and, as inputs, the check reports of push
+    steps alone. Scheme 1, what earlier versions recorded, counted every option and, for every step, the check
+    reports written since the last model step: a finished step recorded that way is compared with a scheme-1
+    fingerprint, so upgrading the toolkit does not re-run a finished conversion or training."""
+
+    def __init__(self, recipe: Recipe, source_folder: Path | None, planned: list[PlannedStep]):
         self.recipe = recipe
         self.source_folder = source_folder
+        self.planned = planned
         self._source = None
 
     def source(self) -> str | None:
@@ -170,7 +179,7 @@ class Fingerprints:
             self._source = hashlib.sha256(f"{s.spec}\n{s.revision}\n{folder_digest(self.source_folder)}".encode()).hexdigest()
         return self._source
 
-    def of(self, ps: PlannedStep) -> str | None:
+    def of(self, ps: PlannedStep, scheme: int = SCHEME) -> str | None:
         src = self.source()
         if src is None:
             return None
@@ -179,17 +188,31 @@ class Fingerprints:
             inputs["model"] = output_digest(Path(ps.input))
             if inputs["model"] is None:
                 return None
-        for r in ps.reports:
+        for r in (ps.reports if scheme >= 2 else self._reports_since_model_step(ps)):
             inputs[r.name] = output_digest(r)
-        options = ps.step.options.model_dump(mode="json", exclude={"name"}, exclude_defaults=True)
+        options = ps.step.options.model_dump(mode="json", exclude={"name"}, exclude_defaults=scheme >= 2)
         text = json.dumps({"kind": ps.kind, "options": options, "inputs": inputs}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
+    def _reports_since_model_step(self, ps: PlannedStep) -> list[Path]:
+        """Scheme 1's report inputs: the check reports written after the last model step before `ps`."""
+        reports: list[Path] = []
+        for other in self.planned[: self.planned.index(ps)]:
+            if other.kind in MODEL_STEPS:
+                reports = []
+            elif other.kind == "check":
+                reports.append(other.output)
+        return reports
 
-def is_done(state: State, ps: PlannedStep, fingerprint: str | None) -> bool:
+
+def is_done(state: State, ps: PlannedStep, fingerprints: Fingerprints) -> bool:
+    """Finished, its output on disk unmodified, and its fingerprint (computed the way its record was) unchanged."""
     rec = state.get(ps.name)
-    return (fingerprint is not None and rec.get("finished") and rec.get("fingerprint") == fingerprint
-            and rec.get("output_digest") is not None and output_digest(ps.output) == rec["output_digest"])
+    if not rec.get("finished") or rec.get("output_digest") is None:
+        return False
+    fingerprint = fingerprints.of(ps, rec.get("scheme", 1))
+    return (fingerprint is not None and rec.get("fingerprint") == fingerprint
+            and output_digest(ps.output) == rec["output_digest"])
 
 
 def find_step(planned: list[PlannedStep], key: str | None, option: str) -> int | None:
@@ -272,18 +295,20 @@ def run_recipe(recipe: Recipe, output: Path, from_step: str | None = None, until
     start, stop = step_range(planned, from_step, until)
     output.mkdir(parents=True, exist_ok=True)
     state = State(output)
-    fingerprints = Fingerprints(recipe, resolve_source_folder(recipe))
+    fingerprints = Fingerprints(recipe, resolve_source_folder(recipe), planned)
     done: list[tuple[str, str]] = []
     for i, ps in enumerate(planned[: stop + 1]):
         fp = fingerprints.of(ps)
         if i < start:
-            if not is_done(state, ps, fp):
+            if not is_done(state, ps, fingerprints):
                 raise SurgeryError(f"--from {from_step}: step {ps.name} before it is not finished or its inputs "
                                    "changed; run without --from")
             done.append((ps.name, "skipped"))
             continue
-        if from_step is None and is_done(state, ps, fp):  # fp covers the inputs as they are now, after any rerun
+        if from_step is None and is_done(state, ps, fingerprints):  # the inputs as they are now, after any rerun
             log(f"[{ps.number}/{len(planned)}] {ps.name}: unchanged, skipped")
+            if state.get(ps.name).get("scheme") != SCHEME and fp is not None:
+                state.set(ps.name, fingerprint=fp, scheme=SCHEME)  # recorded the current way from now on
             done.append((ps.name, "skipped"))
             continue
         rec = state.get(ps.name)
@@ -295,7 +320,7 @@ def run_recipe(recipe: Recipe, output: Path, from_step: str | None = None, until
         _invoke(recipe, ps, command_line(recipe, ps, resume=resume), resume, env_note=log)
         if not ps.output.exists():
             raise SurgeryError(f"step {ps.name} finished without writing {ps.output}")
-        state.set(ps.name, fingerprint=fingerprints.of(ps) if fp is None else fp, finished=True,
+        state.set(ps.name, fingerprint=fingerprints.of(ps) if fp is None else fp, scheme=SCHEME, finished=True,
                   output=str(ps.output), output_digest=output_digest(ps.output), seconds=round(time.time() - t0, 1))
         done.append((ps.name, "ran"))
     return done
