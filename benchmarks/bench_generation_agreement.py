@@ -49,11 +49,6 @@ def continuations(spec: str, dtype: str, prompts, new: int, device: torch.device
     return out, argmax, margin, on_text
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
-    pairs = [(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb)]
-    return sum(x == y for x, y in pairs) / len(pairs)
-
-
 def print_forced(name: str, forced: dict) -> None:
     by_margin = ", ".join(f"{b['margin'][0]:g}-{b['margin'][1]:g}: {b['agreement']:.1%} of {b['steps']}"
                           for b in forced["forced_by_margin"] if b["steps"])
@@ -78,15 +73,14 @@ def main() -> None:
     tokenizer = load_tokenizer(resolve_source(a.source))
     ids = token_stream(pydoc_texts(), tokenizer, a.tokens + a.new)  # the text's own continuation of the last prompt
     prompts = gen.prompts_from_stream(ids[:a.tokens], count=a.prompts, length=a.prompt_len)
-    ends = [int(p.origin.rsplit(":", 1)[1].rstrip("]")) for p in prompts]  # origin "text[START:END]"
-    text_next = [ids[e:e + a.new].tolist() for e in ends]
+    text_next = [ids[p.start + len(p.ids):p.start + len(p.ids) + a.new].tolist() for p in prompts]
 
     reference, _, margin, source_on_text = continuations(a.source, "float32", prompts, a.new, device, text_next)
     rounded, rounded_argmax, _, rounded_on_text = continuations(a.source, "bfloat16", prompts, a.new, device,
                                                                  text_next, reference)
     baseline = gen.compare_continuations(prompts, reference, rounded, tokenizer, a.new, samples=0) | \
         gen.compare_forced(reference, margin, rounded_argmax)
-    baseline["agreement_on_text_continuation"] = agreement(source_on_text, rounded_on_text)
+    baseline["agreement_on_text_continuation"] = gen.token_agreement(source_on_text, rounded_on_text)
     print(f"source float32 vs source bfloat16 (the self-agreement baseline): token agreement "
           f"{baseline['token_agreement']:.1%}, first divergence at {baseline['mean_first_divergence']:.1f} of {a.new}")
     print_forced("source bfloat16", baseline)
@@ -97,7 +91,7 @@ def main() -> None:
         out, argmax, _, on_text = continuations(spec, "float32", prompts, a.new, device, text_next, reference)
         r = gen.compare_continuations(prompts, reference, out, tokenizer, a.new, samples=0) | \
             gen.compare_forced(reference, margin, argmax)
-        r["agreement_on_text_continuation"] = agreement(source_on_text, on_text)
+        r["agreement_on_text_continuation"] = gen.token_agreement(source_on_text, on_text)
         r["relative_to_baseline"] = r["token_agreement"] / baseline["token_agreement"]
         result["converted"][spec] = r
         print(f"{spec}: token agreement {r['token_agreement']:.1%} ({r['relative_to_baseline']:.2f}x the baseline; "

@@ -37,6 +37,7 @@ MARGIN_EDGES = (0.0, 0.1, 0.3, 0.6, 1.0)  # buckets of the source's top-1 minus 
 class Prompt:
     ids: tuple[int, ...]
     origin: str  # "text[START:END]" (token positions in the evaluation stream) or "FILE:LINE"
+    start: int | None = None  # START of a prompt cut from the stream (None for a prompt from a file)
 
 
 def prompts_from_stream(ids: torch.Tensor, count: int = TEXT_PROMPTS, length: int = PROMPT_TOKENS) -> list[Prompt]:
@@ -47,7 +48,7 @@ def prompts_from_stream(ids: torch.Tensor, count: int = TEXT_PROMPTS, length: in
         return []
     last = n - length
     starts = sorted({round(i * last / max(count - 1, 1)) for i in range(count)}) if count > 1 else [0]
-    return [Prompt(tuple(ids[s:s + length].tolist()), f"text[{s}:{s + length}]") for s in starts]
+    return [Prompt(tuple(ids[s:s + length].tolist()), f"text[{s}:{s + length}]", s) for s in starts]
 
 
 def prompts_from_file(path: Path, tokenizer) -> list[Prompt]:
@@ -150,10 +151,14 @@ def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def token_agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """How often `b` has `a`'s token at the same step (over every step of `a`; 1 when `a` has none)."""
+    total = sum(len(row) for row in a)
+    return sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)) / total if total else 1.0
+
+
 def compare_continuations(prompts: list[Prompt], source: list[list[int]], converted: list[list[int]], tokenizer,
                           new_tokens: int, samples: int = SAMPLES) -> dict:
-    same = sum(x == y for a, b in zip(source, converted) for x, y in zip(a, b))
-    total = sum(len(a) for a in source)
     divergence = [first_divergence(a, b) for a, b in zip(source, converted)]
     exact = sum(a == b for a, b in zip(source, converted))
 
@@ -165,7 +170,7 @@ def compare_continuations(prompts: list[Prompt], source: list[list[int]], conver
              for p, a, b, d in list(zip(prompts, source, converted, divergence))[:samples]]
     return {"new_tokens": new_tokens, "prompts": len(prompts),
             "prompt_origins": sorted({p.origin.split("[")[0].split(":")[0] for p in prompts}),
-            "token_agreement": same / total if total else 1.0,
+            "token_agreement": token_agreement(source, converted),
             "mean_first_divergence": sum(divergence) / len(divergence) if divergence else float(new_tokens),
             "exact_match_rate": exact / len(prompts) if prompts else 1.0,
             "samples": shown}

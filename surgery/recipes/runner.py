@@ -205,12 +205,14 @@ class Fingerprints:
         return reports
 
 
-def is_done(state: State, ps: PlannedStep, fingerprints: Fingerprints) -> bool:
-    """Finished, its output on disk unmodified, and its fingerprint (computed the way its record was) unchanged."""
+def is_done(state: State, ps: PlannedStep, fingerprints: Fingerprints, current: str | None = None) -> bool:
+    """Finished, its output on disk unmodified, and its fingerprint (computed the way its record was) unchanged.
+    `current`: the step's fingerprint in the current scheme when the caller has it already."""
     rec = state.get(ps.name)
     if not rec.get("finished") or rec.get("output_digest") is None:
         return False
-    fingerprint = fingerprints.of(ps, rec.get("scheme", 1))
+    scheme = rec.get("scheme", 1)
+    fingerprint = current if scheme == SCHEME and current is not None else fingerprints.of(ps, scheme)
     return (fingerprint is not None and rec.get("fingerprint") == fingerprint
             and output_digest(ps.output) == rec["output_digest"])
 
@@ -300,12 +302,12 @@ def run_recipe(recipe: Recipe, output: Path, from_step: str | None = None, until
     for i, ps in enumerate(planned[: stop + 1]):
         fp = fingerprints.of(ps)
         if i < start:
-            if not is_done(state, ps, fingerprints):
+            if not is_done(state, ps, fingerprints, fp):
                 raise SurgeryError(f"--from {from_step}: step {ps.name} before it is not finished or its inputs "
                                    "changed; run without --from")
             done.append((ps.name, "skipped"))
             continue
-        if from_step is None and is_done(state, ps, fingerprints):  # the inputs as they are now, after any rerun
+        if from_step is None and is_done(state, ps, fingerprints, fp):  # the inputs as they are now, after any rerun
             log(f"[{ps.number}/{len(planned)}] {ps.name}: unchanged, skipped")
             if state.get(ps.name).get("scheme") != SCHEME and fp is not None:
                 state.set(ps.name, fingerprint=fp, scheme=SCHEME)  # recorded the current way from now on
