@@ -7,11 +7,15 @@ teacher, the source, at the start) and each conversion's perplexity before train
 data, order, batch, optimizer and schedule; only the conversion and the loss differ.
 
 Conversions: mean (MQA, mean pooling: the GQA paper's), aligned (MQA, `--merge aligned`), switchhead (H=3
-heads, E=3 experts, k=2: the same K/V-cache size as the source's 3 K/V heads).
+heads, E=3 experts, k=2: the same K/V-cache size as the source's 3 K/V heads), and `source`: the source itself,
+unconverted, trained the same way (its own teacher for kd/mix) — the control for LM and mix losses, which also
+fit the training text's domain (the held-out documents share it), so that a conversion's perplexity after them is
+compared with what the same training does to the source, not only with the source as it was.
 
     python benchmarks/bench_uptrain_recovery.py --tokens 200000                       # mean:lm,mean:kd
     python benchmarks/bench_uptrain_recovery.py --runs aligned:kd,switchhead:kd,mean:kd,mean:lm --tokens 32768
     python benchmarks/bench_uptrain_recovery.py --runs aligned:kd --converted aligned=DIR --tokens 49152
+    python benchmarks/bench_uptrain_recovery.py --runs aligned:mix,source:mix --converted aligned=DIR --tokens 49152
     python benchmarks/bench_uptrain_recovery.py --runs switchhead:kd --stage align,kd --align-tokens 8192 \
         --align-epochs 4 --align-lr 1e-3 --tokens 49152          # layer-local alignment first, then KD
 
@@ -30,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-LABELS = {"mean": "MQA (mean pooling)", "aligned": "MQA (aligned merge)", "switchhead": "SwitchHead H=3 E=3 k=2"}
+LABELS = {"source": "source (unconverted)", "mean": "MQA (mean pooling)", "aligned": "MQA (aligned merge)", "switchhead": "SwitchHead H=3 E=3 k=2"}
 
 
 def convert(kind: str, src, out: Path) -> None:
@@ -75,8 +79,15 @@ def main() -> None:
                    help="uptrain --kd-divergence: forward KL, reverse KL or Jensen-Shannon to the source's logits")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="uptrain --temperature: both models' logits divided by T in the KD term (scaled by T^2)")
+    p.add_argument("--kd-weight", type=float, default=0.5,
+                   help="uptrain --kd-weight: [LOSS mix] weight of the KD term, the LM term gets the rest")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="uptrain --min-lr-ratio: the cosine's floor")
+    p.add_argument("--teacher", help="uptrain --teacher: the KD teacher (default: the source named in the converted "
+                   "folder's surgery.json; give it when training a folder without one, e.g. the source itself)")
     p.add_argument("--train", default="all", choices=("all", "attention", "new"),
                    help="uptrain --train: every parameter, the attention blocks only, or the conversion's new ones")
+    p.add_argument("--eval-data", help="uptrain --eval-data: a second held-out text (another domain than pydoc), "
+                   "measured beside pydoc's held-out documents at every evaluation")
     p.add_argument("--evals", type=int, default=4, help="evaluations spread over the run (besides the one at 0)")
     p.add_argument("--work", type=Path, default=Path("/tmp/surgery-bench-uptrain-recovery"))
     p.add_argument("--plot", type=Path, help="PNG path (default WORK/recovery.png)")
@@ -105,16 +116,19 @@ def main() -> None:
 
     metrics, records, seconds = {}, {}, {}
     for kind, loss in runs:
-        folder = Path(given[kind]) if kind in given else a.work / kind
+        folder = Path(given[kind]) if kind in given else src.folder if kind == "source" else a.work / kind
         start = time.time()
-        if kind not in given:
+        if kind not in given and kind != "source":
             convert(kind, src, folder)
         # options away from their defaults name the run (label, folder); the defaults keep earlier runs' names
         variants = [(a.stage != "kd", f", {a.stage}", "-" + a.stage.replace(",", "-")),
                     (a.train != "all", f", train {a.train}", f"-{a.train}"),
                     (a.hidden_weight != 0, f", hidden {a.hidden_weight:g}", f"-hidden{a.hidden_weight:g}"),
                     (a.kd_divergence != "forward", f", {a.kd_divergence}", f"-{a.kd_divergence}"),
-                    (a.temperature != 1, f", T {a.temperature:g}", f"-t{a.temperature:g}")]
+                    (a.temperature != 1, f", T {a.temperature:g}", f"-t{a.temperature:g}"),
+                    (loss == "mix" and a.kd_weight != 0.5, f", kd weight {a.kd_weight:g}", f"-w{a.kd_weight:g}"),
+                    (a.min_lr_ratio != 0.1, f", lr floor {a.min_lr_ratio:g}", f"-floor{a.min_lr_ratio:g}"),
+                    (a.lr != 3e-4, f", lr {a.lr:g}", f"-lr{a.lr:g}")]
         label = f"{LABELS.get(kind, kind)}, {loss}" + "".join(part for on, part, _ in variants if on)
         out = a.work / (f"uptrained-{kind}-{loss}" + "".join(part for on, _, part in variants if on))
         records[label] = uptrain(UptrainOptions(
@@ -122,28 +136,46 @@ def main() -> None:
             seq_len=a.seq_len, batch_tokens=a.batch_tokens, micro_batch=a.micro_batch, eval_tokens=a.eval_tokens,
             eval_every=eval_every, save_every=0, loss=loss, lr=a.lr, train=a.train, force=True, progress=False, stage=a.stage,
             align_tokens=a.align_tokens, align_epochs=a.align_epochs, align_lr=a.align_lr, hidden_weight=a.hidden_weight,
-            kd_divergence=a.kd_divergence, temperature=a.temperature))
+            kd_divergence=a.kd_divergence, temperature=a.temperature, kd_weight=a.kd_weight,
+            min_lr_ratio=a.min_lr_ratio, eval_data=a.eval_data, teacher=a.teacher or (a.source if kind == "source" else None)))
         seconds[label] = time.time() - start
         metrics[label] = read_metrics(out / "uptrain_metrics.jsonl")
         r = records[label]
+        other = (f"; --eval-data {r['initial_other_eval_ppl']:.2f} -> {r['final_other_eval_ppl']:.2f}"
+                 if r.get("final_other_eval_ppl") is not None else "")
         print(f"{label}: ppl {r['initial_eval_ppl']:.2f} -> {r['final_eval_ppl']:.2f} after {r['tokens']} tokens "
-              f"({r['tokens'] / r['train_seconds']:.1f} tokens/s)", flush=True)
+              f"({r['tokens'] / r['train_seconds']:.1f} tokens/s){other}", flush=True)
 
-    source_ppl = next((r["teacher_eval_ppl"] for r in records.values() if r.get("teacher_eval_ppl")), None)
+    source_ppl = next((r["teacher_eval_ppl"] for r in records.values() if r.get("teacher_eval_ppl")), None) or next(
+        (records[label]["initial_eval_ppl"] for label, (kind, _) in zip(records, runs) if kind == "source"), None)
     refs = {"source SmolLM2-135M": source_ppl} if source_ppl else {}
     plot = a.plot or a.work / "recovery.png"
     plot_runs(metrics, plot, refs, title=f"SmolLM2-135M conversions: uptraining, {a.tokens} tokens each")
 
     print(f"\nheld-out perplexity ({a.eval_tokens} pydoc tokens never trained on)")
-    print(f"  source (GQA, 3 K/V heads): {source_ppl:.2f}" if source_ppl else "  source: not measured (no KD run)")
+    print(f"  source (GQA, 3 K/V heads): {source_ppl:.2f}" if source_ppl else "  source: not measured (no KD or source run)")
     evals = {label: {m["tokens"]: m["eval_ppl"] for m in rows if "eval_ppl" in m} for label, rows in metrics.items()}
     width = max(len(label) for label in evals) + 2
     print("  tokens  " + "".join(f"{label:>{width}s}" for label in evals))
     for t in sorted({t for e in evals.values() for t in e}):
         print(f"  {t:6d}  " + "".join(f"{evals[label].get(t, float('nan')):{width}.2f}" for label in evals))
     if source_ppl:
-        print("  final / source: " + ", ".join(f"{label} {r['final_eval_ppl'] / source_ppl:.2f}x"
+        print("  final / source: " + ", ".join(f"{label} {r['final_eval_ppl'] / source_ppl:.3f}x"
                                               for label, r in records.items()))
+    trained = {loss: records[label]["final_eval_ppl"] for label, (kind, loss) in zip(records, runs) if kind == "source"}
+    against_trained = [f"{label} {records[label]['final_eval_ppl'] / trained[loss]:.3f}x"
+                       for label, (kind, loss) in zip(records, runs) if kind != "source" and loss in trained]
+    if against_trained:
+        print("  final / the source trained the same way: " + ", ".join(against_trained))
+    others = {label: r for label, r in records.items() if r.get("final_other_eval_ppl") is not None}
+    if others:
+        source_other = next((r["teacher_other_eval_ppl"] for r in others.values() if r.get("teacher_other_eval_ppl")),
+                            None) or next((others[label]["initial_other_eval_ppl"] for label, (kind, _) in
+                                           zip(records, runs) if kind == "source" and label in others), None)
+        print(f"\n--eval-data {a.eval_data} ({a.eval_tokens} tokens), before -> after (the source: "
+              + (f"{source_other:.2f})" if source_other else "not measured)"))
+        for label, r in others.items():
+            print(f"  {label}: {r['initial_other_eval_ppl']:.2f} -> {r['final_other_eval_ppl']:.2f}")
     for label, s in seconds.items():
         r = records[label]
         print(f"  {label}: {s:.0f}s wall, {r['train_seconds']:.0f}s training, {r['tokens'] / r['train_seconds']:.1f} tokens/s")

@@ -307,3 +307,73 @@ def test_hidden_weight_refuses_a_teacher_with_other_layers_and_negative_weights(
     assert not (tmp_path / "o").exists()
     with pytest.raises(SurgeryError, match="--hidden-weight must not be negative"):
         UptrainOptions(model="x", out=tmp_path / "o", tokens=1024, hidden_weight=-1.0)
+
+
+# ------------------------------------------------------------------------------------------- a second held-out text
+
+
+def other_domain_text() -> str:
+    """Text of another domain than pydoc's topics: the docstrings of a few standard-library modules."""
+    import argparse
+    import collections
+    import decimal
+    import email
+    import json as json_module
+    import logging
+
+    return "\n\n".join(m.__doc__ for m in (argparse, collections, decimal, email, json_module, logging) if m.__doc__)
+
+
+@torch.no_grad()
+def perplexity(folder, windows: torch.Tensor) -> float:
+    logits = load(folder)(input_ids=windows).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten()).exp().item()
+
+
+def test_eval_data_is_a_second_held_out_text_measured_for_the_student_and_the_teacher(source, mqa, tokenizer, tmp_path):
+    text = tmp_path / "other.txt"
+    text.write_text(other_domain_text())
+    rec = run(mqa, tmp_path / "o", loss="mix", tokens=512 * 3, eval_data=str(text), eval_every=1)
+    # The first 1,024 tokens of the file (one document, then EOS) in windows of 64, computed here independently.
+    ids = tokenizer(text.read_text(), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    windows = torch.tensor(ids[:1024]).view(16, 64)
+    assert rec["eval_data"] == str(text)
+    assert rec["initial_other_eval_ppl"] == pytest.approx(perplexity(mqa, windows), rel=1e-5)
+    assert rec["final_other_eval_ppl"] == pytest.approx(perplexity(tmp_path / "o", windows), rel=1e-5)
+    assert rec["teacher_other_eval_ppl"] == pytest.approx(perplexity(source, windows), rel=1e-5)
+    assert rec["final_other_eval_ppl"] != pytest.approx(rec["final_eval_ppl"], rel=1e-3)  # another text than pydoc's
+    rows = [json.loads(line) for line in (tmp_path / "o" / "uptrain_metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_ppl" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2, 3] and all("other_eval_ppl" in r for r in evals)
+    record = json.loads((tmp_path / "o" / "surgery.json").read_text())
+    assert record["uptraining"]["final_other_eval_ppl"] == rec["final_other_eval_ppl"]
+    from surgery.publish.card import uptraining_section
+    from surgery.publish.validate import Validation
+
+    card = "\n".join(uptraining_section(Validation(tmp_path / "o", {}, record)))
+    assert f"| second held-out text (--eval-data) | {text} |" in card
+    assert f"| its perplexity after | {rec['final_other_eval_ppl']:.3f} |" in card
+
+
+def test_eval_data_survives_the_data_cache_that_resume_reads(tokenizer, tmp_path):
+    from surgery.uptrain.data import PackedData, pack_held_out, read_cache, write_cache
+
+    other = pack_held_out([other_domain_text()], tokenizer, 64, 1000)
+    assert other.shape == (16, 64)  # 1,000 tokens rounded up to whole windows
+    data = PackedData(torch.arange(640, dtype=torch.int32).view(10, 64), torch.zeros(2, 64, dtype=torch.int32),
+                      other=other)
+    write_cache(tmp_path / "c", "k", data)
+    back = read_cache(tmp_path / "c", "k", seed=0)
+    assert torch.equal(back.other, other) and torch.equal(back.train, data.train)
+    write_cache(tmp_path / "d", "k", PackedData(data.train, data.eval))
+    assert read_cache(tmp_path / "d", "k", seed=0).other is None
+
+
+def test_eval_data_too_short_or_without_held_out_tokens_is_refused(mqa, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("A few words only.")
+    with pytest.raises(SurgeryError, match="--eval-data holds only .* tokens, fewer than --eval-tokens 1024"):
+        run(mqa, tmp_path / "o", tokens=512, eval_data=str(short))
+    with pytest.raises(SurgeryError, match="--eval-data needs held-out tokens"):
+        run(mqa, tmp_path / "o", tokens=512, eval_data=str(short), eval_tokens=0)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.run").exists()

@@ -45,6 +45,9 @@ class UptrainArgs(CliModel):
     gradient_checkpointing: bool = option(False, "--gradient-checkpointing", "Recompute activations in the backward "
                                                                               "pass.")
     eval_tokens: int = option(16384, "--eval-tokens", "Held-out tokens (0: no evaluation).")
+    eval_data: str | None = option(None, "--eval-data", "A second held-out text, evaluated beside the training "
+                                   "text's own held-out split (its first --eval-tokens tokens; same forms as --data): "
+                                   "text of another domain tells recovery from fitting the training text's domain.")
     eval_every: int | None = option(None, "--eval-every", "Steps between evaluations (default: about 10 evaluations "
                                                           "per run; 0: only at the start and the end).")
     save_every: int = option(100, "--save-every", "Steps between checkpoints.")

@@ -225,7 +225,9 @@ def uptraining_section(v: Validation) -> list[str]:
     keys = [("data", "data"), ("tokens", "tokens"), ("steps", "steps"), ("loss", "loss"), ("teacher", "teacher"),
             ("trained parameters", "train"), ("sequence length", "seq_len"), ("tokens / step", "batch_tokens"),
             ("held-out perplexity before", "initial_eval_ppl"), ("held-out perplexity after", "final_eval_ppl"),
-            ("teacher's held-out perplexity", "teacher_eval_ppl"), ("training seconds", "train_seconds")]
+            ("teacher's held-out perplexity", "teacher_eval_ppl"), ("second held-out text (--eval-data)", "eval_data"),
+            ("its perplexity before", "initial_other_eval_ppl"), ("its perplexity after", "final_other_eval_ppl"),
+            ("the teacher's on it", "teacher_other_eval_ppl"), ("training seconds", "train_seconds")]
     lines += ["| | |", "|---|---|"]
     for title, key in keys:
         if up.get(key) is not None:

@@ -1,7 +1,9 @@
 """Training data: documents tokenized, joined with an EOS between them, and packed into fixed-length windows.
 
 The first documents form the held-out split (whole documents, at least `eval_tokens` tokens, cut to whole
-windows); the rest form the training split, read only as far as the run needs. Training windows are visited
+windows); the rest form the training split, read only as far as the run needs. A second held-out text
+(`--eval-data`, typically of another domain than the training text) is packed the same way from its own first
+documents: it tells recovery from adaptation to the training text's domain, which the first split shares. Training windows are visited
 in a seeded random order, a fresh one each epoch when the run needs more tokens than the data holds.
 
 Optimizer step `s` reads the windows `s*B .. (s+1)*B - 1` of that order (B = sequences per step); of those,
@@ -30,6 +32,7 @@ class PackedData:
     train: torch.Tensor  # [windows, seq_len] int32
     eval: torch.Tensor  # [windows, seq_len] int32 (0 windows when evaluation is off)
     seed: int = 0
+    other: torch.Tensor | None = None  # [windows, seq_len] int32: the --eval-data text's held-out windows
 
     def __post_init__(self):
         self._perm_epoch = -1
@@ -60,8 +63,6 @@ class PackedData:
         idx = self.window_indices(step * sequences_per_step + rank * share, share)
         return self.train[idx].long()
 
-    def eval_shard(self, rank: int, world: int) -> torch.Tensor:
-        return self.eval[rank::world].long()
 
 
 def _documents(texts: Iterable[str], tokenizer) -> Iterator[list[int]]:
@@ -76,11 +77,15 @@ def _documents(texts: Iterable[str], tokenizer) -> Iterator[list[int]]:
         yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
 
 
+def _eos(tokenizer) -> int:
+    if tokenizer.eos_token_id is None:
+        raise SurgeryError("the tokenizer has no EOS token to put between documents")
+    return tokenizer.eos_token_id
+
+
 def pack(texts: Iterable[str], tokenizer, seq_len: int, eval_tokens: int, train_tokens: int, seed: int = 0) -> PackedData:
     """Tokenize documents until the held-out split has `eval_tokens` and the training split `train_tokens`."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise SurgeryError("the tokenizer has no EOS token to put between documents")
+    eos = _eos(tokenizer)
     eval_need = -(-eval_tokens // seq_len) * seq_len
     parts: dict[str, list[np.ndarray]] = {"eval": [], "train": []}
     have = {"eval": 0, "train": 0}
@@ -102,6 +107,20 @@ def pack(texts: Iterable[str], tokenizer, seq_len: int, eval_tokens: int, train_
             f"no training data left: the data's {have['eval'] + have['train']} tokens give "
             f"{have['train']} after the {eval_need} held out (need at least --seq-len {seq_len}); lower --eval-tokens")
     return PackedData(train=train, eval=_windows(parts["eval"], seq_len)[: eval_need // seq_len], seed=seed)
+
+
+def pack_held_out(texts: Iterable[str], tokenizer, seq_len: int, tokens: int, what: str = "--eval-data") -> torch.Tensor:
+    """The first documents of `texts` packed into the whole windows that hold `tokens` tokens (rounded up)."""
+    eos = _eos(tokenizer)
+    need = -(-tokens // seq_len) * seq_len
+    parts, have = [], 0
+    for ids in _documents(texts, tokenizer):
+        parts.append(np.asarray(ids + [eos], dtype=np.int32))
+        have += len(ids) + 1
+        if have >= need:
+            return _windows(parts, seq_len)[: need // seq_len]
+    raise SurgeryError(f"{what} holds only {have} tokens, fewer than --eval-tokens {tokens} rounded up to whole "
+                       f"windows of {seq_len} ({need})")
 
 
 def _windows(parts: list[np.ndarray], seq_len: int) -> torch.Tensor:
@@ -128,7 +147,8 @@ def read_cache(cache: Path, key: str, seed: int) -> PackedData | None:
         with safe_open(str(cache), framework="pt") as f:
             if (f.metadata() or {}).get("key") != key:
                 return None
-            return PackedData(f.get_tensor("train"), f.get_tensor("eval"), seed=seed)
+            other = f.get_tensor("other") if "other" in f.keys() else None
+            return PackedData(f.get_tensor("train"), f.get_tensor("eval"), seed=seed, other=other)
     except Exception:  # unreadable, or not a safetensors file: rebuilt
         return None
 
@@ -137,5 +157,6 @@ def write_cache(cache: Path, key: str, data: PackedData) -> None:
     from safetensors.torch import save_file
 
     tmp = cache.with_name(cache.name + ".tmp")
-    save_file({"train": data.train.contiguous(), "eval": data.eval.contiguous()}, str(tmp), metadata={"key": key})
+    tensors = {"train": data.train, "eval": data.eval} | ({"other": data.other} if data.other is not None else {})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"key": key})
     tmp.replace(cache)

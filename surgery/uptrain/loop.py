@@ -26,7 +26,7 @@ from ..source import resolve_source
 from ..record import local_source_folder, public_name, read_record, write_record
 from . import lora, model_io
 from .align import align, check_alignable
-from .data import DATA_CACHE, cache_key, pack, read_cache, write_cache
+from .data import DATA_CACHE, cache_key, pack, pack_held_out, read_cache, write_cache
 from .heads import OutputHead
 from .losses import Objective, _same
 from .metrics import MetricsLog
@@ -156,22 +156,22 @@ def warn(message: str) -> None:
 
 
 @torch.no_grad()
-def evaluate(model, data, acc, micro_batch: int) -> dict:
-    """Held-out next-token loss and perplexity; windows sharded over processes, sums reduced.
+def evaluate(model, windows: torch.Tensor, acc, micro_batch: int) -> dict:
+    """Held-out next-token loss and perplexity over `windows`; windows sharded over processes, sums reduced.
     Every process runs as many forward passes as the largest shard needs (FSDP gathers parameters and DDP
     broadcasts buffers in collectives inside forward): one that has run out repeats a window, not counted."""
     from .losses import lm_loss
 
     was_training = model.training
     model.eval()
-    shard = data.eval_shard(acc.process_index, acc.num_processes)
-    largest = -(-data.eval.shape[0] // acc.num_processes)
+    shard = windows[acc.process_index :: acc.num_processes].long()
+    largest = -(-windows.shape[0] // acc.num_processes)
     total = torch.zeros(2, dtype=torch.float64, device=acc.device)  # [nll sum, targets]
     for i in range(0, largest, micro_batch):
         ids = shard[i : i + micro_batch].to(acc.device)
         counted = ids.shape[0]
         if counted == 0:
-            ids = data.eval[:1].long().to(acc.device)
+            ids = windows[:1].long().to(acc.device)
         with acc.autocast():
             logits = model(input_ids=ids, use_cache=False).logits
         n = counted * (ids.shape[1] - 1)
@@ -180,6 +180,15 @@ def evaluate(model, data, acc, micro_batch: int) -> dict:
     model.train(was_training)
     loss = (total[0] / total[1]).item()
     return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700))}
+
+
+def evaluate_held_out(model, data, acc, micro_batch: int) -> dict:
+    """`evaluate` on the training text's held-out split and, with --eval-data, on the other text's windows
+    (its results prefixed `other_`)."""
+    result = evaluate(model, data.eval, acc, micro_batch)
+    if data.other is not None:
+        result |= {f"other_{k}": v for k, v in evaluate(model, data.other, acc, micro_batch).items()}
+    return result
 
 
 def hidden(head: OutputHead | None):
@@ -288,14 +297,19 @@ class UptrainRecipe:
         o, tokenizer = self.o, self.tokenizer
         train_tokens = o.total_steps * o.sequences_per_step * o.seq_len
         self.key = cache_key(data=o.data, text_field=o.text_field, seq_len=o.seq_len, eval_tokens=o.eval_tokens,
+                             **({"eval_data": o.eval_data} if o.eval_data is not None else {}),
                              train_tokens=train_tokens, vocab=len(tokenizer), eos=tokenizer.eos_token_id,
                              tokenizer=type(tokenizer).__name__)
 
         def build():
             from ..data import load_texts
 
-            return pack(load_texts(o.data, o.text_field, o.streaming), tokenizer, o.seq_len, o.eval_tokens,
+            data = pack(load_texts(o.data, o.text_field, o.streaming), tokenizer, o.seq_len, o.eval_tokens,
                         train_tokens, seed=o.seed)
+            if o.eval_data is not None:
+                data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming), tokenizer, o.seq_len,
+                                           o.eval_tokens)
+            return data
 
         with self.acc.main_process_first():
             cache = o.run_dir / DATA_CACHE
@@ -319,12 +333,14 @@ class UptrainRecipe:
         windows = data.train[data.window_indices(0, o.align_steps * o.sequences_per_step)]
         log = (lambda line: print(line, flush=True)) if self.main else (lambda line: None)
         self.model.to(acc.device)
-        before = evaluate(self.model, data, acc, o.micro_batch)["eval_ppl"] if data.eval.shape[0] else None
+        before = evaluate_held_out(self.model, data, acc, o.micro_batch) if data.eval.shape[0] else {}
         held_out = data.eval[: windows.shape[0]]  # the per-layer errors on as many held-out windows as it trains on
         record = align(self.model, self.teacher, windows.long(), held_out.long(), micro_batch=o.micro_batch,
                        epochs=o.align_epochs, lr=o.align_lr, device=acc.device, log=log)
         record["tokens"] = o.align_steps * o.batch_tokens
-        record["eval_ppl_before"] = before
+        record["eval_ppl_before"] = before.get("eval_ppl")
+        if "other_eval_ppl" in before:
+            record["other_eval_ppl_before"] = before["other_eval_ppl"]
         if self.main:
             (o.run_dir / "align.json").write_text(json.dumps(record, indent=2) + "\n")
         return record
@@ -381,7 +397,8 @@ class UptrainRecipe:
         print(f"uptrain: {self.objective.kind} loss, training {len(self.trainable)} tensors ({n_params:,} parameters), "
               f"{o.steps} steps x {self.tokens_per_step} tokens, {self.world} process(es) x {self.accum} "
               f"micro-batch(es) of {o.micro_batch}, {data.train.shape[0]} training / {data.eval.shape[0]} held-out "
-              f"windows of {o.seq_len}"
+              + (f"(+ {data.other.shape[0]} of --eval-data) " if data.other is not None else "")
+              + f"windows of {o.seq_len}"
               + (f", parameters sharded by {self.acc.distributed_type.value}" if self.sharded else "")
               + (f"; resumed at step {state.step} from {self.resumed_from.name}" if self.resumed_from else ""),
               flush=True)
@@ -407,7 +424,9 @@ class UptrainRecipe:
                 if last or state.step % o.eval_interval == 0:
                     result = self.evaluate_at(state.step)
                     if result is not None and self.main and o.progress:
-                        bar.write(f"step {state.step}: held-out perplexity {result['eval_ppl']:.3f}")
+                        other = (f", --eval-data {result['other_eval_ppl']:.3f}" if "other_eval_ppl" in result
+                                 else "")
+                        bar.write(f"step {state.step}: held-out perplexity {result['eval_ppl']:.3f}{other}")
                 if last or (o.save_every and state.step % o.save_every == 0):
                     self.save_checkpoint()
             bar.close()
@@ -479,8 +498,8 @@ class UptrainRecipe:
         o = self.o
         if self.data.eval.shape[0] == 0:
             return None
-        result = evaluate(self.model, self.data, self.acc, o.micro_batch)
-        if not all_finite(self.acc, result["eval_loss"]):
+        result = evaluate_held_out(self.model, self.data, self.acc, o.micro_batch)
+        if not all_finite(self.acc, result["eval_loss"], result.get("other_eval_loss", 0.0)):
             raise SurgeryError(f"the held-out loss is not finite after step {step} (the weights diverged: lower --lr, "
                                f"now {o.lr:g}); {last_good(self.ckpts)}")
         self.metrics.write(step=step, tokens=step * self.tokens_per_step, **result)
@@ -490,10 +509,12 @@ class UptrainRecipe:
         """A fresh run's step 0: the student's (and the teacher's) held-out perplexity, after any alignment."""
         first = self.evaluate_at(0)
         if self.teacher is not None and first is not None:
-            teacher_ppl = evaluate(self.teacher, self.data, self.acc, self.o.micro_batch)["eval_ppl"]
-            self.metrics.write(step=0, tokens=0, teacher_eval_ppl=teacher_ppl)
+            teacher = evaluate_held_out(self.teacher, self.data, self.acc, self.o.micro_batch)
+            self.metrics.write(step=0, tokens=0, **{f"teacher_{k}": v for k, v in teacher.items() if k.endswith("ppl")})
         if self.align_record is not None and first is not None:  # the evaluation at step 0 came after the alignment
             self.align_record["eval_ppl"] = first["eval_ppl"]
+            if "other_eval_ppl" in first:
+                self.align_record["other_eval_ppl"] = first["other_eval_ppl"]
 
     # --- save ----------------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
@@ -537,6 +558,9 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
         shutil.rmtree(o.run_dir, ignore_errors=True)
     first, last = uptraining["initial_eval_ppl"], uptraining["final_eval_ppl"]
     ppl = f", held-out perplexity {first:.3f} -> {last:.3f}" if first is not None else ""
+    if uptraining.get("final_other_eval_ppl") is not None:
+        ppl += (f" (--eval-data {uptraining['initial_other_eval_ppl']:.3f} -> "
+                f"{uptraining['final_other_eval_ppl']:.3f})")
     done = [f"{o.steps} steps ({objective.kind} loss)"] if o.steps else []
     if align_record is not None:
         done.insert(0, f"{align_record['tokens']} aligning attention layer by layer")
@@ -549,9 +573,10 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
                       state: RunState, align_record: dict | None, lora_targets: list[str] | None) -> dict:
     """The "uptraining" entry of the output's surgery.json, from the options and the run's metrics rows."""
     evals = [m for m in rows if "eval_ppl" in m]
-    teacher_ppl = next((m["teacher_eval_ppl"] for m in rows if "teacher_eval_ppl" in m), None)
+    teacher = next((m for m in rows if "teacher_eval_ppl" in m), {})
     return {
         "data": o.data,
+        "eval_data": o.eval_data,
         "text_field": o.text_field,
         "tokens": o.total_steps * o.batch_tokens,
         "stage": o.stage,
@@ -582,7 +607,11 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
         "initial_eval_ppl": ((align_record or {}).get("eval_ppl_before")  # before the alignment
                              or (evals[0]["eval_ppl"] if evals else None)),
         "final_eval_ppl": evals[-1]["eval_ppl"] if evals else None,
-        "teacher_eval_ppl": teacher_ppl,
+        "teacher_eval_ppl": teacher.get("teacher_eval_ppl"),
+        **({"initial_other_eval_ppl": ((align_record or {}).get("other_eval_ppl_before")
+                                       or (evals[0].get("other_eval_ppl") if evals else None)),
+            "final_other_eval_ppl": evals[-1].get("other_eval_ppl") if evals else None,
+            "teacher_other_eval_ppl": teacher.get("teacher_other_eval_ppl")} if o.eval_data is not None else {}),
         "final_train_loss": next((m["loss"] for m in reversed(rows) if "loss" in m), None),
         "train_seconds": round(state.elapsed, 3),
     }

@@ -1,7 +1,8 @@
 """metrics.jsonl: one JSON object per line, written by the main process only.
 
 Training lines: step, tokens, loss (and its lm/kd terms), lr, grad_norm, tokens_per_s, elapsed.
-Evaluation lines: step, tokens, eval_loss, eval_ppl (and teacher_eval_ppl once, at the start, with a teacher).
+Evaluation lines: step, tokens, eval_loss, eval_ppl, with --eval-data other_eval_loss and other_eval_ppl (and
+teacher_eval_ppl / teacher_other_eval_ppl once, at the start, with a teacher).
 """
 
 from __future__ import annotations

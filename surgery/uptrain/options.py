@@ -18,10 +18,10 @@ STAGES = ("align", "kd")  # --stage: layer-local attention alignment, end-to-end
 TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_tokens", "eval_tokens", "loss",
                    "teacher", "temperature", "kd_weight", "kd_divergence", "hidden_weight", "train", "lr",
                    "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
-                   "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets")
+                   "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data")
 # Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
 # (TRAJECTORY_DEFAULTS, below the options).
-LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence")
+LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data")
 
 
 @dataclass
@@ -37,6 +37,7 @@ class UptrainOptions:
     micro_batch: int = 4  # sequences per forward pass per process
     eval_tokens: int = 16384  # held-out tokens (0: no evaluation)
     eval_every: int | None = None  # steps between evaluations (0: only at the start and the end; None: ~10 per run)
+    eval_data: str | None = None  # a second held-out text (its first eval_tokens tokens), e.g. of another domain
     loss: str = "auto"  # auto: kd when a teacher is known, else lm
     teacher: str | None = None  # overrides the source named in surgery.json
     temperature: float = 1.0
@@ -85,6 +86,8 @@ class UptrainOptions:
         for name in ("eval_tokens", "eval_every", "save_every", "weight_decay", "max_grad_norm", "hidden_weight"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise SurgeryError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
+        if self.eval_data is not None and not self.eval_tokens:
+            raise SurgeryError("--eval-data needs held-out tokens (--eval-tokens above 0)")
         if self.seq_len < 2:
             raise SurgeryError("--seq-len must be at least 2 (a next-token target needs two tokens)")
         if self.loss not in LOSSES:

@@ -20,7 +20,11 @@ def plot_runs(runs: dict[str, list[dict]], out: Path, references: dict[str, floa
         if train:
             ax_loss.plot([m["tokens"] for m in train], [m["loss"] for m in train], label=label)
         if evals:
-            ax_ppl.plot([m["tokens"] for m in evals], [m["eval_ppl"] for m in evals], marker="o", label=label)
+            line, = ax_ppl.plot([m["tokens"] for m in evals], [m["eval_ppl"] for m in evals], marker="o", label=label)
+            other = [m for m in evals if "other_eval_ppl" in m]
+            if other:  # --eval-data: the second held-out text, dashed in the same colour
+                ax_ppl.plot([m["tokens"] for m in other], [m["other_eval_ppl"] for m in other], marker="s",
+                            linestyle="--", color=line.get_color(), label=f"{label}, --eval-data")
     for i, (label, ppl) in enumerate((references or {}).items()):
         ax_ppl.axhline(ppl, linestyle="--", color=f"C{len(runs) + i}", label=f"{label} ({ppl:.3g})")
     ax_loss.set(xlabel="training tokens", ylabel="training loss", title="training loss (each run's objective)")
@@ -38,5 +42,7 @@ def plot_runs(runs: dict[str, list[dict]], out: Path, references: dict[str, floa
 
 def plot_metrics(metrics: list[dict], out: Path, title: str = "uptraining") -> Path:
     """The plot of one run; the teacher's perplexity, when measured, as a reference line."""
-    teacher = next((m["teacher_eval_ppl"] for m in metrics if "teacher_eval_ppl" in m), None)
-    return plot_runs({"student": metrics}, out, {"teacher": teacher} if teacher else None, title=title)
+    first = next((m for m in metrics if "teacher_eval_ppl" in m), {})
+    refs = {name: first[key] for name, key in (("teacher", "teacher_eval_ppl"),
+                                                ("teacher, --eval-data", "teacher_other_eval_ppl")) if first.get(key)}
+    return plot_runs({"student": metrics}, out, refs or None, title=title)
