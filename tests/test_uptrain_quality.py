@@ -355,6 +355,17 @@ def test_eval_data_is_a_second_held_out_text_measured_for_the_student_and_the_te
     assert f"| its perplexity after | {rec['final_other_eval_ppl']:.3f} |" in card
 
 
+def test_eval_data_before_an_alignment_is_the_models_perplexity_before_it(mqa, tokenizer, tmp_path):
+    text = tmp_path / "other.txt"
+    text.write_text(other_domain_text())
+    rec = run(mqa, tmp_path / "o", stage="align,kd", tokens=512 * 2, align_tokens=512, eval_data=str(text))
+    ids = tokenizer(text.read_text(), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    windows = torch.tensor(ids[:1024]).view(16, 64)
+    assert rec["initial_other_eval_ppl"] == pytest.approx(perplexity(mqa, windows), rel=1e-5)
+    assert rec["align"]["other_eval_ppl_before"] == rec["initial_other_eval_ppl"]
+    assert rec["final_other_eval_ppl"] == pytest.approx(perplexity(tmp_path / "o", windows), rel=1e-5)
+
+
 def test_eval_data_survives_the_data_cache_that_resume_reads(tokenizer, tmp_path):
     from surgery.uptrain.data import PackedData, pack_held_out, read_cache, write_cache
 

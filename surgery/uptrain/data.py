@@ -1,10 +1,11 @@
 """Training data: documents tokenized, joined with an EOS between them, and packed into fixed-length windows.
 
 The first documents form the held-out split (whole documents, at least `eval_tokens` tokens, cut to whole
-windows); the rest form the training split, read only as far as the run needs. A second held-out text
-(`--eval-data`, typically of another domain than the training text) is packed the same way from its own first
-documents: it tells recovery from adaptation to the training text's domain, which the first split shares. Training windows are visited
+windows); the rest form the training split, read only as far as the run needs. Training windows are visited
 in a seeded random order, a fresh one each epoch when the run needs more tokens than the data holds.
+A second held-out text (`--eval-data`, typically of another domain than the training text) is packed the same way
+from its own first documents: it tells recovery from adaptation to the training text's domain, which the first
+split shares.
 
 Optimizer step `s` reads the windows `s*B .. (s+1)*B - 1` of that order (B = sequences per step); of those,
 process `r` of `W` takes the `r`-th contiguous slice of B/W windows. So every window of a step is read by
@@ -64,7 +65,6 @@ class PackedData:
         return self.train[idx].long()
 
 
-
 def _documents(texts: Iterable[str], tokenizer) -> Iterator[list[int]]:
     batch: list[str] = []
     for text in texts:
@@ -109,7 +109,8 @@ def pack(texts: Iterable[str], tokenizer, seq_len: int, eval_tokens: int, train_
     return PackedData(train=train, eval=_windows(parts["eval"], seq_len)[: eval_need // seq_len], seed=seed)
 
 
-def pack_held_out(texts: Iterable[str], tokenizer, seq_len: int, tokens: int, what: str = "--eval-data") -> torch.Tensor:
+def pack_held_out(texts: Iterable[str], tokenizer, seq_len: int, tokens: int,
+                  what: str = "--eval-data") -> torch.Tensor:
     """The first documents of `texts` packed into the whole windows that hold `tokens` tokens (rounded up)."""
     eos = _eos(tokenizer)
     need = -(-tokens // seq_len) * seq_len
