@@ -57,6 +57,13 @@ def convert(kind: str, src, out: Path) -> None:
         sys.exit(f"unknown conversion {kind!r}; choose from {', '.join(LABELS)}")
 
 
+def source_ppl_of(records: dict, kinds: dict, key: str) -> float | None:
+    """The source's perplexity on a held-out text (`key`: eval_ppl, or other_eval_ppl for --eval-data): measured as
+    the teacher of a KD or mix run, else at the start of a `source` run."""
+    return next((r[f"teacher_{key}"] for r in records.values() if r.get(f"teacher_{key}")), None) or next(
+        (records[label].get(f"initial_{key}") for label, (kind, _) in kinds.items() if kind == "source"), None)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--source", default="smollm2")
@@ -114,7 +121,7 @@ def main() -> None:
     print(f"{a.source}: {steps} steps x {a.batch_tokens} tokens per run, seq {a.seq_len}, lr {a.lr}, held-out "
           f"{a.eval_tokens} tokens every {eval_every} steps", flush=True)
 
-    metrics, records, seconds = {}, {}, {}
+    metrics, records, seconds, kinds = {}, {}, {}, {}  # kinds: label -> (conversion, loss)
     for kind, loss in runs:
         folder = Path(given[kind]) if kind in given else src.folder if kind == "source" else a.work / kind
         start = time.time()
@@ -139,6 +146,7 @@ def main() -> None:
             kd_divergence=a.kd_divergence, temperature=a.temperature, kd_weight=a.kd_weight,
             min_lr_ratio=a.min_lr_ratio, eval_data=a.eval_data, teacher=a.teacher or (a.source if kind == "source" else None)))
         seconds[label] = time.time() - start
+        kinds[label] = (kind, loss)
         metrics[label] = read_metrics(out / "uptrain_metrics.jsonl")
         r = records[label]
         other = (f"; --eval-data {r['initial_other_eval_ppl']:.2f} -> {r['final_other_eval_ppl']:.2f}"
@@ -146,8 +154,7 @@ def main() -> None:
         print(f"{label}: ppl {r['initial_eval_ppl']:.2f} -> {r['final_eval_ppl']:.2f} after {r['tokens']} tokens "
               f"({r['tokens'] / r['train_seconds']:.1f} tokens/s){other}", flush=True)
 
-    source_ppl = next((r["teacher_eval_ppl"] for r in records.values() if r.get("teacher_eval_ppl")), None) or next(
-        (records[label]["initial_eval_ppl"] for label, (kind, _) in zip(records, runs) if kind == "source"), None)
+    source_ppl = source_ppl_of(records, kinds, "eval_ppl")
     refs = {"source SmolLM2-135M": source_ppl} if source_ppl else {}
     plot = a.plot or a.work / "recovery.png"
     plot_runs(metrics, plot, refs, title=f"SmolLM2-135M conversions: uptraining, {a.tokens} tokens each")
@@ -162,16 +169,14 @@ def main() -> None:
     if source_ppl:
         print("  final / source: " + ", ".join(f"{label} {r['final_eval_ppl'] / source_ppl:.3f}x"
                                               for label, r in records.items()))
-    trained = {loss: records[label]["final_eval_ppl"] for label, (kind, loss) in zip(records, runs) if kind == "source"}
+    trained = {loss: records[label]["final_eval_ppl"] for label, (kind, loss) in kinds.items() if kind == "source"}
     against_trained = [f"{label} {records[label]['final_eval_ppl'] / trained[loss]:.3f}x"
-                       for label, (kind, loss) in zip(records, runs) if kind != "source" and loss in trained]
+                       for label, (kind, loss) in kinds.items() if kind != "source" and loss in trained]
     if against_trained:
         print("  final / the source trained the same way: " + ", ".join(against_trained))
     others = {label: r for label, r in records.items() if r.get("final_other_eval_ppl") is not None}
     if others:
-        source_other = next((r["teacher_other_eval_ppl"] for r in others.values() if r.get("teacher_other_eval_ppl")),
-                            None) or next((others[label]["initial_other_eval_ppl"] for label, (kind, _) in
-                                           zip(records, runs) if kind == "source" and label in others), None)
+        source_other = source_ppl_of(records, kinds, "other_eval_ppl")
         print(f"\n--eval-data {a.eval_data} ({a.eval_tokens} tokens), before -> after (the source: "
               + (f"{source_other:.2f})" if source_other else "not measured)"))
         for label, r in others.items():
