@@ -131,3 +131,20 @@ def test_aligned_options_move_the_estimate_as_their_work_does():
     assert more.float32 > base.float32 and more.float64 == base.float64
     assert values.float64 > base.float64
     assert fit_bytes(s, "aligned", refit_values=True) >= 32 * 4096**2 * 8 > fit_bytes(s, "aligned")
+
+
+def test_calib_window_reaches_the_estimate(tmp_path, capsys):
+    """The dry run prices the windows the conversion will cut: the same tokens in longer windows cost more attention
+    work per layer and larger attention maps in each chunk's scratch."""
+    src = tmp_path / "llama"
+    tm.make_tiny("llama", src)
+    reports = {}
+    for window in (32, 128):
+        code, stdout, err = _surgery(capsys, "convert", src, "--to", "mqa", "--merge", "aligned", "--calib-tokens",
+                                     "1024", "--calib-window", str(window), "--device", "cpu", "--dry-run", "--json",
+                                     "-")
+        assert code == 0, err
+        reports[window] = json.loads(stdout[stdout.index("{"):])
+    assert reports[128]["tokens"] == reports[32]["tokens"] == 1024
+    assert reports[128]["flops_per_layer"]["float32"] > reports[32]["flops_per_layer"]["float32"]
+    assert reports[128]["memory_terms"]["scratch"] > reports[32]["memory_terms"]["scratch"]

@@ -235,6 +235,37 @@ def test_cli_convert_aligned_and_errors(tmp_path):
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".bad")]
 
 
+def test_calib_window_cuts_the_calibration_text_into_windows_of_that_length(tmp_path):
+    """--calib-window reaches the calibration: the same tokens of the same documents, cut into windows of 32 instead
+    of the context's 128 (the default 512 capped by the tiny model's context), refit other queries; the record says
+    which windows the fit saw."""
+    src = tiny("llama", tmp_path / "src")
+    long = aligned(src, tmp_path / "long", 1)
+    ok = surgery("convert", src, "--to", "mqa", "--merge", "aligned", "--calib-tokens", CALIB, "--calib-window", 32,
+                 "--device", "cpu", "--out", tmp_path / "short")
+    assert ok.returncode == 0, ok.stderr
+    short = json.loads((tmp_path / "short" / "surgery.json").read_text())
+    assert (long["calibration"]["window_length"], long["calibration"]["windows"]) == (128, CALIB // 128)
+    assert (short["calibration"]["window_length"], short["calibration"]["windows"]) == (32, CALIB // 32)
+    assert short["calibration"]["documents_sha256"] == long["calibration"]["documents_sha256"]
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "long" / "model.safetensors"), load_file(tmp_path / "short" / "model.safetensors")
+    q = next(n for n in a if n.endswith("layers.0.self_attn.q_proj.weight"))  # refitted under the windows' attention
+    assert a[q].shape == b[q].shape and not torch.allclose(a[q], b[q])
+    # both are fitted merges: each is far closer to the source than mean pooling on held-out text
+    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", KVOptions(kv_heads=1), progress=False)
+    ids = heldout_ids()
+    kl_mean, _ = kl_to_source(src, tmp_path / "mean", ids)
+    for name in ("long", "short"):
+        kl, _ = kl_to_source(src, tmp_path / name, ids)
+        assert kl < 0.5 * kl_mean, (name, kl, kl_mean)
+    bad = surgery("convert", src, "--to", "mqa", "--merge", "aligned", "--calib-window", 1, "--out", tmp_path / "bad")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "surgery: error: --calib-window must be at least 2, got 1"], bad.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def test_compare_merges_table(tmp_path):
     src = tiny("llama", tmp_path / "src")
     res = surgery("compare-merges", src, "--to", "gqa", "--kv-heads", "2", "--tokens", "1024", "--seq-len", "128",

@@ -81,6 +81,8 @@ RULES = [
      "to: switchhead needs heads, experts and topk"),
     ({"to": "switchhead", "heads": 2, "experts": 2, "topk": 1, "calib_tokens": 0},
      "--calib-tokens must be positive, got 0", "calib_tokens must be positive, got 0"),
+    ({"to": "mqa", "merge": "aligned", "calib_window": 1},
+     "--calib-window must be at least 2, got 1", "calib_window must be at least 2, got 1"),
 ]
 
 

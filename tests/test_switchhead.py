@@ -498,3 +498,16 @@ def test_routers_in_one_matmul_follow_weight_changes():
                 assert torch.equal(i.sort(-1).values, i_ref.sort(-1).values)
                 assert torch.allclose(g.sort(-1).values, g_ref.sort(-1).values)
             attn.o_router.weight.mul_(-1)  # in place: the next step checks the stacked weight was rebuilt
+
+
+def test_calib_window_reaches_the_switchhead_calibration(llama, tmp_path, capsys):
+    """`surgery convert --to switchhead --calib-window 32`: the calibration reads the same 256 tokens as four
+    windows of 64 -> eight windows of 32, and the record says so."""
+    from inprocess import run_cli
+
+    code, _, err = run_cli(capsys, "convert", llama, "--to", "switchhead", "--heads", "4", "--experts", "2", "--topk",
+                           "1", "--calib-tokens", "256", "--calib-window", "32", "--device", "cpu", "--out",
+                           tmp_path / "sh")
+    assert code == 0, err
+    calibration = json.loads((tmp_path / "sh" / "surgery.json").read_text())["calibration"]
+    assert (calibration["tokens"], calibration["windows"], calibration["window_length"]) == (256, 8, 32)

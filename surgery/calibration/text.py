@@ -4,12 +4,14 @@
 whole documents from the LAST one backwards, so the two never share a document as long as calibration +
 evaluation tokens fit in pydoc's ~113k tokens (SmolLM2 tokenizer). Any other source is read from its start.
 Each document that contributed tokens is recorded by the sha256 of its text (`documents_sha256`), so that
-`check` can warn when its evaluation text overlaps what calibrated the model.
+`check` can warn when its evaluation text overlaps what calibrated the model. Several sources (`--calib A --calib B`)
+mix domains: each gives an equal share of the windows, read as it would be alone.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,7 @@ class CalibrationText:
     data: str
     split: str
     documents_sha256: list[str]
+    mixture: list[dict] | None = None  # several texts: each one's share ({"data", "tokens", "windows"})
 
     @property
     def tokens(self) -> int:
@@ -38,8 +41,9 @@ class CalibrationText:
 
     def record(self) -> dict:
         """The `surgery.json` "calibration" fields about the text."""
-        return {"data": self.data, "split": self.split, "tokens": self.tokens, "windows": int(self.windows.shape[0]),
-                "window_length": int(self.windows.shape[1]), "documents_sha256": self.documents_sha256}
+        record = {"data": self.data, "split": self.split, "tokens": self.tokens, "windows": int(self.windows.shape[0]),
+                  "window_length": int(self.windows.shape[1]), "documents_sha256": self.documents_sha256}
+        return record | ({"mixture": self.mixture} if self.mixture else {})
 
 
 def calibration_texts(spec: str, text_field: str = "text"):
@@ -55,14 +59,44 @@ def context_of(config: dict) -> int | None:
                 None)
 
 
-def calibration_text(spec: str, tokenizer, tokens: int, context: int | None, text_field: str = "text",
-                     window: int = WINDOW) -> CalibrationText:
-    """`tokens` calibration tokens of `spec` as [N, L] windows (L = `window`, or the context when shorter)."""
+def calibration_text(spec: str | Sequence[str], tokenizer, tokens: int, context: int | None,
+                     text_field: str = "text", window: int = WINDOW) -> CalibrationText:
+    """`tokens` calibration tokens of `spec` as [N, L] windows (L = `window`, or the context when shorter).
+
+    Several specs mix domains: each gives an equal share of the N windows (the first ones one more when N does not
+    divide), read as that spec alone would be (pydoc from its last document, anything else from its start)."""
+    specs = [spec] if isinstance(spec, str) else list(spec)
+    if not specs:
+        raise SurgeryError("no calibration text given")
     if tokens < 1:
         raise SurgeryError(f"--calib-tokens must be positive, got {tokens}")
+    if window < 2:
+        raise SurgeryError(f"--calib-window must be at least 2, got {window}")
+    length = min(window, context or window, tokens)
+    n = max(1, tokens // length) if len(specs) > 1 else None
+    parts = []
+    for i, one in enumerate(specs):
+        want = tokens if n is None else (n // len(specs) + (i < n % len(specs))) * length
+        if want == 0:
+            raise SurgeryError(f"--calib-tokens {tokens} makes fewer windows of {length} than the {len(specs)} "
+                               f"calibration texts")
+        parts.append(_windows(one, tokenizer, want, length, text_field))
+    if len(parts) == 1:
+        return parts[0]
+    short = next((p for p in parts if p.windows.shape[1] < length), None)
+    if short is not None:
+        raise SurgeryError(f"calibration data {short.data} gave only {short.tokens} token(s), less than one window "
+                           f"of {length}")
+    return CalibrationText(torch.cat([p.windows for p in parts]), " + ".join(specs), "mixture: " + "; ".join(
+        f"{p.data}: {p.split}" for p in parts), [h for p in parts for h in p.documents_sha256],
+        [{"data": p.data, "tokens": p.tokens, "windows": int(p.windows.shape[0])} for p in parts])
+
+
+def _windows(spec: str, tokenizer, tokens: int, length: int, text_field: str) -> CalibrationText:
+    """Up to `tokens` tokens of one spec, cut into windows of `length` (shorter when the text is)."""
     used: list[str] = []
     ids = token_stream(calibration_texts(spec, text_field), tokenizer, tokens, used=used)
-    length = min(window, context or window, ids.numel())
+    length = min(length, ids.numel())
     if length < 2:
         raise SurgeryError(f"calibration data {spec} gave only {ids.numel()} token(s)")
     n = ids.numel() // length

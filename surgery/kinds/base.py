@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ValidationInfo, field_validator
+from pydantic import BeforeValidator, ValidationInfo, field_validator
 
 from ..options import CliModel, option, spelling
 
@@ -66,14 +66,43 @@ def positive_calib_tokens(cls, v: int, info: ValidationInfo) -> int:
     return v
 
 
+def one_or_more(v: Any) -> Any:
+    """A recipe's `calib: pydoc` is the list of one text."""
+    return [v] if isinstance(v, str) else v
+
+
+CalibTexts = Annotated[list[str], BeforeValidator(one_or_more)]  # the annotation carries the conversion everywhere
+
+
+def calib_texts_rule(cls, v: list[str], info: ValidationInfo) -> list[str]:
+    """The rule on calib: at least one text."""
+    if not v:
+        raise ValueError(f"{spelling(info, cls).flag('calib')} needs at least one text")
+    return v
+
+
+def calib_window_rule(cls, v: int, info: ValidationInfo) -> int:
+    """The rule on calib_window: a window holds at least one query and one earlier key."""
+    if v < 2:
+        raise ValueError(f"{spelling(info, cls).flag('calib_window')} must be at least 2, got {v}")
+    return v
+
+
 class CalibrationOptions(CliModel):
     """Text read to fit a conversion to the source's activations (aligned merge, SwitchHead)."""
 
     GROUP: ClassVar[str] = "calibration (aligned merge, switchhead)"
-    calib: str = option("pydoc", "--calib", "Calibration text (same forms as check --data).", group=GROUP)
+    calib: CalibTexts = option(["pydoc"], "--calib", "Calibration text (same forms as check --data). Repeat it to mix "
+                              "domains: each text gives an equal share of the calibration windows.", group=GROUP)
     calib_tokens: int = option(8192, "--calib-tokens", "Calibration tokens.", group=GROUP)
+    calib_window: int = option(
+        512, "--calib-window", "Tokens per calibration window (capped by the model's context): the longest query-key "
+        "distance the fits see. Calibrate at the context the model will serve; the cost per token grows with it.",
+        metavar="N", group=GROUP)
 
+    _calib = field_validator("calib")(calib_texts_rule)
     _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
+    _calib_window = field_validator("calib_window")(calib_window_rule)
 
 
 @dataclass

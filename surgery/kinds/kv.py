@@ -9,7 +9,8 @@ from typing import ClassVar, Literal
 from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..options import option, spelling
-from .base import CalibrationOptions, Kind, positive_calib_tokens, WriteOptions
+from .base import (CalibTexts, calib_texts_rule, calib_window_rule, CalibrationOptions, Kind, positive_calib_tokens,
+                   WriteOptions)
 
 METHODS = ("mean", "first", "random", "aligned")
 MERGES = {  # the model card's words for each merge
@@ -39,9 +40,12 @@ class KVMergeOptions(WriteOptions):
         False, "--refit-values", "[aligned] Also refit the merged values so that each query head reproduces its "
         "source head's output under the converted attention (holds one hidden x hidden float64 matrix per query head: "
         "about 4 GB on Llama-3-8B).", group=GROUP)
-    calib: str = CalibrationOptions.model_fields["calib"]
+    calib: CalibTexts = CalibrationOptions.model_fields["calib"]
     calib_tokens: int = CalibrationOptions.model_fields["calib_tokens"]
+    calib_window: int = CalibrationOptions.model_fields["calib_window"]
+    _calib = field_validator("calib")(calib_texts_rule)
     _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
+    _calib_window = field_validator("calib_window")(calib_window_rule)
 
     @field_validator("query_samples")
     @classmethod
@@ -90,7 +94,8 @@ class KVMerge(Kind):
             merge = MergeOptions(groups=options.groups, assign=options.grouping == "similarity",
                                  refit_v=options.refit_values, query=QueryRefit(samples=options.query_samples))
             return convert_aligned(source, out, kv_heads=options.groups, calib=options.calib,
-                                   calib_tokens=options.calib_tokens, device=options.device, options=merge, **common)
+                                   calib_tokens=options.calib_tokens, calib_window=options.calib_window,
+                                   device=options.device, options=merge, **common)
         from ..convert_kv import KVOptions, convert_to_kv_heads
 
         force = common.pop("force")
@@ -113,7 +118,7 @@ class KVMerge(Kind):
         return estimate_calibrated(config, "aligned", options.calib_tokens, dtype=dtype, device=device,
                                    kv_heads=options.groups, assign=options.grouping == "similarity",
                                    query_samples=options.query_samples, refit_values=options.refit_values,
-                                   throughput=throughput)
+                                   window=options.calib_window, throughput=throughput)
 
     def card_lines(self, record: dict) -> list[str]:
         method = record.get("method")

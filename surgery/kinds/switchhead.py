@@ -10,14 +10,18 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..errors import SurgeryError
 from ..options import option, spelling
-from .base import AttentionShape, CalibrationOptions, positive_calib_tokens, Kind, WriteOptions
+from .base import (AttentionShape, CalibTexts, calib_texts_rule, calib_window_rule, CalibrationOptions, Kind,
+                   positive_calib_tokens, WriteOptions)
 
 
 class SwitchHeadOptions(WriteOptions):
     GROUP: ClassVar[str] = "switchhead"
-    calib: str = CalibrationOptions.model_fields["calib"]
+    calib: CalibTexts = CalibrationOptions.model_fields["calib"]
     calib_tokens: int = CalibrationOptions.model_fields["calib_tokens"]
+    calib_window: int = CalibrationOptions.model_fields["calib_window"]
+    _calib = field_validator("calib")(calib_texts_rule)
     _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
+    _calib_window = field_validator("calib_window")(calib_window_rule)
     heads: int | None = option(None, "--heads", "[switchhead] Attention heads after conversion (H).", metavar="H",
                                group=GROUP)
     experts: int | None = option(None, "--experts", "[switchhead] Experts per head (E).", metavar="E", group=GROUP)
@@ -39,7 +43,8 @@ class SwitchHead(Kind):
         from ..switchhead import convert_to_switchhead
 
         return convert_to_switchhead(source, out, heads=options.heads, experts=options.experts, topk=options.topk,
-                                     calib=options.calib, calib_tokens=options.calib_tokens, device=options.device,
+                                     calib=options.calib, calib_tokens=options.calib_tokens,
+                                     calib_window=options.calib_window, device=options.device,
                                      **options.write_kwargs())
 
     def calibration_estimate(self, config: dict, options: SwitchHeadOptions, *, dtype: str, device: str,
@@ -50,7 +55,7 @@ class SwitchHead(Kind):
 
         return estimate_calibrated(config, "switchhead", options.calib_tokens, dtype=dtype, device=device,
                                    heads=options.heads, experts=options.experts, topk=options.topk,
-                                   throughput=throughput)
+                                   window=options.calib_window, throughput=throughput)
 
     def attention_macs(self, shape: AttentionShape, config: dict, record: dict, context: int) -> dict:
         switchhead = config.get("switchhead") or {}

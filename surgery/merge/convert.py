@@ -17,7 +17,7 @@ from ..arch import QKVLayout, spec_for
 from ..atomic import check_output_path
 from ..calibration.store import LayerStore
 from ..calibration.stream import LayerProgress, open_stream, pick_device
-from ..calibration.text import CalibrationText, calibration_text, context_of
+from ..calibration.text import CalibrationText, calibration_text, context_of, WINDOW
 from ..check import load_tokenizer
 from ..convert_kv import KVOptions, KVPlanner, _head_shape, target_config, write_converted
 from ..errors import SurgeryError
@@ -106,10 +106,10 @@ def _n_threads() -> int:
     return max(1, min(cores, cores - busy + 1))
 
 
-def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str = "pydoc", calib_tokens: int = 8192,
-                    force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
-                    allow_pickle: bool = False, seed: int = 0, progress: bool = True,
-                    options: MergeOptions | None = None, device: str = "auto") -> dict:
+def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[str] = "pydoc",
+                    calib_tokens: int = 8192, calib_window: int = WINDOW, force: bool = False, dtype: str | None = None,
+                    max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
+                    progress: bool = True, options: MergeOptions | None = None, device: str = "auto") -> dict:
     """Merge `src`'s K/V heads into `kv_heads` with calibration, writing a standard checkpoint to `out`."""
     start = time.time()
     config = src.config
@@ -132,7 +132,7 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str = "pydo
 
     opts = replace(options or MergeOptions(groups=kv_heads), groups=kv_heads, seed=seed)
     dev = pick_device(device)
-    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config))
+    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window)
     calib_start = time.time()
     with LayerStore(out) as store:
         result = _calibrate_and_merge(src, reader, spec, config, shape, text.windows, opts, dev, store, progress)

@@ -17,7 +17,7 @@ import torch
 from ..atomic import check_output_path
 from ..calibration.store import LayerStore
 from ..calibration.stream import open_stream, pick_device
-from ..calibration.text import calibration_text, context_of
+from ..calibration.text import calibration_text, context_of, WINDOW
 from ..check import load_tokenizer
 from ..output import write_conversion
 from ..errors import SurgeryError
@@ -154,12 +154,12 @@ def layer_pattern(family: Family, module: str) -> str:
     return re.sub(r"(?<=\.)0(?=\.|$)", "*", family.out_name(module), count=1)
 
 
-def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, topk: int, calib: str = "pydoc",
-                          calib_tokens: int = 8192, force: bool = False, dtype: str | None = None,
-                          max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
-                          progress: bool = True, respect_kv_groups: bool = True, qk_merge: str = "mean",
-                          refit: bool = True, ridge: float = RIDGE, device: str = "auto",
-                          calib_inputs: str = "converted") -> dict:
+def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, topk: int,
+                          calib: str | list[str] = "pydoc", calib_tokens: int = 8192, calib_window: int = WINDOW,
+                          force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
+                          allow_pickle: bool = False, seed: int = 0, progress: bool = True,
+                          respect_kv_groups: bool = True, qk_merge: str = "mean", refit: bool = True,
+                          ridge: float = RIDGE, device: str = "auto", calib_inputs: str = "converted") -> dict:
     """Convert every self-attention layer of `src` into SwitchHead attention with H=`heads` heads of E=`experts`
     experts, k=`topk` selected per token; write the checkpoint to `out`. Returns the surgery.json record.
 
@@ -187,8 +187,8 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
         calibrated = Calibrated(clusters)
     else:
         builder = LayerBuilder(reader, family, names, shape, [], None, out_dtype)
-        calibrated = _calibrate(src, reader, out, builder, mode, calib, calib_tokens, qk_merge, refit, ridge, device,
-                                progress, start, calib_inputs)
+        calibrated = _calibrate(src, reader, out, builder, mode, calib, calib_tokens, calib_window, qk_merge, refit,
+                                ridge, device, progress, start, calib_inputs)
     planned = builder.plan(out_dtype)
     new_config = target_config(config, family, shape, dtype, builder.biases())
     settings = {"mode": mode, "qk_merge": qk_merge, "ridge": ridge, "seed": seed, "dtype": dtype, "start": start,
@@ -227,13 +227,13 @@ class Calibrated:
     calibration: dict | None = None
 
 
-def _calibrate(src: Source, reader: CheckpointReader, out: Path, builder: LayerBuilder, mode: str, calib: str,
-               calib_tokens: int, qk_merge: str, refit: bool, ridge: float, device: str, progress: bool,
-               start: float, inputs: str) -> Calibrated:
+def _calibrate(src: Source, reader: CheckpointReader, out: Path, builder: LayerBuilder, mode: str,
+               calib: str | list[str], calib_tokens: int, calib_window: int, qk_merge: str, refit: bool, ridge: float,
+               device: str, progress: bool, start: float, inputs: str) -> Calibrated:
     """Stream the source layer by layer over the calibration text: head distances and clusters, router fits and the
     output refit per layer; the new tensors go into a layer store the builder serves."""
     dev = pick_device(device)
-    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(src.config))
+    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(src.config), window=calib_window)
     builder.tensors = LayerStore(out)  # removes itself when closed, dropped on an error, or at exit
     stream = open_stream(src.folder, reader, dev, attn_implementation="eager")
     layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress, inputs=inputs)
