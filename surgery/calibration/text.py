@@ -73,16 +73,14 @@ def calibration_text(spec: str | Sequence[str], tokenizer, tokens: int, context:
     if window < 2:
         raise SurgeryError(f"--calib-window must be at least 2, got {window}")
     length = min(window, context or window, tokens)
-    n = max(1, tokens // length) if len(specs) > 1 else None
-    parts = []
-    for i, one in enumerate(specs):
-        want = tokens if n is None else (n // len(specs) + (i < n % len(specs))) * length
-        if want == 0:
-            raise SurgeryError(f"--calib-tokens {tokens} makes fewer windows of {length} than the {len(specs)} "
-                               f"calibration texts")
-        parts.append(_windows(one, tokenizer, want, length, text_field))
-    if len(parts) == 1:
-        return parts[0]
+    if len(specs) == 1:
+        return _windows(specs[0], tokenizer, tokens, length, text_field)
+    n = tokens // length
+    if n < len(specs):
+        raise SurgeryError(f"--calib-tokens {tokens} makes fewer windows of {length} than the {len(specs)} "
+                           f"calibration texts")
+    parts = [_windows(one, tokenizer, (n // len(specs) + (i < n % len(specs))) * length, length, text_field)
+             for i, one in enumerate(specs)]
     short = next((p for p in parts if p.windows.shape[1] < length), None)
     if short is not None:
         raise SurgeryError(f"calibration data {short.data} gave only {short.tokens} token(s), less than one window "
