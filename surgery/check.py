@@ -1,5 +1,7 @@
 """Compare two checkpoints on the same tokens: |Δlogits|, KL(source‖converted), top-1 agreement, perplexity, and
-the last three by position in the window (`by_position`: where in the context the conversion hurts).
+the last three by position in the window (`by_position`: where in the context the conversion hurts). Several texts
+(e.g. of several domains) are compared in one run, each model loaded once: the report's top level is the first text,
+`texts` holds every text's numbers.
 
 Causal LMs are compared on their logits; encoders (no causal LM head) on their last hidden states.
 
@@ -22,7 +24,7 @@ import time
 from dataclasses import dataclass
 from itertools import chain, islice
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -109,10 +111,10 @@ def load_config(source: Source, trust_remote_code: bool = False):
         raise SurgeryError(f"cannot read the config of {source.spec}: {str(e).splitlines()[0]}") from None
 
 
-def windows(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+def windows(ids: torch.Tensor, seq_len: int, what: str = "the data") -> torch.Tensor:
     n = ids.numel() // seq_len
     if n == 0:
-        raise SurgeryError(f"need at least {seq_len} tokens, the data gave {ids.numel()}")
+        raise SurgeryError(f"need at least {seq_len} tokens, {what} gave {ids.numel()}")
     return ids[: n * seq_len].view(n, seq_len)
 
 
@@ -307,6 +309,24 @@ def free(device: torch.device) -> None:
 
 # --- the check -----------------------------------------------------------------------------------------------------
 @dataclass
+class CheckedText:
+    """One text of a check: what it is called, its token windows, and what it shares with the calibration text."""
+
+    data: str
+    batches: torch.Tensor  # (windows, seq_len) token ids
+    overlap: dict | None = None  # checking.overlap.calibration_overlap
+
+    @property
+    def label(self) -> str:
+        return f"{self.data}[0:{self.batches.numel()}]"
+
+    def describe(self) -> dict:
+        """The report's keys that say which tokens were compared."""
+        return {"data": self.data, "text": self.label, "tokens": self.batches.numel(), "windows": self.batches.shape[0],
+                "seq_len": self.batches.shape[1]} | ({"calibration_overlap": self.overlap} if self.overlap else {})
+
+
+@dataclass
 class CheckPlan:
     """Everything a check needs, validated, before any model is loaded."""
 
@@ -320,19 +340,26 @@ class CheckPlan:
     source_attention: str | None  # attention implementation forced on the source (eager for talking-heads)
     tokenizer: object
     tokenizer_note: str | None
-    batches: torch.Tensor  # (windows, seq_len) token ids
+    texts: list[CheckedText]  # the first one also gives the prompts of --generate and the windows of --layers
     batch_size: int
     prompts: list
     new_tokens: int
     layer_windows: int  # 0: no --layers
     layer_bytes: int
-    overlap: dict | None
-    data: str
     tasks: object = None  # checking.tasks.TaskSet of --tasks, loaded before any model
+
+    @property
+    def batches(self) -> torch.Tensor:
+        return self.texts[0].batches
 
     @property
     def seq_len(self) -> int:
         return self.batches.shape[1]
+
+    @property
+    def output_bytes(self) -> int:
+        """The source's float32 outputs for every text: what waits between the two passes."""
+        return sum(t.batches.numel() for t in self.texts) * self.width * 4
 
     def layer_batches(self) -> list[torch.Tensor]:
         n, size = self.layer_windows, self.batch_size
@@ -361,8 +388,10 @@ class CheckRequest:
     tasks_limit: int | None = None
 
 
-def plan_check(source: Source, converted: Source, texts: Iterable[str], r: CheckRequest, warn) -> CheckPlan:
-    """Check every input (options, trust, weights, tokenizers, prompts) and tokenize the text; loads no model."""
+def plan_check(source: Source, converted: Source, texts: Iterable[str], r: CheckRequest, warn,
+               more_texts: Sequence[tuple[str, Iterable[str]]] = ()) -> CheckPlan:
+    """Check every input (options, trust, weights, tokenizers, prompts) and tokenize the texts (`texts`, called
+    `r.data`, then each (name, texts) of `more_texts`); loads no model."""
     check_counts(r.tokens, r.seq_len, r.batch_size, r.generate)
     if r.prompts_file is not None and not r.generate:
         raise SurgeryError("--prompts needs --generate N (the number of tokens to generate)")
@@ -393,16 +422,25 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
         load_tokenizer(source, trust_a),
         load_tokenizer(converted, trust_b) if has_tokenizer(converted.folder) else None, r.tokenizer,
         probes=[t[:4000] for t in head if t])
-    hashed = HashedTexts(chain(head, texts))
-    ids = token_stream(hashed, tok, r.tokens)
     ctx = context_length(config_a)
     # windows: --seq-len, capped at the context and at --tokens (the report says which length was used)
-    batches = windows(ids, min(r.seq_len, ctx or r.seq_len, r.tokens))
-    overlap = calibration_overlap(converted.folder, hashed.hashes)
-    if overlap:
-        warn(f"{overlap['documents']} of the {overlap['of']} documents checked on were calibration documents of "
-             f"{converted.spec} (surgery.json: calibration on {overlap['calibration']}): its numbers are optimistic; "
-             "check on text it never saw")
+    seq_len = min(r.seq_len, ctx or r.seq_len, r.tokens)
+
+    def tokenized(name: str, text: Iterable[str]) -> tuple[CheckedText, torch.Tensor]:
+        hashed = HashedTexts(text)
+        ids = token_stream(hashed, tok, r.tokens)
+        checked = CheckedText(name, windows(ids, seq_len, f"the text {name}" if more_texts else "the data"),
+                              calibration_overlap(converted.folder, hashed.hashes))
+        if checked.overlap:
+            o = checked.overlap
+            warn(f"{o['documents']} of the {o['of']} documents checked on{f' in {name}' if more_texts else ''} were "
+                 f"calibration documents of {converted.spec} (surgery.json: calibration on {o['calibration']}): its "
+                 "numbers are optimistic; check on text it never saw")
+        return checked, ids
+
+    first, ids = tokenized(r.data, chain(head, texts))
+    checked = [first] + [tokenized(name, text)[0] for name, text in more_texts]
+    batches = first.batches
 
     prompts: list[gen.Prompt] = []
     if r.generate:
@@ -417,32 +455,37 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
     task_set = task_runs.load_tasks(r.tasks, r.tasks_limit) if r.tasks else None  # a task's data that cannot be had: before any model
     return CheckPlan(source, converted, dev, r.dtype, (trust_a, trust_b), causal,
                      vocab_size(config_a) if causal else hidden_size(config_a), source_attention, tok, tokenizer_note,
-                     batches, r.batch_size, prompts, r.generate, n_layer_windows,
-                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), overlap, r.data,
-                     task_set)
+                     checked, r.batch_size, prompts, r.generate, n_layer_windows,
+                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), task_set)
 
 
 def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str], progress: bool = True,
-                        spill_bytes: int = MEMORY_BYTES, warn=None, **request) -> dict:
+                        spill_bytes: int = MEMORY_BYTES, warn=None,
+                        more_texts: Sequence[tuple[str, Iterable[str]]] = (), **request) -> dict:
     """Run the source, then the converted model, over the same windows of `texts`; see the module docstring.
+    `more_texts`: further (name, texts) pairs compared in the same run, each on its own first `tokens` tokens
+    (the report's `texts`).
 
     `request`: the fields of CheckRequest (tokens, seq_len, generate, ...). trust_remote_code trusts the converted
     model's own code, trust_source_code the source's (the toolkit's own modeling files in its own outputs are
     recognised by their sha256 and need neither). `warn(line)` receives warnings (the CLI prints them on stderr).
     `spill_bytes`: the largest store of source outputs kept in memory."""
-    plan = plan_check(source, converted, texts, CheckRequest(**request), warn or (lambda line: None))
+    plan = plan_check(source, converted, texts, CheckRequest(**request), warn or (lambda line: None), more_texts)
     return run_check(plan, progress, spill_bytes)
 
 
 def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_BYTES) -> dict:
     p, seconds = plan, {}
-    with SpillStore(p.batches.numel() * p.width * 4, spill_bytes) as store, \
+    several = len(p.texts) > 1
+    with SpillStore(p.output_bytes, spill_bytes) as store, \
             SpillStore(p.layer_bytes, spill_bytes, what="the source's per-layer outputs") as layer_store:
-        # pass 1: the source alone; what the metrics need waits in the stores
+        # pass 1: the source alone; what the metrics need waits in the stores (text i's chunks under "i-")
         start = time.time()
         model = load_model(p.source, p.device, p.dtype, p.trust[0], attn_implementation=p.source_attention)
         source_attention = model.config._attn_implementation
-        source_pass(model, p.batches, p.batch_size, store, p.device, p.causal, progress, "check source")
+        for i, t in enumerate(p.texts):
+            source_pass(model, t.batches, p.batch_size, store, p.device, p.causal, progress,
+                        f"check source on {t.data}" if several else "check source", prefix=f"{i}-")
         source_continuations = continuations(model, p, progress, "generate source")
         source_forced = forced(model, p, source_continuations)  # the source's margins along its own continuations
         source_layers = layer_errors.record_layers(model, p.layer_batches(), layer_store) if p.layer_windows else 0
@@ -454,9 +497,11 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         # pass 2: the converted model alone, against what the source left
         start = time.time()
         model = load_model(p.converted, p.device, p.dtype, p.trust[1])
-        report = converted_pass(model, p.batches, p.batch_size, store, p.device, p.causal, progress,
-                                "check converted").report()
+        texts = [converted_pass(model, t.batches, p.batch_size, store, p.device, p.causal, progress,
+                                f"check converted on {t.data}" if several else "check converted",
+                                prefix=f"{i}-").report() | t.describe() for i, t in enumerate(p.texts)]
         store.close()
+        report = dict(texts[0])
         if p.new_tokens:
             report["generation"] = gen.compare_continuations(
                 p.prompts, source_continuations, continuations(model, p, progress, "generate converted"),
@@ -472,15 +517,13 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         free(p.device)
         seconds["converted"] = round(time.time() - start, 2)
 
-    report |= {"tokens": p.batches.numel(), "windows": p.batches.shape[0], "seq_len": p.seq_len,
-               "compared": "logits" if p.causal else "last_hidden_state", "data": p.data,
-               "text": f"{p.data}[0:{p.batches.numel()}]", "device": str(p.device), "dtype": p.dtype,
+    report |= {"compared": "logits" if p.causal else "last_hidden_state", "device": str(p.device), "dtype": p.dtype,
                "source_attention": source_attention, "seconds": seconds,
                "scratch": "memory" if store.in_memory else "disk"}
+    if several:
+        report["texts"] = texts
     if p.tokenizer_note:
         report["tokenizer"] = p.tokenizer_note
-    if p.overlap:
-        report["calibration_overlap"] = p.overlap
     return report
 
 
@@ -507,33 +550,35 @@ def forced(model, plan: CheckPlan, paths: list[list[int]] | None) -> tuple[list[
 
 @torch.no_grad()
 def source_pass(model, batches: torch.Tensor, batch_size: int, store: SpillStore, device: torch.device, causal: bool,
-                progress: bool, desc: str) -> None:
-    """The source's outputs for every chunk of windows, into `store` (float32)."""
+                progress: bool, desc: str, prefix: str = "") -> None:
+    """The source's outputs for every chunk of windows, into `store` (float32) under the keys prefix + chunk."""
     with Progress(batches.numel(), desc, enabled=progress) as bar:
         for k, start in enumerate(range(0, batches.shape[0], batch_size)):
             x = batches[start:start + batch_size].to(device)
-            store.put(str(k), outputs(model, x, causal))
+            store.put(f"{prefix}{k}", outputs(model, x, causal))
             bar.update(x.numel())
 
 
 @torch.no_grad()
 def converted_pass(model, batches: torch.Tensor, batch_size: int, store: SpillStore, device: torch.device,
-                   causal: bool, progress: bool, desc: str) -> Accumulator:
-    """The converted model's outputs for every chunk, compared slice by slice with the stored source outputs."""
+                   causal: bool, progress: bool, desc: str, prefix: str = "") -> Accumulator:
+    """The converted model's outputs for every chunk, compared slice by slice with the source outputs `source_pass`
+    stored under the same `prefix`."""
     acc = Accumulator(batches.shape[1])
     with Progress(batches.numel(), desc, enabled=progress) as bar:
         for k, start in enumerate(range(0, batches.shape[0], batch_size)):
+            key = f"{prefix}{k}"
             x = batches[start:start + batch_size].to(device)
             out = outputs(model, x, causal)
-            if store.shape(str(k)) != tuple(out.shape):
+            if store.shape(key) != tuple(out.shape):
                 raise SurgeryError(f"the converted model's outputs have shape {list(out.shape)}, the source's "
-                                   f"{list(store.shape(str(k)))}")
+                                   f"{list(store.shape(key))}")
             rows = out.reshape(-1, out.shape[-1])
             targets = next_token_targets(x).reshape(-1)
             positions = window_positions(*x.shape)
             step = slice_rows(rows.shape[-1])
             for r in range(0, rows.shape[0], step):
-                a = store.rows(str(k), r, min(r + step, rows.shape[0])).to(device)
+                a = store.rows(key, r, min(r + step, rows.shape[0])).to(device)
                 if causal:
                     acc.add_logit_rows(a, rows[r:r + step], targets[r:r + step], positions[r:r + step])
                 else:
@@ -553,6 +598,25 @@ def _source_attention(converted: Source) -> str | None:
 
 
 # --- the report ----------------------------------------------------------------------------------------------------
+def print_texts_table(texts: list[dict], console) -> None:
+    """One row per text of a check on several texts (the first is the main table's)."""
+    from rich.table import Table
+
+    causal = all("kl" in t for t in texts)
+    table = Table(title="by text")
+    columns = ["text", "max |Δ|"] + (["KL / token", "top-1 agreement", "ppl source", "ppl converted", "ratio"]
+                                     if causal else ["mean |Δ|"])
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for t in texts:
+        cells = [t["text"], f"{t['max_abs_diff']:.3e}"]
+        cells += ([f"{t['kl']:.4g}", f"{100 * t['top1_agreement']:.2f}%", f"{t['ppl_source']:.3f}",
+                   f"{t['ppl_converted']:.3f}", f"{t['ppl_converted'] / t['ppl_source']:.3f}x"]
+                  if causal else [f"{t['mean_abs_diff']:.3e}"])
+        table.add_row(*cells)
+    console.print(table)
+
+
 def perplexity_label(report: dict) -> str:
     """Where a perplexity was measured, e.g. `pydoc[0:16384], windows 1024`."""
     return f"{report.get('text', '?')}, windows {report.get('seq_len', '?')}"
@@ -597,6 +661,8 @@ def print_report(report: dict, title: str = "") -> None:
     for name, value in rows:
         table.add_row(name, str(value))
     console.print(table)
+    if report.get("texts"):
+        print_texts_table(report["texts"], console)
     if report.get("by_position"):
         print_position_table(report["by_position"], console)
     if report.get("layers"):

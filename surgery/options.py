@@ -14,9 +14,9 @@ that one rule reads `--to gqa needs --kv-heads N` on the command line and `to: g
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Annotated, Any, Iterable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
 
 
 def option(default: Any = None, flag: str | None = None, help: str = "", *, aliases: tuple[str, ...] = (),
@@ -122,3 +122,21 @@ def command_args(options: BaseModel, exclude: Iterable[str] = ()) -> list[str]:
         for v in value if isinstance(value, (list, tuple)) else [value]:
             args += [flag, str(v)]
     return args
+
+
+# ---- options that take one text or several ----------------------------------------------------------------------
+def one_or_more(v: Any) -> Any:
+    """A recipe's `data: pydoc` is the list of one text."""
+    return [v] if isinstance(v, str) else v
+
+
+Texts = Annotated[list[str], BeforeValidator(one_or_more)]  # repeatable on the command line (`--calib A --calib B`)
+
+
+def texts_rule(name: str):
+    """A field validator for a `Texts` field `name`: at least one text."""
+    def rule(cls, v: list[str], info: ValidationInfo) -> list[str]:
+        if not v:
+            raise ValueError(f"{spelling(info, cls).flag(name)} needs at least one text")
+        return v
+    return rule

@@ -410,6 +410,95 @@ def test_overlap_with_the_calibration_text_is_warned(models, capsys, tmp_path):
     assert code == 0 and "warning" not in err
 
 
+# --- several texts in one run ----------------------------------------------------------------------------------------
+def tail_text(folder: Path) -> Path:
+    """pydoc's last documents in a file: another text than the check's default (pydoc's first documents)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "tail.txt"
+    path.write_text("\n\n".join(pydoc_texts()[-6:]))
+    return path
+
+
+@pytest.mark.parametrize("spill_bytes", [0, 1 << 30], ids=["scratch-disk", "memory"])
+def test_several_texts_are_checked_in_one_run_with_each_texts_own_numbers(models, tmp_path, monkeypatch, spill_bytes):
+    import surgery.check as check_module
+
+    loads = []
+    real_load = check_module.load_model
+    monkeypatch.setattr(check_module, "load_model", lambda source, *a, **k: loads.append(source.spec) or
+                        real_load(source, *a, **k))
+    tail = tail_text(tmp_path)
+    from surgery.data import load_texts
+
+    report = check(models["other"], models["lossy"], tokens=512, seq_len=128, spill_bytes=spill_bytes, data="pydoc",
+                   more_texts=[("tail", load_texts(str(tail)))])
+    assert len(loads) == 2  # each model once, for both texts
+    first, second = report["texts"]
+    assert (first["data"], first["text"], second["data"], second["text"]) == ("pydoc", "pydoc[0:512]", "tail",
+                                                                              "tail[0:512]")
+    assert first["windows"] == second["windows"] == 4 and len(first["by_position"]) == 2
+    for key in METRICS + ("tokens", "windows", "seq_len", "text"):
+        assert report[key] == first[key], key  # the top level is the first text
+    alone = [check(models["other"], models["lossy"], tokens=512, seq_len=128),
+             compare_checkpoints(resolve_source(str(models["other"])), resolve_source(str(models["lossy"])),
+                                 load_texts(str(tail)), tokens=512, seq_len=128, batch_size=3, device="cpu",
+                                 progress=False)]
+    for text, single in zip((first, second), alone):  # each text's numbers are those of a check on it alone
+        for key in METRICS:
+            assert text[key] == pytest.approx(single[key], rel=1e-9, abs=1e-12), key
+        assert [r["ppl_converted"] for r in text["by_position"]] == pytest.approx(
+            [r["ppl_converted"] for r in single["by_position"]], rel=1e-9)
+    assert abs(first["ppl_source"] - second["ppl_source"]) > 0.01  # two different texts
+
+
+def test_several_texts_from_the_command_line(models, capsys, tmp_path):
+    tail = tail_text(tmp_path / "texts")
+    code, out, err = surgery(capsys, "check", models["other"], models["lossy"], "--data", "pydoc", "--data", tail,
+                             "--tokens", "256", "--seq-len", "64", "--json", tmp_path / "r.json")
+    assert code == 0, err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert [t["text"] for t in report["texts"]] == ["pydoc[0:256]", f"{tail}[0:256]"]
+    assert "by text" in out
+    for t in report["texts"]:  # a row per text (long paths wrap in the table: its ratio column is read instead)
+        assert f"{t['ppl_converted']:.3f} │ {t['ppl_converted'] / t['ppl_source']:.3f}x" in out
+    # --expect exact reads every text: the exact pair passes on both, the lossy one fails
+    code, _, err = surgery(capsys, "check", models["src"], models["exact"], "--data", "pydoc", "--data", tail,
+                           "--tokens", "256", "--seq-len", "64", "--expect", "exact")
+    assert code == 0, err
+    code, _, err = surgery(capsys, "check", models["other"], models["lossy"], "--data", "pydoc", "--data", tail,
+                           "--tokens", "256", "--seq-len", "64", "--expect", "exact")
+    assert code == 1 and "not exact" in err
+
+
+def test_a_bad_second_text_fails_in_one_line_before_any_model(models, capsys, tmp_path, monkeypatch):
+    import surgery.check as check_module
+
+    monkeypatch.setattr(check_module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    for data, fragment in ((tmp_path / "missing.txt", "does not exist"),
+                           (short, f"need at least 64 tokens, the text {short} gave")):
+        result = surgery(capsys, "check", models["other"], models["lossy"], "--data", "pydoc", "--data", data,
+                         "--tokens", "256", "--seq-len", "64", "--json", tmp_path / "r.json")
+        assert_one_line_error(result, fragment)
+        assert not (tmp_path / "r.json").exists()
+
+
+def test_the_model_card_has_a_row_per_text(models, tmp_path):
+    from surgery.publish.card import check_section
+
+    tail = tail_text(tmp_path)
+    from surgery.data import load_texts
+
+    several = check(models["other"], models["lossy"], tokens=256, more_texts=[(str(tail), load_texts(str(tail)))],
+                    data="pydoc")
+    one = check(models["other"], models["lossy"], tokens=256, data="pydoc")
+    lines = check_section([("domains", several), ("plain", one)])
+    rows = [line for line in lines if line.startswith("| domains") or line.startswith("| plain")]
+    assert [r.split(" | ")[0] for r in rows] == ["| domains: pydoc[0:256]", f"| domains: {tail}[0:256]", "| plain"]
+    assert f"{several['texts'][1]['ppl_converted']:.3f}" in rows[1]
+
+
 # --- the real model ---------------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_smollm2_mqa_sequential_check_matches_both_models_at_once(tmp_path):

@@ -5,8 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+from pydantic import field_validator
+
 from ..errors import SurgeryError
-from ..options import CliModel, option
+from ..options import CliModel, Texts, option, texts_rule
 
 RUNNER_OWNED = ("revision",)  # a recipe's check compares its source (at the recipe's revision) with the step's input
 
@@ -18,8 +20,9 @@ class CheckFailed(SurgeryError):
 
 
 class CheckOptions(CliModel):
-    data: str = option("pydoc", "--data", "Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub dataset "
-                                          "name[:config][@split].")
+    data: Texts = option(["pydoc"], "--data", "Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub "
+                         "dataset name[:config][@split]. Repeat it to check on several texts (e.g. domains) in one "
+                         "run, each model loaded once: each text gives its own --tokens tokens and numbers.")
     text_field: str = option("text", "--text-field", "Column holding the text in tabular data.")
     tokens: int = option(16384, "--tokens", "Tokens to compare on (at least 1).")
     seq_len: int = option(1024, "--seq-len", "Window length (capped at the context).")
@@ -46,6 +49,8 @@ class CheckOptions(CliModel):
     allow_pickle: bool = option(False, "--allow-pickle", "Accept pickle .bin weights (loaded with weights_only=True).")
     revision: str | None = option(None, "--revision", "Hub revision for hub ids.")
 
+    _data = field_validator("data")(texts_rule("data"))
+
 
 def check_checkpoints(source: str, converted: str, options: CheckOptions, json_out: Path | None = None,
                       warn=print) -> dict:
@@ -60,19 +65,22 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
     check_json_path(json_out)
     src = resolve_source(source, revision=o.revision, allow_pickle=o.allow_pickle)
     dst = resolve_source(converted, allow_pickle=o.allow_pickle)
-    texts = load_texts(o.data, text_field=o.text_field)
-    report = compare_checkpoints(src, dst, texts, tokens=o.tokens, seq_len=o.seq_len, batch_size=o.batch_size,
-                                 device=o.device, dtype=o.dtype, trust_remote_code=o.trust_remote_code,
+    first, *more = o.data
+    report = compare_checkpoints(src, dst, load_texts(first, text_field=o.text_field),
+                                 more_texts=[(d, load_texts(d, text_field=o.text_field)) for d in more],
+                                 tokens=o.tokens, seq_len=o.seq_len, batch_size=o.batch_size, device=o.device,
+                                 dtype=o.dtype, trust_remote_code=o.trust_remote_code,
                                  trust_source_code=o.trust_source_code, allow_pickle=o.allow_pickle,
                                  tokenizer=o.tokenizer, generate=o.generate, prompt_len=o.prompt_len,
-                                 prompts_file=Path(o.prompts) if o.prompts else None, layers=o.layers, data=o.data,
+                                 prompts_file=Path(o.prompts) if o.prompts else None, layers=o.layers, data=first,
                                  tasks=o.tasks, tasks_limit=o.tasks_limit, warn=warn)
     tol = o.atol if o.atol is not None else tolerance(o.dtype)
+    worst = max(t["max_abs_diff"] for t in report.get("texts", [report]))
     report["tolerance"] = tol
-    report["exact"] = report["max_abs_diff"] <= tol
+    report["exact"] = worst <= tol
     print_report(report, title=f"{source}  vs  {converted}")
     if json_out:
         write_json(report, json_out)
     if o.expect == "exact" and not report["exact"]:
-        raise CheckFailed(f"not exact: max |Δlogits| {report['max_abs_diff']:.3g} > tolerance {tol:g}")
+        raise CheckFailed(f"not exact: max |Δlogits| {worst:.3g} > tolerance {tol:g}")
     return report

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, ValidationInfo, field_validator
+from pydantic import ValidationInfo, field_validator
 
-from ..options import CliModel, option, spelling
+from ..options import CliModel, Texts, option, spelling, texts_rule
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
@@ -66,19 +66,7 @@ def positive_calib_tokens(cls, v: int, info: ValidationInfo) -> int:
     return v
 
 
-def one_or_more(v: Any) -> Any:
-    """A recipe's `calib: pydoc` is the list of one text."""
-    return [v] if isinstance(v, str) else v
-
-
-CalibTexts = Annotated[list[str], BeforeValidator(one_or_more)]  # the annotation carries the conversion everywhere
-
-
-def calib_texts_rule(cls, v: list[str], info: ValidationInfo) -> list[str]:
-    """The rule on calib: at least one text."""
-    if not v:
-        raise ValueError(f"{spelling(info, cls).flag('calib')} needs at least one text")
-    return v
+calib_texts_rule = texts_rule("calib")  # at least one calibration text
 
 
 def calib_window_rule(cls, v: int, info: ValidationInfo) -> int:
@@ -92,7 +80,7 @@ class CalibrationOptions(CliModel):
     """Text read to fit a conversion to the source's activations (aligned merge, SwitchHead)."""
 
     GROUP: ClassVar[str] = "calibration (aligned merge, switchhead)"
-    calib: CalibTexts = option(["pydoc"], "--calib", "Calibration text (same forms as check --data). Repeat it to mix "
+    calib: Texts = option(["pydoc"], "--calib", "Calibration text (same forms as check --data). Repeat it to mix "
                               "domains: each text gives an equal share of the calibration windows.", group=GROUP)
     calib_tokens: int = option(8192, "--calib-tokens", "Calibration tokens.", group=GROUP)
     calib_window: int = option(

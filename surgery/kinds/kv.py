@@ -8,8 +8,8 @@ from typing import ClassVar, Literal
 
 from pydantic import ValidationInfo, field_validator, model_validator
 
-from ..options import option, spelling
-from .base import (CalibTexts, calib_texts_rule, calib_window_rule, CalibrationOptions, Kind, positive_calib_tokens,
+from ..options import Texts, option, spelling
+from .base import (calib_texts_rule, calib_window_rule, CalibrationOptions, Kind, positive_calib_tokens,
                    WriteOptions)
 
 METHODS = ("mean", "first", "random", "aligned")
@@ -40,7 +40,7 @@ class KVMergeOptions(WriteOptions):
         False, "--refit-values", "[aligned] Also refit the merged values so that each query head reproduces its "
         "source head's output under the converted attention (holds one hidden x hidden float64 matrix per query head: "
         "about 4 GB on Llama-3-8B).", group=GROUP)
-    calib: CalibTexts = CalibrationOptions.model_fields["calib"]
+    calib: Texts = CalibrationOptions.model_fields["calib"]
     calib_tokens: int = CalibrationOptions.model_fields["calib_tokens"]
     calib_window: int = CalibrationOptions.model_fields["calib_window"]
     _calib = field_validator("calib")(calib_texts_rule)

@@ -9,14 +9,14 @@ from typing import ClassVar
 from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..errors import SurgeryError
-from ..options import option, spelling
-from .base import (AttentionShape, CalibTexts, calib_texts_rule, calib_window_rule, CalibrationOptions, Kind,
+from ..options import Texts, option, spelling
+from .base import (AttentionShape, calib_texts_rule, calib_window_rule, CalibrationOptions, Kind,
                    positive_calib_tokens, WriteOptions)
 
 
 class SwitchHeadOptions(WriteOptions):
     GROUP: ClassVar[str] = "switchhead"
-    calib: CalibTexts = CalibrationOptions.model_fields["calib"]
+    calib: Texts = CalibrationOptions.model_fields["calib"]
     calib_tokens: int = CalibrationOptions.model_fields["calib_tokens"]
     calib_window: int = CalibrationOptions.model_fields["calib_window"]
     _calib = field_validator("calib")(calib_texts_rule)

@@ -151,7 +151,11 @@ def check_section(reports: list[tuple[str, dict]]) -> list[str]:
     lines = _table_head("## Check against the source", "Same tokens through both models (`surgery check`).",
                         ["report"], ["tokens", "max abs Δ", "KL / token", "top-1 agreement", "ppl source",
                                      "ppl converted"])
-    for name, r in reports:
+    rows = []
+    for name, report in reports:  # a check on several texts: a row per text
+        texts = [t for t in report.get("texts") or [] if isinstance(t, dict)]
+        rows += [(f"{name}: {t.get('text', '?')}", t) for t in texts] if texts else [(name, report)]
+    for name, r in rows:
         def f(key, fmt):
             return format(r[key], fmt) if isinstance(r.get(key), (int, float)) else "-"
         top1 = f"{100 * r['top1_agreement']:.2f}%" if isinstance(r.get("top1_agreement"), (int, float)) else "-"
