@@ -604,10 +604,10 @@ def print_texts_table(texts: list[dict], console) -> None:
 
     causal = all("kl" in t for t in texts)
     table = Table(title="by text")
-    columns = ["text", "max |Δ|"] + (["KL / token", "top-1 agreement", "ppl source", "ppl converted", "ratio"]
-                                     if causal else ["mean |Δ|"])
-    for i, col in enumerate(columns):
-        table.add_column(col, justify="left" if i == 0 else "right")
+    columns = ["max |Δ|"] + (["KL", "top-1", "ppl source", "ppl conv.", "ratio"] if causal else ["mean |Δ|"])
+    table.add_column("text", overflow="fold", ratio=1)  # a long path wraps instead of being cut
+    for col in columns:
+        table.add_column(col, justify="right", no_wrap=True)
     for t in texts:
         cells = [t["text"], f"{t['max_abs_diff']:.3e}"]
         cells += ([f"{t['kl']:.4g}", f"{100 * t['top1_agreement']:.2f}%", f"{t['ppl_source']:.3f}",

@@ -13,6 +13,8 @@ import yaml
 
 from hub_server import LocalHub
 from test_cli_errors import assert_one_line_error, surgery
+
+from surgery.errors import SurgeryError
 from test_push import TOKEN, USER, download, hub_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,6 +100,23 @@ def test_the_plan_counts_the_teacher_and_its_hidden_states_for_hidden_weight(tmp
     params = est.stats_from_folder(folder).params  # the teacher: the source
     states = 4 * 2 * 256 * (config["num_hidden_layers"] + 1) * config["hidden_size"]
     assert memory[5.0] - memory[0.0] == pytest.approx(4 * params + states, rel=0.01)
+
+
+def test_a_check_on_several_texts_plans_and_runs_each_text(tmp_path):
+    """`data: [A, B]` in a check step: the command line repeats --data, the plan counts each text's tokens."""
+    from surgery.recipes import load_recipe
+    from surgery.recipes.plan import build_plan
+    from surgery.recipes.runner import command_line, plan_steps
+
+    data = json.loads(json.dumps(BASE))
+    data["steps"][1]["check"]["data"] = ["pydoc", "texts/*.txt"]
+    r = load_recipe(write_recipe(tmp_path / "texts.yaml", data))
+    assert build_plan(r, tmp_path / "out")["steps"][1]["tokens"] == 2 * 512
+    line = command_line(r, plan_steps(r, tmp_path / "out")[1])
+    assert line[line.index("--data"):line.index("--data") + 4] == ["--data", "pydoc", "--data", "texts/*.txt"]
+    data["steps"][1]["check"]["data"] = []
+    with pytest.raises(SurgeryError, match="data needs at least one text"):
+        load_recipe(write_recipe(tmp_path / "none.yaml", data)).validated_steps()
 
 
 def resolve_source_folder(spec: str) -> Path:

@@ -102,7 +102,7 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
                     row["seconds_per_layer"] = _seconds_per_layer(stats, o, probes)
             stats = est.after_convert(stats, o) if stats else None
         elif ps.kind == "check":
-            tokens = o.tokens
+            tokens = o.tokens * len(o.data)  # each text its own --tokens
             memory = est.check_memory(stats, o) if stats else None
         elif ps.kind == "uptrain":
             procs = o.accelerate.num_processes if o.accelerate else 1

@@ -135,9 +135,12 @@ def step_models() -> dict[str, type[BaseModel]]:
             models[kind] = convert_options_model(exclude=owned, extra={"name": name_field}, name="ConvertStep")
             continue
         fields = {n: (info.annotation, info) for n, info in model.model_fields.items() if n not in owned}
+        rules = {n: field_validator(*d.info.fields, mode=d.info.mode)(d.func.__func__)  # the command's field rules
+                 for n, d in model.__pydantic_decorators__.field_validators.items()
+                 if set(d.info.fields) <= set(fields)}
         if kind == "uptrain":
             fields["accelerate"] = (typing.Optional[Launch], None)
-        models[kind] = create_model(f"{kind.capitalize()}Step", __base__=StepBase, **fields)
+        models[kind] = create_model(f"{kind.capitalize()}Step", __base__=StepBase, __validators__=rules, **fields)
     return models
 
 
