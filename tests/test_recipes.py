@@ -13,9 +13,9 @@ import yaml
 
 from hub_server import LocalHub
 from test_cli_errors import assert_one_line_error, surgery
+from test_push import TOKEN, USER, download, hub_env
 
 from surgery.errors import SurgeryError
-from test_push import TOKEN, USER, download, hub_env
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
