@@ -50,7 +50,8 @@ class BenchOptions:
     threads: int | None = None
     rounds: int = 3
     engine: str = "transformers"
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run the code CONVERTED ships (and nothing else)
+    trust_source_code: bool = False  # run the code SOURCE ships
     seed: int = 0
     replicate_prefill: bool = False  # batch > 1: prefill one row, copy its cache to the batch (decode only)
     compile: str | None = None  # torch.compile backend for both models (transformers engine): "inductor", "eager" ...
@@ -155,36 +156,26 @@ class TransformersEngine:
 
     name = "transformers"
 
-    def __init__(self, device: torch.device, dtype: str, trust_remote_code: bool, compile: str | None = None):
+    def __init__(self, device: torch.device, dtype: str, trusted: dict[str, bool], compile: str | None = None):
         from transformers.utils import logging as hf_logging
 
-        self.device, self.dtype, self.trust, self.compile = device, dtype, trust_remote_code, compile
+        self.device, self.dtype, self.trusted, self.compile = device, dtype, trusted, compile
         hf_logging.disable_progress_bar()
 
-    def preflight(self, spec: str) -> None:
-        """Refuse before anything is loaded."""
+    def preflight(self, spec: str, role: str) -> bool:
+        """Refuse before anything is loaded; the `trust_remote_code` to load `spec` (the `role` model) with."""
         from .source import resolve_source
 
-        source = resolve_source(spec)
-        try:  # surgery.trust: the toolkit's own code (hash-checked) runs without the flag
-            from .trust import resolve_trust
-        except ImportError:
-            resolve_trust = None
-        if resolve_trust is not None:
-            resolve_trust(source.folder, self.trust, "--trust-remote-code", spec)
-        elif source.config.get("auto_map") and not self.trust:
-            raise SurgeryError(f"{spec} ships its own modeling code ({source.config.get('model_type')}): pass "
-                               "--trust-remote-code to run it (only for folders written by this toolkit or code "
-                               "you have read)")
+        return role_trust(resolve_source(spec).folder, role, self.trusted, spec)
 
     def load(self, spec: str, role: str):
         from .check import load_model
         from .source import resolve_source
 
-        self.preflight(spec)
+        trust = self.preflight(spec, role)
         source = resolve_source(spec)
         custom = bool(source.config.get("auto_map"))
-        model = load_model(source, self.device, self.dtype, trust_remote_code=custom,
+        model = load_model(source, self.device, self.dtype, trust_remote_code=trust,
                            attn_implementation=None if custom else "sdpa")
         if not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (model.config.architectures or [])):
             raise SurgeryError(f"{spec} is not a causal language model: bench measures prefill and decode")
@@ -286,8 +277,8 @@ class VllmEngine:
 
     name = "vllm"
 
-    def __init__(self, device: torch.device, dtype: str, trust_remote_code: bool, max_tokens: int):
-        self.dtype, self.trust, self.max_tokens = dtype, trust_remote_code, max_tokens
+    def __init__(self, device: torch.device, dtype: str, trusted: dict[str, bool], max_tokens: int):
+        self.dtype, self.trusted, self.max_tokens = dtype, trusted, max_tokens
 
     def load(self, spec: str, role: str):
         from vllm import LLM
@@ -296,9 +287,8 @@ class VllmEngine:
 
         source = resolve_source(spec)
         custom = bool(source.config.get("auto_map"))
-        if custom and not self.trust:
-            raise SurgeryError(f"{spec} ships its own modeling code: pass --trust-remote-code to run it")
-        llm = LLM(model=str(source.folder), dtype=self.dtype, trust_remote_code=custom, max_model_len=self.max_tokens,
+        trust = role_trust(source.folder, role, self.trusted, spec)
+        llm = LLM(model=str(source.folder), dtype=self.dtype, trust_remote_code=trust, max_model_len=self.max_tokens,
                   gpu_memory_utilization=0.4, enforce_eager=False)
         return {"model": llm, "spec": spec, "folder": str(source.folder), "custom_code": custom,
                 "model_type": source.config.get("model_type"), "attention": "vllm",
@@ -357,6 +347,21 @@ def require_compile(backend: str | None, engine: str, device: torch.device) -> N
             raise SurgeryError(f"--compile inductor on CPU needs a C++ compiler ({compiler} is not on PATH)")
 
 
+# The flag that trusts each model's code: --trust-remote-code names CONVERTED only, as in `check`.
+TRUST_FLAGS = {"source": "--trust-source-code", "converted": "--trust-remote-code"}
+
+
+def trusted_roles(opts: BenchOptions) -> dict[str, bool]:
+    return {"source": opts.trust_source_code, "converted": opts.trust_remote_code}
+
+
+def role_trust(folder: Path, role: str, trusted: dict[str, bool], spec: str) -> bool:
+    """`trust_remote_code` for the `role` model: its own flag only, or the toolkit's own code (surgery/trust.py)."""
+    from .trust import resolve_trust
+
+    return resolve_trust(folder, trusted[role], TRUST_FLAGS[role], what=f"the {role} {spec}")
+
+
 def make_engine(opts: BenchOptions, device: torch.device):
     require_engine(opts.engine)
     require_compile(opts.compile, opts.engine, device)
@@ -366,8 +371,8 @@ def make_engine(opts: BenchOptions, device: torch.device):
     if opts.engine == "vllm":
         if device.type != "cuda":
             raise SurgeryError("--engine vllm needs a CUDA device")
-        return VllmEngine(device, opts.dtype, opts.trust_remote_code, longest)
-    return TransformersEngine(device, opts.dtype, opts.trust_remote_code, opts.compile)
+        return VllmEngine(device, opts.dtype, trusted_roles(opts), longest)
+    return TransformersEngine(device, opts.dtype, trusted_roles(opts), opts.compile)
 
 
 # --- statistics -------------------------------------------------------------------------------------------------
@@ -450,9 +455,9 @@ def _run(opts: BenchOptions, engine, device: torch.device, log, partial=None) ->
     started = time.time()
     start_info = {"date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
                   "machine": machine_info(device, torch.get_num_threads())}  # load average at the start
-    for spec in (opts.source, opts.converted):
+    for role, spec in (("source", opts.source), ("converted", opts.converted)):
         if hasattr(engine, "preflight"):
-            engine.preflight(spec)
+            engine.preflight(spec, role)
     handles = {}
     for role, spec in (("source", opts.source), ("converted", opts.converted)):
         start = time.perf_counter()

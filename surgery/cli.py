@@ -148,7 +148,8 @@ def inspect(checkpoints, context, as_json, allow_pickle):
 @click.option("--threads", type=int, help="CPU threads (default: torch's).")
 @click.option("--engine", type=click.Choice(["transformers", "llama.cpp", "vllm"]), default="transformers",
               show_default=True, help="Inference engine (llama.cpp: .gguf files, needs llama-cpp-python; vllm: CUDA).")
-@click.option("--trust-remote-code", is_flag=True, help="Run the modeling code a converted checkpoint ships.")
+@click.option("--trust-remote-code", is_flag=True, help="Run the modeling code CONVERTED ships (not SOURCE's).")
+@click.option("--trust-source-code", is_flag=True, help="Run the modeling code SOURCE ships.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompt tokens.")
 @click.option("--replicate-prefill", is_flag=True, help="For batch > 1: prefill one row and copy its KV cache to "
               "the batch (decode numbers unchanged, prefill measured at batch 1: for slow machines).")
@@ -157,8 +158,8 @@ def inspect(checkpoints, context, as_json, allow_pickle):
                    "aot_eager: dynamo alone); every batch x context is compiled before its rounds, unmeasured.")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write every field and the raw rounds as JSON ('-' for stdout).")
 @click.option("--plot", type=click.Path(path_type=Path), help="Write a PNG of tokens/s against context.")
-def bench(source, converted, batches, contexts, new, rounds, dtype, device, threads, engine, trust_remote_code, seed,
-          replicate_prefill, compile_backend, json_out, plot):
+def bench(source, converted, batches, contexts, new, rounds, dtype, device, threads, engine, trust_remote_code,
+          trust_source_code, seed, replicate_prefill, compile_backend, json_out, plot):
     """Measured speed and memory of CONVERTED against SOURCE: prefill and decode tokens/s, time per decode step,
     KV-cache bytes and peak memory, at every --batch x --context, in alternating rounds (medians and spread).
 
@@ -169,7 +170,8 @@ def bench(source, converted, batches, contexts, new, rounds, dtype, device, thre
     require_engine(engine)
     opts = BenchOptions(source=source, converted=converted, batches=parse_int_list(batches, "--batch"),
                         contexts=parse_int_list(contexts, "--context"), new=new, dtype=dtype, device=device,
-                        threads=threads, rounds=rounds, engine=engine, trust_remote_code=trust_remote_code, seed=seed,
+                        threads=threads, rounds=rounds, engine=engine, trust_remote_code=trust_remote_code,
+                        trust_source_code=trust_source_code, seed=seed,
                         replicate_prefill=replicate_prefill, compile=compile_backend)
     def write_json(report: dict) -> None:
         if json_out and str(json_out) != "-":  # written beside, then renamed: never half a file

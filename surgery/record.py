@@ -7,8 +7,8 @@ their own fields (kept as they are).
 
 Everything under the "local" key (absolute source folders, GGUF file paths, the spec as typed when it is a path)
 is useful on the machine that wrote the checkpoint: `uptrain` finds its default teacher there, `push` compares
-with the source's folder. It is never published: `public_record` drops it, and the other fields hold only hub
-ids, file names and hashes.
+with the source's folder. It is never published: `public_record` drops it wherever it is nested, and names the
+texts (`--data`, `--calib`, `--eval-data`, kept as typed for the local checks) by hub id or file name only.
 """
 
 from __future__ import annotations
@@ -206,10 +206,54 @@ def local_source_folder(record: dict) -> Path | None:
     return Path(folder) if folder and (Path(folder) / "config.json").exists() else None
 
 
+# Files a data spec can name (surgery/data.py reads these suffixes as local files).
+LOCAL_DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet", ".csv")
+DATA_KEYS = ("data", "eval_data")  # record keys holding a text as the user named it (--data, --calib, --eval-data)
+MIXTURE = "mixture: "  # calibration "split" of several texts: "mixture: SPEC: split; SPEC: split"
+
+
+def is_local_data(spec: str) -> bool:
+    """A data spec naming files of this machine (a path, a glob, a file with a data suffix), not `pydoc` or a hub
+    dataset `name[:config][@split]`; judged by its form, so it holds on a machine where the file is gone."""
+    if spec == "pydoc":
+        return False
+    return (spec.startswith(("/", ".", "~")) or any(c in spec for c in "*?[") or spec.count("/") > 1
+            or Path(spec).suffix in LOCAL_DATA_SUFFIXES or Path(spec).expanduser().exists())
+
+
+def public_data(spec: object) -> object:
+    """What may be published of a text as the user named it: `pydoc` and hub datasets as they are, local files and
+    globs as their last component (a mixture's " + "-joined parts each alike). Anything but a string is kept."""
+    if not isinstance(spec, str):
+        return spec
+    parts = spec.split(" + ")
+    return " + ".join(Path(p).expanduser().name or p if is_local_data(p) else p for p in parts)
+
+
+def _public_split(split: str) -> str:
+    if not split.startswith(MIXTURE):
+        return split
+    parts = [p.rpartition(": ") for p in split[len(MIXTURE):].split("; ")]
+    return MIXTURE + "; ".join(f"{public_data(spec)}{sep}{rest}" for spec, sep, rest in parts)
+
+
+def _public(value, key: str | None = None):
+    if isinstance(value, dict):
+        return {k: _public(v, k) for k, v in value.items() if k != LOCAL_KEY}
+    if isinstance(value, list):
+        return [_public(v, key) for v in value]
+    if isinstance(value, str):
+        if key in DATA_KEYS:
+            return public_data(value)
+        if key == "spec":
+            return public_name(value)
+        if key == "split":
+            return _public_split(value)
+    return value
+
+
 def public_record(record: dict) -> dict:
-    """The record without its machine-local part (what `push` uploads)."""
-    out = {k: v for k, v in record.items() if k != LOCAL_KEY}
-    uptraining = out.get("uptraining")
-    if isinstance(uptraining, dict):
-        out["uptraining"] = {k: v for k, v in uptraining.items() if k != LOCAL_KEY}
-    return out
+    """The record as `push` uploads it: every machine-local part dropped, at any depth (the conversion's, each
+    uptraining's, the ones nested by later uptrainings in `previous_uptraining`), and every text (`data`,
+    `eval_data`, a calibration mixture's parts) and source (`spec`) named as `public_data` / `public_name` allow."""
+    return _public(record)

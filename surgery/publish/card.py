@@ -14,12 +14,41 @@ import yaml
 from ..errors import SurgeryError
 from ..inspect import _human, inspect_checkpoint
 from ..kinds import find_kind
-from ..record import local_source_folder
+from ..record import local_source_folder, public_data, public_record
 from .validate import Validation
 
 # Cards carrying this line were written by `surgery push` and are rewritten by the next push; others are kept.
 MARKER = "<!-- model card written by `surgery push`: delete this line to keep your edits -->"
 EMBEDDED = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+SAMPLE_CHARS = 120  # a generation sample is cut to this many characters in the card
+SAMPLES_SHOWN = 2  # samples per report in the card
+
+# Text from reports and records (names of texts, generations, a stranger's surgery.json) is data: in the card it is
+# escaped so that it renders as the characters it holds. HTML's specials and the table separator become entities
+# (GFM splits table rows on raw `|` only), Markdown's punctuation is backslash-escaped (no emphasis, link, heading or
+# code span can open), and line breaks become spaces (a cell, or a line of prose, stays one line).
+_ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", "|": "&#124;"}
+_MARKDOWN = set("\\`*_[]#!~")
+
+
+def text(value: object, limit: int | None = None) -> str:
+    """`value` as literal characters in Markdown prose or a table cell (see above); cut to `limit` characters."""
+    raw = " ".join(str(value).split())
+    if limit is not None and len(raw) > limit:
+        raw = raw[:limit - 1] + "…"
+    return "".join(_ENTITIES.get(c) or (f"\\{c}" if c in _MARKDOWN else c) for c in raw)
+
+
+def code(value: object) -> str:
+    """`value` as an inline code span: no backtick or line break inside can end it, and nothing in it is HTML."""
+    return "`" + " ".join(str(value).split()).replace("`", "'") + "`"
+
+
+def number(value: object, fmt: str = "", suffix: str = "") -> str:
+    """A report's number formatted for the card; anything else (missing, a string in a hand-edited report) as "-"."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-"
+    return format(value, fmt) + suffix
 
 
 def _front_matter(readme: Path) -> dict:
@@ -110,13 +139,14 @@ def conversion_section(v: Validation, info: dict) -> list[str]:
     known = find_kind(record)
     what = known.title if known else kind
     source = info["base_model"] or info["spec"] or "the source checkpoint"
-    lines.append(f"Converted from `{source}`" + (f" (revision `{info['revision']}`)" if info["revision"] else "")
-                 + f" to {what} by `surgery` {record.get('version', '')}.".replace(" .", "."))
+    version = f" {text(record['version'])}" if record.get("version") else ""
+    lines.append(f"Converted from {code(source)}" + (f" (revision {code(info['revision'])})" if info["revision"] else "")
+                 + f" to {text(what)} by `surgery`{version}.")
     gguf = (record.get("source") or {}).get("gguf_file")
     if gguf:
-        lines.append(f"The source weights are the GGUF file `{gguf}` dequantized to float32: they carry that file's "
+        lines.append(f"The source weights are the GGUF file {code(gguf)} dequantized to float32: they carry that file's "
                      "quantization error, so they are not bit-identical to the original model's release.")
-    lines += known.card_lines(record) if known else []
+    lines += [text(line) for line in known.card_lines(record)] if known else []
     lines.append("")
     after = inspect_checkpoint(v.folder)
     before = _inspect_source(info["folder"])
@@ -154,15 +184,25 @@ def check_section(reports: list[tuple[str, dict]]) -> list[str]:
     rows = []
     for name, report in reports:  # a check on several texts: a row per text
         texts = [t for t in report.get("texts") or [] if isinstance(t, dict)]
-        rows += [(f"{name}: {t.get('text', '?')}", t) for t in texts] if texts else [(name, report)]
+        rows += [(f"{text(name)}: {text_label(t)}", t) for t in texts] if texts else [(text(name), report)]
     for name, r in rows:
         def f(key, fmt):
-            return format(r[key], fmt) if isinstance(r.get(key), (int, float)) else "-"
-        top1 = f"{100 * r['top1_agreement']:.2f}%" if isinstance(r.get("top1_agreement"), (int, float)) else "-"
-        lines.append(f"| {name} | {r.get('tokens', '-')} | {f('max_abs_diff', '.3g')} | {f('kl', '.4g')} | {top1} "
+            return number(r.get(key), fmt)
+        top1 = number(100 * r["top1_agreement"], ".2f", "%") if number(r.get("top1_agreement")) != "-" else "-"
+        lines.append(f"| {name} | {number(r.get('tokens'))} | {f('max_abs_diff', '.3g')} | {f('kl', '.4g')} | {top1} "
                      f"| {f('ppl_source', '.3f')} | {f('ppl_converted', '.3f')} |")
     lines.append("")
     return lines + positions_section(reports) + generation_section(reports) + tasks_section(reports)
+
+
+def text_label(row: dict) -> str:
+    """A checked text's name in the card: its data as `public_data` names it (a local file by its name only) and the
+    tokens read, `pydoc[0:4096]`; escaped (see `text`)."""
+    data = row.get("data")
+    if isinstance(data, str):
+        tokens = row.get("tokens")
+        return text(f"{public_data(data)}[0:{tokens}]" if isinstance(tokens, int) else public_data(data))
+    return text(public_data(row.get("text", "?")))
 
 
 def positions_section(reports: list[tuple[str, dict]]) -> list[str]:
@@ -177,8 +217,9 @@ def positions_section(reports: list[tuple[str, dict]]) -> list[str]:
     for name, r in split:
         for row in r["by_position"]:
             a, b = row["positions"]
-            lines.append(f"| {name} | {a}-{b - 1} | {row['ppl_source']:.3f} | {row['ppl_converted']:.3f} "
-                         f"| {row['ppl_ratio']:.3f}x | {row['kl']:.4g} | {100 * row['top1_agreement']:.1f}% |")
+            lines.append(f"| {text(name)} | {number(a)}-{number(b - 1)} | {number(row['ppl_source'], '.3f')} "
+                         f"| {number(row['ppl_converted'], '.3f')} | {number(row['ppl_ratio'], '.3f', 'x')} "
+                         f"| {number(row['kl'], '.4g')} | {number(100 * row['top1_agreement'], '.1f', '%')} |")
     return lines + [""]
 
 
@@ -200,9 +241,22 @@ def generation_section(reports: list[tuple[str, dict]]) -> list[str]:
         buckets = [f"{100 * b['agreement']:.1f}% of {b['steps']}" if b.get("agreement") is not None else "-"
                    for b in g.get("forced_by_margin", [])]
         forced = f"{100 * g['forced_agreement']:.1f}%" if "forced_agreement" in g else "-"
-        lines.append(f"| {name} | {g['prompts']} x {g['new_tokens']} | {100 * g['token_agreement']:.1f}% "
-                     f"| {g['mean_first_divergence']:.1f} | {forced} | "
-                     + " | ".join(buckets or ["-"] * (len(gen.MARGIN_EDGES) - 1)) + " |")
+        lines.append(f"| {text(name)} | {number(g['prompts'])} x {number(g['new_tokens'])} "
+                     f"| {number(100 * g['token_agreement'], '.1f', '%')} | {number(g['mean_first_divergence'], '.1f')} "
+                     f"| {forced} | " + " | ".join(buckets or ["-"] * (len(gen.MARGIN_EDGES) - 1)) + " |")
+    return lines + [""] + samples_section(made)
+
+
+def samples_section(made: list[tuple[str, dict]]) -> list[str]:
+    """The first continuations of each report, prompt and both models' text, escaped and cut (`text`)."""
+    shown = [(name, s) for name, g in made for s in (g.get("samples") or [])[:SAMPLES_SHOWN] if isinstance(s, dict)]
+    if not shown:
+        return []
+    lines = _table_head("#### Sample continuations", f"The first {SAMPLES_SHOWN} prompts of each report, cut to "
+                        f"{SAMPLE_CHARS} characters.", ["report", "prompt", "source", "converted"], [])
+    for name, sample in shown:
+        lines.append(f"| {text(name)} | " + " | ".join(text(sample.get(k, ""), SAMPLE_CHARS)
+                                                      for k in ("prompt", "source", "converted")) + " |")
     return lines + [""]
 
 
@@ -217,12 +271,12 @@ def tasks_section(reports: list[tuple[str, dict]]) -> list[str]:
                         ["report", "task", "metric"], ["source", "converted"])
     for name, r in scored:
         for task, metric, a, b in rows(r["tasks"]):
-            lines.append(f"| {name} | {task} | {metric} | {a:.4g} | {b:.4g} |")
+            lines.append(f"| {text(name)} | {text(task)} | {text(metric)} | {number(a, '.4g')} | {number(b, '.4g')} |")
     return lines + [""]
 
 
 def uptraining_section(v: Validation) -> list[str]:
-    up = (v.record or {}).get("uptraining")
+    up = public_record(v.record or {}).get("uptraining")
     if not up:
         return []
     lines = ["## Uptraining", ""]
@@ -236,10 +290,11 @@ def uptraining_section(v: Validation) -> list[str]:
     for title, key in keys:
         if up.get(key) is not None:
             value = up[key]
-            lines.append(f"| {title} | {f'{value:.3f}' if isinstance(value, float) else value} |")
+            lines.append(f"| {title} | {number(value, '.3f') if isinstance(value, float) else text(value)} |")
     opt = up.get("optimizer") or {}
-    if opt:
-        lines.append(f"| optimizer | {opt.get('name', '')} lr {opt.get('lr')} ({opt.get('schedule', '')}) |")
+    if isinstance(opt, dict) and opt:
+        lines.append(f"| optimizer | {text(opt.get('name', ''))} lr {text(opt.get('lr'))} "
+                     f"({text(opt.get('schedule', ''))}) |")
     if (v.folder / "uptrain.png").exists():
         lines += ["", "![uptraining loss and perplexity](uptrain.png)"]
     lines.append("")
@@ -270,19 +325,21 @@ def bench_section(bench: dict | None) -> list[str]:
         return []
     from ..bench import markdown_table
 
-    m = bench.get("machine", {})
+    m = bench.get("machine") if isinstance(bench.get("machine"), dict) else {}
     where = m.get("gpu") or f"{m.get('processor', 'CPU')}, {m.get('threads')} threads"
     lines = ["## Measured speed", "",
-             f"`surgery bench` ({bench.get('engine')}, {bench.get('dtype')}, {where}, {bench.get('date', '')[:10]}): "
-             f"medians of {bench.get('rounds')} alternating rounds, {bench.get('new_tokens')} generated tokens; "
-             "ratios are converted / source.", ""]
-    return lines + markdown_table(bench) + [""]
+             f"`surgery bench` ({text(bench.get('engine'))}, {text(bench.get('dtype'))}, {text(where)}, "
+             f"{text(str(bench.get('date', ''))[:10])}): medians of {text(bench.get('rounds'))} alternating rounds, "
+             f"{text(bench.get('new_tokens'))} generated tokens; ratios are converted / source.", ""]
+    rows = [r | {"batch": number(r.get("batch")), "context": number(r.get("context"))}
+            for r in bench.get("results") or [] if isinstance(r, dict)]  # the table's only text cells
+    return lines + markdown_table(bench | {"results": rows}) + [""]
 
 
 def build_card(v: Validation, repo_id: str, reports: list[tuple[str, dict]] = (), bench: dict | None = None) -> str:
     info = source_info(v.record)
     meta = metadata(v, info)
-    body = [f"# {repo_id.split('/')[-1]}", ""]
+    body = [f"# {text(repo_id.split('/')[-1])}", ""]
     body += conversion_section(v, info)
     body += check_section(list(reports))
     body += bench_section(bench)
