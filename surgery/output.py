@@ -14,7 +14,7 @@ from typing import Callable
 from .atomic import atomic_output_dir
 from .errors import SurgeryError
 from .record import new_record, write_record
-from .source import Source, copy_side_files, custom_code_files, public_config
+from .source import Source, copy_side_files, custom_code_files, public_config, side_files
 from .tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
 from .threads import threads
 from .trust import CODE_RECORD, code_record
@@ -32,6 +32,7 @@ def write_conversion(source: Source, reader: CheckpointReader, out: Path, planne
     one torch thread (more would only spin against the copy and hash threads)."""
     code_files = tuple(code_files)
     source_code = custom_code_files(source.folder, new_config, provided=code_files)
+    side_files(source.folder)  # a side file linking outside the source is refused before anything is written
     hashes: dict[str, str] = {}
     failed: list[BaseException] = []
 

@@ -198,18 +198,49 @@ def public_config(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in MACHINE_CONFIG_KEYS}
 
 
-def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy tokenizer, generation config and licence files; returns the names copied. tokenizer_config.json is made
-    loadable by transformers 4.x as well as 5.x, without the keys that describe the machine it was saved on (see
-    portable_tokenizer_config)."""
-    copied = []
+def _allowed_roots(folder: Path) -> list[Path]:
+    """Where a source's files may really live: the folder itself and, for a hub snapshot
+    (`.../snapshots/REV`), its repository's `blobs/` (huggingface_hub links every snapshot file there)."""
+    real = Path(folder).resolve()
+    return [real, real.parent.parent / "blobs"] if real.parent.name == "snapshots" else [real]
+
+
+def inside_file(folder: Path, path: Path, what: str) -> Path:
+    """`path`, a file of the source `folder` to be copied into an output, if it is a regular file that really lies
+    inside the folder (a symlink may point only within it, or to the hub cache's blobs of a snapshot); otherwise one
+    line naming it. Copying follows links, so a link to a file elsewhere on this machine would put that file
+    in the output, and `push` would upload it."""
+    from . import sanity
+
+    real = Path(path).resolve()
+    if not any(real.is_relative_to(root) for root in _allowed_roots(folder)):
+        raise SurgeryError(f"{what} {Path(path).name} in {folder} is a link to {real}, outside the checkpoint "
+                           "folder: refused (copy the file into the folder, or remove the link)")
+    return sanity.regular_file(path, what)
+
+
+def side_files(src: Path) -> list[Path]:
+    """The tokenizer, generation config and licence files of `src` that an output carries, each checked by
+    `inside_file` (folders that a pattern matches are not side files and are left out)."""
+    found = {}
     for pattern in SIDE_FILE_PATTERNS:
         for f in sorted(Path(src).glob(pattern)):
-            if f.is_file() and not (Path(dst) / f.name).exists():
-                shutil.copy2(f, Path(dst) / f.name)
-                if f.name == "tokenizer_config.json":
-                    portable_tokenizer_config(Path(dst) / f.name)
-                copied.append(f.name)
+            if f.name not in found and not f.is_dir():
+                found[f.name] = inside_file(src, f, "side file")
+    return list(found.values())
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy tokenizer, generation config and licence files (checked by `side_files`); returns the names copied.
+    tokenizer_config.json is made loadable by transformers 4.x as well as 5.x, without the keys that describe the
+    machine it was saved on (see portable_tokenizer_config)."""
+    copied = []
+    for f in side_files(src):
+        if not (Path(dst) / f.name).exists():
+            shutil.copyfile(f, Path(dst) / f.name)
+            if f.name == "tokenizer_config.json":
+                portable_tokenizer_config(Path(dst) / f.name)
+            copied.append(f.name)
     return copied
 
 
@@ -259,7 +290,7 @@ def custom_code_files(folder: Path, config: dict, provided: tuple[str, ...] = ()
         if not path.is_file():
             raise SurgeryError(f"auto_map names {name}, which {folder} lacks: the converted checkpoint would not load")
         try:
-            tree = ast.parse(sanity.regular_file(path, "custom code").read_text(), filename=str(path))
+            tree = ast.parse(inside_file(folder, path, "custom code").read_text(), filename=str(path))
         except (SyntaxError, ValueError, UnicodeDecodeError) as e:
             raise SurgeryError(f"{path} (custom code named by auto_map) does not parse: {e}") from None
         files.append(name)

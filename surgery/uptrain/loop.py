@@ -22,7 +22,7 @@ import torch
 
 from ..atomic import atomic_output_dir, check_output_path, ordinary_permissions
 from ..errors import SurgeryError
-from ..source import resolve_source
+from ..source import resolve_source, side_files
 from ..record import local_source_folder, public_name, read_record, write_record
 from . import lora, model_io
 from .align import align, check_alignable
@@ -271,6 +271,8 @@ class UptrainRecipe:
         self.trajectory = o.trajectory() | {"model": str(Path(self.source.folder).absolute()),
                                             "loss": self.objective.kind}
         check_output_path(o.out, o.force, source=self.source.folder)
+        side_files(self.source.folder)  # the files the output will copy: refused now, not after the training
+        model_io.custom_code_files(self.source.folder)
         check_run_dir(o, self.trajectory)
         set_seed(o.seed)
 

@@ -11,7 +11,7 @@ from .. import __version__
 from .. import check
 from ..check import context_length, is_causal_lm
 from ..errors import SurgeryError
-from ..source import Source, copy_side_files, resolve_source
+from ..source import Source, copy_side_files, inside_file, resolve_source
 from ..record import LOCAL_KEY, local_source_folder, now, public_name, read_record
 from ..trust import resolve_trust
 from ..tensors import DTYPES
@@ -121,8 +121,9 @@ def checkpoint_dtype(folder: Path, config: dict) -> torch.dtype:
 
 
 def custom_code_files(folder: Path) -> list[Path]:
-    """Python files a checkpoint ships for `auto_map` (all top-level *.py: modules may import siblings)."""
-    return sorted(p for p in Path(folder).glob("*.py") if p.is_file())
+    """Python files a checkpoint ships for `auto_map` (all top-level *.py: modules may import siblings), each a
+    regular file inside the folder (surgery.source.inside_file)."""
+    return [inside_file(folder, p, "code file") for p in sorted(Path(folder).glob("*.py")) if not p.is_dir()]
 
 
 def write_checkpoint(model, state: dict | None, source: Source, dst: Path, dtype: torch.dtype, max_shard_size: str,
@@ -140,7 +141,7 @@ def write_checkpoint(model, state: dict | None, source: Source, dst: Path, dtype
     copy_side_files(source.folder, dst)
     for f in custom_code_files(source.folder):
         if not (dst / f.name).exists():
-            shutil.copy2(f, dst / f.name)
+            shutil.copyfile(f, dst / f.name)
 
 
 def uptrained_record(source: Source, uptraining: dict) -> dict:
