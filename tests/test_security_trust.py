@@ -17,10 +17,12 @@ import yaml
 import tiny_models as tm
 from test_cli_errors import assert_one_line_error, surgery
 from test_merge_convert import char_tokenizer
-from test_security import UPTRAIN_FAST, hostile_checkpoint, ran
+from test_security import cli_error, hostile_checkpoint, ran
 
 BENCH_FAST = ("--context", "8", "--new", "2", "--rounds", "1", "--threads", "1")
 CHECK_FAST = ("--tokens", "128", "--seq-len", "32")
+UPTRAIN_FAST = ("--tokens", "128", "--seq-len", "32", "--batch-tokens", "128", "--micro-batch", "4",
+                "--eval-tokens", "0", "--save-every", "0")
 
 
 def plain(folder: Path, seed: int = 1) -> Path:
@@ -61,10 +63,11 @@ def test_a_trust_flag_runs_the_code_of_the_model_it_names_and_no_other(name, rol
     hostile, markers, other = pair
     out = tmp_path / ("out" if name == "uptrain" else "out.json")
     args = command(name, role, hostile, other, out)
-    for refused in ((), (other_flag,)):  # no flag, or the flag of the other model
-        assert_one_line_error(surgery(*args, *refused), flag, "modeling_x.py")
-        assert ran(markers) == [] and not out.exists()
-    result = surgery(*args, flag)  # the control: the flag that names it runs its code
+    assert_one_line_error(surgery(*args), flag, "modeling_x.py")  # no flag
+    message = cli_error(*args, other_flag)  # the other model's flag (in this process: no interpreter start-up)
+    assert flag in message and "modeling_x.py" in message
+    assert ran(markers) == [] and not out.exists()
+    result = surgery(*args, flag)  # the control: the flag that names it runs its code (a fresh process imports it)
     assert result.returncode == 0, result.stderr
     assert ran(markers) == ["configuration_x", "modeling_x"] and out.exists()
 

@@ -25,10 +25,10 @@ SAMPLES_SHOWN = 2  # samples per report in the card
 
 # Text from reports and records (names of texts, generations, a stranger's surgery.json) is data: in the card it is
 # escaped so that it renders as the characters it holds. HTML's specials and the table separator become entities
-# (GFM splits table rows on raw `|` only), Markdown's punctuation is backslash-escaped (no emphasis, link, heading or
-# code span can open), and line breaks become spaces (a cell, or a line of prose, stays one line).
+# (GFM splits table rows on raw `|` only), Markdown's punctuation is backslash-escaped (no emphasis, link, image,
+# heading or code span can open), and line breaks become spaces (a cell, or a line of prose, stays one line).
 _ENTITIES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", "|": "&#124;"}
-_MARKDOWN = set("\\`*_[]#!~")
+_MARKDOWN = set("\\`*_[#~")  # an unopened `]` is plain text
 
 
 def text(value: object, limit: int | None = None) -> str:
