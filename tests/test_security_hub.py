@@ -145,15 +145,14 @@ def test_nothing_pushed_names_this_machine(hub, tmp_path):
     texts = work / "texts"
     texts.mkdir(parents=True)
     docs = pydoc_texts()
-    for i, name in enumerate(["train.txt", "held.txt", "calib.txt", "other.txt"]):
-        (texts / name).write_text("\n".join(docs[i * 3:(i + 1) * 3]))
+    for i, name in enumerate(["train-0.txt", "train-1.txt", "train-2.txt", "held.txt", "calib.txt", "other.txt"]):
+        (texts / name).write_text("\n".join(docs[i * 3:(i + 1) * 3]))  # .txt: a document per file
     src = source(work / "src")
-    run_in(work, "convert", src, "--to", "mqa", "--out", work / "mqa")
     run_in(work, "convert", src, "--to", "gqa", "--kv-heads", "2", "--merge", "aligned", "--calib",
            texts / "calib.txt", "--calib", "texts/other.txt", "--calib-tokens", "256", "--out", work / "aligned")
-    run_in(work, "uptrain", work / "aligned", "--out", work / "up1", "--data", texts / "train.txt", "--eval-data",
+    run_in(work, "uptrain", work / "aligned", "--out", work / "up1", "--data", texts / "train-*.txt", "--eval-data",
            texts / "held.txt", "--loss", "lm", *UPTRAIN_FAST)
-    run_in(work, "uptrain", "up1", "--out", "up2", "--data", "texts/train.txt", "--eval-data", "texts/*.txt",
+    run_in(work, "uptrain", "up1", "--out", "up2", "--data", "texts/train-*.txt", "--eval-data", "texts/*.txt",
            *UPTRAIN_FAST)  # KD from the source surgery.json names; the second uptraining nests the first
     run_in(work, "check", src, "up2", "--data", texts / "held.txt", "--data", "texts/other.txt", "--generate", "4",
            "--tokens", "128", "--seq-len", "32", "--json", "check.json")
@@ -163,19 +162,20 @@ def test_nothing_pushed_names_this_machine(hub, tmp_path):
     assert len(record["previous_uptraining"]) == 1 and record["calibration"]["mixture"]  # every kind is there
     assert str(texts) in json.dumps(record)  # the local record keeps the paths as typed (for local checks)
 
-    env = hub_env(hub, tmp_path)
-    for folder, extra in (("mqa", ()), ("aligned", ()), ("up1", ()),
-                          ("up2", ("--check-report", "check.json", "--bench-report", "bench.json"))):
-        result = subprocess.run([sys.executable, "-m", "cli", "push", folder, f"alice/{folder}", *extra], cwd=work,
-                                capture_output=True, text=True, timeout=300,
-                                env={**os.environ, **env, "PYTHONPATH": str(REPO)})
-        assert result.returncode == 0, result.stderr
+    # up2's record holds them all: the conversion's (with its calibration), both uptrainings'
+    result = subprocess.run([sys.executable, "-m", "cli", "push", "up2", "alice/up2", "--check-report", "check.json",
+                             "--bench-report", "bench.json"], cwd=work, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, **hub_env(hub, tmp_path), "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
     card = (download(hub, "alice/up2", tmp_path / "dl") / "README.md").read_text()
     assert "held.txt\\[0:" in card and "other.txt\\[0:" in card  # the texts are named, by file name only
-    assert "train.txt" in card
+    assert "train-\\*.txt" in card
 
     stored = [p for p in (tmp_path / "hub-data").rglob("*") if p.is_file()]
-    assert len(stored) > 20
+    repo = hub.repos["alice/up2"]
+    uploaded = set(repo.commits[repo.refs["main"]].files)
+    assert {"surgery.json", "README.md", "config.json", "tokenizer_config.json", "uptrain_metrics.jsonl"} <= uploaded
+    assert len(stored) >= len(uploaded)
     for path in stored:
         data = path.read_bytes().decode("utf-8", errors="ignore")
         for machine_path in machine_paths(tmp_path):
