@@ -182,6 +182,21 @@ def test_nothing_pushed_names_this_machine(hub, tmp_path):
             assert machine_path not in data, (path.name, machine_path)
 
 
+def test_push_refuses_a_file_linking_outside_the_folder(hub, secret, tmp_path):
+    src = source(tmp_path / "src")
+    assert surgery("convert", src, "--to", "mqa", "--out", tmp_path / "mqa").returncode == 0
+    (tmp_path / "mqa" / "NOTES.txt").symlink_to(secret)  # not a weight, code or config file: no hash covers it
+    result = surgery("push", tmp_path / "mqa", "alice/x", env=hub_env(hub, tmp_path))
+    assert_one_line_error(result, "NOTES.txt", "outside the checkpoint folder")
+    assert hub.repos == {}  # refused before the repository is created
+    (tmp_path / "mqa" / "NOTES.txt").unlink()
+    (tmp_path / "mqa" / "NOTES.txt").symlink_to("config.json")  # a link inside the folder goes up as its file
+    result = surgery("push", tmp_path / "mqa", "alice/x", env=hub_env(hub, tmp_path))
+    assert result.returncode == 0, result.stderr
+    back = download(hub, "alice/x", tmp_path / "dl")
+    assert (back / "NOTES.txt").read_bytes() == (tmp_path / "mqa" / "config.json").read_bytes()
+
+
 # ---- card injection -----------------------------------------------------------------------------------------
 HOSTILE = "<script>alert(1)</script> | col\n# Heading `code` [link](http://x) &amp; *em*"
 

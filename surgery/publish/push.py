@@ -63,18 +63,26 @@ def _endpoint() -> str:
 def upload_operations(folder: Path, card_text: str | None) -> list:
     """One commit's files: everything in `folder` but hidden files and temporaries, the generated card (from
     memory, in place of the folder's README.md) when there is one, and surgery.json without its machine-local
-    part (from memory: record.public_record)."""
+    part (from memory: record.public_record). Each file must be a regular file inside `folder` (links within it,
+    or a hub snapshot's into its blobs, are fine): a link elsewhere is refused in one line."""
     from huggingface_hub import CommitOperationAdd
     from huggingface_hub.utils import filter_repo_objects
 
-    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    from ..source import inside_file
+
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
     from_memory = {}
     if card_text is not None:
         from_memory["README.md"] = card_text.encode()
     if (folder / RECORD_FILE).is_file():
         from_memory[RECORD_FILE] = (json.dumps(public_record(read_record(folder)), indent=2) + "\n").encode()
-    ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(folder / n))
-           for n in filter_repo_objects(names, ignore_patterns=IGNORE + list(from_memory))]
+    uploaded = list(filter_repo_objects(names, ignore_patterns=IGNORE + list(from_memory)))
+    for n in uploaded:  # a link to a file elsewhere on this machine would upload that file: refused, as side files are
+        inside_file(folder, folder / n, "file")
+    try:
+        ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(folder / n)) for n in uploaded]
+    except OSError as e:
+        raise SurgeryError(f"cannot read {e.filename or folder}: {e.strerror or e}") from None
     ops += [CommitOperationAdd(path_in_repo=n, path_or_fileobj=data) for n, data in from_memory.items()]
     return ops
 
@@ -104,6 +112,7 @@ def push_folder(folder: Path, repo_id: str, private: bool = False, revision: str
         log(f"model card: generated, uploaded as README.md ({folder} itself is not modified)")
     record = validation.record or {}
     message = message or f"Upload {record.get('kind') or 'checkpoint'} made with surgery {record.get('version', '')}".strip()
+    operations = upload_operations(folder, card_text)  # every file checked and hashed before the hub is contacted
     api = HfApi(token=token)
     try:
         try:
@@ -114,7 +123,7 @@ def push_folder(folder: Path, repo_id: str, private: bool = False, revision: str
             raise
         if revision and revision != "main":
             api.create_branch(repo_id, branch=revision, exist_ok=True)
-        commit = api.create_commit(repo_id, operations=upload_operations(folder, card_text), commit_message=message,
+        commit = api.create_commit(repo_id, operations=operations, commit_message=message,
                                    revision=revision, repo_type="model")
     except HfHubHTTPError as e:
         raise SurgeryError(f"cannot push to {repo_id}: {_scrub(str(e), token)}") from None
