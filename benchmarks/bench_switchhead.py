@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from surgery.inspect import inspect_checkpoint  # noqa: E402
-from surgery.kvcache import cache_keyword, returned_cache  # noqa: E402
+from surgery.runtime import cache_keyword, returned_cache  # noqa: E402
 from surgery.source import resolve_source  # noqa: E402
 
 

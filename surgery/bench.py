@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from .errors import SurgeryError
-from .kvcache import cache_keyword, returned_cache
+from .runtime import cache_keyword, returned_cache
 
 ENGINES = ("transformers", "llama.cpp", "vllm")
 ENGINE_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python"), "vllm": ("vllm", "vllm")}
@@ -178,7 +178,7 @@ class TransformersEngine:
                                "you have read)")
 
     def load(self, spec: str, role: str):
-        from .check import load_model
+        from .runtime import load_model
         from .source import resolve_source
 
         self.preflight(spec)
@@ -427,7 +427,7 @@ def machine_info(device: torch.device, threads: int) -> dict:
 
 def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None,
               partial: Callable[[dict], None] | None = None) -> dict:
-    from .check import pick_device
+    from .runtime import pick_device
 
     if opts.rounds < 1 or opts.new < 1:
         raise SurgeryError("--rounds and --new must be at least 1")

@@ -81,8 +81,8 @@ def _rate(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> t
 def probe_throughput(device: torch.device | str = "cpu", seconds: float = 1.0, threads_float32: int | None = None) -> Throughput:
     """float32 and float64 matmul flop/s of `device`, in about `seconds` (half each). On the CPU, float32 runs with
     `threads_float32` threads (the forward passes' count; default the current one) and float64 with one thread, as
-    the merge's fits do (surgery/threads.py)."""
-    from .threads import threads
+    the merge's fits do (surgery/runtime.py: threads)."""
+    from .runtime import threads
 
     device = torch.device(device)
     if device.type == "cuda":

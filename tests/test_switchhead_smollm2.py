@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from surgery.check import compare_models, load_model
+from surgery.check import compare_models
+from surgery.runtime import load_model
 from surgery.data import pydoc_texts, token_stream
 from surgery.inspect import inspect_checkpoint
 from surgery.source import resolve_source

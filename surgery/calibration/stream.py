@@ -25,12 +25,11 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..check import pick_device
 from ..errors import SurgeryError
 from ..tensors import CheckpointReader, dtype_size
 from .layout import memory_layout
 
-__all__ = ["LayerCall", "LayerStream", "estimate_peak_bytes", "open_stream", "pick_device", "run_layer",
+__all__ = ["LayerCall", "LayerStream", "estimate_peak_bytes", "open_stream", "run_layer",
            "LayerProgress", "StopForward", "run_until_stopped"]
 
 OFFLOAD_FRACTION = 0.5  # activations may take at most this share of the device's free memory

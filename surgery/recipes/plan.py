@@ -125,7 +125,7 @@ def _seconds_per_layer(stats: est.ModelStats, options, probes: dict) -> float | 
     (None when that device is not on this machine)."""
     import torch
 
-    from ..calibration.stream import pick_device
+    from ..runtime import pick_device
     from ..estimate import probe_throughput
 
     try:
