@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
 
+from . import sanity
 from .errors import SurgeryError
 
 
@@ -372,3 +373,44 @@ def support_markdown() -> str:
     lines += ["", f"model_types supported: {counts}."]
     lines += [""] + [f"- {line}" for line in conditional_refusals()]
     return "\n".join(lines) + "\n"
+
+
+# ---- the attention shape of any checkpoint ------------------------------------------------------------------------
+_KEYS = {
+    "heads": ("num_attention_heads", "n_head"),
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "layers": ("num_hidden_layers", "n_layer"),
+}
+# model_type prefix a converted checkpoint's config carries, per kind (filled by surgery.kinds.register)
+CONVERTED_PREFIXES: dict[str, str] = {}
+
+
+def source_model_type(model_type: str) -> str:
+    """A converted checkpoint's model_type without its kind's prefix (the source family's)."""
+    for prefix in CONVERTED_PREFIXES.values():
+        model_type = model_type.removeprefix(prefix)
+    return model_type
+
+
+def first_key(config: dict, keys: tuple[str, ...]) -> int:
+    """The first of `keys` that `config` sets, as an int (refused in one line when none is set)."""
+    for k in keys:
+        if config.get(k) is not None:
+            return int(config[k])
+    raise SurgeryError(f"config.json has no {keys[0]}" + (f" (or {', '.join(keys[1:])})" if keys[1:] else ""))
+
+
+def attention_shape(config: dict) -> dict:
+    """heads, stored K/V heads, head_dim, hidden size, layers — from the family's spec (converted checkpoints: their
+    source family's), or from the usual config keys for any other transformer."""
+    sanity.check_config_counts(config)
+    spec = find_spec(source_model_type(str(config.get("model_type"))))
+    if spec is not None:
+        return {"layers": spec.layers(config), "hidden": spec.hidden(config), "heads": spec.heads(config),
+                "kv_heads": spec.kv_heads(config), "head_dim": spec.head_dim(config)}
+    heads = first_key(config, _KEYS["heads"])
+    hidden = first_key(config, _KEYS["hidden"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    return {"layers": first_key(config, _KEYS["layers"]), "hidden": hidden, "heads": heads, "kv_heads": kv,
+            "head_dim": head_dim}

@@ -34,7 +34,7 @@ def convert_dry_run(src: Source, kind, options) -> dict:
     from .runtime import pick_device
     from .estimate import probe_throughput
     from .runtime import compute_threads
-    from .recipes.estimate import human_bytes
+    from .units import human_bytes
 
     config = src.config
     with CheckpointReader(src.folder, allow_pickle=options.allow_pickle) as reader:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .inspect import attention_shape
+from .arch import attention_shape
 from .merge.assign import MAX_GROUPS_SCORED, MAX_PARTITIONS, partition_count
 
 # The share of the probe's matmul rate a calibration reaches overall (its other work: reading and casting the layer,
@@ -301,7 +301,7 @@ class Estimate:
     memory: dict  # the terms
 
     def lines(self) -> list[str]:
-        from .recipes.estimate import human_bytes
+        from .units import human_bytes
 
         gf = self.flops_per_layer
         t = self.throughput

@@ -4,42 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import sanity
-from .arch import find_spec
+from .arch import attention_shape
 from .errors import SurgeryError
+from .kinds import AttentionShape, find_kind, plain_attention_macs  # importing the kinds registers their model types
 from .record import read_record
 from .source import load_config
 from .tensors import CheckpointReader, dtype_size
-
-_KEYS = {
-    "heads": ("num_attention_heads", "n_head"),
-    "hidden": ("hidden_size", "n_embd", "d_model"),
-    "layers": ("num_hidden_layers", "n_layer"),
-}
-
-
-def _first(config: dict, keys: tuple[str, ...]) -> int:
-    for k in keys:
-        if config.get(k) is not None:
-            return int(config[k])
-    raise SurgeryError(f"config.json has no {keys[0]}" + (f" (or {', '.join(keys[1:])})" if keys[1:] else ""))
-
-
-def attention_shape(config: dict) -> dict:
-    """heads, stored K/V heads, head_dim, hidden size, layers — from the family's spec (converted checkpoints: their
-    source family's), or from the usual config keys for any other transformer."""
-    sanity.check_config_counts(config)
-    from .kinds import source_model_type
-
-    spec = find_spec(source_model_type(str(config.get("model_type"))))
-    if spec is not None:
-        return {"layers": spec.layers(config), "hidden": spec.hidden(config), "heads": spec.heads(config),
-                "kv_heads": spec.kv_heads(config), "head_dim": spec.head_dim(config)}
-    heads = _first(config, _KEYS["heads"])
-    hidden = _first(config, _KEYS["hidden"])
-    kv = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    return {"layers": _first(config, _KEYS["layers"]), "hidden": hidden, "heads": heads, "kv_heads": kv, "head_dim": head_dim}
 
 
 def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = None, allow_pickle: bool = False) -> dict:
@@ -56,7 +26,6 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
     # The KV cache is kept in the weights' dtype: the dtype holding most parameters.
     cache_dtype = max(floats, key=lambda t: t.numel).dtype if floats else None
     bytes_per_value = dtype_size(cache_dtype) if cache_dtype is not None else 2
-    from .kinds import AttentionShape, find_kind, plain_attention_macs
 
     L, h, kv, d = shape["layers"], shape["heads"], shape["kv_heads"], shape["head_dim"]
     kv_bytes = 2 * L * kv * d * bytes_per_value

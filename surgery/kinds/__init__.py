@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import PrivateAttr, ValidationError, ValidationInfo, create_model, model_validator
 
+from ..arch import CONVERTED_PREFIXES
 from ..errors import SurgeryError
 from ..options import CliModel, option
 from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
@@ -33,11 +34,14 @@ _FLAT: dict[tuple, type] = {}  # the flat convert model, per set of registered k
 
 def register(kind: Kind) -> Kind:
     _KINDS[kind.name] = kind
+    if kind.model_type_prefix:
+        CONVERTED_PREFIXES[kind.name] = kind.model_type_prefix
     return kind
 
 
 def unregister(name: str) -> None:
     _KINDS.pop(name, None)
+    CONVERTED_PREFIXES.pop(name, None)
 
 
 for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD):
@@ -68,14 +72,6 @@ def find_kind(record: dict | None = None, config: dict | None = None) -> Kind | 
     model_type = str(config.get("model_type"))
     return next((k for k in _KINDS.values() if k.model_type_prefix and model_type.startswith(k.model_type_prefix)),
                 None)
-
-
-def source_model_type(model_type: str) -> str:
-    """A converted checkpoint's model_type without its kind's prefix (the source family's)."""
-    for k in _KINDS.values():
-        if k.model_type_prefix:
-            model_type = model_type.removeprefix(k.model_type_prefix)
-    return model_type
 
 
 class ConvertOptions(CliModel):
@@ -153,4 +149,3 @@ def options_for(kind: str, **values) -> WriteOptions:
 def plain_attention_macs(shape: AttentionShape) -> dict:
     """The attention projections' MACs per token of a checkpoint no kind wrote (MHA / GQA / MQA)."""
     return Kind.attention_macs(Kind("source", WriteOptions), shape, {}, {}, 0)
-

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..inspect import attention_shape
+from ..arch import attention_shape
 
 
 MB = 1 << 20
@@ -173,23 +173,3 @@ def uptrain_memory(stats: ModelStats, options, teacher: ModelStats | None, proce
 def uptrain_tokens(options) -> int:
     steps = -(-options.tokens // options.batch_tokens)
     return steps * options.batch_tokens
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000:
-            return f"{n:.3g} {unit}"
-        n /= 1000
-    return f"{n:.3g} PB"
-
-
-def human_count(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("", "K", "M", "B"):
-        if n < 1000:
-            return f"{n:.3g}{unit}"
-        n /= 1000
-    return f"{n:.3g}T"

@@ -20,7 +20,7 @@ from ..calibration.stream import open_stream
 from ..calibration.text import calibration_text, context_of, WINDOW
 from ..output import write_conversion
 from ..errors import SurgeryError
-from ..inspect import attention_shape
+from ..arch import attention_shape
 from ..runtime import load_tokenizer, pick_device
 from ..source import Source
 from ..tensors import CheckpointReader, DTYPES, PlannedTensor
