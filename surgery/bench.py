@@ -138,16 +138,23 @@ def cache_bytes(cache) -> int:
     return total
 
 
-def kv_bytes_from_config(config: dict, tokens: int, element_size: int) -> int:
-    """KV-cache bytes for `tokens` tokens by the config (engines that do not expose their cache tensors)."""
+def kv_bytes_from_config(config: dict, tokens: int, element_size: int, engine: str = "vllm") -> int:
+    """KV-cache bytes for `tokens` tokens by the config (engines that do not expose their cache tensors): what the
+    kind that wrote the checkpoint says `engine` caches (surgery/kinds)."""
+    from .arch import attention_shape
+    from .kinds import AttentionShape, kv_cache_values
+
     text = config.get("text_config") or config
-    layers = int(text.get("num_hidden_layers") or text.get("n_layer"))
-    heads = int(text.get("num_attention_heads") or text.get("n_head"))
-    kv = int(text.get("num_key_value_heads") or heads)
-    head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
-    if text.get("switchhead"):
-        kv, head_dim = int(text["switchhead"]["heads"]), int(text["switchhead"]["head_dim"])
-    return 2 * layers * kv * head_dim * tokens * element_size
+    s = attention_shape(text)
+    shape = AttentionShape(s["layers"], s["heads"], s["kv_heads"], s["head_dim"], s["hidden"])
+    return kv_cache_values(shape, text)[engine] * tokens * element_size
+
+
+def plain_kv_values(layers: int, kv_heads: int, head_dim: int) -> int:
+    """Values llama.cpp caches per token for a GGUF's attention (read from its metadata: no kind to ask)."""
+    from .kinds import AttentionShape, plain_kv_cache_values
+
+    return plain_kv_cache_values(AttentionShape(layers, 0, kv_heads, head_dim, 0))["llama.cpp"]
 
 
 class TransformersEngine:
@@ -257,7 +264,7 @@ class LlamaCppEngine:
         return {"model": llm, "spec": spec, "folder": str(path), "custom_code": False, "model_type": arch,
                 "attention": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})",
                 "vocab_size": int(llm.n_vocab()), "max_positions": self.max_tokens,
-                "kv_per_token": 2 * layers * kv_heads * head_dim * 2}
+                "kv_per_token": plain_kv_values(layers, kv_heads, head_dim) * 2}
 
     def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor, replicate: bool = False) -> dict:
         if ids.shape[0] != 1:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from .arch import attention_shape
 from .errors import SurgeryError
-from .kinds import AttentionShape, find_kind, plain_attention_macs  # importing the kinds registers their model types
+from .kinds import AttentionShape, find_kind, kv_cache_values, plain_attention_macs  # importing the kinds registers their model types
 from .record import read_record
 from .source import load_config
 from .tensors import CheckpointReader, dtype_size
@@ -28,15 +28,15 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
     bytes_per_value = dtype_size(cache_dtype) if cache_dtype is not None else 2
 
     L, h, kv, d = shape["layers"], shape["heads"], shape["kv_heads"], shape["head_dim"]
-    kv_bytes = 2 * L * kv * d * bytes_per_value
     core_macs = L * 2 * h * d * context  # QKᵀ and AV for one query over `context` keys
-    # the kind that wrote the checkpoint knows its attention's work (surgery/kinds); a plain checkpoint: MHA/GQA
+    # the kind that wrote the checkpoint knows its attention's work and cache (surgery/kinds); a plain checkpoint:
+    # MHA/GQA
     kind = find_kind(record, config)
     ashape = AttentionShape(L, h, kv, d, shape["hidden"])
+    kv_bytes = kv_cache_values(ashape, config, record)["transformers"] * bytes_per_value
     macs = kind.attention_macs(ashape, config, record, context) if kind else plain_attention_macs(ashape)
     proj_macs, mix_macs = macs["proj"], macs["mixing"]
-    switchhead = config.get("switchhead") if isinstance(config.get("switchhead"), dict) else {}
-    experts, topk = switchhead.get("experts"), switchhead.get("topk")
+    experts, topk = kind.experts(config) if kind else (None, None)
     return {
         "checkpoint": label or str(folder),
         "model_type": config.get("model_type"),

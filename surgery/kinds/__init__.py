@@ -146,6 +146,22 @@ def options_for(kind: str, **values) -> WriteOptions:
         raise SurgeryError(str(e)) from None
 
 
+_PLAIN = Kind("source", WriteOptions)  # what a checkpoint no kind wrote answers (MHA / GQA / MQA)
+
+
 def plain_attention_macs(shape: AttentionShape) -> dict:
     """The attention projections' MACs per token of a checkpoint no kind wrote (MHA / GQA / MQA)."""
-    return Kind.attention_macs(Kind("source", WriteOptions), shape, {}, {}, 0)
+    return Kind.attention_macs(_PLAIN, shape, {}, {}, 0)
+
+
+def plain_kv_cache_values(shape: AttentionShape) -> dict[str, int]:
+    """Values each runtime caches per token for a checkpoint no kind wrote (MHA / GQA / MQA)."""
+    return _PLAIN.kv_cache_values(shape, {})
+
+
+def kv_cache_values(shape: AttentionShape, config: dict, record: dict | None = None) -> dict[str, int]:
+    """Values each runtime caches per token for a checkpoint: its kind's answer, or the base Kind's when no kind
+    wrote it."""
+    kind = find_kind(record, config)
+    return (kind or _PLAIN).kv_cache_values(shape, config)
+

@@ -66,6 +66,10 @@ class SwitchHead(Kind):
         L, h, d, H = shape.layers, shape.heads, shape.head_dim, shape.hidden
         return {"proj": L * (2 * H * h * d + 2 * topk * H * h * d + 2 * H * h * experts), "mixing": None}
 
+    def experts(self, config: dict) -> tuple[int | None, int | None]:
+        switchhead = config.get("switchhead") if isinstance(config.get("switchhead"), dict) else {}
+        return switchhead.get("experts"), switchhead.get("topk")
+
     def added_parameters(self, record: dict) -> int | None:
         return record.get("added_parameters")
 
