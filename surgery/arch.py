@@ -38,7 +38,6 @@ class QKNorm(str, Enum):
     WHOLE = "over the whole projection"  # OLMo2, OLMoE: RMSNorm(heads * head_dim)
 
 
-KINDS = ("mqa/gqa mean", "mqa/gqa aligned", "talking-heads", "switchhead")
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra")
 _OWN_ATTENTION = "{} computes attention itself, not through transformers' attention interface: {}"
 _NEEDS_INTERFACE = {"mqa/gqa aligned": "the aligned merge cannot record its queries and keys",
@@ -344,15 +343,16 @@ def _layout_text(spec: ArchSpec) -> str:
     return f"{spec.qkv} ({', '.join(layouts)}) + {spec.o}" + (", Conv1D" if spec.conv1d else "")
 
 
-def support_table() -> list[dict[str, str]]:
-    """One row per model_type: its layout, q/k norm, and for every kind "yes" or the one-line reason it is refused
-    (with the family's default config; refusals that depend on a config key are listed by `conditional_refusals`)."""
+def support_table(columns: tuple[str, ...]) -> list[dict[str, str]]:
+    """One row per model_type: its layout, q/k norm, and for every kind's column (`columns`: the kinds' support
+    labels, surgery.kinds.support_labels) "yes" or the one-line reason it is refused (with the family's default
+    config; refusals that depend on a config key are listed by `conditional_refusals`)."""
     rows = []
     for spec in sorted(SPECS, key=lambda s: s.name):
         for model_type in spec.model_types:
             norm = spec.qk_norm.value + (f" (when {spec.qk_norm_switch})" if spec.qk_norm_switch else "")
             rows.append({"model_type": model_type, "attention": _layout_text(spec), "q/k norm": norm}
-                        | {kind: spec.refusal(kind) or "yes" for kind in KINDS})
+                        | {kind: spec.refusal(kind) or "yes" for kind in columns})
     return rows
 
 
@@ -361,15 +361,15 @@ def conditional_refusals() -> list[str]:
             for spec in sorted(SPECS, key=lambda s: s.name) for kind, key, reason in spec.refusals if key is not None]
 
 
-def support_markdown() -> str:
+def support_markdown(kinds: tuple[str, ...]) -> str:
     """The families x kinds table, as `surgery convert --list` prints it and README shows it."""
-    rows = support_table()
+    rows = support_table(kinds)
     columns = list(rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        cells = [v if v == "yes" or c not in KINDS else "no: " + v for c, v in row.items()]
+        cells = [v if v == "yes" or c not in kinds else "no: " + v for c, v in row.items()]
         lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
-    counts = ", ".join(f"{kind} {sum(row[kind] == 'yes' for row in rows)}" for kind in KINDS)
+    counts = ", ".join(f"{kind} {sum(row[kind] == 'yes' for row in rows)}" for kind in kinds)
     lines += ["", f"model_types supported: {counts}."]
     lines += [""] + [f"- {line}" for line in conditional_refusals()]
     return "\n".join(lines) + "\n"

@@ -36,8 +36,9 @@ def cli() -> None:
 def _print_families(ctx: click.Context, param, value) -> None:
     if value and not ctx.resilient_parsing:
         from surgery.arch import support_markdown
+        from surgery.kinds import support_labels
 
-        click.echo(support_markdown(), nl=False)
+        click.echo(support_markdown(support_labels()), nl=False)
         ctx.exit(0)
 
 

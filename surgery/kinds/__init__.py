@@ -52,6 +52,11 @@ def kind_names() -> tuple[str, ...]:
     return tuple(_KINDS)
 
 
+def support_labels() -> tuple[str, ...]:
+    """The columns of `surgery convert --list`: every kind's support labels, in registration order, once each."""
+    return tuple(dict.fromkeys(label for k in _KINDS.values() for label in (k.support_labels or (k.name,))))
+
+
 def get_kind(name: str) -> Kind:
     try:
         return _KINDS[name]

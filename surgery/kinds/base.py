@@ -113,6 +113,9 @@ class Kind:
     name: str
     options: type[WriteOptions]
     title: str = ""  # the model card's words for the target attention
+    # the columns of `surgery convert --list` this kind answers (surgery.arch's refusals are keyed by them);
+    # empty: one column, the kind's name
+    support_labels: tuple[str, ...] = ()
     tags: list[str] = field(default_factory=list)  # the model card's hub tags
     ships_code: bool = False  # the output carries its own modeling code (load with trust_remote_code=True)
     model_type_prefix: str | None = None  # converted configs' model_type = prefix + the source's

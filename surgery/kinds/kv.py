@@ -125,5 +125,8 @@ class KVMerge(Kind):
         return [f"K/V heads merged by: {MERGES.get(method, method)}."] if method else []
 
 
-MQA = KVMerge("mqa", MQAOptions, title="multi-query attention (one K/V head)", tags=["mqa", "multi-query-attention"])
-GQA = KVMerge("gqa", GQAOptions, title="grouped-query attention", tags=["gqa", "grouped-query-attention"])
+SUPPORT_LABELS = ("mqa/gqa mean", "mqa/gqa aligned")  # `convert --list`'s columns: the plain and the aligned merge
+MQA = KVMerge("mqa", MQAOptions, title="multi-query attention (one K/V head)", tags=["mqa", "multi-query-attention"],
+              support_labels=SUPPORT_LABELS)
+GQA = KVMerge("gqa", GQAOptions, title="grouped-query attention", tags=["gqa", "grouped-query-attention"],
+              support_labels=SUPPORT_LABELS)
