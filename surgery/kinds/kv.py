@@ -113,11 +113,15 @@ class KVMerge(Kind):
     def calibration_estimate(self, config: dict, options: KVMergeOptions, *, dtype: str, device: str, throughput=None):
         if not self.calibrates(options):
             return None
-        from ..estimate import estimate_calibrated
+        from ..estimate import CalibratedCost, aligned_layer_flops, estimate_calibrated, fit_bytes
 
-        return estimate_calibrated(config, "aligned", options.calib_tokens, dtype=dtype, device=device,
-                                   kv_heads=options.groups, assign=options.grouping == "similarity",
-                                   query_samples=options.query_samples, refit_values=options.refit_values,
+        assign = options.grouping == "similarity"
+        cost = CalibratedCost(
+            "aligned",
+            lambda s, tokens, window: aligned_layer_flops(s, options.groups or 1, tokens, window, assign,
+                                                          options.query_samples, options.refit_values),
+            lambda s: fit_bytes(s, options.refit_values))
+        return estimate_calibrated(config, cost, options.calib_tokens, dtype=dtype, device=device,
                                    window=options.calib_window, throughput=throughput)
 
     def card_lines(self, record: dict) -> list[str]:
