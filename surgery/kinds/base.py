@@ -113,6 +113,7 @@ class Kind:
     name: str
     options: type[WriteOptions]
     title: str = ""  # the model card's words for the target attention
+    help: str = ""  # what `surgery convert --help` says of the kind (kinds sharing words give the same text)
     # the columns of `surgery convert --list` this kind answers (surgery.arch's refusals are keyed by them);
     # empty: one column, the kind's name
     support_labels: tuple[str, ...] = ()

@@ -130,7 +130,10 @@ class KVMerge(Kind):
 
 
 SUPPORT_LABELS = ("mqa/gqa mean", "mqa/gqa aligned")  # `convert --list`'s columns: the plain and the aligned merge
+HELP = ("mqa/gqa with mean/first/random merges is pure tensor surgery, streamed tensor by tensor: the model is never "
+        "built, so memory stays near the largest tensor. The output is a standard checkpoint that plain transformers "
+        "(and vLLM) loads.")
 MQA = KVMerge("mqa", MQAOptions, title="multi-query attention (one K/V head)", tags=["mqa", "multi-query-attention"],
-              support_labels=SUPPORT_LABELS)
+              support_labels=SUPPORT_LABELS, help=HELP)
 GQA = KVMerge("gqa", GQAOptions, title="grouped-query attention", tags=["gqa", "grouped-query-attention"],
-              support_labels=SUPPORT_LABELS)
+              support_labels=SUPPORT_LABELS, help=HELP)

@@ -18,9 +18,9 @@ from ..errors import SurgeryError
 from ..source import Source, resolve_source
 from ..calibration.text import pydoc_documents_used
 from ..runtime import compute_threads, context_length, is_causal_lm, load_model, load_tokenizer, pick_device, threads
+from ..kinds.kv import METHODS
 from .convert import convert_aligned
 
-METHODS = ("mean", "first", "random", "aligned")
 
 
 def heldout_documents(tokenizer, tokens: int) -> list[int]:
