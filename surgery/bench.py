@@ -138,16 +138,17 @@ def cache_bytes(cache) -> int:
     return total
 
 
-def kv_bytes_from_config(config: dict, tokens: int, element_size: int, engine: str = "vllm") -> int:
+def kv_bytes_from_config(config: dict, tokens: int, element_size: int, engine: str = "vllm",
+                         record: dict | None = None) -> int:
     """KV-cache bytes for `tokens` tokens by the config (engines that do not expose their cache tensors): what the
-    kind that wrote the checkpoint says `engine` caches (surgery/kinds)."""
+    kind that wrote the checkpoint (its config, its surgery.json `record`) says `engine` caches (surgery/kinds)."""
     from .arch import attention_shape
     from .kinds import AttentionShape, kv_cache_values
 
     text = config.get("text_config") or config
     s = attention_shape(text)
     shape = AttentionShape(s["layers"], s["heads"], s["kv_heads"], s["head_dim"], s["hidden"])
-    return kv_cache_values(shape, text)[engine] * tokens * element_size
+    return kv_cache_values(shape, text, record)[engine] * tokens * element_size
 
 
 def plain_kv_values(layers: int, kv_heads: int, head_dim: int) -> int:
@@ -299,6 +300,7 @@ class VllmEngine:
     def load(self, spec: str, role: str):
         from vllm import LLM
 
+        from .record import read_record
         from .source import resolve_source
 
         source = resolve_source(spec)
@@ -310,7 +312,7 @@ class VllmEngine:
         return {"model": llm, "spec": spec, "folder": str(source.folder), "custom_code": custom,
                 "model_type": source.config.get("model_type"), "attention": "vllm",
                 "vocab_size": int(source.config.get("vocab_size")), "max_positions": self.max_tokens,
-                "config": source.config}
+                "config": source.config, "record": read_record(source.folder)}
 
     def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor, replicate: bool = False) -> dict:
         from vllm import SamplingParams
@@ -331,7 +333,7 @@ class VllmEngine:
         step = max(total - prefill, 0.0) / max(new, 1)
         size = torch.finfo(getattr(torch, self.dtype)).bits // 8
         return {"prefill_s": prefill, "decode_steps_s": [step] * new,
-                "kv_cache_bytes": kv_bytes_from_config(handle["config"], ids.numel(), size), "peak_memory_bytes": None}
+                "kv_cache_bytes": kv_bytes_from_config(handle["config"], ids.numel(), size, "vllm", handle["record"]), "peak_memory_bytes": None}
 
     def close(self, handle: dict) -> None:
         handle.pop("model", None)

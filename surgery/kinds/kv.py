@@ -134,6 +134,6 @@ HELP = ("mqa/gqa with mean/first/random merges is pure tensor surgery, streamed 
         "built, so memory stays near the largest tensor. The output is a standard checkpoint that plain transformers "
         "(and vLLM) loads.")
 MQA = KVMerge("mqa", MQAOptions, title="multi-query attention (one K/V head)", tags=["mqa", "multi-query-attention"],
-              support_labels=SUPPORT_LABELS, help=HELP)
+              support_labels=SUPPORT_LABELS, help=HELP, example_options={})
 GQA = KVMerge("gqa", GQAOptions, title="grouped-query attention", tags=["gqa", "grouped-query-attention"],
-              support_labels=SUPPORT_LABELS, help=HELP)
+              support_labels=SUPPORT_LABELS, help=HELP, example_options={"kv_heads": 2})

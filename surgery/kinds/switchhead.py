@@ -97,4 +97,4 @@ def switchhead_memory(s, tokens: int, window: int, heads: int | None, experts: i
 SWITCHHEAD = SwitchHead("switchhead", SwitchHeadOptions,
                         title="SwitchHead attention, σ-MoE V/O projections (Csordás et al. 2023)",
                         tags=["switchhead", "moe"], ships_code=True, model_type_prefix="switchhead_",
-                        config_key="switchhead")
+                        config_key="switchhead", example_options={"heads": 8, "experts": 1, "topk": 1})
