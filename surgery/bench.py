@@ -26,8 +26,10 @@ from typing import Callable
 
 import torch
 
+from .dtypes import DTYPE_NAMES
 from .errors import SurgeryError
 from .runtime import cache_keyword, returned_cache
+from .units import human_bytes
 
 ENGINES = ("transformers", "llama.cpp", "vllm")
 ENGINE_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python"), "vllm": ("vllm", "vllm")}
@@ -440,7 +442,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None,
 
     if opts.rounds < 1 or opts.new < 1:
         raise SurgeryError("--rounds and --new must be at least 1")
-    if opts.dtype not in ("float32", "bfloat16", "float16"):
+    if opts.dtype not in DTYPE_NAMES:
         raise SurgeryError(f"--dtype {opts.dtype}: choose float32, bfloat16 or float16")
     if opts.replicate_prefill and opts.engine != "transformers":
         raise SurgeryError("--replicate-prefill works with the transformers engine only")
@@ -533,21 +535,12 @@ def _report(opts: BenchOptions, engine, handles: dict, results: list, started: f
 
 
 # --- output -----------------------------------------------------------------------------------------------------
-def _human_bytes(n) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
 def _cell(key: str, stats: dict) -> str:
     med = stats["median"]
     if med is None:
         return "-"
     if key.endswith("bytes"):
-        return _human_bytes(med)
+        return human_bytes(med)
     spread = f" ±{50 * stats['spread']:.0f}%" if stats["spread"] else ""
     if key == "decode_step_s":
         return f"{1000 * med:.1f} ms{spread}"

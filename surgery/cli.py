@@ -14,6 +14,7 @@ from surgery.clickgen import GroupedCommand, model_options, parse_options
 from surgery.commands.check import CheckOptions
 from surgery.commands.push import PushOptions
 from surgery.commands.uptrain import UptrainArgs
+from surgery.dtypes import DTYPE_NAMES
 from surgery.errors import SurgeryError
 from surgery.kinds import get_kind, kind_names
 from surgery.kinds.kv import METHODS, KVMergeOptions
@@ -152,7 +153,7 @@ def inspect(checkpoints, context, as_json, allow_pickle):
               help="Prompt lengths (tokens), comma-separated (e.g. 512,2048).")
 @click.option("--new", type=int, default=16, show_default=True, help="Generated tokens (decode steps) per measurement.")
 @click.option("--rounds", type=int, default=3, show_default=True, help="Measured rounds per model (alternating).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
 @click.option("--threads", type=int, help="CPU threads (default: torch's).")
 @click.option("--engine", type=click.Choice(["transformers", "llama.cpp", "vllm"]), default="transformers",

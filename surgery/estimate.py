@@ -35,6 +35,7 @@ from typing import Callable
 import torch
 
 from .arch import attention_shape
+from .dtypes import DTYPE_BYTES
 from .merge.assign import MAX_GROUPS_SCORED, MAX_PARTITIONS, partition_count
 
 # The share of the probe's matmul rate a calibration reaches overall (its other work: reading and casting the layer,
@@ -46,7 +47,6 @@ DEFAULT_WINDOW = 512  # calibration window (surgery/calibration/text.py)
 DEFAULT_CHUNK = 8  # windows per forward chunk (MergeOptions.chunk_windows)
 QUERY_SAMPLES = 128  # query positions per window in the query refit (QueryRefit.samples)
 QUERY_TOPK = 32
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from .kinds import AttentionShape, find_kind, kv_cache_values, plain_attention_m
 from .record import read_record
 from .source import load_config
 from .tensors import CheckpointReader, dtype_size
+from .units import si_number
 
 
 def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = None, allow_pickle: bool = False) -> dict:
@@ -59,16 +60,6 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
     }
 
 
-def _human(n: float | None, unit: str = "") -> str:
-    if n is None:
-        return "-"
-    for prefix in ("", "K", "M", "G", "T"):
-        if abs(n) < 1000:
-            return f"{n:.4g}{prefix}{unit}"
-        n /= 1000
-    return f"{n:.4g}P{unit}"
-
-
 def print_inspection(stats: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -108,7 +99,7 @@ def print_inspection(stats: list[dict]) -> None:
             if unit is None:
                 cells.append(str(value if value is not None else "-"))
                 continue
-            text = _human(value, unit)
+            text = si_number(value, unit)
             if s is not base and value is not None and base.get(key):
                 text += f" ({value / base[key]:.2f}x)"
             cells.append(text)

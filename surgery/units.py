@@ -1,4 +1,4 @@
-"""Sizes and counts written for people."""
+"""Sizes and counts written for people, in one convention: SI prefixes, powers of 1000 (1 KB = 1000 B)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,17 @@ def human_bytes(n: int | None) -> str:
             return f"{n:.3g} {unit}"
         n /= 1000
     return f"{n:.3g} PB"
+
+
+def si_number(n: float | None, unit: str = "") -> str:
+    """Four significant digits and an SI prefix, no space (`surgery inspect`'s and the model card's tables)."""
+    if n is None:
+        return "-"
+    for prefix in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000:
+            return f"{n:.4g}{prefix}{unit}"
+        n /= 1000
+    return f"{n:.4g}P{unit}"
 
 
 def human_count(n: int | None) -> str:

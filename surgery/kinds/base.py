@@ -18,9 +18,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ValidationInfo, field_validator
 
+from ..dtypes import DTYPE_NAMES
 from ..options import CliModel, Texts, option, spelling, texts_rule
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 
 
 class WriteOptions(CliModel):
