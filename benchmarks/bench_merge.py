@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from surgery.check import compare_models  # noqa: E402
 from surgery.convert_kv import KVOptions, convert_to_kv_heads  # noqa: E402

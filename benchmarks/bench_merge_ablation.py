@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from surgery.arch import spec_for  # noqa: E402
 from surgery.calibration.stream import resident_stream  # noqa: E402

@@ -44,8 +44,6 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from synthetic import DEFAULT_OUT, LAYOUTS, ensure  # noqa: E402
 
