@@ -44,13 +44,14 @@ class LayerCall:
     kwargs: dict
 
 
-def _first(out):
+def first_output(out):
+    """A module's output tensor: the first element when it returns a tuple (a decoder layer, an attention)."""
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
 @torch.no_grad()
 def run_layer(layer: nn.Module, hidden: torch.Tensor, call: LayerCall) -> torch.Tensor:
-    return _first(layer(hidden, *call.args, **call.kwargs))
+    return first_output(layer(hidden, *call.args, **call.kwargs))
 
 
 class StopForward(Exception):

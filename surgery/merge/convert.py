@@ -18,7 +18,7 @@ from ..atomic import check_output_path
 from ..calibration.store import LayerStore
 from ..calibration.stream import LayerProgress, open_stream
 from ..calibration.text import CalibrationText, calibration_text, context_of, WINDOW
-from ..convert_kv import KVOptions, KVPlanner, _head_shape, target_config, write_converted
+from ..convert_kv import KVOptions, KVPlanner, head_shape, target_config, write_converted
 from ..errors import SurgeryError
 from ..kv_pool import join_qkv, repeat_heads
 from ..source import Source
@@ -114,7 +114,7 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[
     start = time.time()
     config = src.config
     spec = spec_for(config, "mqa/gqa aligned")
-    shape = _head_shape(spec, config, kv_heads)
+    shape = head_shape(spec, config, kv_heads)
     kv_options = KVOptions(kv_heads=kv_heads, method="mean", seed=seed, dtype=dtype, max_shard_bytes=max_shard_bytes,
                            allow_pickle=allow_pickle)
     target_config(spec, config, shape, dtype)  # refuses what has no target before any work
