@@ -118,3 +118,44 @@ def test_every_kind_keeps_the_contract(kind, llama, tmp_path, capsys):
 
     card = build_card(validate_folder(converted), "me/model")
     assert kind.title in card and all(f"- {tag}" in card for tag in kind.tags)
+
+
+# ---- modeling code shipped in checkpoints -----------------------------------------------------------------------
+def _modeling_functions(path) -> tuple[dict[str, str], str, str]:
+    """{function name: its source} of a shipped modeling file, with its kind's names (the class prefix, the module
+    stem) to write them generically."""
+    import ast
+
+    text = path.read_text()
+    tree = ast.parse(text)
+    prefix = next(n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                  and getattr(n.targets[0], "id", None) == "CLASS_PREFIX")
+    functions = {n.name: ast.get_source_segment(text, n) for n in tree.body if isinstance(n, ast.FunctionDef)}
+    return functions, prefix, path.stem.removeprefix("modeling_")
+
+
+def test_the_helpers_modeling_files_share_on_purpose_stay_identical():
+    """A converted checkpoint carries one modeling file and must load alone, so each kind's file has its own copy of
+    the helpers that make a model class for any transformers architecture: the copies must not drift apart."""
+    import ast
+    from pathlib import Path
+
+    import surgery
+
+    def code(source: str) -> str:  # the function without its docstring (the kinds' words differ there)
+        function = ast.parse(source).body[0]
+        if isinstance(function.body[0], ast.Expr) and isinstance(function.body[0].value, ast.Constant):
+            function.body = function.body[1:]
+        return ast.dump(function)
+
+    files = sorted(Path(surgery.__file__).parent.glob("*/modeling_*.py"))
+    assert len(files) >= 2
+    generic = []
+    for path in files:
+        functions, prefix, stem = _modeling_functions(path)
+        model_class = functions[f"{stem}_model_class"].replace(prefix, "PREFIX").replace(stem, "KIND")
+        generic.append((code(functions["_share_weight_conversions"]), code(model_class)))
+    first = generic[0]
+    for path, shared in zip(files[1:], generic[1:]):
+        assert shared[0] == first[0], f"{path.name}: _share_weight_conversions differs from {files[0].name}'s"
+        assert shared[1] == first[1], f"{path.name}: its model_class function differs from {files[0].name}'s"
