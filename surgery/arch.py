@@ -22,6 +22,7 @@ from functools import cached_property
 
 from . import sanity
 from .errors import SurgeryError
+from .model_types import source_model_type
 
 
 class QKVLayout(str, Enum):
@@ -381,17 +382,6 @@ _KEYS = {
     "hidden": ("hidden_size", "n_embd", "d_model"),
     "layers": ("num_hidden_layers", "n_layer"),
 }
-# model_type prefix a converted checkpoint's config carries, per kind (filled by surgery.kinds.register)
-CONVERTED_PREFIXES: dict[str, str] = {}
-
-
-def source_model_type(model_type: str) -> str:
-    """A converted checkpoint's model_type without its kind's prefix (the source family's)."""
-    for prefix in CONVERTED_PREFIXES.values():
-        model_type = model_type.removeprefix(prefix)
-    return model_type
-
-
 def first_key(config: dict, keys: tuple[str, ...]) -> int:
     """The first of `keys` that `config` sets, as an int (refused in one line when none is set)."""
     for k in keys:

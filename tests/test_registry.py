@@ -26,7 +26,8 @@ PACKAGE = REPO / "surgery"
 # Data flows: checkpoint in -> architecture spec -> kind -> checkpoint out -> check / uptrain -> hub.
 LAYERS = [
     ("foundation", ["surgery", "surgery.errors", "surgery.options", "surgery.progress", "surgery.digest",
-                    "surgery.solve", "surgery.units", "surgery.dtypes"]),
+                    "surgery.solve", "surgery.units", "surgery.dtypes",
+                    "surgery.model_types"]),
     ("checkpoint I/O", ["surgery.sanity", "surgery.atomic", "surgery.tensors", "surgery.record", "surgery.source",
                         "surgery.trust", "surgery.data"]),
     ("runtime", ["surgery.runtime"]),

@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import PrivateAttr, ValidationError, ValidationInfo, create_model, model_validator
 
-from ..arch import CONVERTED_PREFIXES
 from ..errors import SurgeryError
+from ..model_types import CONVERTED_PREFIXES
 from ..options import CliModel, option
 from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
 from .kv import GQA, MQA
