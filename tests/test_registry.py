@@ -321,3 +321,12 @@ def test_a_required_field_is_a_required_option(args, message, capsys, tmp_path, 
     monkeypatch.chdir(tmp_path)
     code, _, err = run_cli(capsys, *args)
     assert code == 2 and err.startswith(f"surgery: error: {message}") and list(tmp_path.iterdir()) == []
+
+
+def test_merge_method_names_are_the_pooling_methods_and_aligned():
+    """The command line's, a recipe's and compare-merges' merge methods (kinds/kv.py) are the library's pooling
+    methods (kv_pool.py) plus the aligned merge: one list, the other its subset."""
+    from surgery.kinds.kv import METHODS
+    from surgery.kv_pool import POOL_METHODS
+
+    assert METHODS == (*POOL_METHODS, "aligned")
