@@ -14,19 +14,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import LlamaConfig  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding  # noqa: E402
 
-from surgery.kvcache import cache_keyword  # noqa: E402
+from surgery.runtime import cache_keyword  # noqa: E402
 from surgery.switchhead.modeling_switchhead import SwitchHeadAttention  # noqa: E402
 from surgery.talking_heads.modeling_talking_heads import TalkingHeadsMixing, talking_heads_settings  # noqa: E402
 

@@ -21,10 +21,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from surgery.check import load_model
-from surgery.kvcache import cache_keyword, returned_cache
+from surgery.runtime import cache_keyword, load_model, returned_cache
 from surgery.source import resolve_source
 
 

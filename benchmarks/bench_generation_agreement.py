@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from surgery.check import load_model, load_tokenizer  # noqa: E402
+from surgery.runtime import load_model, load_tokenizer  # noqa: E402
 from surgery.checking import generate as gen  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
 from surgery.source import resolve_source  # noqa: E402

@@ -34,7 +34,6 @@ import torch
 import torch.nn as nn
 import torch.nn.utils.parametrize as parametrize
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from surgery.data import load_texts  # noqa: E402
 from surgery.source import resolve_source  # noqa: E402

@@ -26,16 +26,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from surgery.check import compare_models, load_model, load_tokenizer  # noqa: E402
+from surgery.check import compare_models  # noqa: E402
 from surgery.convert_kv import KVOptions, convert_to_kv_heads  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
 from surgery.merge import convert_aligned  # noqa: E402
 from surgery.calibration.text import pydoc_documents_used  # noqa: E402
 from surgery.merge.compare import heldout_documents  # noqa: E402
-from surgery.merge.convert import _n_threads  # noqa: E402
-from surgery.threads import threads  # noqa: E402
+from surgery.runtime import compute_threads, load_model, load_tokenizer, threads  # noqa: E402
 from surgery.source import resolve_source  # noqa: E402
 
 
@@ -72,7 +70,7 @@ def cpu_seconds() -> float:
 
 def convert(method: str, src, out: Path, kv_heads: int, calib_tokens: int) -> dict:
     wall, cpu = time.time(), cpu_seconds()
-    with PeakMemory() as mem, threads(_n_threads()):
+    with PeakMemory() as mem, threads(compute_threads()):
         if method == "aligned":
             record = convert_aligned(src, out, kv_heads=kv_heads, calib_tokens=calib_tokens, progress=False)
         else:
@@ -81,7 +79,7 @@ def convert(method: str, src, out: Path, kv_heads: int, calib_tokens: int) -> di
 
 
 def evaluate(src_model, folder: Path, ids: torch.Tensor) -> dict:
-    with threads(_n_threads()):
+    with threads(compute_threads()):
         model = load_model(resolve_source(str(folder)), torch.device("cpu"), "float32")
         report = compare_models(src_model, model, ids, 1024, 4, causal=True)
     del model
@@ -97,7 +95,7 @@ def main() -> None:
     ap.add_argument("--uptrain-tokens", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    torch.set_num_threads(_n_threads())
+    torch.set_num_threads(compute_threads())
     load_start = os.getloadavg()
     src = resolve_source("smollm2")
     tokenizer = load_tokenizer(src)

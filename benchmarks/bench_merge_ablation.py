@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from surgery.arch import spec_for  # noqa: E402
 from surgery.calibration.stream import resident_stream  # noqa: E402
 from surgery.calibration.text import calibration_text, context_of, pydoc_documents_used  # noqa: E402
-from surgery.check import compare_models, load_tokenizer  # noqa: E402
+from surgery.check import compare_models  # noqa: E402
+from surgery.runtime import load_tokenizer  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
 from surgery.merge import capture  # noqa: E402
 from surgery.merge.compare import heldout_documents  # noqa: E402

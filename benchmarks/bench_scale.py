@@ -44,8 +44,6 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from synthetic import DEFAULT_OUT, LAYOUTS, ensure  # noqa: E402
 
@@ -198,7 +196,7 @@ def group_merge(layout: str, repeats: int = 2) -> dict:
     from surgery.estimate import group_evaluations, group_merge_flops, layer_shape, probe_throughput
     from surgery.merge.fit import merge_group
     from surgery.merge.rotary import rotary_pairs
-    from surgery.threads import threads
+    from surgery.runtime import threads
 
     s = layer_shape(LAYOUTS[layout])
     n = s.kv_heads // KV_HEADS[layout]
@@ -243,7 +241,7 @@ def grouping_search(layout: str, full_max: int = 12, sample: int = 2) -> dict | 
     from surgery.merge.layer import _split, merge_loss
     from surgery.merge.params import AttnParams
     from surgery.merge.rotary import rotary_pairs
-    from surgery.threads import threads
+    from surgery.runtime import threads
 
     s = layer_shape(LAYOUTS[layout])
     kv_out = KV_HEADS[layout]

@@ -116,7 +116,6 @@ def main() -> None:
                 surgery("convert", args.source, *CONVERT[kind], "--out", str(out))
             source, converted, extra = args.source, str(out), []
             if llama:
-                sys.path.insert(0, str(REPO))
                 from surgery.source import resolve_source
 
                 source = str(to_gguf(args.llama_converter, resolve_source(args.source).folder,

@@ -16,17 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from surgery.inspect import inspect_checkpoint  # noqa: E402
-from surgery.kvcache import cache_keyword, returned_cache  # noqa: E402
+from surgery.runtime import cache_keyword, returned_cache  # noqa: E402
 from surgery.source import resolve_source  # noqa: E402
 
 

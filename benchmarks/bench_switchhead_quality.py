@@ -26,7 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from surgery.check import compare_checkpoints  # noqa: E402
 from surgery.data import pydoc_texts  # noqa: E402

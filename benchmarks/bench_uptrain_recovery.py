@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 LABELS = {"source": "source (unconverted)", "mean": "MQA (mean pooling)", "aligned": "MQA (aligned merge)", "switchhead": "SwitchHead H=3 E=3 k=2"}
 

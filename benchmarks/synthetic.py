@@ -23,13 +23,11 @@ import argparse
 import hashlib
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from surgery.atomic import atomic_output_dir  # noqa: E402
 from surgery.tensors import PlannedTensor, write_checkpoint  # noqa: E402

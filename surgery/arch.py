@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
 
+from . import sanity
 from .errors import SurgeryError
+from .model_types import source_model_type
 
 
 class QKVLayout(str, Enum):
@@ -37,7 +39,6 @@ class QKNorm(str, Enum):
     WHOLE = "over the whole projection"  # OLMo2, OLMoE: RMSNorm(heads * head_dim)
 
 
-KINDS = ("mqa/gqa mean", "mqa/gqa aligned", "talking-heads", "switchhead")
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra")
 _OWN_ATTENTION = "{} computes attention itself, not through transformers' attention interface: {}"
 _NEEDS_INTERFACE = {"mqa/gqa aligned": "the aligned merge cannot record its queries and keys",
@@ -343,15 +344,16 @@ def _layout_text(spec: ArchSpec) -> str:
     return f"{spec.qkv} ({', '.join(layouts)}) + {spec.o}" + (", Conv1D" if spec.conv1d else "")
 
 
-def support_table() -> list[dict[str, str]]:
-    """One row per model_type: its layout, q/k norm, and for every kind "yes" or the one-line reason it is refused
-    (with the family's default config; refusals that depend on a config key are listed by `conditional_refusals`)."""
+def support_table(columns: tuple[str, ...]) -> list[dict[str, str]]:
+    """One row per model_type: its layout, q/k norm, and for every kind's column (`columns`: the kinds' support
+    labels, surgery.kinds.support_labels) "yes" or the one-line reason it is refused (with the family's default
+    config; refusals that depend on a config key are listed by `conditional_refusals`)."""
     rows = []
     for spec in sorted(SPECS, key=lambda s: s.name):
         for model_type in spec.model_types:
             norm = spec.qk_norm.value + (f" (when {spec.qk_norm_switch})" if spec.qk_norm_switch else "")
             rows.append({"model_type": model_type, "attention": _layout_text(spec), "q/k norm": norm}
-                        | {kind: spec.refusal(kind) or "yes" for kind in KINDS})
+                        | {kind: spec.refusal(kind) or "yes" for kind in columns})
     return rows
 
 
@@ -360,15 +362,45 @@ def conditional_refusals() -> list[str]:
             for spec in sorted(SPECS, key=lambda s: s.name) for kind, key, reason in spec.refusals if key is not None]
 
 
-def support_markdown() -> str:
+def support_markdown(kinds: tuple[str, ...]) -> str:
     """The families x kinds table, as `surgery convert --list` prints it and README shows it."""
-    rows = support_table()
+    rows = support_table(kinds)
     columns = list(rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        cells = [v if v == "yes" or c not in KINDS else "no: " + v for c, v in row.items()]
+        cells = [v if v == "yes" or c not in kinds else "no: " + v for c, v in row.items()]
         lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
-    counts = ", ".join(f"{kind} {sum(row[kind] == 'yes' for row in rows)}" for kind in KINDS)
+    counts = ", ".join(f"{kind} {sum(row[kind] == 'yes' for row in rows)}" for kind in kinds)
     lines += ["", f"model_types supported: {counts}."]
     lines += [""] + [f"- {line}" for line in conditional_refusals()]
     return "\n".join(lines) + "\n"
+
+
+# ---- the attention shape of any checkpoint ------------------------------------------------------------------------
+_KEYS = {
+    "heads": ("num_attention_heads", "n_head"),
+    "hidden": ("hidden_size", "n_embd", "d_model"),
+    "layers": ("num_hidden_layers", "n_layer"),
+}
+def first_key(config: dict, keys: tuple[str, ...]) -> int:
+    """The first of `keys` that `config` sets, as an int (refused in one line when none is set)."""
+    for k in keys:
+        if config.get(k) is not None:
+            return int(config[k])
+    raise SurgeryError(f"config.json has no {keys[0]}" + (f" (or {', '.join(keys[1:])})" if keys[1:] else ""))
+
+
+def attention_shape(config: dict) -> dict:
+    """heads, stored K/V heads, head_dim, hidden size, layers — from the family's spec (converted checkpoints: their
+    source family's), or from the usual config keys for any other transformer."""
+    sanity.check_config_counts(config)
+    spec = find_spec(source_model_type(str(config.get("model_type"))))
+    if spec is not None:
+        return {"layers": spec.layers(config), "hidden": spec.hidden(config), "heads": spec.heads(config),
+                "kv_heads": spec.kv_heads(config), "head_dim": spec.head_dim(config)}
+    heads = first_key(config, _KEYS["heads"])
+    hidden = first_key(config, _KEYS["hidden"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    return {"layers": first_key(config, _KEYS["layers"]), "hidden": hidden, "heads": heads, "kv_heads": kv,
+            "head_dim": head_dim}

@@ -26,8 +26,10 @@ from typing import Callable
 
 import torch
 
+from .dtypes import DTYPE_NAMES
 from .errors import SurgeryError
-from .kvcache import cache_keyword, returned_cache
+from .runtime import cache_keyword, returned_cache
+from .units import human_bytes
 
 ENGINES = ("transformers", "llama.cpp", "vllm")
 ENGINE_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python"), "vllm": ("vllm", "vllm")}
@@ -139,16 +141,24 @@ def cache_bytes(cache) -> int:
     return total
 
 
-def kv_bytes_from_config(config: dict, tokens: int, element_size: int) -> int:
-    """KV-cache bytes for `tokens` tokens by the config (engines that do not expose their cache tensors)."""
+def kv_bytes_from_config(config: dict, tokens: int, element_size: int, engine: str = "vllm",
+                         record: dict | None = None) -> int:
+    """KV-cache bytes for `tokens` tokens by the config (engines that do not expose their cache tensors): what the
+    kind that wrote the checkpoint (its config, its surgery.json `record`) says `engine` caches (surgery/kinds)."""
+    from .arch import attention_shape
+    from .kinds import AttentionShape, kv_cache_values
+
     text = config.get("text_config") or config
-    layers = int(text.get("num_hidden_layers") or text.get("n_layer"))
-    heads = int(text.get("num_attention_heads") or text.get("n_head"))
-    kv = int(text.get("num_key_value_heads") or heads)
-    head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
-    if text.get("switchhead"):
-        kv, head_dim = int(text["switchhead"]["heads"]), int(text["switchhead"]["head_dim"])
-    return 2 * layers * kv * head_dim * tokens * element_size
+    s = attention_shape(text)
+    shape = AttentionShape(s["layers"], s["heads"], s["kv_heads"], s["head_dim"], s["hidden"])
+    return kv_cache_values(shape, text, record)[engine] * tokens * element_size
+
+
+def plain_kv_values(layers: int, kv_heads: int, head_dim: int) -> int:
+    """Values llama.cpp caches per token for a GGUF's attention (read from its metadata: no kind to ask)."""
+    from .kinds import AttentionShape, plain_kv_cache_values
+
+    return plain_kv_cache_values(AttentionShape(layers, 0, kv_heads, head_dim, 0))["llama.cpp"]
 
 
 class TransformersEngine:
@@ -169,7 +179,7 @@ class TransformersEngine:
         return role_trust(resolve_source(spec).folder, role, self.trusted, spec)
 
     def load(self, spec: str, role: str):
-        from .check import load_model
+        from .runtime import load_model
         from .source import resolve_source
 
         trust = self.preflight(spec, role)
@@ -248,7 +258,7 @@ class LlamaCppEngine:
         return {"model": llm, "spec": spec, "folder": str(path), "custom_code": False, "model_type": arch,
                 "attention": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})",
                 "vocab_size": int(llm.n_vocab()), "max_positions": self.max_tokens,
-                "kv_per_token": 2 * layers * kv_heads * head_dim * 2}
+                "kv_per_token": plain_kv_values(layers, kv_heads, head_dim) * 2}
 
     def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor, replicate: bool = False) -> dict:
         if ids.shape[0] != 1:
@@ -283,6 +293,7 @@ class VllmEngine:
     def load(self, spec: str, role: str):
         from vllm import LLM
 
+        from .record import read_record
         from .source import resolve_source
 
         source = resolve_source(spec)
@@ -293,7 +304,7 @@ class VllmEngine:
         return {"model": llm, "spec": spec, "folder": str(source.folder), "custom_code": custom,
                 "model_type": source.config.get("model_type"), "attention": "vllm",
                 "vocab_size": int(source.config.get("vocab_size")), "max_positions": self.max_tokens,
-                "config": source.config}
+                "config": source.config, "record": read_record(source.folder)}
 
     def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor, replicate: bool = False) -> dict:
         from vllm import SamplingParams
@@ -314,7 +325,7 @@ class VllmEngine:
         step = max(total - prefill, 0.0) / max(new, 1)
         size = torch.finfo(getattr(torch, self.dtype)).bits // 8
         return {"prefill_s": prefill, "decode_steps_s": [step] * new,
-                "kv_cache_bytes": kv_bytes_from_config(handle["config"], ids.numel(), size), "peak_memory_bytes": None}
+                "kv_cache_bytes": kv_bytes_from_config(handle["config"], ids.numel(), size, "vllm", handle["record"]), "peak_memory_bytes": None}
 
     def close(self, handle: dict) -> None:
         handle.pop("model", None)
@@ -432,11 +443,11 @@ def machine_info(device: torch.device, threads: int) -> dict:
 
 def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None,
               partial: Callable[[dict], None] | None = None) -> dict:
-    from .check import pick_device
+    from .runtime import pick_device
 
     if opts.rounds < 1 or opts.new < 1:
         raise SurgeryError("--rounds and --new must be at least 1")
-    if opts.dtype not in ("float32", "bfloat16", "float16"):
+    if opts.dtype not in DTYPE_NAMES:
         raise SurgeryError(f"--dtype {opts.dtype}: choose float32, bfloat16 or float16")
     if opts.replicate_prefill and opts.engine != "transformers":
         raise SurgeryError("--replicate-prefill works with the transformers engine only")
@@ -529,21 +540,12 @@ def _report(opts: BenchOptions, engine, handles: dict, results: list, started: f
 
 
 # --- output -----------------------------------------------------------------------------------------------------
-def _human_bytes(n) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
 def _cell(key: str, stats: dict) -> str:
     med = stats["median"]
     if med is None:
         return "-"
     if key.endswith("bytes"):
-        return _human_bytes(med)
+        return human_bytes(med)
     spread = f" ±{50 * stats['spread']:.0f}%" if stats["spread"] else ""
     if key == "decode_step_s":
         return f"{1000 * med:.1f} ms{spread}"

@@ -40,8 +40,8 @@ from .checking.tokenizers import choose_tokenizer, has_tokenizer
 from .data import token_stream
 from .errors import SurgeryError
 from .progress import Progress
+from .runtime import context_length, is_causal_lm, load_model, load_model_config, load_tokenizer, pick_device, windows
 from .source import Source
-from .tensors import DTYPES
 
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-1}
 SLICE_BYTES = 64 << 20  # metrics are computed on slices of positions this large (float32)
@@ -50,79 +50,6 @@ IGNORE = -100  # target of a window's last position (no next token inside the wi
 
 def tolerance(dtype: str) -> float:
     return TOLERANCE[dtype]
-
-
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SurgeryError(f"--device {device}: CUDA is not available on this machine")
-    try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise SurgeryError(f"bad device {device!r}: use auto, cpu, cuda or cuda:N") from None
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise SurgeryError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return dev
-
-
-def is_causal_lm(config) -> bool:
-    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
-
-
-def load_model(source: Source, device: torch.device, dtype: str, trust_remote_code: bool = False,
-               attn_implementation: str | None = None):
-    """The checkpoint as a model on `device`. Refuses (one line) a checkpoint that lacks tensors its config needs,
-    or whose tensors do not fit its config."""
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    try:
-        config = AutoConfig.from_pretrained(source.folder, trust_remote_code=trust_remote_code)
-        auto = AutoModelForCausalLM if is_causal_lm(config) else AutoModel
-        model, info = auto.from_pretrained(source.folder, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
-                                           output_loading_info=True, **extra)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise SurgeryError(f"cannot load {source.spec}: {str(e).splitlines()[0]}") from None
-    missing = sorted(info.get("missing_keys") or [])
-    if missing:
-        raise SurgeryError(f"cannot load {source.spec}: its weights lack {len(missing)} tensor(s) its config needs "
-                           f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
-    return model.to(device).eval()
-
-
-def load_tokenizer(source: Source, trust_remote_code: bool = False):
-    """The source's tokenizer. transformers reads the folder's config on the way: for a folder with its own modeling
-    code it runs that code with `trust_remote_code`, and without it would stop to ask on the terminal."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(source.folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, TypeError) as e:
-        raise SurgeryError(f"cannot load the tokenizer of {source.spec}: {str(e).splitlines()[0]}") from None
-
-
-def load_config(source: Source, trust_remote_code: bool = False):
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(source.folder, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SurgeryError(f"cannot read the config of {source.spec}: {str(e).splitlines()[0]}") from None
-
-
-def windows(ids: torch.Tensor, seq_len: int, what: str = "the data") -> torch.Tensor:
-    n = ids.numel() // seq_len
-    if n == 0:
-        raise SurgeryError(f"need at least {seq_len} tokens, {what} gave {ids.numel()}")
-    return ids[: n * seq_len].view(n, seq_len)
-
-
-def context_length(config) -> int | None:
-    for key in ("max_position_embeddings", "n_positions", "seq_length"):
-        if getattr(config, key, None):
-            return int(getattr(config, key))
-    return None
 
 
 def vocab_size(config) -> int | None:
@@ -399,7 +326,7 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
         raise SurgeryError(f"--prompt-len must be at least 1 (got {r.prompt_len})")
     dev = pick_device(r.device)
     trust_a, trust_b = resolve_trusts(source, converted, r.trust_source_code, r.trust_remote_code)
-    config_a, config_b = load_config(source, trust_a), load_config(converted, trust_b)
+    config_a, config_b = load_model_config(source, trust_a), load_model_config(converted, trust_b)
     causal = is_causal_lm(config_a)
     if causal != is_causal_lm(config_b):
         raise SurgeryError(f"{source.spec} and {converted.spec} are not the same kind of model "

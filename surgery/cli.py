@@ -14,8 +14,10 @@ from surgery.clickgen import GroupedCommand, model_options, parse_options
 from surgery.commands.check import CheckOptions
 from surgery.commands.push import PushOptions
 from surgery.commands.uptrain import UptrainArgs
+from surgery.dtypes import DTYPE_NAMES
 from surgery.errors import SurgeryError
-from surgery.kinds.kv import KVMergeOptions
+from surgery.kinds import get_kind, kind_names
+from surgery.kinds.kv import METHODS, KVMergeOptions
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -36,8 +38,9 @@ def cli() -> None:
 def _print_families(ctx: click.Context, param, value) -> None:
     if value and not ctx.resilient_parsing:
         from surgery.arch import support_markdown
+        from surgery.kinds import support_labels
 
-        click.echo(support_markdown(), nl=False)
+        click.echo(support_markdown(support_labels()), nl=False)
         ctx.exit(0)
 
 
@@ -46,7 +49,7 @@ def convert_command() -> click.Command:
     registered kind, and every kind's options model contributes its flags (help texts tagged `[gqa]`, ...)."""
     from surgery.commands.convert import options_model
 
-    @click.command("convert", cls=GroupedCommand)
+    @click.command("convert", cls=GroupedCommand, help=_convert_help())
     @click.option("--list", "list_families", is_flag=True, is_eager=True, expose_value=False,
                   callback=_print_families, help="Print which model_types each kind converts (or why not), and exit.")
     @click.argument("source")
@@ -58,13 +61,6 @@ def convert_command() -> click.Command:
                   "as JSON ('-' for stdout).")
     @model_options(options_model())
     def convert(source, out, dry_run, json_out, **values):
-        """Convert SOURCE to another attention: mqa, gqa, talking-heads or switchhead.
-
-        mqa/gqa with mean/first/random merges is pure tensor surgery, streamed tensor by tensor: the model is
-        never built, so memory stays near the largest tensor. The output is a standard checkpoint that plain
-        transformers (and vLLM) loads. talking-heads and switchhead outputs carry their own modeling code
-        (load with trust_remote_code=True).
-        """
         from surgery.commands.convert import convert_checkpoint
 
         options = parse_options(options_model(), values)
@@ -74,6 +70,20 @@ def convert_command() -> click.Command:
         click.echo(convert_checkpoint(source, _required_out(out), options))
 
     return convert
+
+
+def _convert_help() -> str:
+    """`surgery convert`'s description, from the registered kinds: their names, their own words, and which ones'
+    outputs carry modeling code."""
+    kinds = [get_kind(name) for name in kind_names()]
+    names = [k.name for k in kinds]
+    shipping = [k.name for k in kinds if k.ships_code]
+    words = " ".join(dict.fromkeys(k.help for k in kinds if k.help))
+    if shipping:
+        words += (" " if words else "") + (f"{' and '.join(shipping)} outputs carry their own modeling code (load "
+                                           "with trust_remote_code=True).")
+    listed = f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else names[0]
+    return f"Convert SOURCE to another attention: {listed}.\n\n{words}"
 
 
 def _required_out(out: Path | None) -> Path:
@@ -143,7 +153,7 @@ def inspect(checkpoints, context, as_json, allow_pickle):
               help="Prompt lengths (tokens), comma-separated (e.g. 512,2048).")
 @click.option("--new", type=int, default=16, show_default=True, help="Generated tokens (decode steps) per measurement.")
 @click.option("--rounds", type=int, default=3, show_default=True, help="Measured rounds per model (alternating).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
 @click.option("--threads", type=int, help="CPU threads (default: torch's).")
 @click.option("--engine", type=click.Choice(["transformers", "llama.cpp", "vllm"]), default="transformers",
@@ -274,9 +284,10 @@ def run(recipe, dry_run, from_step, until, output, overrides):
 
 @cli.command("compare-merges")
 @click.argument("source")
-@click.option("--to", "kind", type=click.Choice(["mqa", "gqa"]), required=True, help="Target attention.")
+@click.option("--to", "kind", type=click.Choice([k for k in kind_names() if issubclass(get_kind(k).options, KVMergeOptions)]),
+              required=True, help="Target attention.")
 @model_options(KVMergeOptions, only=("kv_heads",))
-@click.option("--methods", default="mean,first,random,aligned", show_default=True, help="Comma-separated merge methods.")
+@click.option("--methods", default=",".join(METHODS), show_default=True, help="Comma-separated merge methods.")
 @click.option("--data", default="pydoc", show_default=True, help="Held-out text (same forms as check --data).")
 @click.option("--tokens", type=int, default=16384, show_default=True, help="Held-out tokens to compare on.")
 @click.option("--seq-len", type=int, default=1024, show_default=True, help="Window length (capped at the context).")
@@ -295,7 +306,7 @@ def compare_merges(source, kind, kv_heads, methods, data, tokens, seq_len, calib
     from surgery.merge.compare import compare_merges as run_comparison, print_comparison
     from surgery.source import resolve_source
 
-    groups = options_for(kind, kv_heads=kv_heads).groups  # the mqa/gqa rules, as convert applies them
+    groups = options_for(kind, kv_heads=kv_heads).groups  # the kind's rules, as convert applies them
     result = run_comparison(resolve_source(source, revision=revision), groups,
                             methods=tuple(m.strip() for m in methods.split(",") if m.strip()), data=data, tokens=tokens,
                             seq_len=seq_len, calib=calib, calib_tokens=calib_tokens, seed=seed, device=device)

@@ -62,7 +62,9 @@ class HeadShape:
         return self.heads // self.groups
 
 
-def _head_shape(spec: ArchSpec, config: dict, groups: int) -> HeadShape:
+def head_shape(spec: ArchSpec, config: dict, groups: int) -> HeadShape:
+    """The source's query / K/V heads and head_dim (by its family's spec) with the target's `groups` K/V heads,
+    refused in one line when they do not fit."""
     if groups < 1:
         raise SurgeryError(f"--kv-heads must be at least 1, got {groups}")
     sanity.check_config_counts(config)
@@ -244,7 +246,7 @@ def convert_to_kv_heads(source: Source, out: Path, options: KVOptions, force: bo
     """Convert `source` to `options.kv_heads` K/V heads, writing a standard checkpoint to `out`."""
     config = source.config
     spec = spec_for(config, "mqa/gqa mean")
-    shape = _head_shape(spec, config, options.kv_heads)
+    shape = head_shape(spec, config, options.kv_heads)
     reader = CheckpointReader(source.folder, allow_pickle=options.allow_pickle)
     planner = KVPlanner(reader, spec, config, shape, options)
     return write_converted(source, out, planner, force=force, progress=progress)

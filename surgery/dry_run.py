@@ -30,10 +30,11 @@ def source_dtype(reader: CheckpointReader) -> torch.dtype:
 def convert_dry_run(src: Source, kind, options) -> dict:
     """The estimate `surgery convert ... --dry-run` prints for `kind` (surgery/kinds) with its validated `options`:
     {"lines": [...], and the numbers}."""
-    from .calibration.stream import RUNTIME_BYTES, pick_device
+    from .calibration.stream import RUNTIME_BYTES
+    from .runtime import pick_device
     from .estimate import probe_throughput
-    from .merge.convert import _n_threads
-    from .recipes.estimate import human_bytes
+    from .runtime import compute_threads
+    from .units import human_bytes
 
     config = src.config
     with CheckpointReader(src.folder, allow_pickle=options.allow_pickle) as reader:
@@ -47,7 +48,7 @@ def convert_dry_run(src: Source, kind, options) -> dict:
                 "device_bytes": 0,
                 "lines": [head, f"estimate for {kind.name}: peak host memory {human_bytes(host)}", f"  {STREAMED_NOTE}"]}
     dev = pick_device(options.device)
-    rate = probe_throughput(dev, threads_float32=_n_threads() if dev.type == "cpu" else None)
+    rate = probe_throughput(dev, threads_float32=compute_threads() if dev.type == "cpu" else None)
     est = kind.calibration_estimate(config, options, dtype=str(dtype).removeprefix("torch."), device=str(dev),
                                     throughput=rate)
     return {"kind": est.kind, "calibrated": True, "checkpoint_bytes": total, "host_bytes": est.host_bytes,

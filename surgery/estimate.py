@@ -30,10 +30,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-from .inspect import attention_shape
+from .arch import attention_shape
+from .dtypes import DTYPE_BYTES
 from .merge.assign import MAX_GROUPS_SCORED, MAX_PARTITIONS, partition_count
 
 # The share of the probe's matmul rate a calibration reaches overall (its other work: reading and casting the layer,
@@ -45,7 +47,6 @@ DEFAULT_WINDOW = 512  # calibration window (surgery/calibration/text.py)
 DEFAULT_CHUNK = 8  # windows per forward chunk (MergeOptions.chunk_windows)
 QUERY_SAMPLES = 128  # query positions per window in the query refit (QueryRefit.samples)
 QUERY_TOPK = 32
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ def _rate(device: torch.device, dtype: torch.dtype, n: int, seconds: float) -> t
 def probe_throughput(device: torch.device | str = "cpu", seconds: float = 1.0, threads_float32: int | None = None) -> Throughput:
     """float32 and float64 matmul flop/s of `device`, in about `seconds` (half each). On the CPU, float32 runs with
     `threads_float32` threads (the forward passes' count; default the current one) and float64 with one thread, as
-    the merge's fits do (surgery/threads.py)."""
-    from .threads import threads
+    the merge's fits do (surgery/runtime.py: threads)."""
+    from .runtime import threads
 
     device = torch.device(device)
     if device.type == "cuda":
@@ -269,13 +270,17 @@ def largest_layer_tensor(s: LayerShape) -> int:
     return max(s.hidden * s.intermediate, s.hidden * s.heads * s.head_dim, s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim)
 
 
-def fit_bytes(s: LayerShape, kind: str, refit_values: bool = False) -> int:
-    """float64 matrices of the fits alive at once (not counted by the streaming model), as the code builds them (in
-    place: no identity matrices, priors or transposed copies)."""
+def output_expert_fit_bytes(s: LayerShape) -> int:
+    """float64 matrices of an output-expert refit alive at once (not counted by the streaming model): the features'
+    Gram and its LU (a copy), the targets' cross products, W; W0 in float32."""
+    f, d = s.heads * s.head_dim, s.hidden
+    return 8 * (2 * f * f + 2 * d * f) + 4 * d * f
+
+
+def fit_bytes(s: LayerShape, refit_values: bool = False) -> int:
+    """float64 matrices of the aligned merge's fits alive at once (not counted by the streaming model), as the code
+    builds them (in place: no identity matrices, priors or transposed copies)."""
     din, hd, d = s.hidden + s.qkv_bias, s.heads * s.head_dim, s.hidden
-    if kind == "switchhead":  # output refit: features' Gram and its LU (a copy), targets' cross products, W; W0 float32
-        f = hd
-        return 8 * (2 * f * f + 2 * d * f) + 4 * d * f
     # the query refit: two input Grams (one becomes the LU) and the right-hand sides, float32 solution; the output
     # refit: the heads' Gram (its own LU), right-hand sides and solution, float32 copy. The merge before them holds
     # sigma and one group's heads in float64 (less).
@@ -283,6 +288,18 @@ def fit_bytes(s: LayerShape, kind: str, refit_values: bool = False) -> int:
     output = 8 * ((hd + 1) ** 2 + 2 * (hd + 1) * d) + 4 * (hd + 1) * d
     value = 8 * (s.heads * din * din + 2 * hd * din) if refit_values else 0  # every query head's input Gram
     return max(query, output, value)
+
+
+@dataclass(frozen=True)
+class CalibratedCost:
+    """A calibrated conversion's cost model, as its kind (surgery/kinds) describes it to `estimate_calibrated`."""
+
+    name: str  # what the estimate is of ("estimate for NAME on cpu ...")
+    layer_flops: Callable[[LayerShape, int, int], Flops]  # (shape, tokens, window) -> one layer's work
+    fit_bytes: Callable[[LayerShape], int]  # float64 fits alive at once
+    eager: bool = False  # eager attention: one window per chunk, scores, softmax and maps kept (streaming model)
+    # (shape, tokens, window) -> memory terms of one layer's step beyond the streaming model's
+    extra_memory: Callable[[LayerShape, int, int], dict[str, int]] | None = None
 
 
 @dataclass
@@ -301,7 +318,7 @@ class Estimate:
     memory: dict  # the terms
 
     def lines(self) -> list[str]:
-        from .recipes.estimate import human_bytes
+        from .units import human_bytes
 
         gf = self.flops_per_layer
         t = self.throughput
@@ -327,13 +344,11 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def estimate_calibrated(config: dict, kind: str, tokens: int, *, dtype: str = "bfloat16", device: str = "cpu",
-                        kv_heads: int | None = None, assign: bool = True, heads: int | None = None, experts: int | None = None,
-                        topk: int | None = None, throughput: Throughput | None = None,
-                        window: int = DEFAULT_WINDOW, query_samples: int = QUERY_SAMPLES,
-                        refit_values: bool = False) -> Estimate:
-    """Peak memory and time of a calibrated conversion: kind "aligned" (with `kv_heads`) or "switchhead" (with
-    `heads`, `experts`, `topk`) of the checkpoint described by `config` stored in `dtype`, on `device`."""
+def estimate_calibrated(config: dict, cost: CalibratedCost, tokens: int, *, dtype: str = "bfloat16",
+                        device: str = "cpu", throughput: Throughput | None = None,
+                        window: int = DEFAULT_WINDOW) -> Estimate:
+    """Peak memory and time of a calibrated conversion with the cost model `cost` (its kind's) of the checkpoint
+    described by `config` stored in `dtype`, on `device`."""
     from .calibration.stream import estimate_peak_bytes
 
     s = layer_shape(config)
@@ -341,30 +356,18 @@ def estimate_calibrated(config: dict, kind: str, tokens: int, *, dtype: str = "b
     tokens = max(window, tokens // window * window)  # whole windows, as calibration cuts them
     dev = torch.device(device)
     rate = throughput or probe_throughput(dev)
-    if kind == "aligned":
-        flops = aligned_layer_flops(s, kv_heads or 1, tokens, window, assign, query_samples, refit_values)
-    elif kind == "switchhead":
-        flops = switchhead_layer_flops(s, heads or s.heads, experts or 1, topk or 1, tokens, window)
-    else:
-        raise ValueError(f"unknown calibrated kind {kind!r}")
-    terms = estimate_peak_bytes(config, tokens, dtype, kind=kind, device=dev.type, window=window)
-    fits = fit_bytes(s, kind, refit_values)
+    flops = cost.layer_flops(s, tokens, window)
+    terms = estimate_peak_bytes(config, tokens, dtype, eager=cost.eager, device=dev.type, window=window)
+    fits = cost.fit_bytes(s)
     read = largest_layer_tensor(s) * DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 4)
     memory = {"runtime": terms["runtime"], "layer (float32)": terms["layer"], "embeddings": terms["embedding"],
               "activations": terms["activations"], "scratch": terms["scratch"], "fits (float64)": fits,
               "tensor being read": read}
     # The embeddings are freed after the embedding step (LayerStream.release_embeddings): the peak is the larger of
     # that step and a layer's (its float32 weights, the tensor being read, one chunk's scratch and the fits).
-    if kind == "switchhead":  # eager attention: the scores, the probabilities and the heads' maps reshaped for
-        # their Gram are three [chunk, heads, window, window] float32 tensors (the streaming model counts one)
-        chunk = min(DEFAULT_CHUNK, max(1, tokens // window)) * window
-        memory["attention maps"] = 2 * 4 * chunk * s.heads * window
-        # the source attention read again in float32, the new tensors and the SwitchHead module built from them
-        h_new, e = heads or s.heads, experts or 1
-        new = 2 * h_new * s.head_dim * s.hidden * (1 + e) + 2 * h_new * e * s.hidden
-        memory["switchhead tensors"] = 4 * (s.hidden * s.head_dim * (2 * s.heads + 2 * s.kv_heads) + 2 * new)
-    layer_step = terms["layer"] + terms["scratch"] + fits + memory.get("attention maps", 0) \
-        + memory.get("switchhead tensors", 0) + (read if dev.type == "cpu" else 0)
+    extra = cost.extra_memory(s, tokens, window) if cost.extra_memory else {}
+    memory |= extra
+    layer_step = terms["layer"] + terms["scratch"] + fits + sum(extra.values()) + (read if dev.type == "cpu" else 0)
     # an embedding matrix kept in float32 (not a plain nn.Embedding, e.g. Gemma's scaled one) is read in the
     # checkpoint's dtype first: both copies exist for a moment
     word = int(config.get("vocab_size") or 0) * s.hidden
@@ -379,5 +382,5 @@ def estimate_calibrated(config: dict, kind: str, tokens: int, *, dtype: str = "b
         host = terms["runtime"] + read + terms["embedding"]
         on_device = terms["activations"] + max(terms["embedding"], layer_step)  # the cast happens on the host
     per_layer = flops.seconds(rate)
-    return Estimate(kind, str(dev), s.layers, tokens, int(host), int(on_device), per_layer, per_layer * s.layers,
+    return Estimate(cost.name, str(dev), s.layers, tokens, int(host), int(on_device), per_layer, per_layer * s.layers,
                     flops.cpu_seconds(rate), flops, rate, memory)

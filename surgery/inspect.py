@@ -4,42 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import sanity
-from .arch import find_spec
+from .arch import attention_shape
 from .errors import SurgeryError
+from .kinds import AttentionShape, find_kind, kv_cache_values, plain_attention_macs  # importing the kinds registers their model types
 from .record import read_record
 from .source import load_config
 from .tensors import CheckpointReader, dtype_size
-
-_KEYS = {
-    "heads": ("num_attention_heads", "n_head"),
-    "hidden": ("hidden_size", "n_embd", "d_model"),
-    "layers": ("num_hidden_layers", "n_layer"),
-}
-
-
-def _first(config: dict, keys: tuple[str, ...]) -> int:
-    for k in keys:
-        if config.get(k) is not None:
-            return int(config[k])
-    raise SurgeryError(f"config.json has no {keys[0]}" + (f" (or {', '.join(keys[1:])})" if keys[1:] else ""))
-
-
-def attention_shape(config: dict) -> dict:
-    """heads, stored K/V heads, head_dim, hidden size, layers — from the family's spec (converted checkpoints: their
-    source family's), or from the usual config keys for any other transformer."""
-    sanity.check_config_counts(config)
-    from .kinds import source_model_type
-
-    spec = find_spec(source_model_type(str(config.get("model_type"))))
-    if spec is not None:
-        return {"layers": spec.layers(config), "hidden": spec.hidden(config), "heads": spec.heads(config),
-                "kv_heads": spec.kv_heads(config), "head_dim": spec.head_dim(config)}
-    heads = _first(config, _KEYS["heads"])
-    hidden = _first(config, _KEYS["hidden"])
-    kv = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    return {"layers": _first(config, _KEYS["layers"]), "hidden": hidden, "heads": heads, "kv_heads": kv, "head_dim": head_dim}
+from .units import si_number
 
 
 def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = None, allow_pickle: bool = False) -> dict:
@@ -56,18 +27,17 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
     # The KV cache is kept in the weights' dtype: the dtype holding most parameters.
     cache_dtype = max(floats, key=lambda t: t.numel).dtype if floats else None
     bytes_per_value = dtype_size(cache_dtype) if cache_dtype is not None else 2
-    from .kinds import AttentionShape, find_kind, plain_attention_macs
 
     L, h, kv, d = shape["layers"], shape["heads"], shape["kv_heads"], shape["head_dim"]
-    kv_bytes = 2 * L * kv * d * bytes_per_value
     core_macs = L * 2 * h * d * context  # QKᵀ and AV for one query over `context` keys
-    # the kind that wrote the checkpoint knows its attention's work (surgery/kinds); a plain checkpoint: MHA/GQA
+    # the kind that wrote the checkpoint knows its attention's work and cache (surgery/kinds); a plain checkpoint:
+    # MHA/GQA
     kind = find_kind(record, config)
     ashape = AttentionShape(L, h, kv, d, shape["hidden"])
+    kv_bytes = kv_cache_values(ashape, config, record)["transformers"] * bytes_per_value
     macs = kind.attention_macs(ashape, config, record, context) if kind else plain_attention_macs(ashape)
     proj_macs, mix_macs = macs["proj"], macs["mixing"]
-    switchhead = config.get("switchhead") if isinstance(config.get("switchhead"), dict) else {}
-    experts, topk = switchhead.get("experts"), switchhead.get("topk")
+    experts, topk = kind.experts(config) if kind else (None, None)
     return {
         "checkpoint": label or str(folder),
         "model_type": config.get("model_type"),
@@ -88,16 +58,6 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
         "added_parameters": kind.added_parameters(record) if kind else None,
         "attention_macs_per_token": proj_macs + core_macs + (mix_macs or 0),
     }
-
-
-def _human(n: float | None, unit: str = "") -> str:
-    if n is None:
-        return "-"
-    for prefix in ("", "K", "M", "G", "T"):
-        if abs(n) < 1000:
-            return f"{n:.4g}{prefix}{unit}"
-        n /= 1000
-    return f"{n:.4g}P{unit}"
 
 
 def print_inspection(stats: list[dict]) -> None:
@@ -139,7 +99,7 @@ def print_inspection(stats: list[dict]) -> None:
             if unit is None:
                 cells.append(str(value if value is not None else "-"))
                 continue
-            text = _human(value, unit)
+            text = si_number(value, unit)
             if s is not base and value is not None and base.get(key):
                 text += f" ({value / base[key]:.2f}x)"
             cells.append(text)

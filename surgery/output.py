@@ -16,7 +16,7 @@ from .errors import SurgeryError
 from .record import new_record, write_record
 from .source import Source, copy_side_files, custom_code_files, public_config, side_files
 from .tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
-from .threads import threads
+from .runtime import threads
 from .trust import CODE_RECORD, code_record
 
 

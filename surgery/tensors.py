@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from .digest import sha256_file
+from .dtypes import DTYPE_NAMES
 from . import sanity
 from .errors import SurgeryError
 
@@ -37,7 +38,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 # The floating dtypes a user names (--dtype), by name: the one table every command uses.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 WEIGHTS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 

@@ -3,7 +3,7 @@
 A folder "has custom code" when its config.json (or tokenizer_config.json) has an `auto_map`: transformers then
 imports the `.py` files it names, with `trust_remote_code=True`. Checkpoints come from strangers, so that code runs
 only when the user passed a flag for that very model (`--trust-remote-code`, `--trust-teacher-code`, ...), with one
-exception: the toolkit's own outputs (talking-heads, SwitchHead) carry the modeling files this toolkit ships, and
+exception: the toolkit's own outputs (of the kinds that ship modeling code) carry the modeling files this toolkit ships, and
 those load without a flag when every file `auto_map` names is byte-for-byte (sha256) the file this version of the
 toolkit ships under that name AND the file the folder's surgery.json recorded at conversion ("code_sha256").
 One changed byte and the folder is treated like any stranger's.
@@ -22,7 +22,6 @@ from .errors import SurgeryError
 from .record import read_record_or_empty
 
 PACKAGE = Path(__file__).resolve().parent
-CODE_PACKAGES = ("talking_heads", "switchhead")  # the toolkit's kinds whose outputs carry modeling code
 CODE_RECORD = "code_sha256"  # surgery.json key: {file name: sha256} of the code files a converter copied
 
 
@@ -69,11 +68,12 @@ def code_references(folder) -> list[str]:
 
 @lru_cache(maxsize=1)
 def own_code_hashes() -> dict[str, str]:
-    """{file name: sha256} of the modeling/configuration files this version of the toolkit ships."""
+    """{file name: sha256} of the modeling/configuration files this version of the toolkit ships: those of every
+    kind's package whose outputs carry modeling code (surgery/<package>/modeling_*.py, configuration_*.py)."""
     hashes = {}
-    for package in CODE_PACKAGES:
+    for package in sorted(p for p in PACKAGE.iterdir() if p.is_dir()):
         for pattern in ("configuration_*.py", "modeling_*.py"):
-            for path in sorted((PACKAGE / package).glob(pattern)):
+            for path in sorted(package.glob(pattern)):
                 hashes[path.name] = sha256_file(path)
     return hashes
 

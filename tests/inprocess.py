@@ -1,9 +1,16 @@
-"""The `surgery` command line run inside the test process (no interpreter start-up): (exit code, stdout, stderr)."""
+"""Running the `surgery` command line in tests: `run_cli` inside the test process (no interpreter start-up): (exit
+code, stdout, stderr); `surgery` in a child process, for what needs a real process (signals, exit paths, the
+environment); `assert_one_line_error` for either's refusals."""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
 import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 class Hang(Exception):
@@ -35,3 +42,17 @@ def run_cli(capsys, *args, hang_seconds: int | None = None) -> tuple[int, str, s
         sys.argv = saved
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def surgery(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=300)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("surgery: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]

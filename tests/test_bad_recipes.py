@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 import tiny_models as tm
-from test_cli_errors import assert_one_line_error, surgery
+from inprocess import assert_one_line_error, surgery
 
 from surgery.errors import SurgeryError
 from surgery.recipes import load_recipe

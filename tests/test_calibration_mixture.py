@@ -16,7 +16,7 @@ from surgery.calibration.text import calibration_text
 from surgery.checking.overlap import calibration_overlap, document_sha256
 from surgery.data import pydoc_texts, token_stream
 from surgery.errors import SurgeryError
-from test_merge_convert import char_tokenizer, tiny
+from tiny_models import char_tokenizer, tiny
 
 REPO = Path(__file__).resolve().parents[1]
 

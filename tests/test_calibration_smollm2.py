@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 from surgery.calibration.text import calibration_text, context_of
-from surgery.check import load_tokenizer
+from surgery.runtime import load_tokenizer
 from surgery.source import resolve_source
 from test_calibration_stream import assert_same_merge, assert_same_switchhead
 

@@ -138,7 +138,7 @@ def test_calibration_text_reads_pydoc_from_the_end(tmp_path):
     import hashlib
 
     from surgery.data import pydoc_texts
-    from test_merge_convert import char_tokenizer
+    from tiny_models import char_tokenizer
 
     char_tokenizer(tmp_path)
     tok = tf.AutoTokenizer.from_pretrained(tmp_path)
@@ -152,7 +152,7 @@ def test_calibration_text_reads_pydoc_from_the_end(tmp_path):
 
 
 def test_cli_records_calibration_and_prints_a_line_per_layer(tmp_path):
-    from test_merge_convert import tiny
+    from tiny_models import tiny
 
     src = tiny("llama", tmp_path / "src")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -175,7 +175,7 @@ def test_switchhead_record_and_no_leftovers(tmp_path):
     leaves nothing beside the output (the layer store is removed)."""
     from surgery.calibration.text import PYDOC_SPLIT
     from surgery.switchhead import convert_to_switchhead
-    from test_merge_convert import tiny
+    from tiny_models import tiny
 
     src = tiny("llama", tmp_path / "src")
     record = convert_to_switchhead(resolve_source(str(src)), tmp_path / "sh", heads=2, experts=4, topk=2,

@@ -15,9 +15,10 @@ import torch.nn.functional as F
 import transformers as tf
 
 import tiny_models as tm
-from test_merge_convert import char_tokenizer
+from tiny_models import char_tokenizer
 
-from surgery.check import compare_checkpoints, compare_models, load_model
+from surgery.check import compare_checkpoints, compare_models
+from surgery.runtime import load_model
 from surgery.checking import generate as gen
 from surgery.checking.overlap import document_sha256
 from surgery.checking.spill import SpillStore
@@ -511,7 +512,7 @@ def test_smollm2_mqa_sequential_check_matches_both_models_at_once(tmp_path):
     assert report["scratch"] == "disk"
     a = load_model(source, torch.device("cpu"), "float32")
     b = load_model(resolve_source(str(tmp_path / "mqa")), torch.device("cpu"), "float32")
-    from surgery.check import load_tokenizer
+    from surgery.runtime import load_tokenizer
 
     ids = token_stream(pydoc_texts(), load_tokenizer(source), 2048)
     at_once = compare_models(a, b, ids, 512, 2, causal=True)

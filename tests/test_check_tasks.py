@@ -15,7 +15,7 @@ import torch
 from inprocess import run_cli
 
 import tiny_models as tm
-from test_merge_convert import char_tokenizer
+from tiny_models import char_tokenizer
 
 from surgery.check import compare_checkpoints
 from surgery.checking.tasks import parse_tasks, rows

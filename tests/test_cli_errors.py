@@ -11,22 +11,9 @@ from pathlib import Path
 import pytest
 
 import tiny_models as tm
+from inprocess import assert_one_line_error, surgery  # noqa: F401 (also imported from here)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def surgery(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=300)
-
-
-def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("surgery: error: "), result.stderr
-    assert "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in lines[0]
 
 
 @pytest.fixture(scope="module")

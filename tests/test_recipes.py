@@ -12,7 +12,7 @@ import transformers as tf
 import yaml
 
 from hub_server import LocalHub
-from test_cli_errors import assert_one_line_error, surgery
+from inprocess import assert_one_line_error, surgery
 from test_push import TOKEN, USER, download, hub_env
 
 from surgery.errors import SurgeryError

@@ -1,5 +1,5 @@
 """The registry of conversion kinds (surgery/kinds): one options model per kind is the source of the command line's
-flags, of a recipe's convert fields and of the rules both apply; and the layering cli > recipes > commands > kinds."""
+flags, of a recipe's convert fields and of the rules both apply; and the layering of the whole package (LAYERS)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,45 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "surgery"
 
 
-def _imports(path: Path) -> set[str]:
-    """Absolute names of the surgery modules `path` imports (relative imports resolved)."""
-    module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+# ---- layering: the import graph of the whole package ------------------------------------------------------------
+# The package's layers, lowest first: a module may import its own layer and the ones below, never one above. A
+# module belongs to the layer of the longest prefix listed here that names it (so a module of a package can sit
+# in another layer than its package, e.g. the compare-merges command in a layer above the merge it compares).
+# Data flows: checkpoint in -> architecture spec -> kind -> checkpoint out -> check / uptrain -> hub.
+LAYERS = [
+    ("foundation", ["surgery", "surgery.errors", "surgery.options", "surgery.progress", "surgery.digest",
+                    "surgery.solve", "surgery.units", "surgery.dtypes",
+                    "surgery.model_types"]),
+    ("checkpoint I/O", ["surgery.sanity", "surgery.atomic", "surgery.tensors", "surgery.record", "surgery.source",
+                        "surgery.trust", "surgery.data"]),
+    ("runtime", ["surgery.runtime"]),
+    ("architecture and checkpoint writing", ["surgery.arch", "surgery.kv_pool", "surgery.output"]),
+    ("conversions", ["surgery.calibration", "surgery.merge", "surgery.switchhead", "surgery.talking_heads",
+                     "surgery.mla", "surgery.convert_kv", "surgery.estimate"]),
+    ("kinds", ["surgery.kinds"]),
+    ("checkpoint users", ["surgery.check", "surgery.checking", "surgery.inspect", "surgery.bench",
+                          "surgery.dry_run", "surgery.demo", "surgery.publish", "surgery.uptrain",
+                          "surgery.merge.compare", "surgery.recipes.estimate"]),
+    ("commands", ["surgery.commands"]),
+    ("recipes", ["surgery.recipes"]),
+    ("command line", ["surgery.clickgen", "surgery.cli"]),
+]
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _all_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(path: Path, modules=None) -> set[str]:
+    """The surgery modules `path` imports, at module level or inside functions (relative imports resolved; `from
+    package import name` is an import of the submodule `package.name` when there is one, else of the package)."""
+    modules = modules or _all_modules()
+    module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    if path.name == "__init__.py":
-        module = package = module.removesuffix(".__init__")
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -35,31 +68,89 @@ def _imports(path: Path) -> set[str]:
                 parts = package.split(".")
                 parent = ".".join(parts[: len(parts) - node.level + 1])
                 base = f"{parent}.{base}" if base else parent
-            names.add(base)
-            names |= {f"{base}.{a.name}" for a in node.names}
-    return {n for n in names if n == "surgery" or n.startswith("surgery.")}
+            names |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+    found = set()
+    for name in names:
+        while name and name not in modules:  # `import surgery.x.y` of a module; a name inside a module: the module
+            name = name.rpartition(".")[0]
+        if name.startswith("surgery") and name != module:
+            found.add(name)
+    return found
 
 
 def _modules() -> dict[str, set[str]]:
-    return {".".join(p.relative_to(REPO).with_suffix("").parts): _imports(p) for p in PACKAGE.rglob("*.py")}
+    modules = _all_modules()
+    return {m: _imports(p, modules) for m, p in modules.items()}
+
+
+def _layer(module: str) -> int:
+    best = max(((len(p), i) for i, (_, prefixes) in enumerate(LAYERS) for p in prefixes
+                if module == p or module.startswith(p + ".")), default=None)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best[1]
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The import circles: strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]; counter[0] += 1; stack.append(root); on.add(root)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]; counter[0] += 1; stack.append(w); on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = set()
+                while True:
+                    w = stack.pop(); on.discard(w); component.add(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    out.append(component)
+    return out
+
+
+def upward_imports() -> set[tuple[str, str]]:
+    return {(m, n) for m, names in _modules().items() for n in names if _layer(n) > _layer(m)}
+
+
+def test_every_module_has_a_layer():
+    for m in _modules():
+        _layer(m)
+
+
+def test_no_import_runs_from_a_lower_layer_to_a_higher_one():
+    assert sorted(upward_imports()) == []
+
+
+def test_no_import_circles():
+    assert _cycles(_modules()) == []
+
+
+def test_the_layering_test_sees_a_circle_and_an_upward_import():
+    """The measure itself: a made-up graph with one circle of three and an import up from the foundation."""
+    graph = {"surgery.errors": {"surgery.cli"}, "surgery.cli": {"surgery.kinds"}, "surgery.kinds": {"surgery.errors"},
+             "surgery.arch": set()}
+    assert _cycles(graph) == [{"surgery.errors", "surgery.cli", "surgery.kinds"}]
+    assert _layer("surgery.merge.compare") > _layer("surgery.merge") > _layer("surgery.arch")
 
 
 def test_only_the_command_line_imports_surgery_cli():
     offenders = sorted(m for m, names in _modules().items() if m != "surgery.cli" and "surgery.cli" in names)
     assert offenders == []
     assert any(n.startswith("surgery.commands") for n in _modules()["surgery.cli"])
-
-
-@pytest.mark.parametrize("layer, below", [
-    ("surgery.recipes", ("surgery.cli",)),
-    ("surgery.commands", ("surgery.cli", "surgery.recipes")),
-    ("surgery.kinds", ("surgery.cli", "surgery.recipes", "surgery.commands", "surgery.clickgen")),
-])
-def test_layers_import_only_downwards(layer, below):
-    """cli on top, then recipes, then commands, then kinds: no module imports a layer above its own."""
-    bad = {m: sorted(n for n in names if n.startswith(below)) for m, names in _modules().items()
-           if m.startswith(layer)}
-    assert {m: n for m, n in bad.items() if n} == {}
 
 
 def test_recipes_and_kinds_do_not_import_click():
@@ -230,3 +321,12 @@ def test_a_required_field_is_a_required_option(args, message, capsys, tmp_path, 
     monkeypatch.chdir(tmp_path)
     code, _, err = run_cli(capsys, *args)
     assert code == 2 and err.startswith(f"surgery: error: {message}") and list(tmp_path.iterdir()) == []
+
+
+def test_merge_method_names_are_the_pooling_methods_and_aligned():
+    """The command line's, a recipe's and compare-merges' merge methods (kinds/kv.py) are the library's pooling
+    methods (kv_pool.py) plus the aligned merge: one list, the other its subset."""
+    from surgery.kinds.kv import METHODS
+    from surgery.kv_pool import POOL_METHODS
+
+    assert METHODS == (*POOL_METHODS, "aligned")

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 import tiny_models as tm
-from test_cli_errors import assert_one_line_error, surgery
-from test_merge_convert import char_tokenizer
+from inprocess import assert_one_line_error, surgery
+from tiny_models import char_tokenizer
 
 from surgery import trust
 from surgery.errors import SurgeryError

@@ -7,16 +7,12 @@ import json
 import pytest
 import torch
 
-from surgery.check import compare_models, load_model
+from surgery.check import compare_models
+from surgery.runtime import load_model
 from surgery.data import pydoc_texts, token_stream
 from surgery.inspect import inspect_checkpoint
 from surgery.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return resolve_source("smollm2")
 
 
 @pytest.fixture(scope="module")

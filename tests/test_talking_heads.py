@@ -265,8 +265,8 @@ def test_uptrain_loads_a_custom_code_tokenizer_without_asking(tmp_path, monkeypa
     stops to ask on the terminal; uptrain trusts a converted folder's code for the model, so for the tokenizer too."""
     import builtins
 
-    from test_merge_convert import char_tokenizer
-    from surgery.uptrain.model_io import load_tokenizer
+    from tiny_models import char_tokenizer
+    from surgery.uptrain.model_io import load_trusted_tokenizer
 
     make_source("llama", tmp_path / "src", vocab=96)
     char_tokenizer(tmp_path / "src")
@@ -279,7 +279,7 @@ def test_uptrain_loads_a_custom_code_tokenizer_without_asking(tmp_path, monkeypa
         return "n"
 
     monkeypatch.setattr(builtins, "input", answer_no)
-    tokenizer = load_tokenizer(resolve_source(str(tmp_path / "th")))
+    tokenizer = load_trusted_tokenizer(resolve_source(str(tmp_path / "th")))
     assert prompts == []
     assert tokenizer("abc")["input_ids"] == [66, 67, 68]
 

@@ -22,11 +22,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    return resolve_source("smollm2")
-
-
-@pytest.fixture(scope="module")
 def smollm2_th(smollm2, tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2") / "th"
     record = convert_to_talking_heads(smollm2, out, chunk_size=48, progress=False)

@@ -113,3 +113,20 @@ def sample_ids(seed: int = 1, batch: int = 2, length: int = 24) -> torch.Tensor:
 @torch.no_grad()
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids).logits
+
+
+def char_tokenizer(folder: Path) -> None:
+    """A character-level tokenizer over printable ASCII (96 ids, the tiny models' vocabulary): id 0 is EOS/unknown."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0} | {chr(c): i + 1 for i, c in enumerate(range(32, 127))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<eos>"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<eos>").save_pretrained(folder)
+
+
+def tiny(arch: str, folder: Path, seed: int = 0) -> Path:
+    """A tiny random `arch` model with the character tokenizer."""
+    make_tiny(arch, folder, seed=seed)
+    char_tokenizer(folder)
+    return folder

@@ -8,7 +8,7 @@
   memory model.
 """
 
-from .stream import LayerStream, estimate_peak_bytes, open_stream, pick_device
+from .stream import LayerStream, estimate_peak_bytes, open_stream
 from .text import CalibrationText, calibration_text
 
-__all__ = ["CalibrationText", "LayerStream", "calibration_text", "estimate_peak_bytes", "open_stream", "pick_device"]
+__all__ = ["CalibrationText", "LayerStream", "calibration_text", "estimate_peak_bytes", "open_stream"]

@@ -25,12 +25,11 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..check import pick_device
 from ..errors import SurgeryError
 from ..tensors import CheckpointReader, dtype_size
 from .layout import memory_layout
 
-__all__ = ["LayerCall", "LayerStream", "estimate_peak_bytes", "open_stream", "pick_device", "run_layer",
+__all__ = ["LayerCall", "LayerStream", "estimate_peak_bytes", "open_stream", "run_layer",
            "LayerProgress", "StopForward", "run_until_stopped"]
 
 OFFLOAD_FRACTION = 0.5  # activations may take at most this share of the device's free memory
@@ -45,13 +44,14 @@ class LayerCall:
     kwargs: dict
 
 
-def _first(out):
+def first_output(out):
+    """A module's output tensor: the first element when it returns a tuple (a decoder layer, an attention)."""
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
 @torch.no_grad()
 def run_layer(layer: nn.Module, hidden: torch.Tensor, call: LayerCall) -> torch.Tensor:
-    return _first(layer(hidden, *call.args, **call.kwargs))
+    return first_output(layer(hidden, *call.args, **call.kwargs))
 
 
 class StopForward(Exception):
@@ -355,7 +355,7 @@ class LayerProgress:
 
 # --- the memory model ----------------------------------------------------------------------------------------
 def estimate_peak_bytes(config: dict, calib_tokens: int, dtype: str | torch.dtype = "bfloat16", *,
-                        kind: str = "aligned", device: str = "cpu", window: int = 512,
+                        eager: bool = False, device: str = "cpu", window: int = 512,
                         chunk_windows: int | None = None) -> dict:
     """Peak memory of a streamed calibration, in bytes: {"layer", "embedding", "activations", "scratch",
     "runtime", "device", "host"}.
@@ -396,16 +396,16 @@ def estimate_peak_bytes(config: dict, calib_tokens: int, dtype: str | torch.dtyp
     inter = int(getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden)
     tokens = calib_tokens
     qkv_width = (heads + 2 * kv) * head_dim
-    if kind == "switchhead":  # hidden stream, attention inputs and outputs, head outputs
+    if eager:  # (SwitchHead) hidden stream, attention inputs and outputs, head outputs
         width = 3 * hidden + heads * head_dim
     else:  # converted stream, attention inputs (and their concatenation), source and converted outputs, the
         # source's queries/keys/heads (and concatenations), converted heads, re-projected queries/keys, cos/sin
         width = 6 * hidden + 6 * heads * head_dim + 3 * kv * head_dim + head_dim
     activations = 4 * tokens * width
-    if chunk_windows is None:  # the converters' chunks: 8 windows (aligned, sdpa), 1 (SwitchHead, eager)
-        chunk_windows = 1 if kind == "switchhead" else 8
+    if chunk_windows is None:  # the converters' chunks: 8 windows (aligned, sdpa), 1 (eager: SwitchHead)
+        chunk_windows = 1 if eager else 8
     chunk = min(chunk_windows, max(1, tokens // window)) * window
-    probs = chunk * heads * window * (4 if kind == "switchhead" else 1)  # eager keeps scores, softmax, the maps
+    probs = chunk * heads * window * (4 if eager else 1)  # eager keeps scores, softmax, the maps
     scratch = 4 * (probs + 3 * chunk * inter + chunk * qkv_width)
     layer = 4 * layer_params
     on_device = layer + embedding + activations + scratch

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SurgeryError
-from ..kvcache import cache_keyword, returned_cache
+from ..runtime import cache_keyword, returned_cache
 
 PROMPT_TOKENS = 32
 TEXT_PROMPTS = 8

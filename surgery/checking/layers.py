@@ -17,16 +17,13 @@ import math
 import torch
 from torch import nn
 
+from ..calibration.stream import first_output
 from ..errors import SurgeryError
 from .spill import SpillStore
 
 LAYER_TOKENS = 2048
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 KINDS = ("attention", "hidden")
-
-
-def _first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def decoder_layers(model) -> list[nn.Module]:
@@ -74,7 +71,7 @@ class _Hooks:
         for i, modules in enumerate(hooked_modules(model)):
             for kind, module in modules.items():
                 self.handles.append(module.register_forward_hook(
-                    lambda m, args, out, i=i, kind=kind: on_output(i, kind, _first(out))))
+                    lambda m, args, out, i=i, kind=kind: on_output(i, kind, first_output(out))))
 
     def __enter__(self):
         return self

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import SurgeryError
+from ..units import human_bytes
 
 MEMORY_BYTES = 256 << 20
 DISK_MARGIN = 1 << 30  # left free on the scratch disk
@@ -31,14 +32,6 @@ DISK_MARGIN = 1 << 30  # left free on the scratch disk
 
 def scratch_dir() -> Path:
     return Path(tempfile.gettempdir())
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n:.1f} GB"
 
 
 class SpillStore:

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import field_validator
 
+from ..dtypes import DTYPE_NAMES
 from ..errors import SurgeryError
 from ..options import CliModel, Texts, option, texts_rule
 
@@ -28,7 +29,7 @@ class CheckOptions(CliModel):
     seq_len: int = option(1024, "--seq-len", "Window length (capped at the context).")
     batch_size: int = option(4, "--batch-size", "Windows per forward pass.")
     device: str = option("auto", "--device", "auto (CUDA when present), cpu, cuda, cuda:N.")
-    dtype: Literal["float32", "bfloat16", "float16"] = option("float32", "--dtype")
+    dtype: Literal[DTYPE_NAMES] = option("float32", "--dtype")
     expect: Literal["exact", "none"] = option("none", "--expect", "exact: exit 1 when max |Δlogits| exceeds the dtype's "
                                                                   "tolerance.")
     atol: float | None = option(None, "--atol", "Override the tolerance used by --expect exact.")

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import PrivateAttr, ValidationError, ValidationInfo, create_model, model_validator
 
 from ..errors import SurgeryError
+from ..model_types import CONVERTED_PREFIXES
 from ..options import CliModel, option
 from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
 from .kv import GQA, MQA
@@ -33,11 +34,14 @@ _FLAT: dict[tuple, type] = {}  # the flat convert model, per set of registered k
 
 def register(kind: Kind) -> Kind:
     _KINDS[kind.name] = kind
+    if kind.model_type_prefix:
+        CONVERTED_PREFIXES[kind.name] = kind.model_type_prefix
     return kind
 
 
 def unregister(name: str) -> None:
     _KINDS.pop(name, None)
+    CONVERTED_PREFIXES.pop(name, None)
 
 
 for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD):
@@ -46,6 +50,11 @@ for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD):
 
 def kind_names() -> tuple[str, ...]:
     return tuple(_KINDS)
+
+
+def support_labels() -> tuple[str, ...]:
+    """The columns of `surgery convert --list`: every kind's support labels, in registration order, once each."""
+    return tuple(dict.fromkeys(label for k in _KINDS.values() for label in (k.support_labels or (k.name,))))
 
 
 def get_kind(name: str) -> Kind:
@@ -68,14 +77,6 @@ def find_kind(record: dict | None = None, config: dict | None = None) -> Kind | 
     model_type = str(config.get("model_type"))
     return next((k for k in _KINDS.values() if k.model_type_prefix and model_type.startswith(k.model_type_prefix)),
                 None)
-
-
-def source_model_type(model_type: str) -> str:
-    """A converted checkpoint's model_type without its kind's prefix (the source family's)."""
-    for k in _KINDS.values():
-        if k.model_type_prefix:
-            model_type = model_type.removeprefix(k.model_type_prefix)
-    return model_type
 
 
 class ConvertOptions(CliModel):
@@ -150,7 +151,22 @@ def options_for(kind: str, **values) -> WriteOptions:
         raise SurgeryError(str(e)) from None
 
 
+_PLAIN = Kind("source", WriteOptions)  # what a checkpoint no kind wrote answers (MHA / GQA / MQA)
+
+
 def plain_attention_macs(shape: AttentionShape) -> dict:
     """The attention projections' MACs per token of a checkpoint no kind wrote (MHA / GQA / MQA)."""
-    return Kind.attention_macs(Kind("source", WriteOptions), shape, {}, {}, 0)
+    return Kind.attention_macs(_PLAIN, shape, {}, {}, 0)
+
+
+def plain_kv_cache_values(shape: AttentionShape) -> dict[str, int]:
+    """Values each runtime caches per token for a checkpoint no kind wrote (MHA / GQA / MQA)."""
+    return _PLAIN.kv_cache_values(shape, {})
+
+
+def kv_cache_values(shape: AttentionShape, config: dict, record: dict | None = None) -> dict[str, int]:
+    """Values each runtime caches per token for a checkpoint: its kind's answer, or the base Kind's when no kind
+    wrote it."""
+    kind = find_kind(record, config)
+    return (kind or _PLAIN).kv_cache_values(shape, config)
 

@@ -6,7 +6,8 @@ A kind is one `Kind` object in the registry (surgery/kinds/__init__.py):
 - `calibrates(options)`, `ships_code`: whether it reads calibration text, whether its output carries modeling code;
 - its cost model: `converted_shape` (parameters and K/V heads after conversion, for the recipe estimate),
   `calibration_estimate` (memory and time of a calibrated conversion, surgery/estimate.py), `attention_macs`
-  (the per-token attention work `surgery inspect` and the model card show), and its model card words.
+  (the per-token attention work `surgery inspect` and the model card show), `kv_cache_values` (what each runtime
+  caches per token: `surgery inspect`, `surgery bench` and the model card), and its model card words.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ValidationInfo, field_validator
 
+from ..dtypes import DTYPE_NAMES
 from ..options import CliModel, Texts, option, spelling, texts_rule
 
-DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 
 
 class WriteOptions(CliModel):
@@ -112,8 +114,14 @@ class Kind:
     name: str
     options: type[WriteOptions]
     title: str = ""  # the model card's words for the target attention
+    help: str = ""  # what `surgery convert --help` says of the kind (kinds sharing words give the same text)
+    # the columns of `surgery convert --list` this kind answers (surgery.arch's refusals are keyed by them);
+    # empty: one column, the kind's name
+    support_labels: tuple[str, ...] = ()
     tags: list[str] = field(default_factory=list)  # the model card's hub tags
     ships_code: bool = False  # the output carries its own modeling code (load with trust_remote_code=True)
+    # options that convert a Llama-like model of 8 heads and 4 K/V heads (tests/test_kind_contract.py runs them)
+    example_options: dict[str, Any] = field(default_factory=dict)
     model_type_prefix: str | None = None  # converted configs' model_type = prefix + the source's
     config_key: str | None = None  # the converted config.json's key holding the kind's settings
     # the attention implementation `surgery check` runs the source with, when the converted model computes its
@@ -147,6 +155,17 @@ class Kind:
         (kinds that add work between the scores and the values) that extra work at `context` keys."""
         L, h, kv, d, H = shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.hidden
         return {"proj": L * (H * h * d + 2 * H * kv * d + h * d * H), "mixing": None}
+
+    def kv_cache_values(self, shape: AttentionShape, config: dict) -> dict[str, int]:
+        """Values each runtime caches per token, all layers together, for a checkpoint this kind wrote (`config`:
+        its config.json): {"transformers": n, "vllm": n, "llama.cpp": n}. Bytes = values x the cache dtype's size."""
+        n = 2 * shape.layers * shape.kv_heads * shape.head_dim
+        return {"transformers": n, "vllm": n, "llama.cpp": n}
+
+    def experts(self, config: dict) -> tuple[int | None, int | None]:
+        """Experts per head and experts each token uses, from the converted config (`surgery inspect`'s row);
+        (None, None): the attention has no experts."""
+        return None, None
 
     def added_parameters(self, record: dict) -> int | None:
         """Parameters the conversion added (None: it adds none worth a row)."""

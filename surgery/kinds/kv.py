@@ -113,11 +113,15 @@ class KVMerge(Kind):
     def calibration_estimate(self, config: dict, options: KVMergeOptions, *, dtype: str, device: str, throughput=None):
         if not self.calibrates(options):
             return None
-        from ..estimate import estimate_calibrated
+        from ..estimate import CalibratedCost, aligned_layer_flops, estimate_calibrated, fit_bytes
 
-        return estimate_calibrated(config, "aligned", options.calib_tokens, dtype=dtype, device=device,
-                                   kv_heads=options.groups, assign=options.grouping == "similarity",
-                                   query_samples=options.query_samples, refit_values=options.refit_values,
+        assign = options.grouping == "similarity"
+        cost = CalibratedCost(
+            "aligned",
+            lambda s, tokens, window: aligned_layer_flops(s, options.groups or 1, tokens, window, assign,
+                                                          options.query_samples, options.refit_values),
+            lambda s: fit_bytes(s, options.refit_values))
+        return estimate_calibrated(config, cost, options.calib_tokens, dtype=dtype, device=device,
                                    window=options.calib_window, throughput=throughput)
 
     def card_lines(self, record: dict) -> list[str]:
@@ -125,5 +129,11 @@ class KVMerge(Kind):
         return [f"K/V heads merged by: {MERGES.get(method, method)}."] if method else []
 
 
-MQA = KVMerge("mqa", MQAOptions, title="multi-query attention (one K/V head)", tags=["mqa", "multi-query-attention"])
-GQA = KVMerge("gqa", GQAOptions, title="grouped-query attention", tags=["gqa", "grouped-query-attention"])
+SUPPORT_LABELS = ("mqa/gqa mean", "mqa/gqa aligned")  # `convert --list`'s columns: the plain and the aligned merge
+HELP = ("mqa/gqa with mean/first/random merges is pure tensor surgery, streamed tensor by tensor: the model is never "
+        "built, so memory stays near the largest tensor. The output is a standard checkpoint that plain transformers "
+        "(and vLLM) loads.")
+MQA = KVMerge("mqa", MQAOptions, title="multi-query attention (one K/V head)", tags=["mqa", "multi-query-attention"],
+              support_labels=SUPPORT_LABELS, help=HELP, example_options={})
+GQA = KVMerge("gqa", GQAOptions, title="grouped-query attention", tags=["gqa", "grouped-query-attention"],
+              support_labels=SUPPORT_LABELS, help=HELP, example_options={"kv_heads": 2})

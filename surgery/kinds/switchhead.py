@@ -51,10 +51,15 @@ class SwitchHead(Kind):
                              throughput=None):
         if not self.calibrates(options):
             return None
-        from ..estimate import estimate_calibrated
+        from ..estimate import CalibratedCost, estimate_calibrated, output_expert_fit_bytes, switchhead_layer_flops
 
-        return estimate_calibrated(config, "switchhead", options.calib_tokens, dtype=dtype, device=device,
-                                   heads=options.heads, experts=options.experts, topk=options.topk,
+        cost = CalibratedCost(
+            "switchhead",
+            lambda s, tokens, window: switchhead_layer_flops(s, options.heads or s.heads, options.experts or 1,
+                                                             options.topk or 1, tokens, window),
+            output_expert_fit_bytes, eager=True,
+            extra_memory=lambda s, tokens, window: switchhead_memory(s, tokens, window, options.heads, options.experts))
+        return estimate_calibrated(config, cost, options.calib_tokens, dtype=dtype, device=device,
                                    window=options.calib_window, throughput=throughput)
 
     def attention_macs(self, shape: AttentionShape, config: dict, record: dict, context: int) -> dict:
@@ -66,11 +71,30 @@ class SwitchHead(Kind):
         L, h, d, H = shape.layers, shape.heads, shape.head_dim, shape.hidden
         return {"proj": L * (2 * H * h * d + 2 * topk * H * h * d + 2 * H * h * experts), "mixing": None}
 
+    def experts(self, config: dict) -> tuple[int | None, int | None]:
+        switchhead = config.get("switchhead") if isinstance(config.get("switchhead"), dict) else {}
+        return switchhead.get("experts"), switchhead.get("topk")
+
     def added_parameters(self, record: dict) -> int | None:
         return record.get("added_parameters")
+
+
+def switchhead_memory(s, tokens: int, window: int, heads: int | None, experts: int | None) -> dict[str, int]:
+    """One calibrated layer's memory beyond the streaming model's (surgery/estimate.py's terms)."""
+    from ..estimate import DEFAULT_CHUNK
+
+    # eager attention: the scores, the probabilities and the heads' maps reshaped for their Gram are three
+    # [chunk, heads, window, window] float32 tensors (the streaming model counts one)
+    chunk = min(DEFAULT_CHUNK, max(1, tokens // window)) * window
+    memory = {"attention maps": 2 * 4 * chunk * s.heads * window}
+    # the source attention read again in float32, the new tensors and the SwitchHead module built from them
+    h_new, e = heads or s.heads, experts or 1
+    new = 2 * h_new * s.head_dim * s.hidden * (1 + e) + 2 * h_new * e * s.hidden
+    memory["switchhead tensors"] = 4 * (s.hidden * s.head_dim * (2 * s.heads + 2 * s.kv_heads) + 2 * new)
+    return memory
 
 
 SWITCHHEAD = SwitchHead("switchhead", SwitchHeadOptions,
                         title="SwitchHead attention, σ-MoE V/O projections (Csordás et al. 2023)",
                         tags=["switchhead", "moe"], ships_code=True, model_type_prefix="switchhead_",
-                        config_key="switchhead")
+                        config_key="switchhead", example_options={"heads": 8, "experts": 1, "topk": 1})

@@ -46,4 +46,4 @@ class TalkingHeads(Kind):
 
 TALKING_HEADS = TalkingHeads("talking-heads", TalkingHeadsOptions, title="talking-heads attention (Shazeer et al. 2020)",
                              tags=["talking-heads"], ships_code=True, model_type_prefix="talking_heads_",
-                             source_attention="eager")
+                             source_attention="eager", example_options={})

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..calibration.stream import LayerCall, StopForward, _first, run_layer, run_until_stopped
+from ..calibration.stream import LayerCall, StopForward, first_output, run_layer, run_until_stopped
 
 CAPTURE_PREFIX = "surgery_capture_"
 _RECORDER: list["AttentionRecord"] = []
@@ -139,7 +139,7 @@ def run_attention(attention: torch.nn.Module, out_module: torch.nn.Module, call:
     handle = out_module.register_forward_pre_hook(lambda m, args: heads.append(args[0]))
     try:
         with recording() as rec:
-            out = _first(attention(*call.args, **call.kwargs))
+            out = first_output(attention(*call.args, **call.kwargs))
     finally:
         handle.remove()
     return AttentionRun(out, heads[0], rec)
@@ -152,7 +152,7 @@ def run_layer_recorded(layer: torch.nn.Module, attention: torch.nn.Module, out_m
     heads: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
     h1 = out_module.register_forward_pre_hook(lambda m, args: heads.append(args[0]))
-    h2 = attention.register_forward_hook(lambda m, args, out: outs.append(_first(out)))
+    h2 = attention.register_forward_hook(lambda m, args, out: outs.append(first_output(out)))
     try:
         with recording() as rec:
             new_hidden = run_layer(layer, hidden, call)

@@ -11,16 +11,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..check import compare_models, context_length, is_causal_lm, load_model, load_tokenizer, pick_device
+from ..check import compare_models
 from ..convert_kv import KVOptions, convert_to_kv_heads
 from ..data import load_texts, token_stream
 from ..errors import SurgeryError
 from ..source import Source, resolve_source
 from ..calibration.text import pydoc_documents_used
-from .convert import _n_threads, convert_aligned
-from ..threads import threads
+from ..runtime import compute_threads, context_length, is_causal_lm, load_model, load_tokenizer, pick_device, threads
+from ..kinds.kv import METHODS
+from .convert import convert_aligned
 
-METHODS = ("mean", "first", "random", "aligned")
 
 
 def heldout_documents(tokenizer, tokens: int) -> list[int]:
@@ -63,7 +63,7 @@ def compare_merges(source: Source, kv_heads: int, methods: tuple[str, ...] = MET
         for method in methods:
             out = Path(tmp) / method
             start = time.time()
-            with threads(_n_threads()):  # the plain converter drops to one thread for its I/O
+            with threads(compute_threads()):  # the plain converter drops to one thread for its I/O
                 if method == "aligned":
                     record = convert_aligned(source, out, kv_heads=kv_heads, calib=calib, calib_tokens=calib_tokens,
                                              seed=seed, progress=progress, device=device)
@@ -71,7 +71,7 @@ def compare_merges(source: Source, kv_heads: int, methods: tuple[str, ...] = MET
                     record = convert_to_kv_heads(source, out, KVOptions(kv_heads=kv_heads, method=method, seed=seed),
                                                  progress=progress)
             seconds = time.time() - start
-            with threads(_n_threads()):
+            with threads(compute_threads()):
                 model = load_model(resolve_source(str(out)), dev, "float32")
                 report = compare_models(src_model, model, ids, seq_len, batch_size, causal=True, progress=progress,
                                         desc=f"evaluate {method}")

@@ -16,18 +16,18 @@ import torch
 from ..arch import QKVLayout, spec_for
 from ..atomic import check_output_path
 from ..calibration.store import LayerStore
-from ..calibration.stream import LayerProgress, open_stream, pick_device
+from ..calibration.stream import LayerProgress, open_stream
 from ..calibration.text import CalibrationText, calibration_text, context_of, WINDOW
-from ..check import load_tokenizer
-from ..convert_kv import KVOptions, KVPlanner, _head_shape, target_config, write_converted
+from ..convert_kv import KVOptions, KVPlanner, head_shape, target_config, write_converted
 from ..errors import SurgeryError
 from ..kv_pool import join_qkv, repeat_heads
 from ..source import Source
+from ..runtime import compute_threads, load_tokenizer, pick_device, threads
 from ..tensors import CheckpointReader
 from . import capture
 from .layer import export_heads, query_order
 from .params import AttnParams
-from .pipeline import MergeOptions, merge_model, threads
+from .pipeline import MergeOptions, merge_model
 
 
 class AlignedPlanner(KVPlanner):
@@ -93,7 +93,7 @@ class AlignedPlanner(KVPlanner):
         return out
 
 
-def _n_threads() -> int:
+def compute_threads() -> int:
     """Compute threads for calibration: the cores not already busy with other processes (1-minute load).
 
     On a shared machine, more threads than idle cores only spin against each other: measured here, a forward
@@ -114,7 +114,7 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[
     start = time.time()
     config = src.config
     spec = spec_for(config, "mqa/gqa aligned")
-    shape = _head_shape(spec, config, kv_heads)
+    shape = head_shape(spec, config, kv_heads)
     kv_options = KVOptions(kv_heads=kv_heads, method="mean", seed=seed, dtype=dtype, max_shard_bytes=max_shard_bytes,
                            allow_pickle=allow_pickle)
     target_config(spec, config, shape, dtype)  # refuses what has no target before any work
@@ -146,7 +146,7 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[
 def _calibrate_and_merge(src: Source, reader: CheckpointReader, spec, config: dict, shape, windows: torch.Tensor,
                          opts: MergeOptions, device: torch.device, store: LayerStore, progress: bool):
     """Stream the source layer by layer on `device`, merge each layer, and keep its exported tensors in `store`."""
-    with threads(_n_threads() if device.type == "cpu" else torch.get_num_threads()):
+    with threads(compute_threads() if device.type == "cpu" else torch.get_num_threads()):
         stream = open_stream(src.folder, reader, device, attn_implementation="sdpa")
         capture.instrument(stream.model)
 

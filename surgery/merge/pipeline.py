@@ -19,7 +19,7 @@ import torch
 
 from ..arch import ArchSpec, qkv_layout
 from ..calibration.stream import LayerStream, run_layer
-from ..threads import threads
+from ..runtime import threads
 from . import capture
 from .layer import LayerMerge, merge_layer
 from .params import AttnParams, LayerAttention

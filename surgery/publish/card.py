@@ -12,7 +12,8 @@ from pathlib import Path
 import yaml
 
 from ..errors import SurgeryError
-from ..inspect import _human, inspect_checkpoint
+from ..inspect import inspect_checkpoint
+from ..units import si_number
 from ..kinds import find_kind
 from ..record import local_source_folder, public_data, public_record
 from .validate import Validation
@@ -160,7 +161,7 @@ def conversion_section(v: Validation, info: dict) -> list[str]:
         if key == "distinct_kv_heads" and b is None and isinstance(kv, dict):
             b = kv.get("before")
         a = after.get(key)
-        cell = (lambda x: "-" if x is None else (str(x) if unit is None else _human(x, unit)))
+        cell = (lambda x: "-" if x is None else (str(x) if unit is None else si_number(x, unit)))
         lines.append(f"| {title} | {cell(b)} | {cell(a)}{_ratio(b, a) if unit is not None else ''} |")
     if before is None:
         lines += ["", "(The source folder was not available when this card was written: source columns are partial.)"]

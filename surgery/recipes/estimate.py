@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..inspect import attention_shape
+from ..arch import attention_shape
+from ..dtypes import DTYPE_BYTES
 
 
 MB = 1 << 20
@@ -95,7 +96,7 @@ def stats_from_config(config: dict) -> ModelStats:
         model = AutoModelForCausalLM.from_config(cfg)
     params = {id(p): p for p in model.parameters()}.values()  # tied weights once
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    size = DTYPE_BYTES.get(dtype, 4)
     shape = _shape(config)
     return ModelStats(sum(p.numel() for p in params), size, max(p.numel() for p in params) * size, shape["layers"],
                       shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["vocab"],
@@ -105,7 +106,7 @@ def stats_from_config(config: dict) -> ModelStats:
 def after_convert(stats: ModelStats, options) -> ModelStats:
     """The converted model's size: K/V projections shrink to the kind's K/V heads (mqa/gqa); other kinds stay close
     to the source."""
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(getattr(options, "dtype", "auto"), stats.dtype_bytes)
+    dtype_bytes = DTYPE_BYTES.get(getattr(options, "dtype", "auto"), stats.dtype_bytes)
     groups = options.kind.converted_kv_heads(options.kind_options, stats.kv_heads)
     removed = stats.layers * 2 * stats.hidden * stats.head_dim * max(stats.kv_heads - groups, 0)
     return replace(stats, params=stats.params - removed, kv_heads=groups, dtype_bytes=dtype_bytes, config=None)
@@ -134,7 +135,7 @@ def streamed_calibration(stats: ModelStats, options, throughput=None):
 
 def check_memory(stats: ModelStats, options) -> int:
     """One model at a time in the check dtype, plus one batch's logits and their softmax temporaries."""
-    bytes_ = {"float32": 4, "bfloat16": 2, "float16": 2}.get(getattr(options, "dtype", "float32"), 4)
+    bytes_ = DTYPE_BYTES.get(getattr(options, "dtype", "float32"), 4)
     logits = 3 * 4 * options.batch_size * options.seq_len * max(stats.vocab, stats.hidden)
     return RUNTIME["check"] + stats.params * bytes_ + logits
 
@@ -173,23 +174,3 @@ def uptrain_memory(stats: ModelStats, options, teacher: ModelStats | None, proce
 def uptrain_tokens(options) -> int:
     steps = -(-options.tokens // options.batch_tokens)
     return steps * options.batch_tokens
-
-
-def human_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000:
-            return f"{n:.3g} {unit}"
-        n /= 1000
-    return f"{n:.3g} PB"
-
-
-def human_count(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit in ("", "K", "M", "B"):
-        if n < 1000:
-            return f"{n:.3g}{unit}"
-        n /= 1000
-    return f"{n:.3g}T"

@@ -12,6 +12,7 @@ import shlex
 from pathlib import Path
 
 from ..errors import SurgeryError
+from ..units import human_bytes, human_count
 from . import estimate as est
 from .runner import MODEL_STEPS, Fingerprints, State, command_line, is_done, launch_prefix, plan_steps, step_range
 from .schema import Recipe
@@ -125,7 +126,7 @@ def _seconds_per_layer(stats: est.ModelStats, options, probes: dict) -> float | 
     (None when that device is not on this machine)."""
     import torch
 
-    from ..calibration.stream import pick_device
+    from ..runtime import pick_device
     from ..estimate import probe_throughput
 
     try:
@@ -146,7 +147,7 @@ def print_plan(plan: dict) -> None:
     console = Console()
     src = plan["source"] + (f"@{plan['revision']}" if plan["revision"] else "")
     console.print(f"recipe [bold]{plan['recipe']}[/bold]: source {src} "
-                  f"({est.human_count(plan['source_params'])} parameters, {est.human_bytes(plan['source_bytes'])}; "
+                  f"({human_count(plan['source_params'])} parameters, {human_bytes(plan['source_bytes'])}; "
                   f"{plan['source_note']})")
     console.print(f"output {plan['output']}")
     if plan["hardware"]:
@@ -156,10 +157,10 @@ def print_plan(plan: dict) -> None:
     for col in ("#", "step", "status", "tokens", "peak memory", *(["time/layer"] if timed else []), "writes"):
         table.add_column(col, justify="left" if col in ("step", "status") else "right")
     for r in plan["steps"]:
-        memory = est.human_bytes(r["memory"]) + (" / process" if r.get("per_process") else "") if r["memory"] else "-"
-        writes = est.human_bytes(r["size"]) if r["size"] else (f"uploads {est.human_bytes(r['upload'])}" if r["upload"] else "-")
+        memory = human_bytes(r["memory"]) + (" / process" if r.get("per_process") else "") if r["memory"] else "-"
+        writes = human_bytes(r["size"]) if r["size"] else (f"uploads {human_bytes(r['upload'])}" if r["upload"] else "-")
         per_layer = f"{r['seconds_per_layer']:.1f} s" if r.get("seconds_per_layer") else "-"
-        table.add_row(str(r["number"]), r["name"], r["status"], est.human_count(r["tokens"]) if r["tokens"] else "-",
+        table.add_row(str(r["number"]), r["name"], r["status"], human_count(r["tokens"]) if r["tokens"] else "-",
                       memory, *([per_layer] if timed else []), writes)
     console.print(table)
     print("commands:")

@@ -16,12 +16,12 @@ import torch
 
 from ..atomic import check_output_path
 from ..calibration.store import LayerStore
-from ..calibration.stream import open_stream, pick_device
+from ..calibration.stream import open_stream
 from ..calibration.text import calibration_text, context_of, WINDOW
-from ..check import load_tokenizer
 from ..output import write_conversion
 from ..errors import SurgeryError
-from ..inspect import attention_shape
+from ..arch import attention_shape
+from ..runtime import load_tokenizer, pick_device
 from ..source import Source
 from ..tensors import CheckpointReader, DTYPES, PlannedTensor
 from .build import SwitchHeadShape, layer_tensors

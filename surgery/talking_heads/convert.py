@@ -16,7 +16,7 @@ import torch
 
 from ..output import write_conversion
 from ..errors import SurgeryError
-from ..inspect import attention_shape
+from ..arch import attention_shape
 from ..source import Source
 from ..tensors import CheckpointReader, DTYPES, PlannedTensor
 from .families import Family, family_for

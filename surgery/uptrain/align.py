@@ -26,7 +26,7 @@ import time
 import torch
 from torch import nn
 
-from ..calibration.stream import StopForward, _first, run_until_stopped
+from ..calibration.stream import StopForward, first_output, run_until_stopped
 from ..errors import SurgeryError
 
 ATTENTION_NAME = re.compile(r"self_attn|attn|attention|self_attention")
@@ -108,17 +108,17 @@ def _advance(t_layer: nn.Module, t_attn: nn.Module, s_layer: nn.Module, s_attn: 
     batch.attn_args, batch.attn_kwargs = _call_until(s_layer, s_attn, batch.hidden, **batch.student_layer_kwargs)
 
     def post(module, args, output):
-        batch.target = _first(output).detach()
+        batch.target = first_output(output).detach()
 
     handle = t_attn.register_forward_hook(post)
     try:
-        batch.hidden = _first(t_layer(batch.hidden, **batch.layer_kwargs))
+        batch.hidden = first_output(t_layer(batch.hidden, **batch.layer_kwargs))
     finally:
         handle.remove()
 
 
 def _attend(attention: nn.Module, batch: _Batch) -> torch.Tensor:
-    return _first(attention(*batch.attn_args, **batch.attn_kwargs))
+    return first_output(attention(*batch.attn_args, **batch.attn_kwargs))
 
 
 @torch.no_grad()

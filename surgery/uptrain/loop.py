@@ -272,14 +272,14 @@ class UptrainRecipe:
                                             "loss": self.objective.kind}
         check_output_path(o.out, o.force, source=self.source.folder)
         side_files(self.source.folder)  # the files the output will copy: refused now, not after the training
-        model_io.custom_code_files(self.source.folder)
+        model_io.shipped_code_files(self.source.folder)
         check_run_dir(o, self.trajectory)
         set_seed(o.seed)
 
     def _setup_models(self) -> None:
         """The student (and its tokenizer) and, when the objective or the alignment needs one, the frozen teacher."""
         o, source = self.o, self.source
-        self.tokenizer = model_io.load_tokenizer(source, "model", o.trust_remote_code)
+        self.tokenizer = model_io.load_trusted_tokenizer(source, "model", o.trust_remote_code)
         self.model = model_io.load_causal_lm(source, "model", o.trust_remote_code)
         model_io.check_seq_len(self.model, o.seq_len, source.spec)
         self.out_dtype = model_io.checkpoint_dtype(source.folder, source.config)
@@ -551,7 +551,7 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
     with atomic_output_dir(o.out, force=o.force, source=source.folder, recovery=recovery) as tmp:
         if o.lora_rank:
             model = lora.unwrap(model, o.merge_lora, tmp)
-        model_io.write_checkpoint(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
+        model_io.save_uptrained(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
         shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
         plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")
         write_record(tmp, model_io.uptrained_record(source, uptraining))  # with the sha256 of the files written

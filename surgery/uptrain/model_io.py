@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from .. import __version__
-from .. import check
-from ..check import context_length, is_causal_lm
+from .. import runtime
+from ..runtime import context_length, is_causal_lm
 from ..errors import SurgeryError
 from ..source import Source, copy_side_files, inside_file, resolve_source
 from ..record import LOCAL_KEY, local_source_folder, now, public_name, read_record
@@ -42,9 +42,10 @@ def load_causal_lm(source: Source, role: str, trusted: bool = False):
     return model
 
 
-def load_tokenizer(source: Source, role: str = "model", trusted: bool = False):
-    """The checkpoint's tokenizer, trusted as `load_causal_lm` trusts the same folder."""
-    return check.load_tokenizer(source, trust_remote_code=trust_for(source, role, trusted))
+def load_trusted_tokenizer(source: Source, role: str = "model", trusted: bool = False):
+    """The checkpoint's tokenizer, trusted as `load_causal_lm` trusts the same folder (surgery.runtime.load_tokenizer
+    with the model's or the teacher's trust)."""
+    return runtime.load_tokenizer(source, trust_remote_code=trust_for(source, role, trusted))
 
 
 def check_seq_len(model, seq_len: int, spec: str) -> None:
@@ -78,7 +79,7 @@ def check_teacher(student, teacher, student_tok, teacher_source: Source, trusted
         raise SurgeryError(f"the teacher {teacher_spec} has a different vocabulary ({vocab_size(teacher)} logits, the "
                            f"student has {vocab_size(student)}): distillation needs the same tokenizer")
     if any(Path(teacher_folder).glob("tokenizer*")):
-        teacher_tok = load_tokenizer(teacher_source, "teacher", trusted)
+        teacher_tok = load_trusted_tokenizer(teacher_source, "teacher", trusted)
         if teacher_tok.get_vocab() != student_tok.get_vocab():
             raise SurgeryError(f"the teacher {teacher_spec} has a different vocabulary (its tokenizer differs from "
                                "the student's): distillation needs the same tokenizer")
@@ -120,14 +121,14 @@ def checkpoint_dtype(folder: Path, config: dict) -> torch.dtype:
     return max(counts, key=counts.get) if counts else torch.float32
 
 
-def custom_code_files(folder: Path) -> list[Path]:
+def shipped_code_files(folder: Path) -> list[Path]:
     """Python files a checkpoint ships for `auto_map` (all top-level *.py: modules may import siblings), each a
     regular file inside the folder (surgery.source.inside_file)."""
     return [inside_file(folder, p, "code file") for p in sorted(Path(folder).glob("*.py")) if not p.is_dir()]
 
 
-def write_checkpoint(model, state: dict | None, source: Source, dst: Path, dtype: torch.dtype, max_shard_size: str,
-                     checkpointing: bool = False) -> None:
+def save_uptrained(model, state: dict | None, source: Source, dst: Path, dtype: torch.dtype, max_shard_size: str,
+                   checkpointing: bool = False) -> None:
     """Save `model` into `dst` like its input: safetensors in the input dtype, side files and custom code.
     `state`: the gathered full state dict when the parameters were sharded (FSDP, DeepSpeed), else None."""
     model.config.use_cache = True
@@ -139,7 +140,7 @@ def write_checkpoint(model, state: dict | None, source: Source, dst: Path, dtype
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k not in tied}
     model.save_pretrained(dst, state_dict=state, max_shard_size=max_shard_size)
     copy_side_files(source.folder, dst)
-    for f in custom_code_files(source.folder):
+    for f in shipped_code_files(source.folder):
         if not (dst / f.name).exists():
             shutil.copyfile(f, dst / f.name)
 

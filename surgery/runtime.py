@@ -1,0 +1,135 @@
+"""Running a model: where it runs (`pick_device`), on how many torch threads (`threads`, `compute_threads`), the
+model, its config and its tokenizer loaded from a source, its context length and the token windows it reads, and
+the keyword its forward takes its KV cache by. Everything that runs a model (calibration, the merge, SwitchHead,
+check, bench, uptrain) gets these from here."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+
+import torch
+
+from .errors import SurgeryError
+from .source import Source
+from .tensors import DTYPES
+
+
+# ---- where and on how many threads --------------------------------------------------------------------------------
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SurgeryError(f"--device {device}: CUDA is not available on this machine")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise SurgeryError(f"bad device {device!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SurgeryError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """Run a block with `n` torch compute threads, restoring the caller's setting afterwards.
+
+    The merge's small dense linear algebra (eigh and solves on ~100x100 matrices) runs single-threaded: measured
+    here, multi-threaded it was 2x to 80x slower; the plain converter is I/O-bound and needs no compute threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def compute_threads() -> int:
+    """Compute threads for calibration: the cores not already busy with other processes (1-minute load).
+
+    On a shared machine, more threads than idle cores only spin against each other: measured here, a forward
+    pass took twice the CPU time and twice the wall time with 2 threads instead of 1 on 2 busy cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    busy = int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
+    return max(1, min(cores, cores - busy + 1))
+
+
+# ---- loading from a source ----------------------------------------------------------------------------------------
+def is_causal_lm(config) -> bool:
+    return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
+
+
+def load_model(source: Source, device: torch.device, dtype: str, trust_remote_code: bool = False,
+               attn_implementation: str | None = None):
+    """The checkpoint as a model on `device`. Refuses (one line) a checkpoint that lacks tensors its config needs,
+    or whose tensors do not fit its config."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    try:
+        config = AutoConfig.from_pretrained(source.folder, trust_remote_code=trust_remote_code)
+        auto = AutoModelForCausalLM if is_causal_lm(config) else AutoModel
+        model, info = auto.from_pretrained(source.folder, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+                                           output_loading_info=True, **extra)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise SurgeryError(f"cannot load {source.spec}: {str(e).splitlines()[0]}") from None
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise SurgeryError(f"cannot load {source.spec}: its weights lack {len(missing)} tensor(s) its config needs "
+                           f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})")
+    return model.to(device).eval()
+
+
+def load_tokenizer(source: Source, trust_remote_code: bool = False):
+    """The source's tokenizer. transformers reads the folder's config on the way: for a folder with its own modeling
+    code it runs that code with `trust_remote_code`, and without it would stop to ask on the terminal."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source.folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as e:
+        raise SurgeryError(f"cannot load the tokenizer of {source.spec}: {str(e).splitlines()[0]}") from None
+
+
+def load_model_config(source: Source, trust_remote_code: bool = False):
+    """The source's transformers config object (surgery.source.load_config reads config.json as a dict)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source.folder, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SurgeryError(f"cannot read the config of {source.spec}: {str(e).splitlines()[0]}") from None
+
+
+def context_length(config) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "seq_length"):
+        if getattr(config, key, None):
+            return int(getattr(config, key))
+    return None
+
+
+def windows(ids: torch.Tensor, seq_len: int, what: str = "the data") -> torch.Tensor:
+    """A token stream cut into whole windows of `seq_len` tokens (the rest dropped)."""
+    n = ids.numel() // seq_len
+    if n == 0:
+        raise SurgeryError(f"need at least {seq_len} tokens, {what} gave {ids.numel()}")
+    return ids[: n * seq_len].view(n, seq_len)
+
+
+# ---- the KV cache keyword -----------------------------------------------------------------------------------------
+# transformers 5.24 renamed `past_key_values` to `cache` (the old name still works, with a warning, until 5.40);
+# earlier 5.x know only the old name.
+def cache_keyword(model) -> str:
+    """`cache` where the model's class takes it, else `past_key_values` (the class's forward: a compiled instance
+    forward hides its signature)."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def returned_cache(output):
+    """The KV cache a forward with use_cache=True returned, under either name."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
