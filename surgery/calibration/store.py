@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import clean_stale_siblings, temp_prefix
 from ..tensors import CheckpointReader
 
 
@@ -22,8 +23,10 @@ class LayerStore:
         self.dir = None
         if spill:
             parent = Path(beside).absolute().parent if beside is not None else None
-            name = Path(beside).name if beside is not None else "surgery"
-            self.dir = Path(tempfile.mkdtemp(prefix=f".{name}.calib-", dir=parent))
+            # `.OUT.calib-PID-*`: a killed run's store is removed by the next run's stale-folder cleanup (here too)
+            if beside is not None:
+                clean_stale_siblings(beside)
+            self.dir = Path(tempfile.mkdtemp(prefix=temp_prefix(beside or "surgery", "calib"), dir=parent))
             # removed on close(), or when the store is dropped (an error on the way) or the interpreter exits
             self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
         self._memory: dict[int, dict[str, torch.Tensor]] = {}

@@ -289,15 +289,38 @@ def run_step(recipe: Recipe, ps: PlannedStep, resume: bool = False, log=print) -
         raise SurgeryError(f"unknown step kind {ps.kind}")
 
 
+def recipe_inputs(recipe: Recipe, source_folder: Path | None) -> list[tuple[str, Path]]:
+    """The folders on this machine a recipe reads: its source and the local teachers and texts its steps name."""
+    folders = [("source", source_folder)] if source_folder is not None else []
+    for step in recipe.validated_steps():
+        for name in ("teacher", "data", "eval_data", "calib"):
+            value = getattr(step.options, name, None)
+            for v in value if isinstance(value, list) else [value]:
+                if isinstance(v, str) and Path(v).is_dir():
+                    folders.append((f"{step.name} {name}", Path(v)))
+    return folders
+
+
+def check_recipe_output(recipe: Recipe, output: Path, source_folder: Path | None) -> None:
+    """The recipe's output (where every step writes, and --force replaces) is none of the folders it reads, nor
+    inside or holding one."""
+    from ..atomic import check_apart
+
+    check_apart(output, "recipe output", recipe_inputs(recipe, source_folder),
+                option="output (the recipe's `output`, --output or --set output=)")
+
+
 def run_recipe(recipe: Recipe, output: Path, from_step: str | None = None, until: str | None = None,
                log=print) -> list[tuple[str, str]]:
     """Run the recipe's steps in order; returns (step, 'ran'|'skipped') for each step considered."""
     output = Path(output).absolute()
     planned = plan_steps(recipe, output)
     start, stop = step_range(planned, from_step, until)
+    source_folder = resolve_source_folder(recipe)
+    check_recipe_output(recipe, output, source_folder)  # before the output folder or its state is made
     output.mkdir(parents=True, exist_ok=True)
     state = State(output)
-    fingerprints = Fingerprints(recipe, resolve_source_folder(recipe), planned)
+    fingerprints = Fingerprints(recipe, source_folder, planned)
     done: list[tuple[str, str]] = []
     for i, ps in enumerate(planned[: stop + 1]):
         fp = fingerprints.of(ps)

@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from ..atomic import check_apart
 from ..errors import SurgeryError
 from .losses import DIVERGENCES
 
@@ -75,6 +76,8 @@ class UptrainOptions:
     def __post_init__(self):
         self.out = Path(self.out)
         self.run_dir = Path(self.run_dir) if self.run_dir else self.out.absolute().parent / f"{self.out.name}.run"
+        # the run folder is deleted after success (and by --force): never the output, inside it, or holding it
+        check_apart(self.run_dir, "run folder", [("output", self.out)], option="--run-dir")
         positive = ("tokens", "seq_len", "batch_tokens", "micro_batch", "keep_last")
         for name in positive:
             if getattr(self, name) < 1:
