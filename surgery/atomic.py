@@ -68,6 +68,18 @@ def check_output_path(out: Path, force: bool, source: Path | None = None, inputs
     check_writable_parent(out, str(out))
 
 
+def check_output_file(path: Path | None, option: str) -> None:
+    """A file output (`option`: --json, --plot) can be written: not a folder, its folder exists and is writable.
+    Checked before the command's work, so a long run never ends on an output that cannot be written. '-' (stdout)
+    and None (not asked for) pass."""
+    if path is None or str(path) == "-":
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise SurgeryError(f"{option} {path} is a folder; give a file name")
+    check_writable_parent(path, f"{option} {path}")
+
+
 def check_writable_parent(path: Path, what: str) -> None:
     """The folder `path` goes into exists and can be written; `what` names the output in the message."""
     parent = Path(path).absolute().parent

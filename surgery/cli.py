@@ -164,18 +164,20 @@ def bench(source, converted, batches, contexts, new, rounds, dtype, device, thre
 
     Prints a table of converted/source ratios; numbers from a shared machine are only comparable within one run.
     """
-    from surgery.bench import BenchOptions, parse_int_list, plot_bench, print_bench, require_engine, run_bench
+    from surgery.atomic import check_output_file, write_json as write_json_file
+    from surgery.bench import (BenchOptions, check_plot_path, parse_int_list, plot_bench, print_bench, require_engine,
+                               run_bench)
 
     require_engine(engine)
+    check_output_file(json_out, "--json")  # before the measurements, not after them
+    check_plot_path(plot)
     opts = BenchOptions(source=source, converted=converted, batches=parse_int_list(batches, "--batch"),
                         contexts=parse_int_list(contexts, "--context"), new=new, dtype=dtype, device=device,
                         threads=threads, rounds=rounds, engine=engine, trust_remote_code=trust_remote_code, seed=seed,
                         replicate_prefill=replicate_prefill, compile=compile_backend)
     def write_json(report: dict) -> None:
         if json_out and str(json_out) != "-":  # written beside, then renamed: never half a file
-            tmp = Path(json_out).with_name(Path(json_out).name + ".tmp")
-            tmp.write_text(json.dumps(report, indent=2) + "\n")
-            tmp.replace(json_out)
+            write_json_file(report, json_out)
 
     report = run_bench(opts, log=lambda line: click.echo(line, err=True), partial=write_json)
     print_bench(report)

@@ -25,6 +25,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ..errors import SurgeryError
 from ..options import command_args
@@ -130,20 +133,44 @@ def output_digest(path: Path) -> str | None:
     return None
 
 
+class StepRecord(BaseModel):
+    """One step's entry in recipe-state.json, with the types the runner relies on."""
+
+    model_config = ConfigDict(extra="allow")
+    started: Optional[StrictStr] = None
+    finished: StrictBool = False
+    fingerprint: Optional[StrictStr] = None
+    scheme: StrictInt = 1
+    output: Optional[StrictStr] = None
+    output_digest: Optional[StrictStr] = None
+    seconds: Optional[StrictFloat] = None
+
+
+class StateFile(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    steps: dict[str, StepRecord]
+
+
 class State:
     def __init__(self, output: Path):
         self.path = Path(output) / STATE
-        try:
-            self.data = json.loads(self.path.read_text())
-        except FileNotFoundError:
+        from ..loaders import read_json, validated
+
+        if not self.path.exists():
             self.data = {"steps": {}}
-        except (OSError, ValueError) as e:
-            raise SurgeryError(f"{self.path} cannot be read ({str(e).splitlines()[0]}); delete it to run every "
-                               "step again") from None
+            return
+        try:
+            self.data = read_json(self.path)
+        except SurgeryError as e:
+            raise SurgeryError(f"{e}; delete it to run every step again") from None
         steps = self.data.get("steps") if isinstance(self.data, dict) else None
         if not isinstance(steps, dict) or not all(isinstance(v, dict) for v in steps.values()):
             raise SurgeryError(f"{self.path} is not a recipe state (a JSON object with a \"steps\" object); delete "
                                "it to run every step again")
+        try:
+            validated(StateFile, self.data, str(self.path))
+        except SurgeryError as e:
+            raise SurgeryError(f"{e}; delete it to run every step again") from None
 
     def get(self, name: str) -> dict:
         return self.data["steps"].get(name, {})

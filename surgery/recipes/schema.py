@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator, model_validator
 
 from ..errors import SurgeryError
+from ..loaders import parse_yaml
 from ..options import YAML
 
 STEP_KINDS = ("convert", "check", "uptrain", "push")
@@ -240,7 +241,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> None:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise SurgeryError(f"--set {item}: expected KEY=VALUE")
-        value = yaml.safe_load(raw)
+        value = parse_yaml(raw, f"--set {key}")
         parts = key.split(".")
         if parts[0] in names and len(parts) > 1:
             i = names.index(parts[0])

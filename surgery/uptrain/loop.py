@@ -22,6 +22,7 @@ import torch
 
 from ..atomic import atomic_output_dir, check_apart, check_output_path, ordinary_permissions
 from ..errors import SurgeryError
+from ..loaders import read_json
 from ..source import resolve_source
 from ..record import local_source_folder, public_name, read_record, write_record
 from . import lora, model_io
@@ -126,10 +127,10 @@ def check_run_dir(o: UptrainOptions, trajectory: dict) -> None:
         if not run_json.exists():
             raise SurgeryError(f"--resume: {o.run_dir} holds no run to resume (no run.json)")
         try:
-            saved = json.loads(run_json.read_text())
+            saved = read_json(run_json)
             if not isinstance(saved, dict):
-                raise ValueError(f"a JSON {type(saved).__name__}, not an object")
-        except (OSError, UnicodeDecodeError, ValueError) as e:
+                raise SurgeryError(f"a JSON {type(saved).__name__}, not an object")
+        except SurgeryError as e:
             raise SurgeryError(f"--resume: corrupt {run_json} ({str(e).splitlines()[0]}): start over with --force") from None
         saved = TRAJECTORY_DEFAULTS | saved  # a key newer than the run: the run had its default behaviour
         diff = sorted(k for k in trajectory if saved.get(k) != trajectory[k])
