@@ -173,6 +173,11 @@ def atomic_output_dir(out: Path, force: bool = False, source: Path | None = None
         raise
 
 
+def write_failure(out: Path, e: OSError) -> SurgeryError:
+    """The one-line error for a write into (or beside) `out` that failed with `e` (a full disk)."""
+    return SurgeryError(_write_failure(out, e))
+
+
 def _write_failure(out: Path, e: OSError) -> str:
     why = "disk full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else (e.strerror or str(e).splitlines()[0])
     where = f" ({e.filename})" if getattr(e, "filename", None) else ""
@@ -188,12 +193,19 @@ def write_json(value, path: Path, echo=print) -> None:
         echo(text)
         return
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path, "tmp"), dir=path.absolute().parent)
+    check_output_file(path, "--json")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path, "tmp"), dir=path.absolute().parent)
+    except OSError as e:
+        raise SurgeryError(_write_failure(path, e)) from None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text + "\n")
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+    except OSError as e:  # a full disk: one line, nothing left beside
+        Path(tmp).unlink(missing_ok=True)
+        raise SurgeryError(_write_failure(path, e)) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

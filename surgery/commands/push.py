@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..options import CliModel, option
@@ -24,14 +23,15 @@ class PushOptions(CliModel):
 def push_checkpoint(folder: Path, options: PushOptions, check_reports: list[Path] = (), json_out: Path | None = None,
                     log=print) -> str:
     """Upload `folder`; returns the line that says where it went."""
+    from ..atomic import check_output_file, write_json
     from ..publish.push import push_folder
 
     o = options
+    check_output_file(json_out, "--json")  # before the upload, not after it
     result = push_folder(folder, o.repo_id, private=o.private, revision=o.revision, exist_ok=o.exist_ok,
                          message=o.message, check_reports=list(check_reports), log=log,
                          bench_report=Path(o.bench_report) if o.bench_report else None)
     if json_out:
-        Path(json_out).write_text(json.dumps({"repo_id": o.repo_id, "repo_url": result.repo_url,
-                                              "revision": result.revision, "commit_url": result.commit_url,
-                                              "card_written": result.card_written}, indent=2) + "\n")
+        write_json({"repo_id": o.repo_id, "repo_url": result.repo_url, "revision": result.revision,
+                    "commit_url": result.commit_url, "card_written": result.card_written}, json_out, echo=log)
     return f"pushed {folder} to {result.repo_url} ({result.revision}): {result.commit_url}"

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from ..digest import sha256_file
 from ..errors import SurgeryError
 from ..loaders import read_model
+from ..tensors import save_safetensors
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 FORMAT = "surgery-uptrain-checkpoint/1"
@@ -221,7 +222,6 @@ class Checkpoints:
     def save(self, step: int, model, optimizer, state: RunState) -> Path:
         """Write checkpoint `step` atomically. A full disk (or any OSError) leaves the earlier checkpoints as they
         were, removes the partial folder and stops the run with one line."""
-        from safetensors.torch import save_file
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         final = self.dir / f"step-{step:08d}"
@@ -247,12 +247,12 @@ class Checkpoints:
         try:
             if error is None:
                 rng, rng_meta = _rng_files()
-                save_file(rng, tmp / f"rng-{self.acc.process_index}.safetensors", metadata=rng_meta)
+                save_safetensors(rng, tmp / f"rng-{self.acc.process_index}.safetensors", metadata=rng_meta)
                 if main:
                     tensors, aliases = _split_aliases(model_state)
-                    save_file(tensors, tmp / "model.safetensors", metadata={"aliases": json.dumps(aliases)})
+                    save_safetensors(tensors, tmp / "model.safetensors", metadata={"aliases": json.dumps(aliases)})
                     tensors, meta = _optimizer_files(optim_state)
-                    save_file(tensors, tmp / "optimizer.safetensors", metadata=meta)
+                    save_safetensors(tensors, tmp / "optimizer.safetensors", metadata=meta)
                     (tmp / "run-state.json").write_text(json.dumps(state.state_dict()) + "\n")
         except OSError as e:
             error = e
