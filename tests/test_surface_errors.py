@@ -314,3 +314,79 @@ def test_push_json_into_a_missing_folder_is_refused_before_the_upload(converted,
     monkeypatch.setenv("HF_TOKEN", "hf_unused")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # an upload attempt would fail with another message
     one_line(run_cli("push", converted, "me/x", "--json", tmp_path / "missing" / "p.json"), "--json", "does not exist")
+
+
+# ---- messages ----------------------------------------------------------------------------------------------
+def test_a_relative_glob_that_matches_nothing_is_said_so_and_never_goes_online(model, run_cli, work, monkeypatch):
+    import surgery.data
+
+    def online(*a, **k):
+        raise AssertionError("a local pattern went to the hub")
+
+    monkeypatch.setattr(surgery.data, "_hub_texts", online)
+    monkeypatch.chdir(work)
+    for pattern in ("texts/*.md", "texts/*", "doc?.txt"):
+        one_line(run_cli("check", model, model, "--data", pattern, "--tokens", "64", "--seq-len", "32"),
+                 pattern, "matches no file", str(work))
+    assert listing(work) == []
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--to", "talking-heads", "--refit-values"], "--refit-values does nothing for --to talking-heads"),
+    (["--to", "talking-heads", "--kv-heads", "2"], "--kv-heads does nothing for --to talking-heads"),
+    (["--to", "talking-heads", "--device", "cpu"], "talking-heads runs none"),
+    (["--to", "mqa", "--refit-values"], "nothing for the mean merge"),
+    (["--to", "gqa", "--kv-heads", "1", "--merge", "first", "--refit-values"], "nothing for the first merge"),
+    (["--to", "mqa", "--device", "cuda"], "the mean merge runs none"),
+    (["--to", "mqa", "--device", "bogus"], "--device 'bogus'"),
+    (["--to", "mqa", "--merge", "aligned", "--device", "tpu"], "--device 'tpu'"),
+])
+def test_options_that_would_do_nothing_are_refused_by_the_kinds_rules(model, run_cli, work, args, fragment):
+    one_line(run_cli("convert", model, *args, "--out", work / "o"), fragment)
+    one_line(run_cli("convert", model, *args, "--dry-run"), fragment)
+    assert listing(work) == []
+
+
+def test_device_cuda_without_cuda_is_refused_for_a_calibrated_merge(model, run_cli, work):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    one_line(run_cli("convert", model, "--to", "mqa", "--merge", "aligned", "--device", "cuda", "--out", work / "o"),
+             "CUDA is not available")
+    assert listing(work) == []
+
+
+@pytest.mark.parametrize("step,fragment", [({"uptrain": {"tokens": 512, "lora_rank": -1}}, "--lora-rank"),
+                                           ({"uptrain": {"tokens": 512, "stage": "bogus"}}, "--stage 'bogus'"),
+                                           ({"uptrain": {"tokens": 512, "max_shard_size": "5XB"}}, "--max-shard-size"),
+                                           ({"push": {"repo_id": "me/..x"}}, "repo id 'me/..x'"),
+                                           ({"push": {"repo_id": "me/../x"}}, "owner/name")])
+def test_recipe_fields_are_refused_when_the_recipe_loads(model, run_cli, tmp_path, step, fragment):
+    from surgery.recipes import load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"source": {"path": str(model)}, "output": str(tmp_path / "out"),
+                                    "steps": [{"convert": {"to": "mqa"}}, step]}, sort_keys=False))
+    with pytest.raises(SurgeryError, match=r"r\.yaml:\d+: steps\[1\]"):
+        load_recipe(path)
+    for extra in (["--dry-run"], []):
+        one_line(run_cli("run", path, *extra), fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_teacher_refusal_names_the_folder_holding_the_code(model, run_cli, tmp_path):
+    """A record naming its source by a spec (a hub id) and its folder on this machine: the code to read before
+    trusting it is in the folder, so the refusal names the folder."""
+    teacher, student = tmp_path / "teacher", tmp_path / "student"
+    shutil.copytree(model, teacher)
+    shutil.copytree(model, student)
+    config = json.loads((teacher / "config.json").read_text())
+    (teacher / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}))
+    (teacher / "modeling_x.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    (student / "surgery.json").write_text(json.dumps({"toolkit": "surgery", "kind": "mqa",
+                                                      "source": {"spec": "org/teacher"},
+                                                      "local": {"source_folder": str(teacher)}}))
+    one_line(run_cli("uptrain", student, "--out", tmp_path / "o", "--tokens", "512", *UPTRAIN[:6], "--loss", "kd"),
+             f"the teacher {teacher} (from org/teacher) ships its own modeling code", "--trust-teacher-code")
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "o").exists() and not (tmp_path / "o.run").exists()

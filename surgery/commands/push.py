@@ -4,9 +4,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import field_validator
+
 from ..options import CliModel, option
 
 RUNNER_OWNED = ()
+
+
+def hub_repo_id(v: str) -> str:
+    """owner/name as the hub allows it (huggingface_hub's validate_repo_id: no `..`, `--`, leading or trailing
+    `-`/`.`, at most 96 characters of [A-Za-z0-9_.-]), refused when the options load (a recipe: when it loads)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(v, str) or v.count("/") != 1 or not all(v.split("/")):
+        raise ValueError(f"repo id {v!r} must be of the form owner/name")
+    try:
+        validate_repo_id(v)
+    except HFValidationError as e:
+        raise ValueError(f"repo id {v!r} is not a hub repository name: {str(e).splitlines()[0]}") from None
+    return v
 
 
 class PushOptions(CliModel):
@@ -18,6 +34,11 @@ class PushOptions(CliModel):
     message: str | None = option(None, "--message", "Commit message (default: names the conversion).")
     bench_report: str | None = option(None, "--bench-report", "A `surgery bench --json` report to put in the model "
                                                               "card (measured speed table).", path="any")
+
+    @field_validator("repo_id")
+    @classmethod
+    def _repo_id(cls, v: str) -> str:
+        return hub_repo_id(v)
 
 
 def push_checkpoint(folder: Path, options: PushOptions, check_reports: list[Path] = (), json_out: Path | None = None,

@@ -139,6 +139,8 @@ def step_models() -> dict[str, type[BaseModel]]:
         rules = {n: field_validator(*d.info.fields, mode=d.info.mode)(d.func.__func__)  # the command's field rules
                  for n, d in model.__pydantic_decorators__.field_validators.items()
                  if set(d.info.fields) <= set(fields)}
+        rules |= {n: model_validator(mode=d.info.mode)(d.func)  # and its rules across fields
+                  for n, d in model.__pydantic_decorators__.model_validators.items()}
         if kind == "uptrain":
             fields["accelerate"] = (typing.Optional[Launch], None)
         models[kind] = create_model(f"{kind.capitalize()}Step", __base__=StepBase, __validators__=rules, **fields)
