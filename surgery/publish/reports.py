@@ -60,15 +60,29 @@ class CheckReport(Compared):
 
 
 class Median(Loose):
-    median: Optional[Number] = None
+    median: Optional[Number]
+
+
+class Side(Loose):
+    """One model's measurements at one batch x context (the card's table reads these)."""
+
+    prefill_tokens_per_s: Median
+    decode_tokens_per_s: Median
+
+
+class Ratios(Loose):
+    prefill_tokens_per_s: Optional[Number]
+    decode_tokens_per_s: Optional[Number]
+    kv_cache_bytes: Optional[Number]
+    peak_memory_bytes: Optional[Number]
 
 
 class BenchRow(Loose):
     batch: StrictInt
     context: StrictInt
-    source: dict[str, Median]
-    converted: dict[str, Median]
-    ratio: dict[str, Optional[Number]]
+    source: Side
+    converted: Side
+    ratio: Ratios
 
 
 class BenchReport(Loose):
@@ -76,6 +90,6 @@ class BenchReport(Loose):
     results: list[BenchRow]
     engine: Optional[StrictStr] = None
     dtype: Optional[StrictStr] = None
-    date: Optional[StrictStr] = None
+    date: StrictStr = ""
     rounds: Optional[StrictInt] = None
     new_tokens: Optional[StrictInt] = None
