@@ -83,13 +83,14 @@ def _required_out(out: Path | None) -> Path:
 
 
 def _print_dry_run(source: str, options, json_out: Path | None) -> None:
+    from surgery.atomic import check_output_file, write_json
     from surgery.commands.convert import dry_run
 
+    check_output_file(json_out, "--json")  # before the estimate, not after it
     report = dry_run(source, options)
     click.echo("\n".join(report["lines"]))
     if json_out:
-        text = json.dumps({k: v for k, v in report.items() if k != "lines"}, indent=2)
-        click.echo(text) if str(json_out) == "-" else Path(json_out).write_text(text + "\n")
+        write_json({k: v for k, v in report.items() if k != "lines"}, json_out, echo=click.echo)
 
 
 cli.add_command(convert_command())
@@ -295,14 +296,16 @@ def compare_merges(source, kind, kv_heads, methods, data, tokens, seq_len, calib
     from surgery.merge.compare import compare_merges as run_comparison, print_comparison
     from surgery.source import resolve_source
 
+    from surgery.atomic import check_output_file, write_json
+
     groups = options_for(kind, kv_heads=kv_heads).groups  # the mqa/gqa rules, as convert applies them
+    check_output_file(json_out, "--json")  # before the comparison, not after it
     result = run_comparison(resolve_source(source, revision=revision), groups,
                             methods=tuple(m.strip() for m in methods.split(",") if m.strip()), data=data, tokens=tokens,
                             seq_len=seq_len, calib=calib, calib_tokens=calib_tokens, seed=seed, device=device)
     print_comparison(result)
     if json_out:
-        text = json.dumps(result, indent=2)
-        click.echo(text) if str(json_out) == "-" else Path(json_out).write_text(text + "\n")
+        write_json(result, json_out, echo=click.echo)
 
 
 class Terminated(KeyboardInterrupt):

@@ -154,3 +154,15 @@ def test_every_temporary_name_is_one_the_stale_cleanup_removes(tmp_path):
     assert kept == [] and list(tmp_path.iterdir()) == []
     with LayerStore(out) as live:  # a live store of this process is never removed by its own cleanup
         assert clean_stale_siblings(out) == [] and live.dir.is_dir()
+
+
+def test_a_killed_calibrated_conversions_store_is_removed_by_the_next_run(tiny, tmp_path, run_cli):
+    """As SIGKILL leaves it: `.OUT.calib-PID-*` of a process that is gone, with a layer's tensors in it."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    store = tmp_path / f".out.calib-{int(dead.stdout)}-abc123" / "layer-00000"
+    store.mkdir(parents=True)
+    (store / "model.safetensors").write_bytes(b"x" * 1000)
+    code, _, err = run_cli("convert", tiny, "--to", "mqa", "--merge", "aligned", "--calib-tokens", "256",
+                           "--calib-window", "64", "--out", tmp_path / "out")
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]

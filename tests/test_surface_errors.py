@@ -95,6 +95,15 @@ def test_bench_outputs_are_checked_before_the_run(model, converted, run_cli, wor
     assert listing(work) == []
 
 
+@pytest.mark.parametrize("command", [["convert", "{model}", "--to", "mqa", "--dry-run"],
+                                     ["compare-merges", "{model}", "--to", "mqa", "--methods", "mean", "--tokens", "64",
+                                      "--seq-len", "32"]])
+@pytest.mark.parametrize("name", ["missing/x.json", "."])
+def test_other_json_outputs_are_checked_before_the_work(model, run_cli, work, command, name):
+    one_line(run_cli(*[a.format(model=model) for a in command], "--json", work / name), "--json")
+    assert listing(work) == []
+
+
 def test_bench_writes_json_and_plot_whole(model, converted, run_cli, work):
     code, _, err = run_cli("bench", model, converted, "--json", work / "b.json", "--plot", work / "b.png", *BENCH)
     assert code == 0, err
