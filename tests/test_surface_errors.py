@@ -281,6 +281,21 @@ def test_mistyped_manifest_on_resume(model, finished_run, run_cli, tmp_path, edi
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("field,value", [("kind", 5), ("source", "x"), ("source", {"spec": 5}), ("uptraining", 5),
+                                         ("local", [1]), ("deep", json.loads("[" * 500 + "]" * 500))])
+def test_mistyped_record_given_to_inspect_and_push(converted, run_cli, tmp_path, monkeypatch, field, value):
+    monkeypatch.setenv("HF_TOKEN", "hf_unused")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = tmp_path / "c"
+    shutil.copytree(converted, folder)
+    record = json.loads((folder / "surgery.json").read_text())
+    (folder / "surgery.json").write_text(json.dumps({**record, field: value}))
+    before = listing(folder)
+    one_line(run_cli("inspect", folder), "surgery.json", "deeper than" if field == "deep" else field)
+    one_line(run_cli("push", folder, "me/x"), "surgery.json")
+    assert listing(folder) == before
+
+
 @pytest.mark.parametrize("field,value", [("finished", "yes"), ("scheme", "2"), ("scheme", [2]), ("output_digest", 5),
                                          ("fingerprint", 5), ("seconds", "x")])
 def test_mistyped_recipe_state(model, run_cli, tmp_path, field, value):
