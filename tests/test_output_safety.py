@@ -129,6 +129,7 @@ def test_a_recipe_output_overlapping_the_source_is_refused_before_anything_is_wr
     one_line(run_cli("run", recipe_file(tmp_path, model, tmp_path / "elsewhere"), "--set", f"output={output}"),
              "source folder")
     one_line(run_cli("run", recipe_file(tmp_path, model, output)), "source folder")
+    one_line(run_cli("run", recipe_file(tmp_path, model, output), "--dry-run"), "source folder")
     assert snapshot(tmp_path / "m") == before and not (model / "out").exists()
     assert not (tmp_path / "elsewhere").exists()
 
