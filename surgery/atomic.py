@@ -1,7 +1,11 @@
-"""Atomic output folders: written beside the target, renamed into place only when complete.
+"""Atomic output folders: written beside the target, renamed into place only when complete; where outputs may go.
 
-The temporary sibling is named `.NAME.tmp-PID-XXXX` (PID: the writing process), so a later run can tell a
-leftover of a killed run (its process is gone: removed) from one still being written (reported, kept).
+Every temporary sibling the toolkit makes beside an output is named `.NAME.MARKER-PID-XXXX` (`temp_prefix`; PID:
+the writing process, MARKER: one of TEMP_MARKERS), so a later run can tell a leftover of a killed run (its process
+is gone: removed) from one still being written (reported, kept).
+
+An output, and every folder a command writes and may delete (uptrain's --run-dir, a recipe's output), is checked
+against the folders the command reads (`check_apart`): never one of them, never inside one, never holding one.
 """
 
 from __future__ import annotations
@@ -19,27 +23,61 @@ from typing import Iterator
 from .errors import SurgeryError
 
 
+# The temporary names made beside an output: `tmp` (an output being written, a JSON file being written), `old` (the
+# output being replaced), `calib` (a calibrated conversion's layer store). clean_stale_siblings knows exactly these.
+TEMP_MARKERS = ("tmp", "old", "calib")
+
+
+def temp_prefix(out: Path, marker: str) -> str:
+    """The prefix (for mkdtemp/mkstemp) of a temporary sibling of `out`: `.NAME.MARKER-PID-`."""
+    if marker not in TEMP_MARKERS:
+        raise ValueError(f"unknown temporary marker {marker!r}")
+    return f".{Path(out).name}.{marker}-{os.getpid()}-"
+
+
 def _real(path: Path) -> Path:
     return Path(os.path.realpath(Path(path).expanduser()))
 
 
-def check_output_path(out: Path, force: bool, source: Path | None = None) -> None:
+def check_apart(path: Path, what: str, inputs, option: str = "--out") -> None:
+    """Refuse `path` (an output, or a folder a command writes and may delete; `what` names it) that is one of
+    `inputs` ((name, folder) pairs: the folders the command reads), contains one or lies inside one: --force must
+    never delete what the user reads from, and nothing is written inside a source."""
+    real = _real(path)
+    for name, folder in inputs:
+        if folder is None:
+            continue
+        src = _real(folder)
+        if real == src:
+            raise SurgeryError(f"{what} {path} is the {name} folder; choose another {option}")
+        if real in src.parents:
+            raise SurgeryError(f"{what} {path} contains the {name} folder {folder}; choose another {option}")
+        if src in real.parents:
+            raise SurgeryError(f"{what} {path} is inside the {name} folder {folder}; choose another {option}")
+
+
+def check_output_path(out: Path, force: bool, source: Path | None = None, inputs=()) -> None:
     """Refuse an existing output unless `force`, an output whose parent cannot be written, and an output that is
-    the `source` folder, contains it or lies inside it (--force must never delete what the user reads from)."""
+    the `source` folder (or one of the other `inputs`, (name, folder) pairs), contains it or lies inside it."""
     out = Path(out)
-    if source is not None:
-        real_out, real_src = _real(out), _real(source)
-        if real_out == real_src:
-            raise SurgeryError(f"output {out} is the source folder; choose another --out")
-        if real_out in real_src.parents:
-            raise SurgeryError(f"output {out} contains the source folder {source}; choose another --out")
-        if real_src in real_out.parents:
-            raise SurgeryError(f"output {out} is inside the source folder {source}; choose another --out")
+    check_apart(out, "output", [("source", source), *inputs])
     if (out.exists() or out.is_symlink()) and not force:
         raise SurgeryError(f"output {out} already exists (use --force to replace it)")
     if out.exists() and not out.is_dir():
         raise SurgeryError(f"output {out} exists and is not a folder; --force replaces only folders")
     check_writable_parent(out, str(out))
+
+
+def check_output_file(path: Path | None, option: str) -> None:
+    """A file output (`option`: --json, --plot) can be written: not a folder, its folder exists and is writable.
+    Checked before the command's work, so a long run never ends on an output that cannot be written. '-' (stdout)
+    and None (not asked for) pass."""
+    if path is None or str(path) == "-":
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise SurgeryError(f"{option} {path} is a folder; give a file name")
+    check_writable_parent(path, f"{option} {path}")
 
 
 def check_writable_parent(path: Path, what: str) -> None:
@@ -62,12 +100,13 @@ def _pid_alive(pid: int) -> bool:
 
 
 def clean_stale_siblings(out: Path) -> list[Path]:
-    """Remove `.NAME.tmp-PID-*` / `.NAME.old-PID-*` siblings of `out` whose process is gone; warn (one line on
-    stderr) about the ones whose owner still runs or is unknown (older temp names carry no PID). Returns those
-    left in place."""
+    """Remove the temporary siblings of `out` (`.NAME.MARKER-PID-*`, every marker of TEMP_MARKERS) whose process is
+    gone; warn (one line on stderr) about the ones whose owner still runs or is unknown (older temp names carry no
+    PID). Returns those left in place."""
     out = Path(out)
     parent = out.absolute().parent
-    pattern = re.compile(rf"^\.{re.escape(out.name)}\.(tmp|old)-(?:(\d+)-)?[^/]*$")
+    markers = "|".join(TEMP_MARKERS)
+    pattern = re.compile(rf"^\.{re.escape(out.name)}\.({markers})-(?:(\d+)-)?[^/]*$")
     kept = []
     try:
         entries = list(parent.iterdir())
@@ -75,11 +114,11 @@ def clean_stale_siblings(out: Path) -> list[Path]:
         return kept
     for p in entries:
         m = pattern.match(p.name)
-        if not m or p.is_symlink() or not p.is_dir():
+        if not m or p.is_symlink() or not (p.is_dir() or p.is_file()):
             continue
         pid = int(m.group(2)) if m.group(2) else None
         if pid is not None and pid != os.getpid() and not _pid_alive(pid):
-            shutil.rmtree(p, ignore_errors=True)
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         elif pid != os.getpid():
             kept.append(p)
     if kept:
@@ -113,7 +152,7 @@ def atomic_output_dir(out: Path, force: bool = False, source: Path | None = None
     check_output_path(out, force, source)
     clean_stale_siblings(out)
     parent = out.absolute().parent
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "tmp"), dir=parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the output is an ordinary folder
@@ -123,7 +162,7 @@ def atomic_output_dir(out: Path, force: bool = False, source: Path | None = None
         except OSError as e:
             raise SurgeryError(_write_failure(out, e) + (f"; {recovery}" if recovery else "")) from None
         if out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=parent))
+            trash = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "old"), dir=parent))
             os.replace(out, trash / "old")
             os.replace(tmp, out)
             shutil.rmtree(trash, ignore_errors=True)
@@ -132,6 +171,11 @@ def atomic_output_dir(out: Path, force: bool = False, source: Path | None = None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_failure(out: Path, e: OSError) -> SurgeryError:
+    """The one-line error for a write into (or beside) `out` that failed with `e` (a full disk)."""
+    return SurgeryError(_write_failure(out, e))
 
 
 def _write_failure(out: Path, e: OSError) -> str:
@@ -149,12 +193,19 @@ def write_json(value, path: Path, echo=print) -> None:
         echo(text)
         return
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.absolute().parent)
+    check_output_file(path, "--json")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path, "tmp"), dir=path.absolute().parent)
+    except OSError as e:
+        raise SurgeryError(_write_failure(path, e)) from None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text + "\n")
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+    except OSError as e:  # a full disk: one line, nothing left beside
+        Path(tmp).unlink(missing_ok=True)
+        raise SurgeryError(_write_failure(path, e)) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

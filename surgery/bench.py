@@ -19,6 +19,7 @@ import platform
 import re
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from .atomic import check_output_file, temp_prefix
 from .dtypes import DTYPE_NAMES
 from .errors import SurgeryError
 from .runtime import cache_keyword, returned_cache
@@ -83,6 +85,45 @@ def require_engine(engine: str) -> None:
 
 
 # --- memory -----------------------------------------------------------------------------------------------------
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for new tensors on `device`: CUDA's free memory, or the host's MemAvailable (Linux)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        match = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
+def least_bytes(config, batch: int, context: int, new: int, dtype: str) -> int:
+    """A lower bound of what one batch x context measurement allocates: the token ids, one hidden state of the
+    prompt and, where the config tells its shape, the KV cache. Anything above this would still not fit."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    hidden = int(getattr(text, "hidden_size", 0) or 0)
+    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    heads = int(getattr(text, "num_attention_heads", 0) or 0)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or (hidden // heads if heads else 0))
+    tokens = batch * (context + new)
+    return tokens * 8 + batch * context * hidden * itemsize + tokens * layers * 2 * kv_heads * head_dim * itemsize
+
+
+def check_fits(opts: "BenchOptions", handle: dict, role: str, device: torch.device) -> None:
+    """Refuse (one line) a --batch x --context that cannot fit in the memory left, before anything is allocated."""
+    model = handle.get("model")
+    free = available_bytes(device)
+    if free is None or not hasattr(model, "config"):
+        return
+    batch, context = max(opts.batches), max(opts.contexts)
+    need = least_bytes(model.config, batch, context, opts.new, opts.dtype)
+    if need > free:
+        raise SurgeryError(f"--batch {batch} x --context {context} needs at least {need / 2**30:.1f} GiB for the "
+                           f"{role} model's tokens, hidden states and KV cache, more than the {free / 2**30:.1f} GiB "
+                           f"free on {device}: lower --batch or --context")
+
+
 def _status_bytes(key: str) -> int | None:
     try:
         match = re.search(rf"^{key}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)
@@ -451,6 +492,8 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None,
         raise SurgeryError(f"--dtype {opts.dtype}: choose float32, bfloat16 or float16")
     if opts.replicate_prefill and opts.engine != "transformers":
         raise SurgeryError("--replicate-prefill works with the transformers engine only")
+    if opts.threads is not None and opts.threads < 1:
+        raise SurgeryError(f"--threads must be at least 1, got {opts.threads}")
     device = pick_device(opts.device)
     engine = make_engine(opts, device)
     before_threads = torch.get_num_threads()
@@ -479,6 +522,8 @@ def _run(opts: BenchOptions, engine, device: torch.device, log, partial=None) ->
         if h["max_positions"] and max(opts.contexts) + opts.new > h["max_positions"]:
             raise SurgeryError(f"--context {max(opts.contexts)} + --new {opts.new} exceeds the {role} model's "
                                f"{h['max_positions']} positions")
+    for role, h in handles.items():
+        check_fits(opts, h, role, device)
     gen = torch.Generator().manual_seed(opts.seed)
     warm = torch.randint(0, vocab, (1, min(32, min(opts.contexts))), generator=gen)
     for h in handles.values():  # warm-up: first calls allocate and pick kernels
@@ -602,12 +647,14 @@ def markdown_table(report: dict) -> list[str]:
 
 
 def load_report(path: Path) -> dict:
-    try:
-        report = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise SurgeryError(f"cannot read bench report {path}: {e}") from None
+    from .loaders import read_json, validated
+
+    report = read_json(path, f"bench report {path}")
     if not isinstance(report, dict) or not isinstance(report.get("results"), list) or "machine" not in report:
         raise SurgeryError(f"{path} is not a `surgery bench --json` report")
+    from .publish.reports import BenchReport
+
+    validated(BenchReport, report, f"bench report {path}")
     return report
 
 
@@ -635,5 +682,27 @@ def plot_bench(report: dict, path: Path) -> None:
     fig.suptitle(f"{report['models']['converted']['spec']} vs {report['models']['source']['spec']} "
                  f"({report['engine']}, {report['machine']['device']})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path, "tmp"), suffix=path.suffix, dir=path.absolute().parent)
+    os.close(fd)
+    try:  # written beside, then renamed: never half a picture
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+        plt.close(fig)
+
+
+def check_plot_path(path: Path | None) -> None:
+    """--plot can be written, in a format matplotlib knows, checked before the measurements."""
+    if path is None:
+        return
+    check_output_file(path, "--plot")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    if Path(path).suffix.lstrip(".").lower() not in formats:
+        raise SurgeryError(f"--plot {path}: name a picture file ({', '.join('.' + f for f in sorted(formats))})")

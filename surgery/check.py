@@ -202,14 +202,9 @@ def validate_weights(source: Source, config, causal: bool, trust_remote_code: bo
 
 def check_json_path(path: Path | None) -> None:
     """A --json file can be written (its folder exists and is writable), checked before the run."""
-    from .atomic import check_writable_parent
+    from .atomic import check_output_file
 
-    if path is None or str(path) == "-":
-        return
-    path = Path(path)
-    if path.is_dir():
-        raise SurgeryError(f"--json {path} is a folder")
-    check_writable_parent(path, f"--json {path}")
+    check_output_file(path, "--json")
 
 
 def check_counts(tokens: int, seq_len: int, batch_size: int, generate: int) -> None:

@@ -93,13 +93,14 @@ def _required_out(out: Path | None) -> Path:
 
 
 def _print_dry_run(source: str, options, json_out: Path | None) -> None:
+    from surgery.atomic import check_output_file, write_json
     from surgery.commands.convert import dry_run
 
+    check_output_file(json_out, "--json")  # before the estimate, not after it
     report = dry_run(source, options)
     click.echo("\n".join(report["lines"]))
     if json_out:
-        text = json.dumps({k: v for k, v in report.items() if k != "lines"}, indent=2)
-        click.echo(text) if str(json_out) == "-" else Path(json_out).write_text(text + "\n")
+        write_json({k: v for k, v in report.items() if k != "lines"}, json_out, echo=click.echo)
 
 
 cli.add_command(convert_command())
@@ -175,9 +176,13 @@ def bench(source, converted, batches, contexts, new, rounds, dtype, device, thre
 
     Prints a table of converted/source ratios; numbers from a shared machine are only comparable within one run.
     """
-    from surgery.bench import BenchOptions, parse_int_list, plot_bench, print_bench, require_engine, run_bench
+    from surgery.atomic import check_output_file, write_json as write_json_file
+    from surgery.bench import (BenchOptions, check_plot_path, parse_int_list, plot_bench, print_bench, require_engine,
+                               run_bench)
 
     require_engine(engine)
+    check_output_file(json_out, "--json")  # before the measurements, not after them
+    check_plot_path(plot)
     opts = BenchOptions(source=source, converted=converted, batches=parse_int_list(batches, "--batch"),
                         contexts=parse_int_list(contexts, "--context"), new=new, dtype=dtype, device=device,
                         threads=threads, rounds=rounds, engine=engine, trust_remote_code=trust_remote_code,
@@ -185,9 +190,7 @@ def bench(source, converted, batches, contexts, new, rounds, dtype, device, thre
                         replicate_prefill=replicate_prefill, compile=compile_backend)
     def write_json(report: dict) -> None:
         if json_out and str(json_out) != "-":  # written beside, then renamed: never half a file
-            tmp = Path(json_out).with_name(Path(json_out).name + ".tmp")
-            tmp.write_text(json.dumps(report, indent=2) + "\n")
-            tmp.replace(json_out)
+            write_json_file(report, json_out)
 
     report = run_bench(opts, log=lambda line: click.echo(line, err=True), partial=write_json)
     print_bench(report)
@@ -306,14 +309,16 @@ def compare_merges(source, kind, kv_heads, methods, data, tokens, seq_len, calib
     from surgery.merge.compare import compare_merges as run_comparison, print_comparison
     from surgery.source import resolve_source
 
+    from surgery.atomic import check_output_file, write_json
+
     groups = options_for(kind, kv_heads=kv_heads).groups  # the kind's rules, as convert applies them
+    check_output_file(json_out, "--json")  # before the comparison, not after it
     result = run_comparison(resolve_source(source, revision=revision), groups,
                             methods=tuple(m.strip() for m in methods.split(",") if m.strip()), data=data, tokens=tokens,
                             seq_len=seq_len, calib=calib, calib_tokens=calib_tokens, seed=seed, device=device)
     print_comparison(result)
     if json_out:
-        text = json.dumps(result, indent=2)
-        click.echo(text) if str(json_out) == "-" else Path(json_out).write_text(text + "\n")
+        write_json(result, json_out, echo=click.echo)
 
 
 class Terminated(KeyboardInterrupt):

@@ -8,6 +8,7 @@ Anything else: a hub dataset `name[:config][@split]`, optionally streamed.
 from __future__ import annotations
 
 import glob
+import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -34,9 +35,13 @@ def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
 def load_texts(spec: str, text_field: str = "text", streaming: bool = False) -> Iterable[str]:
     if spec == "pydoc":
         return pydoc_texts()
-    files = sorted(glob.glob(spec)) if any(c in spec for c in "*?[") else ([spec] if Path(spec).exists() else [])
+    pattern = any(c in spec for c in "*?[")  # a hub dataset's name has none of these: a local glob, never online
+    files = sorted(glob.glob(os.path.expanduser(spec))) if pattern else ([spec] if Path(spec).exists() else [])
     if files:
         return _local_texts(files, text_field, streaming)
+    if pattern:
+        where = "" if Path(spec).expanduser().is_absolute() else f" (relative to {Path.cwd()})"
+        raise SurgeryError(f"data {spec}: the pattern matches no file{where}")
     if Path(spec).suffix in BUILDERS or spec.startswith((".", "/", "~")):
         raise SurgeryError(f"data {spec} does not exist")
     return _hub_texts(spec, text_field, streaming)

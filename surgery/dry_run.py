@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 import torch
 
+from .errors import SurgeryError
 from .source import Source
 from .tensors import CheckpointReader, dtype_size
 
@@ -38,6 +39,8 @@ def convert_dry_run(src: Source, kind, options) -> dict:
 
     config = src.config
     with CheckpointReader(src.folder, allow_pickle=options.allow_pickle) as reader:
+        if not reader.tensors:  # as the conversion itself would refuse it, before estimating from nothing
+            raise SurgeryError(f"{src.spec}: the checkpoint's weight files hold no tensors")
         dtype = source_dtype(reader)
         total = sum(t.numel * dtype_size(t.dtype) for t in reader.tensors.values())
         largest = max(t.numel * dtype_size(t.dtype) for t in reader.tensors.values())

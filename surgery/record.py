@@ -136,7 +136,9 @@ def read_record(folder: Path) -> dict:
         record = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as e:
         raise SurgeryError(f"corrupt {path}: {str(e).splitlines()[0][:200]}") from None
-    return check_record(record, path)
+    from .loaders import check_depth
+
+    return check_record(check_depth(record, f"corrupt {path}:"), path)
 
 
 def read_record_or_empty(folder: Path) -> dict:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .digest import sha256_file
 from .errors import SurgeryError
+from .loaders import check_depth
 
 # Files copied beside the converted weights (tokenizer, generation config, custom code, licences).
 SIDE_FILE_PATTERNS = (
@@ -54,9 +55,30 @@ def load_config(folder: Path) -> dict:
         raise SurgeryError(f"{folder} has no config.json: not a transformers checkpoint")
     sanity.regular_file(path, "config")
     try:
-        return sanity.config_object(json.loads(path.read_text()), path)
+        config = sanity.config_object(check_depth(json.loads(path.read_text()), f"corrupt {path}:"), path)
     except (OSError, ValueError, RecursionError) as e:
         raise SurgeryError(f"corrupt {path}: {str(e).splitlines()[0][:200]}") from None
+    check_side_json(folder)
+    return config
+
+
+SIDE_JSON = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def check_side_json(folder: Path) -> None:
+    """The small JSON files beside the weights that transformers parses (tokenizer and generation configs) do not
+    nest so deeply that parsing them is a RecursionError (a file that is not JSON is left to the reader's message)."""
+    for name in SIDE_JSON:
+        path = Path(folder) / name
+        if not path.is_file() or path.stat().st_size > 10_000_000:
+            continue
+        try:
+            value = json.loads(path.read_bytes())
+        except RecursionError:
+            raise SurgeryError(f"{path} nests too deeply: not a file transformers writes") from None
+        except (OSError, ValueError):
+            continue
+        check_depth(value, str(path))
 
 
 def embedded_smollm2_gguf() -> Path:
@@ -166,7 +188,7 @@ def portable_tokenizer_config(path: Path) -> bool:
     path = Path(path)
     try:
         config = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     if not isinstance(config, dict):
         return False
@@ -258,7 +280,7 @@ def custom_code_files(folder: Path, config: dict, provided: tuple[str, ...] = ()
     tok = Path(folder) / "tokenizer_config.json"
     if tok.is_file():
         try:
-            maps.append(json.loads(tok.read_text()).get("auto_map"))
+            maps.append(check_depth(json.loads(tok.read_text()), str(tok)).get("auto_map"))
         except (OSError, ValueError, AttributeError, RecursionError):
             pass
     todo = []

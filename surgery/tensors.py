@@ -372,3 +372,20 @@ class _HashCache:
             os.replace(tmp, self.PATH)
         except OSError:
             pass  # a cache that cannot be written only costs time
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file with its I/O failures as OSError (and their errno): the Rust library raises
+    SafetensorError, which the full-disk handling (`except OSError`) would let through as a traceback."""
+    import re
+
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from None

@@ -28,7 +28,7 @@ CODE_RECORD = "code_sha256"  # surgery.json key: {file name: sha256} of the code
 def _read_json_object(path: Path) -> dict:
     try:
         value = json.loads(path.read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):  # a file too deep: refused where it is read
         return {}
     return value if isinstance(value, dict) else {}
 

@@ -14,16 +14,20 @@ from pathlib import Path
 
 import torch
 
-from ..tensors import CheckpointReader
+from ..atomic import clean_stale_siblings, temp_prefix, write_failure
+from ..tensors import CheckpointReader, save_safetensors
 
 
 class LayerStore:
     def __init__(self, beside: Path | None = None, spill: bool = True):
         self.dir = None
+        self.beside = Path(beside) if beside is not None else Path("calibration store")
         if spill:
             parent = Path(beside).absolute().parent if beside is not None else None
-            name = Path(beside).name if beside is not None else "surgery"
-            self.dir = Path(tempfile.mkdtemp(prefix=f".{name}.calib-", dir=parent))
+            # `.OUT.calib-PID-*`: a killed run's store is removed by the next run's stale-folder cleanup (here too)
+            if beside is not None:
+                clean_stale_siblings(beside)
+            self.dir = Path(tempfile.mkdtemp(prefix=temp_prefix(beside or "surgery", "calib"), dir=parent))
             # removed on close(), or when the store is dropped (an error on the way) or the interpreter exits
             self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
         self._memory: dict[int, dict[str, torch.Tensor]] = {}
@@ -34,11 +38,13 @@ class LayerStore:
         if self.dir is None:
             self._memory[layer] = tensors
             return
-        from safetensors.torch import save_file
-
         folder = self.dir / f"layer-{layer:05d}"
-        folder.mkdir()
-        save_file(tensors, str(folder / "model.safetensors"))
+        try:
+            folder.mkdir()
+            save_safetensors(tensors, folder / "model.safetensors")
+        except OSError as e:  # a full disk: one line; the store is removed when it is dropped
+            shutil.rmtree(folder, ignore_errors=True)
+            raise write_failure(self.beside, e) from None
 
     def get(self, layer: int) -> dict[str, torch.Tensor]:
         if self.dir is None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import SurgeryError
+from ..loaders import parse_yaml
 
 
 @dataclass
@@ -57,10 +58,10 @@ def _yaml_task_names(path: Path) -> list[str]:
     for f in files:
         try:
             text = f.read_text(encoding="utf-8")
-            # lm-eval's own tags (!function) are not needed to read the name: load with a loader that keeps them
-            doc = yaml.load(text, Loader=_TagKeepingLoader)
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        except (OSError, UnicodeDecodeError) as e:
             raise SurgeryError(f"--tasks: cannot read {f}: {str(e).splitlines()[0]}") from None
+        # lm-eval's own tags (!function) are not needed to read the name: load with a loader that keeps them
+        doc = parse_yaml(text, f"--tasks: {f}", loader=_TagKeepingLoader)
         task = doc.get("task") if isinstance(doc, dict) else None
         if isinstance(task, str):
             names.append(task)

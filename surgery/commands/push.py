@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from pydantic import field_validator
 
 from ..options import CliModel, option
 
 RUNNER_OWNED = ()
+
+
+def hub_repo_id(v: str) -> str:
+    """owner/name as the hub allows it (huggingface_hub's validate_repo_id: no `..`, `--`, leading or trailing
+    `-`/`.`, at most 96 characters of [A-Za-z0-9_.-]), refused when the options load (a recipe: when it loads)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(v, str) or v.count("/") != 1 or not all(v.split("/")):
+        raise ValueError(f"repo id {v!r} must be of the form owner/name")
+    try:
+        validate_repo_id(v)
+    except HFValidationError as e:
+        raise ValueError(f"repo id {v!r} is not a hub repository name: {str(e).splitlines()[0]}") from None
+    return v
 
 
 class PushOptions(CliModel):
@@ -20,18 +35,24 @@ class PushOptions(CliModel):
     bench_report: str | None = option(None, "--bench-report", "A `surgery bench --json` report to put in the model "
                                                               "card (measured speed table).", path="any")
 
+    @field_validator("repo_id")
+    @classmethod
+    def _repo_id(cls, v: str) -> str:
+        return hub_repo_id(v)
+
 
 def push_checkpoint(folder: Path, options: PushOptions, check_reports: list[Path] = (), json_out: Path | None = None,
                     log=print) -> str:
     """Upload `folder`; returns the line that says where it went."""
+    from ..atomic import check_output_file, write_json
     from ..publish.push import push_folder
 
     o = options
+    check_output_file(json_out, "--json")  # before the upload, not after it
     result = push_folder(folder, o.repo_id, private=o.private, revision=o.revision, exist_ok=o.exist_ok,
                          message=o.message, check_reports=list(check_reports), log=log,
                          bench_report=Path(o.bench_report) if o.bench_report else None)
     if json_out:
-        Path(json_out).write_text(json.dumps({"repo_id": o.repo_id, "repo_url": result.repo_url,
-                                              "revision": result.revision, "commit_url": result.commit_url,
-                                              "card_written": result.card_written}, indent=2) + "\n")
+        write_json({"repo_id": o.repo_id, "repo_url": result.repo_url, "revision": result.revision,
+                    "commit_url": result.commit_url, "card_written": result.card_written}, json_out, echo=log)
     return f"pushed {folder} to {result.repo_url} ({result.revision}): {result.commit_url}"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Literal
+
+from pydantic import model_validator
 
 from ..options import CliModel, option
 
@@ -74,6 +77,22 @@ class UptrainArgs(CliModel):
                                                               "the attention's linear layers).")
     merge_lora: bool = option(True, "--merge-lora", "Merge the adapters into the output, or keep the input's weights "
                                                     "and write OUT/adapter.")
+
+    @model_validator(mode="after")
+    def _uptrain_rules(self):
+        """The run's own rules (surgery/uptrain/options.py), so that a recipe's uptrain step is refused when the
+        recipe loads (and in --dry-run), not when the step starts. The fields a recipe's runner sets may be absent."""
+        from ..errors import SurgeryError
+        from ..uptrain.options import UptrainOptions
+
+        known = {f.name for f in fields(UptrainOptions)}
+        values = {name: getattr(self, name) for name in type(self).model_fields
+                  if name in known and name not in RUNNER_OWNED}
+        try:
+            UptrainOptions(model="MODEL", out=Path("OUT"), **values)
+        except SurgeryError as e:
+            raise ValueError(str(e)) from None
+        return self
 
 
 def uptrain_model(model: str, out: Path, options: UptrainArgs) -> None:

@@ -19,7 +19,7 @@ from pydantic import PrivateAttr, ValidationError, ValidationInfo, create_model,
 
 from ..errors import SurgeryError
 from ..model_types import CONVERTED_PREFIXES
-from ..options import CliModel, option
+from ..options import CliModel, option, spelling
 from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
 from .kv import GQA, MQA
 from .switchhead import SWITCHHEAD
@@ -107,7 +107,13 @@ def validate_kind_options(kind: Kind, values: dict, context: dict | None = None)
 
 def _kind_rules(self, info: ValidationInfo):
     values = {name: getattr(self, name) for name in type(self).model_fields if name in self.model_fields_set}
-    self._kind_options = validate_kind_options(get_kind(self.to), values, info.context)
+    kind = get_kind(self.to)
+    fields = type(self).model_fields
+    for name, value in values.items():  # another kind's option, given: it would do nothing, silently
+        if name != "to" and name not in kind.options.model_fields and value != fields[name].default:
+            s = spelling(info, type(self))
+            raise ValueError(f"{s.flag(name)} does nothing for {s.kind(self.to)} (it is an option of another kind)")
+    self._kind_options = validate_kind_options(kind, values, info.context)
     return self
 
 

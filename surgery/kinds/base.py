@@ -37,6 +37,24 @@ class WriteOptions(CliModel):
     device: str = option("auto", "--device", "Where calibration runs, layer by layer: auto (CUDA when present), "
                                              "cpu, cuda, cuda:N.")
 
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str, info: ValidationInfo) -> str:
+        """auto, cpu, cuda or cuda:N: refused before any work, whether or not the conversion calibrates (a kind or
+        merge that does not refuses any --device but auto, see its rules)."""
+        if v == "auto":
+            return v
+        import torch
+
+        flag = spelling(info, cls).flag("device")
+        try:
+            dev = torch.device(v)
+        except (RuntimeError, TypeError):
+            dev = None
+        if dev is None or dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"{flag} {v!r}: use auto, cpu, cuda or cuda:N")
+        return v  # whether this machine has CUDA is checked when the conversion starts (a recipe plans elsewhere)
+
     @field_validator("max_shard_size")
     @classmethod
     def _size(cls, v: str) -> str:

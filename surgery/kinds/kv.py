@@ -60,6 +60,21 @@ class KVMergeOptions(WriteOptions):
         return self.kv_heads or 1
 
 
+    @model_validator(mode="after")
+    def _aligned_only(self, info: ValidationInfo):
+        """Options only the aligned merge reads: given with a plain merge they would do nothing, silently."""
+        if self.merge == "aligned":
+            return self
+        s = spelling(info, type(self))
+        if self.refit_values:
+            raise ValueError(f"{s.flag('refit_values')} refits the aligned merge's values: it does nothing for the "
+                             f"{self.merge} merge (use {s.flag('merge')} aligned)")
+        if self.device != "auto":
+            raise ValueError(f"{s.flag('device')} is where calibration runs: the {self.merge} merge runs none "
+                             f"(use {s.flag('merge')} aligned, or leave {s.flag('device')} out)")
+        return self
+
+
 class MQAOptions(KVMergeOptions):
     @model_validator(mode="after")
     def _one_head(self, info: ValidationInfo):

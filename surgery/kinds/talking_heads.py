@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from ..options import option
+from pydantic import ValidationInfo, model_validator
+
+from ..options import option, spelling
 from .base import AttentionShape, Kind, WriteOptions
 
 
@@ -24,6 +26,15 @@ class TalkingHeadsOptions(WriteOptions):
                                        "stay exact).", group=GROUP)
     chunk_size: int = option(512, "--chunk-size", "[talking-heads] Query chunk for the attention computation (memory "
                                                   "O(h*chunk*S)).", group=GROUP)
+
+
+    @model_validator(mode="after")
+    def _no_calibration(self, info: ValidationInfo):
+        if self.device != "auto":
+            s = spelling(info, type(self))
+            raise ValueError(f"{s.flag('device')} is where calibration runs: {s.kind('talking-heads')} runs none "
+                             f"(leave {s.flag('device')} out)")
+        return self
 
 
 class TalkingHeads(Kind):

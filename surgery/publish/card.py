@@ -354,14 +354,14 @@ def build_card(v: Validation, repo_id: str, reports: list[tuple[str, dict]] = ()
 
 def load_reports(paths: list[Path]) -> list[tuple[str, dict]]:
     from ..errors import SurgeryError
+    from ..loaders import read_json, validated
+    from .reports import CheckReport
 
     out = []
     for p in paths:
-        try:
-            report = json.loads(Path(p).read_text())
-        except (OSError, ValueError) as e:
-            raise SurgeryError(f"check report {p} cannot be read: {str(e).splitlines()[0]}") from None
+        report = read_json(p, f"check report {p}")
         if not isinstance(report, dict) or "max_abs_diff" not in report:
             raise SurgeryError(f"{p} is not a `surgery check --json` report")
+        validated(CheckReport, report, f"check report {p}")
         out.append((Path(p).stem, report))
     return out

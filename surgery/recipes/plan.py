@@ -14,7 +14,8 @@ from pathlib import Path
 from ..errors import SurgeryError
 from ..units import human_bytes, human_count
 from . import estimate as est
-from .runner import MODEL_STEPS, Fingerprints, State, command_line, is_done, launch_prefix, plan_steps, step_range
+from .runner import (MODEL_STEPS, Fingerprints, State, check_recipe_output, command_line, is_done, launch_prefix,
+                     plan_steps, step_range)
 from .schema import Recipe
 
 
@@ -72,6 +73,7 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
     planned = plan_steps(recipe, output)
     start, stop = step_range(planned, from_step, until)
     folder = local_source_folder(recipe)
+    check_recipe_output(recipe, output, folder)  # as the run would refuse it (a source not on disk: the run checks)
     src_stats, src_note = source_stats(recipe, folder)
     state = State(output)
     fingerprints = Fingerprints(recipe, folder, planned)

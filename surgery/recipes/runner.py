@@ -25,6 +25,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ..errors import SurgeryError
 from ..options import command_args
@@ -130,20 +133,44 @@ def output_digest(path: Path) -> str | None:
     return None
 
 
+class StepRecord(BaseModel):
+    """One step's entry in recipe-state.json, with the types the runner relies on."""
+
+    model_config = ConfigDict(extra="allow")
+    started: Optional[StrictStr] = None
+    finished: StrictBool = False
+    fingerprint: Optional[StrictStr] = None
+    scheme: StrictInt = 1
+    output: Optional[StrictStr] = None
+    output_digest: Optional[StrictStr] = None
+    seconds: Optional[StrictFloat] = None
+
+
+class StateFile(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    steps: dict[str, StepRecord]
+
+
 class State:
     def __init__(self, output: Path):
         self.path = Path(output) / STATE
-        try:
-            self.data = json.loads(self.path.read_text())
-        except FileNotFoundError:
+        from ..loaders import read_json, validated
+
+        if not self.path.exists():
             self.data = {"steps": {}}
-        except (OSError, ValueError) as e:
-            raise SurgeryError(f"{self.path} cannot be read ({str(e).splitlines()[0]}); delete it to run every "
-                               "step again") from None
+            return
+        try:
+            self.data = read_json(self.path)
+        except SurgeryError as e:
+            raise SurgeryError(f"{e}; delete it to run every step again") from None
         steps = self.data.get("steps") if isinstance(self.data, dict) else None
         if not isinstance(steps, dict) or not all(isinstance(v, dict) for v in steps.values()):
             raise SurgeryError(f"{self.path} is not a recipe state (a JSON object with a \"steps\" object); delete "
                                "it to run every step again")
+        try:
+            validated(StateFile, self.data, str(self.path))
+        except SurgeryError as e:
+            raise SurgeryError(f"{e}; delete it to run every step again") from None
 
     def get(self, name: str) -> dict:
         return self.data["steps"].get(name, {})
@@ -289,15 +316,38 @@ def run_step(recipe: Recipe, ps: PlannedStep, resume: bool = False, log=print) -
         raise SurgeryError(f"unknown step kind {ps.kind}")
 
 
+def recipe_inputs(recipe: Recipe, source_folder: Path | None) -> list[tuple[str, Path]]:
+    """The folders on this machine a recipe reads: its source and the local teachers and texts its steps name."""
+    folders = [("source", source_folder)] if source_folder is not None else []
+    for step in recipe.validated_steps():
+        for name in ("teacher", "data", "eval_data", "calib"):
+            value = getattr(step.options, name, None)
+            for v in value if isinstance(value, list) else [value]:
+                if isinstance(v, str) and Path(v).is_dir():
+                    folders.append((f"{step.name} {name}", Path(v)))
+    return folders
+
+
+def check_recipe_output(recipe: Recipe, output: Path, source_folder: Path | None) -> None:
+    """The recipe's output (where every step writes, and --force replaces) is none of the folders it reads, nor
+    inside or holding one."""
+    from ..atomic import check_apart
+
+    check_apart(output, "recipe output", recipe_inputs(recipe, source_folder),
+                option="output (the recipe's `output`, --output or --set output=)")
+
+
 def run_recipe(recipe: Recipe, output: Path, from_step: str | None = None, until: str | None = None,
                log=print) -> list[tuple[str, str]]:
     """Run the recipe's steps in order; returns (step, 'ran'|'skipped') for each step considered."""
     output = Path(output).absolute()
     planned = plan_steps(recipe, output)
     start, stop = step_range(planned, from_step, until)
+    source_folder = resolve_source_folder(recipe)
+    check_recipe_output(recipe, output, source_folder)  # before the output folder or its state is made
     output.mkdir(parents=True, exist_ok=True)
     state = State(output)
-    fingerprints = Fingerprints(recipe, resolve_source_folder(recipe), planned)
+    fingerprints = Fingerprints(recipe, source_folder, planned)
     done: list[tuple[str, str]] = []
     for i, ps in enumerate(planned[: stop + 1]):
         fp = fingerprints.of(ps)

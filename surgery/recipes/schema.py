@@ -26,6 +26,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator, model_validator
 
 from ..errors import SurgeryError
+from ..loaders import parse_yaml
 from ..options import YAML
 
 STEP_KINDS = ("convert", "check", "uptrain", "push")
@@ -138,6 +139,8 @@ def step_models() -> dict[str, type[BaseModel]]:
         rules = {n: field_validator(*d.info.fields, mode=d.info.mode)(d.func.__func__)  # the command's field rules
                  for n, d in model.__pydantic_decorators__.field_validators.items()
                  if set(d.info.fields) <= set(fields)}
+        rules |= {n: model_validator(mode=d.info.mode)(d.func)  # and its rules across fields
+                  for n, d in model.__pydantic_decorators__.model_validators.items()}
         if kind == "uptrain":
             fields["accelerate"] = (typing.Optional[Launch], None)
         models[kind] = create_model(f"{kind.capitalize()}Step", __base__=StepBase, __validators__=rules, **fields)
@@ -240,7 +243,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> None:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise SurgeryError(f"--set {item}: expected KEY=VALUE")
-        value = yaml.safe_load(raw)
+        value = parse_yaml(raw, f"--set {key}")
         parts = key.split(".")
         if parts[0] in names and len(parts) > 1:
             i = names.index(parts[0])

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_output_dir, check_output_path, ordinary_permissions
+from ..atomic import atomic_output_dir, check_apart, check_output_path, ordinary_permissions
 from ..errors import SurgeryError
+from ..loaders import read_json
 from ..source import resolve_source, side_files
 from ..record import local_source_folder, public_name, read_record, write_record
 from . import lora, model_io
@@ -105,6 +106,20 @@ def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
                      divergence=o.kd_divergence)
 
 
+def input_folders(o: UptrainOptions, source_folder: Path, record: dict) -> list[tuple[str, Path]]:
+    """The folders on this machine the run reads (the model, the teacher, the texts): the output and the run folder
+    may be none of them, nor lie inside or hold one (the run folder is deleted by --force and after success)."""
+    folders = [("source", Path(source_folder))]
+    if o.teacher and Path(o.teacher).exists():
+        folders.append(("teacher", Path(o.teacher)))
+    if local_source_folder(record) is not None:
+        folders.append(("teacher", local_source_folder(record)))
+    for name, data in (("--data", o.data), ("--eval-data", o.eval_data)):
+        if data and Path(data).is_dir():
+            folders.append((f"{name} text", Path(data)))
+    return folders
+
+
 def check_run_dir(o: UptrainOptions, trajectory: dict) -> None:
     """Refuse a run folder that cannot be used: nothing is written here."""
     run_json = o.run_dir / "run.json"
@@ -112,10 +127,10 @@ def check_run_dir(o: UptrainOptions, trajectory: dict) -> None:
         if not run_json.exists():
             raise SurgeryError(f"--resume: {o.run_dir} holds no run to resume (no run.json)")
         try:
-            saved = json.loads(run_json.read_text())
+            saved = read_json(run_json)
             if not isinstance(saved, dict):
-                raise ValueError(f"a JSON {type(saved).__name__}, not an object")
-        except (OSError, UnicodeDecodeError, ValueError) as e:
+                raise SurgeryError(f"a JSON {type(saved).__name__}, not an object")
+        except SurgeryError as e:
             raise SurgeryError(f"--resume: corrupt {run_json} ({str(e).splitlines()[0]}): start over with --force") from None
         saved = TRAJECTORY_DEFAULTS | saved  # a key newer than the run: the run had its default behaviour
         diff = sorted(k for k in trajectory if saved.get(k) != trajectory[k])
@@ -270,7 +285,9 @@ class UptrainRecipe:
         self.tokens_per_step = o.sequences_per_step * o.seq_len
         self.trajectory = o.trajectory() | {"model": str(Path(self.source.folder).absolute()),
                                             "loss": self.objective.kind}
-        check_output_path(o.out, o.force, source=self.source.folder)
+        inputs = input_folders(o, self.source.folder, self.record)
+        check_output_path(o.out, o.force, source=self.source.folder, inputs=inputs[1:])
+        check_apart(o.run_dir, "run folder", inputs, option="--run-dir")
         side_files(self.source.folder)  # the files the output will copy: refused now, not after the training
         model_io.shipped_code_files(self.source.folder)
         check_run_dir(o, self.trajectory)
@@ -288,6 +305,8 @@ class UptrainRecipe:
             t_src = model_io.teacher_source(self.record, o.teacher)
             teacher = model_io.load_causal_lm(t_src, "teacher", o.trust_teacher_code)
             model_io.check_teacher(self.model, teacher, self.tokenizer, t_src, o.trust_teacher_code)
+            if "align" in o.stages:  # refused here, before the run folder is started (_setup_data)
+                check_alignable(self.model, teacher)
             if self.objective.needs_hidden_states:
                 check_alignable(self.model, teacher, "--hidden-weight")
             teacher.requires_grad_(False)

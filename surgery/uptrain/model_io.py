@@ -23,7 +23,14 @@ FLAGS = {"model": "--trust-remote-code", "teacher": "--trust-teacher-code"}  # t
 
 def trust_for(source: Source, role: str, trusted: bool) -> bool:
     """`trust_remote_code` for the model or the teacher: its own flag, or the toolkit's own unmodified code."""
-    return resolve_trust(source.folder, trusted, flag=FLAGS[role], what=f"the {role} {source.spec}")
+    return resolve_trust(source.folder, trusted, flag=FLAGS[role], what=f"the {role} {trust_name(source)}")
+
+
+def trust_name(source: Source) -> str:
+    """The folder whose code would run (what the user must read before trusting it), and the spec it came from
+    when that differs (a record's source spec, a hub id)."""
+    folder = str(source.folder)
+    return folder if Path(source.spec).absolute() == Path(folder).absolute() else f"{folder} (from {source.spec})"
 
 
 def load_causal_lm(source: Source, role: str, trusted: bool = False):

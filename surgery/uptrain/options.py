@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from ..atomic import check_apart
 from ..errors import SurgeryError
 from .losses import DIVERGENCES
 
@@ -75,6 +76,8 @@ class UptrainOptions:
     def __post_init__(self):
         self.out = Path(self.out)
         self.run_dir = Path(self.run_dir) if self.run_dir else self.out.absolute().parent / f"{self.out.name}.run"
+        # the run folder is deleted after success (and by --force): never the output, inside it, or holding it
+        check_apart(self.run_dir, "run folder", [("output", self.out)], option="--run-dir")
         positive = ("tokens", "seq_len", "batch_tokens", "micro_batch", "keep_last")
         for name in positive:
             if getattr(self, name) < 1:
@@ -124,6 +127,7 @@ class UptrainOptions:
             raise SurgeryError(f"--lora-alpha must be positive, got {self.lora_alpha}")
         if self.lora_targets and not self.lora_rank:
             raise SurgeryError("--lora-targets needs --lora-rank")
+        check_shard_size(self.max_shard_size)
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise SurgeryError(f"--warmup-steps must not be negative, got {self.warmup_steps}")
 
@@ -172,6 +176,21 @@ class UptrainOptions:
 
     def as_record(self) -> dict:
         return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in fields(self)}
+
+
+def check_shard_size(size) -> None:
+    """--max-shard-size as save_pretrained (huggingface_hub's parse_size_to_int) reads it, checked before the run,
+    not after the training it would end."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return
+    try:
+        ok = isinstance(size, str) and parse_size_to_int(size) > 0
+    except (ValueError, TypeError):
+        ok = False
+    if not ok:
+        raise SurgeryError(f"--max-shard-size {size!r}: use a positive size in KB, MB, GB or TB (e.g. 500MB, 5GB)")
 
 
 TRAJECTORY_DEFAULTS = {f.name: f.default for f in fields(UptrainOptions) if f.name in LATER_TRAJECTORY_KEYS}

@@ -28,13 +28,38 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from ..digest import sha256_file
 from ..errors import SurgeryError
+from ..loaders import read_model
+from ..tensors import save_safetensors
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 FORMAT = "surgery-uptrain-checkpoint/1"
 MANIFEST = "manifest.json"
+
+
+class RunStateFile(BaseModel):
+    """run-state.json as read back: the fields RunState needs, with their types (a mistyped file is one line)."""
+
+    model_config = ConfigDict(extra="allow")
+    step: StrictInt = Field(ge=0)
+    elapsed: float = Field(ge=0, allow_inf_nan=False)
+    data_key: StrictStr
+
+
+class FileEntry(BaseModel):
+    size: StrictInt = Field(ge=0)
+    sha256: StrictStr
+
+
+class Manifest(BaseModel):
+    """manifest.json: which files a checkpoint holds, their sizes and sha256."""
+
+    model_config = ConfigDict(extra="allow")
+    format: StrictStr
+    files: dict[str, FileEntry]
 
 
 class RunState:
@@ -149,15 +174,15 @@ def _fsync_dir(folder: Path) -> None:
 def damage(folder: Path) -> str | None:
     """Why checkpoint `folder` cannot be resumed from ("FILE: reason"), or None when it is intact."""
     manifest = folder / MANIFEST
-    try:
-        record = json.loads(manifest.read_text())
-        files = record["files"]
-        if record.get("format") != FORMAT or not isinstance(files, dict):
-            raise ValueError("not a checkpoint manifest of this toolkit")
-    except FileNotFoundError:
+    if not manifest.exists():
         return f"{manifest}: missing (an incomplete checkpoint, or one written by an older version)"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{manifest}: unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    try:
+        record = read_model(manifest, Manifest)
+    except SurgeryError as e:  # "corrupt MANIFEST: FIELD is ...": the file and the field
+        return str(e)
+    if record.format != FORMAT:
+        return f"{manifest}: unreadable (not a checkpoint manifest of this toolkit)"
+    files = {name: entry.model_dump() for name, entry in record.files.items()}
     for name in ("model.safetensors", "optimizer.safetensors", "run-state.json"):
         if name not in files:
             return f"{folder / name}: not in the manifest"
@@ -197,7 +222,6 @@ class Checkpoints:
     def save(self, step: int, model, optimizer, state: RunState) -> Path:
         """Write checkpoint `step` atomically. A full disk (or any OSError) leaves the earlier checkpoints as they
         were, removes the partial folder and stops the run with one line."""
-        from safetensors.torch import save_file
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         final = self.dir / f"step-{step:08d}"
@@ -223,12 +247,12 @@ class Checkpoints:
         try:
             if error is None:
                 rng, rng_meta = _rng_files()
-                save_file(rng, tmp / f"rng-{self.acc.process_index}.safetensors", metadata=rng_meta)
+                save_safetensors(rng, tmp / f"rng-{self.acc.process_index}.safetensors", metadata=rng_meta)
                 if main:
                     tensors, aliases = _split_aliases(model_state)
-                    save_file(tensors, tmp / "model.safetensors", metadata={"aliases": json.dumps(aliases)})
+                    save_safetensors(tensors, tmp / "model.safetensors", metadata={"aliases": json.dumps(aliases)})
                     tensors, meta = _optimizer_files(optim_state)
-                    save_file(tensors, tmp / "optimizer.safetensors", metadata=meta)
+                    save_safetensors(tensors, tmp / "optimizer.safetensors", metadata=meta)
                     (tmp / "run-state.json").write_text(json.dumps(state.state_dict()) + "\n")
         except OSError as e:
             error = e
@@ -292,7 +316,7 @@ class Checkpoints:
             if (path / f"rng-{self.acc.process_index}.safetensors").is_file():
                 with safe_open(path / f"rng-{self.acc.process_index}.safetensors", "pt") as f:
                     rng = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
-            saved = json.loads((path / "run-state.json").read_text())
+            saved = read_model(path / "run-state.json", RunStateFile).model_dump()
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise SurgeryError(f"--resume: cannot read checkpoint {path}: {str(e).splitlines()[0]}") from None
         try:
