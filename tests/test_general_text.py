@@ -75,6 +75,9 @@ def test_calibration_and_uptraining_default_to_the_pinned_shard_streamed_from_th
     assert got["pydoc"] == "pydoc"  # an explicit text is read as it always was
     assert got["docs"] == DOCS
     assert got["record"]["data"] == url  # surgery.json names the dataset, its revision and file
+    from surgery.record import public_data
+
+    assert public_data(url) == url  # and the card shows it whole (not as a local file's name)
     n = len(got["record"]["documents_sha256"])
     assert n > 1 and got["record"]["documents_sha256"] == [document_sha256(d) for d in DOCS[:n]]
     paths = [p for _, p, _ in hub.requests if "allenai/c4" in p]
@@ -92,6 +95,12 @@ def test_offline_reads_pydoc_says_so_once_and_sends_nothing(hub, tmp_path):
                      "(general web text)"]
     assert json.loads((tmp_path / "out" / "surgery.json").read_text())["calibration"]["data"] == "pydoc"
     assert hub.requests == []  # nothing reached the (loopback) network
+    from surgery.publish.card import conversion_section
+    from surgery.publish.validate import validate_folder
+
+    card = conversion_section(validate_folder(tmp_path / "out"), {"base_model": None, "spec": str(src), "revision": None,
+                                                                  "folder": src})
+    assert "Calibrated on 256 tokens of pydoc." in card
 
 
 def test_an_unreachable_hub_reads_pydoc_with_one_line(tmp_path, monkeypatch, capsys):
