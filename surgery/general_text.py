@@ -29,7 +29,6 @@ OFFLINE_TEXT = "pydoc"  # what `general` reads without the hub
 GENERAL_REPO = "allenai/c4"
 GENERAL_REVISION = "1588ec454efa1a09f29cd18ddd04fe05fc8653a2"
 GENERAL_FILE = "en/c4-train.00000-of-01024.json.gz"
-GENERAL_LICENSE = "odc-by"
 HUB_FILE = "hf://datasets/"
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
