@@ -120,7 +120,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
-    o = UptrainOptions(model=a.converted, out=Path("unused"), tokens=a.tokens, seq_len=1024, batch_tokens=1024,
+    o = UptrainOptions(model=a.converted, out=Path("unused"), data="pydoc", tokens=a.tokens, seq_len=1024, batch_tokens=1024,
                        micro_batch=1, lr=a.lr, eval_tokens=4096)
     source = resolve_source(a.source).folder
     load = {"attn_implementation": "eager"} if a.attn_weight else {}

@@ -137,7 +137,8 @@ def main() -> None:
                     continue
                 out = tmp / f"{method}-uptrained"
                 start = time.time()
-                rec = uptrain(UptrainOptions(model=str(tmp / method), out=out, tokens=args.uptrain_tokens, progress=False))
+                rec = uptrain(UptrainOptions(model=str(tmp / method), out=out, data="pydoc", tokens=args.uptrain_tokens,
+                                             progress=False))
                 report = evaluate(src_model, out, ids)
                 results["methods"][method]["uptrained"] = {"tokens": args.uptrain_tokens, "ppl": report["ppl_converted"],
                                                            "kl": report["kl"], "seconds": round(time.time() - start),

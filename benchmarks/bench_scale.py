@@ -331,12 +331,13 @@ def main() -> None:
             if kind == "aligned":
                 out = runs_dir / f"{tag}-gqa"
                 cmd = ["convert", str(folder), "--to", "gqa", "--kv-heads", str(KV_HEADS[layout]), "--merge", "aligned",
-                       "--grouping", args.grouping, "--calib-tokens", str(args.calib_tokens), "--out", str(out), "--force", *device_opt]
+                       "--grouping", args.grouping, "--calib", "pydoc", "--calib-tokens", str(args.calib_tokens), "--out", str(out), "--force", *device_opt]
             elif kind == "switchhead":
                 h, e, k = SWITCHHEAD[layout]
                 out = runs_dir / f"{tag}-sh"
                 cmd = ["convert", str(folder), "--to", "switchhead", "--heads", str(h), "--experts", str(e), "--topk",
-                       str(k), "--calib-tokens", str(args.calib_tokens), "--out", str(out), "--force", *device_opt]
+                       str(k), "--calib", "pydoc", "--calib-tokens", str(args.calib_tokens), "--out", str(out), "--force",
+                       *device_opt]
             elif kind == "group-merge":
                 results.append(group_merge(layout))
                 continue

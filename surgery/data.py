@@ -1,6 +1,7 @@
 """Text sources for checks, calibration and training, all read through `datasets` except the embedded default.
 
 `pydoc`: the standard library's pydoc_data.topics (about 100k tokens of English, no download).
+`general` (the default of --calib and uptrain --data) and `hf://datasets/REPO@REVISION/FILE`: surgery/general_text.py.
 Local files or globs: .txt (one document per file), .jsonl/.json, .parquet, .csv (column --text-field).
 Anything else: a hub dataset `name[:config][@split]`, optionally streamed.
 """
@@ -33,6 +34,11 @@ def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
 
 
 def load_texts(spec: str, text_field: str = "text", streaming: bool = False) -> Iterable[str]:
+    from .general_text import hub_file_texts, is_hub_file, resolve_text
+
+    spec = resolve_text(spec)  # `general`: the pinned general text, or pydoc offline
+    if is_hub_file(spec):
+        return hub_file_texts(spec, text_field)
     if spec == "pydoc":
         return pydoc_texts()
     pattern = any(c in spec for c in "*?[")  # a hub dataset's name has none of these: a local glob, never online

@@ -7,6 +7,7 @@ from dataclasses import asdict
 import torch
 
 from .errors import SurgeryError
+from .general_text import resolve_texts
 from .source import Source
 from .tensors import CheckpointReader, dtype_size
 
@@ -50,6 +51,7 @@ def convert_dry_run(src: Source, kind, options) -> dict:
         return {"kind": kind.name, "calibrated": False, "checkpoint_bytes": total, "host_bytes": host,
                 "device_bytes": 0,
                 "lines": [head, f"estimate for {kind.name}: peak host memory {human_bytes(host)}", f"  {STREAMED_NOTE}"]}
+    texts = resolve_texts(options.calib)
     dev = pick_device(options.device)
     rate = probe_throughput(dev, threads_float32=compute_threads() if dev.type == "cpu" else None)
     est = kind.calibration_estimate(config, options, dtype=str(dtype).removeprefix("torch."), device=str(dev),
@@ -59,4 +61,5 @@ def convert_dry_run(src: Source, kind, options) -> dict:
             "cpu_seconds_per_layer": _sig(est.cpu_seconds_per_layer) if est.cpu_seconds_per_layer else None,
             "seconds": _sig(est.seconds), "layers": est.layers, "tokens": est.tokens, "device": est.device,
             "flops_per_layer": asdict(est.flops_per_layer), "throughput": asdict(est.throughput),
-            "memory_terms": est.memory, "lines": [head, *est.lines()]}
+            "memory_terms": est.memory, "calib": texts, "lines": [head, f"calibration text: {' + '.join(texts)}",
+                                                                    *est.lines()]}

@@ -17,6 +17,8 @@ xorbs and shards — is out of reach of a test server):
 - download: `HEAD/GET /{id}/resolve/{rev}/{path}` with `X-Repo-Commit` and `ETag` (the git blob id); LFS files
   answer 302 to a separate "CDN" origin with `X-Linked-Etag` (sha256) and `X-Linked-Size`, as the hub does.
 - model card metadata: `POST /api/validate-yaml` (the client calls it before uploading a README.md).
+- dataset repos (read only): `GET /api/datasets/{id}[/revision/{rev}]`, `.../tree/{rev}[/{path}]`,
+  `HEAD/GET /datasets/{id}/resolve/{rev}/{path}`; a test puts one in place with `LocalHub.add_dataset`.
 - errors carry the hub's `X-Error-Code` (RepoNotFound, RevisionNotFound, EntryNotFound).
 
 Every request is appended to `hub.requests` as (method, path, authorized) — never the token itself.
@@ -139,10 +141,11 @@ class LocalHub:
             raise HubError(400, f"sha256 of the uploaded content is {h.hexdigest()}, not {oid}")
         os.replace(source, self.lfs_path(oid))
 
-    def commit(self, repo: Repo, branch: str, files: dict[str, Entry], parent: str | None, title: str) -> str:
+    def commit(self, repo: Repo, branch: str, files: dict[str, Entry], parent: str | None, title: str,
+               sha: str | None = None) -> str:
         date = time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())
         tree = json.dumps({p: [e.blob_id, e.lfs] for p, e in sorted(files.items())})
-        sha = hashlib.sha1(f"{tree}\n{parent}\n{title}\n{date}\n{uuid.uuid4()}".encode()).hexdigest()
+        sha = sha or hashlib.sha1(f"{tree}\n{parent}\n{title}\n{date}\n{uuid.uuid4()}".encode()).hexdigest()
         repo.commits[sha] = Commit(files, parent, title, date)
         repo.refs[branch] = sha
         return sha
@@ -153,6 +156,15 @@ class LocalHub:
         entry = Entry(len(data), self.put_blob(data))
         self.commit(repo, "main", {".gitattributes": entry}, None, "initial commit")
         self.repos[repo_id] = repo
+
+    def add_dataset(self, repo_id: str, files: dict[str, bytes], sha: str | None = None) -> str:
+        """A public dataset repo holding `files` (path -> bytes) at one commit, named `sha` when given (a test that
+        pins a real dataset's revision serves it under that commit id); returns the commit id."""
+        repo = Repo(owner=repo_id.split("/")[0], private=False)
+        sha = self.commit(repo, "main", {p: Entry(len(d), self.put_blob(d)) for p, d in files.items()}, None,
+                          "dataset", sha=sha)
+        self.repos[f"datasets/{repo_id}"] = repo
+        return sha
 
     def is_lfs_path(self, files: dict[str, Entry], path: str, size: int) -> bool:
         if size >= LFS_SIZE:
@@ -273,6 +285,14 @@ def _handler(hub: LocalHub, cdn: bool):
                 return self.validate_yaml(json.loads(self.body()))
             if parts[:3] == ["api", "repos", "create"] and method == "POST":
                 return self.create_repo(json.loads(self.body() or b"{}"), user)
+            if len(parts) >= 4 and parts[:2] == ["api", "datasets"] and method == "GET":
+                repo_id, rest = f"datasets/{parts[2]}/{parts[3]}", parts[4:]
+                if not rest or (rest[:1] == ["revision"] and len(rest) == 2):
+                    return self.info(repo_id, rest[1] if rest else "main", user)
+                if rest[:1] == ["tree"] and len(rest) >= 2:
+                    return self.tree(repo_id, rest[1], "/".join(rest[2:]), query, user)
+            if len(parts) >= 6 and parts[0] == "datasets" and parts[3] == "resolve" and method in ("GET", "HEAD"):
+                return self.resolve(f"datasets/{parts[1]}/{parts[2]}", parts[4], "/".join(parts[5:]), user)
             if len(parts) >= 4 and parts[:2] == ["api", "models"]:
                 repo_id, rest = f"{parts[2]}/{parts[3]}", parts[4:]
                 if method == "GET" and not rest:
@@ -354,6 +374,7 @@ def _handler(hub: LocalHub, cdn: bool):
             repo = self.repo(repo_id, user)
             sha = self.head(repo, rev)
             commit = repo.commits[sha]
+            repo_id = repo_id.removeprefix("datasets/")
             self.send(200, {"id": repo_id, "modelId": repo_id, "author": repo.owner, "sha": sha,
                             "private": repo.private, "lastModified": commit.date, "tags": [],
                             "siblings": [{"rfilename": p} for p in sorted(commit.files)]})

@@ -157,7 +157,8 @@ def test_cli_records_calibration_and_prints_a_line_per_layer(tmp_path):
     src = tiny("llama", tmp_path / "src")
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "cli", "convert", str(src), "--to", "mqa", "--merge", "aligned",
-                          "--calib-tokens", "512", "--device", "cpu", "--out", str(tmp_path / "mqa")], cwd=REPO,
+                          "--calib", "pydoc", "--calib-tokens", "512", "--device", "cpu", "--out",
+                          str(tmp_path / "mqa")], cwd=REPO,
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "calibrate + merge: layer 2/2" in run.stderr  # stderr is not a terminal: plain lines

@@ -18,6 +18,7 @@ import torch
 
 from ..data import load_texts, pydoc_texts, token_stream
 from ..errors import SurgeryError
+from ..general_text import resolve_texts
 
 WINDOW = 512  # calibration window length (tokens); capped by the model's context
 PYDOC_SPLIT = ("pydoc documents read from the last one backwards (the default `surgery check` text, pydoc's first "
@@ -65,7 +66,7 @@ def calibration_text(spec: str | Sequence[str], tokenizer, tokens: int, context:
 
     Several specs mix domains: each gives an equal share of the N windows (the first ones one more when N does not
     divide), read as that spec alone would be (pydoc from its last document, anything else from its start)."""
-    specs = [spec] if isinstance(spec, str) else list(spec)
+    specs = resolve_texts([spec] if isinstance(spec, str) else spec)  # `general`: C4 from the hub, or pydoc
     if not specs:
         raise SurgeryError("no calibration text given")
     if tokens < 1:

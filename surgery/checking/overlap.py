@@ -52,3 +52,25 @@ def calibration_overlap(folder: Path, evaluated: list[str]) -> dict | None:
     if not shared:
         return None
     return {"documents": shared, "of": len(set(evaluated)), "calibration": spec}
+
+
+def read_sources(folder: Path) -> dict[str, set[str]]:
+    """{"calibrated": specs, "trained": specs}: the texts a checkpoint's surgery.json says it read (a calibration
+    mixture's parts each; every uptraining, earlier ones included)."""
+    record = read_record_or_empty(Path(folder))
+    calibration = record.get("calibration") or {}
+    calibrated = {p.get("data") for p in calibration.get("mixture") or () if isinstance(p, dict)}
+    calibrated |= {calibration.get("data")} if not calibrated else set()
+    runs = [record.get("uptraining") or {}, *(record.get("previous_uptraining") or ())]
+    trained = {run.get("data") for run in runs if isinstance(run, dict)}
+    return {k: {s for s in v if isinstance(s, str)} for k, v in (("calibrated", calibrated), ("trained", trained))}
+
+
+def shared_source(folder: Path, spec: str) -> str | None:
+    """How the model read `spec`, when a check on it alone measures the domain the model was fitted to
+    ("calibrated", "trained", "calibrated and trained"), or None
+    when `spec` is none of the sources its surgery.json names. Same source, not same documents: pydoc's calibration
+    reads other documents than check does, yet rewards fitting pydoc's domain all the same."""
+    read = read_sources(folder)
+    how = [verb for verb in ("calibrated", "trained") if spec in read[verb]]
+    return " and ".join(how) or None

@@ -53,6 +53,18 @@ class CheckOptions(CliModel):
     _data = field_validator("data")(texts_rule("data"))
 
 
+def warn_same_domain(folder: Path, first: str, more: list[str], warn) -> None:
+    """One line when the check's only text is a source the converted model was calibrated or trained on: its numbers
+    then measure the fit to that domain, not the recovery of the source model."""
+    from ..checking.overlap import shared_source
+    from ..general_text import resolve_text
+
+    why = None if more else shared_source(folder, resolve_text(first))
+    if why:
+        warn(f"{first}, the only text checked, is the text the model was {why} on (surgery.json): its numbers "
+             "flatter the conversion; add a --data of another domain")
+
+
 def check_checkpoints(source: str, converted: str, options: CheckOptions, json_out: Path | None = None,
                       warn=print) -> dict:
     """Compare, print the report, write it as JSON (`json_out`); CheckFailed when --expect exact is not met."""
@@ -67,6 +79,7 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
     src = resolve_source(source, revision=o.revision, allow_pickle=o.allow_pickle)
     dst = resolve_source(converted, allow_pickle=o.allow_pickle)
     first, *more = o.data
+    warn_same_domain(dst.folder, first, more, warn)
     report = compare_checkpoints(src, dst, load_texts(first, text_field=o.text_field),
                                  more_texts=[(d, load_texts(d, text_field=o.text_field)) for d in more],
                                  tokens=o.tokens, seq_len=o.seq_len, batch_size=o.batch_size, device=o.device,

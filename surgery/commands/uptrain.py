@@ -14,8 +14,8 @@ RUNNER_OWNED = ("force", "resume", "run_dir")  # a recipe's runner decides these
 
 
 class UptrainArgs(CliModel):
-    data: str = option("pydoc", "--data", "Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub dataset "
-                                          "name[:config][@split].")
+    data: str = option("general", "--data", "Text: general (general web text, C4, from the hub; pydoc offline), "
+                       "pydoc, local .txt/.jsonl/.parquet files or globs, or a hub dataset name[:config][@split].")
     tokens: int = option(None, "--tokens", "Training tokens (rounded up to whole steps).", required=True)
     text_field: str = option("text", "--text-field", "Column holding the text in tabular data.")
     streaming: bool = option(False, "--streaming", "Stream a hub dataset instead of downloading it whole.")

@@ -100,8 +100,9 @@ class CalibrationOptions(CliModel):
     """Text read to fit a conversion to the source's activations (aligned merge, SwitchHead)."""
 
     GROUP: ClassVar[str] = "calibration (aligned merge, switchhead)"
-    calib: Texts = option(["pydoc"], "--calib", "Calibration text (same forms as check --data). Repeat it to mix "
-                              "domains: each text gives an equal share of the calibration windows.", group=GROUP)
+    calib: Texts = option(["general"], "--calib", "Calibration text (same forms as check --data; general: general web "
+                          "text (C4) from the hub, pydoc offline). Repeat it to mix domains: each text gives an equal "
+                          "share of the calibration windows.", group=GROUP)
     calib_tokens: int = option(8192, "--calib-tokens", "Calibration tokens.", group=GROUP)
     calib_window: int = option(
         512, "--calib-window", "Tokens per calibration window (capped by the model's context): the longest query-key "

@@ -148,6 +148,10 @@ def conversion_section(v: Validation, info: dict) -> list[str]:
         lines.append(f"The source weights are the GGUF file {code(gguf)} dequantized to float32: they carry that file's "
                      "quantization error, so they are not bit-identical to the original model's release.")
     lines += [text(line) for line in known.card_lines(record)] if known else []
+    calibration = record.get("calibration")
+    if isinstance(calibration, dict) and isinstance(calibration.get("data"), str):
+        lines.append(f"Calibrated on {number(calibration.get('tokens'))} tokens of "
+                     f"{text(public_data(calibration['data']))}.")
     lines.append("")
     after = inspect_checkpoint(v.folder)
     before = _inspect_source(info["folder"])

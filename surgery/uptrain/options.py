@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..atomic import check_apart
 from ..errors import SurgeryError
+from ..general_text import resolve_text
 from .losses import DIVERGENCES
 
 LOSSES = ("auto", "lm", "kd", "mix")
@@ -29,7 +30,7 @@ LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data")
 class UptrainOptions:
     model: str  # checkpoint folder to train (the student)
     out: Path
-    data: str = "pydoc"
+    data: str = "general"  # resolved in __post_init__ (surgery/general_text.py): C4 from the hub, or pydoc offline
     tokens: int = 1_000_000  # training tokens (rounded up to whole optimizer steps)
     text_field: str = "text"
     streaming: bool = False
@@ -75,6 +76,7 @@ class UptrainOptions:
 
     def __post_init__(self):
         self.out = Path(self.out)
+        self.data = resolve_text(self.data)
         self.run_dir = Path(self.run_dir) if self.run_dir else self.out.absolute().parent / f"{self.out.name}.run"
         # the run folder is deleted after success (and by --force): never the output, inside it, or holding it
         check_apart(self.run_dir, "run folder", [("output", self.out)], option="--run-dir")
