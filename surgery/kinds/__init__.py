@@ -21,6 +21,7 @@ from ..errors import SurgeryError
 from ..options import CliModel, option
 from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
 from .kv import GQA, MQA
+from .mla import MLA_KIND
 from .switchhead import SWITCHHEAD
 from .talking_heads import TALKING_HEADS
 
@@ -40,7 +41,7 @@ def unregister(name: str) -> None:
     _KINDS.pop(name, None)
 
 
-for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD):
+for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD, MLA_KIND):
     register(_kind)
 
 

@@ -148,6 +148,12 @@ class Kind:
         L, h, kv, d, H = shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.hidden
         return {"proj": L * (H * h * d + 2 * H * kv * d + h * d * H), "mixing": None}
 
+    def kv_cache_values(self, shape: AttentionShape, config: dict) -> dict[str, int]:
+        """Values each runtime caches per token, all layers together, for a checkpoint this kind wrote (`config`:
+        its config.json): {"transformers": n, "vllm": n, "llama.cpp": n}. Bytes = values x the cache dtype's size."""
+        n = 2 * shape.layers * shape.kv_heads * shape.head_dim
+        return {"transformers": n, "vllm": n, "llama.cpp": n}
+
     def added_parameters(self, record: dict) -> int | None:
         """Parameters the conversion added (None: it adds none worth a row)."""
         return None

@@ -1,0 +1,253 @@
+"""`surgery convert SRC --to mla`: a Llama-like checkpoint -> a plain `deepseek_v3` checkpoint (DeepSeek's
+multi-head latent attention), loadable by transformers' own DeepseekV3ForCausalLM with no custom code.
+
+Pipeline: refuse what has no DeepSeek equivalent (family spec, then config) -> second moments of every layer's
+attention input on calibration text (streamed, surgery/mla/calibrate.py) -> one RoPE frequency set for the whole
+model (DeepSeek has one rope_theta: the kept source frequencies must be k*s, k < D_r/2, for one stride s, chosen by
+their contribution to the logits) -> per layer, the MLA weights (surgery/mla/factor.py) -> the writer. The MLP,
+norms and embeddings are copied byte for byte (their names are DeepSeek's already); lm_head.weight is written even
+when the source ties it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..arch import spec_for
+from ..atomic import check_output_path
+from ..calibration.store import LayerStore
+from ..calibration.stream import pick_device
+from ..calibration.text import calibration_text, context_of, WINDOW
+from ..check import load_tokenizer
+from ..errors import SurgeryError
+from ..output import write_conversion
+from ..source import Source
+from ..tensors import CheckpointReader, PlannedTensor
+from .calibrate import second_moments
+from .factor import MLAWeights, SourceAttention, mla_layer
+
+KIND = "mla"
+LATENT_EPS = 1e-6  # transformers' DeepseekV3 kv_a_layernorm epsilon (fixed; vLLM and llama.cpp read rms_norm_eps)
+ATTENTION = ("q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+
+
+class Shape:
+    """The source's attention sizes and the MLA sizes asked for."""
+
+    def __init__(self, spec, config: dict, rank: int, rope_dim: int | None):
+        self.layers, self.heads = spec.layers(config), spec.heads(config)
+        self.kv_heads, self.head_dim, self.hidden = spec.kv_heads(config), spec.head_dim(config), spec.hidden(config)
+        self.rank, self.rope_dim = rank, self.head_dim if rope_dim is None else rope_dim
+        full = 2 * self.kv_heads * self.head_dim
+        if self.heads % self.kv_heads:
+            raise SurgeryError(f"{self.kv_heads} K/V heads do not divide {self.heads} attention heads")
+        if not 1 <= rank <= full:
+            raise SurgeryError(f"--kv-rank must be between 1 and {full} (2 x {self.kv_heads} K/V heads x head_dim "
+                               f"{self.head_dim}: the source's keys and values), got {rank}")
+        if self.rope_dim % 2 or not 2 <= self.rope_dim <= self.head_dim:
+            raise SurgeryError(f"--rope-dim must be even (RoPE rotates pairs) and between 2 and head_dim "
+                               f"{self.head_dim}, got {self.rope_dim}")
+
+    @property
+    def full_rank(self) -> int:
+        return 2 * self.kv_heads * self.head_dim
+
+
+def _refuse_config(config: dict) -> None:
+    """What a Llama-like config can set that DeepSeek-V3 (as transformers, vLLM and llama.cpp read it) cannot."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type != "default":
+        raise SurgeryError(f"mla cannot convert RoPE scaling {rope_type!r}: vLLM reads any non-default DeepSeek RoPE "
+                           "as DeepSeek's YaRN")
+    partial = (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) or config.get(
+        "partial_rotary_factor") or 1.0
+    if float(partial) != 1.0:
+        raise SurgeryError("mla needs RoPE over the whole head_dim (partial_rotary_factor 1)")
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise SurgeryError(f"mla cannot convert {key}: DeepSeek-V3's projections have no biases")
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        raise SurgeryError("mla cannot convert sliding-window attention: DeepSeek-V3 attends over the whole context")
+    if config.get("hidden_act") is None:
+        raise SurgeryError("config.json has no hidden_act")
+
+
+def rope_theta(config: dict) -> float:
+    rope = config.get("rope_parameters") or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    return float(theta or config.get("rope_theta") or 10000.0)
+
+
+def choose_frequencies(scores: list[torch.Tensor], head_dim: int, rope_dim: int) -> tuple[list[int], int, float]:
+    """The kept source frequencies k*s (k < rope_dim/2) for the stride s whose frequencies carry the largest share
+    of the logits summed over layers; returns (frequencies, stride, share)."""
+    n, half = rope_dim // 2, head_dim // 2
+    total = torch.stack(scores).sum(0) / len(scores)
+    strides = range(1, (half - 1) // (n - 1) + 1) if n > 1 else range(1, half + 1)
+    best = max(strides, key=lambda s: float(total[[k * s for k in range(n)]].sum()))
+    kept = [k * best for k in range(n)]
+    return kept, best, float(total[kept].sum())
+
+
+def target_config(config: dict, shape: Shape, theta: float, dtype: str | None) -> dict:
+    """config.json of the DeepSeek-V3 output: dense (first_k_dense_replace = every layer), no q LoRA, MHA-shaped
+    head counts, interleaved RoPE over the rope dims, no auto_map."""
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "hidden_act", "max_position_embeddings",
+            "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id", "attention_dropout")
+    out = {k: config[k] for k in keep if k in config}
+    out |= {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads, "num_key_value_heads": shape.heads,
+        "kv_lora_rank": shape.rank, "q_lora_rank": None, "qk_rope_head_dim": shape.rope_dim,
+        "qk_nope_head_dim": shape.head_dim, "v_head_dim": shape.head_dim,
+        "first_k_dense_replace": shape.layers, "moe_intermediate_size": int(config["intermediate_size"]),
+        "n_routed_experts": 1, "n_shared_experts": 1, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+        "rms_norm_eps": LATENT_EPS, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_interleave": True, "attention_bias": False, "tie_word_embeddings": False, "use_cache": True,
+        "dtype": dtype or config.get("dtype") or config.get("torch_dtype") or "float32",
+    }
+    return out
+
+
+class Planner:
+    """Every output tensor: the attention's five from `layer_weights`, the rest copied from the source."""
+
+    def __init__(self, reader: CheckpointReader, spec, shape: Shape, layer_weights, dtype: torch.dtype | None):
+        self.reader, self.spec, self.shape, self.layer_weights, self.dtype = reader, spec, shape, layer_weights, dtype
+        self._cache: tuple[int, MLAWeights] | None = None
+
+    def _weights(self, layer: int) -> MLAWeights:
+        if self._cache is None or self._cache[0] != layer:
+            self._cache = (layer, self.layer_weights(layer))
+        return self._cache[1]
+
+    def _attention(self, module: str, layer: int, dtype: torch.dtype) -> list[PlannedTensor]:
+        s = self.shape
+        shapes = {"q_proj": (s.heads * (s.head_dim + s.rope_dim), s.hidden),
+                  "kv_a_proj_with_mqa": (s.rank + s.rope_dim, s.hidden), "kv_a_layernorm": (s.rank,),
+                  "kv_b_proj": (s.heads * 2 * s.head_dim, s.rank), "o_proj": (s.hidden, s.heads * s.head_dim)}
+        fields = {"q_proj": "q_proj", "kv_a_proj_with_mqa": "kv_a", "kv_a_layernorm": "kv_a_norm",
+                  "kv_b_proj": "kv_b", "o_proj": "o_proj"}
+
+        def producer(field: str):
+            return lambda: getattr(self._weights(layer), field).to(dtype).contiguous()
+
+        return [PlannedTensor(f"{module}.{name}.weight", dtype, shapes[name], produce=producer(fields[name]))
+                for name in ATTENTION]
+
+    def plan(self) -> list[PlannedTensor]:
+        planned, done = [], set()
+        names = self.reader.names()
+        for name in names:
+            info = self.reader.tensors[name]
+            dtype = self.dtype if (self.dtype and info.dtype.is_floating_point) else info.dtype
+            hit = self.spec.locate(name)
+            if hit is not None:
+                module, layer, _, _ = hit
+                if layer not in done:
+                    done.add(layer)
+                    planned += self._attention(module, layer, self.dtype or info.dtype)
+                continue
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            planned.append(_copy(self.reader, name, name, dtype))
+        if "lm_head.weight" not in names:  # tied in the source: DeepSeek-V3 reads its own lm_head
+            embed = next(n for n in names if n.endswith("embed_tokens.weight"))
+            planned.append(_copy(self.reader, embed, "lm_head.weight",
+                                 self.dtype or self.reader.tensors[embed].dtype))
+        return planned
+
+
+def _copy(reader: CheckpointReader, name: str, out_name: str, dtype: torch.dtype) -> PlannedTensor:
+    info = reader.tensors[name]
+    if dtype == info.dtype and not reader.is_pickle:
+        return PlannedTensor(out_name, dtype, info.shape, raw_source=(reader, name))
+    return PlannedTensor(out_name, dtype, info.shape, produce=lambda: reader.load(name).to(dtype).contiguous())
+
+
+def _projection_names(reader: CheckpointReader, spec, layers: int) -> dict[tuple[int, str], str]:
+    found: dict[tuple[int, str], str] = {}
+    for name in reader.names():
+        hit = spec.match(name)
+        if hit is None:
+            continue
+        layer, proj, param = hit
+        if param == "bias":
+            raise SurgeryError(f"mla cannot convert attention biases ({name}): DeepSeek-V3's projections have none")
+        found[(layer, proj)] = name
+    for layer in range(layers):
+        for proj in (spec.q, spec.k, spec.v, spec.o):
+            if (layer, proj) not in found:
+                raise SurgeryError(f"the checkpoint has no {proj} weight for layer {layer}")
+    return found
+
+
+def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None = None,
+                   calib: str | list[str] = "pydoc", calib_tokens: int = 8192, calib_window: int = WINDOW,
+                   force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
+                   allow_pickle: bool = False, seed: int = 0, progress: bool = True, device: str = "auto") -> dict:
+    """Convert `src` into a DeepSeek-V3 (MLA) checkpoint at `out` with latent rank `kv_rank` and `rope_dim` rotary
+    dims per head (default: head_dim)."""
+    start = time.time()
+    config = src.config
+    spec = spec_for(config, KIND)
+    _refuse_config(config)
+    shape = Shape(spec, config, kv_rank, rope_dim)
+    check_output_path(out, force, source=src.folder)
+    dev = pick_device(device)
+    reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
+    names = _projection_names(reader, spec, shape.layers)
+    scaling = shape.head_dim ** -0.5
+
+    def read_layer(i: int) -> SourceAttention:
+        q, k, v, o = (reader.load(names[(i, p)]).double() for p in (spec.q, spec.k, spec.v, spec.o))
+        return SourceAttention(q, k, v, o, shape.heads, shape.kv_heads, shape.head_dim)
+
+    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window)
+    out_dtype = getattr(torch, dtype) if dtype else None
+    losses: dict[int, tuple[float, float]] = {}
+    with LayerStore(out) as store:
+        calib_start = time.time()
+        scores = second_moments(src.folder, reader, spec, text.windows, dev, store, read_layer, spec.rotary_pairs,
+                                progress=progress)
+        kept, stride, share = choose_frequencies(scores, shape.head_dim, shape.rope_dim)
+        theta = rope_theta(config) ** (stride * shape.rope_dim / shape.head_dim)
+        calib_seconds = time.time() - calib_start
+
+        def layer_weights(i: int) -> MLAWeights:
+            w = mla_layer(read_layer(i), store.get(i)["sigma"].double(), kept, spec.rotary_pairs, shape.rank,
+                          scaling, LATENT_EPS)
+            losses[i] = (w.rope_loss, w.latent_loss)
+            return w
+
+        planner = Planner(reader, spec, shape, layer_weights, out_dtype)
+        new_config = target_config(config, shape, theta, dtype)
+
+        def record_fields(output_files: list[str]) -> dict:
+            n = max(len(losses), 1)
+            return {
+                "dtype": dtype or "auto", "architecture": {"spec": spec.name, "target_model_type": "deepseek_v3"},
+                "heads": shape.heads, "head_dim": shape.head_dim, "kv_heads": {"before": shape.kv_heads},
+                "mla": {"kv_lora_rank": shape.rank, "full_rank": shape.full_rank, "qk_rope_head_dim": shape.rope_dim,
+                        "rope_frequencies": kept, "rope_stride": stride, "rope_theta": theta,
+                        "rope_logit_share": round(share, 5),
+                        "rope_key": "RoRoPE: per kept frequency, the K/V heads' principal complex direction "
+                                    "(weighted by their queries' energy); the residual keys lose their rotation",
+                        "latent": "joint K-nope/V factorisation weighted by the calibration activations, key rows "
+                                  "by their queries' and value rows by o_proj's metric",
+                        "kv_a_layernorm": f"linear regime: latent mean square ~1e-4 x eps {LATENT_EPS}",
+                        "source_rms_norm_eps": config.get("rms_norm_eps"),
+                        "rope_loss": round(sum(v[0] for v in losses.values()) / n, 6),
+                        "latent_loss": round(sum(v[1] for v in losses.values()) / n, 6)},
+                "calibration": text.record() | {"device": str(dev), "seconds": round(calib_seconds, 3),
+                                                "streaming": "layer by layer from the checkpoint (float32)"},
+                "output_files": output_files, "seed": seed, "seconds": round(time.time() - start, 3),
+            }
+
+        return write_conversion(src, reader, out, planner.plan(), new_config, KIND, record_fields, force=force,
+                                progress=progress, max_shard_bytes=max_shard_bytes)
