@@ -1,0 +1,134 @@
+"""--to mla: tiny Llama-like models -> plain deepseek_v3 checkpoints that transformers loads with no custom code."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+from safetensors.torch import load_file
+
+import tiny_models as tm
+from inprocess import run_cli
+from test_merge_convert import char_tokenizer
+
+CALIB = 512
+
+
+def tiny_llama(folder, kv_heads: int, head_dim: int = 16, seed: int = 0, family: str = "LlamaConfig", **kw):
+    torch.manual_seed(seed)
+    config = getattr(tf, family)(**(tm.COMMON | tm.TOKENS), num_attention_heads=4, num_key_value_heads=kv_heads,
+                                 head_dim=head_dim, **kw)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder)
+    char_tokenizer(folder)
+    return folder
+
+
+def convert(src, out, rank: int, **kw):
+    from surgery.mla import convert_to_mla
+    from surgery.source import resolve_source
+
+    return convert_to_mla(resolve_source(str(src)), out, kv_rank=rank, calib_tokens=CALIB, progress=False, **kw)
+
+
+def max_error(src, out, ids) -> tuple[float, float]:
+    a, b = tm.load(src), tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    la, lb = tm.logits(a, ids), tm.logits(b, ids)
+    return float((la - lb).abs().max()), float(la.abs().max())
+
+
+def test_mqa_source_at_full_rank_is_the_source(tmp_path):
+    """One K/V head, full latent rank, every rotary dim: the output computes the source's logits up to the
+    kv_a_layernorm's linear regime (the latent's mean square is 1e-4 x its epsilon on average: the norm divides by
+    sqrt(eps)(1 + 5e-5), a relative error ~5e-5 per token, more on tokens with a larger latent; 2e-4 of the logits'
+    scale bounds it with room for float32 rounding)."""
+    src = tiny_llama(tmp_path / "src", kv_heads=1)
+    record = convert(src, tmp_path / "out", rank=32)
+    err, scale = max_error(src, tmp_path / "out", tm.sample_ids(length=64))
+    assert err <= 2e-4 * scale, (err, scale)
+    assert record["mla"]["rope_loss"] == 0 and record["mla"]["latent_loss"] < 1e-9
+
+
+def test_output_is_a_plain_dense_deepseek_v3(tmp_path):
+    src = tiny_llama(tmp_path / "src", kv_heads=2, tie_word_embeddings=True)
+    convert(src, tmp_path / "out", rank=24, rope_dim=8)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert "auto_map" not in config and config["q_lora_rank"] is None
+    assert config["first_k_dense_replace"] == config["num_hidden_layers"] == 2
+    assert config["num_key_value_heads"] == config["num_attention_heads"] == 4
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"], config["v_head_dim"]) \
+        == (24, 8, 16, 16)
+    assert all(isinstance(config[k], int) for k in ("n_routed_experts", "num_experts_per_tok", "n_group",
+                                                    "topk_group", "moe_intermediate_size"))
+    before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    outside = [n for n in before if ".self_attn." not in n]
+    assert outside and all(torch.equal(before[n], after[n]) for n in outside)  # MLP, norms, embeddings
+    assert "lm_head.weight" not in before and not config["tie_word_embeddings"]
+    assert torch.equal(after["lm_head.weight"], before["model.embed_tokens.weight"])  # the tied head, written
+    model = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(model).__name__ == "DeepseekV3ForCausalLM"
+    assert not any(".mlp.experts" in n for n, _ in model.named_parameters())
+
+
+def test_kept_rope_frequencies_are_the_sources(tmp_path):
+    """DeepSeek has one rope_theta: the rope dims rotate at exactly the source frequencies the record names."""
+    src = tiny_llama(tmp_path / "src", kv_heads=2)
+    record = convert(src, tmp_path / "out", rank=64, rope_dim=6)
+    kept = record["mla"]["rope_frequencies"]
+    assert len(kept) == 3 and kept[0] == 0
+    stride = kept[1]
+    assert kept == [0, stride, 2 * stride]
+    source = tm.load(src).model.rotary_emb.inv_freq
+    converted = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out").model.rotary_emb.inv_freq
+    torch.testing.assert_close(converted, source[kept], rtol=1e-5, atol=0)
+
+
+def test_error_shrinks_with_the_latent_rank(tmp_path):
+    """GQA source: the shared rope key loses the other K/V heads' rotation, so even the full rank is approximate;
+    a smaller latent loses more."""
+    src = tiny_llama(tmp_path / "src", kv_heads=2)
+    ids = tm.sample_ids(length=64)
+    errors = []
+    for rank in (64, 16):
+        convert(src, tmp_path / f"r{rank}", rank=rank)
+        errors.append(max_error(src, tmp_path / f"r{rank}", ids)[0])
+    assert errors[0] < errors[1], errors
+
+
+def test_cli_convert_and_one_line_errors(tmp_path, capsys):
+    src = tiny_llama(tmp_path / "src", kv_heads=2)
+    code, out, err = run_cli(capsys, "convert", src, "--to", "mla", "--kv-rank", 32, "--calib-tokens", CALIB,
+                             "--out", tmp_path / "out")
+    assert code == 0, err
+    assert "mla (latent rank 32 + rope key 16 per layer)" in out
+    gemma = tmp_path / "gemma"
+    tm.make_tiny("gemma", gemma)
+    for args, fragment in (
+        ([src, "--kv-rank", 0], "--kv-rank must be positive"),
+        ([src, "--kv-rank", 65], "--kv-rank must be between 1 and 64"),
+        ([src, "--kv-rank", 8, "--rope-dim", 5], "--rope-dim must be even"),
+        ([src, "--kv-rank", 8, "--rope-dim", 32], "--rope-dim must be even (RoPE rotates pairs) and between 2 and"),
+        ([src], "--kv-rank"),
+        ([gemma, "--kv-rank", 8], "(1 + w) RMSNorms"),
+    ):
+        code, out, err = run_cli(capsys, "convert", *args, "--to", "mla", "--calib-tokens", CALIB,
+                                 "--out", tmp_path / "bad")
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and fragment in lines[0], err
+        assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("family,kw", [("MistralConfig", {"sliding_window": 8})])
+def test_sliding_window_is_refused(tmp_path, family, kw):
+    from surgery.errors import SurgeryError
+
+    src = tiny_llama(tmp_path / "src", kv_heads=2, family=family, **kw)
+    with pytest.raises(SurgeryError, match="sliding-window"):
+        convert(src, tmp_path / "out", rank=8)
