@@ -132,3 +132,33 @@ def test_sliding_window_is_refused(tmp_path, family, kw):
     src = tiny_llama(tmp_path / "src", kv_heads=2, family=family, **kw)
     with pytest.raises(SurgeryError, match="sliding-window"):
         convert(src, tmp_path / "out", rank=8)
+
+
+def _mla_families() -> list[str]:
+    from surgery.arch import find_spec
+
+    return [a for a in tm.ARCHS if (spec := find_spec(tm.ARCHS[a]().model_type)) is not None
+            and spec.refusal("mla", tm.ARCHS[a]().to_dict()) is None]
+
+
+@pytest.mark.parametrize("arch", _mla_families())
+def test_every_supported_family_matches_its_source_at_full_rank(tmp_path, arch):
+    """Each family `surgery convert --list` marks as mla-capable, with one K/V head (where the shared rope key is
+    the source's own), at full rank: the source's logits within the tolerance of the MQA test above; a family
+    whose config sets what DeepSeek-V3 lacks (a sliding window) is one error."""
+    from surgery.errors import SurgeryError
+
+    torch.manual_seed(0)
+    config = tm.ARCHS[arch]()
+    config.num_key_value_heads = 1
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path / "src")
+    char_tokenizer(tmp_path / "src")
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if getattr(config, "sliding_window", None):
+        with pytest.raises(SurgeryError, match="sliding-window"):
+            convert(tmp_path / "src", tmp_path / "out", rank=2 * d)
+        return
+    convert(tmp_path / "src", tmp_path / "out", rank=2 * d)
+    err, scale = max_error(tmp_path / "src", tmp_path / "out", tm.sample_ids(length=64))
+    assert err <= 2e-4 * scale, (err, scale)
