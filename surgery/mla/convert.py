@@ -26,7 +26,7 @@ from ..errors import SurgeryError
 from ..output import write_conversion
 from ..source import Source
 from ..tensors import CheckpointReader, PlannedTensor
-from .calibrate import second_moments
+from .calibrate import convert_pass, frequency_scores_pass, mla_attention
 from .factor import MLAWeights, SourceAttention, mla_layer
 
 KIND = "mla"
@@ -211,19 +211,35 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window)
     out_dtype = getattr(torch, dtype) if dtype else None
     losses: dict[int, tuple[float, float]] = {}
+    fields = ("q_proj", "kv_a", "kv_a_norm", "kv_b", "o_proj")
     with LayerStore(out) as store:
         calib_start = time.time()
-        scores = second_moments(src.folder, reader, spec, text.windows, dev, store, read_layer, spec.rotary_pairs,
-                                progress=progress)
-        kept, stride, share = choose_frequencies(scores, shape.head_dim, shape.rope_dim)
+        if shape.rope_dim == shape.head_dim:  # every frequency kept: nothing to choose
+            kept, stride, share = list(range(shape.head_dim // 2)), 1, 1.0
+        else:
+            scores = frequency_scores_pass(src.folder, reader, spec, text.windows, dev, read_layer,
+                                           spec.rotary_pairs, progress=progress)
+            kept, stride, share = choose_frequencies(scores, shape.head_dim, shape.rope_dim)
         theta = rope_theta(config) ** (stride * shape.rope_dim / shape.head_dim)
+
+        def build(i: int, sigma: torch.Tensor) -> MLAWeights:
+            w = mla_layer(read_layer(i), sigma, kept, spec.rotary_pairs, shape.rank, scaling, LATENT_EPS)
+            losses[i] = (w.rope_loss, w.latent_loss)
+            return w
+
+        def attend(x: torch.Tensor, w: MLAWeights) -> torch.Tensor:
+            return mla_attention(x, w, shape.heads, shape.head_dim, shape.rope_dim, shape.head_dim, theta,
+                                 LATENT_EPS)
+
+        def keep(i: int, w: MLAWeights) -> None:
+            store.put(i, {f: getattr(w, f).float() for f in fields})
+
+        convert_pass(src.folder, reader, spec, text.windows, dev, build, attend, keep, progress=progress)
         calib_seconds = time.time() - calib_start
 
         def layer_weights(i: int) -> MLAWeights:
-            w = mla_layer(read_layer(i), store.get(i)["sigma"].double(), kept, spec.rotary_pairs, shape.rank,
-                          scaling, LATENT_EPS)
-            losses[i] = (w.rope_loss, w.latent_loss)
-            return w
+            t = store.get(i)
+            return MLAWeights(*(t[f].double() for f in fields), 0.0, 0.0)
 
         planner = Planner(reader, spec, shape, layer_weights, out_dtype)
         new_config = target_config(config, shape, theta, dtype)
@@ -240,6 +256,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
                                     "(weighted by their queries' energy); the residual keys lose their rotation",
                         "latent": "joint K-nope/V factorisation weighted by the calibration activations, key rows "
                                   "by their queries' and value rows by o_proj's metric",
+                        "output_refit": True, "targets": "local (each layer on the converted layers' outputs)",
                         "kv_a_layernorm": f"linear regime: latent mean square ~1e-4 x eps {LATENT_EPS}",
                         "source_rms_norm_eps": config.get("rms_norm_eps"),
                         "rope_loss": round(sum(v[0] for v in losses.values()) / n, 6),
