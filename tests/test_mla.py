@@ -18,8 +18,8 @@ CALIB = 512
 
 def tiny_llama(folder, kv_heads: int, head_dim: int = 16, seed: int = 0, family: str = "LlamaConfig", **kw):
     torch.manual_seed(seed)
-    config = getattr(tf, family)(**(tm.COMMON | tm.TOKENS), num_attention_heads=4, num_key_value_heads=kv_heads,
-                                 head_dim=head_dim, **kw)
+    config = getattr(tf, family)(**(tm.COMMON | tm.TOKENS | kw), num_attention_heads=4,
+                                 num_key_value_heads=kv_heads, head_dim=head_dim)
     model = tf.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -162,3 +162,24 @@ def test_every_supported_family_matches_its_source_at_full_rank(tmp_path, arch):
     convert(tmp_path / "src", tmp_path / "out", rank=2 * d)
     err, scale = max_error(tmp_path / "src", tmp_path / "out", tm.sample_ids(length=64))
     assert err <= 2e-4 * scale, (err, scale)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+
+
+def test_llama3_rope_keeps_only_the_frequencies_it_leaves_unscaled(tmp_path):
+    """Llama 3's RoPE rescales its low frequencies: all 8 of head_dim 16 are not one geometric progression (one
+    line), the 4 highest are (unscaled below wavelength 1024/4), and the output rotates at exactly those."""
+    from surgery.errors import SurgeryError
+
+    src = tiny_llama(tmp_path / "src", kv_heads=1, rope_parameters=LLAMA3_ROPE, max_position_embeddings=128)
+    with pytest.raises(SurgeryError, match="--rope-dim 16: no 8 of the source's rotary frequencies"):
+        convert(src, tmp_path / "bad", rank=32)
+    assert not (tmp_path / "bad").exists()
+    record = convert(src, tmp_path / "out", rank=32, rope_dim=8)
+    kept = record["mla"]["rope_frequencies"]
+    assert kept == [0, 1, 2, 3]
+    source = tm.load(src).model.rotary_emb.inv_freq
+    converted = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out").model.rotary_emb.inv_freq
+    torch.testing.assert_close(converted, source[kept], rtol=1e-5, atol=0)

@@ -58,15 +58,6 @@ class Shape:
 
 def _refuse_config(config: dict) -> None:
     """What a Llama-like config can set that DeepSeek-V3 (as transformers, vLLM and llama.cpp read it) cannot."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type != "default":
-        raise SurgeryError(f"mla cannot convert RoPE scaling {rope_type!r}: vLLM reads any non-default DeepSeek RoPE "
-                           "as DeepSeek's YaRN")
-    partial = (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) or config.get(
-        "partial_rotary_factor") or 1.0
-    if float(partial) != 1.0:
-        raise SurgeryError("mla needs RoPE over the whole head_dim (partial_rotary_factor 1)")
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             raise SurgeryError(f"mla cannot convert {key}: DeepSeek-V3's projections have no biases")
@@ -76,21 +67,64 @@ def _refuse_config(config: dict) -> None:
         raise SurgeryError("config.json has no hidden_act")
 
 
-def rope_theta(config: dict) -> float:
-    rope = config.get("rope_parameters") or {}
-    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-    return float(theta or config.get("rope_theta") or 10000.0)
+def source_frequencies(folder: Path, head_dim: int) -> torch.Tensor:
+    """The source's rotary frequencies per pair, as its own transformers class computes them (any rope_type: the
+    skeleton is built on the meta device, no weights read, no checkpoint code run)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config)
+    rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
+    if rotary is None:
+        raise SurgeryError("mla needs a rotary position embedding (the model has none)")
+    rope_type = str(getattr(rotary, "rope_type", "default"))
+    if "dynamic" in rope_type or float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        raise SurgeryError(f"mla cannot convert RoPE {rope_type!r}: its frequencies or scale change with the "
+                           "context, which DeepSeek-V3's default RoPE cannot follow")
+    inv_freq = rotary.inv_freq.double()
+    if 2 * inv_freq.numel() != head_dim:
+        raise SurgeryError(f"mla needs RoPE over the whole head_dim ({2 * inv_freq.numel()} of {head_dim} dims "
+                           "rotate)")
+    return inv_freq
 
 
-def choose_frequencies(scores: list[torch.Tensor], head_dim: int, rope_dim: int) -> tuple[list[int], int, float]:
-    """The kept source frequencies k*s (k < rope_dim/2) for the stride s whose frequencies carry the largest share
-    of the logits summed over layers; returns (frequencies, stride, share)."""
-    n, half = rope_dim // 2, head_dim // 2
-    total = torch.stack(scores).sum(0) / len(scores)
-    strides = range(1, (half - 1) // (n - 1) + 1) if n > 1 else range(1, half + 1)
-    best = max(strides, key=lambda s: float(total[[k * s for k in range(n)]].sum()))
-    kept = [k * best for k in range(n)]
-    return kept, best, float(total[kept].sum())
+def geometric_strides(inv_freq: torch.Tensor, n: int) -> dict[int, float]:
+    """Strides s whose frequencies inv_freq[k*s], k < n, are DeepSeek's: theta'^(-2k/(2n)) for one theta' (so the
+    first is 1 and the ratios are constant; RoPE scalings such as llama3's rescale the low frequencies, which then
+    only some strides avoid) -> theta' of each."""
+    out = {}
+    half = inv_freq.numel()
+    if abs(float(inv_freq[0]) - 1.0) > 1e-6:
+        return out
+    for s in range(1, half + 1):
+        idx = [k * s for k in range(n)]
+        if idx[-1] >= half:
+            break
+        if n == 1:
+            out[s] = 10000.0
+            continue
+        ratio = float(inv_freq[s])
+        expected = torch.tensor([ratio**k for k in range(n)], dtype=torch.float64)
+        if torch.allclose(inv_freq[idx], expected, rtol=1e-5, atol=0):
+            out[s] = ratio ** (-n)
+    return out
+
+
+def choose_frequencies(scores: list[torch.Tensor] | None, strides: dict[int, float], rope_dim: int
+                       ) -> tuple[list[int], int, float, float]:
+    """Among the strides DeepSeek's RoPE can express, the one whose kept frequencies k*s (k < rope_dim/2) carry the
+    largest share of the logits summed over layers (the smallest stride without scores); returns (frequencies,
+    stride, theta', share)."""
+    n = rope_dim // 2
+    if scores is None:
+        best, share = min(strides), 1.0
+    else:
+        total = torch.stack(scores).sum(0) / len(scores)
+        best = max(strides, key=lambda s: float(total[[k * s for k in range(n)]].sum()))
+        share = float(total[[k * best for k in range(n)]].sum())
+    return [k * best for k in range(n)], best, strides[best], share
 
 
 def target_config(config: dict, shape: Shape, theta: float, dtype: str | None) -> dict:
@@ -208,19 +242,22 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         q, k, v, o = (reader.load(names[(i, p)]).double() for p in (spec.q, spec.k, spec.v, spec.o))
         return SourceAttention(q, k, v, o, shape.heads, shape.kv_heads, shape.head_dim)
 
+    strides = geometric_strides(source_frequencies(src.folder, shape.head_dim), shape.rope_dim // 2)
+    if not strides:
+        raise SurgeryError(f"--rope-dim {shape.rope_dim}: no {shape.rope_dim // 2} of the source's rotary frequencies "
+                           "form DeepSeek's geometric progression from 1 (its RoPE scaling rescales them); choose a "
+                           "smaller --rope-dim")
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window)
     out_dtype = getattr(torch, dtype) if dtype else None
     losses: dict[int, tuple[float, float]] = {}
     fields = ("q_proj", "kv_a", "kv_a_norm", "kv_b", "o_proj")
     with LayerStore(out) as store:
         calib_start = time.time()
-        if shape.rope_dim == shape.head_dim:  # every frequency kept: nothing to choose
-            kept, stride, share = list(range(shape.head_dim // 2)), 1, 1.0
-        else:
+        scores = None
+        if len(strides) > 1:  # a choice to make: score the frequencies on the source's own stream
             scores = frequency_scores_pass(src.folder, reader, spec, text.windows, dev, read_layer,
                                            spec.rotary_pairs, progress=progress)
-            kept, stride, share = choose_frequencies(scores, shape.head_dim, shape.rope_dim)
-        theta = rope_theta(config) ** (stride * shape.rope_dim / shape.head_dim)
+        kept, stride, theta, share = choose_frequencies(scores, strides, shape.rope_dim)
 
         def build(i: int, sigma: torch.Tensor) -> MLAWeights:
             w = mla_layer(read_layer(i), sigma, kept, spec.rotary_pairs, shape.rank, scaling, LATENT_EPS)
