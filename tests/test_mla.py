@@ -183,3 +183,28 @@ def test_llama3_rope_keeps_only_the_frequencies_it_leaves_unscaled(tmp_path):
     source = tm.load(src).model.rotary_emb.inv_freq
     converted = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out").model.rotary_emb.inv_freq
     torch.testing.assert_close(converted, source[kept], rtol=1e-5, atol=0)
+
+
+def test_record_reads_back_typed_and_verifies_and_the_kind_is_found(tmp_path):
+    from surgery.kinds import find_kind
+    from surgery.record import Record, read_record, verify_record
+
+    src = tiny_llama(tmp_path / "src", kv_heads=2)
+    out = tmp_path / "out"
+    convert(src, out, rank=8, rope_dim=4)
+    record = read_record(out)
+    typed = Record.model_validate(record)
+    assert typed.kind == "mla" and typed.source.model_type == "llama"
+    assert set(typed.output_sha256) == {p.name for p in out.iterdir() if p.name != "surgery.json"}
+    verify_record(out, record)
+    config = json.loads((out / "config.json").read_text())
+    assert find_kind(None, config).name == "mla"  # by config key kv_lora_rank, as `surgery inspect` looks it up
+    values = find_kind(None, config).kv_cache_values(_shape(config), config)
+    assert values == {"transformers": 2 * (8 + 4), "vllm": 2 * (8 + 4), "llama.cpp": 2 * (8 + 4)}
+
+
+def _shape(config):
+    from surgery.kinds import AttentionShape
+
+    return AttentionShape(config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
+                          config["v_head_dim"], config["hidden_size"])
