@@ -236,6 +236,10 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     dev = pick_device(device)
     reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
     names = _projection_names(reader, spec, shape.layers)
+    written = dtype or str(reader.tensors[names[(0, spec.q)]].dtype).removeprefix("torch.")
+    if written == "float16":
+        raise SurgeryError("mla keeps kv_a_layernorm linear with a latent ~1e-5 (weights ~1e-7), below float16's "
+                           "normal range: write --dtype bfloat16 or float32")
     scaling = shape.head_dim ** -0.5
 
     def read_layer(i: int) -> SourceAttention:
