@@ -212,7 +212,8 @@ def _shape(config):
 
 def test_bfloat16_output_keeps_the_tiny_latent_and_float16_is_refused(tmp_path):
     """The latent sits at ~1e-5 (kv_a_layernorm's linear regime): bfloat16 has float32's exponent range and keeps it
-    (logits within bfloat16's rounding of the weights: measured 0.4%, bound 1% of their scale), float16 would not (one error)."""
+    (logits within bfloat16's rounding of the weights: measured 0.4%, bound 1% of their scale), float16 would not
+    (one error)."""
     from surgery.errors import SurgeryError
 
     src = tiny_llama(tmp_path / "src", kv_heads=1)

@@ -221,6 +221,31 @@ def _projection_names(reader: CheckpointReader, spec, layers: int) -> dict[tuple
     return found
 
 
+def _mla_record(shape: Shape, kept: list[int], stride: int, theta: float, share: float,
+                losses: dict[int, tuple[float, float]]) -> dict:
+    """surgery.json's `mla` fields: the sizes, the kept frequencies and the mean losses of the two fits."""
+    n = max(len(losses), 1)
+    return {"kv_lora_rank": shape.rank, "full_rank": shape.full_rank, "qk_rope_head_dim": shape.rope_dim,
+            "rope_frequencies": kept, "rope_stride": stride, "rope_theta": theta, "rope_logit_share": round(share, 5),
+            "rope_key": "RoRoPE: per kept frequency, the K/V heads' principal complex direction (weighted by their "
+                        "queries' energy); the residual keys lose their rotation",
+            "latent": "joint K-nope/V factorisation weighted by the calibration activations, key rows by their "
+                      "queries' and value rows by o_proj's metric",
+            "output_refit": True, "targets": "local (each layer on the converted layers' outputs)",
+            "kv_a_layernorm": f"linear regime: latent mean square ~1e-4 x eps {LATENT_EPS}",
+            "rope_loss": round(sum(v[0] for v in losses.values()) / n, 6),
+            "latent_loss": round(sum(v[1] for v in losses.values()) / n, 6)}
+
+
+def _record(shape: Shape, spec, text, dev, dtype, seed, output_files, calib_seconds, seconds) -> dict:
+    """surgery.json's converter fields beside `mla`."""
+    return {"dtype": dtype or "auto", "architecture": {"spec": spec.name, "target_model_type": "deepseek_v3"},
+            "heads": shape.heads, "head_dim": shape.head_dim, "kv_heads": {"before": shape.kv_heads},
+            "calibration": text.record() | {"device": str(dev), "seconds": round(calib_seconds, 3),
+                                            "streaming": "layer by layer from the checkpoint (float32)"},
+            "output_files": output_files, "seed": seed, "seconds": round(seconds, 3)}
+
+
 def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None = None,
                    calib: str | list[str] = "pydoc", calib_tokens: int = 8192, calib_window: int = WINDOW,
                    force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
@@ -286,26 +311,8 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         new_config = target_config(config, shape, theta, dtype)
 
         def record_fields(output_files: list[str]) -> dict:
-            n = max(len(losses), 1)
-            return {
-                "dtype": dtype or "auto", "architecture": {"spec": spec.name, "target_model_type": "deepseek_v3"},
-                "heads": shape.heads, "head_dim": shape.head_dim, "kv_heads": {"before": shape.kv_heads},
-                "mla": {"kv_lora_rank": shape.rank, "full_rank": shape.full_rank, "qk_rope_head_dim": shape.rope_dim,
-                        "rope_frequencies": kept, "rope_stride": stride, "rope_theta": theta,
-                        "rope_logit_share": round(share, 5),
-                        "rope_key": "RoRoPE: per kept frequency, the K/V heads' principal complex direction "
-                                    "(weighted by their queries' energy); the residual keys lose their rotation",
-                        "latent": "joint K-nope/V factorisation weighted by the calibration activations, key rows "
-                                  "by their queries' and value rows by o_proj's metric",
-                        "output_refit": True, "targets": "local (each layer on the converted layers' outputs)",
-                        "kv_a_layernorm": f"linear regime: latent mean square ~1e-4 x eps {LATENT_EPS}",
-                        "source_rms_norm_eps": config.get("rms_norm_eps"),
-                        "rope_loss": round(sum(v[0] for v in losses.values()) / n, 6),
-                        "latent_loss": round(sum(v[1] for v in losses.values()) / n, 6)},
-                "calibration": text.record() | {"device": str(dev), "seconds": round(calib_seconds, 3),
-                                                "streaming": "layer by layer from the checkpoint (float32)"},
-                "output_files": output_files, "seed": seed, "seconds": round(time.time() - start, 3),
-            }
+            return _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds, time.time() - start) | {"mla": {**_mla_record(shape, kept, stride, theta, share, losses),
+                                                            "source_rms_norm_eps": config.get("rms_norm_eps")}}
 
         return write_conversion(src, reader, out, planner.plan(), new_config, KIND, record_fields, force=force,
                                 progress=progress, max_shard_bytes=max_shard_bytes)
