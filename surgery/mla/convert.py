@@ -311,8 +311,10 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         new_config = target_config(config, shape, theta, dtype)
 
         def record_fields(output_files: list[str]) -> dict:
-            return _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds, time.time() - start) | {"mla": {**_mla_record(shape, kept, stride, theta, share, losses),
-                                                            "source_rms_norm_eps": config.get("rms_norm_eps")}}
+            mla = _mla_record(shape, kept, stride, theta, share, losses)
+            mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
+            return _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds,
+                           time.time() - start) | {"mla": mla}
 
         return write_conversion(src, reader, out, planner.plan(), new_config, KIND, record_fields, force=force,
                                 progress=progress, max_shard_bytes=max_shard_bytes)
