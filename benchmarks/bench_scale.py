@@ -9,6 +9,7 @@ written once under --root and reused), runs as subprocesses, exactly as a user w
 
     surgery convert SYNTH --to gqa --kv-heads 2 --merge aligned --calib-tokens 1024     (aligned)
     surgery convert SYNTH --to switchhead --heads 8 --experts 4 --topk 2 ...            (switchhead)
+    surgery convert SYNTH --to mla --kv-rank 512 --rope-dim 32 ...                      (mla, llama3-8b only)
     surgery check SYNTH CONVERTED --tokens 1024 --dtype bfloat16                        (check)
 
 (`--runs search`: the grouping search alone at the layout's shapes, the new way against the old way measured in the
@@ -50,6 +51,8 @@ from synthetic import DEFAULT_OUT, LAYOUTS, ensure  # noqa: E402
 # The conversion each layout gets (a head count that divides the layout's heads).
 SWITCHHEAD = {"llama3-8b": (8, 4, 2), "qwen2.5-3b": (4, 4, 2), "gemma2-2b": (4, 2, 2)}
 KV_HEADS = {"llama3-8b": 2, "qwen2.5-3b": 1, "gemma2-2b": 2}
+# --to mla's latent rank and rope dims (DeepSeek-V3's 512 + a rope key within Llama 3's unscaled frequencies)
+MLA = {"llama3-8b": (512, 32)}
 TARGET_CONVERT = 0.19
 TARGET_CHECK = 1.3
 PROGRESS = re.compile(r": layer (\d+)/(\d+) \(([\d.]+) s\)")
@@ -300,7 +303,7 @@ def main() -> None:
     p.add_argument("--layouts", default="llama3-8b,qwen2.5-3b,gemma2-2b")
     p.add_argument("--layers", type=int, help="Decoder layers of the synthetic checkpoints (default: the real count).")
     p.add_argument("--runs", default="aligned,switchhead,check",
-                   help="Comma-separated: aligned, switchhead, check (of the last conversion), group-merge (one K/V "
+                   help="Comma-separated: aligned, switchhead, mla, check (of the last conversion), group-merge (one K/V "
                         "group merge in isolation), search (the grouping search, new way vs old way).")
     p.add_argument("--grouping", default="similarity", choices=["similarity", "consecutive"],
                    help="The aligned merge's --grouping (consecutive skips the search over groupings).")
@@ -338,6 +341,12 @@ def main() -> None:
                 cmd = ["convert", str(folder), "--to", "switchhead", "--heads", str(h), "--experts", str(e), "--topk",
                        str(k), "--calib", "pydoc", "--calib-tokens", str(args.calib_tokens), "--out", str(out), "--force",
                        *device_opt]
+            elif kind == "mla":
+                rank, rope = MLA[layout]
+                out = runs_dir / f"{tag}-mla"
+                cmd = ["convert", str(folder), "--to", "mla", "--kv-rank", str(rank), "--rope-dim", str(rope),
+                       "--calib", "pydoc", "--calib-tokens", str(args.calib_tokens), "--out", str(out),
+                       "--force", *device_opt]
             elif kind == "group-merge":
                 results.append(group_merge(layout))
                 continue
@@ -354,7 +363,7 @@ def main() -> None:
             else:
                 raise SystemExit(f"unknown run {kind}")
             estimate = extrapolated = None
-            if kind != "check":
+            if kind not in ("check", "mla"):  # no cost model for mla yet
                 estimate = dry_run(cmd)
                 extrapolated = dry_run([*cmd[:cmd.index("--calib-tokens") + 1], str(args.extrapolate_tokens),
                                         *cmd[cmd.index("--calib-tokens") + 2:]])

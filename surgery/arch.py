@@ -39,6 +39,9 @@ class QKNorm(str, Enum):
     WHOLE = "over the whole projection"  # OLMo2, OLMoE: RMSNorm(heads * head_dim)
 
 
+# kinds whose output is another architecture built from the source's MLP, norms and embeddings (Llama's), refused
+# where `ArchSpec.body` says those differ
+BODY_KINDS = ("mla",)
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra")
 _OWN_ATTENTION = "{} computes attention itself, not through transformers' attention interface: {}"
 _NEEDS_INTERFACE = {"mqa/gqa aligned": "the aligned merge cannot record its queries and keys",
@@ -86,6 +89,9 @@ class ArchSpec:
     rotary: bool = True  # positions rotate queries and keys (RoPE)
     rotary_pairs: str = "half"  # dims a rotation pairs: (i, i + rot/2) ("half") or (2i, 2i + 1) ("interleaved")
     encoder: bool = False
+    # why the parts outside attention (norms, MLP, embeddings) are not Llama's (RMSNorm w * x / rms, gated MLP
+    # down(act(gate) * up), plain embedding and untied-or-tied head); None: they are, and BODY_KINDS may rebuild them
+    body: str | None = None
     notes: str = ""
 
     def __post_init__(self):
@@ -199,6 +205,8 @@ class ArchSpec:
         for k, key, reason in self.refusals:
             if k == kind and (key is None or (config is not None and config.get(key))):
                 return reason
+        if kind in BODY_KINDS and self.body:
+            return self.body
         return None
 
 
@@ -216,51 +224,66 @@ SPECS: list[ArchSpec] = [
     ArchSpec("llama", notes="q/k/v/o_proj per layer"),
     ArchSpec("mistral"),
     ArchSpec("ministral"),
-    ArchSpec("mixtral", notes="MoE MLP; attention as Llama"),
-    ArchSpec("qwen2", notes="q/k/v biases"),
-    ArchSpec("qwen2_moe", notes="q/k/v biases, MoE MLP"),
-    ArchSpec("qwen3", qk_norm=QKNorm.HEAD_DIM, notes="q/k norms act per head_dim and are shared by all heads, "
+    ArchSpec("mixtral", body="sparse-MoE MLP with its own router (not DeepSeek's)",
+             notes="MoE MLP; attention as Llama"),
+    ArchSpec("qwen2", body="q/k/v biases (DeepSeek-V3's q_proj has none)", notes="q/k/v biases"),
+    ArchSpec("qwen2_moe", body="q/k/v biases and a sparse-MoE MLP", notes="q/k/v biases, MoE MLP"),
+    ArchSpec("qwen3", body="per-head q/k norms (DeepSeek-V3 has none)",
+             qk_norm=QKNorm.HEAD_DIM, notes="q/k norms act per head_dim and are shared by all heads, "
              "so they carry over unchanged"),
-    ArchSpec("qwen3_moe", qk_norm=QKNorm.HEAD_DIM),
-    ArchSpec("gemma"),
-    ArchSpec("gemma2", notes="logit softcap, sliding-window layers"),
-    ArchSpec("gemma3_text", qk_norm=QKNorm.HEAD_DIM, notes="sliding and global layers, per-head q/k norms"),
-    ArchSpec("olmo", refusals=(("switchhead", "clip_qkv", _CLIP_QKV),)),
-    ArchSpec("olmo2", qk_norm=QKNorm.WHOLE, refusals=(("mqa/gqa aligned", None, _WHOLE_NORM.format("the aligned merge")),
+    ArchSpec("qwen3_moe", body="per-head q/k norms and a sparse-MoE MLP", qk_norm=QKNorm.HEAD_DIM),
+    ArchSpec("gemma", body="(1 + w) RMSNorms and an embedding multiplier"),
+    ArchSpec("gemma2", body="(1 + w) RMSNorms, post-norms, an embedding multiplier and logit softcaps",
+             notes="logit softcap, sliding-window layers"),
+    ArchSpec("gemma3_text", body="(1 + w) RMSNorms, post-norms and an embedding multiplier",
+             qk_norm=QKNorm.HEAD_DIM, notes="sliding and global layers, per-head q/k norms"),
+    ArchSpec("olmo", body="LayerNorm without weights", refusals=(("switchhead", "clip_qkv", _CLIP_QKV),)),
+    ArchSpec("olmo2", body="norms after attention and MLP, and q/k norms",
+             qk_norm=QKNorm.WHOLE, refusals=(("mqa/gqa aligned", None, _WHOLE_NORM.format("the aligned merge")),
                                                       ("switchhead", None, _WHOLE_NORM.format("SwitchHead"))),
              notes="q/k norms over the whole projection: mean pooling averages the K norm's weight over each group"),
-    ArchSpec("olmoe", qk_norm=QKNorm.WHOLE, refusals=(("mqa/gqa aligned", None, _WHOLE_NORM.format("the aligned merge")),
+    ArchSpec("olmoe", body="q/k norms and a sparse-MoE MLP",
+             qk_norm=QKNorm.WHOLE, refusals=(("mqa/gqa aligned", None, _WHOLE_NORM.format("the aligned merge")),
                                                       ("switchhead", None, _WHOLE_NORM.format("SwitchHead")))),
-    ArchSpec("smollm3", notes="some layers without RoPE (no_rope_layers)"),
-    ArchSpec("phi", o="dense", qk_norm=QKNorm.HEAD_DIM, qk_norm_names=("q_layernorm", "k_layernorm"),
+    ArchSpec("smollm3", body="layers without RoPE (no_rope_layers)", notes="some layers without RoPE (no_rope_layers)"),
+    ArchSpec("phi", body="LayerNorm and a parallel, ungated MLP",
+             o="dense", qk_norm=QKNorm.HEAD_DIM, qk_norm_names=("q_layernorm", "k_layernorm"),
              qk_norm_switch="qk_layernorm", notes="partial rotary, biases, output projection `dense`"),
-    ArchSpec("stablelm", qk_norm=QKNorm.PER_HEAD, qk_norm_names=("q_layernorm", "k_layernorm"),
+    ArchSpec("stablelm", body="LayerNorm", qk_norm=QKNorm.PER_HEAD, qk_norm_names=("q_layernorm", "k_layernorm"),
              qk_norm_switch="qk_layernorm",
              refusals=(("mqa/gqa mean", "qk_layernorm", _NO_PER_HEAD_NORM.format("MQA/GQA", "StableLM qk_layernorm")),
                        ("mqa/gqa aligned", "qk_layernorm", _NO_PER_HEAD_NORM.format("MQA/GQA", "StableLM qk_layernorm")),
                        ("switchhead", "qk_layernorm", _NO_PER_HEAD_NORM.format("SwitchHead", "StableLM qk_layernorm"))),
              notes="partial rotary"),
-    ArchSpec("starcoder2", notes="biases on q/k/v/o"),
-    ArchSpec("granite", notes="attention_multiplier is the softmax scale; embedding/residual/logit multipliers "
+    ArchSpec("starcoder2", body="LayerNorm and an ungated MLP", notes="biases on q/k/v/o"),
+    ArchSpec("granite", body="embedding, residual and logit multipliers",
+             notes="attention_multiplier is the softmax scale; embedding/residual/logit multipliers "
              "sit outside attention"),
-    ArchSpec("cohere", qk_norm=QKNorm.PER_HEAD, rotary_pairs="interleaved", qk_norm_switch="use_qk_norm",
+    ArchSpec("cohere", body="LayerNorm, a parallel block and a logit scale",
+             qk_norm=QKNorm.PER_HEAD, rotary_pairs="interleaved", qk_norm_switch="use_qk_norm",
              refusals=(("mqa/gqa aligned", "use_qk_norm", _NO_PER_HEAD_NORM.format("the aligned merge", "use_qk_norm")),
                        ("switchhead", "use_qk_norm", _NO_PER_HEAD_NORM.format("SwitchHead", "use_qk_norm"))),
              notes="interleaved rotary; with use_qk_norm, mean pooling averages the K norm's per-head weights (the "
              "aligned merge groups heads by similarity and reorders query heads, which per-head norms cannot follow)"),
-    ArchSpec("cohere2", rotary_pairs="interleaved", notes="RoPE only on sliding-window layers"),
-    ArchSpec("helium"),
-    ArchSpec("glm", rotary_pairs="interleaved", notes="partial, interleaved rotary"),
-    ArchSpec("exaone4", qk_norm=QKNorm.HEAD_DIM, notes="global layers without RoPE when sliding windows are used"),
-    ArchSpec("arcee"),
-    ArchSpec("apertus", qk_norm=QKNorm.HEAD_DIM),
-    ArchSpec("phi3", layout=QKVLayout.FUSED, notes="qkv_proj rows are [q heads | k heads | v heads]"),
-    ArchSpec("gpt_neox", layout=QKVLayout.INTERLEAVED, attention="attention", qkv="query_key_value", o="dense",
+    ArchSpec("cohere2", body="LayerNorm, a parallel block and sliding-window layers",
+             rotary_pairs="interleaved", notes="RoPE only on sliding-window layers"),
+    ArchSpec("helium", body="not verified against DeepSeek-V3's layer"),
+    ArchSpec("glm", body="partial rotary and a fused gate/up MLP",
+             rotary_pairs="interleaved", notes="partial, interleaved rotary"),
+    ArchSpec("exaone4", body="norms after attention and MLP, and q/k norms",
+             qk_norm=QKNorm.HEAD_DIM, notes="global layers without RoPE when sliding windows are used"),
+    ArchSpec("arcee", body="an ungated ReLU^2 MLP"),
+    ArchSpec("apertus", body="an ungated xIELU MLP and q/k norms", qk_norm=QKNorm.HEAD_DIM),
+    ArchSpec("phi3", body="a fused gate/up MLP and a fused q/k/v projection",
+             layout=QKVLayout.FUSED, notes="qkv_proj rows are [q heads | k heads | v heads]"),
+    ArchSpec("gpt_neox", body="LayerNorm and a parallel, ungated MLP",
+             layout=QKVLayout.INTERLEAVED, attention="attention", qkv="query_key_value", o="dense",
              kv_heads_key=None, head_dim_key=None,
              drop_pattern=r"(?:^|\.)attention\.(bias|masked_bias|rotary_emb\.inv_freq)$",
              notes="transformers' GPTNeoX has no num_key_value_heads: the pooled K/V heads are stored repeated once "
              "per query head, so the output computes grouped-query attention but its KV cache is not smaller."),
-    ArchSpec("gpt2", layout=QKVLayout.FUSED, layers_path="h", attention="attn", qkv="c_attn", o="c_proj",
+    ArchSpec("gpt2", body="LayerNorm, learned positions and an ungated MLP",
+             layout=QKVLayout.FUSED, layers_path="h", attention="attn", qkv="c_attn", o="c_proj",
              heads_key="n_head", kv_heads_key=None, hidden_key="n_embd", layers_key="n_layer", head_dim_key=None,
              conv1d=True, prefix="transformer.", rotary=False, drop_pattern=r"(?:^|\.)attn\.(bias|masked_bias)$",
              mqa_flag="multi_query", target_model_type="gpt_bigcode", target_architectures=("GPTBigCodeForCausalLM",),
@@ -274,12 +297,13 @@ SPECS: list[ArchSpec] = [
                         "GPT-2 with scale_attn_by_inverse_layer_idx has no GPTBigCode equivalent")),
              notes="converted into GPTBigCode (multi_query=True for MQA), a standard architecture that stores one K/V "
              "head; GPTBigCode has only MQA and MHA, so G must be 1 or the number of heads."),
-    ArchSpec("gpt_bigcode", layout=QKVLayout.FUSED, rotary=False, layout_rules=(("multi_query", False, QKVLayout.INTERLEAVED),),
+    ArchSpec("gpt_bigcode", body="LayerNorm, learned positions and an ungated MLP",
+             layout=QKVLayout.FUSED, rotary=False, layout_rules=(("multi_query", False, QKVLayout.INTERLEAVED),),
              layers_path="h", attention="attn", qkv="c_attn", o="c_proj", heads_key="n_head", kv_heads_key=None,
              hidden_key="n_embd", layers_key="n_layer", head_dim_key=None, mqa_flag="multi_query",
              notes="multi_query=True stores [q heads | k | v]; multi_query=False stores [head, (q, k, v), head_dim]. "
              "Only MQA and MHA exist, so G must be 1 or the number of heads."),
-    ArchSpec("falcon", layout=QKVLayout.INTERLEAVED,
+    ArchSpec("falcon", body="LayerNorm and a parallel, ungated MLP", layout=QKVLayout.INTERLEAVED,
              layout_rules=(("new_decoder_architecture", True, QKVLayout.GROUPED), ("multi_query", True, QKVLayout.FUSED)),
              layers_path="h", attention="self_attention", qkv="query_key_value", o="dense", kv_heads_key="num_kv_heads",
              head_dim_key=None, mqa_flag="multi_query",
@@ -287,7 +311,8 @@ SPECS: list[ArchSpec] = [
                             for kind, why in _NEEDS_INTERFACE.items()),
              notes="new_decoder_architecture stores [kv head, (q heads, k, v), head_dim] with num_kv_heads; the old "
              "one stores MQA (multi_query) or [head, (q, k, v), head_dim]: there G must be 1 or the number of heads"),
-    ArchSpec("bert", layers_path=r"encoder\.layer", attention="attention.self", q="query", k="key", v="value", o=None,
+    ArchSpec("bert", body="an encoder",
+             layers_path=r"encoder\.layer", attention="attention.self", q="query", k="key", v="value", o=None,
              encoder=True, rotary=False,
              refusals=tuple((kind, None, _ENCODER) for kind in ("mqa/gqa mean", "mqa/gqa aligned", "switchhead")),
              notes="encoder (talking-heads only)"),

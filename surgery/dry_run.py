@@ -56,6 +56,9 @@ def convert_dry_run(src: Source, kind, options) -> dict:
     rate = probe_throughput(dev, threads_float32=compute_threads() if dev.type == "cpu" else None)
     est = kind.calibration_estimate(config, options, dtype=str(dtype).removeprefix("torch."), device=str(dev),
                                     throughput=rate)
+    if est is None:  # a calibrated kind without a cost model yet
+        return {"kind": kind.name, "calibrated": True, "checkpoint_bytes": total, "host_bytes": None,
+                "device_bytes": None, "lines": [head, f"estimate for {kind.name}: not modelled yet"]}
     return {"kind": est.kind, "calibrated": True, "checkpoint_bytes": total, "host_bytes": est.host_bytes,
             "device_bytes": est.device_bytes, "seconds_per_layer": _sig(est.seconds_per_layer),
             "cpu_seconds_per_layer": _sig(est.cpu_seconds_per_layer) if est.cpu_seconds_per_layer else None,

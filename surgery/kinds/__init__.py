@@ -22,6 +22,7 @@ from ..model_types import CONVERTED_PREFIXES
 from ..options import CliModel, option, spelling
 from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
 from .kv import GQA, MQA
+from .mla import MLA_KIND
 from .switchhead import SWITCHHEAD
 from .talking_heads import TALKING_HEADS
 
@@ -44,7 +45,7 @@ def unregister(name: str) -> None:
     CONVERTED_PREFIXES.pop(name, None)
 
 
-for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD):
+for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD, MLA_KIND):
     register(_kind)
 
 

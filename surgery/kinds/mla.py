@@ -1,0 +1,87 @@
+"""mla: DeepSeek's multi-head latent attention (DeepSeek-V2/V3) from a Llama-like checkpoint, written as a plain
+`deepseek_v3` checkpoint (transformers, vLLM and llama.cpp load it with no custom code). The conversion code is
+surgery/mla/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import ValidationInfo, field_validator, model_validator
+
+from ..options import Texts, option, spelling
+from .base import (AttentionShape, calib_texts_rule, calib_window_rule, CalibrationOptions, Kind,
+                   positive_calib_tokens, WriteOptions)
+
+
+class MLAOptions(WriteOptions):
+    GROUP: ClassVar[str] = "mla"
+    kv_rank: int | None = option(
+        None, "--kv-rank", "[mla] Rank of the cached latent (kv_lora_rank): at most 2 x K/V heads x head_dim, the "
+        "source's keys and values (that rank reproduces the source's values and no-position keys).", metavar="R",
+        group=GROUP)
+    rope_dim: int | None = option(
+        None, "--rope-dim", "[mla] Rotary dims of the one rope key every head shares (qk_rope_head_dim; even, at most "
+        "head_dim; default head_dim).", metavar="D", group=GROUP)
+    calib: Texts = CalibrationOptions.model_fields["calib"]
+    calib_tokens: int = CalibrationOptions.model_fields["calib_tokens"]
+    calib_window: int = CalibrationOptions.model_fields["calib_window"]
+    _calib = field_validator("calib")(calib_texts_rule)
+    _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
+    _calib_window = field_validator("calib_window")(calib_window_rule)
+
+    @model_validator(mode="after")
+    def _sizes(self, info: ValidationInfo):
+        s = spelling(info, type(self))
+        if self.kv_rank is None:
+            raise ValueError(f"{s.kind('mla')} needs {s.options(['kv_rank'])}")
+        if self.kv_rank < 1:
+            raise ValueError(f"{s.flag('kv_rank')} must be positive, got {self.kv_rank}")
+        if self.rope_dim is not None and (self.rope_dim < 2 or self.rope_dim % 2):
+            raise ValueError(f"{s.flag('rope_dim')} must be even and at least 2 (RoPE rotates pairs), got "
+                             f"{self.rope_dim}")
+        return self
+
+
+class MLA(Kind):
+    def calibrates(self, options: MLAOptions) -> bool:
+        return True  # the latent, the shared rope key and the kept frequencies are weighted by the activations
+
+    def convert(self, source, out: Path, options: MLAOptions) -> dict:
+        from ..mla import convert_to_mla
+
+        return convert_to_mla(source, out, kv_rank=options.kv_rank, rope_dim=options.rope_dim, calib=options.calib,
+                              calib_tokens=options.calib_tokens, calib_window=options.calib_window,
+                              device=options.device, **options.write_kwargs())
+
+    def summary(self, record: dict, options: MLAOptions) -> str:
+        m = record["mla"]
+        return (f"mla (latent rank {m['kv_lora_rank']} + rope key {m['qk_rope_head_dim']} per layer) "
+                f"in {record['seconds']:.1f}s")
+
+    def kv_cache_values(self, shape: AttentionShape, config: dict) -> dict[str, int]:
+        """vLLM and llama.cpp cache the latent and the rope key; transformers' DeepseekV3Attention (5.x) caches them
+        too (after kv_a_layernorm and the rotation, before kv_b_proj expands them)."""
+        n = shape.layers * (int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"]))
+        return {"transformers": n, "vllm": n, "llama.cpp": n}
+
+    def attention_macs(self, shape: AttentionShape, config: dict, record: dict, context: int) -> dict:
+        L, h, H = shape.layers, shape.heads, shape.hidden
+        r, rope = int(config["kv_lora_rank"]), int(config["qk_rope_head_dim"])
+        nope, v = int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
+        return {"proj": L * (H * h * (nope + rope) + H * (r + rope) + r * h * (nope + v) + h * v * H), "mixing": None}
+
+    def card_lines(self, record: dict) -> list[str]:
+        m = record.get("mla") or {}
+        if not m:
+            return []
+        return [f"Latent rank {m['kv_lora_rank']} (of {m['full_rank']}), rope key {m['qk_rope_head_dim']} dims "
+                f"(source frequencies {m['rope_frequencies']}).",
+                "K-nope and V factored jointly through the latent, weighted by the calibration activations; one "
+                "shared rope key per layer (the K/V heads' principal direction per frequency)."]
+
+
+MLA_KIND = MLA("mla", MLAOptions, title="multi-head latent attention (DeepSeek-V3 MLA)", tags=["mla", "deepseek_v3"],
+               config_key="kv_lora_rank", example_options={"kv_rank": 32},
+               help="mla writes a plain deepseek_v3 checkpoint (a low-rank latent K/V and one shared rope key, fitted "
+                    "layer by layer on calibration text) that transformers, vLLM and llama.cpp load as they are.")

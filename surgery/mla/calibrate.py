@@ -1,0 +1,128 @@
+"""Calibration of the MLA conversion: two streamed passes over the model's layers (one layer's weights alive).
+
+1. `frequency_scores_pass` (only when some rotary frequencies are dropped): on the source's own residual stream,
+   every layer's per-frequency contribution to the logits (MHA2MLA's 2-norm score), so that the one frequency set
+   the whole model shares (DeepSeek has one rope_theta) is chosen before any layer is converted.
+2. `convert_pass`: on the converted model's own residual stream (layer l sees what layers 0..l-1, already
+   converted, output, as the aligned merge's `targets="local"`): the layer's attention input x gives Sigma =
+   E[x x^T] for the factorisation (surgery/mla/factor.py); the converted attention (`mla_attention`, DeepSeek's
+   computation) then runs on the same x, o_proj is refit by ridge regression onto the source layer's attention
+   output on that x (the aligned merge's `refit_output`), and the converted layer's output feeds the next layer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..calibration.stream import LayerProgress, open_stream, run_layer
+from ..merge import capture
+from ..merge.refit import refit_output
+from ..runtime import threads
+from .factor import MLAWeights, SourceAttention, frequency_scores
+
+O_RIDGE = 0.1  # the aligned merge's output-refit ridge (relative to the Gram's mean diagonal)
+
+
+def mla_attention(x: torch.Tensor, w: MLAWeights, heads: int, nope: int, rope: int, v_dim: int, theta: float,
+                  eps: float) -> torch.Tensor:
+    """DeepSeek-V3's attention (q_lora_rank null, interleaved RoPE) on windows x [N, L, H] starting at position 0,
+    causal; returns o_proj's input [N, L, heads * v_dim]."""
+    n, length, _ = x.shape
+    f = x.dtype
+    q = (x @ w.q_proj.T.to(f)).view(n, length, heads, nope + rope).transpose(1, 2)
+    ckv = x @ w.kv_a.T.to(f)
+    latent, k_rope = ckv[..., :-rope], ckv[..., -rope:]
+    latent = latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps) * w.kv_a_norm.to(f)
+    kv = (latent @ w.kv_b.T.to(f)).view(n, length, heads, nope + v_dim).transpose(1, 2)
+    inv_freq = 1.0 / theta ** (torch.arange(0, rope, 2, dtype=torch.float64, device=x.device) / rope)
+    angle = torch.arange(length, dtype=torch.float64, device=x.device)[:, None] * inv_freq[None]
+    cos, sin = angle.cos().to(f), angle.sin().to(f)
+
+    def rotate(t):  # pairs (2i, 2i+1) rotated by frequency i, as DeepSeek's rope_interleave
+        a, b = t[..., 0::2], t[..., 1::2]
+        return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+
+    q_rope = rotate(q[..., nope:])
+    k_rope = rotate(k_rope)[:, None].expand(n, heads, length, rope)
+    query = torch.cat([q[..., :nope], q_rope], dim=-1)
+    key = torch.cat([kv[..., :nope], k_rope], dim=-1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, kv[..., nope:], is_causal=True,
+                                                           scale=(nope + rope) ** -0.5)
+    return out.transpose(1, 2).reshape(n, length, heads * v_dim)
+
+
+def _stream(folder, reader, device, windows, chunk_windows):
+    stream = open_stream(folder, reader, device, attn_implementation="sdpa")
+    chunks = list(windows.split(chunk_windows))
+    stream.plan_offload(windows.numel(), streams=3)
+    hidden, calls = stream.embed_chunks(chunks)
+    stream.release_embeddings()
+    return stream, hidden, calls
+
+
+def _inputs(stream, spec, layer, index, hidden, calls):
+    attention = layer.get_submodule(spec.attention)
+    in_module, out_module = attention.get_submodule(spec.q), attention.get_submodule(spec.o)
+    acalls = [capture.attention_input(layer, attention, in_module, stream.fetch(hidden[i]), calls[i][index])
+              for i in range(len(hidden))]
+    return attention, out_module, acalls
+
+
+def _second_moments(acalls) -> torch.Tensor:
+    sigma, count = None, 0
+    for a in acalls:
+        flat = a.x.reshape(-1, a.x.shape[-1]).double()
+        sigma = flat.T @ flat if sigma is None else sigma + flat.T @ flat
+        count += flat.shape[0]
+    return (sigma / count).cpu()
+
+
+@torch.no_grad()
+def frequency_scores_pass(folder, reader, spec, windows: torch.Tensor, device: torch.device,
+                          read_layer: Callable[[int], SourceAttention], pairs: str, chunk_windows: int = 8,
+                          progress: bool = True) -> list[torch.Tensor]:
+    """Every layer's per-frequency logit scores on the source's own residual stream."""
+    scores = []
+    with threads(torch.get_num_threads()):
+        stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows)
+        with LayerProgress("rope frequencies", len(stream), progress) as bar:
+            for index, _, layer in stream.layers():
+                _, _, acalls = _inputs(stream, spec, layer, index, hidden, calls)
+                scores.append(frequency_scores(read_layer(index), _second_moments(acalls), pairs))
+                for i, a in enumerate(acalls):
+                    hidden[i] = stream.stash(run_layer(layer, stream.fetch(hidden[i]), calls[i][index]))
+                bar.update()
+    return scores
+
+
+@torch.no_grad()
+def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.device,
+                 build: Callable[[int, torch.Tensor], MLAWeights], attend: Callable, keep: Callable,
+                 refit_o: bool = True, chunk_windows: int = 8, progress: bool = True) -> None:
+    """Convert every layer on the converted stream: `build(index, sigma)` gives the layer's MLA weights,
+    `attend(x, weights)` its o_proj input, `keep(index, weights)` receives the final weights."""
+    with threads(torch.get_num_threads()):
+        stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows)
+        with LayerProgress("calibrate + convert", len(stream), progress) as bar:
+            for index, _, layer in stream.layers():
+                attention, out_module, acalls = _inputs(stream, spec, layer, index, hidden, calls)
+                weights = build(index, _second_moments(acalls))
+                z = [attend(a.x, weights) for a in acalls]
+                if refit_o:
+                    target = torch.cat([capture.run_attention(attention, out_module, a).output for a in acalls])
+                    with threads(1):
+                        o, _ = refit_output(torch.cat(z).reshape(-1, z[0].shape[-1]),
+                                            target.reshape(-1, target.shape[-1]),
+                                            weights.o_proj.to(target.device, torch.float32), None, O_RIDGE)
+                    weights.o_proj = o.double().cpu()
+                    del target
+                o_proj = weights.o_proj.to(z[0].device, z[0].dtype)
+                for i, a in enumerate(acalls):
+                    out = z[i] @ o_proj.T
+                    hidden[i] = stream.stash(capture.run_layer_with_attention_output(
+                        layer, attention, stream.fetch(hidden[i]), calls[i][index], out))
+                keep(index, weights)
+                del z, acalls
+                bar.update()

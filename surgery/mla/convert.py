@@ -1,0 +1,329 @@
+"""`surgery convert SRC --to mla`: a Llama-like checkpoint -> a plain `deepseek_v3` checkpoint (DeepSeek's
+multi-head latent attention), loadable by transformers' own DeepseekV3ForCausalLM with no custom code.
+
+Pipeline: refuse what has no DeepSeek equivalent (family spec, then config) -> second moments of every layer's
+attention input on calibration text (streamed, surgery/mla/calibrate.py) -> one RoPE frequency set for the whole
+model (DeepSeek has one rope_theta: the kept source frequencies must be k*s, k < D_r/2, for one stride s, chosen by
+their contribution to the logits) -> per layer, the MLA weights (surgery/mla/factor.py) -> the writer. The MLP,
+norms and embeddings are copied byte for byte (their names are DeepSeek's already); lm_head.weight is written even
+when the source ties it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..arch import spec_for
+from ..atomic import check_output_path
+from ..calibration.store import LayerStore
+from ..calibration.text import calibration_text, context_of, WINDOW
+from ..errors import SurgeryError
+from ..output import write_conversion
+from ..runtime import load_tokenizer, pick_device
+from ..source import Source
+from ..tensors import CheckpointReader, PlannedTensor
+from .calibrate import convert_pass, frequency_scores_pass, mla_attention
+from .factor import MLAWeights, SourceAttention, mla_layer
+
+KIND = "mla"
+LATENT_EPS = 1e-6  # transformers' DeepseekV3 kv_a_layernorm epsilon (fixed; vLLM and llama.cpp read rms_norm_eps)
+ATTENTION = ("q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+
+
+class Shape:
+    """The source's attention sizes and the MLA sizes asked for."""
+
+    def __init__(self, spec, config: dict, rank: int, rope_dim: int | None):
+        self.layers, self.heads = spec.layers(config), spec.heads(config)
+        self.kv_heads, self.head_dim, self.hidden = spec.kv_heads(config), spec.head_dim(config), spec.hidden(config)
+        self.rank, self.rope_dim = rank, self.head_dim if rope_dim is None else rope_dim
+        full = 2 * self.kv_heads * self.head_dim
+        if self.heads % self.kv_heads:
+            raise SurgeryError(f"{self.kv_heads} K/V heads do not divide {self.heads} attention heads")
+        if not 1 <= rank <= full:
+            raise SurgeryError(f"--kv-rank must be between 1 and {full} (2 x {self.kv_heads} K/V heads x head_dim "
+                               f"{self.head_dim}: the source's keys and values), got {rank}")
+        if self.rope_dim % 2 or not 2 <= self.rope_dim <= self.head_dim:
+            raise SurgeryError(f"--rope-dim must be even (RoPE rotates pairs) and between 2 and head_dim "
+                               f"{self.head_dim}, got {self.rope_dim}")
+
+    @property
+    def full_rank(self) -> int:
+        return 2 * self.kv_heads * self.head_dim
+
+
+def _refuse_config(config: dict) -> None:
+    """What a Llama-like config can set that DeepSeek-V3 (as transformers, vLLM and llama.cpp read it) cannot."""
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            raise SurgeryError(f"mla cannot convert {key}: DeepSeek-V3's projections have no biases")
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
+        raise SurgeryError("mla cannot convert sliding-window attention: DeepSeek-V3 attends over the whole context")
+    if config.get("hidden_act") is None:
+        raise SurgeryError("config.json has no hidden_act")
+
+
+def source_frequencies(folder: Path, head_dim: int) -> torch.Tensor:
+    """The source's rotary frequencies per pair, as its own transformers class computes them (any rope_type: the
+    skeleton is built on the meta device, no weights read, no checkpoint code run)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config)
+    rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
+    if rotary is None:
+        raise SurgeryError("mla needs a rotary position embedding (the model has none)")
+    rope_type = str(getattr(rotary, "rope_type", "default"))
+    if "dynamic" in rope_type or float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        raise SurgeryError(f"mla cannot convert RoPE {rope_type!r}: its frequencies or scale change with the "
+                           "context, which DeepSeek-V3's default RoPE cannot follow")
+    inv_freq = rotary.inv_freq.double()
+    if 2 * inv_freq.numel() != head_dim:
+        raise SurgeryError(f"mla needs RoPE over the whole head_dim ({2 * inv_freq.numel()} of {head_dim} dims "
+                           "rotate)")
+    return inv_freq
+
+
+def geometric_strides(inv_freq: torch.Tensor, n: int) -> dict[int, float]:
+    """Strides s whose frequencies inv_freq[k*s], k < n, are DeepSeek's: theta'^(-2k/(2n)) for one theta' (so the
+    first is 1 and the ratios are constant; RoPE scalings such as llama3's rescale the low frequencies, which then
+    only some strides avoid) -> theta' of each."""
+    out = {}
+    half = inv_freq.numel()
+    if abs(float(inv_freq[0]) - 1.0) > 1e-6:
+        return out
+    for s in range(1, half + 1):
+        idx = [k * s for k in range(n)]
+        if idx[-1] >= half:
+            break
+        if n == 1:
+            out[s] = 10000.0
+            continue
+        ratio = float(inv_freq[s])
+        expected = torch.tensor([ratio**k for k in range(n)], dtype=torch.float64)
+        if torch.allclose(inv_freq[idx], expected, rtol=1e-5, atol=0):
+            out[s] = ratio ** (-n)
+    return out
+
+
+def choose_frequencies(scores: list[torch.Tensor] | None, strides: dict[int, float], rope_dim: int,
+                       inv_freq: torch.Tensor, window: int) -> tuple[list[int], int, float, float]:
+    """Among the strides DeepSeek's RoPE can express, the one whose kept frequencies k*s (k < rope_dim/2) would lose
+    most if they lost their rotation (the smallest stride without scores); returns (frequencies, stride, theta',
+    share of that loss kept).
+
+    A dropped frequency stays in the no-position keys, unrotated: what it loses is its logit contribution
+    (MHA2MLA's 2-norm score) times how far its rotation moves over the query-key distances calibration sees,
+    1 - E[cos(w t)] for t uniform in [0, window) = 1 - sin(w W)/(w W). High frequencies lose all of it, those whose
+    wavelength is much longer than the window almost nothing (measured on SmolLM2 at rank 96 + rope 32: the
+    2-norm score alone kept every other frequency and gave 5.4x the source's perplexity)."""
+    n = rope_dim // 2
+    if scores is None:
+        return [k * min(strides) for k in range(n)], min(strides), strides[min(strides)], 1.0
+    angle = inv_freq * window
+    moves = 1 - torch.sin(angle) / angle
+    loss = torch.stack(scores).sum(0) / len(scores) * moves
+    loss = loss / loss.sum().clamp_min(1e-300)
+    best = max(strides, key=lambda s: float(loss[[k * s for k in range(n)]].sum()))
+    kept = [k * best for k in range(n)]
+    return kept, best, strides[best], float(loss[kept].sum())
+
+
+def target_config(config: dict, shape: Shape, theta: float, dtype: str | None) -> dict:
+    """config.json of the DeepSeek-V3 output: dense (first_k_dense_replace = every layer), no q LoRA, MHA-shaped
+    head counts, interleaved RoPE over the rope dims, no auto_map."""
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "hidden_act", "max_position_embeddings",
+            "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id", "attention_dropout")
+    out = {k: config[k] for k in keep if k in config}
+    out |= {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads, "num_key_value_heads": shape.heads,
+        "kv_lora_rank": shape.rank, "q_lora_rank": None, "qk_rope_head_dim": shape.rope_dim,
+        "qk_nope_head_dim": shape.head_dim, "v_head_dim": shape.head_dim,
+        "first_k_dense_replace": shape.layers, "moe_intermediate_size": int(config["intermediate_size"]),
+        "n_routed_experts": 1, "n_shared_experts": 1, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1,
+        "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+        "rms_norm_eps": LATENT_EPS, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_interleave": True, "attention_bias": False, "tie_word_embeddings": False, "use_cache": True,
+        "dtype": dtype or config.get("dtype") or config.get("torch_dtype") or "float32",
+    }
+    return out
+
+
+class Planner:
+    """Every output tensor: the attention's five from `layer_weights`, the rest copied from the source."""
+
+    def __init__(self, reader: CheckpointReader, spec, shape: Shape, layer_weights, dtype: torch.dtype | None):
+        self.reader, self.spec, self.shape, self.layer_weights, self.dtype = reader, spec, shape, layer_weights, dtype
+        self._cache: tuple[int, MLAWeights] | None = None
+
+    def _weights(self, layer: int) -> MLAWeights:
+        if self._cache is None or self._cache[0] != layer:
+            self._cache = (layer, self.layer_weights(layer))
+        return self._cache[1]
+
+    def _attention(self, module: str, layer: int, dtype: torch.dtype) -> list[PlannedTensor]:
+        s = self.shape
+        shapes = {"q_proj": (s.heads * (s.head_dim + s.rope_dim), s.hidden),
+                  "kv_a_proj_with_mqa": (s.rank + s.rope_dim, s.hidden), "kv_a_layernorm": (s.rank,),
+                  "kv_b_proj": (s.heads * 2 * s.head_dim, s.rank), "o_proj": (s.hidden, s.heads * s.head_dim)}
+        fields = {"q_proj": "q_proj", "kv_a_proj_with_mqa": "kv_a", "kv_a_layernorm": "kv_a_norm",
+                  "kv_b_proj": "kv_b", "o_proj": "o_proj"}
+
+        def producer(field: str):
+            return lambda: getattr(self._weights(layer), field).to(dtype).contiguous()
+
+        return [PlannedTensor(f"{module}.{name}.weight", dtype, shapes[name], produce=producer(fields[name]))
+                for name in ATTENTION]
+
+    def plan(self) -> list[PlannedTensor]:
+        planned, done = [], set()
+        names = self.reader.names()
+        for name in names:
+            info = self.reader.tensors[name]
+            dtype = self.dtype if (self.dtype and info.dtype.is_floating_point) else info.dtype
+            hit = self.spec.locate(name)
+            if hit is not None:
+                module, layer, _, _ = hit
+                if layer not in done:
+                    done.add(layer)
+                    planned += self._attention(module, layer, self.dtype or info.dtype)
+                continue
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            planned.append(_copy(self.reader, name, name, dtype))
+        if "lm_head.weight" not in names:  # tied in the source: DeepSeek-V3 reads its own lm_head
+            embed = next(n for n in names if n.endswith("embed_tokens.weight"))
+            planned.append(_copy(self.reader, embed, "lm_head.weight",
+                                 self.dtype or self.reader.tensors[embed].dtype))
+        return planned
+
+
+def _copy(reader: CheckpointReader, name: str, out_name: str, dtype: torch.dtype) -> PlannedTensor:
+    info = reader.tensors[name]
+    if dtype == info.dtype and not reader.is_pickle:
+        return PlannedTensor(out_name, dtype, info.shape, raw_source=(reader, name))
+    return PlannedTensor(out_name, dtype, info.shape, produce=lambda: reader.load(name).to(dtype).contiguous())
+
+
+def _projection_names(reader: CheckpointReader, spec, layers: int) -> dict[tuple[int, str], str]:
+    found: dict[tuple[int, str], str] = {}
+    for name in reader.names():
+        hit = spec.match(name)
+        if hit is None:
+            continue
+        layer, proj, param = hit
+        if param == "bias":
+            raise SurgeryError(f"mla cannot convert attention biases ({name}): DeepSeek-V3's projections have none")
+        found[(layer, proj)] = name
+    for layer in range(layers):
+        for proj in (spec.q, spec.k, spec.v, spec.o):
+            if (layer, proj) not in found:
+                raise SurgeryError(f"the checkpoint has no {proj} weight for layer {layer}")
+    return found
+
+
+def _mla_record(shape: Shape, kept: list[int], stride: int, theta: float, share: float,
+                losses: dict[int, tuple[float, float]]) -> dict:
+    """surgery.json's `mla` fields: the sizes, the kept frequencies and the mean losses of the two fits."""
+    n = max(len(losses), 1)
+    return {"kv_lora_rank": shape.rank, "full_rank": shape.full_rank, "qk_rope_head_dim": shape.rope_dim,
+            "rope_frequencies": kept, "rope_stride": stride, "rope_theta": theta, "rope_kept_share": round(share, 5),
+            "rope_key": "RoRoPE: per kept frequency, the K/V heads' principal complex direction (weighted by their "
+                        "queries' energy); the residual keys lose their rotation",
+            "latent": "joint K-nope/V factorisation weighted by the calibration activations, key rows by their "
+                      "queries' and value rows by o_proj's metric",
+            "output_refit": True, "targets": "local (each layer on the converted layers' outputs)",
+            "kv_a_layernorm": f"linear regime: latent mean square ~1e-4 x eps {LATENT_EPS}",
+            "rope_loss": round(sum(v[0] for v in losses.values()) / n, 6),
+            "latent_loss": round(sum(v[1] for v in losses.values()) / n, 6)}
+
+
+def _record(shape: Shape, spec, text, dev, dtype, seed, output_files, calib_seconds, seconds) -> dict:
+    """surgery.json's converter fields beside `mla`."""
+    return {"dtype": dtype or "auto", "architecture": {"spec": spec.name, "target_model_type": "deepseek_v3"},
+            "heads": shape.heads, "head_dim": shape.head_dim, "kv_heads": {"before": shape.kv_heads},
+            "calibration": text.record() | {"device": str(dev), "seconds": round(calib_seconds, 3),
+                                            "streaming": "layer by layer from the checkpoint (float32)"},
+            "output_files": output_files, "seed": seed, "seconds": round(seconds, 3)}
+
+
+def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None = None,
+                   calib: str | list[str] = "pydoc", calib_tokens: int = 8192, calib_window: int = WINDOW,
+                   force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
+                   allow_pickle: bool = False, seed: int = 0, progress: bool = True, device: str = "auto") -> dict:
+    """Convert `src` into a DeepSeek-V3 (MLA) checkpoint at `out` with latent rank `kv_rank` and `rope_dim` rotary
+    dims per head (default: head_dim)."""
+    start = time.time()
+    config = src.config
+    spec = spec_for(config, KIND)
+    _refuse_config(config)
+    shape = Shape(spec, config, kv_rank, rope_dim)
+    check_output_path(out, force, source=src.folder)
+    dev = pick_device(device)
+    reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
+    names = _projection_names(reader, spec, shape.layers)
+    written = dtype or str(reader.tensors[names[(0, spec.q)]].dtype).removeprefix("torch.")
+    if written == "float16":
+        raise SurgeryError("mla keeps kv_a_layernorm linear with a latent ~1e-5 (weights ~1e-7), below float16's "
+                           "normal range: write --dtype bfloat16 or float32")
+    scaling = shape.head_dim ** -0.5
+
+    def read_layer(i: int) -> SourceAttention:
+        q, k, v, o = (reader.load(names[(i, p)]).double() for p in (spec.q, spec.k, spec.v, spec.o))
+        return SourceAttention(q, k, v, o, shape.heads, shape.kv_heads, shape.head_dim)
+
+    inv_freq = source_frequencies(src.folder, shape.head_dim)
+    strides = geometric_strides(inv_freq, shape.rope_dim // 2)
+    if not strides:
+        raise SurgeryError(f"--rope-dim {shape.rope_dim}: no {shape.rope_dim // 2} of the source's rotary frequencies "
+                           "form DeepSeek's geometric progression from 1 (its RoPE scaling rescales them); choose a "
+                           "smaller --rope-dim")
+    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window)
+    out_dtype = getattr(torch, dtype) if dtype else None
+    losses: dict[int, tuple[float, float]] = {}
+    fields = ("q_proj", "kv_a", "kv_a_norm", "kv_b", "o_proj")
+    with LayerStore(out) as store:
+        calib_start = time.time()
+        scores = None
+        if len(strides) > 1:  # a choice to make: score the frequencies on the source's own stream
+            scores = frequency_scores_pass(src.folder, reader, spec, text.windows, dev, read_layer,
+                                           spec.rotary_pairs, progress=progress)
+        kept, stride, theta, share = choose_frequencies(scores, strides, shape.rope_dim, inv_freq,
+                                                        int(text.windows.shape[1]))
+
+        def build(i: int, sigma: torch.Tensor) -> MLAWeights:
+            w = mla_layer(read_layer(i), sigma, kept, spec.rotary_pairs, shape.rank, scaling, LATENT_EPS)
+            losses[i] = (w.rope_loss, w.latent_loss)
+            return w
+
+        def attend(x: torch.Tensor, w: MLAWeights) -> torch.Tensor:
+            return mla_attention(x, w, shape.heads, shape.head_dim, shape.rope_dim, shape.head_dim, theta,
+                                 LATENT_EPS)
+
+        def keep(i: int, w: MLAWeights) -> None:
+            store.put(i, {f: getattr(w, f).float() for f in fields})
+
+        convert_pass(src.folder, reader, spec, text.windows, dev, build, attend, keep, progress=progress)
+        calib_seconds = time.time() - calib_start
+
+        def layer_weights(i: int) -> MLAWeights:
+            t = store.get(i)
+            return MLAWeights(*(t[f].double() for f in fields), 0.0, 0.0)
+
+        planner = Planner(reader, spec, shape, layer_weights, out_dtype)
+        new_config = target_config(config, shape, theta, dtype)
+
+        def record_fields(output_files: list[str]) -> dict:
+            mla = _mla_record(shape, kept, stride, theta, share, losses)
+            mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
+            return _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds,
+                           time.time() - start) | {"mla": mla}
+
+        return write_conversion(src, reader, out, planner.plan(), new_config, KIND, record_fields, force=force,
+                                progress=progress, max_shard_bytes=max_shard_bytes)
