@@ -41,8 +41,7 @@ def _toy_kind():
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     folder = tmp_path_factory.mktemp("contract") / "llama"
-    tm.make_tiny("llama", folder)
-    return folder
+    return tm.tiny("llama", folder)  # with a tokenizer: a calibrating kind reads text
 
 
 def _kinds() -> list[str]:

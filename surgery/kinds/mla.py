@@ -82,6 +82,6 @@ class MLA(Kind):
 
 
 MLA_KIND = MLA("mla", MLAOptions, title="multi-head latent attention (DeepSeek-V3 MLA)", tags=["mla", "deepseek_v3"],
-               config_key="kv_lora_rank", example_options={"kv_rank": 32},
+               config_key="kv_lora_rank", example_options={"kv_rank": 32, "calib_tokens": 512},
                help="mla writes a plain deepseek_v3 checkpoint (a low-rank latent K/V and one shared rope key, fitted "
                     "layer by layer on calibration text) that transformers, vLLM and llama.cpp load as they are.")
