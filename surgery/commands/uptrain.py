@@ -5,14 +5,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from ..options import CliModel, option
+from pydantic import field_validator
+
+from ..options import CliModel, Texts, option, texts_rule
 
 RUNNER_OWNED = ("force", "resume", "run_dir")  # a recipe's runner decides these (and MODEL and --out)
 
 
 class UptrainArgs(CliModel):
-    data: str = option("pydoc", "--data", "Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub dataset "
-                                          "name[:config][@split].")
+    data: Texts = option(["pydoc"], "--data", "Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub "
+                         "dataset name[:config][@split]. Repeat for a mixture (--data-weights).")
+    data_weights: str | list[float] | None = option(
+        None, "--data-weights", "Mixture weights, one per --data, comma-separated (default: equal).")
+    data_mode: Literal["auto", "packed", "stream"] = option(
+        "auto", "--data-mode", "packed: tokenize the training text up front, in memory (epochs over small data, each "
+        "reshuffled); stream: read, tokenize and pack documents as training needs them. auto: packed for one text and "
+        "at most 4M training tokens, else stream.")
+    data_workers: int = option(0, "--data-workers", "[stream] Worker processes per training process that read and "
+                               "tokenize (0: the training process itself).")
+    data_epochs: int = option(1, "--data-epochs", "[stream] Passes a source may make over its documents; one that "
+                              "runs dry sooner stops the run.")
     tokens: int = option(None, "--tokens", "Training tokens (rounded up to whole steps).", required=True)
     text_field: str = option("text", "--text-field", "Column holding the text in tabular data.")
     streaming: bool = option(False, "--streaming", "Stream a hub dataset instead of downloading it whole.")
@@ -74,6 +86,9 @@ class UptrainArgs(CliModel):
                                                               "the attention's linear layers).")
     merge_lora: bool = option(True, "--merge-lora", "Merge the adapters into the output, or keep the input's weights "
                                                     "and write OUT/adapter.")
+
+
+    _data = field_validator("data")(texts_rule("data"))
 
 
 def uptrain_model(model: str, out: Path, options: UptrainArgs) -> None:

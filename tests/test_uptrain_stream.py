@@ -1,0 +1,222 @@
+"""Streamed uptraining data (surgery/uptrain/stream.py): exact resume (one process, 2 workers, a mixture), mixture
+shares, disjoint readers and held-out documents, and its bad inputs, on the tiny random Llama of test_uptrain."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from surgery.digest import sha256_file
+from surgery.uptrain import UptrainOptions, uptrain
+from surgery.uptrain.stream import Plan, Reader, SourceReader, hold_out, parse_weights, resolve_sources
+from tests.test_uptrain import FAST, make_model, make_tokenizer, weights
+
+# 3 windows of 64 per step: a step leaves the 2 readers of a 2-worker run mid-round (the resume's rotation).
+STREAM = dict(FAST, loss="lm", data_mode="stream", batch_tokens=192, micro_batch=3, eval_tokens=256, tokens=192 * 4,
+              save_every=1, keep_last=4, keep_run_dir=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tokenizer):
+    return make_model(tmp_path_factory.mktemp("stream") / "tiny", tokenizer)
+
+
+def cli_error(monkeypatch, capsys, *args) -> str:
+    """`surgery uptrain ARGS` exits 2 with one error line (warnings aside); returns it."""
+    import sys
+
+    import cli
+
+    monkeypatch.setattr(sys, "argv", ["surgery", "uptrain", *map(str, args)])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("surgery: warning: ")]
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("surgery: error: "), err
+    return err[0]
+
+
+def write_shards(folder: Path, shards: int, docs: int, tag: str = "doc") -> str:
+    """`shards` jsonl files of `docs` documents each, every document naming itself; returns their glob."""
+    from surgery.data import pydoc_texts
+
+    texts = pydoc_texts()
+    folder.mkdir(parents=True, exist_ok=True)
+    for s in range(shards):
+        rows = [{"text": f"{tag} {s}-{d}: " + texts[(s * docs + d) % len(texts)][:400]} for d in range(docs)]
+        (folder / f"part-{s:03d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(folder / "*.jsonl")
+
+
+def run(model, out: Path, **kw) -> dict:
+    return uptrain(UptrainOptions(model=str(model), out=out, **(STREAM | kw)))
+
+
+def resume_from(run_dir: Path, step: int, copy: Path) -> None:
+    """`copy` (a run folder) = `run_dir` with the checkpoints after `step` removed: a run killed after that step."""
+    shutil.copytree(run_dir, copy)
+    for ckpt in (copy / "checkpoints").iterdir():
+        if int(ckpt.name.split("-")[1]) > step:
+            shutil.rmtree(ckpt)
+
+
+@pytest.mark.parametrize("case", ["one-process", "two-workers", "mixture"])
+def test_killed_streamed_run_resumes_to_bitwise_equal_weights(tiny, tmp_path, case):
+    extra = {"two-workers": dict(data_workers=2),
+             "mixture": dict(data=["pydoc", write_shards(tmp_path / "shards", 3, 40)], data_weights="0.7,0.3",
+                             data_workers=2)}.get(case, {})
+    straight = run(tiny, tmp_path / "straight", **extra)
+    run_dir = tmp_path / "straight.run"
+    assert not (run_dir / "data.safetensors").exists()  # nothing of the data in the run folder but positions
+    assert {p.name for p in (run_dir / "checkpoints" / "step-00000004").iterdir()} >= {"data-0.json"}
+    for step in (1, 2):
+        resume_from(run_dir, step, tmp_path / f"resumed{step}.run")
+        resumed = run(tiny, tmp_path / f"resumed{step}", resume=True, run_dir=tmp_path / f"resumed{step}.run", **extra)
+        a, b = weights(tmp_path / "straight"), weights(tmp_path / f"resumed{step}")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"resumed after step {step}"
+        assert resumed["sources"] == straight["sources"]
+    assert not torch.equal(weights(tiny)["model.norm.weight"], weights(tmp_path / "straight")["model.norm.weight"])
+    if case == "mixture":
+        assert [s["weight"] for s in straight["sources"]] == [0.7, 0.3]
+        assert sum(s["windows"] for s in straight["sources"]) == 12
+        card = (tmp_path / "straight" / "surgery.json").read_text()
+        assert '"sources"' in card
+
+
+def plan_for(tokenizer, sources, readers=1, seq_len=16, epochs=1000, eval_tokens=0, seed=0) -> Plan:
+    args = dict(tokenizer=tokenizer, eos=tokenizer.eos_token_id, seq_len=seq_len, seed=seed, readers=readers,
+                epochs=epochs)
+    _, held = hold_out(args, sources, eval_tokens)
+    return Plan(sources=tuple(sources), held=held, **args)
+
+
+def test_mixture_shares_hold_within_two_percent_over_10000_windows(tokenizer, tmp_path):
+    sources = resolve_sources(["pydoc", write_shards(tmp_path / "b", 2, 30)], parse_weights("0.7,0.3", 2))
+    for seed in (0, 1):
+        reader = iter(Reader(plan_for(tokenizer, sources, seed=seed), role=0, state=None))
+        counts = np.bincount([next(reader)[1] for _ in range(10_000)], minlength=2)
+        assert abs(counts[0] / 10_000 - 0.7) <= 0.02 and abs(counts[1] / 10_000 - 0.3) <= 0.02, counts
+
+
+def reader_documents(plan: Plan, s: int, role: int) -> list[str]:
+    return [t for t in SourceReader(plan, s, role, None)._raw(0)]
+
+
+@pytest.mark.parametrize("shards", [8, 1], ids=["by-file", "by-document"])
+def test_readers_read_disjoint_documents_and_never_the_held_out_ones(tokenizer, tmp_path, shards):
+    spec = write_shards(tmp_path / "c", shards, 48 // shards)
+    sources = resolve_sources([spec], [1.0])
+    plan = plan_for(tokenizer, sources, readers=4, eval_tokens=300)
+    held = plan.held[0]
+    assert sum(held) >= 2  # the first documents are held out
+    every = [f"doc {s}-{d}" for s in range(shards) for d in range(48 // shards)]
+    held_docs = set(every[: sum(held)])  # the held-out documents are the first ones, in file order
+    seen = [[t.split(":")[0] for t in reader_documents(plan, 0, role)] for role in range(4)]
+    flat = [d for docs in seen for d in docs]
+    assert len(flat) == len(set(flat))  # no document read by two readers
+    assert set(flat) == set(every) - held_docs and not set(flat) & held_docs
+    assert all(seen)  # every reader has some
+    # the windows two readers make share no document, so no window: checked on the tokens of the document names
+    first = {tuple(next(iter(Reader(plan, r, None)))[0]) for r in range(4)}
+    assert len(first) == 4
+
+
+def test_two_workers_read_the_windows_of_two_readers_in_turn(tiny, tokenizer, tmp_path):
+    """The DataLoader's workers each run their own reader: the process's windows alternate between them."""
+    from surgery.uptrain.stream import StreamedData
+
+    sources = resolve_sources([write_shards(tmp_path / "w", 4, 12)], [1.0])
+    plan = plan_for(tokenizer, sources, readers=2, seq_len=32)
+    data = StreamedData(plan, torch.zeros(0, 32), rank=0, world=1, workers=2)
+    got = data.take(6)
+    data.close()
+    alone = [iter(Reader(plan, role, None)) for role in range(2)]
+    expect = torch.stack([torch.from_numpy(next(alone[i % 2])[0]).long() for i in range(6)])
+    assert torch.equal(got, expect)
+    assert set(data.states) == {0, 1} and data.consumed == 6
+
+
+def test_eval_data_never_reaches_training(tiny, tmp_path):
+    """--eval-data is read only for evaluation: its documents are in no reader of the training sources."""
+    train = write_shards(tmp_path / "train", 2, 20, tag="train")
+    other = write_shards(tmp_path / "other", 1, 30, tag="other")
+    record = run(tiny, tmp_path / "o", data=train, eval_data=other, tokens=192 * 2, save_every=0)
+    assert record["final_other_eval_ppl"] is not None and record["sources"][0]["windows"] == 6
+
+
+def test_bad_mixtures_and_dry_sources_exit_2_with_one_line(tiny, tmp_path, monkeypatch, capsys):
+    small = write_shards(tmp_path / "small", 1, 3)
+    out = ["--out", tmp_path / "o", "--seq-len", "64", "--batch-tokens", "64", "--micro-batch", "1",
+           "--eval-tokens", "64", "--tokens", "1920", "--data-mode", "stream"]
+    assert "2 weight(s) for 1" in cli_error(monkeypatch, capsys, tiny, "--data-weights", "0.5,0.5", *out)
+    for bad in ("0.7,0", "1,-1", "a,b", "1,nan"):
+        cli_error(monkeypatch, capsys, tiny, "--data", "pydoc", "--data", small, "--data-weights", bad, *out)
+    assert "matches no file" in cli_error(monkeypatch, capsys, tiny, "--data", str(tmp_path / "none*.jsonl"), *out)
+    assert not (tmp_path / "o").exists()
+    assert "ran dry" in cli_error(monkeypatch, capsys, tiny, "--data", small, *out)
+    assert not (tmp_path / "o").exists()
+    run(tiny, tmp_path / "again", data=small, eval_tokens=64, tokens=1920, batch_tokens=64, micro_batch=1,
+        data_epochs=100, save_every=0)  # the same source read again and again
+    assert (tmp_path / "again" / "model.safetensors").exists()
+
+
+def rehash(ckpt: Path) -> None:
+    """Re-write a checkpoint's manifest over its files as they are now (an attacker's or a careless edit)."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"] = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+                         for p in sorted(ckpt.iterdir()) if p.name != "manifest.json"}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_resume_refuses_altered_positions_steps_and_changed_sources(tiny, tmp_path, monkeypatch, capsys):
+    shards = write_shards(tmp_path / "s", 2, 30)
+    args = ["--data", "pydoc", "--data", shards, "--data-weights", "0.7,0.3", "--seq-len", "64", "--batch-tokens",
+            "192", "--micro-batch", "3", "--eval-tokens", "256", "--tokens", str(192 * 4), "--loss", "lm",
+            "--save-every", "1", "--lr", "3e-3", "--eval-every", "0"]
+    run(tiny, tmp_path / "o", data=["pydoc", shards], data_weights="0.7,0.3", data_epochs=1)
+    base = tmp_path / "o.run"
+
+    def case(name, edit, *extra):
+        folder = tmp_path / f"{name}.run"
+        resume_from(base, 2, folder)
+        edit(folder / "checkpoints" / "step-00000002")
+        return cli_error(monkeypatch, capsys, tiny, *args, *extra, "--out", tmp_path / name, "--run-dir", folder,
+                         "--resume")
+
+    def set_json(file, **values):
+        data = json.loads(file.read_text())
+        data.update(values)
+        file.write_text(json.dumps(data))
+
+    def step_beyond(ck):
+        set_json(ck / "run-state.json", step=40)
+        set_json(ck / "manifest.json", step=40)
+        ck.rename(ck.parent / "step-00000040")
+        rehash(ck.parent / "step-00000040")
+
+    assert "beyond this run's 4 steps" in case("beyond", step_beyond)
+    assert "altered" in case("step", lambda ck: (set_json(ck / "run-state.json", step=3), rehash(ck)))
+    assert "does not match its step" in case("consumed", lambda ck: (set_json(ck / "data-0.json", consumed=3),
+                                                                     rehash(ck)))
+    assert "not valid" in case("position", lambda ck: (set_json(ck / "data-0.json", readers={"0": {"sources": 1}}),
+                                                       rehash(ck)))
+    assert "no intact checkpoint" in case("truncated", lambda ck: ((ck / "data-0.json").write_text("{"),
+                                                                  shutil.rmtree(ck.parent / "step-00000001")))
+    assert "same" in case("workers", lambda ck: None, "--data-workers", "2")
+
+    def grow(ck):  # a source's files changed since the run started
+        with open(tmp_path / "s" / "part-001.jsonl", "a") as f:
+            f.write(json.dumps({"text": "one more"}) + "\n")
+    assert "no longer matches" in case("changed", grow)
+    resume_from(base, 2, tmp_path / "opts.run")
+    assert "different options" in cli_error(monkeypatch, capsys, tiny, *args[:2], *args[6:], "--out", tmp_path / "opts",
+                                            "--run-dir", tmp_path / "opts.run", "--resume")
