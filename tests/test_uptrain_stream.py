@@ -220,3 +220,39 @@ def test_resume_refuses_altered_positions_steps_and_changed_sources(tiny, tmp_pa
     resume_from(base, 2, tmp_path / "opts.run")
     assert "different options" in cli_error(monkeypatch, capsys, tiny, *args[:2], *args[6:], "--out", tmp_path / "opts",
                                             "--run-dir", tmp_path / "opts.run", "--resume")
+
+
+@pytest.mark.slow
+def test_two_processes_over_gloo_resume_a_streamed_mixture_to_bitwise_equal_weights(tiny, tmp_path):
+    """accelerate launch, 2 CPU processes (DDP over gloo), a mixture read by 2 readers per process: a run resumed
+    after step 1 (each rank's own position, data-0.json and data-1.json) ends with the uninterrupted run's weights."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_uptrain import REPO
+
+    shards = write_shards(tmp_path / "shards", 8, 20)
+    args = ["--data", "pydoc", "--data", shards, "--data-weights", "0.6,0.4", "--data-mode", "stream",
+            "--data-workers", "2", "--seq-len", "64", "--batch-tokens", "256", "--micro-batch", "2", "--eval-tokens",
+            "256", "--tokens", str(256 * 3), "--loss", "lm", "--save-every", "1", "--keep-last", "4", "--lr", "3e-3",
+            "--eval-every", "0", "--keep-run-dir"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "cli", "uptrain",
+              str(tiny)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(launch + args + ["--out", str(tmp_path / "straight")], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = tmp_path / "straight.run" / "checkpoints" / "step-00000003"
+    assert (ckpt / "data-0.json").exists() and (ckpt / "data-1.json").exists()
+    positions = [json.loads((ckpt / f"data-{r}.json").read_text())["readers"] for r in (0, 1)]
+    assert set(positions[0]) == {"0", "1"} and set(positions[1]) == {"2", "3"}  # each rank its own readers
+    resume_from(tmp_path / "straight.run", 1, tmp_path / "resumed.run")
+    again = subprocess.run(launch + args + ["--out", str(tmp_path / "resumed"), "--run-dir",
+                                            str(tmp_path / "resumed.run"), "--resume"],
+                           cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed at step 1" in again.stdout
+    a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -237,6 +237,10 @@ def uptraining_section(v: Validation) -> list[str]:
         if up.get(key) is not None:
             value = up[key]
             lines.append(f"| {title} | {f'{value:.3f}' if isinstance(value, float) else value} |")
+    for source in up.get("sources") or []:  # a streamed run: each source's weight and share of the windows
+        share = source.get("share") if isinstance(source, dict) else None
+        if isinstance(share, (int, float)):
+            lines.append(f"| data {source.get('data')} | weight {source.get('weight')}, {share:.1%} of the windows |")
     opt = up.get("optimizer") or {}
     if opt:
         lines.append(f"| optimizer | {opt.get('name', '')} lr {opt.get('lr')} ({opt.get('schedule', '')}) |")
