@@ -4,6 +4,7 @@ and a billion-token run's start (time to the first optimizer step, peak RSS, lar
     OMP_NUM_THREADS=1 python benchmarks/bench_data.py rate            # tokens/s of the data path, 0/1/2 workers
     OMP_NUM_THREADS=1 python benchmarks/bench_data.py consume         # tokens/s of `uptrain` on SmolLM2-135M
     OMP_NUM_THREADS=1 python benchmarks/bench_data.py start           # --tokens 1e9 vs 1e5 on a 32-shard corpus
+    OMP_NUM_THREADS=1 python benchmarks/bench_data.py curve           # packed vs streamed loss curve, tiny model
 
 The corpus: `--shards` jsonl files of pydoc topics (each document a topic with its shard and index in front, so no
 two documents are equal), tokenized with SmolLM2-135M's tokenizer. `rate` takes windows of `--seq-len` from a
@@ -143,13 +144,37 @@ def cmd_start(a) -> None:
             print(json.dumps(start_run(spec, tokens, a, Path(tmp))), flush=True)
 
 
+def cmd_curve(a) -> None:
+    """Packed vs streamed on the same text, model and options: the tiny random Llama of tests/test_uptrain.py
+    (LM loss on pydoc, the same held-out windows): the loss curve and held-out perplexity of each."""
+    from surgery.uptrain import UptrainOptions, uptrain
+    from tests.test_uptrain import make_model, make_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_model(Path(tmp) / "tiny", make_tokenizer())
+        curves = {}
+        from surgery.uptrain import stream
+
+        for mode, block in (("packed", None), ("stream", stream.BLOCK_TOKENS), ("stream", a.tokens + 64)):
+            stream.BLOCK_TOKENS = block or stream.BLOCK_TOKENS  # the last: one block = the packed run's windows
+            out = Path(tmp) / f"{mode}-{block}"
+            rec = uptrain(UptrainOptions(model=str(model), out=out, data="pydoc", data_mode=mode, loss="lm",
+                                         tokens=a.tokens, seq_len=64, batch_tokens=512, micro_batch=8,
+                                         eval_tokens=4096, eval_every=a.tokens // 512 // 8, lr=3e-3, save_every=0,
+                                         progress=False))
+            rows = [json.loads(x) for x in (out / "uptrain_metrics.jsonl").read_text().splitlines()]
+            curves[mode] = {"eval_ppl": [round(r["eval_ppl"], 2) for r in rows if "eval_ppl" in r],
+                            "final_train_loss": round(rec["final_train_loss"], 4)}
+            print(json.dumps({"mode": mode, "block_tokens": block, **curves[mode]}), flush=True)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_rate":
         spec, workers, seq_len, seconds = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
         print(json.dumps(rate_worker(spec, workers, seq_len, seconds)))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["rate", "consume", "start"])
+    p.add_argument("what", choices=["rate", "consume", "start", "curve"])
     p.add_argument("--shards", type=int, default=32)
     p.add_argument("--docs", type=int, default=200, help="documents per shard")
     p.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
@@ -158,9 +183,13 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--tokens", type=int, nargs="+", default=[1_000_000_000, 100_000])
+    p.add_argument("--tokens", type=int, nargs="+", default=None)
     a = p.parse_args()
-    {"rate": cmd_rate, "consume": cmd_consume, "start": cmd_start}[a.what](a)
+    if a.what == "curve":
+        a.tokens = (a.tokens or [49152])[0]
+    elif a.tokens is None:
+        a.tokens = [1_000_000_000, 100_000]
+    {"rate": cmd_rate, "consume": cmd_consume, "start": cmd_start, "curve": cmd_curve}[a.what](a)
 
 
 if __name__ == "__main__":

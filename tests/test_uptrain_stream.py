@@ -13,7 +13,7 @@ import torch
 
 from surgery.digest import sha256_file
 from surgery.uptrain import UptrainOptions, uptrain
-from surgery.uptrain.stream import Plan, Reader, SourceReader, hold_out, parse_weights, resolve_sources
+from surgery.uptrain.stream import Plan, Reader, Sequential, hold_out, parse_weights, resolve_sources
 from tests.test_uptrain import FAST, make_model, make_tokenizer, weights
 
 # 3 windows of 64 per step: a step leaves the 2 readers of a 2-worker run mid-round (the resume's rotation).
@@ -70,7 +70,11 @@ def resume_from(run_dir: Path, step: int, copy: Path) -> None:
 
 
 @pytest.mark.parametrize("case", ["one-process", "two-workers", "mixture"])
-def test_killed_streamed_run_resumes_to_bitwise_equal_weights(tiny, tmp_path, case):
+def test_killed_streamed_run_resumes_to_bitwise_equal_weights(tiny, tmp_path, case, monkeypatch):
+    """Blocks of 5 windows (a step takes 3): the resumes land inside a shuffled block and cross into the next."""
+    from surgery.uptrain import stream
+
+    monkeypatch.setattr(stream, "BLOCK_TOKENS", 64 * 5)
     extra = {"two-workers": dict(data_workers=2),
              "mixture": dict(data=["pydoc", write_shards(tmp_path / "shards", 3, 40)], data_weights="0.7,0.3",
                              data_workers=2)}.get(case, {})
@@ -108,7 +112,7 @@ def test_mixture_shares_hold_within_two_percent_over_10000_windows(tokenizer, tm
 
 
 def reader_documents(plan: Plan, s: int, role: int) -> list[str]:
-    return [t for t in SourceReader(plan, s, role, None)._raw(0)]
+    return list(Sequential(plan, s, role, None)._raw(0))
 
 
 @pytest.mark.parametrize("shards", [8, 1], ids=["by-file", "by-document"])

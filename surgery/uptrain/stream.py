@@ -36,6 +36,7 @@ import torch
 from ..errors import SurgeryError
 
 TOKENIZE_BATCH = 64  # documents per tokenizer call in a reader
+BLOCK_TOKENS = 1 << 18  # a reader's windows are shuffled within blocks of this many tokens (1 MiB of int32)
 STATE_FILE = "data-{rank}.json"  # a process's data position, in each checkpoint folder
 
 
@@ -202,9 +203,9 @@ def _split(total: int, weights: list[float]) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------------ one reader
-class SourceReader:
-    """One reader's windows of one source, from a position (epoch, documents read in the epoch, tokens used of the
-    current document)."""
+class Sequential:
+    """One reader's windows of one source in document order, from a position (epoch, documents read in the epoch,
+    tokens used of the current document)."""
 
     def __init__(self, plan: Plan, s: int, role: int, position: dict | None):
         self.plan, self.s, self.role = plan, s, role
@@ -324,6 +325,52 @@ class Reader:
             yield window, s
 
 
+class SourceReader:
+    """One reader's windows of one source, shuffled within blocks: the next `block` windows in document order are
+    read (BLOCK_TOKENS tokens, a constant whatever --tokens) and handed out in a seeded order, so that a step's
+    windows come from many documents, as the packed path's shuffled windows do. The position is the document
+    position where the block began, the block's number and how many of its windows were handed out: a resumed
+    reader reads the block again and skips those."""
+
+    def __init__(self, plan: Plan, s: int, role: int, position: dict | None):
+        self.plan, self.s, self.role = plan, s, role
+        pos = position or {}
+        self.seq = Sequential(plan, s, role, pos.get("start"))
+        self.start = self.seq.position()
+        self.block_index, self.emitted = int(pos.get("block", 0)), int(pos.get("emitted", 0))
+        self.size = max(1, BLOCK_TOKENS // plan.seq_len)
+        self.windows: list[np.ndarray] | None = None
+        self.dry: SurgeryError | None = None  # the source ran dry (or failed) while a block was read
+
+    def position(self) -> dict:
+        return {"start": self.start, "block": self.block_index, "emitted": self.emitted,
+                "skipped": self.seq.skipped, "tokens": self.seq.tokens}
+
+    def _fill(self) -> None:
+        if self.dry is not None:
+            raise self.dry
+        self.start, windows = self.seq.position(), []
+        try:
+            while len(windows) < self.size:
+                windows.append(self.seq.window())
+        except SurgeryError as e:
+            self.dry = e
+            if not windows:
+                raise
+        self.windows = windows
+        self.order = np.random.default_rng([self.plan.seed, self.s, self.role, self.block_index]).permutation(
+            len(windows))
+
+    def window(self) -> np.ndarray:
+        if self.windows is None:
+            self._fill()  # a fresh reader, or a resumed one: its block read again (`emitted` already handed out)
+        if self.emitted >= len(self.windows):
+            self.block_index, self.emitted = self.block_index + 1, 0
+            self._fill()
+        self.emitted += 1
+        return self.windows[self.order[self.emitted - 1]]
+
+
 def check_state(state, plan: Plan) -> None:
     """A saved reader state of the right shape (numbers where numbers belong), else one line."""
     try:
@@ -331,11 +378,12 @@ def check_state(state, plan: Plan) -> None:
         if len(positions) != len(plan.sources) or len(state["windows"]) != len(plan.sources):
             raise ValueError("one entry per source expected")
         for p in positions:
-            for k in ("epoch", "doc", "offset", "skipped", "tokens"):
-                if not isinstance(p[k], int) or isinstance(p[k], bool) or p[k] < 0:
-                    raise ValueError(f"{k} is not a count")
-            if p["epoch"] >= plan.epochs:
-                raise ValueError("an epoch beyond --data-epochs")
+            for q, keys in ((p, ("block", "emitted")), (p["start"], ("epoch", "doc", "offset", "skipped", "tokens"))):
+                for k in keys:
+                    if not isinstance(q[k], int) or isinstance(q[k], bool) or q[k] < 0:
+                        raise ValueError(f"{k} is not a count")
+            if p["start"]["epoch"] >= plan.epochs or p["emitted"] > max(1, BLOCK_TOKENS // plan.seq_len):
+                raise ValueError("an epoch beyond --data-epochs, or more windows than a block holds")
         if not all(isinstance(c, int) and c >= 0 for c in state["windows"]):
             raise ValueError("windows are not counts")
         np.random.default_rng().bit_generator.state = state["rng"]
@@ -357,7 +405,8 @@ class WindowStream(torch.utils.data.IterableDataset):
         reader = Reader(self.plan, role, self.states.get(role))
         try:
             for window, s in reader:
-                yield {"ids": torch.from_numpy(window), "source": s, "role": role, "state": json.dumps(reader.state())}
+                # bytes and plain containers: cheap to pass from a worker (a tensor would go through shared memory)
+                yield {"ids": window.tobytes(), "source": s, "role": role, "state": reader.state()}
         except SurgeryError as e:  # a worker's exception would reach the main process with its traceback as text
             yield {"error": str(e)}
 
@@ -397,8 +446,8 @@ class StreamedData:
             item = next(self._loader())
             if "error" in item:
                 raise SurgeryError(item["error"])
-            rows.append(item["ids"].long())
-            self.states[int(item["role"])] = json.loads(item["state"])
+            rows.append(torch.from_numpy(np.frombuffer(item["ids"], dtype=np.int32).astype(np.int64)))
+            self.states[int(item["role"])] = item["state"]
             self.consumed += 1
         return torch.stack(rows)
 
