@@ -8,11 +8,14 @@ unit), each unit a sequence of documents. The first documents of every source (i
 `--data-weights`) are held out for evaluation and never trained on; `held[u]` counts those taken from unit `u`.
 
 Readers. A run has R = processes x max(1, --data-workers) readers; reader `role` reads a disjoint part of every
-source: the units `role, role+R, ...` when a source has at least R units (by file), else every R-th document of
-the source (by document). A reader packs each source's documents (EOS after each) into `--seq-len` windows and,
-with several sources, picks the source of each next window with its own seeded generator in proportion to the
-weights. Its position is, per source, (epoch, documents read in the epoch, tokens of the current document used),
-plus the generator's state: re-reading (not re-tokenizing) that many documents puts it back where it was.
+source: the units `role, role+R, ...` when a source has at least R units (by file; their order reshuffled, seeded,
+for each further epoch), else every R-th document of the source (by document). A reader packs each source's
+documents (EOS after each) into `--seq-len` windows, reads them in blocks of BLOCK_TOKENS tokens and hands each
+block out in a seeded order (so a step's windows come from many documents); with several sources it picks the
+source of each next window with its own seeded generator in proportion to the weights. Its position is, per
+source, where the current block began (epoch, documents read in the epoch, tokens used of the current document),
+the block's number and how many of its windows were handed out, plus the generator's state: re-reading (not
+re-tokenizing) that many documents, then tokenizing the one block again, puts it back where it was.
 
 Order. Process `rank` reads its readers through a torch DataLoader, which takes items from workers 0, 1, .., W-1,
 0, .. in turn; each optimizer step takes the process's next B/processes windows. A resumed process that had read
