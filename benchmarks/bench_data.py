@@ -103,15 +103,30 @@ def vm_hwm_kib(pid: int) -> int:
     return 0
 
 
-def start_run(spec: str, tokens: int, a, tmp: Path) -> dict:
+def tiny_smollm2(folder: Path) -> str:
+    """A 2-layer, 64-wide Llama with SmolLM2-135M's tokenizer (so the data path is the real one), random weights."""
+    import torch
+    import transformers as tf
+
+    tokenizer = tf.AutoTokenizer.from_pretrained(smollm2_folder())
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def start_run(spec: str, tokens: int, a, tmp: Path, model: str) -> dict:
     out = tmp / f"out-{tokens}"
     run_dir = tmp / f"out-{tokens}.run"
-    cmd = [sys.executable, "-m", "cli", "uptrain", smollm2_folder(), "--data", spec, "--loss", "lm", "--tokens",
+    cmd = [sys.executable, "-m", "cli", "uptrain", model, "--data", spec, "--loss", "lm", "--tokens",
            str(tokens), "--seq-len", str(a.seq_len), "--batch-tokens", str(a.batch_tokens), "--micro-batch",
            str(a.micro_batch), "--eval-tokens", str(a.seq_len * 4), "--eval-every", "0", "--save-every",
            str(a.steps), "--out", str(out)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
     first, peak, steps = None, 0, 0
     metrics = run_dir / "metrics.jsonl"
     while proc.poll() is None:
@@ -129,19 +144,22 @@ def start_run(spec: str, tokens: int, a, tmp: Path) -> dict:
     files = {str(p.relative_to(run_dir)): p.stat().st_size for p in run_dir.rglob("*") if p.is_file()}
     proc.kill()
     proc.wait()
-    ckpt = max((v for k, v in files.items() if k.endswith("model.safetensors")), default=None)
-    largest = max(((v, k) for k, v in files.items() if not k.endswith("model.safetensors")), default=(0, ""))
+    ckpt = sum(v for k, v in files.items() if k.startswith("checkpoints/"))
+    model_bytes = max((v for k, v in files.items() if k.endswith("model.safetensors")), default=0)
+    outside = max(((v, k) for k, v in files.items() if not k.startswith("checkpoints/")), default=(0, ""))
+    data = {k: v for k, v in files.items() if Path(k).name.startswith("data")}
     mode = json.loads((run_dir / "run.json").read_text()).get("data_mode")
     return {"tokens": tokens, "data_mode": mode, "first_step_s": round(first or -1, 1), "steps": steps,
-            "peak_rss_mib": round(peak / 1024), "checkpoint_model_bytes": ckpt, "largest_other_file": largest[1],
-            "largest_other_bytes": largest[0]}
+            "peak_rss_mib": round(peak / 1024), "checkpoint_bytes": ckpt, "model_bytes": model_bytes,
+            "largest_file_outside_checkpoints": outside[1], "its_bytes": outside[0], "data_files": data}
 
 
 def cmd_start(a) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         spec = corpus(Path(tmp) / "corpus", a.shards, a.docs)
+        model = smollm2_folder() if a.model == "smollm2" else tiny_smollm2(Path(tmp) / "tiny")
         for tokens in a.tokens:
-            print(json.dumps(start_run(spec, tokens, a, Path(tmp))), flush=True)
+            print(json.dumps({"model": a.model, **start_run(spec, tokens, a, Path(tmp), model)}), flush=True)
 
 
 def cmd_curve(a) -> None:
@@ -183,6 +201,8 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--model", choices=["smollm2", "tiny"], default="tiny",
+                   help="start: SmolLM2-135M, or a 2-layer random Llama with its tokenizer")
     p.add_argument("--tokens", type=int, nargs="+", default=None)
     a = p.parse_args()
     if a.what == "curve":
