@@ -149,12 +149,17 @@ def test_two_workers_read_the_windows_of_two_readers_in_turn(tiny, tokenizer, tm
     assert set(data.states) == {0, 1} and data.consumed == 6
 
 
-def test_eval_data_never_reaches_training(tiny, tmp_path):
-    """--eval-data is read only for evaluation: its documents are in no reader of the training sources."""
+def test_eval_data_and_progress_of_a_mixture(tiny, tmp_path, capsys):
+    """--eval-data is evaluated beside the sources' own held-out documents; progress lines show the tokens read,
+    blank documents skipped and each source's share so far."""
     train = write_shards(tmp_path / "train", 2, 20, tag="train")
+    (tmp_path / "train" / "part-000.jsonl").open("a").write(json.dumps({"text": "  "}) + "\n")  # a blank document
     other = write_shards(tmp_path / "other", 1, 30, tag="other")
-    record = run(tiny, tmp_path / "o", data=train, eval_data=other, tokens=192 * 2, save_every=0)
-    assert record["final_other_eval_ppl"] is not None and record["sources"][0]["windows"] == 6
+    record = run(tiny, tmp_path / "o", data=[train, "pydoc"], data_weights="1,1", eval_data=other, tokens=192 * 6,
+                 save_every=0, progress=True, progress_every=0)
+    assert record["final_other_eval_ppl"] is not None and sum(s["windows"] for s in record["sources"]) == 18
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("uptrain: step ")]
+    assert len(lines) == 6 and "read 1,152 tokens" in lines[-1] and "shares *.jsonl" in lines[-1]
 
 
 def test_bad_mixtures_and_dry_sources_exit_2_with_one_line(tiny, tmp_path, monkeypatch, capsys):
@@ -260,3 +265,25 @@ def test_two_processes_over_gloo_resume_a_streamed_mixture_to_bitwise_equal_weig
     assert "resumed at step 1" in again.stdout
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_recipe_mixture_loads_and_bad_weights_are_refused_when_it_loads(tmp_path):
+    import yaml
+
+    from surgery.errors import SurgeryError
+    from surgery.recipes import load_recipe
+
+    def recipe(**uptrain):
+        path = tmp_path / "r.yaml"
+        path.write_text(yaml.safe_dump({"source": {"path": "src"}, "output": "run",
+                                        "steps": [{"convert": {"to": "mqa"}}, {"uptrain": {"tokens": 512, **uptrain}}]}))
+        return path
+
+    loaded = load_recipe(recipe(data=["pydoc", "a.jsonl"], data_weights=[0.7, 0.3], data_workers=2))
+    step = loaded.steps[1]
+    options = step.options if hasattr(step, "options") else step
+    assert "0.7" in str(options)
+    for bad in ([0.7], [1, 0], [1, -2]):
+        with pytest.raises(SurgeryError) as e:
+            load_recipe(recipe(data=["pydoc", "a.jsonl"], data_weights=bad))
+        assert "data-weights" in str(e.value) or "data_weights" in str(e.value)

@@ -5,11 +5,30 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import ValidationInfo, field_validator
 
 from ..options import CliModel, Texts, option, texts_rule
 
 RUNNER_OWNED = ("force", "resume", "run_dir")  # a recipe's runner decides these (and MODEL and --out)
+
+
+def weights_rule(cls, v, info: ValidationInfo):
+    """--data-weights: one positive weight per --data (a recipe's list too), checked when a recipe loads."""
+    from ..errors import SurgeryError
+    from ..uptrain.stream import parse_weights
+
+    try:
+        parse_weights(v, len(info.data.get("data") or ["pydoc"]))
+    except SurgeryError as e:
+        raise ValueError(str(e)) from None
+    return v
+
+
+def counts_rule(cls, v: int, info: ValidationInfo):
+    least = 1 if info.field_name == "data_epochs" else 0
+    if v < least:
+        raise ValueError(f"--{info.field_name.replace('_', '-')} must be at least {least}, got {v}")
+    return v
 
 
 class UptrainArgs(CliModel):
@@ -89,6 +108,9 @@ class UptrainArgs(CliModel):
 
 
     _data = field_validator("data")(texts_rule("data"))
+
+    _weights = field_validator("data_weights")(weights_rule)
+    _counts = field_validator("data_workers", "data_epochs")(counts_rule)
 
 
 def uptrain_model(model: str, out: Path, options: UptrainArgs) -> None:

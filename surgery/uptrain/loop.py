@@ -571,7 +571,7 @@ class UptrainRecipe:
         share of the windows so far."""
         got = self.data.shares()
         total = max(1, sum(got["windows"]))
-        shares = ", ".join(f"{name} {n / total:.1%}" for name, n in zip(self.o.data, got["windows"]))
+        shares = ", ".join(f"{public_name(name) or name} {n / total:.1%}" for name, n in zip(self.o.data, got["windows"]))
         return f"read {got['tokens']:,} tokens, {got['skipped']} blank documents skipped; shares {shares}"
 
     def source_shares(self) -> list[dict] | None:
