@@ -287,3 +287,36 @@ def test_a_recipe_mixture_loads_and_bad_weights_are_refused_when_it_loads(tmp_pa
         with pytest.raises(SurgeryError) as e:
             load_recipe(recipe(data=["pydoc", "a.jsonl"], data_weights=bad))
         assert "data-weights" in str(e.value) or "data_weights" in str(e.value)
+
+
+def test_packed_resume_checks_the_cache_against_the_sha256_its_checkpoint_recorded(tiny, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """Packed data (the small-run path): a cache rebuilt from unchanged data is the same file and resumes exactly;
+    a cache of other windows under the same key (replaced, or rebuilt from changed data) is refused."""
+    from safetensors.torch import load_file, save_file
+
+    args = dict(data_mode="packed", data_workers=0, tokens=192 * 4)
+    run(tiny, tmp_path / "o", **args)
+    cache = tmp_path / "o.run" / "data.safetensors"
+    assert json.loads((tmp_path / "o.run" / "checkpoints" / "step-00000002" / "run-state.json").read_text())[
+        "data_sha256"] == sha256_file(cache)
+
+    resume_from(tmp_path / "o.run", 2, tmp_path / "cut.run")
+    (tmp_path / "cut.run" / "data.safetensors").write_bytes(cache.read_bytes()[:1000])  # truncated: rebuilt, same
+    run(tiny, tmp_path / "cut", run_dir=tmp_path / "cut.run", resume=True, **args)
+    a, b = weights(tmp_path / "o"), weights(tmp_path / "cut")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    resume_from(tmp_path / "o.run", 2, tmp_path / "other.run")
+    tensors = load_file(cache)
+    tensors["train"] = tensors["train"].flip(0).contiguous()  # other windows, the same key in the metadata
+    from safetensors import safe_open
+
+    with safe_open(str(cache), "pt") as f:
+        metadata = f.metadata()
+    save_file(tensors, str(tmp_path / "other.run" / "data.safetensors"), metadata=metadata)
+    from surgery.errors import SurgeryError
+
+    with pytest.raises(SurgeryError) as e:
+        run(tiny, tmp_path / "other", run_dir=tmp_path / "other.run", resume=True, **args)
+    assert "not the data the checkpoint trained on" in str(e.value)
