@@ -171,11 +171,19 @@ def test_bad_mixtures_and_dry_sources_exit_2_with_one_line(tiny, tmp_path, monke
         cli_error(monkeypatch, capsys, tiny, "--data", "pydoc", "--data", small, "--data-weights", bad, *out)
     assert "matches no file" in cli_error(monkeypatch, capsys, tiny, "--data", str(tmp_path / "none*.jsonl"), *out)
     assert not (tmp_path / "o").exists()
-    assert "ran dry" in cli_error(monkeypatch, capsys, tiny, "--data", small, *out)
-    assert not (tmp_path / "o").exists()
-    run(tiny, tmp_path / "again", data=small, eval_tokens=64, tokens=1920, batch_tokens=64, micro_batch=1,
-        data_epochs=100, save_every=0)  # the same source read again and again
-    assert (tmp_path / "again" / "model.safetensors").exists()
+    assert "ran dry" in cli_error(monkeypatch, capsys, tiny, "--data", small, *out, "--save-every", "5")
+    assert not (tmp_path / "o").exists() and (tmp_path / "o.run" / "checkpoints").is_dir()  # the last checkpoint kept
+    import sys
+
+    import cli
+
+    monkeypatch.setattr(sys, "argv", ["surgery", "uptrain", str(tiny), "--data", small, *map(str, out), "--save-every",
+                                      "5", "--resume", "--data-epochs", "100"])  # the same source read again
+    try:
+        cli.main()
+    except SystemExit as e:
+        assert e.code in (0, None)
+    assert "resumed at step" in capsys.readouterr().out and (tmp_path / "o" / "model.safetensors").exists()
 
 
 def rehash(ckpt: Path) -> None:

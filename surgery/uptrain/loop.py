@@ -361,7 +361,7 @@ class UptrainRecipe:
             self.data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming), tokenizer, o.seq_len,
                                             o.eval_tokens)
         self.key = data_key({"sources": fingerprint(sources), "seq_len": o.seq_len, "eval_tokens": o.eval_tokens,
-                             "eval_data": o.eval_data, "seed": o.seed, "epochs": o.data_epochs,
+                             "eval_data": o.eval_data, "seed": o.seed,
                              "vocab": len(tokenizer), "eos": eos, "tokenizer": type(tokenizer).__name__})
         self.data_sha256 = ""
 

@@ -269,7 +269,7 @@ class Sequential:
             if self.epoch + 1 >= plan.epochs:
                 raise SurgeryError(
                     f"data {plan.sources[self.s].spec} ran dry after {plan.epochs} pass(es) over its documents, "
-                    f"before --tokens: raise --data-epochs to read it again, or add data")
+                    f"before --tokens: --resume with a higher --data-epochs reads it again")
             self.epoch, self.doc, self.offset = self.epoch + 1, 0, 0
 
     def _encode(self, batch: list[str]) -> Iterator[list[int] | None]:
