@@ -335,3 +335,21 @@ def test_packed_resume_checks_the_cache_against_the_sha256_its_checkpoint_record
     with pytest.raises(SurgeryError) as e:
         run(tiny, tmp_path / "other", run_dir=tmp_path / "other.run", resume=True, **args)
     assert "not the data the checkpoint trained on" in str(e.value)
+
+
+def test_a_streamed_dataset_with_enough_shards_is_split_by_shard(tokenizer, tmp_path, monkeypatch):
+    """A dataset named like a hub one (here a local folder of 8 jsonl files, which `datasets` loads the same way),
+    with --streaming: each of 4 readers streams its own contiguous shards, none the held-out documents."""
+    write_shards(tmp_path / "corpus", 8, 6)
+    monkeypatch.chdir(tmp_path)
+    sources = resolve_sources(["corpus"], [1.0])
+    args = dict(tokenizer=tokenizer, eos=tokenizer.eos_token_id, seq_len=16, seed=0, readers=4, epochs=1,
+                streaming=True)
+    _, held = hold_out(args, sources, 300)
+    plan = Plan(sources=tuple(sources), held=held, **args)
+    assert plan.hub_shards(0) == 8 and held[0][0] >= 2
+    seen = [[t.split(":")[0] for t in Sequential(plan, 0, role, None)._raw(0)] for role in range(4)]
+    every = [f"doc {s}-{d}" for s in range(8) for d in range(6)]
+    flat = [d for docs in seen for d in docs]
+    assert len(flat) == len(set(flat)) and set(flat) == set(every[held[0][0]:])
+    assert seen[1] == every[12:24]  # reader 1: shards 2 and 3

@@ -117,8 +117,9 @@ class Plan:
     text_field: str = "text"
     streaming: bool = False
 
-    def unit_texts(self, s: int, u: int) -> Iterator[str]:
-        """The raw documents of unit `u` of source `s`, in order (blank ones included, so indices are stable)."""
+    def unit_texts(self, s: int, u: int, shard: int | None = None) -> Iterator[str]:
+        """The raw documents of unit `u` of source `s`, in order (blank ones included, so indices are stable);
+        `shard`: only that one of `readers` contiguous parts of a streamed hub dataset's shards."""
         from ..data import pydoc_texts
 
         source = self.sources[s]
@@ -128,9 +129,19 @@ class Plan:
         elif unit.endswith(".txt"):
             yield Path(unit).read_text(errors="replace")  # a .txt file is one document
         else:
-            for batch in _batches(self._dataset(source, unit), unit or source.spec, self.text_field):
+            ds = self._dataset(source, unit)
+            if shard is not None:
+                ds = ds.shard(num_shards=self.readers, index=shard, contiguous=True)
+            for batch in _batches(ds, unit or source.spec, self.text_field):
                 for t in batch:
                     yield t if isinstance(t, str) else ""
+
+    def hub_shards(self, s: int) -> int:
+        """How many shards (files) a streamed hub dataset source has; 0 for anything else."""
+        source = self.sources[s]
+        if source.units != ("",) or source.spec == "pydoc" or not self.streaming:
+            return 0
+        return int(getattr(self._dataset(source, ""), "n_shards", 0) or 0)
 
     def _dataset(self, source: Source, unit: str):
         import datasets
@@ -236,6 +247,12 @@ class Sequential:
     def _raw(self, epoch: int) -> Iterator[str]:
         """This reader's raw documents of `epoch`, the held-out ones left out."""
         plan, R = self.plan, self.plan.readers
+        if plan.hub_shards(self.s) >= R:  # a streamed hub dataset with enough shards: contiguous shards per reader
+            held = plan.held[self.s][0] if self.role == 0 else 0  # the first documents are the first shard's
+            for i, text in enumerate(plan.unit_texts(self.s, 0, shard=self.role)):
+                if i >= held:
+                    yield text
+            return
         units, whole = self._units(epoch)
         index = 0  # documents of the source after the held-out ones, by document
         for u in units:
