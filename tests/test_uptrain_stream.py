@@ -353,3 +353,29 @@ def test_a_streamed_dataset_with_enough_shards_is_split_by_shard(tokenizer, tmp_
     flat = [d for docs in seen for d in docs]
     assert len(flat) == len(set(flat)) and set(flat) == set(every[held[0][0]:])
     assert seen[1] == every[12:24]  # reader 1: shards 2 and 3
+
+
+@pytest.mark.slow
+def test_fsdp_on_cpu_shards_the_teacher_and_gives_the_one_process_result(tiny, tokenizer, tmp_path):
+    """KD under recipes/accelerate/fsdp-cpu.yaml (2 processes, FSDP2 over gloo): the teacher is sharded like the
+    student (no gradients) and the run ends with the weights of one process with the same global batch."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.test_uptrain import REPO, cli_args
+
+    teacher = make_model(tmp_path / "teacher", tokenizer, seed=1)
+    args = dict(FAST, loss="kd", teacher=str(teacher), tokens=512 * 3, eval_tokens=512)
+    uptrain(UptrainOptions(model=str(tiny), out=tmp_path / "one", **args))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(REPO / "recipes/accelerate/fsdp-cpu.yaml"), "--num_processes", "2", "-m", "cli", "uptrain", str(tiny),
+           "--out", str(tmp_path / "fsdp"), *cli_args(args)]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parameters sharded by FSDP (the teacher's too)" in result.stdout
+    one, fsdp = weights(tmp_path / "one"), weights(tmp_path / "fsdp")
+    for k in one:
+        torch.testing.assert_close(fsdp[k], one[k], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(one["model.norm.weight"], weights(tiny)["model.norm.weight"])

@@ -92,6 +92,19 @@ def use_fsdp_on_cpu(acc) -> None:
     acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()
 
 
+def shard_teacher(teacher) -> None:
+    """Under FSDP the frozen teacher is sharded like the student (FSDP2 `fully_shard`, one unit per decoder layer,
+    then the rest): each process holds 1/N of its weights and gathers one layer at a time in its forward, so a
+    teacher as large as the student, or larger, fits beside it. No gradients, no optimizer state."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = set(getattr(teacher, "_no_split_modules", None) or [])
+    for module in teacher.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module)
+    fully_shard(teacher)
+
+
 def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
     teacher_known = bool(o.teacher or (record.get("source") or {}).get("spec") or local_source_folder(record))
     if "align" in o.stages and not teacher_known:
@@ -412,6 +425,8 @@ class UptrainRecipe:
         self.sharded = acc.distributed_type == DistributedType.FSDP
         if self.sharded and o.lora_rank:
             raise SurgeryError("--lora-rank does not run under FSDP yet: use DDP or one process")
+        if self.sharded and self.teacher is not None:
+            shard_teacher(self.teacher)
         self.state = RunState()
         self.state.data_key, self.state.data_sha256 = self.key, self.data_sha256
         self.ckpts.remove_partial()
@@ -455,7 +470,8 @@ class UptrainRecipe:
         student = self.acc.unwrap_model(self.model)
         self.s_head = None if self.sharded else OutputHead.of(student, model_io.vocab_size(student))
         teacher = self.teacher
-        self.t_head = OutputHead.of(teacher, model_io.vocab_size(teacher)) if teacher is not None else None
+        self.t_head = (OutputHead.of(teacher, model_io.vocab_size(teacher)) if teacher is not None and not self.sharded
+                       else None)  # a sharded teacher's output projection is a shard outside its forward
         self.projections = (self.s_head.project if self.s_head else _same, self.t_head.project if self.t_head else _same)
 
     def _announce(self) -> None:
@@ -472,6 +488,7 @@ class UptrainRecipe:
               + (f"(+ {data.other.shape[0]} of --eval-data) " if data.other is not None else "")
               + f"windows of {o.seq_len}"
               + (f", parameters sharded by {self.acc.distributed_type.value}" if self.sharded else "")
+              + (" (the teacher's too)" if self.sharded and self.teacher is not None else "")
               + (f"; resumed at step {state.step} from {self.resumed_from.name}" if self.resumed_from else ""),
               flush=True)
         if 0 < o.steps < FEW_STEPS:
