@@ -6,16 +6,46 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Literal
 
-from pydantic import model_validator
+from pydantic import ValidationInfo, field_validator, model_validator
 
-from ..options import CliModel, option
+from ..options import CliModel, Texts, option, texts_rule
 
 RUNNER_OWNED = ("force", "resume", "run_dir")  # a recipe's runner decides these (and MODEL and --out)
 
 
+def weights_rule(cls, v, info: ValidationInfo):
+    """--data-weights: one positive weight per --data (a recipe's list too), checked when a recipe loads."""
+    from ..errors import SurgeryError
+    from ..uptrain.stream import parse_weights
+
+    try:
+        parse_weights(v, len(info.data.get("data") or ["pydoc"]))
+    except SurgeryError as e:
+        raise ValueError(str(e)) from None
+    return v
+
+
+def counts_rule(cls, v: int, info: ValidationInfo):
+    least = 1 if info.field_name == "data_epochs" else 0
+    if v < least:
+        raise ValueError(f"--{info.field_name.replace('_', '-')} must be at least {least}, got {v}")
+    return v
+
+
 class UptrainArgs(CliModel):
-    data: str = option("general", "--data", "Text: general (general web text, C4, from the hub; pydoc offline), "
-                       "pydoc, local .txt/.jsonl/.parquet files or globs, or a hub dataset name[:config][@split].")
+    data: Texts = option(["general"], "--data", "Text: general (general web text, C4, from the hub; pydoc "
+                         "offline), pydoc, local .txt/.jsonl/.parquet files or globs, or a hub "
+                         "dataset name[:config][@split]. Repeat for a mixture (--data-weights).")
+    data_weights: str | list[float] | None = option(
+        None, "--data-weights", "Mixture weights, one per --data, comma-separated (default: equal).")
+    data_mode: Literal["auto", "packed", "stream"] = option(
+        "auto", "--data-mode", "packed: tokenize the training text up front, in memory (epochs over small data, each "
+        "reshuffled); stream: read, tokenize and pack documents as training needs them. auto: packed for one text and "
+        "at most 4M training tokens, else stream.")
+    data_workers: int = option(0, "--data-workers", "[stream] Worker processes per training process that read and "
+                               "tokenize (0: the training process itself).")
+    data_epochs: int = option(1, "--data-epochs", "[stream] Passes a source may make over its documents; one that "
+                              "runs dry sooner stops the run.")
     tokens: int = option(None, "--tokens", "Training tokens (rounded up to whole steps).", required=True)
     text_field: str = option("text", "--text-field", "Column holding the text in tabular data.")
     streaming: bool = option(False, "--streaming", "Stream a hub dataset instead of downloading it whole.")
@@ -93,6 +123,12 @@ class UptrainArgs(CliModel):
         except SurgeryError as e:
             raise ValueError(str(e)) from None
         return self
+
+
+    _data = field_validator("data")(texts_rule("data"))
+
+    _weights = field_validator("data_weights")(weights_rule)
+    _counts = field_validator("data_workers", "data_epochs")(counts_rule)
 
 
 def uptrain_model(model: str, out: Path, options: UptrainArgs) -> None:

@@ -296,6 +296,10 @@ def uptraining_section(v: Validation) -> list[str]:
         if up.get(key) is not None:
             value = up[key]
             lines.append(f"| {title} | {number(value, '.3f') if isinstance(value, float) else text(value)} |")
+    for source in up.get("sources") or []:  # a streamed run: each source's weight and share of the windows
+        share = source.get("share") if isinstance(source, dict) else None
+        if isinstance(share, (int, float)):
+            lines.append(f"| data {text(source.get('data'))} | weight {text(source.get('weight'))}, {share:.1%} of the windows |")
     opt = up.get("optimizer") or {}
     if isinstance(opt, dict) and opt:
         lines.append(f"| optimizer | {text(opt.get('name', ''))} lr {text(opt.get('lr'))} "

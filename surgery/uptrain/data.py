@@ -155,9 +155,9 @@ def read_cache(cache: Path, key: str, seed: int) -> PackedData | None:
 
 
 def write_cache(cache: Path, key: str, data: PackedData) -> None:
-    from safetensors.torch import save_file
+    from ..tensors import save_safetensors  # a full disk: one line, not SafetensorError's traceback
 
     tmp = cache.with_name(cache.name + ".tmp")
     tensors = {"train": data.train, "eval": data.eval} | ({"other": data.other} if data.other is not None else {})
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={"key": key})
+    save_safetensors({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"key": key})
     tmp.replace(cache)

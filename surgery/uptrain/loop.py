@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import shutil
 import sys
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_output_dir, check_apart, check_output_path, ordinary_permissions
+from ..digest import sha256_file
 from ..errors import SurgeryError
 from ..loaders import read_json
 from ..source import resolve_source, side_files
@@ -89,6 +91,19 @@ def use_fsdp_on_cpu(acc) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     acc.state.distributed_type = DistributedType.FSDP
     acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+
+
+def shard_teacher(teacher) -> None:
+    """Under FSDP the frozen teacher is sharded like the student (FSDP2 `fully_shard`, one unit per decoder layer,
+    then the rest): each process holds 1/N of its weights and gathers one layer at a time in its forward, so a
+    teacher as large as the student, or larger, fits beside it. No gradients, no optimizer state."""
+    from torch.distributed.fsdp import fully_shard
+
+    blocks = set(getattr(teacher, "_no_split_modules", None) or [])
+    for module in teacher.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module)
+    fully_shard(teacher)
 
 
 def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
@@ -313,11 +328,20 @@ class UptrainRecipe:
             self.teacher = teacher.eval().to(self.acc.device)
 
     def _setup_data(self) -> None:
+        """The training and held-out windows: packed up front (small runs, data.py) or streamed (stream.py)."""
+        if not self.o.streamed:
+            return self._setup_packed()
+        self._setup_stream()
+        if self.main and not self.o.resume:
+            start_run_dir(self.o, self.trajectory)
+        self.acc.wait_for_everyone()
+
+    def _setup_packed(self) -> None:
         """Packed training and held-out windows: the main process packs them and caches them for the others (and
-        for resuming); a fresh run's folder is started here, once the inputs proved good."""
+        for resuming; the checkpoint records the cache's sha256, which a resumed run must find again)."""
         o, tokenizer = self.o, self.tokenizer
         train_tokens = o.total_steps * o.sequences_per_step * o.seq_len
-        self.key = cache_key(data=o.data, text_field=o.text_field, seq_len=o.seq_len, eval_tokens=o.eval_tokens,
+        self.key = cache_key(data=o.data_spec, text_field=o.text_field, seq_len=o.seq_len, eval_tokens=o.eval_tokens,
                              **({"eval_data": o.eval_data} if o.eval_data is not None else {}),
                              train_tokens=train_tokens, vocab=len(tokenizer), eos=tokenizer.eos_token_id,
                              tokenizer=type(tokenizer).__name__)
@@ -325,15 +349,15 @@ class UptrainRecipe:
         def build():
             from ..data import load_texts
 
-            data = pack(load_texts(o.data, o.text_field, o.streaming), tokenizer, o.seq_len, o.eval_tokens,
+            data = pack(load_texts(o.data[0], o.text_field, o.streaming), tokenizer, o.seq_len, o.eval_tokens,
                         train_tokens, seed=o.seed)
             if o.eval_data is not None:
                 data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming), tokenizer, o.seq_len,
                                            o.eval_tokens)
             return data
 
+        cache = o.run_dir / DATA_CACHE
         with self.acc.main_process_first():
-            cache = o.run_dir / DATA_CACHE
             data = read_cache(cache, self.key, o.seed) if (o.resume or not self.main) else None
             if data is None:
                 data = build()
@@ -342,6 +366,38 @@ class UptrainRecipe:
                         start_run_dir(o, self.trajectory)
                     write_cache(cache, self.key, data)
         self.data = data
+        self.data_sha256 = sha256_file(cache)
+
+    def _setup_stream(self) -> None:
+        """Streamed training windows (read, tokenized and packed as the steps need them, by --data-workers); the
+        held-out windows (the first documents of every source, and --eval-data) in memory."""
+        from .stream import Plan, StreamedData, data_key, fingerprint, hold_out, resolve_sources
+
+        o, tokenizer, acc = self.o, self.tokenizer, self.acc
+        if "align" in o.stages and self.world > 1:
+            raise SurgeryError("--stage align reads its windows in one process: with several processes use "
+                               "--data-mode packed")
+        eos = tokenizer.eos_token_id
+        if eos is None:
+            raise SurgeryError("the tokenizer has no EOS token to put between documents")
+        if o.data_workers:
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are forked from this process
+        sources = resolve_sources(o.data, o.weights)
+        args = dict(tokenizer=tokenizer, eos=eos, seq_len=o.seq_len, seed=o.seed,
+                    readers=self.world * max(1, o.data_workers), epochs=o.data_epochs, text_field=o.text_field,
+                    streaming=o.streaming)
+        eval_windows, held = hold_out(args, sources, o.eval_tokens)
+        plan = Plan(sources=tuple(sources), held=held, **args)
+        self.data = StreamedData(plan, eval_windows, acc.process_index, self.world, o.data_workers)
+        if o.eval_data is not None:
+            from ..data import load_texts
+
+            self.data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming), tokenizer, o.seq_len,
+                                            o.eval_tokens)
+        self.key = data_key({"sources": fingerprint(sources), "seq_len": o.seq_len, "eval_tokens": o.eval_tokens,
+                             "eval_data": o.eval_data, "seed": o.seed,
+                             "vocab": len(tokenizer), "eos": eos, "tokenizer": type(tokenizer).__name__})
+        self.data_sha256 = ""
 
     def _setup_align(self) -> dict | None:
         """The `align` stage (attention layer by layer against the teacher), unless a checkpoint already has it."""
@@ -351,7 +407,8 @@ class UptrainRecipe:
         if o.resume and self.ckpts.latest() is not None:
             align_json = o.run_dir / "align.json"
             return json.loads(align_json.read_text()) if align_json.exists() else None
-        windows = data.train[data.window_indices(0, o.align_steps * o.sequences_per_step)]
+        count = o.align_steps * o.sequences_per_step
+        windows = data.take(count) if o.streamed else data.train[data.window_indices(0, count)]
         log = (lambda line: print(line, flush=True)) if self.main else (lambda line: None)
         self.model.to(acc.device)
         before = evaluate_held_out(self.model, data, acc, o.micro_batch) if data.eval.shape[0] else {}
@@ -389,17 +446,44 @@ class UptrainRecipe:
         self.sharded = acc.distributed_type == DistributedType.FSDP
         if self.sharded and o.lora_rank:
             raise SurgeryError("--lora-rank does not run under FSDP yet: use DDP or one process")
+        if self.sharded and self.teacher is not None:
+            shard_teacher(self.teacher)
         self.state = RunState()
-        self.state.data_key = self.key
+        self.state.data_key, self.state.data_sha256 = self.key, self.data_sha256
         self.ckpts.remove_partial()
         self.metrics = MetricsLog(o.run_dir / "metrics.jsonl", self.main)
         self.resumed_from = None
         if o.resume and self.ckpts.latest() is not None:
             self.resumed_from = self.ckpts.load_latest(self.model, self.optimizer, self.state)
-            if self.state.data_key != self.key:
-                raise SurgeryError(f"--resume: the data no longer matches the checkpoint in {self.resumed_from}")
+            self._check_resumed()
         acc.wait_for_everyone()
         self.metrics.start(self.state.step if self.resumed_from else None)
+
+    def _check_resumed(self) -> None:
+        """The resumed checkpoint against this run: its step within the run, its data the same (sources, files and,
+        packed, the cache's sha256; streamed, each process's position)."""
+        o, state, path = self.o, self.state, self.resumed_from
+        if state.step > o.steps:
+            raise SurgeryError(f"--resume: checkpoint {path.name} is at step {state.step}, beyond this run's {o.steps} "
+                               f"steps (the checkpoint was altered, or belongs to a longer run)")
+        if state.data_key != self.key:
+            raise SurgeryError(f"--resume: the data no longer matches the checkpoint in {path} (its sources or files "
+                               f"changed)")
+        if not o.streamed:
+            if state.data_sha256 and state.data_sha256 != self.data_sha256:
+                raise SurgeryError(f"--resume: the packed data {o.run_dir / DATA_CACHE} is not the data the checkpoint "
+                                   f"trained on (damaged, replaced, or rebuilt from changed data): start over with "
+                                   f"--force")
+            return
+        from .stream import STATE_FILE
+
+        file = path / STATE_FILE.format(rank=self.acc.process_index)
+        try:
+            saved = json.loads(file.read_text())
+        except (OSError, ValueError) as e:
+            raise SurgeryError(f"--resume: cannot read the data position {file} ({str(e).splitlines()[0]})") from None
+        share = o.sequences_per_step // self.world
+        self.data.load_state_dict(saved, (o.align_steps + state.step) * share)
 
     def _setup_heads(self) -> None:
         """The output projections move into the losses (no whole-micro-batch logits) where that gives the same
@@ -407,7 +491,8 @@ class UptrainRecipe:
         student = self.acc.unwrap_model(self.model)
         self.s_head = None if self.sharded else OutputHead.of(student, model_io.vocab_size(student))
         teacher = self.teacher
-        self.t_head = OutputHead.of(teacher, model_io.vocab_size(teacher)) if teacher is not None else None
+        self.t_head = (OutputHead.of(teacher, model_io.vocab_size(teacher)) if teacher is not None and not self.sharded
+                       else None)  # a sharded teacher's output projection is a shard outside its forward
         self.projections = (self.s_head.project if self.s_head else _same, self.t_head.project if self.t_head else _same)
 
     def _announce(self) -> None:
@@ -417,10 +502,14 @@ class UptrainRecipe:
         n_params = sum(p.numel() for p in self.params)
         print(f"uptrain: {self.objective.kind} loss, training {len(self.trainable)} tensors ({n_params:,} parameters), "
               f"{o.steps} steps x {self.tokens_per_step} tokens, {self.world} process(es) x {self.accum} "
-              f"micro-batch(es) of {o.micro_batch}, {data.train.shape[0]} training / {data.eval.shape[0]} held-out "
+              f"micro-batch(es) of {o.micro_batch}, "
+              + (f"training windows streamed from {len(o.data)} source(s) by {max(1, o.data_workers)} reader(s) per "
+                 f"process, {data.eval.shape[0]} held-out " if o.streamed else
+                 f"{data.train.shape[0]} training / {data.eval.shape[0]} held-out ")
               + (f"(+ {data.other.shape[0]} of --eval-data) " if data.other is not None else "")
               + f"windows of {o.seq_len}"
               + (f", parameters sharded by {self.acc.distributed_type.value}" if self.sharded else "")
+              + (" (the teacher's too)" if self.sharded and self.teacher is not None else "")
               + (f"; resumed at step {state.step} from {self.resumed_from.name}" if self.resumed_from else ""),
               flush=True)
         if 0 < o.steps < FEW_STEPS:
@@ -436,7 +525,7 @@ class UptrainRecipe:
             if self.resumed_from is None:
                 self._evaluate_start()
             bar = Progress(o.steps, state.step, self.tokens_per_step, enabled=self.main and o.progress,
-                           every_s=o.progress_every)
+                           every_s=o.progress_every, data_line=self.data_line if o.streamed else None)
             for step in range(state.step, o.steps):
                 row = self.train_step(step)
                 self.metrics.write(**row)
@@ -451,6 +540,8 @@ class UptrainRecipe:
                 if last or (o.save_every and state.step % o.save_every == 0):
                     self.save_checkpoint()
             bar.close()
+            if o.streamed:
+                self.data.close()
         except (RuntimeError, torch.OutOfMemoryError) as e:
             if _is_oom(e):
                 raise SurgeryError(f"out of memory at step {state.step + 1} (micro-batch {o.micro_batch} x {o.seq_len} "
@@ -513,6 +604,24 @@ class UptrainRecipe:
         del out, t_out
         return loss.detach(), parts
 
+    def data_line(self) -> str:
+        """Progress of the stream (this process's readers): tokens read, blank documents skipped, each source's
+        share of the windows so far."""
+        got = self.data.shares()
+        total = max(1, sum(got["windows"]))
+        shares = ", ".join(f"{public_name(name) or name} {n / total:.1%}" for name, n in zip(self.o.data, got["windows"]))
+        return f"read {got['tokens']:,} tokens, {got['skipped']} blank documents skipped; shares {shares}"
+
+    def source_shares(self) -> list[dict] | None:
+        """Streamed: each source's weight and its share of the windows trained on (all processes), for the record."""
+        if not self.o.streamed:
+            return None
+        counts = torch.tensor(self.data.shares()["windows"], dtype=torch.float64, device=self.acc.device)
+        counts = self.acc.reduce(counts, reduction="sum").cpu().tolist()
+        total = max(1.0, sum(counts))
+        return [{"data": public_name(spec) or spec, "weight": round(w, 6), "windows": int(n),
+                 "share": round(n / total, 6)} for spec, w, n in zip(self.o.data, self.o.weights, counts)]
+
     # --- evaluate ------------------------------------------------------------------------------------------------
     def evaluate_at(self, step: int) -> dict | None:
         """Held-out loss and perplexity after `step` (None without held-out windows), written to the metrics."""
@@ -543,13 +652,15 @@ class UptrainRecipe:
         if not all_finite(self.acc, *(p.detach() for p in self.params)):
             raise SurgeryError(f"the weights are not finite after step {self.state.step} (lower --lr, now "
                                f"{self.o.lr:g}); {last_good(self.ckpts)}")
-        self.ckpts.save(self.state.step, self.model, self.optimizer, self.state)
+        data_state = self.data.state_dict() if self.o.streamed else None
+        self.ckpts.save(self.state.step, self.model, self.optimizer, self.state, data_state)
 
     def save(self) -> dict | None:
         """The final checkpoint, written by the main process (`finish`); the uptraining record on the main one."""
         acc = self.acc
         # Sharded parameters are gathered for the final save (a collective: every process calls it).
         full_state = acc.get_state_dict(self.model) if self.sharded else None
+        self.state.sources = self.source_shares()
         result = None
         if self.main:
             result = finish(self.o, self.source, acc.unwrap_model(self.model), full_state, self.out_dtype,
@@ -596,7 +707,9 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
     evals = [m for m in rows if "eval_ppl" in m]
     teacher = next((m for m in rows if "teacher_eval_ppl" in m), {})
     return {
-        "data": o.data,
+        "data": o.data_spec,
+        "data_mode": "stream" if o.streamed else "packed",
+        "sources": getattr(state, "sources", None),
         "eval_data": o.eval_data,
         "text_field": o.text_field,
         "tokens": o.total_steps * o.batch_tokens,

@@ -8,29 +8,38 @@ from pathlib import Path
 
 from ..atomic import check_apart
 from ..errors import SurgeryError
-from ..general_text import resolve_text
+from ..general_text import resolve_texts
 from .losses import DIVERGENCES
 
 LOSSES = ("auto", "lm", "kd", "mix")
 TRAIN = ("all", "attention", "new")
-STAGES = ("align", "kd")  # --stage: layer-local attention alignment, end-to-end training (--loss); in this order
+STAGES = ("align", "kd")
+DATA_MODES = ("auto", "packed", "stream")  # --stage: layer-local attention alignment, end-to-end training (--loss); in this order
 
 # Options that fix the trajectory of a run: a resumed run must repeat them. (micro_batch and the number of
 # processes only change how a step's batch is split, not what the step computes, so they may change on resume.)
 TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_tokens", "eval_tokens", "loss",
                    "teacher", "temperature", "kd_weight", "kd_divergence", "hidden_weight", "train", "lr",
                    "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
-                   "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data")
+                   "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data", "data_weights",
+                   "data_mode")
 # Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
 # (TRAJECTORY_DEFAULTS, below the options).
-LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data")
+LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode")
+# --data-epochs is not among them: it changes nothing before a source runs dry, so a run stopped by a dry source
+# resumes with a higher one.
+PACKED_TOKENS = 1 << 22  # --data-mode auto: runs of at most this many training tokens (16 MiB of windows) are packed
 
 
 @dataclass
 class UptrainOptions:
     model: str  # checkpoint folder to train (the student)
     out: Path
-    data: str = "general"  # resolved in __post_init__ (surgery/general_text.py): C4 from the hub, or pydoc offline
+    data: str | list[str] = "general"  # one text or several mixed by data_weights; "general": C4 from the hub, or pydoc offline (surgery/general_text.py)
+    data_weights: str | list[float] | None = None  # None: equal weights
+    data_epochs: int = 1  # [stream] passes over a source allowed before it has run dry
+    data_workers: int = 0  # [stream] DataLoader worker processes per process that read and tokenize
+    data_mode: str = "auto"  # packed: tokenized up front, in memory (epochs reshuffled); stream; auto: by --tokens
     tokens: int = 1_000_000  # training tokens (rounded up to whole optimizer steps)
     text_field: str = "text"
     streaming: bool = False
@@ -75,8 +84,22 @@ class UptrainOptions:
     merge_lora: bool = True
 
     def __post_init__(self):
+        from .stream import parse_weights
+
+        self.data = [self.data] if isinstance(self.data, str) else list(self.data)
+        if not self.data:
+            raise SurgeryError("--data needs at least one text")
+        self.weights = parse_weights(self.data_weights, len(self.data))
+        if self.data_epochs < 1 or self.data_workers < 0:
+            raise SurgeryError(f"--data-epochs must be at least 1 and --data-workers not negative, got "
+                               f"{self.data_epochs} and {self.data_workers}")
+        if self.data_mode not in DATA_MODES:
+            raise SurgeryError(f"unknown --data-mode {self.data_mode!r}; choose from {', '.join(DATA_MODES)}")
+        if self.data_mode == "packed" and (len(self.data) > 1 or self.data_workers):
+            raise SurgeryError("--data-mode packed reads one text in this process: several --data or --data-workers "
+                               "need --data-mode stream")
         self.out = Path(self.out)
-        self.data = resolve_text(self.data)
+        self.data = resolve_texts(self.data)
         self.run_dir = Path(self.run_dir) if self.run_dir else self.out.absolute().parent / f"{self.out.name}.run"
         # the run folder is deleted after success (and by --force): never the output, inside it, or holding it
         check_apart(self.run_dir, "run folder", [("output", self.out)], option="--run-dir")
@@ -134,6 +157,19 @@ class UptrainOptions:
             raise SurgeryError(f"--warmup-steps must not be negative, got {self.warmup_steps}")
 
     @property
+    def streamed(self) -> bool:
+        """Whether the training windows are streamed (surgery/uptrain/stream.py) rather than packed up front (data.py):
+        --data-mode auto streams several texts, data workers, and runs of more than PACKED_TOKENS tokens."""
+        if self.data_mode != "auto":
+            return self.data_mode == "stream"
+        return len(self.data) > 1 or self.data_workers > 0 or self.total_steps * self.batch_tokens > PACKED_TOKENS
+
+    @property
+    def data_spec(self) -> str | list[str]:
+        """--data as recorded: the text, or the list of texts of a mixture."""
+        return self.data[0] if len(self.data) == 1 else list(self.data)
+
+    @property
     def sequences_per_step(self) -> int:
         return self.batch_tokens // self.seq_len
 
@@ -174,6 +210,8 @@ class UptrainOptions:
 
     def trajectory(self) -> dict:
         d = asdict(self)
+        d |= {"data": self.data_spec, "data_mode": "stream" if self.streamed else "packed",
+              "data_weights": [round(w, 12) for w in self.weights] if len(self.data) > 1 else None}
         return {k: (str(d[k]) if isinstance(d[k], Path) else d[k]) for k in TRAJECTORY_KEYS} | {"warmup_steps": self.warmup}
 
     def as_record(self) -> dict:
@@ -196,3 +234,5 @@ def check_shard_size(size) -> None:
 
 
 TRAJECTORY_DEFAULTS = {f.name: f.default for f in fields(UptrainOptions) if f.name in LATER_TRAJECTORY_KEYS}
+TRAJECTORY_DEFAULTS = {f.name: f.default for f in fields(UptrainOptions) if f.name in LATER_TRAJECTORY_KEYS} | {
+    "data_mode": "packed"}

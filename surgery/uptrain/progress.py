@@ -16,7 +16,8 @@ def duration(seconds: float) -> str:
 
 class Progress:
     def __init__(self, total_steps: int, done_steps: int, tokens_per_step: int, enabled: bool, every_s: float = 30.0,
-                 stream=None, terminal: bool | None = None):
+                 stream=None, terminal: bool | None = None, data_line=None):
+        self.data_line = data_line  # streamed data: a callable giving the stream's progress (tokens, shares)
         self.total, self.done, self.tokens_per_step = total_steps, done_steps, tokens_per_step
         self.every_s = every_s
         self.stream = stream or sys.stdout
@@ -35,6 +36,9 @@ class Progress:
         self.done = row["step"]
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            if self.data_line and (self.done == self.total or time.perf_counter() - self.last_line >= self.every_s):
+                self.last_line = time.perf_counter()
+                self.bar.write(f"uptrain: {self.data_line()}")
             self.bar.update(1)
             return
         now = time.perf_counter()
@@ -44,7 +48,8 @@ class Progress:
             left = (self.total - self.done) * self.tokens_per_step / rate if rate > 0 else float("inf")
             print(f"uptrain: step {self.done}/{self.total}, {self.done * self.tokens_per_step:,}/"
                   f"{self.total * self.tokens_per_step:,} tokens, {rate:,.0f} tokens/s, ETA {duration(left)}, "
-                  f"loss {row['loss']:.4f}", file=self.stream, flush=True)
+                  f"loss {row['loss']:.4f}" + (f"; {self.data_line()}" if self.data_line else ""),
+                  file=self.stream, flush=True)
 
     def write(self, line: str) -> None:
         if self.bar is not None:

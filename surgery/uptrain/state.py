@@ -4,8 +4,10 @@ A checkpoint `checkpoints/step-NNNNNNNN/` holds
 - `model.safetensors`      the whole model (gathered from FSDP shards), tied weights once (aliases in its metadata);
 - `optimizer.safetensors`  AdamW's state as tensors, its parameter groups as JSON in the metadata;
 - `rng-R.safetensors`      process R's torch (and CUDA) generator states; Python's and NumPy's as JSON metadata;
-- `run-state.json`         the run's position (`RunState`: the step, which fixes the data position and the
-                           learning rate — the schedule is a function of the step, so there is no scheduler state);
+- `run-state.json`         the run's position (`RunState`: the step, which fixes the learning rate — the schedule
+                           is a function of the step, so there is no scheduler state — and, for packed data, the
+                           data position; the sha256 of the packed data it indexes into);
+- `data-R.json`            streamed data: process R's position in the stream (surgery/uptrain/stream.py);
 - `manifest.json`          written last: the size and sha256 of every file above.
 
 Each checkpoint is written into `checkpoints/.tmp-step-NNNNNNNN`, flushed to disk, and renamed to `step-NNNNNNNN`
@@ -60,6 +62,7 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="allow")
     format: StrictStr
     files: dict[str, FileEntry]
+    step: StrictInt | None = None  # checked against run-state.json and the folder's name on --resume
 
 
 class RunState:
@@ -68,13 +71,18 @@ class RunState:
     def __init__(self):
         self.step = 0  # optimizer steps done
         self.elapsed = 0.0  # training seconds so far (excluding evaluation and saving)
-        self.data_key = ""  # which packed data the steps index into
+        self.data_key = ""  # which data the steps read (options, sources and their files)
+        self.data_sha256 = ""  # packed data: the sha256 of the run folder's data cache the steps index into
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "elapsed": self.elapsed, "data_key": self.data_key}
+        return {"step": self.step, "elapsed": self.elapsed, "data_key": self.data_key, "data_sha256": self.data_sha256}
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self.elapsed, self.data_key = int(state["step"]), float(state["elapsed"]), str(state["data_key"])
+        step = state["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step {step!r} is not a count of steps")
+        self.step, self.elapsed, self.data_key = step, float(state["elapsed"]), str(state["data_key"])
+        self.data_sha256 = str(state.get("data_sha256") or "")
 
 
 # ------------------------------------------------------------------------------------ state dicts <-> files
@@ -219,7 +227,7 @@ class Checkpoints:
             for p in self.dir.glob(".tmp-step-*"):
                 shutil.rmtree(p, ignore_errors=True)
 
-    def save(self, step: int, model, optimizer, state: RunState) -> Path:
+    def save(self, step: int, model, optimizer, state: RunState, data_state: dict | None = None) -> Path:
         """Write checkpoint `step` atomically. A full disk (or any OSError) leaves the earlier checkpoints as they
         were, removes the partial folder and stops the run with one line."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -248,6 +256,8 @@ class Checkpoints:
             if error is None:
                 rng, rng_meta = _rng_files()
                 save_safetensors(rng, tmp / f"rng-{self.acc.process_index}.safetensors", metadata=rng_meta)
+                if data_state is not None:
+                    (tmp / f"data-{self.acc.process_index}.json").write_text(json.dumps(data_state) + "\n")
                 if main:
                     tensors, aliases = _split_aliases(model_state)
                     save_safetensors(tensors, tmp / "model.safetensors", metadata={"aliases": json.dumps(aliases)})
@@ -317,8 +327,13 @@ class Checkpoints:
                 with safe_open(path / f"rng-{self.acc.process_index}.safetensors", "pt") as f:
                     rng = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
             saved = read_model(path / "run-state.json", RunStateFile).model_dump()
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            manifest_step = read_model(path / MANIFEST, Manifest).step
+            state.load_state_dict(saved)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise SurgeryError(f"--resume: cannot read checkpoint {path}: {str(e).splitlines()[0]}") from None
+        if not state.step == manifest_step == int(STEP_DIR.match(path.name).group(1)):
+            raise SurgeryError(f"--resume: checkpoint {path} says step {state.step} in run-state.json, "
+                               f"{manifest_step} in its manifest: it was altered")
         try:
             set_model_state_dict(model, model_state, options=_state_options())
             set_optimizer_state_dict(model, optimizer, optim_state, options=_state_options())
@@ -326,5 +341,4 @@ class Checkpoints:
             raise SurgeryError(f"--resume: checkpoint {path} does not fit this model: {str(e).splitlines()[0]}") from None
         if rng is not None:
             _set_rng(*rng)
-        state.load_state_dict(saved)
         return path
