@@ -71,7 +71,7 @@ def test_calibration_and_uptraining_default_to_the_pinned_shard_streamed_from_th
     assert "pydoc" not in run.stderr  # online: no line
     got = json.loads(run.stdout.splitlines()[-1])
     url = f"hf://datasets/allenai/c4@{g.GENERAL_REVISION}/{g.GENERAL_FILE}"
-    assert got["calib"] == ["general"] and got["resolved"] == got["uptrain"] == url
+    assert got["calib"] == ["general"] and got["resolved"] == url and got["uptrain"] == [url]  # uptrain: a list (mixtures)
     assert got["pydoc"] == "pydoc"  # an explicit text is read as it always was
     assert got["docs"] == DOCS
     assert got["record"]["data"] == url  # surgery.json names the dataset, its revision and file

@@ -177,8 +177,8 @@ def test_run_resumes_skips_and_reruns_from_a_step(hub, tmp_path):
         "steps": [
             {"convert": {"to": "gqa", "kv_heads": 2}},
             {"check": {"tokens": 256, "seq_len": 64, "expect": "exact"}},
-            {"uptrain": {"tokens": 256, "seq_len": 32, "batch_tokens": 128, "micro_batch": 2, "eval_tokens": 64,
-                         "eval_every": 1, "loss": "lm"}},
+            {"uptrain": {"data": "pydoc", "tokens": 256, "seq_len": 32, "batch_tokens": 128, "micro_batch": 2,
+                         "eval_tokens": 64, "eval_every": 1, "loss": "lm"}},
             {"check": {"tokens": 256, "seq_len": 64}},
             {"push": {"repo_id": "alice/tiny-gqa2", "private": True, "exist_ok": True}},
         ]})

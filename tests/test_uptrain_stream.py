@@ -100,7 +100,7 @@ def test_killed_streamed_run_resumes_to_bitwise_equal_weights(tiny, tmp_path, ca
         card = "\n".join(uptraining_section(Validation(tmp_path / "straight", {}, record)))
         share = straight["sources"][1]["share"]
         assert f"| data pydoc | weight 0.7, {straight['sources'][0]['share']:.1%} of the windows |" in card
-        assert f"| data *.jsonl | weight 0.3, {share:.1%} of the windows |" in card
+        assert f"| data \\*.jsonl | weight 0.3, {share:.1%} of the windows |" in card
 
 
 def plan_for(tokenizer, sources, readers=1, seq_len=16, epochs=1000, eval_tokens=0, seed=0) -> Plan:

@@ -294,7 +294,7 @@ def uptraining_section(v: Validation) -> list[str]:
     lines += ["| | |", "|---|---|"]
     for title, key in keys:
         if up.get(key) is not None:
-            value = up[key]
+            value = ", ".join(map(str, up[key])) if isinstance(up[key], list) else up[key]  # a mixture's texts
             lines.append(f"| {title} | {number(value, '.3f') if isinstance(value, float) else text(value)} |")
     for source in up.get("sources") or []:  # a streamed run: each source's weight and share of the windows
         share = source.get("share") if isinstance(source, dict) else None

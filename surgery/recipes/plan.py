@@ -113,7 +113,7 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
         elif ps.kind == "uptrain":
             procs = o.accelerate.num_processes if o.accelerate else 1
             tokens = est.uptrain_tokens(o) + o.eval_tokens
-            row["texts"] = resolve_texts([o.data, *([o.eval_data] if o.eval_data else [])])
+            row["texts"] = resolve_texts([*o.data, *([o.eval_data] if o.eval_data else [])])
             distill = o.loss in ("kd", "mix", "auto") or bool(getattr(o, "hidden_weight", 0))
             memory = est.uptrain_memory(stats, o, src_stats if distill else None, procs) if stats else None
             if memory is not None and procs > 1:

@@ -129,7 +129,8 @@ def input_folders(o: UptrainOptions, source_folder: Path, record: dict) -> list[
         folders.append(("teacher", Path(o.teacher)))
     if local_source_folder(record) is not None:
         folders.append(("teacher", local_source_folder(record)))
-    for name, data in (("--data", o.data), ("--eval-data", o.eval_data)):
+    texts = [("--data", data) for data in o.data] + [("--eval-data", o.eval_data)]
+    for name, data in texts:
         if data and Path(data).is_dir():
             folders.append((f"{name} text", Path(data)))
     return folders
