@@ -6,7 +6,6 @@ source exactly as the plain converter does (same planner, same writer, same surg
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -91,19 +90,6 @@ class AlignedPlanner(KVPlanner):
                 entry["source_query_heads"] = query_order([members], r_src)
             out.append(entry)
         return out
-
-
-def compute_threads() -> int:
-    """Compute threads for calibration: the cores not already busy with other processes (1-minute load).
-
-    On a shared machine, more threads than idle cores only spin against each other: measured here, a forward
-    pass took twice the CPU time and twice the wall time with 2 threads instead of 1 on 2 busy cores."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    busy = int(os.getloadavg()[0]) if hasattr(os, "getloadavg") else 0
-    return max(1, min(cores, cores - busy + 1))
 
 
 def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[str] = "pydoc",
