@@ -156,3 +156,23 @@ def test_calib_window_reaches_the_estimate(tmp_path, capsys):
     assert reports[128]["tokens"] == reports[32]["tokens"] == 1024
     assert reports[128]["flops_per_layer"]["float32"] > reports[32]["flops_per_layer"]["float32"]
     assert reports[128]["memory_terms"]["scratch"] > reports[32]["memory_terms"]["scratch"]
+
+
+def test_the_kd_teacher_is_sharded_like_the_student_in_the_per_process_estimate():
+    """Under FSDP the frozen teacher is sharded per decoder layer (surgery/uptrain/loop.py): the dry run's memory
+    per process holds its shard and one gathered layer, not the whole teacher as on one process."""
+    from pathlib import Path
+
+    from surgery.recipes import estimate as est
+    from surgery.recipes.schema import step_models
+
+    config = json.loads((Path(__file__).parents[1] / "recipes/configs/llama-3-8b.json").read_text())
+    student = teacher = est.stats_from_config(config)
+    uptrain = step_models()["uptrain"](tokens=1 << 20, seq_len=2048, batch_tokens=1 << 20, micro_batch=1,
+                                       loss="kd", gradient_checkpointing=True)
+    whole = 4 * teacher.params
+    one, eight = (est.uptrain_memory(student, uptrain, teacher, n) - est.uptrain_memory(student, uptrain, None, n)
+                  for n in (1, 8))
+    assert one == whole
+    assert eight == whole // 8 + whole // teacher.layers
+    assert eight < 0.2 * one  # an 8B teacher's 32 GB of fp32 weights become ~5 GB per GPU

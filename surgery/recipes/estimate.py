@@ -165,10 +165,20 @@ def uptrain_memory(stats: ModelStats, options, teacher: ModelStats | None, proce
     else:
         logits = 6 * 4 * min(tokens, LOSS_CHUNK) * stats.vocab
     weights = 4 * stats.params // procs + 8 * trainable // procs
-    teacher_bytes = 4 * teacher.params if teacher else 0
+    teacher_bytes = teacher_memory(teacher, procs) if teacher else 0
     if teacher and getattr(options, "hidden_weight", 0):
         teacher_bytes += 4 * tokens * (stats.layers + 1) * stats.hidden
     return RUNTIME["uptrain"] + weights + teacher_bytes + step + logits
+
+
+def teacher_memory(teacher: ModelStats, processes: int) -> int:
+    """The frozen KD teacher's fp32 weights on one process: whole on one process; under FSDP (several processes,
+    surgery/uptrain/loop.py shards the teacher per decoder layer like the student) its shard plus the one layer
+    gathered for the forward."""
+    whole = 4 * teacher.params
+    if processes <= 1:
+        return whole
+    return whole // processes + whole // max(teacher.layers, 1)
 
 
 def uptrain_tokens(options) -> int:
