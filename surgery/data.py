@@ -34,9 +34,10 @@ def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
 
 
 def load_texts(spec: str, text_field: str = "text", streaming: bool = False) -> Iterable[str]:
-    from .general_text import hub_file_texts, is_hub_file, resolve_text
+    from .general_text import hub_file_texts, is_hub_file, resolve_text, say_fallback
 
     spec = resolve_text(spec)  # `general`: the pinned general text, or pydoc offline
+    say_fallback(spec)
     if is_hub_file(spec):
         return hub_file_texts(spec, text_field)
     if spec == "pydoc":

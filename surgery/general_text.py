@@ -3,7 +3,7 @@
 `general` resolves, once per process, to one shard of C4 (`allenai/c4`, English, ODC-BY 1.0) at a pinned commit,
 streamed from the hub (`hf://datasets/allenai/c4@REVISION/en/c4-train.00000-of-01024.json.gz`: ~356k web documents,
 far more than any default token budget reads). Offline (`HF_HUB_OFFLINE=1`, or the hub not answering) it resolves to
-the embedded `pydoc` text, with one line on stderr saying so; then nothing is sent to the network.
+the embedded `pydoc` text, with one line on stderr when it is read; then nothing is sent to the network.
 
 Why C4: calibration tools of the field read general text (AutoAWQ pile-val, GPTQ C4 or wikitext2, llm-compressor
 ultrachat, TransMLA wikitext2). Of those, C4 is permissively licensed (the Pile's licensing is disputed; wikitext is
@@ -55,16 +55,27 @@ def resolve_texts(specs: Iterable[str]) -> list[str]:
     return [resolve_text(s) for s in specs]
 
 
+_FALLBACK: list[str] = []  # why `general` resolved to pydoc in this process, until the line saying so is printed
+
+
 @functools.cache
 def resolve_general() -> str:
-    """Decided once per process (one line on stderr when offline), so a command that reads the default text twice
-    reads the same text and says so once."""
+    """Decided once per process, so a command that reads the default text twice reads the same text. Offline, the
+    line saying so waits for the text to be read (`say_fallback`): a command refused before it reads any text
+    prints its one line of error and nothing else."""
     reason = _hub_unavailable()
     if reason is None:
         return general_url()
-    print(f"surgery: {reason}: reading the embedded {OFFLINE_TEXT} text instead of {GENERAL_REPO} (general web "
-          "text)", file=sys.stderr, flush=True)
+    _FALLBACK[:] = [reason]
     return OFFLINE_TEXT
+
+
+def say_fallback(spec: str) -> None:
+    """One line on stderr, the first time a text is read that `general` fell back to (called by the readers in the
+    main process, before any worker starts)."""
+    if spec == OFFLINE_TEXT and _FALLBACK:
+        print(f"surgery: {_FALLBACK.pop()}: reading the embedded {OFFLINE_TEXT} text instead of {GENERAL_REPO} "
+              "(general web text)", file=sys.stderr, flush=True)
 
 
 def _hub_unavailable() -> str | None:

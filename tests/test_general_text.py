@@ -103,7 +103,7 @@ def test_offline_reads_pydoc_says_so_once_and_sends_nothing(hub, tmp_path):
     assert "Calibrated on 256 tokens of pydoc." in card
 
 
-def test_an_unreachable_hub_reads_pydoc_with_one_line(tmp_path, monkeypatch, capsys):
+def test_an_unreachable_hub_reads_pydoc_with_one_line_when_read(tmp_path, monkeypatch, capsys):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
@@ -112,6 +112,10 @@ def test_an_unreachable_hub_reads_pydoc_with_one_line(tmp_path, monkeypatch, cap
     g.resolve_general.cache_clear()
     try:
         assert g.resolve_text("general") == g.resolve_text("general") == "pydoc"
+        assert capsys.readouterr().err == ""  # decided, not yet read: a refusal now would print its line alone
+        from surgery.data import load_texts
+
+        assert list(load_texts("general")) == list(load_texts("general")) == list(load_texts("pydoc"))
     finally:
         g.resolve_general.cache_clear()
     err = capsys.readouterr().err.splitlines()

@@ -18,7 +18,7 @@ import torch
 
 from ..data import load_texts, pydoc_texts, token_stream
 from ..errors import SurgeryError
-from ..general_text import resolve_texts
+from ..general_text import resolve_texts, say_fallback
 
 WINDOW = 512  # calibration window length (tokens); capped by the model's context
 PYDOC_SPLIT = ("pydoc documents read from the last one backwards (the default `surgery check` text, pydoc's first "
@@ -50,6 +50,7 @@ class CalibrationText:
 def calibration_texts(spec: str, text_field: str = "text"):
     """Documents in calibration order: pydoc from its last document backwards, anything else from its start."""
     if spec == "pydoc":
+        say_fallback(spec)  # `general` offline: its one line
         return list(reversed(pydoc_texts()))
     return load_texts(spec, text_field=text_field)
 

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from ..errors import SurgeryError
+from ..general_text import hub_file_texts, is_hub_file, say_fallback
 
 TOKENIZE_BATCH = 64  # documents per tokenizer call in a reader
 BLOCK_TOKENS = 1 << 18  # a reader's windows are shuffled within blocks of this many tokens (1 MiB of int32)
@@ -80,6 +81,7 @@ def resolve_sources(specs: list[str], weights: list[float]) -> list[Source]:
 
     out = []
     for spec, w in zip(specs, weights):
+        say_fallback(spec)  # `general` offline: its one line, here in the training process, before any worker
         files = [] if spec == "pydoc" else local_files(spec)
         if files:
             if len({Path(f).suffix for f in files}) != 1 or Path(files[0]).suffix not in BUILDERS:
@@ -126,6 +128,8 @@ class Plan:
         unit = source.units[u]
         if source.spec == "pydoc":
             yield from pydoc_texts()
+        elif is_hub_file(source.spec):  # one data file of a hub dataset at a revision (the `general` default)
+            yield from (t if isinstance(t, str) else "" for t in hub_file_texts(source.spec, self.text_field))
         elif unit.endswith(".txt"):
             yield Path(unit).read_text(errors="replace")  # a .txt file is one document
         else:
@@ -139,7 +143,7 @@ class Plan:
     def hub_shards(self, s: int) -> int:
         """How many shards (files) a streamed hub dataset source has; 0 for anything else."""
         source = self.sources[s]
-        if source.units != ("",) or source.spec == "pydoc" or not self.streaming:
+        if source.units != ("",) or source.spec == "pydoc" or not self.streaming or is_hub_file(source.spec):
             return 0
         return int(getattr(self._dataset(source, ""), "n_shards", 0) or 0)
 
