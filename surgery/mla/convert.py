@@ -69,10 +69,16 @@ def _refuse_config(config: dict) -> None:
 def source_frequencies(folder: Path, head_dim: int) -> torch.Tensor:
     """The source's rotary frequencies per pair, as its own transformers class computes them (any rope_type: the
     skeleton is built on the meta device, no weights read, no checkpoint code run)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    return config_frequencies(AutoConfig.from_pretrained(folder, trust_remote_code=False), head_dim)
+
+
+def config_frequencies(config, head_dim: int) -> torch.Tensor:
+    """`source_frequencies` of a transformers config object (the dry run's, built from config.json's fields)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
     rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
