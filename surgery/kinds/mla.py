@@ -55,18 +55,10 @@ class MLA(Kind):
                               device=options.device, **options.write_kwargs())
 
     def calibration_estimate(self, config: dict, options: MLAOptions, *, dtype: str, device: str, throughput=None):
-        from ..estimate import DEFAULT_CHUNK, CalibratedCost, estimate_calibrated, layer_shape
-        from ..mla.cost import frequency_pass, mla_activations, mla_fit_bytes, mla_layer_flops
+        from ..estimate import estimate_calibrated
+        from ..mla.cost import mla_cost
 
-        s = layer_shape(config)
-        rope = options.rope_dim or s.head_dim
-        scored = frequency_pass(config, rope)
-        chunk = DEFAULT_CHUNK * options.calib_window  # tokens cast to float64 at a time for the second moments
-        cost = CalibratedCost(
-            "mla",
-            lambda s, tokens, window: mla_layer_flops(s, options.kv_rank, rope, tokens, window, scored),
-            lambda s: mla_fit_bytes(s, options.kv_rank, rope, scored, min(chunk, options.calib_tokens)),
-            activations=mla_activations)
+        cost = mla_cost(config, options.kv_rank, options.rope_dim, options.calib_tokens, options.calib_window)
         return estimate_calibrated(config, cost, options.calib_tokens, dtype=dtype, device=device,
                                    window=options.calib_window, throughput=throughput)
 

@@ -20,7 +20,7 @@ A complex multiply-add is four real ones (`COMPLEX`); a symmetric eigendecomposi
 
 from __future__ import annotations
 
-from ..estimate import Flops, LayerShape, attention_flops, mlp_flops
+from ..estimate import DEFAULT_CHUNK, CalibratedCost, Flops, LayerShape, attention_flops, layer_shape, mlp_flops
 
 COMPLEX = 4  # real flops per complex flop of a matrix product (zgemm)
 EIGH = 9  # flops of torch.linalg.eigh of an n x n matrix, per n^3
@@ -132,6 +132,18 @@ def mla_activations(s: LayerShape, tokens: int) -> int:
     return 4 * tokens * (max(3 * H + 2 * hd, 4 * H + hd) + 2 * s.head_dim)
 
 
+def mla_attention_memory(s: LayerShape, rank: int, rope: int, tokens: int, window: int) -> dict[str, int]:
+    """One chunk's DeepSeek attention beyond the streaming model's scratch (which counts one [chunk, heads, window]
+    map): its head dims differ (d + D for scores, d for values), which sends scaled_dot_product_attention to the
+    math path on the CPU, holding the scores and their masked copy (then the probabilities) at once; and its float32
+    queries, keys and values (q_proj's output, the expanded latent, the rotated and concatenated queries and keys,
+    the math path's scaled copies)."""
+    h, d = s.heads, s.head_dim
+    chunk = min(DEFAULT_CHUNK, max(1, tokens // window)) * window
+    return {"attention scores (math path)": 4 * chunk * h * window,
+            "MLA queries and keys": 4 * chunk * (h * (5 * (d + rope) + 2 * d) + 3 * (rank + rope))}
+
+
 def frequency_pass(config: dict, rope: int) -> bool:
     """Whether the conversion scores the rotary frequencies first (convert_to_mla: more than one stride of the
     source's frequencies is DeepSeek's geometric progression, so there is a choice to make)."""
@@ -145,3 +157,15 @@ def frequency_pass(config: dict, rope: int) -> bool:
     one_layer = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
                                      | {"num_hidden_layers": 1})  # the rotary module is all that is read
     return len(geometric_strides(config_frequencies(one_layer, head_dim), rope // 2)) > 1
+
+
+def mla_cost(config: dict, rank: int, rope_dim: int | None, calib_tokens: int, calib_window: int) -> CalibratedCost:
+    """The conversion's cost model for `estimate_calibrated` (`--kv-rank rank --rope-dim rope_dim`, default head_dim)."""
+    rope = rope_dim or layer_shape(config).head_dim
+    scored = frequency_pass(config, rope)
+    chunk = min(DEFAULT_CHUNK * calib_window, calib_tokens)  # tokens cast to float64 at a time (second moments)
+    return CalibratedCost(
+        "mla", lambda s, tokens, window: mla_layer_flops(s, rank, rope, tokens, window, scored),
+        lambda s: mla_fit_bytes(s, rank, rope, scored, chunk),
+        extra_memory=lambda s, tokens, window: mla_attention_memory(s, rank, rope, tokens, window),
+        activations=mla_activations)
