@@ -2,6 +2,7 @@
 layer.
 
     python benchmarks/bench_estimate.py SRC [--tiny-llama] [--json out.json] -- CONVERT ARGS...
+    python benchmarks/bench_estimate.py --layout llama3-8b [--layers K] -- CONVERT ARGS...   (the estimate only)
     e.g. python benchmarks/bench_estimate.py smollm2 -- --to mla --kv-rank 64 --calib-tokens 2048
 
 Runs `surgery convert SRC ARGS --dry-run --json -` (the estimate, with its one-second throughput probe), then
@@ -10,6 +11,10 @@ process tree every 0.1 s, CPU seconds stamped at each per-layer progress line). 
 between the first and the last progress line, over every pass the conversion makes (`--to mla` with a choice of
 rotary frequencies runs two: the frequency scores, then the conversion), times the number of passes: one decoder
 layer's whole work, what the estimate's "CPU time per layer" predicts.
+
+--layout prints the estimate alone for a synthetic layout (benchmarks/synthetic.py's config, with K decoder
+layers), without writing the checkpoint: what `--dry-run` on bench_scale.py's synthetic folder prints (the
+checkpoint's dtype: bfloat16), for a conversion measured before.
 
 --tiny-llama writes SRC first (if absent): the 7.3M-parameter Llama of tests/test_estimate_memory.py (vocabulary
 8,192, 4 layers of 256, 8 heads, 4 K/V heads), whose model terms are a visible part of the peak.
@@ -62,15 +67,39 @@ def write_tiny_llama(folder: Path) -> None:
     tok.save_pretrained(folder)
 
 
+def layout_estimate(layout: str, layers: int | None, convert: list[str]) -> None:
+    """The kind's estimate for a synthetic layout's config (`--to KIND --flag value ...`), probed on this machine."""
+    from synthetic import LAYOUTS
+
+    from surgery.estimate import probe_throughput
+    from surgery.recipes.schema import step_models
+    from surgery.runtime import compute_threads
+
+    config = LAYOUTS[layout] | ({"num_hidden_layers": layers} if layers else {})
+    fields = {flag.removeprefix("--").replace("-", "_"): int(v) if v.isdigit() else v
+              for flag, v in zip(convert[::2], convert[1::2])}
+    options = step_models()["convert"](**fields)
+    rate = probe_throughput("cpu", threads_float32=compute_threads())
+    est = options.kind.calibration_estimate(config, options.kind_options, dtype="bfloat16", device="cpu",
+                                            throughput=rate)
+    print(f"{layout} ({config['num_hidden_layers']} layers, synthetic bf16): surgery convert SYNTH {' '.join(convert)}")
+    print("\n".join(est.lines()))
+
+
 def main() -> None:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("src")
+    p.add_argument("src", nargs="?")
+    p.add_argument("--layout", help="A synthetic layout (benchmarks/synthetic.py): print its estimate, run nothing.")
+    p.add_argument("--layers", type=int, help="Decoder layers of --layout (default: the real count).")
     p.add_argument("--tiny-llama", action="store_true", help="Write SRC as the 7.3M test Llama first (if absent).")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv[:split])
     convert = argv[split + 1:]
+    if args.layout:
+        layout_estimate(args.layout, args.layers, convert)
+        return
     if args.tiny_llama and not Path(args.src, "config.json").exists():
         write_tiny_llama(Path(args.src))
     bench_scale.TreeMonitor = AllPassesMonitor  # bench_scale.run builds its monitor by this name

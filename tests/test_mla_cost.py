@@ -126,6 +126,11 @@ def test_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys):
     terms = reports[16]["memory_terms"]
     assert reports[16]["host_bytes"] > terms["layer (float32)"] > 0 and terms["fits (float64)"] > 0
     assert reports[8]["flops_per_layer"]["float64"] > reports[16]["flops_per_layer"]["float64"]
+    # what the conversion would refuse, the dry run refuses (one line, exit 2)
+    code, _, err = run_cli(capsys, "convert", src, "--to", "mla", "--kv-rank", 65, "--dry-run")
+    assert code == 2 and err.strip().splitlines() == [
+        "surgery: error: --kv-rank must be between 1 and 64 (2 x 2 K/V heads x head_dim 16: the source's keys and "
+        "values), got 65"]
 
 
 def test_a_recipe_with_an_mla_step_is_planned_with_its_estimate(tmp_path):

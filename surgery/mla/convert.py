@@ -55,7 +55,7 @@ class Shape:
         return 2 * self.kv_heads * self.head_dim
 
 
-def _refuse_config(config: dict) -> None:
+def refuse_config(config: dict) -> None:
     """What a Llama-like config can set that DeepSeek-V3 (as transformers, vLLM and llama.cpp read it) cannot."""
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
@@ -268,7 +268,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     start = time.time()
     config = src.config
     spec = spec_for(config, KIND)
-    _refuse_config(config)
+    refuse_config(config)
     shape = Shape(spec, config, kv_rank, rope_dim)
     check_output_path(out, force, source=src.folder)
     dev = pick_device(device)

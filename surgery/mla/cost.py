@@ -20,7 +20,7 @@ A complex multiply-add is four real ones (`COMPLEX`); a symmetric eigendecomposi
 
 from __future__ import annotations
 
-from ..estimate import DEFAULT_CHUNK, CalibratedCost, Flops, LayerShape, attention_flops, layer_shape, mlp_flops
+from ..estimate import DEFAULT_CHUNK, CalibratedCost, Flops, LayerShape, attention_flops, mlp_flops
 
 COMPLEX = 4  # real flops per complex flop of a matrix product (zgemm)
 EIGH = 9  # flops of torch.linalg.eigh of an n x n matrix, per n^3
@@ -160,8 +160,14 @@ def frequency_pass(config: dict, rope: int) -> bool:
 
 
 def mla_cost(config: dict, rank: int, rope_dim: int | None, calib_tokens: int, calib_window: int) -> CalibratedCost:
-    """The conversion's cost model for `estimate_calibrated` (`--kv-rank rank --rope-dim rope_dim`, default head_dim)."""
-    rope = rope_dim or layer_shape(config).head_dim
+    """The conversion's cost model for `estimate_calibrated` (`--kv-rank rank --rope-dim rope_dim`, default head_dim),
+    after the checks the conversion makes first (family, config, sizes: the dry run refuses what it would)."""
+    from ..arch import spec_for
+    from .convert import KIND, Shape, refuse_config
+
+    spec = spec_for(config, KIND)
+    refuse_config(config)
+    rope = Shape(spec, config, rank, rope_dim).rope_dim
     scored = frequency_pass(config, rope)
     chunk = min(DEFAULT_CHUNK * calib_window, calib_tokens)  # tokens cast to float64 at a time (second moments)
     return CalibratedCost(
