@@ -66,7 +66,7 @@ def test_layer_flops_match_torch_on_the_real_conversion(tmp_path, kv_heads, rope
     with FlopsByDtype() as counted:
         convert(src, tmp_path / "out", rank=rank, rope_dim=rope_dim)
     window = min(CALIB, config["max_position_embeddings"])
-    scored = frequency_pass(config, rope)
+    scored = frequency_pass(config, s.head_dim, rope)
     assert scored == (rope_dim is not None)  # default RoPE over the tiny head: a choice only for fewer dims
     per_layer = mla_layer_products(s, rank, rope, CALIB, window, scored)
     assert counted.float32 == pytest.approx(s.layers * per_layer.float32, rel=0.02)
@@ -99,12 +99,16 @@ def test_the_terms_move_as_the_algorithm_does():
 def test_the_frequency_pass_is_predicted_from_the_config():
     """The conversion scores frequencies only when more than one stride of the source's frequencies is DeepSeek's
     progression: never at rope-dim = head_dim, and not under Llama 3's scaling at 32 dims (only stride 1 is
-    unscaled), but with plain RoPE at 32 dims."""
+    unscaled), but with plain RoPE at 32 dims; Llama 3's every dim cannot be DeepSeek's RoPE: refused, as the
+    conversion refuses it."""
+    from surgery.errors import SurgeryError
     from surgery.mla.cost import frequency_pass
 
-    assert not frequency_pass(LLAMA_8B, 128)
-    assert frequency_pass(LLAMA_8B, 32)
-    assert not frequency_pass(LLAMA_8B | LLAMA3_ROPE, 32)
+    assert not frequency_pass(LLAMA_8B, 128, 128)
+    assert frequency_pass(LLAMA_8B, 128, 32)
+    assert not frequency_pass(LLAMA_8B | LLAMA3_ROPE, 128, 32)
+    with pytest.raises(SurgeryError, match="--rope-dim 128: no 64 of the source's rotary frequencies"):
+        frequency_pass(LLAMA_8B | LLAMA3_ROPE, 128, 128)
 
 
 def test_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys):

@@ -117,6 +117,16 @@ def geometric_strides(inv_freq: torch.Tensor, n: int) -> dict[int, float]:
     return out
 
 
+def rope_strides(inv_freq: torch.Tensor, rope_dim: int) -> dict[int, float]:
+    """`geometric_strides` for `rope_dim` rotary dims, refused when there is none."""
+    strides = geometric_strides(inv_freq, rope_dim // 2)
+    if not strides:
+        raise SurgeryError(f"--rope-dim {rope_dim}: no {rope_dim // 2} of the source's rotary frequencies form "
+                           "DeepSeek's geometric progression from 1 (its RoPE scaling rescales them); choose a "
+                           "smaller --rope-dim")
+    return strides
+
+
 def choose_frequencies(scores: list[torch.Tensor] | None, strides: dict[int, float], rope_dim: int,
                        inv_freq: torch.Tensor, window: int) -> tuple[list[int], int, float, float]:
     """Among the strides DeepSeek's RoPE can express, the one whose kept frequencies k*s (k < rope_dim/2) would lose
@@ -285,11 +295,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         return SourceAttention(q, k, v, o, shape.heads, shape.kv_heads, shape.head_dim)
 
     inv_freq = source_frequencies(src.folder, shape.head_dim)
-    strides = geometric_strides(inv_freq, shape.rope_dim // 2)
-    if not strides:
-        raise SurgeryError(f"--rope-dim {shape.rope_dim}: no {shape.rope_dim // 2} of the source's rotary frequencies "
-                           "form DeepSeek's geometric progression from 1 (its RoPE scaling rescales them); choose a "
-                           "smaller --rope-dim")
+    strides = rope_strides(inv_freq, shape.rope_dim)
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window)
     out_dtype = getattr(torch, dtype) if dtype else None
     losses: dict[int, tuple[float, float]] = {}

@@ -144,19 +144,17 @@ def mla_attention_memory(s: LayerShape, rank: int, rope: int, tokens: int, windo
             "MLA queries and keys": 4 * chunk * (h * (5 * (d + rope) + 2 * d) + 3 * (rank + rope))}
 
 
-def frequency_pass(config: dict, rope: int) -> bool:
+def frequency_pass(config: dict, head_dim: int, rope: int) -> bool:
     """Whether the conversion scores the rotary frequencies first (convert_to_mla: more than one stride of the
-    source's frequencies is DeepSeek's geometric progression, so there is a choice to make)."""
+    source's frequencies is DeepSeek's geometric progression, so there is a choice to make). Refuses, as the
+    conversion does, a RoPE DeepSeek cannot follow."""
     from transformers import AutoConfig
 
-    from .convert import config_frequencies, geometric_strides
+    from .convert import config_frequencies, rope_strides
 
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-    if rope >= head_dim:
-        return False
     one_layer = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
                                      | {"num_hidden_layers": 1})  # the rotary module is all that is read
-    return len(geometric_strides(config_frequencies(one_layer, head_dim), rope // 2)) > 1
+    return len(rope_strides(config_frequencies(one_layer, head_dim), rope)) > 1
 
 
 def mla_cost(config: dict, rank: int, rope_dim: int | None, calib_tokens: int, calib_window: int) -> CalibratedCost:
@@ -167,8 +165,9 @@ def mla_cost(config: dict, rank: int, rope_dim: int | None, calib_tokens: int, c
 
     spec = spec_for(config, KIND)
     refuse_config(config)
-    rope = Shape(spec, config, rank, rope_dim).rope_dim
-    scored = frequency_pass(config, rope)
+    shape = Shape(spec, config, rank, rope_dim)
+    rope = shape.rope_dim
+    scored = frequency_pass(config, shape.head_dim, rope)
     chunk = min(DEFAULT_CHUNK * calib_window, calib_tokens)  # tokens cast to float64 at a time (second moments)
     return CalibratedCost(
         "mla", lambda s, tokens, window: mla_layer_flops(s, rank, rope, tokens, window, scored),
