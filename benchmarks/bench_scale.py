@@ -363,7 +363,7 @@ def main() -> None:
             else:
                 raise SystemExit(f"unknown run {kind}")
             estimate = extrapolated = None
-            if kind not in ("check", "mla"):  # no cost model for mla yet
+            if kind != "check":
                 estimate = dry_run(cmd)
                 extrapolated = dry_run([*cmd[:cmd.index("--calib-tokens") + 1], str(args.extrapolate_tokens),
                                         *cmd[cmd.index("--calib-tokens") + 2:]])

@@ -143,14 +143,18 @@ class Flops:
         return (self.float32 / rate.float32_cpu + self.float64 / rate.float64_cpu) / EFFICIENCY
 
 
-def _attention(s: LayerShape, tokens: int, window: int) -> float:
+def attention_flops(s: LayerShape, tokens: int, window: int) -> float:
     """One attention module over the tokens: projections and the (full-square) score and value products."""
     proj = 2 * tokens * s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim + 2 * tokens * s.heads * s.head_dim * s.hidden
     return proj + 4 * tokens * window * s.heads * s.head_dim
 
 
-def _mlp(s: LayerShape, tokens: int) -> float:
+def mlp_flops(s: LayerShape, tokens: int) -> float:
+    """One MLP over the tokens."""
     return 2 * tokens * s.mlp_matrices * s.hidden * s.intermediate
+
+
+_attention, _mlp = attention_flops, mlp_flops  # the names this module's counts used before
 
 
 def group_merge_flops(s: LayerShape, members: int) -> float:
@@ -218,7 +222,7 @@ def aligned_layer_flops(s: LayerShape, kv_out: int, tokens: int, window: int = D
     windows = max(1, tokens // window)
     f.float32 += 2 * tokens * din * din  # second moment of the attention input
     if grouped:
-        f.float32 += _attention(s, tokens, window)  # the source attention on the converted stream (targets)
+        f.float32 += attention_flops(s, tokens, window)  # the source attention on the converted stream (targets)
         # query refit: converted queries/keys, input Grams, ideal queries at sampled positions, right-hand sides
         samples = windows * min(query_samples, window)
         e = s.head_dim + 1
@@ -227,15 +231,15 @@ def aligned_layer_flops(s: LayerShape, kv_out: int, tokens: int, window: int = D
         f.float32 += kv_out * 2 * windows * window * window * e + s.heads * 6 * samples * window * e
         f.float64 += 2 / 3 * din**3 + 2 * din * din * hd
         # output refit: the converted attention, its Gram and the solve
-        f.float32 += _attention(s, tokens, window) + 2 * tokens * hd * hd + 2 * tokens * hd * s.hidden
+        f.float32 += attention_flops(s, tokens, window) + 2 * tokens * hd * hd + 2 * tokens * hd * s.hidden
         f.float64 += 2 / 3 * (hd + 1) ** 3 + 2 * hd * hd * s.hidden
         f.float32 += 2 * tokens * hd * s.hidden  # o_proj of the refit heads, for the converted pass
         if refit_values:  # per head: z = attention-weighted inputs at the sampled positions, their Gram, CG solves
             f.float32 += 2 * samples * window * din * s.heads + 2 * samples * din * din * s.heads
             f.float64 += 40 * 4 * s.heads * s.head_dim * din * din  # at most 40 CG steps (fewer when converged)
     else:
-        f.float32 += _attention(s, tokens, window)
-    f.float32 += _mlp(s, tokens)  # the converted pass through the layer's MLP
+        f.float32 += attention_flops(s, tokens, window)
+    f.float32 += mlp_flops(s, tokens)  # the converted pass through the layer's MLP
     f.float64 += sum(group_merge_flops(s, n) for n in group_evaluations(s.kv_heads, kv_out, assign=False))
     if assign:
         f.float64 += search_flops(s, kv_out)
@@ -249,7 +253,7 @@ def switchhead_layer_flops(s: LayerShape, heads: int, experts: int, topk: int, t
     d, h = s.hidden, s.heads
     # statistics: the source attention (the layer's forward stops after it), values, per-head output energies,
     # attention-map Gram, input moments
-    f.float32 += _attention(s, tokens, window) + 2 * tokens * d * s.kv_heads * s.head_dim + 4 * tokens * h * s.head_dim**2
+    f.float32 += attention_flops(s, tokens, window) + 2 * tokens * d * s.kv_heads * s.head_dim + 4 * tokens * h * s.head_dim**2
     f.float32 += 2 * h * h * tokens * window + 2 * tokens * d * d + 4 * tokens * d * h
     f.float64 += 2 / 3 * d**3 + 4 * d * d * h
     if experts > 1:
@@ -261,7 +265,7 @@ def switchhead_layer_flops(s: LayerShape, heads: int, experts: int, topk: int, t
         f.float64 += 2 / 3 * feats**3 + 2 * feats * feats * d
         # the converted layer's pass that gives the next layer its inputs: the SwitchHead attention again
         f.float32 += attention
-    f.float32 += _mlp(s, tokens)  # the MLP, once: in that converted pass
+    f.float32 += mlp_flops(s, tokens)  # the MLP, once: in that converted pass
     return f
 
 
@@ -300,6 +304,9 @@ class CalibratedCost:
     eager: bool = False  # eager attention: one window per chunk, scores, softmax and maps kept (streaming model)
     # (shape, tokens, window) -> memory terms of one layer's step beyond the streaming model's
     extra_memory: Callable[[LayerShape, int, int], dict[str, int]] | None = None
+    # (shape, tokens) -> bytes of the float32 [tokens, width] tensors the calibration holds at once, when the kind
+    # knows them better than the streaming model's generic count (which is the aligned merge's)
+    activations: Callable[[LayerShape, int], int] | None = None
 
 
 @dataclass
@@ -358,6 +365,8 @@ def estimate_calibrated(config: dict, cost: CalibratedCost, tokens: int, *, dtyp
     rate = throughput or probe_throughput(dev)
     flops = cost.layer_flops(s, tokens, window)
     terms = estimate_peak_bytes(config, tokens, dtype, eager=cost.eager, device=dev.type, window=window)
+    if cost.activations is not None:
+        terms["activations"] = cost.activations(s, tokens)
     fits = cost.fit_bytes(s)
     read = largest_layer_tensor(s) * DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 4)
     memory = {"runtime": terms["runtime"], "layer (float32)": terms["layer"], "embeddings": terms["embedding"],

@@ -71,3 +71,16 @@ def test_memory_estimates_are_within_25_percent_of_the_measured_peaks(model, tmp
     assert within(estimate, measured), (estimate, measured)
     # the model terms are a real part of the estimate, not only the runtime constant
     assert est.uptrain_memory(mqa, uptrain, src, 1) - est.RUNTIME["uptrain"] > 0.1 * measured
+
+
+def test_mla_memory_estimate_is_within_25_percent_of_the_measured_peak(model, tmp_path):
+    """`--to mla`'s cost model (surgery/mla/cost.py) against one conversion's peak RSS (~15 s): the float32 layer,
+    the float64 fits, the calibration activations and DeepSeek's attention on the math path."""
+    from surgery.calibration.stream import RUNTIME_BYTES
+
+    options = step_models()["convert"](to="mla", kv_rank=64, calib_tokens=2048)
+    measured = peak_rss("convert", model, "--to", "mla", "--kv-rank", 64, "--calib-tokens", 2048,
+                        "--out", tmp_path / "mla")
+    estimate = est.convert_memory(est.stats_from_folder(model), options)
+    assert within(estimate, measured), (estimate, measured)
+    assert estimate - RUNTIME_BYTES > 0.1 * measured  # the model terms are a real part of the estimate

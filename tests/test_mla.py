@@ -223,11 +223,3 @@ def test_bfloat16_output_keeps_the_tiny_latent_and_float16_is_refused(tmp_path):
     convert(src, tmp_path / "out", rank=32, dtype="bfloat16")
     err, scale = max_error(src, tmp_path / "out", tm.sample_ids(length=64))
     assert err <= 1e-2 * scale, (err, scale)
-
-
-def test_dry_run_says_there_is_no_cost_model_yet(tmp_path, capsys):
-    src = tiny_llama(tmp_path / "src", kv_heads=2)
-    code, out, err = run_cli(capsys, "convert", src, "--to", "mla", "--kv-rank", 8, "--dry-run", "--out",
-                             tmp_path / "out")
-    assert code == 0, err
-    assert "estimate for mla: not modelled yet" in out and not (tmp_path / "out").exists()

@@ -54,6 +54,14 @@ class MLA(Kind):
                               calib_tokens=options.calib_tokens, calib_window=options.calib_window,
                               device=options.device, **options.write_kwargs())
 
+    def calibration_estimate(self, config: dict, options: MLAOptions, *, dtype: str, device: str, throughput=None):
+        from ..estimate import estimate_calibrated
+        from ..mla.cost import mla_cost
+
+        cost = mla_cost(config, options.kv_rank, options.rope_dim, options.calib_tokens, options.calib_window)
+        return estimate_calibrated(config, cost, options.calib_tokens, dtype=dtype, device=device,
+                                   window=options.calib_window, throughput=throughput)
+
     def summary(self, record: dict, options: MLAOptions) -> str:
         m = record["mla"]
         return (f"mla (latent rank {m['kv_lora_rank']} + rope key {m['qk_rope_head_dim']} per layer) "

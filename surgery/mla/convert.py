@@ -55,7 +55,7 @@ class Shape:
         return 2 * self.kv_heads * self.head_dim
 
 
-def _refuse_config(config: dict) -> None:
+def refuse_config(config: dict) -> None:
     """What a Llama-like config can set that DeepSeek-V3 (as transformers, vLLM and llama.cpp read it) cannot."""
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
@@ -69,10 +69,16 @@ def _refuse_config(config: dict) -> None:
 def source_frequencies(folder: Path, head_dim: int) -> torch.Tensor:
     """The source's rotary frequencies per pair, as its own transformers class computes them (any rope_type: the
     skeleton is built on the meta device, no weights read, no checkpoint code run)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    return config_frequencies(AutoConfig.from_pretrained(folder, trust_remote_code=False), head_dim)
+
+
+def config_frequencies(config, head_dim: int) -> torch.Tensor:
+    """`source_frequencies` of a transformers config object (the dry run's, built from config.json's fields)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
     rotary = next((m for n, m in model.named_modules() if n.endswith("rotary_emb")), None)
@@ -109,6 +115,16 @@ def geometric_strides(inv_freq: torch.Tensor, n: int) -> dict[int, float]:
         if torch.allclose(inv_freq[idx], expected, rtol=1e-5, atol=0):
             out[s] = ratio ** (-n)
     return out
+
+
+def rope_strides(inv_freq: torch.Tensor, rope_dim: int) -> dict[int, float]:
+    """`geometric_strides` for `rope_dim` rotary dims, refused when there is none."""
+    strides = geometric_strides(inv_freq, rope_dim // 2)
+    if not strides:
+        raise SurgeryError(f"--rope-dim {rope_dim}: no {rope_dim // 2} of the source's rotary frequencies form "
+                           "DeepSeek's geometric progression from 1 (its RoPE scaling rescales them); choose a "
+                           "smaller --rope-dim")
+    return strides
 
 
 def choose_frequencies(scores: list[torch.Tensor] | None, strides: dict[int, float], rope_dim: int,
@@ -262,7 +278,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     start = time.time()
     config = src.config
     spec = spec_for(config, KIND)
-    _refuse_config(config)
+    refuse_config(config)
     shape = Shape(spec, config, kv_rank, rope_dim)
     check_output_path(out, force, source=src.folder)
     dev = pick_device(device)
@@ -279,11 +295,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         return SourceAttention(q, k, v, o, shape.heads, shape.kv_heads, shape.head_dim)
 
     inv_freq = source_frequencies(src.folder, shape.head_dim)
-    strides = geometric_strides(inv_freq, shape.rope_dim // 2)
-    if not strides:
-        raise SurgeryError(f"--rope-dim {shape.rope_dim}: no {shape.rope_dim // 2} of the source's rotary frequencies "
-                           "form DeepSeek's geometric progression from 1 (its RoPE scaling rescales them); choose a "
-                           "smaller --rope-dim")
+    strides = rope_strides(inv_freq, shape.rope_dim)
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window)
     out_dtype = getattr(torch, dtype) if dtype else None
     losses: dict[int, tuple[float, float]] = {}
