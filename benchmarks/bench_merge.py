@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 
+import surgery.kinds  # noqa: F401,E402 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
 from surgery.check import compare_models  # noqa: E402
 from surgery.convert_kv import KVOptions, convert_to_kv_heads  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ValidationInfo, field_validator
 
+from ..arch import Feature
 from ..dtypes import DTYPE_NAMES
 from ..options import CliModel, Texts, option, spelling, texts_rule
 
@@ -134,9 +135,13 @@ class Kind:
     options: type[WriteOptions]
     title: str = ""  # the model card's words for the target attention
     help: str = ""  # what `surgery convert --help` says of the kind (kinds sharing words give the same text)
-    # the columns of `surgery convert --list` this kind answers (surgery.arch's refusals are keyed by them);
-    # empty: one column, the kind's name
+    # the columns of `surgery convert --list` this kind answers (the names its converters give surgery.arch's
+    # spec_for); empty: one column, the kind's name
     support_labels: tuple[str, ...] = ()
+    # the family features (surgery.arch.Feature) this kind cannot carry over, each with its one-line reason: a
+    # template over the family's own words for the feature ("{detail}"); a kind whose columns differ overrides
+    # `refusals`
+    refuses: dict[Feature, str] = field(default_factory=dict)
     tags: list[str] = field(default_factory=list)  # the model card's hub tags
     ships_code: bool = False  # the output carries its own modeling code (load with trust_remote_code=True)
     # options that convert a Llama-like model of 8 heads and 4 K/V heads (tests/test_kind_contract.py runs them)
@@ -147,6 +152,10 @@ class Kind:
     # attention the way one implementation does (talking-heads: eager), so the check measures the surgery and not
     # the source's own sdpa-vs-eager rounding
     source_attention: str | None = None
+
+    def refusals(self) -> dict[str, dict[Feature, str]]:
+        """Per support label (a `convert --list` column), the features it refuses and why."""
+        return {label: self.refuses for label in self.support_labels or (self.name,)}
 
     # ---- conversion -------------------------------------------------------------------------------------------
     def calibrates(self, options: WriteOptions) -> bool:

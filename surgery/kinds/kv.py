@@ -8,9 +8,11 @@ from typing import ClassVar, Literal
 
 from pydantic import ValidationInfo, field_validator, model_validator
 
+from ..arch import Feature
 from ..options import Texts, option, spelling
 from .base import (calib_texts_rule, calib_window_rule, CalibrationOptions, Kind, positive_calib_tokens,
                    WriteOptions)
+from .talking_heads import ENCODERS_NEED_CODE
 
 METHODS = ("mean", "first", "random", "aligned")
 MERGES = {  # the model card's words for each merge
@@ -96,6 +98,9 @@ class GQAOptions(KVMergeOptions):
 
 
 class KVMerge(Kind):
+    def refusals(self) -> dict[str, dict[Feature, str]]:
+        return {PLAIN_LABEL: PLAIN_REFUSES, ALIGNED_LABEL: ALIGNED_REFUSES}
+
     def calibrates(self, options: KVMergeOptions) -> bool:
         return options.merge == "aligned"
 
@@ -144,7 +149,22 @@ class KVMerge(Kind):
         return [f"K/V heads merged by: {MERGES.get(method, method)}."] if method else []
 
 
-SUPPORT_LABELS = ("mqa/gqa mean", "mqa/gqa aligned")  # `convert --list`'s columns: the plain and the aligned merge
+# `convert --list`'s columns, the names the converters give spec_for: the plain merges (mean, first, random; streamed
+# tensor by tensor) and the aligned merge (computes each layer's attention on calibration text)
+PLAIN_LABEL, ALIGNED_LABEL = "mqa/gqa mean", "mqa/gqa aligned"
+SUPPORT_LABELS = (PLAIN_LABEL, ALIGNED_LABEL)
+_NORM_MODULES = "MQA/GQA cannot regroup q/k norms that give each head its own weight ({detail})"
+PLAIN_REFUSES = {
+    Feature.ENCODER: ENCODERS_NEED_CODE,
+    Feature.TARGET_LACKS: "{detail}",
+    Feature.NORM_MODULE_PER_HEAD: _NORM_MODULES,
+}
+ALIGNED_REFUSES = PLAIN_REFUSES | {
+    Feature.OWN_ATTENTION: "{detail}: the aligned merge cannot record its queries and keys",
+    Feature.WHOLE_QK_NORM: "{detail}; the aligned merge regroups heads one by one and cannot carry that norm",
+    Feature.PER_HEAD_QK_NORM: "the aligned merge cannot regroup q/k norms that give each head its own weight "
+                              "({detail})",
+}
 HELP = ("mqa/gqa with mean/first/random merges is pure tensor surgery, streamed tensor by tensor: the model is never "
         "built, so memory stays near the largest tensor. The output is a standard checkpoint that plain transformers "
         "(and vLLM) loads.")

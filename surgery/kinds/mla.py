@@ -9,9 +9,11 @@ from typing import ClassVar
 
 from pydantic import ValidationInfo, field_validator, model_validator
 
+from ..arch import Feature
 from ..options import Texts, option, spelling
 from .base import (AttentionShape, calib_texts_rule, calib_window_rule, CalibrationOptions, Kind,
                    positive_calib_tokens, WriteOptions)
+from .talking_heads import ENCODERS_NEED_CODE
 
 
 class MLAOptions(WriteOptions):
@@ -83,5 +85,8 @@ class MLA(Kind):
 
 MLA_KIND = MLA("mla", MLAOptions, title="multi-head latent attention (DeepSeek-V3 MLA)", tags=["mla", "deepseek_v3"],
                config_key="kv_lora_rank", example_options={"kv_rank": 32, "calib_tokens": 512},
+               # MLA rebuilds the source's layer as DeepSeek-V3's: a body that is not Llama's is refused in the
+               # family's own words
+               refuses={Feature.BODY: "{detail}", Feature.ENCODER: ENCODERS_NEED_CODE},
                help="mla writes a plain deepseek_v3 checkpoint (a low-rank latent K/V and one shared rope key, fitted "
                     "layer by layer on calibration text) that transformers, vLLM and llama.cpp load as they are.")
