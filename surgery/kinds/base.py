@@ -98,7 +98,11 @@ def calib_window_rule(cls, v: int, info: ValidationInfo) -> int:
 
 
 class CalibrationOptions(CliModel):
-    """Text read to fit a conversion to the source's activations (aligned merge, SwitchHead)."""
+    """Text read to fit a conversion to the source's activations (aligned merge, SwitchHead, MLA): the one
+    declaration of those options and their rules, mixed into a kind's options model. Fields follow the bases in
+    reverse order, so `class MyOptions(CalibrationOptions, WriteOptions)` puts them after the write options and
+    `class MyOptions(CalibrationOptions, MyFields)` after the kind's own fields (where `--help` and a recipe list
+    them)."""
 
     GROUP: ClassVar[str] = "calibration (aligned merge, switchhead)"
     calib: Texts = option(["general"], "--calib", "Calibration text (same forms as check --data; general: general web "

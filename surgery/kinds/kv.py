@@ -9,9 +9,8 @@ from typing import ClassVar, Literal
 from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..arch import Feature
-from ..options import Texts, option, spelling
-from .base import (calib_texts_rule, calib_window_rule, CalibrationOptions, Kind, positive_calib_tokens,
-                   WriteOptions)
+from ..options import option, spelling
+from .base import CalibrationOptions, Kind, WriteOptions
 from .talking_heads import ENCODERS_NEED_CODE
 
 METHODS = ("mean", "first", "random", "aligned")
@@ -23,7 +22,9 @@ MERGES = {  # the model card's words for each merge
 }
 
 
-class KVMergeOptions(WriteOptions):
+class KVMergeFields(WriteOptions):
+    """The K/V merge's own options (KVMergeOptions adds calibration's after them, for the aligned merge)."""
+
     GROUP: ClassVar[str] = "mqa / gqa"
     kv_heads: int | None = option(None, "--kv-heads", "[gqa] K/V heads after conversion; must divide the source's.",
                                   metavar="N", group=GROUP)
@@ -42,12 +43,6 @@ class KVMergeOptions(WriteOptions):
         False, "--refit-values", "[aligned] Also refit the merged values so that each query head reproduces its "
         "source head's output under the converted attention (holds one hidden x hidden float64 matrix per query head: "
         "about 4 GB on Llama-3-8B).", group=GROUP)
-    calib: Texts = CalibrationOptions.model_fields["calib"]
-    calib_tokens: int = CalibrationOptions.model_fields["calib_tokens"]
-    calib_window: int = CalibrationOptions.model_fields["calib_window"]
-    _calib = field_validator("calib")(calib_texts_rule)
-    _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
-    _calib_window = field_validator("calib_window")(calib_window_rule)
 
     @field_validator("query_samples")
     @classmethod
@@ -56,11 +51,12 @@ class KVMergeOptions(WriteOptions):
             raise ValueError(f"{spelling(info, cls).flag('query_samples')} must be positive, got {v}")
         return v
 
+
+class KVMergeOptions(CalibrationOptions, KVMergeFields):
     @property
     def groups(self) -> int:
         """K/V heads after conversion."""
         return self.kv_heads or 1
-
 
     @model_validator(mode="after")
     def _aligned_only(self, info: ValidationInfo):

@@ -6,24 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import ValidationInfo, field_validator, model_validator
+from pydantic import ValidationInfo, model_validator
 
 from ..arch import Feature
 from ..errors import SurgeryError
-from ..options import Texts, option, spelling
-from .base import (AttentionShape, calib_texts_rule, calib_window_rule, CalibrationOptions, Kind,
-                   positive_calib_tokens, WriteOptions)
+from ..options import option, spelling
+from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
 from .talking_heads import ENCODERS_NEED_CODE
 
 
-class SwitchHeadOptions(WriteOptions):
+class SwitchHeadOptions(CalibrationOptions, WriteOptions):
     GROUP: ClassVar[str] = "switchhead"
-    calib: Texts = CalibrationOptions.model_fields["calib"]
-    calib_tokens: int = CalibrationOptions.model_fields["calib_tokens"]
-    calib_window: int = CalibrationOptions.model_fields["calib_window"]
-    _calib = field_validator("calib")(calib_texts_rule)
-    _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
-    _calib_window = field_validator("calib_window")(calib_window_rule)
     heads: int | None = option(None, "--heads", "[switchhead] Attention heads after conversion (H).", metavar="H",
                                group=GROUP)
     experts: int | None = option(None, "--experts", "[switchhead] Experts per head (E).", metavar="E", group=GROUP)
