@@ -13,13 +13,16 @@ from ..options import option, spelling
 from .base import CalibrationOptions, Kind, WriteOptions
 from .talking_heads import ENCODERS_NEED_CODE
 
-METHODS = ("mean", "first", "random", "aligned")
-MERGES = {  # the model card's words for each merge
+ALIGNED = "aligned"  # the calibrated merge; the others are surgery.kv_pool's POOL_METHODS (tests/test_registry.py)
+# the merge methods, in the order --merge, a recipe's `merge` and compare-merges list them, with the model card's
+# words for each: the one table of their names
+MERGES = {
     "mean": "mean of each group's K/V heads (Ainslie et al. 2023)",
     "first": "first K/V head of each group (ablation)",
     "random": "random initialization at the source's scale (ablation)",
-    "aligned": "activation-aware aligned merge (RoPE-compatible)",
+    ALIGNED: "activation-aware aligned merge (RoPE-compatible)",
 }
+METHODS = tuple(MERGES)
 
 
 class KVMergeFields(WriteOptions):
@@ -61,7 +64,7 @@ class KVMergeOptions(CalibrationOptions, KVMergeFields):
     @model_validator(mode="after")
     def _aligned_only(self, info: ValidationInfo):
         """Options only the aligned merge reads: given with a plain merge they would do nothing, silently."""
-        if self.merge == "aligned":
+        if self.merge == ALIGNED:
             return self
         s = spelling(info, type(self))
         if self.refit_values:
@@ -98,11 +101,11 @@ class KVMerge(Kind):
         return {PLAIN_LABEL: PLAIN_REFUSES, ALIGNED_LABEL: ALIGNED_REFUSES}
 
     def calibrates(self, options: KVMergeOptions) -> bool:
-        return options.merge == "aligned"
+        return options.merge == ALIGNED
 
     def convert(self, source, out: Path, options: KVMergeOptions) -> dict:
         common = options.write_kwargs()
-        if options.merge == "aligned":
+        if options.merge == ALIGNED:
             from ..merge import convert_aligned
             from ..merge.pipeline import MergeOptions
             from ..merge.refit import QueryRefit
@@ -133,7 +136,7 @@ class KVMerge(Kind):
 
         assign = options.grouping == "similarity"
         cost = CalibratedCost(
-            "aligned",
+            ALIGNED,
             lambda s, tokens, window: aligned_layer_flops(s, options.groups or 1, tokens, window, assign,
                                                           options.query_samples, options.refit_values),
             lambda s: fit_bytes(s, options.refit_values))
