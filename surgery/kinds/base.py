@@ -4,6 +4,8 @@ A kind is one `Kind` object in the registry (surgery/kinds/__init__.py):
 - `options`: its pydantic options model, `WriteOptions` plus its own fields, with its rules as validators;
 - `convert(source, out, options)`: calls the library converter and returns the surgery.json record;
 - `calibrates(options)`, `ships_code`: whether it reads calibration text, whether its output carries modeling code;
+- `refuses` (or `refusals()`, per `convert --list` column): the family features (surgery.arch.Feature) it cannot
+  carry over, each with its one-line reason around the family's own words;
 - its cost model: `converted_shape` (parameters and K/V heads after conversion, for the recipe estimate),
   `calibration_estimate` (memory and time of a calibrated conversion, surgery/estimate.py), `attention_macs`
   (the per-token attention work `surgery inspect` and the model card show), `kv_cache_values` (what each runtime
