@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 
+from surgery.kinds.kv import METHODS  # noqa: E402 (importing the kinds registers what each converter refuses)
 from surgery.check import compare_models  # noqa: E402
 from surgery.convert_kv import KVOptions, convert_to_kv_heads  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
@@ -91,7 +92,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--calib-tokens", type=int, default=8192)
-    ap.add_argument("--methods", default="mean,first,random,aligned")
+    ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--uptrain-tokens", type=int, default=0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()

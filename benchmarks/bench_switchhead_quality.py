@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 
+import surgery.kinds  # noqa: F401,E402 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
 from surgery.check import compare_checkpoints  # noqa: E402
 from surgery.data import pydoc_texts  # noqa: E402
 from surgery.source import resolve_source  # noqa: E402

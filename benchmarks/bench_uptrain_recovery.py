@@ -41,6 +41,7 @@ def convert(kind: str, src, out: Path) -> None:
     if (out / "surgery.json").exists():
         return
     if kind == "mean":
+        import surgery.kinds  # noqa: F401 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
         from surgery.convert_kv import KVOptions, convert_to_kv_heads
 
         convert_to_kv_heads(src, out, KVOptions(kv_heads=1, method="mean"), force=True, progress=False)

@@ -7,10 +7,12 @@ A spec answers, from `config.json` and tensor names alone (no model is built):
 - which tensors are Conv1D (stored (in, out)) and which are buffers to drop;
 - which config keys hold the head counts, and how the MQA/GQA target config is rewritten;
 - where q/k norms sit and over what (each head's dims with one shared weight, each head with its own weight, or
-  the whole projection), and which kinds that rules out, with the one-line reason (`refusal`).
+  the whole projection);
+- what the family does that some kinds cannot carry over (`features`: `Feature`s, each in the family's own words).
 
-Kinds keep only what is theirs (modeling class names, `auto_map`). A family with a Llama-like layout is one entry:
-`register(ArchSpec("mytype"))`; the MQA/GQA converter (mean and aligned), talking-heads and SwitchHead all read it.
+Which features a kind refuses, and how it words the refusal, is the kind's (surgery/kinds: `Kind.refusals`, handed
+to `REFUSALS` when a kind registers); a spec states facts and never names a kind. A family with a Llama-like
+layout is one entry: `register(ArchSpec("mytype"))`; every kind reads it.
 """
 
 from __future__ import annotations
@@ -39,14 +41,39 @@ class QKNorm(str, Enum):
     WHOLE = "over the whole projection"  # OLMo2, OLMoE: RMSNorm(heads * head_dim)
 
 
-# kinds whose output is another architecture built from the source's MLP, norms and embeddings (Llama's), refused
-# where `ArchSpec.body` says those differ
-BODY_KINDS = ("mla",)
+class Feature(str, Enum):
+    """What a family does that some kinds cannot carry over. A kind that refuses several of a family's features gives
+    the reason of the first, in this order."""
+
+    BODY = "parts outside attention that are not Llama's (norms, MLP, embeddings, their multipliers)"
+    ENCODER = "an encoder"
+    OWN_ATTENTION = "computes attention itself, not through transformers' attention interface"
+    TARGET_LACKS = "a setting the MQA/GQA target architecture has no equivalent of"
+    CLIP_QKV = "clamps the q/k/v projections' outputs (clip_qkv)"
+    WHOLE_QK_NORM = "a q/k norm over the whole projection"
+    NORM_MODULE_PER_HEAD = "per-head q/k norms stored as one norm module per head"
+    PER_HEAD_QK_NORM = "per-head q/k norms, each head its own weight"
+
+
+@dataclass(frozen=True)
+class Trait:
+    """One feature of one family: the family's own words for it (`detail`, what a kind's refusal quotes) and the
+    config key that turns it on (`switch`; None: always on)."""
+
+    feature: Feature
+    detail: str = ""
+    switch: str | None = None
+
+    def on(self, config: dict | None) -> bool:
+        """Whether the family has this feature: always, or (`switch`) when the config sets that key."""
+        return self.switch is None or (config is not None and bool(config.get(self.switch)))
+
+
+# support label (a column of `surgery convert --list`) -> the features it refuses -> its one-line reason, a template
+# over the family's words ("{detail}"). Filled by surgery.kinds.register: the kinds own their refusals.
+REFUSALS: dict[str, dict[Feature, str]] = {}
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra")
-_OWN_ATTENTION = "{} computes attention itself, not through transformers' attention interface: {}"
-_NEEDS_INTERFACE = {"mqa/gqa aligned": "the aligned merge cannot record its queries and keys",
-                    "talking-heads": "talking-heads cannot mix its heads",
-                    "switchhead": "SwitchHead cannot attend in its place"}
+_WHOLE_NORM = "q/k norms over the whole projection couple all heads (one RMS over every K head)"
 
 
 @dataclass(frozen=True)
@@ -84,13 +111,14 @@ class ArchSpec:
     target_model_type: str | None = None
     target_architectures: tuple[str, ...] = ()
     target_keys: tuple[str, ...] = ()
-    # kind -> one-line reason it cannot be done; with a config key, only when that key is set (truthy)
-    refusals: tuple[tuple[str, str | None, str], ...] = ()
+    # features some kinds cannot carry over, beyond those the fields below imply (`features`)
+    traits: tuple[Trait, ...] = ()
     rotary: bool = True  # positions rotate queries and keys (RoPE)
     rotary_pairs: str = "half"  # dims a rotation pairs: (i, i + rot/2) ("half") or (2i, 2i + 1) ("interleaved")
     encoder: bool = False
     # why the parts outside attention (norms, MLP, embeddings) are not Llama's (RMSNorm w * x / rms, gated MLP
-    # down(act(gate) * up), plain embedding and untied-or-tied head); None: they are, and BODY_KINDS may rebuild them
+    # down(act(gate) * up), plain embedding and untied-or-tied head); None: they are, and a kind that rebuilds them
+    # (Feature.BODY) may
     body: str | None = None
     notes: str = ""
 
@@ -200,25 +228,47 @@ class ArchSpec:
     def has_qk_norm(self, config: dict) -> bool:
         return self.qk_norm != QKNorm.NONE and (self.qk_norm_switch is None or bool(config.get(self.qk_norm_switch)))
 
-    def refusal(self, kind: str, config: dict | None = None) -> str | None:
-        """Why `kind` cannot convert this family (with this config), in one line; None when it can."""
-        for k, key, reason in self.refusals:
-            if k == kind and (key is None or (config is not None and config.get(key))):
-                return reason
-        if kind in BODY_KINDS and self.body:
-            return self.body
+    @property
+    def features(self) -> tuple[Trait, ...]:
+        """Everything the family does that some kinds cannot carry over, in `Feature` order: what its body, encoder
+        and q/k norm fields imply, and its other `traits`."""
+        implied = [Trait(Feature.BODY, self.body)] if self.body else []
+        if self.encoder:
+            implied.append(Trait(Feature.ENCODER, "an encoder"))
+        if self.qk_norm == QKNorm.WHOLE:
+            implied.append(Trait(Feature.WHOLE_QK_NORM, _WHOLE_NORM, self.qk_norm_switch))
+        elif self.qk_norm == QKNorm.PER_HEAD:
+            implied.append(Trait(Feature.PER_HEAD_QK_NORM, self.qk_norm_switch or self.name, self.qk_norm_switch))
+        order = list(Feature)
+        return tuple(sorted((*implied, *self.traits), key=lambda t: order.index(t.feature)))
+
+    def refused_trait(self, kind: str, config: dict | None = None) -> tuple[Trait, str] | None:
+        """The first feature (with this config) that the kind's support label `kind` refuses, and its reason."""
+        refuses = refusals_of(kind)
+        for trait in self.features:
+            if trait.feature in refuses and trait.on(config):
+                return trait, refuses[trait.feature].format(detail=trait.detail)
         return None
+
+    def refusal(self, kind: str, config: dict | None = None) -> str | None:
+        """Why `kind` (a support label) cannot convert this family (with this config), in one line; None when it
+        can. Without a config, only the features the family always has count."""
+        refused = self.refused_trait(kind, config)
+        return refused[1] if refused else None
+
+
+def refusals_of(kind: str) -> dict[Feature, str]:
+    """The features a support label refuses (what surgery.kinds registered)."""
+    try:
+        return REFUSALS[kind]
+    except KeyError:
+        known = ", ".join(REFUSALS) or "none registered: import surgery.kinds"
+        raise SurgeryError(f"no conversion kind answers to {kind!r} (known: {known})") from None
 
 
 # Config defaults that decide a layout when config.json leaves the key out (transformers' own defaults).
 _DEFAULTS = {("gpt_bigcode", "multi_query"): True, ("falcon", "multi_query"): True,
              ("falcon", "new_decoder_architecture"): False}
-
-_WHOLE_NORM = ("q/k norms over the whole projection couple all heads (one RMS over every K head); "
-               "{} regroups heads one by one and cannot carry that norm")
-_CLIP_QKV = "SwitchHead sums value experts and cannot clamp their sum as OLMo's clip_qkv clamps v_proj"
-_ENCODER = "encoders need modeling code that travels with the checkpoint: use --to talking-heads"
-_NO_PER_HEAD_NORM = "{} cannot regroup q/k norms that give each head its own weight ({})"
 
 SPECS: list[ArchSpec] = [
     ArchSpec("llama", notes="q/k/v/o_proj per layer"),
@@ -237,23 +287,19 @@ SPECS: list[ArchSpec] = [
              notes="logit softcap, sliding-window layers"),
     ArchSpec("gemma3_text", body="(1 + w) RMSNorms, post-norms and an embedding multiplier",
              qk_norm=QKNorm.HEAD_DIM, notes="sliding and global layers, per-head q/k norms"),
-    ArchSpec("olmo", body="LayerNorm without weights", refusals=(("switchhead", "clip_qkv", _CLIP_QKV),)),
+    ArchSpec("olmo", body="LayerNorm without weights", traits=(Trait(Feature.CLIP_QKV, "OLMo's clip_qkv clamps v_proj", "clip_qkv"),)),
     ArchSpec("olmo2", body="norms after attention and MLP, and q/k norms",
-             qk_norm=QKNorm.WHOLE, refusals=(("mqa/gqa aligned", None, _WHOLE_NORM.format("the aligned merge")),
-                                                      ("switchhead", None, _WHOLE_NORM.format("SwitchHead"))),
+             qk_norm=QKNorm.WHOLE,
              notes="q/k norms over the whole projection: mean pooling averages the K norm's weight over each group"),
     ArchSpec("olmoe", body="q/k norms and a sparse-MoE MLP",
-             qk_norm=QKNorm.WHOLE, refusals=(("mqa/gqa aligned", None, _WHOLE_NORM.format("the aligned merge")),
-                                                      ("switchhead", None, _WHOLE_NORM.format("SwitchHead")))),
+             qk_norm=QKNorm.WHOLE),
     ArchSpec("smollm3", body="layers without RoPE (no_rope_layers)", notes="some layers without RoPE (no_rope_layers)"),
     ArchSpec("phi", body="LayerNorm and a parallel, ungated MLP",
              o="dense", qk_norm=QKNorm.HEAD_DIM, qk_norm_names=("q_layernorm", "k_layernorm"),
              qk_norm_switch="qk_layernorm", notes="partial rotary, biases, output projection `dense`"),
     ArchSpec("stablelm", body="LayerNorm", qk_norm=QKNorm.PER_HEAD, qk_norm_names=("q_layernorm", "k_layernorm"),
              qk_norm_switch="qk_layernorm",
-             refusals=(("mqa/gqa mean", "qk_layernorm", _NO_PER_HEAD_NORM.format("MQA/GQA", "StableLM qk_layernorm")),
-                       ("mqa/gqa aligned", "qk_layernorm", _NO_PER_HEAD_NORM.format("MQA/GQA", "StableLM qk_layernorm")),
-                       ("switchhead", "qk_layernorm", _NO_PER_HEAD_NORM.format("SwitchHead", "StableLM qk_layernorm"))),
+             traits=(Trait(Feature.NORM_MODULE_PER_HEAD, "StableLM qk_layernorm", "qk_layernorm"),),
              notes="partial rotary"),
     ArchSpec("starcoder2", body="LayerNorm and an ungated MLP", notes="biases on q/k/v/o"),
     ArchSpec("granite", body="embedding, residual and logit multipliers",
@@ -261,8 +307,6 @@ SPECS: list[ArchSpec] = [
              "sit outside attention"),
     ArchSpec("cohere", body="LayerNorm, a parallel block and a logit scale",
              qk_norm=QKNorm.PER_HEAD, rotary_pairs="interleaved", qk_norm_switch="use_qk_norm",
-             refusals=(("mqa/gqa aligned", "use_qk_norm", _NO_PER_HEAD_NORM.format("the aligned merge", "use_qk_norm")),
-                       ("switchhead", "use_qk_norm", _NO_PER_HEAD_NORM.format("SwitchHead", "use_qk_norm"))),
              notes="interleaved rotary; with use_qk_norm, mean pooling averages the K norm's per-head weights (the "
              "aligned merge groups heads by similarity and reorders query heads, which per-head norms cannot follow)"),
     ArchSpec("cohere2", body="LayerNorm, a parallel block and sliding-window layers",
@@ -291,10 +335,8 @@ SPECS: list[ArchSpec] = [
                           "resid_pdrop", "embd_pdrop", "attn_pdrop", "layer_norm_epsilon", "initializer_range",
                           "scale_attn_weights", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
                           "tie_word_embeddings", "dtype", "torch_dtype"),
-             refusals=(("mqa/gqa mean", "scale_attn_by_inverse_layer_idx",
-                        "GPT-2 with scale_attn_by_inverse_layer_idx has no GPTBigCode equivalent"),
-                       ("mqa/gqa aligned", "scale_attn_by_inverse_layer_idx",
-                        "GPT-2 with scale_attn_by_inverse_layer_idx has no GPTBigCode equivalent")),
+             traits=(Trait(Feature.TARGET_LACKS, "GPT-2 with scale_attn_by_inverse_layer_idx has no GPTBigCode "
+                           "equivalent", "scale_attn_by_inverse_layer_idx"),),
              notes="converted into GPTBigCode (multi_query=True for MQA), a standard architecture that stores one K/V "
              "head; GPTBigCode has only MQA and MHA, so G must be 1 or the number of heads."),
     ArchSpec("gpt_bigcode", body="LayerNorm, learned positions and an ungated MLP",
@@ -307,14 +349,13 @@ SPECS: list[ArchSpec] = [
              layout_rules=(("new_decoder_architecture", True, QKVLayout.GROUPED), ("multi_query", True, QKVLayout.FUSED)),
              layers_path="h", attention="self_attention", qkv="query_key_value", o="dense", kv_heads_key="num_kv_heads",
              head_dim_key=None, mqa_flag="multi_query",
-             refusals=tuple((kind, None, _OWN_ATTENTION.format("FalconAttention", why))
-                            for kind, why in _NEEDS_INTERFACE.items()),
+             traits=(Trait(Feature.OWN_ATTENTION, "FalconAttention computes attention itself, not through "
+                           "transformers' attention interface"),),
              notes="new_decoder_architecture stores [kv head, (q heads, k, v), head_dim] with num_kv_heads; the old "
              "one stores MQA (multi_query) or [head, (q, k, v), head_dim]: there G must be 1 or the number of heads"),
     ArchSpec("bert", body="an encoder",
              layers_path=r"encoder\.layer", attention="attention.self", q="query", k="key", v="value", o=None,
              encoder=True, rotary=False,
-             refusals=tuple((kind, None, _ENCODER) for kind in ("mqa/gqa mean", "mqa/gqa aligned", "switchhead")),
              notes="encoder (talking-heads only)"),
 ]
 
@@ -331,6 +372,7 @@ def unregister(name: str) -> None:
 
 
 def supported_model_types(kind: str | None = None) -> list[str]:
+    """The model_types `kind` (a support label; None: any kind) converts with the family's default config."""
     return sorted(t for s in SPECS for t in s.model_types if kind is None or s.refusal(kind) is None)
 
 
@@ -341,17 +383,20 @@ def find_spec(model_type: str | None) -> ArchSpec | None:
     return None
 
 
-def spec_for(config: dict, kind: str = "mqa/gqa mean") -> ArchSpec:
-    """The family of `config`, refusing in one line when `kind` cannot convert it."""
+def spec_for(config: dict, kind: str | None = None) -> ArchSpec:
+    """The family of `config`, refusing in one line when `kind` (a support label, as the kind's converter names
+    itself) cannot convert it; None: any family surgery knows."""
     model_type = config.get("model_type")
     spec = find_spec(model_type)
     if spec is None:
-        hint = ""
-        if model_type in ENCODER_TYPES and kind != "talking-heads":
-            hint = " (encoders need modeling code that travels with the checkpoint: use --to talking-heads)"
+        if kind is None:
+            raise SurgeryError(f"unsupported architecture {model_type!r}; supported: "
+                               f"{', '.join(supported_model_types())}")
+        encoders = refusals_of(kind).get(Feature.ENCODER)
+        hint = f" ({encoders})" if model_type in ENCODER_TYPES and encoders else ""
         raise SurgeryError(f"unsupported architecture {model_type!r} for {kind}{hint}; supported: "
                            f"{', '.join(supported_model_types(kind))}")
-    reason = spec.refusal(kind, config)
+    reason = spec.refusal(kind, config) if kind is not None else None
     if reason:
         raise SurgeryError(f"{kind} cannot convert {model_type!r}: {reason}; supported: "
                            f"{', '.join(supported_model_types(kind))}")
@@ -383,8 +428,15 @@ def support_table(columns: tuple[str, ...]) -> list[dict[str, str]]:
 
 
 def conditional_refusals() -> list[str]:
-    return [f"{spec.name}: {kind} refused when `{key}` is set ({reason})"
-            for spec in sorted(SPECS, key=lambda s: s.name) for kind, key, reason in spec.refusals if key is not None]
+    """Refusals that depend on a config key: per family, per support label, the first feature it refuses among
+    those a key turns on."""
+    lines = []
+    for spec in sorted(SPECS, key=lambda s: s.name):
+        for kind in REFUSALS:
+            refused = spec.refused_trait(kind, {t.switch: True for t in spec.features if t.switch})
+            if refused and refused[0].switch:
+                lines.append(f"{spec.name}: {kind} refused when `{refused[0].switch}` is set ({refused[1]})")
+    return lines
 
 
 def support_markdown(kinds: tuple[str, ...]) -> str:

@@ -9,6 +9,8 @@ from .convert_kv import KVOptions, convert_to_kv_heads
 from .data import pydoc_texts
 from .errors import SurgeryError
 from .inspect import inspect_checkpoint, print_inspection
+from .kinds import find_kind
+from .kinds.kv import MQA
 from .record import read_record
 from .source import CACHE_DIR, resolve_source
 
@@ -27,7 +29,7 @@ def is_demo_output(folder: Path) -> bool:
         record = read_record(folder)
     except SurgeryError:
         return False
-    return record.get("kind") == "mqa" and (record.get("source") or {}).get("spec") == "smollm2"
+    return find_kind(record) is MQA and (record.get("source") or {}).get("spec") == "smollm2"
 
 
 def run_demo(out: Path, tokens: int = 4096, force: bool = False) -> dict:

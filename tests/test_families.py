@@ -135,3 +135,27 @@ def test_list_prints_the_table_and_readme_has_the_same():
     # every family the table calls supported has a tiny model the parametrized exactness tests run on
     tested = {tm.ARCHS[a]().model_type for a in tm.ARCHS} | {"bert"}
     assert {row.strip("| ").split(" | ")[0] for row in rows} <= tested
+
+
+def test_families_state_facts_and_each_kind_words_its_own_refusals():
+    """surgery/arch.py names no kind: a kind registered at test time that refuses one family feature gets its
+    `--list` column and its one-line refusal, worded by the kind around the family's own words for the feature."""
+    from surgery.arch import Feature
+    from surgery.kinds import Kind, WriteOptions, register, unregister
+
+    source = (REPO / "surgery" / "arch.py").read_text()
+    assert not [label for label in support_labels() if f'"{label}"' in source]
+    register(Kind("clipless", WriteOptions, refuses={Feature.CLIP_QKV: "clipless cannot clamp as {detail}"}))
+    try:
+        olmo = tm.ARCHS["olmo"]().to_dict()
+        with pytest.raises(SurgeryError, match=r"^clipless cannot convert 'olmo': clipless cannot clamp as OLMo's "
+                                               r"clip_qkv clamps v_proj; supported: "):
+            arch.spec_for({**olmo, "clip_qkv": 8.0}, "clipless")
+        assert arch.spec_for(olmo, "clipless").name == "olmo"  # the feature is off without the key
+        table = support_markdown(support_labels())
+        assert " clipless |" in table.splitlines()[0]
+        assert "- olmo: clipless refused when `clip_qkv` is set (clipless cannot clamp as OLMo's" in table
+    finally:
+        unregister("clipless")
+    with pytest.raises(SurgeryError, match="no conversion kind answers to 'clipless'"):
+        arch.spec_for(olmo, "clipless")

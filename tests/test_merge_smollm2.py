@@ -7,6 +7,7 @@ import importlib.util
 import pytest
 import torch
 
+import surgery.kinds  # noqa: F401 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
 from surgery.check import compare_models
 from surgery.runtime import load_model, load_tokenizer
 from surgery.data import pydoc_texts, token_stream

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import surgery.kinds  # noqa: F401 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
 from surgery.check import compare_models
 from surgery.runtime import load_model
 from surgery.convert_kv import KVOptions, convert_to_kv_heads

@@ -300,15 +300,21 @@ def test_a_recipe_step_s_command_line_parses_back_into_the_same_options(values):
     assert parsed.kind_options == step.kind_options
 
 
-def test_uptrain_s_options_model_covers_the_library_s_options():
-    """Every option of the training run has its flag and recipe field, and no flag names an option it lacks."""
-    from dataclasses import fields
-
+def test_uptrain_s_options_are_declared_once_and_worded_per_front_end():
+    """The library's run options are the command's options model (its flags, a recipe's fields, its rules) plus what
+    only a library call gives: a rule reads --seq-len in the library and seq_len in a recipe."""
     from surgery.commands.uptrain import UptrainArgs
+    from surgery.errors import SurgeryError
+    from surgery.options import YAML
     from surgery.uptrain import UptrainOptions
 
-    library = {f.name for f in fields(UptrainOptions)} - {"model", "out", "progress"}
-    assert set(UptrainArgs.model_fields) == library
+    assert issubclass(UptrainOptions, UptrainArgs)
+    assert set(UptrainOptions.model_fields) - set(UptrainArgs.model_fields) == {"model", "out", "progress"}
+    with pytest.raises(SurgeryError, match=r"^--seq-len must be at least 2 "):
+        UptrainOptions(model="m", out="o", tokens=64, seq_len=1)
+    with pytest.raises(ValueError, match=r"seq_len must be at least 2 ") as refused:
+        UptrainArgs.model_validate({"tokens": 64, "seq_len": 1}, context={"spelling": YAML})
+    assert "--" not in str(refused.value)
 
 
 @pytest.mark.parametrize("args, message", [

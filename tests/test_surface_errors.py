@@ -381,9 +381,13 @@ def test_device_cuda_without_cuda_is_refused_for_a_calibrated_merge(model, run_c
     assert listing(work) == []
 
 
-@pytest.mark.parametrize("step,fragment", [({"uptrain": {"tokens": 512, "lora_rank": -1}}, "--lora-rank"),
-                                           ({"uptrain": {"tokens": 512, "stage": "bogus"}}, "--stage 'bogus'"),
-                                           ({"uptrain": {"tokens": 512, "max_shard_size": "5XB"}}, "--max-shard-size"),
+@pytest.mark.parametrize("step,fragment", [({"uptrain": {"tokens": 512, "lora_rank": -1}}, "lora_rank must not"),
+                                           ({"uptrain": {"tokens": 512, "stage": "bogus"}}, "unknown stage 'bogus'"),
+                                           ({"uptrain": {"tokens": 512, "max_shard_size": "5XB"}}, "max_shard_size '5XB'"),
+                                           ({"uptrain": {"tokens": 512, "seq_len": 1}}, "seq_len must be at least 2"),
+                                           ({"uptrain": {"tokens": 512, "data": ["pydoc", "pydoc"],
+                                                         "data_weights": "1"}}, "data_weights gives 1 weight(s) for 2 "
+                                                                                "data source(s)"),
                                            ({"push": {"repo_id": "me/..x"}}, "repo id 'me/..x'"),
                                            ({"push": {"repo_id": "me/../x"}}, "owner/name")])
 def test_recipe_fields_are_refused_when_the_recipe_loads(model, run_cli, tmp_path, step, fragment):

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import PrivateAttr, ValidationError, ValidationInfo, create_model, model_validator
 
+from .. import arch
 from ..errors import SurgeryError
 from ..model_types import CONVERTED_PREFIXES
 from ..options import CliModel, option, spelling
@@ -37,12 +38,21 @@ def register(kind: Kind) -> Kind:
     _KINDS[kind.name] = kind
     if kind.model_type_prefix:
         CONVERTED_PREFIXES[kind.name] = kind.model_type_prefix
+    _hand_refusals_to_arch()
     return kind
 
 
 def unregister(name: str) -> None:
     _KINDS.pop(name, None)
     CONVERTED_PREFIXES.pop(name, None)
+    _hand_refusals_to_arch()
+
+
+def _hand_refusals_to_arch() -> None:
+    """surgery.arch answers `spec_for(config, label)` and `convert --list` from what the registered kinds refuse
+    (kinds sharing a label, like mqa and gqa, declare it alike)."""
+    arch.REFUSALS.clear()
+    arch.REFUSALS.update({label: table for k in _KINDS.values() for label, table in k.refusals().items()})
 
 
 for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD, MLA_KIND):
@@ -55,7 +65,7 @@ def kind_names() -> tuple[str, ...]:
 
 def support_labels() -> tuple[str, ...]:
     """The columns of `surgery convert --list`: every kind's support labels, in registration order, once each."""
-    return tuple(dict.fromkeys(label for k in _KINDS.values() for label in (k.support_labels or (k.name,))))
+    return tuple(dict.fromkeys(label for k in _KINDS.values() for label in k.refusals()))
 
 
 def get_kind(name: str) -> Kind:

@@ -4,6 +4,8 @@ A kind is one `Kind` object in the registry (surgery/kinds/__init__.py):
 - `options`: its pydantic options model, `WriteOptions` plus its own fields, with its rules as validators;
 - `convert(source, out, options)`: calls the library converter and returns the surgery.json record;
 - `calibrates(options)`, `ships_code`: whether it reads calibration text, whether its output carries modeling code;
+- `refuses` (or `refusals()`, per `convert --list` column): the family features (surgery.arch.Feature) it cannot
+  carry over, each with its one-line reason around the family's own words;
 - its cost model: `converted_shape` (parameters and K/V heads after conversion, for the recipe estimate),
   `calibration_estimate` (memory and time of a calibrated conversion, surgery/estimate.py), `attention_macs`
   (the per-token attention work `surgery inspect` and the model card show), `kv_cache_values` (what each runtime
@@ -18,6 +20,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ValidationInfo, field_validator
 
+from ..arch import Feature
 from ..dtypes import DTYPE_NAMES
 from ..options import CliModel, Texts, option, spelling, texts_rule
 
@@ -97,7 +100,11 @@ def calib_window_rule(cls, v: int, info: ValidationInfo) -> int:
 
 
 class CalibrationOptions(CliModel):
-    """Text read to fit a conversion to the source's activations (aligned merge, SwitchHead)."""
+    """Text read to fit a conversion to the source's activations (aligned merge, SwitchHead, MLA): the one
+    declaration of those options and their rules, mixed into a kind's options model. Fields follow the bases in
+    reverse order, so `class MyOptions(CalibrationOptions, WriteOptions)` puts them after the write options and
+    `class MyOptions(CalibrationOptions, MyFields)` after the kind's own fields (where `--help` and a recipe list
+    them)."""
 
     GROUP: ClassVar[str] = "calibration (aligned merge, switchhead)"
     calib: Texts = option(["general"], "--calib", "Calibration text (same forms as check --data; general: general web "
@@ -134,9 +141,13 @@ class Kind:
     options: type[WriteOptions]
     title: str = ""  # the model card's words for the target attention
     help: str = ""  # what `surgery convert --help` says of the kind (kinds sharing words give the same text)
-    # the columns of `surgery convert --list` this kind answers (surgery.arch's refusals are keyed by them);
-    # empty: one column, the kind's name
+    # the columns of `surgery convert --list` this kind answers (the names its converters give surgery.arch's
+    # spec_for); empty: one column, the kind's name
     support_labels: tuple[str, ...] = ()
+    # the family features (surgery.arch.Feature) this kind cannot carry over, each with its one-line reason: a
+    # template over the family's own words for the feature ("{detail}"); a kind whose columns differ overrides
+    # `refusals`
+    refuses: dict[Feature, str] = field(default_factory=dict)
     tags: list[str] = field(default_factory=list)  # the model card's hub tags
     ships_code: bool = False  # the output carries its own modeling code (load with trust_remote_code=True)
     # options that convert a Llama-like model of 8 heads and 4 K/V heads (tests/test_kind_contract.py runs them)
@@ -147,6 +158,10 @@ class Kind:
     # attention the way one implementation does (talking-heads: eager), so the check measures the surgery and not
     # the source's own sdpa-vs-eager rounding
     source_attention: str | None = None
+
+    def refusals(self) -> dict[str, dict[Feature, str]]:
+        """Per support label (a `convert --list` column), the features it refuses and why."""
+        return {label: self.refuses for label in self.support_labels or (self.name,)}
 
     # ---- conversion -------------------------------------------------------------------------------------------
     def calibrates(self, options: WriteOptions) -> bool:

@@ -8,20 +8,26 @@ from typing import ClassVar, Literal
 
 from pydantic import ValidationInfo, field_validator, model_validator
 
-from ..options import Texts, option, spelling
-from .base import (calib_texts_rule, calib_window_rule, CalibrationOptions, Kind, positive_calib_tokens,
-                   WriteOptions)
+from ..arch import Feature
+from ..options import option, spelling
+from .base import CalibrationOptions, Kind, WriteOptions
+from .talking_heads import ENCODERS_NEED_CODE
 
-METHODS = ("mean", "first", "random", "aligned")
-MERGES = {  # the model card's words for each merge
+ALIGNED = "aligned"  # the calibrated merge; the others are surgery.kv_pool's POOL_METHODS (tests/test_registry.py)
+# the merge methods, in the order --merge, a recipe's `merge` and compare-merges list them, with the model card's
+# words for each: the one table of their names
+MERGES = {
     "mean": "mean of each group's K/V heads (Ainslie et al. 2023)",
     "first": "first K/V head of each group (ablation)",
     "random": "random initialization at the source's scale (ablation)",
-    "aligned": "activation-aware aligned merge (RoPE-compatible)",
+    ALIGNED: "activation-aware aligned merge (RoPE-compatible)",
 }
+METHODS = tuple(MERGES)
 
 
-class KVMergeOptions(WriteOptions):
+class KVMergeFields(WriteOptions):
+    """The K/V merge's own options (KVMergeOptions adds calibration's after them, for the aligned merge)."""
+
     GROUP: ClassVar[str] = "mqa / gqa"
     kv_heads: int | None = option(None, "--kv-heads", "[gqa] K/V heads after conversion; must divide the source's.",
                                   metavar="N", group=GROUP)
@@ -40,12 +46,6 @@ class KVMergeOptions(WriteOptions):
         False, "--refit-values", "[aligned] Also refit the merged values so that each query head reproduces its "
         "source head's output under the converted attention (holds one hidden x hidden float64 matrix per query head: "
         "about 4 GB on Llama-3-8B).", group=GROUP)
-    calib: Texts = CalibrationOptions.model_fields["calib"]
-    calib_tokens: int = CalibrationOptions.model_fields["calib_tokens"]
-    calib_window: int = CalibrationOptions.model_fields["calib_window"]
-    _calib = field_validator("calib")(calib_texts_rule)
-    _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
-    _calib_window = field_validator("calib_window")(calib_window_rule)
 
     @field_validator("query_samples")
     @classmethod
@@ -54,16 +54,17 @@ class KVMergeOptions(WriteOptions):
             raise ValueError(f"{spelling(info, cls).flag('query_samples')} must be positive, got {v}")
         return v
 
+
+class KVMergeOptions(CalibrationOptions, KVMergeFields):
     @property
     def groups(self) -> int:
         """K/V heads after conversion."""
         return self.kv_heads or 1
 
-
     @model_validator(mode="after")
     def _aligned_only(self, info: ValidationInfo):
         """Options only the aligned merge reads: given with a plain merge they would do nothing, silently."""
-        if self.merge == "aligned":
+        if self.merge == ALIGNED:
             return self
         s = spelling(info, type(self))
         if self.refit_values:
@@ -96,12 +97,15 @@ class GQAOptions(KVMergeOptions):
 
 
 class KVMerge(Kind):
+    def refusals(self) -> dict[str, dict[Feature, str]]:
+        return {PLAIN_LABEL: PLAIN_REFUSES, ALIGNED_LABEL: ALIGNED_REFUSES}
+
     def calibrates(self, options: KVMergeOptions) -> bool:
-        return options.merge == "aligned"
+        return options.merge == ALIGNED
 
     def convert(self, source, out: Path, options: KVMergeOptions) -> dict:
         common = options.write_kwargs()
-        if options.merge == "aligned":
+        if options.merge == ALIGNED:
             from ..merge import convert_aligned
             from ..merge.pipeline import MergeOptions
             from ..merge.refit import QueryRefit
@@ -132,7 +136,7 @@ class KVMerge(Kind):
 
         assign = options.grouping == "similarity"
         cost = CalibratedCost(
-            "aligned",
+            ALIGNED,
             lambda s, tokens, window: aligned_layer_flops(s, options.groups or 1, tokens, window, assign,
                                                           options.query_samples, options.refit_values),
             lambda s: fit_bytes(s, options.refit_values))
@@ -144,7 +148,22 @@ class KVMerge(Kind):
         return [f"K/V heads merged by: {MERGES.get(method, method)}."] if method else []
 
 
-SUPPORT_LABELS = ("mqa/gqa mean", "mqa/gqa aligned")  # `convert --list`'s columns: the plain and the aligned merge
+# `convert --list`'s columns, the names the converters give spec_for: the plain merges (mean, first, random; streamed
+# tensor by tensor) and the aligned merge (computes each layer's attention on calibration text)
+PLAIN_LABEL, ALIGNED_LABEL = "mqa/gqa mean", "mqa/gqa aligned"
+SUPPORT_LABELS = (PLAIN_LABEL, ALIGNED_LABEL)
+_NORM_MODULES = "MQA/GQA cannot regroup q/k norms that give each head its own weight ({detail})"
+PLAIN_REFUSES = {
+    Feature.ENCODER: ENCODERS_NEED_CODE,
+    Feature.TARGET_LACKS: "{detail}",
+    Feature.NORM_MODULE_PER_HEAD: _NORM_MODULES,
+}
+ALIGNED_REFUSES = PLAIN_REFUSES | {
+    Feature.OWN_ATTENTION: "{detail}: the aligned merge cannot record its queries and keys",
+    Feature.WHOLE_QK_NORM: "{detail}; the aligned merge regroups heads one by one and cannot carry that norm",
+    Feature.PER_HEAD_QK_NORM: "the aligned merge cannot regroup q/k norms that give each head its own weight "
+                              "({detail})",
+}
 HELP = ("mqa/gqa with mean/first/random merges is pure tensor surgery, streamed tensor by tensor: the model is never "
         "built, so memory stays near the largest tensor. The output is a standard checkpoint that plain transformers "
         "(and vLLM) loads.")

@@ -7,14 +7,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import ValidationInfo, field_validator, model_validator
+from pydantic import ValidationInfo, model_validator
 
-from ..options import Texts, option, spelling
-from .base import (AttentionShape, calib_texts_rule, calib_window_rule, CalibrationOptions, Kind,
-                   positive_calib_tokens, WriteOptions)
+from ..arch import Feature
+from ..options import option, spelling
+from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
+from .talking_heads import ENCODERS_NEED_CODE
 
 
-class MLAOptions(WriteOptions):
+class MLAFields(WriteOptions):
+    """MLA's own options (MLAOptions adds calibration's after them)."""
+
     GROUP: ClassVar[str] = "mla"
     kv_rank: int | None = option(
         None, "--kv-rank", "[mla] Rank of the cached latent (kv_lora_rank): at most 2 x K/V heads x head_dim, the "
@@ -23,13 +26,9 @@ class MLAOptions(WriteOptions):
     rope_dim: int | None = option(
         None, "--rope-dim", "[mla] Rotary dims of the one rope key every head shares (qk_rope_head_dim; even, at most "
         "head_dim; default head_dim).", metavar="D", group=GROUP)
-    calib: Texts = CalibrationOptions.model_fields["calib"]
-    calib_tokens: int = CalibrationOptions.model_fields["calib_tokens"]
-    calib_window: int = CalibrationOptions.model_fields["calib_window"]
-    _calib = field_validator("calib")(calib_texts_rule)
-    _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
-    _calib_window = field_validator("calib_window")(calib_window_rule)
 
+
+class MLAOptions(CalibrationOptions, MLAFields):
     @model_validator(mode="after")
     def _sizes(self, info: ValidationInfo):
         s = spelling(info, type(self))
@@ -91,5 +90,8 @@ class MLA(Kind):
 
 MLA_KIND = MLA("mla", MLAOptions, title="multi-head latent attention (DeepSeek-V3 MLA)", tags=["mla", "deepseek_v3"],
                config_key="kv_lora_rank", example_options={"kv_rank": 32, "calib_tokens": 512},
+               # MLA rebuilds the source's layer as DeepSeek-V3's: a body that is not Llama's is refused in the
+               # family's own words
+               refuses={Feature.BODY: "{detail}", Feature.ENCODER: ENCODERS_NEED_CODE},
                help="mla writes a plain deepseek_v3 checkpoint (a low-rank latent K/V and one shared rope key, fitted "
                     "layer by layer on calibration text) that transformers, vLLM and llama.cpp load as they are.")

@@ -6,22 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import ValidationInfo, field_validator, model_validator
+from pydantic import ValidationInfo, model_validator
 
+from ..arch import Feature
 from ..errors import SurgeryError
-from ..options import Texts, option, spelling
-from .base import (AttentionShape, calib_texts_rule, calib_window_rule, CalibrationOptions, Kind,
-                   positive_calib_tokens, WriteOptions)
+from ..options import option, spelling
+from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
+from .talking_heads import ENCODERS_NEED_CODE
 
 
-class SwitchHeadOptions(WriteOptions):
+class SwitchHeadOptions(CalibrationOptions, WriteOptions):
     GROUP: ClassVar[str] = "switchhead"
-    calib: Texts = CalibrationOptions.model_fields["calib"]
-    calib_tokens: int = CalibrationOptions.model_fields["calib_tokens"]
-    calib_window: int = CalibrationOptions.model_fields["calib_window"]
-    _calib = field_validator("calib")(calib_texts_rule)
-    _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
-    _calib_window = field_validator("calib_window")(calib_window_rule)
     heads: int | None = option(None, "--heads", "[switchhead] Attention heads after conversion (H).", metavar="H",
                                group=GROUP)
     experts: int | None = option(None, "--experts", "[switchhead] Experts per head (E).", metavar="E", group=GROUP)
@@ -94,7 +89,18 @@ def switchhead_memory(s, tokens: int, window: int, heads: int | None, experts: i
     return memory
 
 
+_PER_HEAD_NORMS = "SwitchHead cannot regroup q/k norms that give each head its own weight ({detail})"
+REFUSES = {
+    Feature.ENCODER: ENCODERS_NEED_CODE,
+    Feature.OWN_ATTENTION: "{detail}: SwitchHead cannot attend in its place",
+    Feature.CLIP_QKV: "SwitchHead sums value experts and cannot clamp their sum as {detail}",
+    Feature.WHOLE_QK_NORM: "{detail}; SwitchHead regroups heads one by one and cannot carry that norm",
+    Feature.NORM_MODULE_PER_HEAD: _PER_HEAD_NORMS,
+    Feature.PER_HEAD_QK_NORM: _PER_HEAD_NORMS,
+}
+
 SWITCHHEAD = SwitchHead("switchhead", SwitchHeadOptions,
                         title="SwitchHead attention, σ-MoE V/O projections (Csordás et al. 2023)",
                         tags=["switchhead", "moe"], ships_code=True, model_type_prefix="switchhead_",
-                        config_key="switchhead", example_options={"heads": 8, "experts": 1, "topk": 1})
+                        config_key="switchhead", example_options={"heads": 8, "experts": 1, "topk": 1},
+                        refuses=REFUSES)

@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .options import DIVERGENCES  # declared with the options (--kd-divergence)
+
 
 # Positions per chunk of the losses: each chunk's softmax temporaries ([chunk, V] floats, a few of them) live only
 # while that chunk is computed, and are recomputed in the backward pass instead of being kept (activation
@@ -54,8 +56,6 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = _same
         return F.cross_entropy(project(x).float(), t, ignore_index=-100, reduction="sum")
     return _chunked_sum(nll_sum, logits.flatten(0, 1), targets) / counted
 
-
-DIVERGENCES = ("forward", "reverse", "jsd")
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,

@@ -1,20 +1,29 @@
-"""What one uptraining run is asked to do, checked before anything is loaded."""
+"""What one uptraining run is asked to do, declared once: `UptrainArgs` is the options model of `surgery uptrain`
+(its flags, surgery/clickgen.py), of a recipe's `uptrain:` step (its fields, surgery/recipes) and, with MODEL and
+OUT, of the library call `uptrain(UptrainOptions(model=..., out=..., tokens=...))`. Its validators are the rules,
+worded per front end (`--seq-len` on the command line and in the library, `seq_len` in a recipe); all of them run
+before anything is loaded."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+import typing
 from pathlib import Path
+from typing import Literal
+
+from pydantic import PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from ..atomic import check_apart
 from ..errors import SurgeryError
 from ..general_text import resolve_texts
-from .losses import DIVERGENCES
+from ..options import CliModel, Texts, cli_meta, option, spelling, texts_rule
 
 LOSSES = ("auto", "lm", "kd", "mix")
 TRAIN = ("all", "attention", "new")
 STAGES = ("align", "kd")
 DATA_MODES = ("auto", "packed", "stream")  # --stage: layer-local attention alignment, end-to-end training (--loss); in this order
+DIVERGENCES = ("forward", "reverse", "jsd")  # KL(teacher‖student), KL(student‖teacher), Jensen-Shannon (losses.kd_loss)
+RUNNER_OWNED = ("force", "resume", "run_dir")  # a recipe's runner decides these (and MODEL and --out)
 
 # Options that fix the trajectory of a run: a resumed run must repeat them. (micro_batch and the number of
 # processes only change how a step's batch is split, not what the step computes, so they may change on resume.)
@@ -31,130 +40,225 @@ LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_we
 PACKED_TOKENS = 1 << 22  # --data-mode auto: runs of at most this many training tokens (16 MiB of windows) are packed
 
 
-@dataclass
-class UptrainOptions:
+def weights_rule(cls, v, info: ValidationInfo):
+    """--data-weights: one positive weight per --data (a recipe's list too), checked when a recipe loads."""
+    from .stream import parse_weights
+
+    s = spelling(info, cls)
+    try:
+        parse_weights(v, len(info.data.get("data") or ["pydoc"]), s.flag("data_weights"), s.flag("data"))
+    except SurgeryError as e:
+        raise ValueError(str(e)) from None
+    return v
+
+
+def counts_rule(cls, v: int, info: ValidationInfo):
+    least = 1 if info.field_name == "data_epochs" else 0
+    if v < least:
+        raise ValueError(f"{spelling(info, cls).flag(info.field_name)} must be at least {least}, got {v}")
+    return v
+
+
+class UptrainArgs(CliModel):
+    """Every option of one uptraining run but the model, the output and the progress display."""
+
+    data: Texts = option(["general"], "--data", "Text: general (general web text, C4, from the hub; pydoc "
+                         "offline), pydoc, local .txt/.jsonl/.parquet files or globs, or a hub "
+                         "dataset name[:config][@split]. Repeat for a mixture (--data-weights).")
+    data_weights: str | list[float] | None = option(
+        None, "--data-weights", "Mixture weights, one per --data, comma-separated (default: equal).")
+    data_mode: Literal[DATA_MODES] = option(
+        "auto", "--data-mode", "packed: tokenize the training text up front, in memory (epochs over small data, each "
+        "reshuffled); stream: read, tokenize and pack documents as training needs them. auto: packed for one text and "
+        "at most 4M training tokens, else stream.")
+    data_workers: int = option(0, "--data-workers", "[stream] Worker processes per training process that read and "
+                               "tokenize (0: the training process itself).")
+    data_epochs: int = option(1, "--data-epochs", "[stream] Passes a source may make over its documents; one that "
+                              "runs dry sooner stops the run.")
+    tokens: int = option(None, "--tokens", "Training tokens (rounded up to whole steps).", required=True)
+    text_field: str = option("text", "--text-field", "Column holding the text in tabular data.")
+    streaming: bool = option(False, "--streaming", "Stream a hub dataset instead of downloading it whole.")
+    loss: Literal[LOSSES] = option(
+        "auto", "--loss", "lm: next-token; kd: KL to the teacher's logits; mix: both. auto: kd when a teacher is known.")
+    teacher: str | None = option(None, "--teacher", "Teacher checkpoint (default: the source named in "
+                                                    "MODEL/surgery.json).")
+    trust_remote_code: bool = option(False, "--trust-remote-code", "Run modeling code that MODEL's folder ships "
+                                     "(auto_map); not needed for this toolkit's own unmodified talking-heads/SwitchHead "
+                                     "code.")
+    trust_teacher_code: bool = option(False, "--trust-teacher-code", "Run modeling code that the teacher's folder "
+                                                                      "ships.")
+    temperature: float = option(1.0, "--temperature", "[kd/mix] Distillation temperature.")
+    kd_weight: float = option(0.5, "--kd-weight", "[mix] Weight of the KD term.")
+    kd_divergence: Literal[DIVERGENCES] = option(
+        "forward", "--kd-divergence", "[kd/mix] forward: KL(teacher‖student), covers every token the teacher "
+        "considers; reverse: KL(student‖teacher), seeks the teacher's likeliest tokens; jsd: Jensen-Shannon, between.")
+    hidden_weight: float = option(0.0, "--hidden-weight", "Add this weight times every layer's hidden-state cosine "
+                                  "distance to the teacher's (same depth and width) to the loss; 0: off.")
+    train: Literal[TRAIN] = option(
+        "all", "--train", "What trains: everything, attention (projections + new parameters), or only new parameters.")
+    seq_len: int = option(1024, "--seq-len", "Tokens per packed sequence.")
+    batch_tokens: int = option(16384, "--batch-tokens", "Tokens per optimizer step (all processes).")
+    micro_batch: int = option(4, "--micro-batch", "Sequences per forward pass per process.")
+    lr: float = option(1e-4, "--lr", "Peak learning rate (AdamW).")
+    min_lr_ratio: float = option(0.1, "--min-lr-ratio", "Cosine floor, as a fraction of --lr.")
+    warmup_steps: int | None = option(None, "--warmup-steps", "Linear warmup steps (default: 5% of the steps).")
+    weight_decay: float = option(0.01, "--weight-decay")
+    max_grad_norm: float = option(1.0, "--max-grad-norm", "Gradient clipping (0: off).")
+    gradient_checkpointing: bool = option(False, "--gradient-checkpointing", "Recompute activations in the backward "
+                                                                              "pass.")
+    eval_tokens: int = option(16384, "--eval-tokens", "Held-out tokens (0: no evaluation).")
+    eval_data: str | None = option(None, "--eval-data", "A second held-out text, evaluated beside the training "
+                                   "text's own held-out split (its first --eval-tokens tokens; same forms as --data): "
+                                   "text of another domain tells recovery from fitting the training text's domain.")
+    eval_every: int | None = option(None, "--eval-every", "Steps between evaluations (default: about 10 evaluations "
+                                                          "per run; 0: only at the start and the end).")
+    save_every: int = option(100, "--save-every", "Steps between checkpoints.")
+    keep_last: int = option(2, "--keep-last", "Checkpoints kept.")
+    resume: bool = option(False, "--resume", "Continue from the newest checkpoint in the run folder.")
+    run_dir: str | None = option(None, "--run-dir", "Checkpoints and metrics while running (default OUT.run).",
+                                 path="any")
+    keep_run_dir: bool = option(False, "--keep-run-dir", "Keep the run folder (checkpoints) after success.")
+    seed: int = option(0, "--seed")
+    force: bool = option(False, "--force", "Replace an existing output (and an earlier run folder).")
+    max_shard_size: str = option("5GB", "--max-shard-size", "Largest output shard.")
+    progress_every: float = option(30.0, "--progress-every", "Seconds between progress lines when stderr is not a "
+                                                             "terminal (a terminal gets a bar).")
+    stage: str = option("kd", "--stage", "align: train each attention to match the teacher's attention output, layer "
+                        "by layer; kd: end-to-end training by --loss; align,kd: both, splitting --tokens.")
+    align_tokens: int | None = option(None, "--align-tokens", "[align,kd] The align stage's share of --tokens "
+                                                              "(default: a quarter).")
+    align_epochs: int = option(4, "--align-epochs", "[align] Passes over its windows per layer.")
+    align_lr: float = option(1e-3, "--align-lr", "[align] Adam learning rate.")
+    lora_rank: int = option(0, "--lora-rank", "Train LoRA adapters of this rank instead of the weights (needs peft: "
+                                              "the `lora` extra).")
+    lora_alpha: float | None = option(None, "--lora-alpha", "LoRA scaling numerator (default: 2 x rank).")
+    lora_targets: str | None = option(None, "--lora-targets", "Comma-separated module-name patterns for LoRA (default: "
+                                                              "the attention's linear layers).")
+    merge_lora: bool = option(True, "--merge-lora", "Merge the adapters into the output, or keep the input's weights "
+                                                    "and write OUT/adapter.")
+
+    _data = field_validator("data")(texts_rule("data"))
+    _weights = field_validator("data_weights")(weights_rule)
+    _counts = field_validator("data_workers", "data_epochs")(counts_rule)
+
+    @field_validator("run_dir", mode="before")
+    @classmethod
+    def _run_dir(cls, v):
+        return str(v) if isinstance(v, Path) else v  # the library's Path
+
+    @model_validator(mode="after")
+    def _uptrain_rules(self, info: ValidationInfo):
+        """The run's rules across fields, in the order a run meets them, so that a recipe's uptrain step is refused
+        when the recipe loads (and in --dry-run), not when the step starts."""
+        check_rules(self, spelling(info, type(self)))
+        return self
+
+
+def check_rules(o, s) -> None:
+    """Every rule of an uptraining run's options `o` (a recipe's step model too), named in spelling `s`; the first
+    broken one raises ValueError."""
+    if o.data_mode == "packed" and (len(o.data) > 1 or o.data_workers):
+        raise ValueError(f"{s.flag('data_mode')} packed reads one text in this process: several {s.flag('data')} or "
+                         f"{s.flag('data_workers')} need {s.flag('data_mode')} stream")
+    try:
+        resolve_texts(o.data)
+    except SurgeryError as e:
+        raise ValueError(str(e)) from None
+    for name in ("tokens", "seq_len", "batch_tokens", "micro_batch", "keep_last"):
+        if getattr(o, name) < 1:
+            raise ValueError(f"{s.flag(name)} must be at least 1, got {getattr(o, name)}")
+    for name in ("lr", "weight_decay", "max_grad_norm", "temperature", "kd_weight", "hidden_weight", "min_lr_ratio",
+                 "progress_every"):
+        if not math.isfinite(getattr(o, name)):
+            raise ValueError(f"{s.flag(name)} must be a finite number, got {getattr(o, name)}")
+    for name in ("eval_tokens", "eval_every", "save_every", "weight_decay", "max_grad_norm", "hidden_weight"):
+        if getattr(o, name) is not None and getattr(o, name) < 0:
+            raise ValueError(f"{s.flag(name)} must not be negative, got {getattr(o, name)}")
+    if o.eval_data is not None and not o.eval_tokens:
+        raise ValueError(f"{s.flag('eval_data')} needs held-out tokens ({s.flag('eval_tokens')} above 0)")
+    if o.seq_len < 2:
+        raise ValueError(f"{s.flag('seq_len')} must be at least 2 (a next-token target needs two tokens)")
+    if o.batch_tokens % o.seq_len:
+        raise ValueError(f"{s.flag('batch_tokens')} {o.batch_tokens} must be a multiple of {s.flag('seq_len')} "
+                         f"{o.seq_len}")
+    if not o.lr > 0:
+        raise ValueError(f"{s.flag('lr')} must be positive, got {o.lr}")
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ValueError(f"{s.flag('min_lr_ratio')} must lie in [0, 1], got {o.min_lr_ratio}")
+    if not o.temperature > 0:
+        raise ValueError(f"{s.flag('temperature')} must be positive, got {o.temperature}")
+    if not 0 <= o.kd_weight <= 1:
+        raise ValueError(f"{s.flag('kd_weight')} must lie in [0, 1], got {o.kd_weight}")
+    stages = stages_of(o.stage)
+    if stages is None:
+        raise ValueError(f"unknown {s.flag('stage')} {o.stage!r}; choose align, kd or align,kd")
+    if o.align_tokens is not None and not 0 < o.align_tokens <= o.tokens:
+        raise ValueError(f"{s.flag('align_tokens')} must lie in [1, {s.flag('tokens')} {o.tokens}], got "
+                         f"{o.align_tokens}")
+    if o.align_tokens is not None and "align" not in stages:
+        raise ValueError(f"{s.flag('align_tokens')} needs {s.flag('stage')} align or align,kd")
+    if o.align_epochs < 1:
+        raise ValueError(f"{s.flag('align_epochs')} must be at least 1, got {o.align_epochs}")
+    if not (math.isfinite(o.align_lr) and o.align_lr > 0):
+        raise ValueError(f"{s.flag('align_lr')} must be positive, got {o.align_lr}")
+    if o.lora_rank < 0:
+        raise ValueError(f"{s.flag('lora_rank')} must not be negative, got {o.lora_rank}")
+    if o.lora_alpha is not None and not (math.isfinite(o.lora_alpha) and o.lora_alpha > 0):
+        raise ValueError(f"{s.flag('lora_alpha')} must be positive, got {o.lora_alpha}")
+    if o.lora_targets and not o.lora_rank:
+        raise ValueError(f"{s.flag('lora_targets')} needs {s.flag('lora_rank')}")
+    try:
+        check_shard_size(o.max_shard_size, s.flag("max_shard_size"))
+    except SurgeryError as e:
+        raise ValueError(str(e)) from None
+    if o.warmup_steps is not None and o.warmup_steps < 0:
+        raise ValueError(f"{s.flag('warmup_steps')} must not be negative, got {o.warmup_steps}")
+
+
+def stages_of(stage: str) -> tuple[str, ...] | None:
+    """--stage as its stages, in order ("align,kd" -> ("align", "kd")); None when it is not one of them."""
+    stages = tuple(part.strip() for part in str(stage).split(","))
+    if not stages or any(part not in STAGES for part in stages) or list(stages) != sorted(set(stages),
+                                                                                          key=STAGES.index):
+        return None
+    return stages
+
+
+class UptrainOptions(UptrainArgs):
+    """One run, as the library takes it: `uptrain(UptrainOptions(model=..., out=..., tokens=..., ...))`. A broken
+    rule raises SurgeryError, worded as the command line's."""
+
     model: str  # checkpoint folder to train (the student)
     out: Path
-    data: str | list[str] = "general"  # one text or several mixed by data_weights; "general": C4 from the hub, or pydoc offline (surgery/general_text.py)
-    data_weights: str | list[float] | None = None  # None: equal weights
-    data_epochs: int = 1  # [stream] passes over a source allowed before it has run dry
-    data_workers: int = 0  # [stream] DataLoader worker processes per process that read and tokenize
-    data_mode: str = "auto"  # packed: tokenized up front, in memory (epochs reshuffled); stream; auto: by --tokens
-    tokens: int = 1_000_000  # training tokens (rounded up to whole optimizer steps)
-    text_field: str = "text"
-    streaming: bool = False
-    seq_len: int = 1024
-    batch_tokens: int = 16384  # tokens per optimizer step, all processes together
-    micro_batch: int = 4  # sequences per forward pass per process
-    eval_tokens: int = 16384  # held-out tokens (0: no evaluation)
-    eval_every: int | None = None  # steps between evaluations (0: only at the start and the end; None: ~10 per run)
-    eval_data: str | None = None  # a second held-out text (its first eval_tokens tokens), e.g. of another domain
-    loss: str = "auto"  # auto: kd when a teacher is known, else lm
-    teacher: str | None = None  # overrides the source named in surgery.json
-    temperature: float = 1.0
-    kd_weight: float = 0.5  # weight of the KD term in `mix`
-    kd_divergence: str = "forward"  # forward KL, reverse KL or jsd (surgery/uptrain/losses.py: kd_loss)
-    hidden_weight: float = 0.0  # weight of the per-layer hidden-state term (surgery/uptrain/losses.py); 0: none
-    train: str = "all"
-    lr: float = 1e-4
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int | None = None  # None: 5% of the steps
-    weight_decay: float = 0.01
-    max_grad_norm: float = 1.0
-    gradient_checkpointing: bool = False
-    seed: int = 0
-    save_every: int = 100  # steps between checkpoints (0: only at the end)
-    keep_last: int = 2
-    resume: bool = False
-    run_dir: Path | None = None  # checkpoints and metrics while running; default OUT.run beside OUT
-    keep_run_dir: bool = False  # keep checkpoints after success
-    force: bool = False
-    max_shard_size: str = "5GB"
-    trust_remote_code: bool = False  # run code the model folder ships (see surgery/trust.py)
-    trust_teacher_code: bool = False  # run code the teacher's folder ships
+    tokens: int = option(1_000_000, "--tokens", "Training tokens (rounded up to whole steps).")
+    run_dir: Path | None = option(None, "--run-dir", "Checkpoints and metrics while running (default OUT.run).",
+                                  path="any")
     progress: bool = True
-    progress_every: float = 30.0  # seconds between progress lines when stderr is not a terminal
-    stage: str = "kd"  # "align", "kd" (end-to-end, by --loss) or "align,kd"
-    align_tokens: int | None = None  # of --tokens, for the align stage (None: all for "align", a quarter for "align,kd")
-    align_epochs: int = 4  # passes over the alignment windows, per layer
-    align_lr: float = 1e-3
-    lora_rank: int = 0  # 0: full fine-tuning of the --train parameters
-    lora_alpha: float | None = None  # None: 2 x rank
-    lora_targets: str | None = None  # None: the linear layers of the attention blocks
-    merge_lora: bool = True
+    _weights_: list[float] = PrivateAttr(default_factory=list)
 
-    def __post_init__(self):
+    def __init__(self, **values):
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            raise SurgeryError(library_message(type(self), e)) from None
+
+    @model_validator(mode="after")
+    def _resolve(self):
+        """What the run reads: the texts resolved, the mixture's weights, the run folder (default OUT.run)."""
         from .stream import parse_weights
 
-        self.data = [self.data] if isinstance(self.data, str) else list(self.data)
-        if not self.data:
-            raise SurgeryError("--data needs at least one text")
-        self.weights = parse_weights(self.data_weights, len(self.data))
-        if self.data_epochs < 1 or self.data_workers < 0:
-            raise SurgeryError(f"--data-epochs must be at least 1 and --data-workers not negative, got "
-                               f"{self.data_epochs} and {self.data_workers}")
-        if self.data_mode not in DATA_MODES:
-            raise SurgeryError(f"unknown --data-mode {self.data_mode!r}; choose from {', '.join(DATA_MODES)}")
-        if self.data_mode == "packed" and (len(self.data) > 1 or self.data_workers):
-            raise SurgeryError("--data-mode packed reads one text in this process: several --data or --data-workers "
-                               "need --data-mode stream")
-        self.out = Path(self.out)
+        self._weights_ = parse_weights(self.data_weights, len(self.data))
         self.data = resolve_texts(self.data)
+        self.stage = ",".join(stages_of(self.stage))
         self.run_dir = Path(self.run_dir) if self.run_dir else self.out.absolute().parent / f"{self.out.name}.run"
         # the run folder is deleted after success (and by --force): never the output, inside it, or holding it
         check_apart(self.run_dir, "run folder", [("output", self.out)], option="--run-dir")
-        positive = ("tokens", "seq_len", "batch_tokens", "micro_batch", "keep_last")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise SurgeryError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("lr", "weight_decay", "max_grad_norm", "temperature", "kd_weight", "hidden_weight", "min_lr_ratio",
-                     "progress_every"):
-            if not math.isfinite(getattr(self, name)):
-                raise SurgeryError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
-        for name in ("eval_tokens", "eval_every", "save_every", "weight_decay", "max_grad_norm", "hidden_weight"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise SurgeryError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
-        if self.eval_data is not None and not self.eval_tokens:
-            raise SurgeryError("--eval-data needs held-out tokens (--eval-tokens above 0)")
-        if self.seq_len < 2:
-            raise SurgeryError("--seq-len must be at least 2 (a next-token target needs two tokens)")
-        if self.loss not in LOSSES:
-            raise SurgeryError(f"unknown --loss {self.loss!r}; choose from {', '.join(LOSSES)}")
-        if self.train not in TRAIN:
-            raise SurgeryError(f"unknown --train {self.train!r}; choose from {', '.join(TRAIN)}")
-        if self.batch_tokens % self.seq_len:
-            raise SurgeryError(f"--batch-tokens {self.batch_tokens} must be a multiple of --seq-len {self.seq_len}")
-        if not self.lr > 0:
-            raise SurgeryError(f"--lr must be positive, got {self.lr}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise SurgeryError(f"--min-lr-ratio must lie in [0, 1], got {self.min_lr_ratio}")
-        if not self.temperature > 0:
-            raise SurgeryError(f"--temperature must be positive, got {self.temperature}")
-        if self.kd_divergence not in DIVERGENCES:
-            raise SurgeryError(f"unknown --kd-divergence {self.kd_divergence!r}; choose from {', '.join(DIVERGENCES)}")
-        if not 0 <= self.kd_weight <= 1:
-            raise SurgeryError(f"--kd-weight must lie in [0, 1], got {self.kd_weight}")
-        stages = tuple(s.strip() for s in str(self.stage).split(","))
-        if not stages or any(s not in STAGES for s in stages) or list(stages) != sorted(set(stages), key=STAGES.index):
-            raise SurgeryError(f"unknown --stage {self.stage!r}; choose align, kd or align,kd")
-        self.stage = ",".join(stages)
-        if self.align_tokens is not None and not 0 < self.align_tokens <= self.tokens:
-            raise SurgeryError(f"--align-tokens must lie in [1, --tokens {self.tokens}], got {self.align_tokens}")
-        if self.align_tokens is not None and "align" not in stages:
-            raise SurgeryError("--align-tokens needs --stage align or align,kd")
-        if self.align_epochs < 1:
-            raise SurgeryError(f"--align-epochs must be at least 1, got {self.align_epochs}")
-        if not (math.isfinite(self.align_lr) and self.align_lr > 0):
-            raise SurgeryError(f"--align-lr must be positive, got {self.align_lr}")
-        if self.lora_rank < 0:
-            raise SurgeryError(f"--lora-rank must not be negative, got {self.lora_rank}")
-        if self.lora_alpha is not None and not (math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
-            raise SurgeryError(f"--lora-alpha must be positive, got {self.lora_alpha}")
-        if self.lora_targets and not self.lora_rank:
-            raise SurgeryError("--lora-targets needs --lora-rank")
-        check_shard_size(self.max_shard_size)
-        if self.warmup_steps is not None and self.warmup_steps < 0:
-            raise SurgeryError(f"--warmup-steps must not be negative, got {self.warmup_steps}")
+        return self
+
+    @property
+    def weights(self) -> list[float]:
+        """The mixture's weights, normalised, one per --data."""
+        return self._weights_
 
     @property
     def streamed(self) -> bool:
@@ -209,16 +313,26 @@ class UptrainOptions:
         return self.warmup_steps if self.warmup_steps is not None else max(1, round(0.05 * self.steps))
 
     def trajectory(self) -> dict:
-        d = asdict(self)
+        d = self.model_dump()
         d |= {"data": self.data_spec, "data_mode": "stream" if self.streamed else "packed",
               "data_weights": [round(w, 12) for w in self.weights] if len(self.data) > 1 else None}
         return {k: (str(d[k]) if isinstance(d[k], Path) else d[k]) for k in TRAJECTORY_KEYS} | {"warmup_steps": self.warmup}
 
-    def as_record(self) -> dict:
-        return {f.name: (str(v) if isinstance(v := getattr(self, f.name), Path) else v) for f in fields(self)}
+
+def library_message(model, error: ValidationError) -> str:
+    """A validation error as the library's one line, spelled as the command line spells the option."""
+    err = error.errors(include_url=False)[0]
+    field = next((p for p in err["loc"] if isinstance(p, str) and p in model.model_fields), None)
+    if err["type"] == "literal_error" and field is not None:
+        choices = typing.get_args(model.model_fields[field].annotation)
+        return f"unknown {cli_meta(model, field)['flag']} {err['input']!r}; choose from {', '.join(choices)}"
+    message = err["msg"].removeprefix("Value error, ")
+    if field is not None and err["type"] not in ("value_error", "assertion_error"):
+        message = f"{cli_meta(model, field)['flag']}: {message}"
+    return message
 
 
-def check_shard_size(size) -> None:
+def check_shard_size(size, flag: str = "--max-shard-size") -> None:
     """--max-shard-size as save_pretrained (huggingface_hub's parse_size_to_int) reads it, checked before the run,
     not after the training it would end."""
     from huggingface_hub.serialization._base import parse_size_to_int
@@ -230,9 +344,8 @@ def check_shard_size(size) -> None:
     except (ValueError, TypeError):
         ok = False
     if not ok:
-        raise SurgeryError(f"--max-shard-size {size!r}: use a positive size in KB, MB, GB or TB (e.g. 500MB, 5GB)")
+        raise SurgeryError(f"{flag} {size!r}: use a positive size in KB, MB, GB or TB (e.g. 500MB, 5GB)")
 
 
-TRAJECTORY_DEFAULTS = {f.name: f.default for f in fields(UptrainOptions) if f.name in LATER_TRAJECTORY_KEYS}
-TRAJECTORY_DEFAULTS = {f.name: f.default for f in fields(UptrainOptions) if f.name in LATER_TRAJECTORY_KEYS} | {
+TRAJECTORY_DEFAULTS = {k: UptrainOptions.model_fields[k].default for k in LATER_TRAJECTORY_KEYS} | {
     "data_mode": "packed"}

@@ -58,20 +58,22 @@ def local_files(spec: str) -> list[str]:
     return [spec] if Path(spec).is_file() else []
 
 
-def parse_weights(weights: str | list | None, count: int) -> list[float]:
-    """`--data-weights 0.7,0.3` -> normalised weights, one per `--data`; equal weights when not given."""
+def parse_weights(weights: str | list | None, count: int, flag: str = "--data-weights",
+                  data_flag: str = "--data") -> list[float]:
+    """`--data-weights 0.7,0.3` -> normalised weights, one per `--data`; equal weights when not given. (`flag`,
+    `data_flag`: how the front end spells the two options, `data_weights` and `data` in a recipe.)"""
     if weights is None or weights == "" or weights == []:
         return [1.0 / count] * count
     items = weights.split(",") if isinstance(weights, str) else list(weights)
     try:
         values = [float(w) for w in items]
     except (TypeError, ValueError):
-        raise SurgeryError(f"--data-weights {weights!r}: not a comma-separated list of numbers") from None
+        raise SurgeryError(f"{flag} {weights!r}: not a comma-separated list of numbers") from None
     if len(values) != count:
-        raise SurgeryError(f"--data-weights gives {len(values)} weight(s) for {count} --data source(s): give one "
+        raise SurgeryError(f"{flag} gives {len(values)} weight(s) for {count} {data_flag} source(s): give one "
                            f"per source")
     if not all(np.isfinite(v) and v > 0 for v in values):
-        raise SurgeryError(f"--data-weights must all be positive numbers, got {weights}")
+        raise SurgeryError(f"{flag} must all be positive numbers, got {weights}")
     total = sum(values)
     return [v / total for v in values]
 
