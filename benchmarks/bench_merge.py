@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 
-from surgery.check import compare_models  # noqa: E402
+from surgery.check.compare import compare_models  # noqa: E402
 from surgery.convert_kv import KVOptions, convert_to_kv_heads  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
 from surgery.merge import convert_aligned  # noqa: E402

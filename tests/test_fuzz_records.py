@@ -97,7 +97,7 @@ def validation(model):
 
 @pytest.fixture(scope="module")
 def check_report(model):
-    from surgery.check import compare_checkpoints
+    from surgery.check.compare import compare_checkpoints
     from surgery.data import load_texts
     from surgery.source import resolve_source
 

@@ -15,7 +15,7 @@ import pytest
 
 from hub_server import LocalHub
 from surgery import general_text as g
-from surgery.checking.overlap import document_sha256
+from surgery.check.overlap import document_sha256
 from test_merge_convert import char_tokenizer, tiny
 
 REPO = Path(__file__).resolve().parents[1]

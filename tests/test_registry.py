@@ -35,7 +35,7 @@ LAYERS = [
     ("conversions", ["surgery.calibration", "surgery.merge", "surgery.switchhead", "surgery.talking_heads",
                      "surgery.mla", "surgery.convert_kv", "surgery.estimate"]),
     ("kinds", ["surgery.kinds"]),
-    ("checkpoint users", ["surgery.check", "surgery.checking", "surgery.inspect", "surgery.bench",
+    ("checkpoint users", ["surgery.check", "surgery.inspect", "surgery.bench",
                           "surgery.dry_run", "surgery.demo", "surgery.publish", "surgery.uptrain",
                           "surgery.merge.compare", "surgery.recipes.estimate"]),
     ("commands", ["surgery.commands"]),

@@ -312,7 +312,7 @@ def test_mistyped_recipe_state(model, run_cli, tmp_path, field, value):
 
 @pytest.fixture(scope="module")
 def check_report(model, converted, tmp_path_factory):
-    from surgery.check import compare_checkpoints
+    from surgery.check.compare import compare_checkpoints
     from surgery.data import load_texts
     from surgery.source import resolve_source
 

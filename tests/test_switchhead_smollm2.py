@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from surgery.check import compare_models
+from surgery.check.compare import compare_models
 from surgery.runtime import load_model
 from surgery.data import pydoc_texts, token_stream
 from surgery.inspect import inspect_checkpoint
