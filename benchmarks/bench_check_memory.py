@@ -74,7 +74,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-check-") as tmp:
         converted = args.converted
         if converted is None:
-            from surgery.convert_kv import KVOptions, convert_to_kv_heads
+            from surgery.kv.convert import KVOptions, convert_to_kv_heads
             from surgery.source import resolve_source
 
             converted = str(Path(tmp) / "mqa")

@@ -25,7 +25,7 @@ import tiny_models as tm  # noqa: E402
 from test_merge_convert import _rotated_copy_heads, aligned, heldout_ids, kl_to_source, tiny  # noqa: E402
 
 from surgery import arch  # noqa: E402
-from surgery.convert_kv import KVOptions, convert_to_kv_heads  # noqa: E402
+from surgery.kv.convert import KVOptions, convert_to_kv_heads  # noqa: E402
 from surgery.source import resolve_source  # noqa: E402
 
 

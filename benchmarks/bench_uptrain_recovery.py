@@ -41,11 +41,11 @@ def convert(kind: str, src, out: Path) -> None:
     if (out / "surgery.json").exists():
         return
     if kind == "mean":
-        from surgery.convert_kv import KVOptions, convert_to_kv_heads
+        from surgery.kv.convert import KVOptions, convert_to_kv_heads
 
         convert_to_kv_heads(src, out, KVOptions(kv_heads=1, method="mean"), force=True, progress=False)
     elif kind == "aligned":
-        from surgery.merge import convert_aligned
+        from surgery.kv.aligned import convert_aligned
 
         convert_aligned(src, out, kv_heads=1, force=True, progress=False)
     elif kind == "switchhead":

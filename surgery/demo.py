@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .check.compare import compare_checkpoints, print_report, tolerance
-from .convert_kv import KVOptions, convert_to_kv_heads
+from .kv.convert import KVOptions, convert_to_kv_heads
 from .data import pydoc_texts
 from .errors import SurgeryError
 from .inspect import inspect_checkpoint, print_inspection

@@ -22,7 +22,7 @@ from surgery.runtime import load_model
 from surgery.check import generate as gen
 from surgery.check.overlap import document_sha256
 from surgery.check.spill import SpillStore
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts, token_stream
 from surgery.errors import SurgeryError
 from surgery.publish.card import generation_section, positions_section

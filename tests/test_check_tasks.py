@@ -19,7 +19,7 @@ from tiny_models import char_tokenizer
 
 from surgery.check.compare import compare_checkpoints
 from surgery.check.tasks import parse_tasks, rows
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts
 from surgery.errors import SurgeryError
 from surgery.publish.card import tasks_section

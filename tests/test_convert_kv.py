@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import tiny_models as tm
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.source import resolve_source
 
 ARCHS = list(tm.ARCHS)

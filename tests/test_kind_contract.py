@@ -16,7 +16,7 @@ from inprocess import run_cli
 def _toy_kind():
     """A kind written as a contributor would: pools K/V heads like gqa, records itself as "toy", and claims a
     paged runtime (vLLM) caches half of what transformers does (a claim only the kind can make)."""
-    from surgery.convert_kv import KVOptions, convert_to_kv_heads
+    from surgery.kv.convert import KVOptions, convert_to_kv_heads
     from surgery.kinds import Kind, WriteOptions
     from surgery.record import read_record, write_record
 

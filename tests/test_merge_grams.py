@@ -1,4 +1,4 @@
-"""The grouping search scores candidate groups from per-head products computed once (surgery/merge/grams.py): the
+"""The grouping search scores candidate groups from per-head products computed once (surgery/kv/aligned/grams.py): the
 same losses as merging each candidate (fit.merge_group), so the same groups, on random layers and on the layers a
 real calibration sees (tiny models here; SmolLM2-135M in the slow test)."""
 
@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import tiny_models as tm
-from surgery.merge import pipeline
-from surgery.merge.assign import assign_groups
-from surgery.merge.grams import group_loss, head_grams
-from surgery.merge.layer import _split, merge_loss
-from surgery.merge.params import AttnParams
-from surgery.merge.rotary import rotary_pairs
+from surgery.kv.aligned import pipeline
+from surgery.kv.aligned.assign import assign_groups
+from surgery.kv.aligned.grams import group_loss, head_grams
+from surgery.kv.aligned.layer import _split, merge_loss
+from surgery.kv.aligned.params import AttnParams
+from surgery.kv.aligned.rotary import rotary_pairs
 from surgery.source import resolve_source
 from test_calibration_stream import merged_layers, windows
 

@@ -72,7 +72,7 @@ def big_llama(folder: Path, vocab: int = 32768) -> None:
 def converted(tmp_path_factory):
     """A real MQA conversion (three shards and an index: two of 16 MiB, one small) with its output hashes recorded, and a real check report."""
     from surgery.check.compare import compare_models
-    from surgery.convert_kv import KVOptions, convert_to_kv_heads
+    from surgery.kv.convert import KVOptions, convert_to_kv_heads
     from surgery.source import resolve_source
 
     root = tmp_path_factory.mktemp("push")

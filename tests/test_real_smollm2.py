@@ -12,7 +12,7 @@ import torch
 
 from surgery.check.compare import compare_models
 from surgery.runtime import load_model
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts, token_stream
 from surgery.source import embedded_smollm2_gguf, resolve_source
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import tiny_models as tm
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.record import local_source_folder, public_name, public_record, read_record, read_record_or_empty
 from surgery.source import resolve_source
 

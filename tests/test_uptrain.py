@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import transformers as tf
 from safetensors.torch import load_file
 
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.source import resolve_source
 from surgery.uptrain import UptrainOptions, uptrain
 from surgery.uptrain.losses import kd_loss, lm_loss

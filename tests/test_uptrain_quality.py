@@ -9,7 +9,7 @@ import torch
 import transformers as tf
 from safetensors.torch import load_file
 
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.errors import SurgeryError
 from surgery.source import resolve_source
 from surgery.uptrain import UptrainOptions, uptrain

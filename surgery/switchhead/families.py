@@ -11,7 +11,7 @@ import torch
 
 from ..arch import ArchSpec, QKVLayout, spec_for
 from ..errors import SurgeryError
-from ..kv_pool import split_qkv
+from ..kv.pool import split_qkv
 from ..tensors import CheckpointReader
 
 KIND = "switchhead"

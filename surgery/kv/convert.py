@@ -14,13 +14,13 @@ from typing import Callable
 
 import torch
 
-from . import sanity
-from .arch import ArchSpec, QKNorm, QKVLayout, qkv_layout, spec_for
-from .errors import SurgeryError
-from .output import write_conversion
-from .kv_pool import POOL_METHODS, join_qkv, kv_groups, pool_heads, repeat_heads, split_qkv
-from .source import Source
-from .tensors import CheckpointReader, DTYPES, PlannedTensor
+from .. import sanity
+from ..arch import ArchSpec, QKNorm, QKVLayout, qkv_layout, spec_for
+from ..errors import SurgeryError
+from ..output import write_conversion
+from .pool import POOL_METHODS, join_qkv, kv_groups, pool_heads, repeat_heads, split_qkv
+from ..source import Source
+from ..tensors import CheckpointReader, DTYPES, PlannedTensor
 
 
 
