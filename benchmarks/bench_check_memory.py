@@ -32,7 +32,7 @@ def child(mode: str, converted: str, tokens: int, seq_len: int, batch_size: int,
     from surgery.check.compare import compare_checkpoints, compare_models
     from surgery.runtime import load_model, load_tokenizer, pick_device
     from surgery.data import pydoc_texts, token_stream
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
 
     source, target = resolve_source("smollm2"), resolve_source(converted)
     start = time.time()
@@ -75,7 +75,7 @@ def main() -> None:
         converted = args.converted
         if converted is None:
             from surgery.kv.convert import KVOptions, convert_to_kv_heads
-            from surgery.source import resolve_source
+            from surgery.checkpoint.source import resolve_source
 
             converted = str(Path(tmp) / "mqa")
             convert_to_kv_heads(resolve_source("smollm2"), Path(converted), KVOptions(kv_heads=1), progress=False)

@@ -31,7 +31,7 @@ import torch
 from surgery.runtime import load_model, load_tokenizer  # noqa: E402
 from surgery.check import generate as gen  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
-from surgery.source import resolve_source  # noqa: E402
+from surgery.checkpoint.source import resolve_source  # noqa: E402
 from surgery.trust import resolve_trust  # noqa: E402
 
 

@@ -34,7 +34,7 @@ from surgery.kv.aligned import convert_aligned  # noqa: E402
 from surgery.calibration.text import pydoc_documents_used  # noqa: E402
 from surgery.kv.compare import heldout_documents  # noqa: E402
 from surgery.runtime import compute_threads, load_model, load_tokenizer, threads  # noqa: E402
-from surgery.source import resolve_source  # noqa: E402
+from surgery.checkpoint.source import resolve_source  # noqa: E402
 
 
 def rss() -> int:

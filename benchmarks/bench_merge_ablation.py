@@ -35,7 +35,7 @@ from surgery.kv.aligned import capture  # noqa: E402
 from surgery.kv.compare import heldout_documents  # noqa: E402
 from surgery.kv.aligned.pipeline import MergeOptions, merge_model  # noqa: E402
 from surgery.kv.aligned.refit import QueryRefit  # noqa: E402
-from surgery.source import resolve_source  # noqa: E402
+from surgery.checkpoint.source import resolve_source  # noqa: E402
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from surgery.check.compare import compare_checkpoints  # noqa: E402
 from surgery.data import pydoc_texts  # noqa: E402
-from surgery.source import resolve_source  # noqa: E402
+from surgery.checkpoint.source import resolve_source  # noqa: E402
 from surgery.switchhead import convert_to_switchhead  # noqa: E402
 
 OPTIONS = {"k2": {}, "k1": {"topk": 1}, "k3": {"topk": 3}, "free": {"respect_kv_groups": False},

@@ -105,7 +105,7 @@ def main() -> None:
     if len(given) != len(a.converted):
         sys.exit("--converted takes KIND=DIR")
 
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
     from surgery.uptrain import UptrainOptions, uptrain
     from surgery.uptrain.metrics import read_metrics
     from surgery.uptrain.plot import plot_runs

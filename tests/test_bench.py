@@ -16,7 +16,7 @@ import pytest
 import tiny_models as tm
 from surgery.bench import METRICS, BenchOptions, markdown_table, parse_int_list, run_bench
 from surgery.errors import SurgeryError
-from surgery.source import copy_side_files, portable_tokenizer_config, resolve_source
+from surgery.checkpoint.source import copy_side_files, portable_tokenizer_config, resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -153,7 +153,7 @@ def test_replicated_prefill_decodes_the_whole_batch(pair):
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
 def test_llama_cpp_engine_on_gguf_files(tmp_path):
     """Both SmolLM2 GGUF files through llama.cpp (the embedded one against itself: the ratio of KV bytes is 1)."""
-    from surgery.source import embedded_smollm2_gguf
+    from surgery.checkpoint.source import embedded_smollm2_gguf
 
     gguf = embedded_smollm2_gguf()
     report = run_bench(BenchOptions(source=str(gguf), converted=str(gguf), contexts=[64], new=4, rounds=1,

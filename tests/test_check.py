@@ -26,7 +26,7 @@ from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts, token_stream
 from surgery.errors import SurgeryError
 from surgery.publish.card import generation_section, positions_section
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 
 METRICS = ("max_abs_diff", "mean_abs_diff", "kl", "top1_agreement", "ppl_source", "ppl_converted")
 

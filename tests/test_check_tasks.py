@@ -23,7 +23,7 @@ from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts
 from surgery.errors import SurgeryError
 from surgery.publish.card import tasks_section
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 
 pytest.importorskip("lm_eval")
 

@@ -29,7 +29,7 @@ def test_compare_merges_reports_progress_in_a_log(tmp_path, capsys, monkeypatch)
     from test_switchhead import tiny_tokenizer
 
     from surgery.kv.compare import compare_merges
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
 
     monkeypatch.setenv("SURGERY_PROGRESS_SECONDS", "0")
     tm.make_tiny("llama", tmp_path / "src")

@@ -20,7 +20,7 @@ from surgery.kinds import support_labels
 from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.errors import SurgeryError
 from surgery.kv.aligned import convert_aligned
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
 from surgery.talking_heads import convert_to_talking_heads
 

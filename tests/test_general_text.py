@@ -75,7 +75,7 @@ def test_calibration_and_uptraining_default_to_the_pinned_shard_streamed_from_th
     assert got["pydoc"] == "pydoc"  # an explicit text is read as it always was
     assert got["docs"] == DOCS
     assert got["record"]["data"] == url  # surgery.json names the dataset, its revision and file
-    from surgery.record import public_data
+    from surgery.checkpoint.record import public_data
 
     assert public_data(url) == url  # and the card shows it whole (not as a local file's name)
     n = len(got["record"]["documents_sha256"])

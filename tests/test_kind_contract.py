@@ -18,7 +18,7 @@ def _toy_kind():
     paged runtime (vLLM) caches half of what transformers does (a claim only the kind can make)."""
     from surgery.kv.convert import KVOptions, convert_to_kv_heads
     from surgery.kinds import Kind, WriteOptions
-    from surgery.record import read_record, write_record
+    from surgery.checkpoint.record import read_record, write_record
 
     class ToyOptions(WriteOptions):
         pass
@@ -77,7 +77,7 @@ def test_every_kind_keeps_the_contract(kind, llama, tmp_path, capsys):
     from surgery.publish.card import build_card
     from surgery.publish.validate import validate_folder
     from surgery.recipes import load_recipe
-    from surgery.record import read_record
+    from surgery.checkpoint.record import read_record
 
     flags = ["--to", kind.name, *_flags(kind.example_options)]
     code, out, _ = run_cli(capsys, "convert", "--help")

@@ -18,7 +18,7 @@ from tiny_models import char_tokenizer, tiny  # noqa: F401 (the shared helpers, 
 from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.kv.aligned import convert_aligned
 from surgery.kv.aligned.pipeline import MergeOptions
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
 CALIB = 512  # calibration tokens for tiny models (4 windows of their 128-token context)

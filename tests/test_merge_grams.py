@@ -17,7 +17,7 @@ from surgery.kv.aligned.grams import group_loss, head_grams
 from surgery.kv.aligned.layer import _split, merge_loss
 from surgery.kv.aligned.params import AttnParams
 from surgery.kv.aligned.rotary import rotary_pairs
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 from test_calibration_stream import merged_layers, windows
 
 TOL = 1e-9
@@ -69,7 +69,7 @@ def test_search_picks_the_groups_merging_picks(kv, groups):
 def recorded_layers(monkeypatch, folder, kv_to: int, ids=None) -> list[tuple]:
     """Run the streamed aligned merge of `folder`, keeping what each layer's merge_layer received."""
     from surgery.calibration.stream import open_stream
-    from surgery.tensors import CheckpointReader
+    from surgery.checkpoint.tensors import CheckpointReader
 
     seen = []
     original = pipeline.merge_layer

@@ -138,7 +138,7 @@ def test_aligned_merge_with_key_and_value_refits(tmp_path):
     closer to the source than mean pooling, and surgery.json says which refits ran."""
     from surgery.kv.convert import KVOptions, convert_to_kv_heads
     from surgery.kv.aligned.pipeline import MergeOptions
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
     from test_merge_convert import aligned, heldout_ids, kl_to_source, tiny
 
     src = tiny("llama", tmp_path / "src")

@@ -14,7 +14,7 @@ from surgery.check.compare import compare_models
 from surgery.runtime import load_model
 from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts, token_stream
-from surgery.source import embedded_smollm2_gguf, resolve_source
+from surgery.checkpoint.source import embedded_smollm2_gguf, resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -22,16 +22,15 @@ PACKAGE = REPO / "surgery"
 # ---- layering: the import graph of the whole package ------------------------------------------------------------
 # The package's layers, lowest first: a module may import its own layer and the ones below, never one above. A
 # module belongs to the layer of the longest prefix listed here that names it (so a module of a package can sit
-# in another layer than its package, e.g. the compare-merges command in a layer above the merge it compares).
+# in another layer than its package, e.g. the compare-merges command in a layer above the merge it compares, or
+# the checkpoint writer, which runs threads from the runtime, above the rest of checkpoint I/O).
 # Data flows: checkpoint in -> architecture spec -> kind -> checkpoint out -> check / uptrain -> hub.
 LAYERS = [
-    ("foundation", ["surgery", "surgery.errors", "surgery.options", "surgery.progress", "surgery.digest",
-                    "surgery.solve", "surgery.units", "surgery.dtypes",
-                    "surgery.model_types"]),
-    ("checkpoint I/O", ["surgery.sanity", "surgery.atomic", "surgery.tensors", "surgery.record", "surgery.source",
-                        "surgery.trust", "surgery.data"]),
+    ("foundation", ["surgery", "surgery.errors", "surgery.options", "surgery.progress", "surgery.solve",
+                    "surgery.units", "surgery.dtypes", "surgery.model_types"]),
+    ("checkpoint I/O", ["surgery.checkpoint", "surgery.trust", "surgery.data"]),
     ("runtime", ["surgery.runtime"]),
-    ("architecture and checkpoint writing", ["surgery.arch", "surgery.output"]),
+    ("architecture and checkpoint writing", ["surgery.arch", "surgery.checkpoint.writer"]),
     ("conversions", ["surgery.calibration", "surgery.kv", "surgery.switchhead", "surgery.talking_heads",
                      "surgery.mla", "surgery.estimate"]),
     ("kinds", ["surgery.kinds"]),

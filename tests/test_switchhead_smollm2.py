@@ -11,7 +11,7 @@ from surgery.check.compare import compare_models
 from surgery.runtime import load_model
 from surgery.data import pydoc_texts, token_stream
 from surgery.inspect import inspect_checkpoint
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
 
 

@@ -15,7 +15,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from surgery.check.compare import compare_checkpoints, compare_models
 from surgery.data import pydoc_texts, token_stream
-from surgery.source import Source, resolve_source
+from surgery.checkpoint.source import Source, resolve_source
 from surgery.talking_heads import convert_to_talking_heads
 
 REPO = Path(__file__).resolve().parents[1]

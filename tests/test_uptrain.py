@@ -19,7 +19,7 @@ import transformers as tf
 from safetensors.torch import load_file
 
 from surgery.kv.convert import KVOptions, convert_to_kv_heads
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 from surgery.uptrain import UptrainOptions, uptrain
 from surgery.uptrain.losses import kd_loss, lm_loss
 from surgery.errors import SurgeryError

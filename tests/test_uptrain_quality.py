@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.errors import SurgeryError
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 from surgery.uptrain import UptrainOptions, uptrain
 from tests.test_uptrain import FAST, make_model, make_tokenizer
 

@@ -42,7 +42,7 @@ from ..errors import SurgeryError
 from ..progress import Progress
 from ..runtime import (context_length, is_causal_lm, load_model, load_model_config, load_tokenizer, pick_device,
                        windows)
-from ..source import Source
+from ..checkpoint.source import Source
 
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-1}
 SLICE_BYTES = 64 << 20  # metrics are computed on slices of positions this large (float32)
@@ -183,7 +183,7 @@ def expected_shapes(config, causal: bool, trust_remote_code: bool) -> tuple[dict
 def validate_weights(source: Source, config, causal: bool, trust_remote_code: bool, allow_pickle: bool) -> None:
     """Refuse pickle weights without --allow-pickle, truncated safetensors files and tensors whose shape contradicts
     the config, before any model is loaded."""
-    from ..tensors import CheckpointReader
+    from ..checkpoint.tensors import CheckpointReader
 
     with CheckpointReader(source.folder, allow_pickle=allow_pickle) as reader:
         shapes = {name: tuple(reader.tensors[name].shape) for name in reader.names()}
@@ -203,7 +203,7 @@ def validate_weights(source: Source, config, causal: bool, trust_remote_code: bo
 
 def check_json_path(path: Path | None) -> None:
     """A --json file can be written (its folder exists and is writable), checked before the run."""
-    from ..atomic import check_output_file
+    from ..checkpoint.atomic import check_output_file
 
     check_output_file(path, "--json")
 
@@ -514,7 +514,7 @@ def converted_pass(model, batches: torch.Tensor, batch_size: int, store: SpillSt
 def _source_attention(converted: Source) -> str | None:
     """The attention implementation the source runs with in the check, as the converted checkpoint's kind says."""
     from ..kinds import find_kind
-    from ..record import read_record_or_empty
+    from ..checkpoint.record import read_record_or_empty
 
     kind = find_kind(record=read_record_or_empty(Path(converted.folder)))
     return kind.source_attention if kind else None

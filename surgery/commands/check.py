@@ -68,10 +68,10 @@ def warn_same_domain(folder: Path, first: str, more: list[str], warn) -> None:
 def check_checkpoints(source: str, converted: str, options: CheckOptions, json_out: Path | None = None,
                       warn=print) -> dict:
     """Compare, print the report, write it as JSON (`json_out`); CheckFailed when --expect exact is not met."""
-    from ..atomic import write_json
+    from ..checkpoint.atomic import write_json
     from ..check.compare import check_counts, check_json_path, compare_checkpoints, print_report, tolerance
     from ..data import load_texts
-    from ..source import resolve_source
+    from ..checkpoint.source import resolve_source
 
     o = options
     check_counts(o.tokens, o.seq_len, o.batch_size, o.generate)

@@ -15,7 +15,7 @@ from ..errors import SurgeryError
 from ..inspect import inspect_checkpoint
 from ..units import si_number
 from ..kinds import find_kind
-from ..record import local_source_folder, public_data, public_record
+from ..checkpoint.record import local_source_folder, public_data, public_record
 from .validate import Validation
 
 # Cards carrying this line were written by `surgery push` and are rewritten by the next push; others are kept.

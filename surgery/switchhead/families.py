@@ -12,7 +12,7 @@ import torch
 from ..arch import ArchSpec, QKVLayout, spec_for
 from ..errors import SurgeryError
 from ..kv.pool import split_qkv
-from ..tensors import CheckpointReader
+from ..checkpoint.tensors import CheckpointReader
 
 KIND = "switchhead"
 CLASS_PREFIX = "SwitchHead"

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_output_dir, check_apart, check_output_path, ordinary_permissions
-from ..digest import sha256_file
+from ..checkpoint.atomic import atomic_output_dir, check_apart, check_output_path, ordinary_permissions
+from ..checkpoint.sha256 import sha256_file
 from ..errors import SurgeryError
 from ..loaders import read_json
-from ..source import resolve_source, side_files
-from ..record import local_source_folder, public_name, read_record, write_record
+from ..checkpoint.source import resolve_source, side_files
+from ..checkpoint.record import local_source_folder, public_name, read_record, write_record
 from . import lora, model_io
 from .align import align, check_alignable
 from .data import DATA_CACHE, cache_key, pack, pack_held_out, read_cache, write_cache

@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from ..atomic import check_apart
+from ..checkpoint.atomic import check_apart
 from ..errors import SurgeryError
 from ..general_text import resolve_texts
 from .losses import DIVERGENCES
