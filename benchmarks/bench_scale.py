@@ -241,7 +241,7 @@ def grouping_search(layout: str, full_max: int = 12, sample: int = 2) -> dict | 
     from surgery.estimate import group_evaluations, layer_shape, probe_throughput, search_flops
     from surgery.kv.aligned.assign import assign_groups, searched
     from surgery.kv.aligned.grams import group_loss, head_grams
-    from surgery.kv.aligned.layer import _split, merge_loss
+    from surgery.kv.aligned.layer import group_blocks, merge_loss
     from surgery.kv.aligned.params import AttnParams
     from surgery.kv.aligned.rotary import rotary_pairs
     from surgery.runtime import threads
@@ -263,7 +263,7 @@ def grouping_search(layout: str, full_max: int = 12, sample: int = 2) -> dict | 
     with threads(1):
         rate = probe_throughput("cpu").float64
         start = time.perf_counter()
-        grams = head_grams(*_split(p, s.kv_heads, d), sigma, pairs, True)
+        grams = head_grams(*group_blocks(p, s.kv_heads, d), sigma, pairs, True)
         shared = time.perf_counter() - start
         new_groups = assign_groups(lambda m: group_loss(grams, m), s.kv_heads, kv_out)
         new = time.perf_counter() - start

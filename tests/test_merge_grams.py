@@ -14,7 +14,7 @@ import tiny_models as tm
 from surgery.kv.aligned import pipeline
 from surgery.kv.aligned.assign import assign_groups
 from surgery.kv.aligned.grams import group_loss, head_grams
-from surgery.kv.aligned.layer import _split, merge_loss
+from surgery.kv.aligned.layer import group_blocks, merge_loss
 from surgery.kv.aligned.params import AttnParams
 from surgery.kv.aligned.rotary import rotary_pairs
 from surgery.checkpoint.source import resolve_source
@@ -39,7 +39,7 @@ def random_layer(kv: int, r: int, d: int, din: int, seed: int = 0):
 def assert_same_scores(p: AttnParams, sigma: torch.Tensor, kv: int, d: int, pairs, fold: bool, sizes) -> None:
     reference = merge_loss(AttnParams(p.q.double(), p.k.double(), p.v.double(), p.o.double(), None, False), sigma,
                            kv, d, pairs, fold)
-    grams = head_grams(*_split(p, kv, d), sigma, pairs, fold)
+    grams = head_grams(*group_blocks(p, kv, d), sigma, pairs, fold)
     for n in sizes:
         for members in itertools.combinations(range(kv), n):
             a, b = reference(members), group_loss(grams, members)
@@ -59,7 +59,7 @@ def test_search_picks_the_groups_merging_picks(kv, groups):
     d, din = 4, 24
     p, sigma = random_layer(kv, 1, d, din, seed=kv + groups)
     pairs = rotary_pairs(d, d, "half")
-    grams = head_grams(*_split(p, kv, d), sigma, pairs, True)
+    grams = head_grams(*group_blocks(p, kv, d), sigma, pairs, True)
     by_grams = assign_groups(lambda m: group_loss(grams, m), kv, groups)
     by_merging = assign_groups(merge_loss(p, sigma, kv, d, pairs, True), kv, groups)
     assert by_grams == by_merging

@@ -23,15 +23,6 @@ from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, DTYPES, PlannedTensor
 
 
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise SurgeryError(f"bad size {text!r}: use e.g. 500MB or 5GB")
-    unit = (m.group(2) or "B").upper().replace("I", "")
-    return int(float(m.group(1)) * {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}[unit])
-
-
 @dataclass(frozen=True)
 class KVOptions:
     kv_heads: int  # G, the number of K/V heads after conversion

@@ -31,7 +31,7 @@ from . import lora, model_io
 from .align import align, check_alignable
 from .data import DATA_CACHE, cache_key, pack, pack_held_out, read_cache, write_cache
 from .heads import OutputHead
-from .losses import Objective, _same
+from .losses import identity, Objective
 from .metrics import MetricsLog
 from .options import TRAJECTORY_DEFAULTS, UptrainOptions
 from .params import select_trainable
@@ -494,7 +494,8 @@ class UptrainRecipe:
         teacher = self.teacher
         self.t_head = (OutputHead.of(teacher, model_io.vocab_size(teacher)) if teacher is not None and not self.sharded
                        else None)  # a sharded teacher's output projection is a shard outside its forward
-        self.projections = (self.s_head.project if self.s_head else _same, self.t_head.project if self.t_head else _same)
+        self.projections = (self.s_head.project if self.s_head else identity,
+                            self.t_head.project if self.t_head else identity)
 
     def _announce(self) -> None:
         o, data, state = self.o, self.data, self.state
