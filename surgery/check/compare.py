@@ -237,7 +237,7 @@ class CheckedText:
 
     data: str
     batches: torch.Tensor  # (windows, seq_len) token ids
-    overlap: dict | None = None  # checking.overlap.calibration_overlap
+    overlap: dict | None = None  # check.overlap.calibration_overlap
 
     @property
     def label(self) -> str:
@@ -269,7 +269,7 @@ class CheckPlan:
     new_tokens: int
     layer_windows: int  # 0: no --layers
     layer_bytes: int
-    tasks: object = None  # checking.tasks.TaskSet of --tasks, loaded before any model
+    tasks: object = None  # check.tasks.TaskSet of --tasks, loaded before any model
 
     @property
     def batches(self) -> torch.Tensor:
