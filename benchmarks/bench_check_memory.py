@@ -29,11 +29,10 @@ METRICS = ("max_abs_diff", "mean_abs_diff", "kl", "top1_agreement", "ppl_source"
 
 
 def child(mode: str, converted: str, tokens: int, seq_len: int, batch_size: int, device: str) -> dict:
-    import surgery.kinds  # noqa: F401 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
-    from surgery.check import compare_checkpoints, compare_models
+    from surgery.check.compare import compare_checkpoints, compare_models
     from surgery.runtime import load_model, load_tokenizer, pick_device
     from surgery.data import pydoc_texts, token_stream
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
 
     source, target = resolve_source("smollm2"), resolve_source(converted)
     start = time.time()
@@ -75,8 +74,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-check-") as tmp:
         converted = args.converted
         if converted is None:
-            from surgery.convert_kv import KVOptions, convert_to_kv_heads
-            from surgery.source import resolve_source
+            from surgery.kv.convert import KVOptions, convert_to_kv_heads
+            from surgery.checkpoint.source import resolve_source
 
             converted = str(Path(tmp) / "mqa")
             convert_to_kv_heads(resolve_source("smollm2"), Path(converted), KVOptions(kv_heads=1), progress=False)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-SMOLLM2_FOLDER = "from surgery.source import resolve_source; print(resolve_source('smollm2').folder)"
+SMOLLM2_FOLDER = "from surgery.checkpoint.source import resolve_source; print(resolve_source('smollm2').folder)"
 
 NAIVE = r"""
 import json, sys, torch

@@ -40,7 +40,7 @@ def corpus(folder: Path, shards: int, docs: int) -> str:
 
 
 def smollm2_folder() -> str:
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
 
     return str(resolve_source("smollm2").folder)
 

@@ -23,7 +23,7 @@ import torch
 
 
 from surgery.runtime import cache_keyword, load_model, returned_cache
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 
 
 def load(spec: str, trust: bool):

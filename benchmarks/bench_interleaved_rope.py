@@ -26,8 +26,8 @@ from test_merge_convert import _rotated_copy_heads, aligned, heldout_ids, kl_to_
 
 import surgery.kinds  # noqa: F401,E402 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
 from surgery import arch  # noqa: E402
-from surgery.convert_kv import KVOptions, convert_to_kv_heads  # noqa: E402
-from surgery.source import resolve_source  # noqa: E402
+from surgery.kv.convert import KVOptions, convert_to_kv_heads  # noqa: E402
+from surgery.checkpoint.source import resolve_source  # noqa: E402
 
 
 def measure(src: Path, work: Path, family: str, kv: int) -> dict[str, tuple[float, float]]:

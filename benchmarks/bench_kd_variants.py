@@ -36,7 +36,7 @@ import torch.nn.utils.parametrize as parametrize
 
 
 from surgery.data import load_texts  # noqa: E402
-from surgery.source import resolve_source  # noqa: E402
+from surgery.checkpoint.source import resolve_source  # noqa: E402
 from surgery.uptrain.data import pack  # noqa: E402
 from surgery.uptrain.loop import lr_at  # noqa: E402
 from surgery.uptrain.losses import kd_loss, lm_loss  # noqa: E402

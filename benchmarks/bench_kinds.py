@@ -191,7 +191,7 @@ def main() -> None:
     if unknown:
         sys.exit(f"unknown kinds {unknown}; choose from {', '.join(KINDS)}")
     if not a.table:
-        from surgery.source import resolve_source
+        from surgery.checkpoint.source import resolve_source
 
         source = str(resolve_source(a.source).folder)
         for name in a.kinds.split(","):

@@ -27,15 +27,15 @@ from pathlib import Path
 import torch
 
 
-from surgery.kinds.kv import METHODS  # noqa: E402 (importing the kinds registers what each converter refuses)
-from surgery.check import compare_models  # noqa: E402
-from surgery.convert_kv import KVOptions, convert_to_kv_heads  # noqa: E402
+from surgery.kinds.kv import METHODS  # noqa: E402
+from surgery.check.compare import compare_models  # noqa: E402
+from surgery.kv.convert import KVOptions, convert_to_kv_heads  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
-from surgery.merge import convert_aligned  # noqa: E402
+from surgery.kv.aligned import convert_aligned  # noqa: E402
 from surgery.calibration.text import pydoc_documents_used  # noqa: E402
-from surgery.merge.compare import heldout_documents  # noqa: E402
+from surgery.kv.compare import heldout_documents  # noqa: E402
 from surgery.runtime import compute_threads, load_model, load_tokenizer, threads  # noqa: E402
-from surgery.source import resolve_source  # noqa: E402
+from surgery.checkpoint.source import resolve_source  # noqa: E402
 
 
 def rss() -> int:

@@ -4,7 +4,7 @@
                                               [--refit-k] [--refit-rounds 1] [--refit-v] [--query-samples 128]
                                               [--json results.jsonl]
 
-The merge runs in memory through the converter's own layer pipeline (`surgery.merge.pipeline.merge_model` on the
+The merge runs in memory through the converter's own layer pipeline (`surgery.kv.aligned.pipeline.merge_model` on the
 resident model, which keeps the merged layers in the source's shape: the same function as `surgery convert --merge
 aligned`, which computes exactly what the grouped checkpoint does; the default run reproduces that command's
 27.04 on the same text). Held-out text: the first --tokens tokens of pydoc, windows of 1024 (what `surgery check`
@@ -29,14 +29,14 @@ import surgery.kinds  # noqa: F401,E402 (the kinds declare what each converter r
 from surgery.arch import spec_for  # noqa: E402
 from surgery.calibration.stream import resident_stream  # noqa: E402
 from surgery.calibration.text import calibration_text, context_of, pydoc_documents_used  # noqa: E402
-from surgery.check import compare_models  # noqa: E402
+from surgery.check.compare import compare_models  # noqa: E402
 from surgery.runtime import load_tokenizer  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
-from surgery.merge import capture  # noqa: E402
-from surgery.merge.compare import heldout_documents  # noqa: E402
-from surgery.merge.pipeline import MergeOptions, merge_model  # noqa: E402
-from surgery.merge.refit import QueryRefit  # noqa: E402
-from surgery.source import resolve_source  # noqa: E402
+from surgery.kv.aligned import capture  # noqa: E402
+from surgery.kv.compare import heldout_documents  # noqa: E402
+from surgery.kv.aligned.pipeline import MergeOptions, merge_model  # noqa: E402
+from surgery.kv.aligned.refit import QueryRefit  # noqa: E402
+from surgery.checkpoint.source import resolve_source  # noqa: E402
 
 
 def main() -> None:

@@ -191,14 +191,14 @@ def checkpoint_bytes(layout: str) -> int:
 
 
 def group_merge(layout: str, repeats: int = 2) -> dict:
-    """One K/V group merge (surgery/merge/fit.py merge_group, float64, one thread as the pipeline runs it) at the
+    """One K/V group merge (surgery/kv/aligned/fit.py merge_group, float64, one thread as the pipeline runs it) at the
     layout's shapes, timed against the estimate (group_merge_flops / the float64 probe). With --grouping similarity
     (the default) a layer runs C(K, K/G) + G of them: for the 8B, 8 -> 2 K/V heads, 72."""
     import torch
 
     from surgery.estimate import group_evaluations, group_merge_flops, layer_shape, probe_throughput
-    from surgery.merge.fit import merge_group
-    from surgery.merge.rotary import rotary_pairs
+    from surgery.kv.aligned.fit import merge_group
+    from surgery.kv.aligned.rotary import rotary_pairs
     from surgery.runtime import threads
 
     s = layer_shape(LAYOUTS[layout])
@@ -230,7 +230,7 @@ def group_merge(layout: str, repeats: int = 2) -> dict:
 
 def grouping_search(layout: str, full_max: int = 12, sample: int = 2) -> dict | None:
     """The --grouping similarity search for one layer at the layout's shapes (random weights and sigma, float64, one
-    thread), the new way (per-head products once, each candidate scored from them: surgery/merge/grams.py) against
+    thread), the new way (per-head products once, each candidate scored from them: surgery/kv/aligned/grams.py) against
     the old way (merging every candidate: layer.merge_loss), measured in the same run. With more than `full_max`
     candidates the old way is timed on `sample` of them and multiplied by the count (the candidates all cost the
     same: one group merge each); otherwise both searches run whole and must pick the same groups."""
@@ -239,11 +239,11 @@ def grouping_search(layout: str, full_max: int = 12, sample: int = 2) -> dict | 
     import torch
 
     from surgery.estimate import group_evaluations, layer_shape, probe_throughput, search_flops
-    from surgery.merge.assign import assign_groups, searched
-    from surgery.merge.grams import group_loss, head_grams
-    from surgery.merge.layer import _split, merge_loss
-    from surgery.merge.params import AttnParams
-    from surgery.merge.rotary import rotary_pairs
+    from surgery.kv.aligned.assign import assign_groups, searched
+    from surgery.kv.aligned.grams import group_loss, head_grams
+    from surgery.kv.aligned.layer import group_blocks, merge_loss
+    from surgery.kv.aligned.params import AttnParams
+    from surgery.kv.aligned.rotary import rotary_pairs
     from surgery.runtime import threads
 
     s = layer_shape(LAYOUTS[layout])
@@ -263,7 +263,7 @@ def grouping_search(layout: str, full_max: int = 12, sample: int = 2) -> dict | 
     with threads(1):
         rate = probe_throughput("cpu").float64
         start = time.perf_counter()
-        grams = head_grams(*_split(p, s.kv_heads, d), sigma, pairs, True)
+        grams = head_grams(*group_blocks(p, s.kv_heads, d), sigma, pairs, True)
         shared = time.perf_counter() - start
         new_groups = assign_groups(lambda m: group_loss(grams, m), s.kv_heads, kv_out)
         new = time.perf_counter() - start

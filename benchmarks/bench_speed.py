@@ -116,7 +116,7 @@ def main() -> None:
                 surgery("convert", args.source, *CONVERT[kind], "--out", str(out))
             source, converted, extra = args.source, str(out), []
             if llama:
-                from surgery.source import resolve_source
+                from surgery.checkpoint.source import resolve_source
 
                 source = str(to_gguf(args.llama_converter, resolve_source(args.source).folder,
                                      args.work / "source-f32.gguf"))

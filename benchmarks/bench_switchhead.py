@@ -26,7 +26,7 @@ import torch
 import surgery.kinds  # noqa: F401,E402 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
 from surgery.inspect import inspect_checkpoint  # noqa: E402
 from surgery.runtime import cache_keyword, returned_cache  # noqa: E402
-from surgery.source import resolve_source  # noqa: E402
+from surgery.checkpoint.source import resolve_source  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

@@ -27,10 +27,9 @@ import time
 from pathlib import Path
 
 
-import surgery.kinds  # noqa: F401,E402 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
-from surgery.check import compare_checkpoints  # noqa: E402
+from surgery.check.compare import compare_checkpoints  # noqa: E402
 from surgery.data import pydoc_texts  # noqa: E402
-from surgery.source import resolve_source  # noqa: E402
+from surgery.checkpoint.source import resolve_source  # noqa: E402
 from surgery.switchhead import convert_to_switchhead  # noqa: E402
 
 OPTIONS = {"k2": {}, "k1": {"topk": 1}, "k3": {"topk": 3}, "free": {"respect_kv_groups": False},

@@ -153,7 +153,7 @@ def main() -> None:
     if args.child:
         return child(json.loads(args.child))
 
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
     from surgery.talking_heads import convert_to_talking_heads
 
     device = args.device

@@ -41,12 +41,11 @@ def convert(kind: str, src, out: Path) -> None:
     if (out / "surgery.json").exists():
         return
     if kind == "mean":
-        import surgery.kinds  # noqa: F401 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
-        from surgery.convert_kv import KVOptions, convert_to_kv_heads
+        from surgery.kv.convert import KVOptions, convert_to_kv_heads
 
         convert_to_kv_heads(src, out, KVOptions(kv_heads=1, method="mean"), force=True, progress=False)
     elif kind == "aligned":
-        from surgery.merge import convert_aligned
+        from surgery.kv.aligned import convert_aligned
 
         convert_aligned(src, out, kv_heads=1, force=True, progress=False)
     elif kind == "switchhead":
@@ -106,7 +105,7 @@ def main() -> None:
     if len(given) != len(a.converted):
         sys.exit("--converted takes KIND=DIR")
 
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
     from surgery.uptrain import UptrainOptions, uptrain
     from surgery.uptrain.metrics import read_metrics
     from surgery.uptrain.plot import plot_runs

@@ -143,7 +143,7 @@ def main() -> None:
 
     import torch
 
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
 
     a.model = str(resolve_source(a.model).folder)
     threads = torch.get_num_threads() // (2 if a.concurrent else 1)

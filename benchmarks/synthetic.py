@@ -9,7 +9,7 @@ rope_scaling, biases, softcapping, sliding window, query_pre_attn_scalar ...), s
 class itself, built on the meta device (nothing allocated), so they are exactly what transformers expects.
 Weights are random (seeded per tensor name): linear and embedding matrices N(0, 0.02), norms at identity
 (ones; zeros for Gemma's 1 + w norms), biases N(0, 0.02). They are generated one tensor at a time (in row
-blocks for the embeddings) and written through the toolkit's own shard writer (surgery/tensors.py), so the
+blocks for the embeddings) and written through the toolkit's own shard writer (surgery/checkpoint/tensors.py), so the
 whole model is never in memory: peak RSS is about the largest tensor (the 8B's 1 GB embedding).
 
 The tokenizer is SmolLM2's (49,152 tokens, from the embedded checkpoint); vocab_size stays the real model's,
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 
-from surgery.atomic import atomic_output_dir  # noqa: E402
-from surgery.tensors import PlannedTensor, write_checkpoint  # noqa: E402
+from surgery.checkpoint.atomic import atomic_output_dir  # noqa: E402
+from surgery.checkpoint.tensors import PlannedTensor, write_checkpoint  # noqa: E402
 
 DEFAULT_OUT = Path("/work/scratch/scale")
 MAX_SHARD = 5_000_000_000
@@ -140,7 +140,7 @@ def write_synthetic(layout: str, out: Path, layers: int | None = None, force: bo
 
 
 def copy_tokenizer(folder: Path) -> None:
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
 
     src = resolve_source("smollm2").folder
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
 
-from . import sanity
+from .checkpoint import validate as sanity
 from .errors import SurgeryError
 from .model_types import source_model_type
 

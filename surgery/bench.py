@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from .atomic import check_output_file, temp_prefix
+from .checkpoint.atomic import check_output_file, temp_prefix
 from .dtypes import DTYPE_NAMES
 from .errors import SurgeryError
 from .runtime import cache_keyword, returned_cache
@@ -215,13 +215,13 @@ class TransformersEngine:
 
     def preflight(self, spec: str, role: str) -> bool:
         """Refuse before anything is loaded; the `trust_remote_code` to load `spec` (the `role` model) with."""
-        from .source import resolve_source
+        from .checkpoint.source import resolve_source
 
         return role_trust(resolve_source(spec).folder, role, self.trusted, spec)
 
     def load(self, spec: str, role: str):
         from .runtime import load_model
-        from .source import resolve_source
+        from .checkpoint.source import resolve_source
 
         trust = self.preflight(spec, role)
         source = resolve_source(spec)
@@ -334,8 +334,8 @@ class VllmEngine:
     def load(self, spec: str, role: str):
         from vllm import LLM
 
-        from .record import read_record
-        from .source import resolve_source
+        from .checkpoint.record import read_record
+        from .checkpoint.source import resolve_source
 
         source = resolve_source(spec)
         custom = bool(source.config.get("auto_map"))

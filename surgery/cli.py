@@ -93,7 +93,7 @@ def _required_out(out: Path | None) -> Path:
 
 
 def _print_dry_run(source: str, options, json_out: Path | None) -> None:
-    from surgery.atomic import check_output_file, write_json
+    from surgery.checkpoint.atomic import check_output_file, write_json
     from surgery.commands.convert import dry_run
 
     check_output_file(json_out, "--json")  # before the estimate, not after it
@@ -136,7 +136,7 @@ def inspect(checkpoints, context, as_json, allow_pickle):
     With several, ratios against the first are shown.
     """
     from surgery.inspect import inspect_checkpoint, print_inspection
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
 
     stats = [inspect_checkpoint(resolve_source(c, allow_pickle=allow_pickle).folder, context=context, label=c,
                                 allow_pickle=allow_pickle) for c in checkpoints]
@@ -176,7 +176,7 @@ def bench(source, converted, batches, contexts, new, rounds, dtype, device, thre
 
     Prints a table of converted/source ratios; numbers from a shared machine are only comparable within one run.
     """
-    from surgery.atomic import check_output_file, write_json as write_json_file
+    from surgery.checkpoint.atomic import check_output_file, write_json as write_json_file
     from surgery.bench import (BenchOptions, check_plot_path, parse_int_list, plot_bench, print_bench, require_engine,
                                run_bench)
 
@@ -306,10 +306,10 @@ def compare_merges(source, kind, kv_heads, methods, data, tokens, seq_len, calib
                    revision):
     """Zero-shot perplexity, KL and top-1 agreement of each K/V merge method on held-out text, in one table."""
     from surgery.kinds import options_for
-    from surgery.merge.compare import compare_merges as run_comparison, print_comparison
-    from surgery.source import resolve_source
+    from surgery.kv.compare import compare_merges as run_comparison, print_comparison
+    from surgery.checkpoint.source import resolve_source
 
-    from surgery.atomic import check_output_file, write_json
+    from surgery.checkpoint.atomic import check_output_file, write_json
 
     groups = options_for(kind, kv_heads=kv_heads).groups  # the kind's rules, as convert applies them
     check_output_file(json_out, "--json")  # before the comparison, not after it

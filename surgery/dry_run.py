@@ -8,8 +8,8 @@ import torch
 
 from .errors import SurgeryError
 from .general_text import resolve_texts
-from .source import Source
-from .tensors import CheckpointReader, dtype_size
+from .checkpoint.source import Source
+from .checkpoint.tensors import CheckpointReader, dtype_size
 
 STREAMED_NOTE = ("no calibration: streamed tensor by tensor (about 3x the largest tensor in memory; the time is the "
                  "time to read and write the checkpoint)")

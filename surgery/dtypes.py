@@ -1,5 +1,5 @@
 """The floating dtypes, by name: the one list the options offer and the one table of their sizes (torch-free, so the
-command line starts without torch; surgery.tensors.DTYPES maps the same names to torch dtypes)."""
+command line starts without torch; surgery.checkpoint.tensors.DTYPES maps the same names to torch dtypes)."""
 
 from __future__ import annotations
 

@@ -10,10 +10,10 @@ Time per layer is the layer's floating-point work, counted from the shapes and t
 the device's matmul throughput measured on the spot (`probe_throughput`: about one second of float32 and float64
 matrix products). The counts follow the code they estimate:
 
-- aligned merge (surgery/merge/pipeline.py): the source attention on the converted stream (targets), the
+- aligned merge (surgery/kv/aligned/pipeline.py): the source attention on the converted stream (targets), the
   converted attention (output refit) and the converted layer's MLP, in float32; the layer input's second moment;
   the query refit (ideal queries at sampled positions, its normal equations); the output refit; and in float64 the
-  group merges (surgery/merge/fit.py), once per group the assignment search scores (surgery/merge/assign.py) plus
+  group merges (surgery/kv/aligned/fit.py), once per group the assignment search scores (surgery/kv/aligned/assign.py) plus
   once per final group. Each group merge costs about 2 d_in² D (s r + 4 s + 2) flops for s members and fully
   rotary heads (products with the d_in x d_in second moment dominate).
 - SwitchHead (surgery/switchhead/layers.py, calibrate.py, refit.py): the source attention over the calibration
@@ -36,7 +36,7 @@ import torch
 
 from .arch import attention_shape
 from .dtypes import DTYPE_BYTES
-from .merge.assign import MAX_GROUPS_SCORED, MAX_PARTITIONS, partition_count
+from .kv.aligned.assign import MAX_GROUPS_SCORED, MAX_PARTITIONS, partition_count
 
 # The share of the probe's matmul rate a calibration reaches overall (its other work: reading and casting the layer,
 # norms, softmax, rotary, small eigendecompositions, Python). Measured once, on the Qwen2.5-3B layout (2 layers,
@@ -158,7 +158,7 @@ _attention, _mlp = attention_flops, mlp_flops  # the names this module's counts 
 
 
 def group_merge_flops(s: LayerShape, members: int) -> float:
-    """float64 work of merging `members` K/V heads into one (surgery/merge/fit.py merge_group)."""
+    """float64 work of merging `members` K/V heads into one (surgery/kv/aligned/fit.py merge_group)."""
     if members <= 1:
         return 0.0
     din, d, r, rot = s.hidden + s.qkv_bias, s.head_dim, s.heads // s.kv_heads, s.rotary
@@ -173,7 +173,7 @@ def group_merge_flops(s: LayerShape, members: int) -> float:
 
 
 def head_grams_flops(s: LayerShape) -> float:
-    """float64 work of the grouping search's per-layer products (surgery/merge/grams.py head_grams): the K, V and Q
+    """float64 work of the grouping search's per-layer products (surgery/kv/aligned/grams.py head_grams): the K, V and Q
     rows times sigma, the K and V Grams, the o_proj Grams and their square roots."""
     din, d, kv = s.hidden + s.qkv_bias, s.head_dim, s.kv_heads
     rows = 2 * kv * d + s.heads * d

@@ -7,9 +7,9 @@ from pathlib import Path
 from .arch import attention_shape
 from .errors import SurgeryError
 from .kinds import AttentionShape, find_kind, kv_cache_values, plain_attention_macs  # importing the kinds registers their model types
-from .record import read_record
-from .source import load_config
-from .tensors import CheckpointReader, dtype_size
+from .checkpoint.record import read_record
+from .checkpoint.source import load_config
+from .checkpoint.tensors import CheckpointReader, dtype_size
 from .units import si_number
 
 

@@ -12,8 +12,8 @@ import os
 import torch
 
 from .errors import SurgeryError
-from .source import Source
-from .tensors import DTYPES
+from .checkpoint.source import Source
+from .checkpoint.tensors import DTYPES
 
 
 # ---- where and on how many threads --------------------------------------------------------------------------------
@@ -96,7 +96,7 @@ def load_tokenizer(source: Source, trust_remote_code: bool = False):
 
 
 def load_model_config(source: Source, trust_remote_code: bool = False):
-    """The source's transformers config object (surgery.source.load_config reads config.json as a dict)."""
+    """The source's transformers config object (surgery.checkpoint.source.load_config reads config.json as a dict)."""
     from transformers import AutoConfig
 
     try:

@@ -17,9 +17,9 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
-from .digest import sha256_file
+from .checkpoint.sha256 import sha256_file
 from .errors import SurgeryError
-from .record import read_record_or_empty
+from .checkpoint.record import read_record_or_empty
 
 PACKAGE = Path(__file__).resolve().parent
 CODE_RECORD = "code_sha256"  # surgery.json key: {file name: sha256} of the code files a converter copied

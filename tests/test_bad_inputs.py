@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def private_hash_cache(tmp_path, monkeypatch):
     """Each test gets its own sha256 cache (never the user's ~/.cache)."""
-    import surgery.tensors
+    import surgery.checkpoint.tensors
 
-    monkeypatch.setattr(surgery.tensors._HashCache, "PATH", tmp_path / "cache" / "sha256.json")
+    monkeypatch.setattr(surgery.checkpoint.tensors._HashCache, "PATH", tmp_path / "cache" / "sha256.json")
     return tmp_path / "cache" / "sha256.json"
 
 
@@ -194,7 +194,7 @@ def _slow_convert_script(src: Path, out: Path) -> str:
     """A convert whose tensor writes are slowed down, so a signal lands mid-write."""
     return (
         "import sys, time\n"
-        "import surgery.tensors as t\n"
+        "import surgery.checkpoint.tensors as t\n"
         "real = t._write_tensor\n"
         "def slow(fd, x):\n"
         "    time.sleep(0.5)\n"
@@ -262,12 +262,12 @@ def test_stale_temporary_siblings_of_a_killed_run_are_removed(src, tmp_path, run
 
 
 def test_disk_full_gives_one_line_and_removes_the_temporary_folder(src, tmp_path, run_cli, monkeypatch):
-    import surgery.tensors
+    import surgery.checkpoint.tensors
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(surgery.tensors.os, "write", full)
+    monkeypatch.setattr(surgery.checkpoint.tensors.os, "write", full)
     line = assert_one_line(run_cli("convert", src, "--to", "mqa", "--out", tmp_path / "out"), "disk full")
     monkeypatch.undo()
     assert str(tmp_path / "out") in line

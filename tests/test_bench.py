@@ -16,7 +16,7 @@ import pytest
 import tiny_models as tm
 from surgery.bench import METRICS, BenchOptions, markdown_table, parse_int_list, run_bench
 from surgery.errors import SurgeryError
-from surgery.source import copy_side_files, portable_tokenizer_config, resolve_source
+from surgery.checkpoint.source import copy_side_files, portable_tokenizer_config, resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A tiny Llama (8 query heads, 4 K/V heads) and its MQA conversion."""
-    from surgery.convert_kv import KVOptions, convert_to_kv_heads
+    from surgery.kv.convert import KVOptions, convert_to_kv_heads
 
     root = tmp_path_factory.mktemp("bench")
     tm.make_tiny("llama", root / "llama")
@@ -153,7 +153,7 @@ def test_replicated_prefill_decodes_the_whole_batch(pair):
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
 def test_llama_cpp_engine_on_gguf_files(tmp_path):
     """Both SmolLM2 GGUF files through llama.cpp (the embedded one against itself: the ratio of KV bytes is 1)."""
-    from surgery.source import embedded_smollm2_gguf
+    from surgery.checkpoint.source import embedded_smollm2_gguf
 
     gguf = embedded_smollm2_gguf()
     report = run_bench(BenchOptions(source=str(gguf), converted=str(gguf), contexts=[64], new=4, rounds=1,
@@ -190,7 +190,7 @@ def test_copied_tokenizer_config_loads_in_transformers_4_and_5(tmp_path):
 
 
 def test_converted_output_has_a_portable_tokenizer_config(pair, tmp_path):
-    from surgery.convert_kv import KVOptions, convert_to_kv_heads
+    from surgery.kv.convert import KVOptions, convert_to_kv_heads
 
     src, _ = pair
     (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "TokenizersBackend"}))

@@ -9,7 +9,7 @@ import pytest
 
 from surgery.calibration.text import calibration_text, context_of
 from surgery.runtime import load_tokenizer
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 from test_calibration_stream import assert_same_merge, assert_same_switchhead
 
 pytestmark = [pytest.mark.slow,

@@ -17,15 +17,15 @@ import tiny_models as tm
 from surgery.calibration.store import LayerStore
 from surgery.calibration.stream import estimate_peak_bytes, open_stream, resident_stream
 from surgery.calibration.text import calibration_text
-from surgery.merge import capture
-from surgery.merge.pipeline import MergeOptions, merge_model
+from surgery.kv.aligned import capture
+from surgery.kv.aligned.pipeline import MergeOptions, merge_model
 from surgery.arch import spec_for
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 from surgery.switchhead.convert import LayerBuilder, switchhead_shape
 from surgery.switchhead.cluster import kv_mapping
 from surgery.switchhead.families import attention_tensors, family_for
 from surgery.switchhead.layers import calibrate_layers
-from surgery.tensors import CheckpointReader
+from surgery.checkpoint.tensors import CheckpointReader
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-5

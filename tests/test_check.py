@@ -17,16 +17,16 @@ import transformers as tf
 import tiny_models as tm
 from tiny_models import char_tokenizer
 
-from surgery.check import compare_checkpoints, compare_models
+from surgery.check.compare import compare_checkpoints, compare_models
 from surgery.runtime import load_model
-from surgery.checking import generate as gen
-from surgery.checking.overlap import document_sha256
-from surgery.checking.spill import SpillStore
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.check import generate as gen
+from surgery.check.overlap import document_sha256
+from surgery.check.spill import SpillStore
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts, token_stream
 from surgery.errors import SurgeryError
 from surgery.publish.card import generation_section, positions_section
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 
 METRICS = ("max_abs_diff", "mean_abs_diff", "kl", "top1_agreement", "ppl_source", "ppl_converted")
 
@@ -181,7 +181,7 @@ def test_spill_store_on_disk_gives_back_the_same_rows_and_cleans_up():
 def test_scratch_space_is_checked_before_the_run(monkeypatch):
     import shutil as sh
 
-    from surgery.checking import spill
+    from surgery.check import spill
 
     monkeypatch.setattr(spill.shutil, "disk_usage", lambda p: sh._ntuple_diskusage(100, 100, 10))
     with pytest.raises(SurgeryError, match="TMPDIR"):
@@ -426,7 +426,7 @@ def tail_text(folder: Path) -> Path:
 
 @pytest.mark.parametrize("spill_bytes", [0, 1 << 30], ids=["scratch-disk", "memory"])
 def test_several_texts_are_checked_in_one_run_with_each_texts_own_numbers(models, tmp_path, monkeypatch, spill_bytes):
-    import surgery.check as check_module
+    import surgery.check.compare as check_module
 
     loads = []
     real_load = check_module.load_model
@@ -476,7 +476,7 @@ def test_several_texts_from_the_command_line(models, capsys, tmp_path):
 
 
 def test_a_bad_second_text_fails_in_one_line_before_any_model(models, capsys, tmp_path, monkeypatch):
-    import surgery.check as check_module
+    import surgery.check.compare as check_module
 
     monkeypatch.setattr(check_module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     short = tmp_path / "short.txt"

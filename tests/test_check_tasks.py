@@ -17,13 +17,13 @@ from inprocess import run_cli
 import tiny_models as tm
 from tiny_models import char_tokenizer
 
-from surgery.check import compare_checkpoints
-from surgery.checking.tasks import parse_tasks, rows
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.check.compare import compare_checkpoints
+from surgery.check.tasks import parse_tasks, rows
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts
 from surgery.errors import SurgeryError
 from surgery.publish.card import tasks_section
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 
 pytest.importorskip("lm_eval")
 

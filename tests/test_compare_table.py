@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from surgery.merge.compare import COLUMNS, print_comparison
+from surgery.kv.compare import COLUMNS, print_comparison
 
 
 def test_comparison_table_fits_80_columns():
@@ -28,8 +28,8 @@ def test_compare_merges_reports_progress_in_a_log(tmp_path, capsys, monkeypatch)
     import tiny_models as tm
     from test_switchhead import tiny_tokenizer
 
-    from surgery.merge.compare import compare_merges
-    from surgery.source import resolve_source
+    from surgery.kv.compare import compare_merges
+    from surgery.checkpoint.source import resolve_source
 
     monkeypatch.setenv("SURGERY_PROGRESS_SECONDS", "0")
     tm.make_tiny("llama", tmp_path / "src")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import tiny_models as tm
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
-from surgery.source import resolve_source
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.checkpoint.source import resolve_source
 
 ARCHS = list(tm.ARCHS)
 
@@ -186,7 +186,7 @@ def test_pickle_checkpoint_needs_allow_pickle(tmp_path):
 
 
 def test_crash_mid_write_leaves_nothing(tmp_path, monkeypatch):
-    import surgery.tensors as tensors
+    import surgery.checkpoint.tensors as tensors
 
     tm.make_tiny("llama", tmp_path / "src")
     calls = {"n": 0}

@@ -17,10 +17,10 @@ from test_merge_convert import char_tokenizer
 from surgery import arch
 from surgery.arch import ArchSpec, register, support_markdown, unregister
 from surgery.kinds import support_labels
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.errors import SurgeryError
-from surgery.merge import convert_aligned
-from surgery.source import resolve_source
+from surgery.kv.aligned import convert_aligned
+from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
 from surgery.talking_heads import convert_to_talking_heads
 

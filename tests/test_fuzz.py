@@ -68,9 +68,9 @@ def pristine(tmp_path_factory) -> Path:
 
 @pytest.fixture(autouse=True)
 def private_hash_cache(tmp_path, monkeypatch):
-    import surgery.tensors
+    import surgery.checkpoint.tensors
 
-    monkeypatch.setattr(surgery.tensors._HashCache, "PATH", tmp_path / "cache" / "sha256.json")
+    monkeypatch.setattr(surgery.checkpoint.tensors._HashCache, "PATH", tmp_path / "cache" / "sha256.json")
 
 
 @contextlib.contextmanager
@@ -123,9 +123,9 @@ def check_outcome(code: int, err: str, src: Path, out: Path, args: tuple[str, ..
 
 
 def validate_output(src: Path, out: Path, args: tuple[str, ...]) -> None:
-    from surgery import sanity
+    from surgery.checkpoint import validate
     from surgery.arch import qkv_layout, spec_for
-    from surgery.tensors import CheckpointReader
+    from surgery.checkpoint.tensors import CheckpointReader
 
     from safetensors import safe_open
 
@@ -135,12 +135,12 @@ def validate_output(src: Path, out: Path, args: tuple[str, ...]) -> None:
                 for key in f.keys():
                     f.get_slice(key)
     config = json.loads((out / "config.json").read_text())
-    sanity.check_config_counts(config)
+    validate.check_config_counts(config)
     spec = spec_for(config)
     heads, kv = spec.heads(config), spec.kv_heads(config)
     assert kv == (1 if "mqa" in args else int(args[args.index("--kv-heads") + 1]))
     with CheckpointReader(out) as reader, CheckpointReader(src) as source:
-        sanity.check_attention_tensors({n: t.shape for n, t in reader.tensors.items()}, spec, qkv_layout(spec, config).value,
+        validate.check_attention_tensors({n: t.shape for n, t in reader.tensors.items()}, spec, qkv_layout(spec, config).value,
                                        heads, kv, spec.head_dim(config), config.get(spec.hidden_key))
         assert set(reader.names()) == set(source.names())
         for name in reader.names():

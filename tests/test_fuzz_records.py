@@ -82,9 +82,9 @@ def model(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def private_hash_cache(tmp_path, monkeypatch):
-    import surgery.tensors
+    import surgery.checkpoint.tensors
 
-    monkeypatch.setattr(surgery.tensors._HashCache, "PATH", tmp_path / "cache" / "sha256.json")
+    monkeypatch.setattr(surgery.checkpoint.tensors._HashCache, "PATH", tmp_path / "cache" / "sha256.json")
 
 
 # ---- reports -----------------------------------------------------------------------------------------------
@@ -97,9 +97,9 @@ def validation(model):
 
 @pytest.fixture(scope="module")
 def check_report(model):
-    from surgery.check import compare_checkpoints
+    from surgery.check.compare import compare_checkpoints
     from surgery.data import load_texts
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
 
     src = resolve_source(str(model))
     report = compare_checkpoints(src, src, load_texts("pydoc", "text", False), progress=False, tokens=128, seq_len=64,

@@ -15,7 +15,7 @@ import pytest
 
 from hub_server import LocalHub
 from surgery import general_text as g
-from surgery.checking.overlap import document_sha256
+from surgery.check.overlap import document_sha256
 from test_merge_convert import char_tokenizer, tiny
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def test_calibration_and_uptraining_default_to_the_pinned_shard_streamed_from_th
     assert got["pydoc"] == "pydoc"  # an explicit text is read as it always was
     assert got["docs"] == DOCS
     assert got["record"]["data"] == url  # surgery.json names the dataset, its revision and file
-    from surgery.record import public_data
+    from surgery.checkpoint.record import public_data
 
     assert public_data(url) == url  # and the card shows it whole (not as a local file's name)
     n = len(got["record"]["documents_sha256"])

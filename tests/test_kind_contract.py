@@ -16,9 +16,9 @@ from inprocess import run_cli
 def _toy_kind():
     """A kind written as a contributor would: pools K/V heads like gqa, records itself as "toy", and claims a
     paged runtime (vLLM) caches half of what transformers does (a claim only the kind can make)."""
-    from surgery.convert_kv import KVOptions, convert_to_kv_heads
+    from surgery.kv.convert import KVOptions, convert_to_kv_heads
     from surgery.kinds import Kind, WriteOptions
-    from surgery.record import read_record, write_record
+    from surgery.checkpoint.record import read_record, write_record
 
     class ToyOptions(WriteOptions):
         pass
@@ -77,7 +77,7 @@ def test_every_kind_keeps_the_contract(kind, llama, tmp_path, capsys):
     from surgery.publish.card import build_card
     from surgery.publish.validate import validate_folder
     from surgery.recipes import load_recipe
-    from surgery.record import read_record
+    from surgery.checkpoint.record import read_record
 
     flags = ["--to", kind.name, *_flags(kind.example_options)]
     code, out, _ = run_cli(capsys, "convert", "--help")

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import tiny_models as tm
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
-from surgery.source import resolve_source
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
 from surgery.talking_heads import convert_to_talking_heads
 from tiny_models import char_tokenizer

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 
 import tiny_models as tm
 from tiny_models import char_tokenizer, tiny  # noqa: F401 (the shared helpers, also imported from here)
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
-from surgery.merge import convert_aligned
-from surgery.merge.pipeline import MergeOptions
-from surgery.source import resolve_source
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.kv.aligned import convert_aligned
+from surgery.kv.aligned.pipeline import MergeOptions
+from surgery.checkpoint.source import resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
 CALIB = 512  # calibration tokens for tiny models (4 windows of their 128-token context)

@@ -1,4 +1,4 @@
-"""The grouping search scores candidate groups from per-head products computed once (surgery/merge/grams.py): the
+"""The grouping search scores candidate groups from per-head products computed once (surgery/kv/aligned/grams.py): the
 same losses as merging each candidate (fit.merge_group), so the same groups, on random layers and on the layers a
 real calibration sees (tiny models here; SmolLM2-135M in the slow test)."""
 
@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import tiny_models as tm
-from surgery.merge import pipeline
-from surgery.merge.assign import assign_groups
-from surgery.merge.grams import group_loss, head_grams
-from surgery.merge.layer import _split, merge_loss
-from surgery.merge.params import AttnParams
-from surgery.merge.rotary import rotary_pairs
-from surgery.source import resolve_source
+from surgery.kv.aligned import pipeline
+from surgery.kv.aligned.assign import assign_groups
+from surgery.kv.aligned.grams import group_loss, head_grams
+from surgery.kv.aligned.layer import group_blocks, merge_loss
+from surgery.kv.aligned.params import AttnParams
+from surgery.kv.aligned.rotary import rotary_pairs
+from surgery.checkpoint.source import resolve_source
 from test_calibration_stream import merged_layers, windows
 
 TOL = 1e-9
@@ -39,7 +39,7 @@ def random_layer(kv: int, r: int, d: int, din: int, seed: int = 0):
 def assert_same_scores(p: AttnParams, sigma: torch.Tensor, kv: int, d: int, pairs, fold: bool, sizes) -> None:
     reference = merge_loss(AttnParams(p.q.double(), p.k.double(), p.v.double(), p.o.double(), None, False), sigma,
                            kv, d, pairs, fold)
-    grams = head_grams(*_split(p, kv, d), sigma, pairs, fold)
+    grams = head_grams(*group_blocks(p, kv, d), sigma, pairs, fold)
     for n in sizes:
         for members in itertools.combinations(range(kv), n):
             a, b = reference(members), group_loss(grams, members)
@@ -59,7 +59,7 @@ def test_search_picks_the_groups_merging_picks(kv, groups):
     d, din = 4, 24
     p, sigma = random_layer(kv, 1, d, din, seed=kv + groups)
     pairs = rotary_pairs(d, d, "half")
-    grams = head_grams(*_split(p, kv, d), sigma, pairs, True)
+    grams = head_grams(*group_blocks(p, kv, d), sigma, pairs, True)
     by_grams = assign_groups(lambda m: group_loss(grams, m), kv, groups)
     by_merging = assign_groups(merge_loss(p, sigma, kv, d, pairs, True), kv, groups)
     assert by_grams == by_merging
@@ -69,7 +69,7 @@ def test_search_picks_the_groups_merging_picks(kv, groups):
 def recorded_layers(monkeypatch, folder, kv_to: int, ids=None) -> list[tuple]:
     """Run the streamed aligned merge of `folder`, keeping what each layer's merge_layer received."""
     from surgery.calibration.stream import open_stream
-    from surgery.tensors import CheckpointReader
+    from surgery.checkpoint.tensors import CheckpointReader
 
     seen = []
     original = pipeline.merge_layer

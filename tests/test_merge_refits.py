@@ -1,14 +1,14 @@
-"""The aligned merge's key and value refits (`surgery.merge.keyrefit`, `surgery.merge.valuerefit`): each lowers its
+"""The aligned merge's key and value refits (`surgery.kv.aligned.keyrefit`, `surgery.kv.aligned.valuerefit`): each lowers its
 own objective on real (RoPE-rotated) tensors, and leaves exact merges exact."""
 
 from __future__ import annotations
 
 import torch
 
-from surgery.merge.keyrefit import KeyRefit, refit_keys
-from surgery.merge.pipeline import project_heads
-from surgery.merge.rotary import rotary_pairs
-from surgery.merge.valuerefit import ValueRefit, refit_values, solve_kronecker_sum
+from surgery.kv.aligned.keyrefit import KeyRefit, refit_keys
+from surgery.kv.aligned.pipeline import project_heads
+from surgery.kv.aligned.rotary import rotary_pairs
+from surgery.kv.aligned.valuerefit import ValueRefit, refit_values, solve_kronecker_sum
 
 N, L, D, DIN, KV, R = 2, 24, 8, 12, 2, 2  # windows, length, head_dim, input width, K/V heads, queries per K/V head
 H = KV * R
@@ -136,9 +136,9 @@ def test_value_refit_lowers_the_head_output_error_and_keeps_exact_values():
 def test_aligned_merge_with_key_and_value_refits(tmp_path):
     """The refits inside the whole aligned conversion (tiny Llama): G = source K/V heads stays exact, 4 -> 1 stays far
     closer to the source than mean pooling, and surgery.json says which refits ran."""
-    from surgery.convert_kv import KVOptions, convert_to_kv_heads
-    from surgery.merge.pipeline import MergeOptions
-    from surgery.source import resolve_source
+    from surgery.kv.convert import KVOptions, convert_to_kv_heads
+    from surgery.kv.aligned.pipeline import MergeOptions
+    from surgery.checkpoint.source import resolve_source
     from test_merge_convert import aligned, heldout_ids, kl_to_source, tiny
 
     src = tiny("llama", tmp_path / "src")
@@ -179,6 +179,6 @@ def test_query_samples_default_is_one_number():
     default and the estimate's cost model must agree."""
     from surgery.estimate import QUERY_SAMPLES
     from surgery.kinds.kv import KVMergeOptions
-    from surgery.merge.refit import QueryRefit
+    from surgery.kv.aligned.refit import QueryRefit
 
     assert KVMergeOptions.model_fields["query_samples"].default == QueryRefit.samples == QUERY_SAMPLES

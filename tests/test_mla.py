@@ -32,7 +32,7 @@ def tiny_llama(folder, kv_heads: int, head_dim: int = 16, seed: int = 0, family:
 
 def convert(src, out, rank: int, **kw):
     from surgery.mla import convert_to_mla
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
 
     return convert_to_mla(resolve_source(str(src)), out, kv_rank=rank, calib_tokens=CALIB, progress=False, **kw)
 
@@ -187,7 +187,7 @@ def test_llama3_rope_keeps_only_the_frequencies_it_leaves_unscaled(tmp_path):
 
 def test_record_reads_back_typed_and_verifies_and_the_kind_is_found(tmp_path):
     from surgery.kinds import find_kind
-    from surgery.record import Record, read_record, verify_record
+    from surgery.checkpoint.record import Record, read_record, verify_record
 
     src = tiny_llama(tmp_path / "src", kv_heads=2)
     out = tmp_path / "out"

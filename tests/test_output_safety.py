@@ -138,7 +138,7 @@ def test_a_recipe_output_overlapping_the_source_is_refused_before_anything_is_wr
 def test_every_temporary_name_is_one_the_stale_cleanup_removes(tmp_path):
     """The calibration store, the atomic output folder, the replaced output and a JSON file being written: each
     made by a process that is gone is removed by the next run's cleanup."""
-    from surgery.atomic import TEMP_MARKERS, clean_stale_siblings, temp_prefix
+    from surgery.checkpoint.atomic import TEMP_MARKERS, clean_stale_siblings, temp_prefix
     from surgery.calibration.store import LayerStore
 
     out = tmp_path / "out"

@@ -71,14 +71,14 @@ def big_llama(folder: Path, vocab: int = 32768) -> None:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """A real MQA conversion (three shards and an index: two of 16 MiB, one small) with its output hashes recorded, and a real check report."""
-    from surgery.check import compare_models
-    from surgery.convert_kv import KVOptions, convert_to_kv_heads
-    from surgery.source import resolve_source
+    from surgery.check.compare import compare_models
+    from surgery.kv.convert import KVOptions, convert_to_kv_heads
+    from surgery.checkpoint.source import resolve_source
 
     root = tmp_path_factory.mktemp("push")
     big_llama(root / "src")
     convert_to_kv_heads(resolve_source(str(root / "src")), root / "mqa", KVOptions(kv_heads=1, max_shard_bytes=10_000_000),
-                        progress=False)  # the converter records its output's sha256 (surgery.record.write_record)
+                        progress=False)  # the converter records its output's sha256 (surgery.checkpoint.record.write_record)
     a, b = tm.load(root / "src"), tm.load(root / "mqa")
     ids = torch.randint(0, 32768, (1, 64), generator=torch.Generator().manual_seed(0))
     report = compare_models(a, b, ids.view(-1), seq_len=32, batch_size=2, causal=True)
@@ -137,7 +137,7 @@ def test_push_uploads_through_lfs_and_downloads_back(hub, converted, tmp_path):
         if name != "surgery.json":
             assert same_bytes(out / name, back / name), name
     # surgery.json goes up without its machine-local part; nothing pushed names a path of this machine.
-    from surgery.record import public_record, read_record
+    from surgery.checkpoint.record import public_record, read_record
 
     assert read_record(back) == public_record(read_record(out)) and "local" in read_record(out)
     for f in back.iterdir():
@@ -226,7 +226,7 @@ def test_push_refuses_folders_that_do_not_validate(hub, converted, tmp_path):
 def test_card_with_custom_code(converted, tmp_path):
     from surgery.publish import validate_folder
     from surgery.publish.card import build_card
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
     from surgery.talking_heads import convert_to_talking_heads
 
     convert_to_talking_heads(resolve_source(str(converted / "src")), tmp_path / "th", progress=False)
@@ -256,7 +256,7 @@ def test_card_with_custom_code(converted, tmp_path):
 
 def test_card_metadata_of_the_embedded_source():
     from surgery.publish.card import source_info
-    from surgery.source import embedded_smollm2_gguf
+    from surgery.checkpoint.source import embedded_smollm2_gguf
 
     gguf = embedded_smollm2_gguf()
     info = source_info({"source": {"spec": "smollm2", "gguf_file": str(gguf), "folder": "/nonexistent"}})
@@ -299,7 +299,7 @@ def test_converters_record_output_hashes(tmp_path):
     tm.make_tiny("llama", tmp_path / "src")
     assert surgery("convert", tmp_path / "src", "--to", "mqa", "--out", tmp_path / "o").returncode == 0
     recorded = json.loads((tmp_path / "o" / "surgery.json").read_text()).get("output_sha256")
-    assert recorded, "surgery.json lacks output_sha256: the converter must write it with surgery.record.write_record"
+    assert recorded, "surgery.json lacks output_sha256: the converter must write it with surgery.checkpoint.record.write_record"
     files = sorted(p.name for p in (tmp_path / "o").iterdir() if p.name != "surgery.json")
     assert sorted(recorded) == files
     for name, digest in recorded.items():

@@ -111,7 +111,7 @@ def shrink(command: str, cwd: Path) -> list[str]:
 
 def prepare(cwd: Path, hub) -> None:
     """The inputs the README's commands name: local folders and files, and hub ids on the test hub."""
-    from surgery.source import embedded_smollm2_gguf, resolve_source
+    from surgery.checkpoint.source import embedded_smollm2_gguf, resolve_source
     from test_recipes import paired_llama
 
     cmds = commands()

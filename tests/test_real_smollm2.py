@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import surgery.kinds  # noqa: F401 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
-from surgery.check import compare_models
+from surgery.check.compare import compare_models
 from surgery.runtime import load_model
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts, token_stream
-from surgery.source import embedded_smollm2_gguf, resolve_source
+from surgery.checkpoint.source import embedded_smollm2_gguf, resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
 

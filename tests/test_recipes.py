@@ -25,7 +25,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def paired_llama(folder: Path, seed: int = 0) -> None:
     """A tiny llama with SmolLM2's real tokenizer whose 4 K/V heads come in identical pairs (0=1, 2=3), so that
     mean-pooling them into 2 K/V heads is exact: a GQA conversion `surgery check --expect exact` passes."""
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
 
     smollm2 = resolve_source("smollm2").folder
     torch.manual_seed(seed)
@@ -120,7 +120,7 @@ def test_a_check_on_several_texts_plans_and_runs_each_text(tmp_path):
 
 
 def resolve_source_folder(spec: str) -> Path:
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
 
     return Path(resolve_source(spec).folder)
 

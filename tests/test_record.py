@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import tiny_models as tm
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
-from surgery.record import local_source_folder, public_name, public_record, read_record, read_record_or_empty
-from surgery.source import resolve_source
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.checkpoint.record import local_source_folder, public_name, public_record, read_record, read_record_or_empty
+from surgery.checkpoint.source import resolve_source
 
 
 def test_public_record_holds_no_machine_paths(tmp_path):
@@ -52,7 +52,7 @@ def test_converted_side_files_hold_no_machine_keys(tmp_path):
 def test_gguf_dequantizing_time_is_reported_once(tmp_path, monkeypatch):
     import time
 
-    import surgery.source as source
+    import surgery.checkpoint.source as source
 
     def slow_dequantize(path, folder):
         time.sleep(0.2)
@@ -89,7 +89,7 @@ def _convert_each_kind(tmp_path):
 
 def test_every_kind_writes_a_record_that_reads_back_typed_and_verifies(tmp_path):
     """write_record / read_record / verify_record are symmetric for what every kind writes."""
-    from surgery.record import Record, verify_record
+    from surgery.checkpoint.record import Record, verify_record
 
     for name, out in _convert_each_kind(tmp_path).items():
         record = read_record(out)
@@ -103,7 +103,7 @@ def test_verify_record_names_a_changed_file(tmp_path):
     import pytest
 
     from surgery.errors import SurgeryError
-    from surgery.record import verify_record
+    from surgery.checkpoint.record import verify_record
 
     src = tmp_path / "src"
     tm.make_tiny("llama", src)

@@ -22,22 +22,21 @@ PACKAGE = REPO / "surgery"
 # ---- layering: the import graph of the whole package ------------------------------------------------------------
 # The package's layers, lowest first: a module may import its own layer and the ones below, never one above. A
 # module belongs to the layer of the longest prefix listed here that names it (so a module of a package can sit
-# in another layer than its package, e.g. the compare-merges command in a layer above the merge it compares).
+# in another layer than its package, e.g. the compare-merges command in a layer above the merge it compares, or
+# the checkpoint writer, which runs threads from the runtime, above the rest of checkpoint I/O).
 # Data flows: checkpoint in -> architecture spec -> kind -> checkpoint out -> check / uptrain -> hub.
 LAYERS = [
-    ("foundation", ["surgery", "surgery.errors", "surgery.options", "surgery.progress", "surgery.digest",
-                    "surgery.solve", "surgery.units", "surgery.dtypes",
-                    "surgery.model_types"]),
-    ("checkpoint I/O", ["surgery.sanity", "surgery.atomic", "surgery.tensors", "surgery.record", "surgery.source",
-                        "surgery.trust", "surgery.data"]),
+    ("foundation", ["surgery", "surgery.errors", "surgery.options", "surgery.progress", "surgery.solve",
+                    "surgery.units", "surgery.dtypes", "surgery.model_types"]),
+    ("checkpoint I/O", ["surgery.checkpoint", "surgery.trust", "surgery.data"]),
     ("runtime", ["surgery.runtime"]),
-    ("architecture and checkpoint writing", ["surgery.arch", "surgery.kv_pool", "surgery.output"]),
-    ("conversions", ["surgery.calibration", "surgery.merge", "surgery.switchhead", "surgery.talking_heads",
-                     "surgery.mla", "surgery.convert_kv", "surgery.estimate"]),
+    ("architecture and checkpoint writing", ["surgery.arch", "surgery.checkpoint.writer"]),
+    ("conversions", ["surgery.calibration", "surgery.kv", "surgery.switchhead", "surgery.talking_heads",
+                     "surgery.mla", "surgery.estimate"]),
     ("kinds", ["surgery.kinds"]),
-    ("checkpoint users", ["surgery.check", "surgery.checking", "surgery.inspect", "surgery.bench",
+    ("checkpoint users", ["surgery.check", "surgery.inspect", "surgery.bench",
                           "surgery.dry_run", "surgery.demo", "surgery.publish", "surgery.uptrain",
-                          "surgery.merge.compare", "surgery.recipes.estimate"]),
+                          "surgery.kv.compare", "surgery.recipes.estimate"]),
     ("commands", ["surgery.commands"]),
     ("recipes", ["surgery.recipes"]),
     ("command line", ["surgery.clickgen", "surgery.cli"]),
@@ -144,7 +143,7 @@ def test_the_layering_test_sees_a_circle_and_an_upward_import():
     graph = {"surgery.errors": {"surgery.cli"}, "surgery.cli": {"surgery.kinds"}, "surgery.kinds": {"surgery.errors"},
              "surgery.arch": set()}
     assert _cycles(graph) == [{"surgery.errors", "surgery.cli", "surgery.kinds"}]
-    assert _layer("surgery.merge.compare") > _layer("surgery.merge") > _layer("surgery.arch")
+    assert _layer("surgery.kv.compare") > _layer("surgery.kv.aligned") > _layer("surgery.arch")
 
 
 def test_only_the_command_line_imports_surgery_cli():
@@ -331,8 +330,8 @@ def test_a_required_field_is_a_required_option(args, message, capsys, tmp_path, 
 
 def test_merge_method_names_are_the_pooling_methods_and_aligned():
     """The command line's, a recipe's and compare-merges' merge methods (kinds/kv.py) are the library's pooling
-    methods (kv_pool.py) plus the aligned merge: one list, the other its subset."""
+    methods (kv/pool.py) plus the aligned merge: one list, the other its subset."""
     from surgery.kinds.kv import METHODS
-    from surgery.kv_pool import POOL_METHODS
+    from surgery.kv.pool import POOL_METHODS
 
     assert METHODS == (*POOL_METHODS, "aligned")

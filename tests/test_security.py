@@ -25,7 +25,7 @@ from tiny_models import char_tokenizer
 
 from surgery import trust
 from surgery.errors import SurgeryError
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 
 REPO = Path(__file__).resolve().parents[1]
 UNREACHABLE = "http://127.0.0.1:9"  # the discard port: connection refused

@@ -107,7 +107,7 @@ def test_convert_refuses_custom_code_linking_outside_the_source(tmp_path):
 def test_a_hub_snapshot_links_into_its_blobs_and_nowhere_else(secret, tmp_path):
     """huggingface_hub's cache: snapshots/REV/NAME -> ../../blobs/SHA. Those links are the snapshot's own files."""
     from surgery.errors import SurgeryError
-    from surgery.source import side_files
+    from surgery.checkpoint.source import side_files
 
     repo = tmp_path / "hub" / "models--alice--tiny"
     (repo / "blobs").mkdir(parents=True)

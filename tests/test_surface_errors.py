@@ -42,9 +42,9 @@ def converted(model, tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def private_hash_cache(tmp_path, monkeypatch):
-    import surgery.tensors
+    import surgery.checkpoint.tensors
 
-    monkeypatch.setattr(surgery.tensors._HashCache, "PATH", tmp_path / "cache" / "sha256.json")
+    monkeypatch.setattr(surgery.checkpoint.tensors._HashCache, "PATH", tmp_path / "cache" / "sha256.json")
 
 
 @pytest.fixture
@@ -312,9 +312,9 @@ def test_mistyped_recipe_state(model, run_cli, tmp_path, field, value):
 
 @pytest.fixture(scope="module")
 def check_report(model, converted, tmp_path_factory):
-    from surgery.check import compare_checkpoints
+    from surgery.check.compare import compare_checkpoints
     from surgery.data import load_texts
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
 
     report = compare_checkpoints(resolve_source(str(model)), resolve_source(str(converted)),
                                  load_texts("pydoc", "text", False), progress=False, tokens=64, seq_len=32)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 import tiny_models as tm
 from surgery.errors import SurgeryError
 from surgery.inspect import inspect_checkpoint
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
 from surgery.switchhead.cluster import balanced_clusters
 from surgery.switchhead.modeling_switchhead import SwitchHeadAttention, expert_outputs, expert_values

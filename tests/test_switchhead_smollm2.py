@@ -7,12 +7,11 @@ import json
 import pytest
 import torch
 
-import surgery.kinds  # noqa: F401 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
-from surgery.check import compare_models
+from surgery.check.compare import compare_models
 from surgery.runtime import load_model
 from surgery.data import pydoc_texts, token_stream
 from surgery.inspect import inspect_checkpoint
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
 
 

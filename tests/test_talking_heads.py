@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from surgery.errors import SurgeryError
 from surgery.inspect import inspect_checkpoint
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 from surgery.talking_heads import convert_to_talking_heads
 from surgery.talking_heads.modeling_talking_heads import TalkingHeadsMixing, talking_heads_attention
 

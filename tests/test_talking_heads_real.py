@@ -13,10 +13,9 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-import surgery.kinds  # noqa: F401 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
-from surgery.check import compare_checkpoints, compare_models
+from surgery.check.compare import compare_checkpoints, compare_models
 from surgery.data import pydoc_texts, token_stream
-from surgery.source import Source, resolve_source
+from surgery.checkpoint.source import Source, resolve_source
 from surgery.talking_heads import convert_to_talking_heads
 
 REPO = Path(__file__).resolve().parents[1]

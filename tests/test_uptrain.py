@@ -18,9 +18,8 @@ import torch.nn.functional as F
 import transformers as tf
 from safetensors.torch import load_file
 
-import surgery.kinds  # noqa: F401 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
-from surgery.source import resolve_source
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.checkpoint.source import resolve_source
 from surgery.uptrain import UptrainOptions, uptrain
 from surgery.uptrain.losses import kd_loss, lm_loss
 from surgery.errors import SurgeryError

@@ -9,10 +9,9 @@ import torch
 import transformers as tf
 from safetensors.torch import load_file
 
-import surgery.kinds  # noqa: F401 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
-from surgery.convert_kv import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.errors import SurgeryError
-from surgery.source import resolve_source
+from surgery.checkpoint.source import resolve_source
 from surgery.uptrain import UptrainOptions, uptrain
 from tests.test_uptrain import FAST, make_model, make_tokenizer
 

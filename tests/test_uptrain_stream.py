@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from surgery.digest import sha256_file
+from surgery.checkpoint.sha256 import sha256_file
 from surgery.uptrain import UptrainOptions, uptrain
 from surgery.uptrain.stream import Plan, Reader, Sequential, hold_out, parse_weights, resolve_sources
 from tests.test_uptrain import FAST, make_model, make_tokenizer, weights

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import clean_stale_siblings, temp_prefix, write_failure
-from ..tensors import CheckpointReader, save_safetensors
+from ..checkpoint.atomic import clean_stale_siblings, temp_prefix, write_failure
+from ..checkpoint.tensors import CheckpointReader, save_safetensors
 
 
 class LayerStore:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import SurgeryError
-from ..tensors import CheckpointReader, dtype_size
+from ..checkpoint.tensors import CheckpointReader, dtype_size
 from .layout import memory_layout
 
 __all__ = ["LayerCall", "LayerStream", "estimate_peak_bytes", "open_stream", "run_layer",

@@ -56,7 +56,7 @@ class CheckOptions(CliModel):
 def warn_same_domain(folder: Path, first: str, more: list[str], warn) -> None:
     """One line when the check's only text is a source the converted model was calibrated or trained on: its numbers
     then measure the fit to that domain, not the recovery of the source model."""
-    from ..checking.overlap import shared_source
+    from ..check.overlap import shared_source
     from ..general_text import resolve_text
 
     why = None if more else shared_source(folder, resolve_text(first))
@@ -68,10 +68,10 @@ def warn_same_domain(folder: Path, first: str, more: list[str], warn) -> None:
 def check_checkpoints(source: str, converted: str, options: CheckOptions, json_out: Path | None = None,
                       warn=print) -> dict:
     """Compare, print the report, write it as JSON (`json_out`); CheckFailed when --expect exact is not met."""
-    from ..atomic import write_json
-    from ..check import check_counts, check_json_path, compare_checkpoints, print_report, tolerance
+    from ..checkpoint.atomic import write_json
+    from ..check.compare import check_counts, check_json_path, compare_checkpoints, print_report, tolerance
     from ..data import load_texts
-    from ..source import resolve_source
+    from ..checkpoint.source import resolve_source
 
     o = options
     check_counts(o.tokens, o.seq_len, o.batch_size, o.generate)

@@ -16,8 +16,8 @@ def options_model() -> type[ConvertOptions]:
 
 def convert_checkpoint(source: str, out: Path, options: ConvertOptions) -> str:
     """Convert `source` into `out`; returns the line that says what was written."""
-    from ..atomic import check_output_path
-    from ..source import resolve_source
+    from ..checkpoint.atomic import check_output_path
+    from ..checkpoint.source import resolve_source
 
     check_output_path(out, options.force)
     src = resolve_source(source, revision=options.revision, allow_pickle=options.allow_pickle)
@@ -36,7 +36,7 @@ def prepared_note(src) -> str:
 def dry_run(source: str, options: ConvertOptions) -> dict:
     """The estimate `surgery convert --dry-run` prints ({"lines": [...]} and the numbers)."""
     from ..dry_run import convert_dry_run
-    from ..source import resolve_source
+    from ..checkpoint.source import resolve_source
 
     src = resolve_source(source, revision=options.revision, allow_pickle=options.allow_pickle)
     return convert_dry_run(src, options.kind, options.kind_options)

@@ -44,7 +44,7 @@ class PushOptions(CliModel):
 def push_checkpoint(folder: Path, options: PushOptions, check_reports: list[Path] = (), json_out: Path | None = None,
                     log=print) -> str:
     """Upload `folder`; returns the line that says where it went."""
-    from ..atomic import check_output_file, write_json
+    from ..checkpoint.atomic import check_output_file, write_json
     from ..publish.push import push_folder
 
     o = options

@@ -61,7 +61,7 @@ class WriteOptions(CliModel):
     @field_validator("max_shard_size")
     @classmethod
     def _size(cls, v: str) -> str:
-        from ..convert_kv import parse_size
+        from ..units import parse_size
         from ..errors import SurgeryError
 
         try:
@@ -72,7 +72,7 @@ class WriteOptions(CliModel):
 
     @property
     def max_shard_bytes(self) -> int:
-        from ..convert_kv import parse_size
+        from ..units import parse_size
 
         return parse_size(self.max_shard_size)
 

@@ -106,16 +106,16 @@ class KVMerge(Kind):
     def convert(self, source, out: Path, options: KVMergeOptions) -> dict:
         common = options.write_kwargs()
         if options.merge == ALIGNED:
-            from ..merge import convert_aligned
-            from ..merge.pipeline import MergeOptions
-            from ..merge.refit import QueryRefit
+            from ..kv.aligned import convert_aligned
+            from ..kv.aligned.pipeline import MergeOptions
+            from ..kv.aligned.refit import QueryRefit
 
             merge = MergeOptions(groups=options.groups, assign=options.grouping == "similarity",
                                  refit_v=options.refit_values, query=QueryRefit(samples=options.query_samples))
             return convert_aligned(source, out, kv_heads=options.groups, calib=options.calib,
                                    calib_tokens=options.calib_tokens, calib_window=options.calib_window,
                                    device=options.device, options=merge, **common)
-        from ..convert_kv import KVOptions, convert_to_kv_heads
+        from ..kv.convert import KVOptions, convert_to_kv_heads
 
         force = common.pop("force")
         return convert_to_kv_heads(source, out, KVOptions(kv_heads=options.groups, method=options.merge, **common),

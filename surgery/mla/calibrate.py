@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 
 from ..calibration.stream import LayerProgress, open_stream, run_layer
-from ..merge import capture
-from ..merge.refit import refit_output
+from ..kv.aligned import capture
+from ..kv.aligned.refit import refit_output
 from ..runtime import threads
 from .factor import MLAWeights, SourceAttention, frequency_scores
 

@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 
 from ..arch import spec_for
-from ..atomic import check_output_path
+from ..checkpoint.atomic import check_output_path
 from ..calibration.store import LayerStore
 from ..calibration.text import calibration_text, context_of, WINDOW
 from ..errors import SurgeryError
-from ..output import write_conversion
+from ..checkpoint.writer import write_conversion
 from ..runtime import load_tokenizer, pick_device
-from ..source import Source
-from ..tensors import CheckpointReader, PlannedTensor
+from ..checkpoint.source import Source
+from ..checkpoint.tensors import CheckpointReader, PlannedTensor
 from .calibrate import convert_pass, frequency_scores_pass, mla_attention
 from .factor import MLAWeights, SourceAttention, mla_layer
 

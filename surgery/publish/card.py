@@ -15,7 +15,7 @@ from ..errors import SurgeryError
 from ..inspect import inspect_checkpoint
 from ..units import si_number
 from ..kinds import find_kind
-from ..record import local_source_folder, public_data, public_record
+from ..checkpoint.record import local_source_folder, public_data, public_record
 from .validate import Validation
 
 # Cards carrying this line were written by `surgery push` and are rewritten by the next push; others are kept.
@@ -230,8 +230,8 @@ def positions_section(reports: list[tuple[str, dict]]) -> list[str]:
 
 def generation_section(reports: list[tuple[str, dict]]) -> list[str]:
     """Greedy continuations of reports made with `check --generate`: agreement, and forced agreement by the source's
-    margin (surgery/checking/generate.py)."""
-    from ..checking import generate as gen
+    margin (surgery/check/generate.py)."""
+    from ..check import generate as gen
 
     made = [(name, r["generation"]) for name, r in reports if isinstance(r.get("generation"), dict)]
     if not made:
@@ -267,7 +267,7 @@ def samples_section(made: list[tuple[str, dict]]) -> list[str]:
 
 def tasks_section(reports: list[tuple[str, dict]]) -> list[str]:
     """The lm-eval scores of reports made with `check --tasks`."""
-    from ..checking.tasks import rows
+    from ..check.tasks import rows
 
     scored = [(name, r) for name, r in reports if isinstance(r.get("tasks"), dict) and r["tasks"]]
     if not scored:

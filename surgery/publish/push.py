@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SurgeryError
-from ..record import RECORD_FILE, public_record, read_record
+from ..checkpoint.record import RECORD_FILE, public_record, read_record
 from .card import MARKER, build_card, load_reports
 from .validate import validate_folder
 
@@ -68,7 +68,7 @@ def upload_operations(folder: Path, card_text: str | None) -> list:
     from huggingface_hub import CommitOperationAdd
     from huggingface_hub.utils import filter_repo_objects
 
-    from ..source import inside_file
+    from ..checkpoint.source import inside_file
 
     names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir())
     from_memory = {}

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SurgeryError
-from ..tensors import read_safetensors_header
+from ..checkpoint.tensors import read_safetensors_header
 from ..trust import has_custom_code
-from ..record import RECORD_FILE as RECORD, check_record, verify_record
+from ..checkpoint.record import RECORD_FILE as RECORD, check_record, verify_record
 
 INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

@@ -70,8 +70,8 @@ def _shape(config: dict) -> dict:
 
 
 def stats_from_folder(folder: Path, allow_pickle: bool = False) -> ModelStats:
-    from ..source import load_config
-    from ..tensors import CheckpointReader, dtype_size
+    from ..checkpoint.source import load_config
+    from ..checkpoint.tensors import CheckpointReader, dtype_size
 
     config = load_config(folder)
     with CheckpointReader(folder, allow_pickle=allow_pickle) as reader:

@@ -22,7 +22,7 @@ from .schema import Recipe
 
 def local_source_folder(recipe: Recipe) -> Path | None:
     """The source's folder if it is already on disk; never downloads or dequantizes."""
-    from ..source import HUB_PATTERNS, embedded_smollm2_gguf, gguf_cache_folder
+    from ..checkpoint.source import HUB_PATTERNS, embedded_smollm2_gguf, gguf_cache_folder
 
     s = recipe.source
     if s.path:  # with `package`, the path is inside the package's folder (located without importing it)

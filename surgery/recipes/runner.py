@@ -115,8 +115,8 @@ def launch_prefix(recipe: Recipe, ps: PlannedStep) -> list[str] | None:
 # ---- fingerprints and state ------------------------------------------------------------------------------
 def folder_digest(folder: Path) -> str:
     """sha256 over the sha256 of every file of a model folder (cached per file by path, size, mtime, inode)."""
-    from ..record import hashed_files
-    from ..tensors import sha256_files
+    from ..checkpoint.record import hashed_files
+    from ..checkpoint.tensors import sha256_files
 
     folder = Path(folder)
     names = hashed_files(folder)
@@ -265,7 +265,7 @@ def step_range(planned: list[PlannedStep], from_step: str | None, until: str | N
 
 # ---- running ---------------------------------------------------------------------------------------------
 def resolve_source_folder(recipe: Recipe) -> Path:
-    from ..source import resolve_source
+    from ..checkpoint.source import resolve_source
 
     return resolve_source(recipe.source.spec, revision=recipe.source.revision).folder
 
@@ -331,7 +331,7 @@ def recipe_inputs(recipe: Recipe, source_folder: Path | None) -> list[tuple[str,
 def check_recipe_output(recipe: Recipe, output: Path, source_folder: Path | None) -> None:
     """The recipe's output (where every step writes, and --force replaces) is none of the folders it reads, nor
     inside or holding one."""
-    from ..atomic import check_apart
+    from ..checkpoint.atomic import check_apart
 
     check_apart(output, "recipe output", recipe_inputs(recipe, source_folder),
                 option="output (the recipe's `output`, --output or --set output=)")

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import check_output_path
+from ..checkpoint.atomic import check_output_path
 from ..calibration.store import LayerStore
 from ..calibration.stream import open_stream
 from ..calibration.text import calibration_text, context_of, WINDOW
-from ..output import write_conversion
+from ..checkpoint.writer import write_conversion
 from ..errors import SurgeryError
 from ..arch import attention_shape
 from ..runtime import load_tokenizer, pick_device
-from ..source import Source
-from ..tensors import CheckpointReader, DTYPES, PlannedTensor
+from ..checkpoint.source import Source
+from ..checkpoint.tensors import CheckpointReader, DTYPES, PlannedTensor
 from .build import SwitchHeadShape, layer_tensors
 from .layers import calibrate_layers
 from .cluster import cluster_heads, kv_mapping, within_cost

@@ -11,8 +11,8 @@ import torch
 
 from ..arch import ArchSpec, QKVLayout, spec_for
 from ..errors import SurgeryError
-from ..kv_pool import split_qkv
-from ..tensors import CheckpointReader
+from ..kv.pool import split_qkv
+from ..checkpoint.tensors import CheckpointReader
 
 KIND = "switchhead"
 CLASS_PREFIX = "SwitchHead"

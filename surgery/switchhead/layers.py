@@ -8,7 +8,7 @@ go to the layer store and the layer is freed.
 The input hidden states (`inputs`): "converted" (the default) runs each layer again with its SwitchHead attention
 in place of the source's, so that the next layer is calibrated, clustered and refit on the residual stream the
 converted model really produces, its targets being the source attention on those same inputs (as the aligned
-merge does, `surgery/merge/pipeline.py`); "source" calibrates every layer on the source's own hidden states.
+merge does, `surgery/kv/aligned/pipeline.py`); "source" calibrates every layer on the source's own hidden states.
 Measured on SmolLM2-135M, H=3 E=3 k=2, 8,192 calibration tokens, `surgery check --tokens 16384` (pydoc[0:16384],
 never calibrated on): perplexity 41.75 = 3.14x the source's 13.28 with "converted", 62.53 = 4.71x with "source".
 """

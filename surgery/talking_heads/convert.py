@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from ..output import write_conversion
+from ..checkpoint.writer import write_conversion
 from ..errors import SurgeryError
 from ..arch import attention_shape
-from ..source import Source
-from ..tensors import CheckpointReader, DTYPES, PlannedTensor
+from ..checkpoint.source import Source
+from ..checkpoint.tensors import CheckpointReader, DTYPES, PlannedTensor
 from .families import Family, family_for
 
 CODE_FILES = ("configuration_talking_heads.py", "modeling_talking_heads.py")

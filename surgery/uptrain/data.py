@@ -155,7 +155,7 @@ def read_cache(cache: Path, key: str, seed: int) -> PackedData | None:
 
 
 def write_cache(cache: Path, key: str, data: PackedData) -> None:
-    from ..tensors import save_safetensors  # a full disk: one line, not SafetensorError's traceback
+    from ..checkpoint.tensors import save_safetensors  # a full disk: one line, not SafetensorError's traceback
 
     tmp = cache.with_name(cache.name + ".tmp")
     tensors = {"train": data.train, "eval": data.eval} | ({"other": data.other} if data.other is not None else {})

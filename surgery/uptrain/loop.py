@@ -21,17 +21,17 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_output_dir, check_apart, check_output_path, ordinary_permissions
-from ..digest import sha256_file
+from ..checkpoint.atomic import atomic_output_dir, check_apart, check_output_path, ordinary_permissions
+from ..checkpoint.sha256 import sha256_file
 from ..errors import SurgeryError
 from ..loaders import read_json
-from ..source import resolve_source, side_files
-from ..record import local_source_folder, public_name, read_record, write_record
+from ..checkpoint.source import resolve_source, side_files
+from ..checkpoint.record import local_source_folder, public_name, read_record, write_record
 from . import lora, model_io
 from .align import align, check_alignable
 from .data import DATA_CACHE, cache_key, pack, pack_held_out, read_cache, write_cache
 from .heads import OutputHead
-from .losses import Objective, _same
+from .losses import identity, Objective
 from .metrics import MetricsLog
 from .options import TRAJECTORY_DEFAULTS, UptrainOptions
 from .params import select_trainable
@@ -494,7 +494,8 @@ class UptrainRecipe:
         teacher = self.teacher
         self.t_head = (OutputHead.of(teacher, model_io.vocab_size(teacher)) if teacher is not None and not self.sharded
                        else None)  # a sharded teacher's output projection is a shard outside its forward
-        self.projections = (self.s_head.project if self.s_head else _same, self.t_head.project if self.t_head else _same)
+        self.projections = (self.s_head.project if self.s_head else identity,
+                            self.t_head.project if self.t_head else identity)
 
     def _announce(self) -> None:
         o, data, state = self.o, self.data, self.state

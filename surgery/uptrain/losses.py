@@ -41,11 +41,12 @@ def _chunked_sum(fn, *tensors: torch.Tensor, chunk: int = CHUNK_POSITIONS) -> to
     return total
 
 
-def _same(x: torch.Tensor) -> torch.Tensor:
+def identity(x: torch.Tensor) -> torch.Tensor:
+    """The projection of a model without a head adapter: its outputs as they are."""
     return x
 
 
-def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = _same) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = identity) -> torch.Tensor:
     """Mean next-token cross-entropy of logits [B, T, V] for ids [B, T] (T-1 targets per sequence), in chunks of
     positions. The targets are shifted (the last position ignored) rather than the logits sliced, which would copy them.
     `project`: given the final hidden states [B, T, H] instead of logits, the output projection (surgery/uptrain/heads.py)."""
@@ -59,7 +60,7 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = _same
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
-            project: Projection = _same, project_teacher: Projection = _same, divergence: str = "forward"
+            project: Projection = identity, project_teacher: Projection = identity, divergence: str = "forward"
             ) -> torch.Tensor:
     """Mean over positions of T² · D(teacher ‖ student) on softmax(logits / T) (Hinton et al.'s scaling), computed
     in chunks of positions so that no [positions, V] temporary of the whole batch exists besides the inputs.
@@ -123,7 +124,7 @@ class Objective:
         return self.hidden_weight > 0
 
     def __call__(self, logits: torch.Tensor, ids: torch.Tensor, teacher_logits: torch.Tensor | None = None,
-                 project: Projection = _same, project_teacher: Projection = _same,
+                 project: Projection = identity, project_teacher: Projection = identity,
                  states: tuple[torch.Tensor, ...] | None = None, teacher_states: tuple[torch.Tensor, ...] | None = None):
         """(loss, parts): the loss to minimise and its terms, detached, for logging. `project` / `project_teacher`:
         the output projections when `logits` / `teacher_logits` are final hidden states (see `lm_loss`).

@@ -11,10 +11,10 @@ from .. import __version__
 from .. import runtime
 from ..runtime import context_length, is_causal_lm
 from ..errors import SurgeryError
-from ..source import Source, copy_side_files, inside_file, resolve_source
-from ..record import LOCAL_KEY, local_source_folder, now, public_name, read_record
+from ..checkpoint.source import Source, copy_side_files, inside_file, resolve_source
+from ..checkpoint.record import LOCAL_KEY, local_source_folder, now, public_name, read_record
 from ..trust import resolve_trust
-from ..tensors import DTYPES
+from ..checkpoint.tensors import DTYPES
 
 
 
@@ -115,7 +115,7 @@ def checkpoint_dtype(folder: Path, config: dict) -> torch.dtype:
     name = config.get("dtype") or config.get("torch_dtype")
     if name in DTYPES:
         return DTYPES[name]
-    from ..tensors import CheckpointReader
+    from ..checkpoint.tensors import CheckpointReader
 
     counts: dict[torch.dtype, int] = {}
     try:
@@ -130,7 +130,7 @@ def checkpoint_dtype(folder: Path, config: dict) -> torch.dtype:
 
 def shipped_code_files(folder: Path) -> list[Path]:
     """Python files a checkpoint ships for `auto_map` (all top-level *.py: modules may import siblings), each a
-    regular file inside the folder (surgery.source.inside_file)."""
+    regular file inside the folder (surgery.checkpoint.source.inside_file)."""
     return [inside_file(folder, p, "code file") for p in sorted(Path(folder).glob("*.py")) if not p.is_dir()]
 
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
-from ..atomic import check_apart
+from ..checkpoint.atomic import check_apart
 from ..errors import SurgeryError
 from ..general_text import resolve_texts
 from ..options import CliModel, Texts, cli_meta, option, spelling, texts_rule

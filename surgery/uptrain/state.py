@@ -32,10 +32,10 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from ..digest import sha256_file
+from ..checkpoint.sha256 import sha256_file
 from ..errors import SurgeryError
 from ..loaders import read_model
-from ..tensors import save_safetensors
+from ..checkpoint.tensors import save_safetensors
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 FORMAT = "surgery-uptrain-checkpoint/1"

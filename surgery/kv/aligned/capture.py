@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..calibration.stream import LayerCall, StopForward, first_output, run_layer, run_until_stopped
+from ...calibration.stream import LayerCall, StopForward, first_output, run_layer, run_until_stopped
 
 CAPTURE_PREFIX = "surgery_capture_"
 _RECORDER: list["AttentionRecord"] = []

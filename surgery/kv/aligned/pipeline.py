@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..arch import ArchSpec, qkv_layout
-from ..calibration.stream import LayerStream, run_layer
-from ..runtime import threads
+from ...arch import ArchSpec, qkv_layout
+from ...calibration.stream import LayerStream, run_layer
+from ...runtime import threads
 from . import capture
 from .layer import LayerMerge, merge_layer
 from .params import AttnParams, LayerAttention

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .digest import sha256_file
-from .errors import SurgeryError
-from .loaders import check_depth
+from .sha256 import sha256_file
+from ..errors import SurgeryError
+from ..loaders import check_depth
 
 # Files copied beside the converted weights (tokenizer, generation config, custom code, licences).
 SIDE_FILE_PATTERNS = (
@@ -48,14 +48,14 @@ class Source:
 
 
 def load_config(folder: Path) -> dict:
-    from . import sanity
+    from . import validate
 
     path = Path(folder) / "config.json"
     if not path.exists():
         raise SurgeryError(f"{folder} has no config.json: not a transformers checkpoint")
-    sanity.regular_file(path, "config")
+    validate.regular_file(path, "config")
     try:
-        config = sanity.config_object(check_depth(json.loads(path.read_text()), f"corrupt {path}:"), path)
+        config = validate.config_object(check_depth(json.loads(path.read_text()), f"corrupt {path}:"), path)
     except (OSError, ValueError, RecursionError) as e:
         raise SurgeryError(f"corrupt {path}: {str(e).splitlines()[0][:200]}") from None
     check_side_json(folder)
@@ -232,13 +232,13 @@ def inside_file(folder: Path, path: Path, what: str) -> Path:
     inside the folder (a symlink may point only within it, or to the hub cache's blobs of a snapshot); otherwise one
     line naming it. Copying follows links, so a link to a file elsewhere on this machine would put that file
     in the output, and `push` would upload it."""
-    from . import sanity
+    from . import validate
 
     real = Path(path).resolve()
     if not any(real.is_relative_to(root) for root in _allowed_roots(folder)):
         raise SurgeryError(f"{what} {Path(path).name} in {folder} is a link to {real}, outside the checkpoint "
                            "folder: refused (copy the file into the folder, or remove the link)")
-    return sanity.regular_file(path, what)
+    return validate.regular_file(path, what)
 
 
 def side_files(src: Path) -> list[Path]:
@@ -274,7 +274,7 @@ def custom_code_files(folder: Path, config: dict, provided: tuple[str, ...] = ()
     carry would not load."""
     import ast
 
-    from . import sanity
+    from . import validate
 
     maps = [config.get("auto_map")]
     tok = Path(folder) / "tokenizer_config.json"
@@ -308,7 +308,7 @@ def custom_code_files(folder: Path, config: dict, provided: tuple[str, ...] = ()
         name = module.replace(".", "/") + ".py"
         if name in provided:
             continue
-        path = sanity.name_inside(folder, name, "auto_map")
+        path = validate.name_inside(folder, name, "auto_map")
         if not path.is_file():
             raise SurgeryError(f"auto_map names {name}, which {folder} lacks: the converted checkpoint would not load")
         try:

@@ -7,7 +7,7 @@ Causal LMs are compared on their logits; encoders (no causal LM head) on their l
 
 `compare_checkpoints` (the `check` command) holds one model at a time. The source runs over every window first and
 leaves its float32 outputs in a spill store (memory when small, else raw files in a scratch folder; see
-checking/spill.py), and is freed; then the converted model runs over the same windows, and each chunk's metrics are
+check/spill.py), and is freed; then the converted model runs over the same windows, and each chunk's metrics are
 computed against the stored source outputs, a slice of positions at a time. Peak memory: one model, one chunk of
 outputs and one slice. The numbers are the ones a two-models-at-once comparison gives (`compare_models`, kept for
 callers that hold both models anyway, like compare-merges), to float rounding of the sums.
@@ -29,19 +29,20 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .checking import generate as gen
-from .checking import layers as layer_errors
-from .checking import tasks as task_runs
-from .checking.positions import PositionBuckets, window_positions
-from .checking.positions import print_table as print_position_table
-from .checking.overlap import HashedTexts, calibration_overlap
-from .checking.spill import MEMORY_BYTES, SpillStore
-from .checking.tokenizers import choose_tokenizer, has_tokenizer
-from .data import token_stream
-from .errors import SurgeryError
-from .progress import Progress
-from .runtime import context_length, is_causal_lm, load_model, load_model_config, load_tokenizer, pick_device, windows
-from .source import Source
+from . import generate as gen
+from . import layers as layer_errors
+from . import tasks as task_runs
+from .positions import PositionBuckets, window_positions
+from .positions import print_table as print_position_table
+from .overlap import HashedTexts, calibration_overlap
+from .spill import MEMORY_BYTES, SpillStore
+from .tokenizers import choose_tokenizer, has_tokenizer
+from ..data import token_stream
+from ..errors import SurgeryError
+from ..progress import Progress
+from ..runtime import (context_length, is_causal_lm, load_model, load_model_config, load_tokenizer, pick_device,
+                       windows)
+from ..checkpoint.source import Source
 
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-1}
 SLICE_BYTES = 64 << 20  # metrics are computed on slices of positions this large (float32)
@@ -182,7 +183,7 @@ def expected_shapes(config, causal: bool, trust_remote_code: bool) -> tuple[dict
 def validate_weights(source: Source, config, causal: bool, trust_remote_code: bool, allow_pickle: bool) -> None:
     """Refuse pickle weights without --allow-pickle, truncated safetensors files and tensors whose shape contradicts
     the config, before any model is loaded."""
-    from .tensors import CheckpointReader
+    from ..checkpoint.tensors import CheckpointReader
 
     with CheckpointReader(source.folder, allow_pickle=allow_pickle) as reader:
         shapes = {name: tuple(reader.tensors[name].shape) for name in reader.names()}
@@ -202,7 +203,7 @@ def validate_weights(source: Source, config, causal: bool, trust_remote_code: bo
 
 def check_json_path(path: Path | None) -> None:
     """A --json file can be written (its folder exists and is writable), checked before the run."""
-    from .atomic import check_output_file
+    from ..checkpoint.atomic import check_output_file
 
     check_output_file(path, "--json")
 
@@ -216,7 +217,7 @@ def check_counts(tokens: int, seq_len: int, batch_size: int, generate: int) -> N
 
 
 def resolve_trusts(source: Source, converted: Source, trust_source_code: bool, trust_remote_code: bool):
-    from .trust import resolve_trust
+    from ..trust import resolve_trust
 
     return (resolve_trust(source.folder, trust_source_code, "--trust-source-code", what=f"the source {source.spec}"),
             resolve_trust(converted.folder, trust_remote_code, "--trust-remote-code",
@@ -236,7 +237,7 @@ class CheckedText:
 
     data: str
     batches: torch.Tensor  # (windows, seq_len) token ids
-    overlap: dict | None = None  # checking.overlap.calibration_overlap
+    overlap: dict | None = None  # check.overlap.calibration_overlap
 
     @property
     def label(self) -> str:
@@ -268,7 +269,7 @@ class CheckPlan:
     new_tokens: int
     layer_windows: int  # 0: no --layers
     layer_bytes: int
-    tasks: object = None  # checking.tasks.TaskSet of --tasks, loaded before any model
+    tasks: object = None  # check.tasks.TaskSet of --tasks, loaded before any model
 
     @property
     def batches(self) -> torch.Tensor:
@@ -512,8 +513,8 @@ def converted_pass(model, batches: torch.Tensor, batch_size: int, store: SpillSt
 
 def _source_attention(converted: Source) -> str | None:
     """The attention implementation the source runs with in the check, as the converted checkpoint's kind says."""
-    from .kinds import find_kind
-    from .record import read_record_or_empty
+    from ..kinds import find_kind
+    from ..checkpoint.record import read_record_or_empty
 
     kind = find_kind(record=read_record_or_empty(Path(converted.folder)))
     return kind.source_attention if kind else None

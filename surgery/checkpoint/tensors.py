@@ -17,10 +17,10 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .digest import sha256_file
-from .dtypes import DTYPE_NAMES
-from . import sanity
-from .errors import SurgeryError
+from .sha256 import sha256_file
+from ..dtypes import DTYPE_NAMES
+from . import validate
+from ..errors import SurgeryError
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -68,7 +68,7 @@ class TensorInfo:
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """Parse a safetensors file's header; check that every tensor lies inside the file, without overlaps."""
-    sanity.regular_file(path, "weight file")
+    validate.regular_file(path, "weight file")
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -90,14 +90,14 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
     infos: dict[str, TensorInfo] = {}
     ranges = []
     for name, entry in header.items():
-        code, shape, begin, end = sanity.safetensors_entry(path, name, entry, SAFETENSORS_DTYPES)
+        code, shape, begin, end = validate.safetensors_entry(path, name, entry, SAFETENSORS_DTYPES)
         dtype = SAFETENSORS_DTYPES[code]
         info = TensorInfo(name, path, dtype, shape, base + begin, end - begin)
         if info.numel * dtype_size(dtype) != info.nbytes or base + end > size:
             raise SurgeryError(f"truncated or corrupt safetensors file {path}: tensor {name} is incomplete")
         infos[name] = info
         ranges.append((name, begin, end))
-    sanity.check_byte_ranges(path, ranges, size - base)
+    validate.check_byte_ranges(path, ranges, size - base)
     return infos, metadata
 
 
@@ -129,13 +129,13 @@ class CheckpointReader:
         for index_name, single in ((WEIGHTS_INDEX, "model.safetensors"), (PICKLE_INDEX, "pytorch_model.bin")):
             index = d / index_name
             if index.exists():
-                sanity.regular_file(index, "index")
+                validate.regular_file(index, "index")
                 try:
                     parsed = json.loads(index.read_text())
                 except (OSError, ValueError, RecursionError) as e:
                     raise SurgeryError(f"corrupt index {index}: {str(e).splitlines()[0][:200]}") from None
-                weight_map = sanity.weight_map(parsed, index)
-                files = [sanity.name_inside(d, f, f"index {index}") for f in dict.fromkeys(weight_map.values())]
+                weight_map = validate.weight_map(parsed, index)
+                files = [validate.name_inside(d, f, f"index {index}") for f in dict.fromkeys(weight_map.values())]
             elif (d / single).exists():
                 files = [d / single]
             else:
@@ -144,7 +144,7 @@ class CheckpointReader:
             if missing:
                 raise SurgeryError(f"checkpoint {d} is missing shard(s): {', '.join(missing)}")
             for f in files:
-                sanity.regular_file(f, "weight file")
+                validate.regular_file(f, "weight file")
             if single.endswith(".bin") and not allow_pickle:
                 raise SurgeryError(
                     f"{d} holds only pickle (.bin) weights, which can run code when loaded; "

@@ -12,17 +12,17 @@ from pathlib import Path
 
 import torch
 
-from ..arch import QKVLayout, spec_for
-from ..atomic import check_output_path
-from ..calibration.store import LayerStore
-from ..calibration.stream import LayerProgress, open_stream
-from ..calibration.text import CalibrationText, calibration_text, context_of, WINDOW
-from ..convert_kv import KVOptions, KVPlanner, head_shape, target_config, write_converted
-from ..errors import SurgeryError
-from ..kv_pool import join_qkv, repeat_heads
-from ..source import Source
-from ..runtime import compute_threads, load_tokenizer, pick_device, threads
-from ..tensors import CheckpointReader
+from ...arch import QKVLayout, spec_for
+from ...checkpoint.atomic import check_output_path
+from ...calibration.store import LayerStore
+from ...calibration.stream import LayerProgress, open_stream
+from ...calibration.text import CalibrationText, calibration_text, context_of, WINDOW
+from ..convert import KVOptions, KVPlanner, head_shape, target_config, write_converted
+from ...errors import SurgeryError
+from ..pool import join_qkv, repeat_heads
+from ...checkpoint.source import Source
+from ...runtime import compute_threads, load_tokenizer, pick_device, threads
+from ...checkpoint.tensors import CheckpointReader
 from . import capture
 from .layer import export_heads, query_order
 from .params import AttnParams

@@ -3,8 +3,9 @@
 Modules: `capture` (what one layer's attention sees on the calibration tokens; the layers stream from
 `surgery.calibration`), `rotary` (RoPE pair layouts), `fit` (key and
 value merges from second moments), `assign` (grouping heads by similarity), `layer` (one layer's merge and
-export), `refit` (least-squares refits of q_proj / o_proj), `pipeline` (the layer loop), `convert` (the
-checkpoint writer), `compare` (`surgery compare-merges`).
+export), `refit` (least-squares refits of q_proj / o_proj), `keyrefit` / `valuerefit` (the optional key and value
+refits), `pipeline` (the layer loop), `convert` (the checkpoint writer). `surgery compare-merges` is
+`surgery.kv.compare`.
 """
 
 from .convert import convert_aligned

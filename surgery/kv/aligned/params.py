@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..arch import ArchSpec, QKVLayout
-from ..kv_pool import join_qkv, split_qkv
+from ...arch import ArchSpec, QKVLayout
+from ..pool import join_qkv, split_qkv
 
 
 @dataclass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .arch import QKVLayout
+from ..arch import QKVLayout
 
 POOL_METHODS = ("mean", "first", "random")
 

@@ -26,7 +26,8 @@ class LayerMerge:
     value_loss: float
 
 
-def _split(p: AttnParams, kv: int, head_dim: int):
+def group_blocks(p: AttnParams, kv: int, head_dim: int):
+    """q, k, v, o of one layer cut into one block per K/V group: [KV, r, D, din], [KV, D, din] twice, [KV, r, d, D]."""
     din = p.q.shape[1]
     q = p.q.reshape(kv, -1, head_dim, din)  # [KV, r, D, din]
     k = p.k.reshape(kv, head_dim, din)
@@ -42,7 +43,7 @@ def merge_layer(p: AttnParams, sigma: torch.Tensor, kv_heads: int, head_dim: int
 
     The fits run in float64 on one group's heads at a time (converted on the way in: exact), and each merged head is
     written straight into the float32 result: the layer's attention is never held in float64 whole."""
-    q, k, v, o = _split(p, kv_heads, head_dim)
+    q, k, v, o = group_blocks(p, kv_heads, head_dim)
 
     def merged(members):
         idx = list(members)
@@ -82,7 +83,7 @@ def merge_loss(p: AttnParams, sigma: torch.Tensor, kv_heads: int, head_dim: int,
                fold_queries: bool = True):
     """The grouping search's score measured by merging each candidate group (fit.merge_group, d_in x d_in products
     every time): the reference `grams.group_loss` is tested and benchmarked against."""
-    q, k, v, o = _split(p, kv_heads, head_dim)
+    q, k, v, o = group_blocks(p, kv_heads, head_dim)
 
     def cost(members) -> float:
         idx = list(members)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
-from .digest import sha256_file
-from .errors import SurgeryError
+from .sha256 import sha256_file
+from ..errors import SurgeryError
 
 RECORD_FILE = "surgery.json"
 LOCAL_KEY = "local"
@@ -83,9 +83,9 @@ def public_name(spec: str | None) -> str | None:
 
 
 def new_record(kind: str, source, shard_hashes: dict[str, str]) -> dict:
-    """The header of a conversion's record; `source` a surgery.source.Source, `shard_hashes` {file name: sha256}
+    """The header of a conversion's record; `source` a surgery.checkpoint.source.Source, `shard_hashes` {file name: sha256}
     of its weight files."""
-    from . import __version__
+    from .. import __version__
 
     return {
         "toolkit": "surgery",
@@ -126,17 +126,17 @@ def check_record(record: object, path: Path | str = RECORD_FILE) -> dict:
 
 def read_record(folder: Path) -> dict:
     """The folder's surgery.json, {} when it has none; a corrupt or mistyped one is one clear error."""
-    from . import sanity
+    from . import validate
 
     path = Path(folder) / RECORD_FILE
     if not path.exists():
         return {}
-    sanity.regular_file(path, "record")
+    validate.regular_file(path, "record")
     try:
         record = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError) as e:
         raise SurgeryError(f"corrupt {path}: {str(e).splitlines()[0][:200]}") from None
-    from .loaders import check_depth
+    from ..loaders import check_depth
 
     return check_record(check_depth(record, f"corrupt {path}:"), path)
 

@@ -12,7 +12,7 @@ import hashlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ..record import read_record_or_empty
+from ..checkpoint.record import read_record_or_empty
 
 
 def document_sha256(text: str) -> str:

@@ -14,22 +14,13 @@ from typing import Callable
 
 import torch
 
-from . import sanity
-from .arch import ArchSpec, QKNorm, QKVLayout, qkv_layout, spec_for
-from .errors import SurgeryError
-from .output import write_conversion
-from .kv_pool import POOL_METHODS, join_qkv, kv_groups, pool_heads, repeat_heads, split_qkv
-from .source import Source
-from .tensors import CheckpointReader, DTYPES, PlannedTensor
-
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise SurgeryError(f"bad size {text!r}: use e.g. 500MB or 5GB")
-    unit = (m.group(2) or "B").upper().replace("I", "")
-    return int(float(m.group(1)) * {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}[unit])
+from ..checkpoint import validate
+from ..arch import ArchSpec, QKNorm, QKVLayout, qkv_layout, spec_for
+from ..errors import SurgeryError
+from ..checkpoint.writer import write_conversion
+from .pool import POOL_METHODS, join_qkv, kv_groups, pool_heads, repeat_heads, split_qkv
+from ..checkpoint.source import Source
+from ..checkpoint.tensors import CheckpointReader, DTYPES, PlannedTensor
 
 
 @dataclass(frozen=True)
@@ -67,7 +58,7 @@ def head_shape(spec: ArchSpec, config: dict, groups: int) -> HeadShape:
     refused in one line when they do not fit."""
     if groups < 1:
         raise SurgeryError(f"--kv-heads must be at least 1, got {groups}")
-    sanity.check_config_counts(config)
+    validate.check_config_counts(config)
     try:
         shape = HeadShape(spec.heads(config), spec.kv_heads(config), spec.head_dim(config), groups)
     except (KeyError, TypeError, ValueError) as e:
@@ -218,7 +209,7 @@ class KVPlanner:
         """Attention tensors for exactly config.json's layers, each of the shape its head counts imply."""
         s = self.shape
         hidden = self.config.get(self.spec.hidden_key)
-        sanity.check_attention_tensors({n: t.shape for n, t in self.reader.tensors.items()}, self.spec,
+        validate.check_attention_tensors({n: t.shape for n, t in self.reader.tensors.items()}, self.spec,
                                        self.in_layout.value, s.heads, s.kv_heads, s.head_dim,
                                        hidden if isinstance(hidden, int) else None)
         layers = {hit[0] for n in self.reader.names() if (hit := self.spec.match(n))}

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from .errors import SurgeryError
+from ..errors import SurgeryError
 
 
 # The temporary names made beside an output: `tmp` (an output being written, a JSON file being written), `old` (the

@@ -16,7 +16,7 @@ import stat
 from pathlib import Path, PurePosixPath
 from typing import Iterable
 
-from .errors import SurgeryError
+from ..errors import SurgeryError
 
 # Anything larger is not a real checkpoint (and would make per-head loops or messages run for ever).
 MAX_COUNT = 1 << 20
