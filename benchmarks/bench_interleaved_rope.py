@@ -24,7 +24,6 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import tiny_models as tm  # noqa: E402
 from test_merge_convert import _rotated_copy_heads, aligned, heldout_ids, kl_to_source, tiny  # noqa: E402
 
-import surgery.kinds  # noqa: F401,E402 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
 from surgery import arch  # noqa: E402
 from surgery.kv.convert import KVOptions, convert_to_kv_heads  # noqa: E402
 from surgery.checkpoint.source import resolve_source  # noqa: E402

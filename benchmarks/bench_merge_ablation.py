@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 
-import surgery.kinds  # noqa: F401,E402 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
 from surgery.arch import spec_for  # noqa: E402
 from surgery.calibration.stream import resident_stream  # noqa: E402
 from surgery.calibration.text import calibration_text, context_of, pydoc_documents_used  # noqa: E402

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 
 
-import surgery.kinds  # noqa: F401,E402 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
 from surgery.inspect import inspect_checkpoint  # noqa: E402
 from surgery.runtime import cache_keyword, returned_cache  # noqa: E402
 from surgery.checkpoint.source import resolve_source  # noqa: E402

@@ -56,7 +56,6 @@ def load(folder: Path, attn: str | None, device: str, dtype: torch.dtype):
 def input_ids(folder: Path, length: int, device: str) -> torch.Tensor:
     from transformers import AutoTokenizer
 
-    import surgery.kinds  # noqa: F401 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
     from surgery.data import pydoc_texts, token_stream
 
     ids = token_stream(pydoc_texts(), AutoTokenizer.from_pretrained(folder), length)

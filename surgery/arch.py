@@ -242,18 +242,20 @@ class ArchSpec:
         order = list(Feature)
         return tuple(sorted((*implied, *self.traits), key=lambda t: order.index(t.feature)))
 
-    def refused_trait(self, kind: str, config: dict | None = None) -> tuple[Trait, str] | None:
-        """The first feature (with this config) that the kind's support label `kind` refuses, and its reason."""
-        refuses = refusals_of(kind)
+    def refused_trait(self, kind: str, config: dict | None = None,
+                      refuses: dict[Feature, str] | None = None) -> tuple[Trait, str] | None:
+        """The first feature (with this config) that the kind's support label `kind` refuses (its table `refuses`,
+        or the one its kind registered), and its reason."""
+        refuses = refusals_of(kind) if refuses is None else refuses
         for trait in self.features:
             if trait.feature in refuses and trait.on(config):
                 return trait, refuses[trait.feature].format(detail=trait.detail)
         return None
 
-    def refusal(self, kind: str, config: dict | None = None) -> str | None:
+    def refusal(self, kind: str, config: dict | None = None, refuses: dict[Feature, str] | None = None) -> str | None:
         """Why `kind` (a support label) cannot convert this family (with this config), in one line; None when it
         can. Without a config, only the features the family always has count."""
-        refused = self.refused_trait(kind, config)
+        refused = self.refused_trait(kind, config, refuses)
         return refused[1] if refused else None
 
 
@@ -371,9 +373,9 @@ def unregister(name: str) -> None:
     SPECS[:] = [s for s in SPECS if s.name != name]
 
 
-def supported_model_types(kind: str | None = None) -> list[str]:
+def supported_model_types(kind: str | None = None, refuses: dict[Feature, str] | None = None) -> list[str]:
     """The model_types `kind` (a support label; None: any kind) converts with the family's default config."""
-    return sorted(t for s in SPECS for t in s.model_types if kind is None or s.refusal(kind) is None)
+    return sorted(t for s in SPECS for t in s.model_types if kind is None or s.refusal(kind, None, refuses) is None)
 
 
 def find_spec(model_type: str | None) -> ArchSpec | None:
@@ -383,23 +385,24 @@ def find_spec(model_type: str | None) -> ArchSpec | None:
     return None
 
 
-def spec_for(config: dict, kind: str | None = None) -> ArchSpec:
+def spec_for(config: dict, kind: str | None = None, refuses: dict[Feature, str] | None = None) -> ArchSpec:
     """The family of `config`, refusing in one line when `kind` (a support label, as the kind's converter names
-    itself) cannot convert it; None: any family surgery knows."""
+    itself) cannot convert it; None: any family surgery knows. A converter passes its kind's table (`refuses`,
+    from the kind's own package), so that it refuses alike whether or not surgery.kinds was imported."""
     model_type = config.get("model_type")
     spec = find_spec(model_type)
     if spec is None:
         if kind is None:
             raise SurgeryError(f"unsupported architecture {model_type!r}; supported: "
                                f"{', '.join(supported_model_types())}")
-        encoders = refusals_of(kind).get(Feature.ENCODER)
+        encoders = (refusals_of(kind) if refuses is None else refuses).get(Feature.ENCODER)
         hint = f" ({encoders})" if model_type in ENCODER_TYPES and encoders else ""
         raise SurgeryError(f"unsupported architecture {model_type!r} for {kind}{hint}; supported: "
-                           f"{', '.join(supported_model_types(kind))}")
-    reason = spec.refusal(kind, config) if kind is not None else None
+                           f"{', '.join(supported_model_types(kind, refuses))}")
+    reason = spec.refusal(kind, config, refuses) if kind is not None else None
     if reason:
         raise SurgeryError(f"{kind} cannot convert {model_type!r}: {reason}; supported: "
-                           f"{', '.join(supported_model_types(kind))}")
+                           f"{', '.join(supported_model_types(kind, refuses))}")
     return spec
 
 

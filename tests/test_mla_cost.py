@@ -57,7 +57,7 @@ def test_layer_flops_match_torch_on_the_real_conversion(tmp_path, kv_heads, rope
     torch does not count, come on top)."""
     from surgery.estimate import layer_shape
     from surgery.mla.cost import frequency_pass, mla_layer_flops, mla_layer_products
-    from surgery.source import resolve_source
+    from surgery.checkpoint.source import resolve_source
 
     src = tiny_llama(tmp_path / "src", kv_heads=kv_heads)
     config = resolve_source(str(src)).config

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 import transformers as tf
 
-import surgery.kinds  # noqa: F401 (the kinds declare what each converter refuses: surgery.arch.spec_for asks)
+import surgery.kinds  # noqa: F401 (refused() asks by `convert --list` label: the registered kinds answer)
+
 
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=128)

@@ -11,9 +11,9 @@ from pydantic import ValidationInfo, field_validator, model_validator
 from ..arch import Feature
 from ..options import option, spelling
 from .base import CalibrationOptions, Kind, WriteOptions
-from .talking_heads import ENCODERS_NEED_CODE
+from ..kv.refusals import ALIGNED_LABEL, ALIGNED_REFUSES, PLAIN_LABEL, PLAIN_REFUSES
 
-ALIGNED = "aligned"  # the calibrated merge; the others are surgery.kv_pool's POOL_METHODS (tests/test_registry.py)
+ALIGNED = "aligned"  # the calibrated merge; the others are surgery.kv.pool's POOL_METHODS (tests/test_registry.py)
 # the merge methods, in the order --merge, a recipe's `merge` and compare-merges list them, with the model card's
 # words for each: the one table of their names
 MERGES = {
@@ -148,22 +148,8 @@ class KVMerge(Kind):
         return [f"K/V heads merged by: {MERGES.get(method, method)}."] if method else []
 
 
-# `convert --list`'s columns, the names the converters give spec_for: the plain merges (mean, first, random; streamed
-# tensor by tensor) and the aligned merge (computes each layer's attention on calibration text)
-PLAIN_LABEL, ALIGNED_LABEL = "mqa/gqa mean", "mqa/gqa aligned"
+# `convert --list`'s columns: the plain merges and the aligned merge (surgery/kv/refusals.py)
 SUPPORT_LABELS = (PLAIN_LABEL, ALIGNED_LABEL)
-_NORM_MODULES = "MQA/GQA cannot regroup q/k norms that give each head its own weight ({detail})"
-PLAIN_REFUSES = {
-    Feature.ENCODER: ENCODERS_NEED_CODE,
-    Feature.TARGET_LACKS: "{detail}",
-    Feature.NORM_MODULE_PER_HEAD: _NORM_MODULES,
-}
-ALIGNED_REFUSES = PLAIN_REFUSES | {
-    Feature.OWN_ATTENTION: "{detail}: the aligned merge cannot record its queries and keys",
-    Feature.WHOLE_QK_NORM: "{detail}; the aligned merge regroups heads one by one and cannot carry that norm",
-    Feature.PER_HEAD_QK_NORM: "the aligned merge cannot regroup q/k norms that give each head its own weight "
-                              "({detail})",
-}
 HELP = ("mqa/gqa with mean/first/random merges is pure tensor surgery, streamed tensor by tensor: the model is never "
         "built, so memory stays near the largest tensor. The output is a standard checkpoint that plain transformers "
         "(and vLLM) loads.")

@@ -9,10 +9,9 @@ from typing import ClassVar
 
 from pydantic import ValidationInfo, model_validator
 
-from ..arch import Feature
 from ..options import option, spelling
 from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
-from .talking_heads import ENCODERS_NEED_CODE
+from ..mla.refusals import REFUSES
 
 
 class MLAFields(WriteOptions):
@@ -90,8 +89,6 @@ class MLA(Kind):
 
 MLA_KIND = MLA("mla", MLAOptions, title="multi-head latent attention (DeepSeek-V3 MLA)", tags=["mla", "deepseek_v3"],
                config_key="kv_lora_rank", example_options={"kv_rank": 32, "calib_tokens": 512},
-               # MLA rebuilds the source's layer as DeepSeek-V3's: a body that is not Llama's is refused in the
-               # family's own words
-               refuses={Feature.BODY: "{detail}", Feature.ENCODER: ENCODERS_NEED_CODE},
+               refuses=REFUSES,
                help="mla writes a plain deepseek_v3 checkpoint (a low-rank latent K/V and one shared rope key, fitted "
                     "layer by layer on calibration text) that transformers, vLLM and llama.cpp load as they are.")

@@ -8,11 +8,10 @@ from typing import ClassVar
 
 from pydantic import ValidationInfo, model_validator
 
-from ..arch import Feature
 from ..errors import SurgeryError
 from ..options import option, spelling
 from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
-from .talking_heads import ENCODERS_NEED_CODE
+from ..switchhead.refusals import REFUSES
 
 
 class SwitchHeadOptions(CalibrationOptions, WriteOptions):
@@ -89,15 +88,6 @@ def switchhead_memory(s, tokens: int, window: int, heads: int | None, experts: i
     return memory
 
 
-_PER_HEAD_NORMS = "SwitchHead cannot regroup q/k norms that give each head its own weight ({detail})"
-REFUSES = {
-    Feature.ENCODER: ENCODERS_NEED_CODE,
-    Feature.OWN_ATTENTION: "{detail}: SwitchHead cannot attend in its place",
-    Feature.CLIP_QKV: "SwitchHead sums value experts and cannot clamp their sum as {detail}",
-    Feature.WHOLE_QK_NORM: "{detail}; SwitchHead regroups heads one by one and cannot carry that norm",
-    Feature.NORM_MODULE_PER_HEAD: _PER_HEAD_NORMS,
-    Feature.PER_HEAD_QK_NORM: _PER_HEAD_NORMS,
-}
 
 SWITCHHEAD = SwitchHead("switchhead", SwitchHeadOptions,
                         title="SwitchHead attention, σ-MoE V/O projections (Csordás et al. 2023)",

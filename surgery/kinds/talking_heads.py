@@ -8,14 +8,11 @@ from typing import ClassVar
 
 from pydantic import ValidationInfo, model_validator
 
-from ..arch import Feature
 from ..options import option, spelling
 from .base import AttentionShape, Kind, WriteOptions
 
 
-NAME = "talking-heads"
-# what a kind that cannot convert encoders says (talking-heads can: its modeling code travels with the checkpoint)
-ENCODERS_NEED_CODE = f"encoders need modeling code that travels with the checkpoint: use --to {NAME}"
+from ..talking_heads.refusals import NAME, REFUSES
 
 
 class TalkingHeadsOptions(WriteOptions):
@@ -64,4 +61,4 @@ class TalkingHeads(Kind):
 TALKING_HEADS = TalkingHeads(NAME, TalkingHeadsOptions, title="talking-heads attention (Shazeer et al. 2020)",
                              tags=["talking-heads"], ships_code=True, model_type_prefix="talking_heads_",
                              source_attention="eager", example_options={},
-                             refuses={Feature.OWN_ATTENTION: "{detail}: talking-heads cannot mix its heads"})
+                             refuses=REFUSES)

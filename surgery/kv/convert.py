@@ -21,6 +21,7 @@ from ..checkpoint.writer import write_conversion
 from .pool import POOL_METHODS, join_qkv, kv_groups, pool_heads, repeat_heads, split_qkv
 from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, DTYPES, PlannedTensor
+from .refusals import PLAIN_LABEL, PLAIN_REFUSES
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,7 @@ class KVPlanner:
 def convert_to_kv_heads(source: Source, out: Path, options: KVOptions, force: bool = False, progress: bool = True) -> dict:
     """Convert `source` to `options.kv_heads` K/V heads, writing a standard checkpoint to `out`."""
     config = source.config
-    spec = spec_for(config, "mqa/gqa mean")
+    spec = spec_for(config, PLAIN_LABEL, PLAIN_REFUSES)
     shape = head_shape(spec, config, options.kv_heads)
     reader = CheckpointReader(source.folder, allow_pickle=options.allow_pickle)
     planner = KVPlanner(reader, spec, config, shape, options)

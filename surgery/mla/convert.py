@@ -27,8 +27,8 @@ from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, PlannedTensor
 from .calibrate import convert_pass, frequency_scores_pass, mla_attention
 from .factor import MLAWeights, SourceAttention, mla_layer
+from .refusals import KIND, REFUSES
 
-KIND = "mla"
 LATENT_EPS = 1e-6  # transformers' DeepseekV3 kv_a_layernorm epsilon (fixed; vLLM and llama.cpp read rms_norm_eps)
 ATTENTION = ("q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 
@@ -277,7 +277,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     dims per head (default: head_dim)."""
     start = time.time()
     config = src.config
-    spec = spec_for(config, KIND)
+    spec = spec_for(config, KIND, REFUSES)
     refuse_config(config)
     shape = Shape(spec, config, kv_rank, rope_dim)
     check_output_path(out, force, source=src.folder)

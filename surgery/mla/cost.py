@@ -161,9 +161,10 @@ def mla_cost(config: dict, rank: int, rope_dim: int | None, calib_tokens: int, c
     """The conversion's cost model for `estimate_calibrated` (`--kv-rank rank --rope-dim rope_dim`, default head_dim),
     after the checks the conversion makes first (family, config, sizes: the dry run refuses what it would)."""
     from ..arch import spec_for
-    from .convert import KIND, Shape, refuse_config
+    from .convert import Shape, refuse_config
+    from .refusals import KIND, REFUSES
 
-    spec = spec_for(config, KIND)
+    spec = spec_for(config, KIND, REFUSES)
     refuse_config(config)
     shape = Shape(spec, config, rank, rope_dim)
     rope = shape.rope_dim

@@ -13,8 +13,8 @@ from ..arch import ArchSpec, QKVLayout, spec_for
 from ..errors import SurgeryError
 from ..kv.pool import split_qkv
 from ..checkpoint.tensors import CheckpointReader
+from .refusals import KIND, REFUSES
 
-KIND = "switchhead"
 CLASS_PREFIX = "SwitchHead"
 
 
@@ -63,7 +63,7 @@ def family_for(config: dict) -> Family:
     model_type = config.get("model_type")
     if str(model_type).startswith("switchhead_"):
         raise SurgeryError(f"the source is already a SwitchHead checkpoint ({model_type})")
-    spec = spec_for(config, KIND)
+    spec = spec_for(config, KIND, REFUSES)
     from transformers.models.auto import configuration_auto, modeling_auto
 
     names = (configuration_auto.CONFIG_MAPPING_NAMES.get(model_type), modeling_auto.MODEL_MAPPING_NAMES.get(model_type),

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from ..arch import ArchSpec, spec_for
 from ..errors import SurgeryError
+from .refusals import KIND, REFUSES
 
-KIND = "talking-heads"
 CLASS_PREFIX = "TalkingHeads"
 DECODER_HEADS = ("AutoModel", "AutoModelForCausalLM")
 ENCODER_HEADS = ("AutoModel", "AutoModelForMaskedLM", "AutoModelForSequenceClassification")
@@ -70,6 +70,6 @@ def family_for(config: dict) -> Family:
     model_type = config.get("model_type")
     if str(model_type).startswith("talking_heads_"):
         raise SurgeryError(f"the source is already a talking-heads checkpoint ({model_type})")
-    spec = spec_for(config, KIND)
+    spec = spec_for(config, KIND, REFUSES)
     config_name, heads = _transformers_classes(model_type, ENCODER_HEADS if spec.encoder else DECODER_HEADS)
     return Family(spec, model_type, config_name, heads)

@@ -27,6 +27,7 @@ from . import capture
 from .layer import export_heads, query_order
 from .params import AttnParams
 from .pipeline import MergeOptions, merge_model
+from ..refusals import ALIGNED_LABEL, ALIGNED_REFUSES
 
 
 class AlignedPlanner(KVPlanner):
@@ -99,7 +100,7 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[
     """Merge `src`'s K/V heads into `kv_heads` with calibration, writing a standard checkpoint to `out`."""
     start = time.time()
     config = src.config
-    spec = spec_for(config, "mqa/gqa aligned")
+    spec = spec_for(config, ALIGNED_LABEL, ALIGNED_REFUSES)
     shape = head_shape(spec, config, kv_heads)
     kv_options = KVOptions(kv_heads=kv_heads, method="mean", seed=seed, dtype=dtype, max_shard_bytes=max_shard_bytes,
                            allow_pickle=allow_pickle)
