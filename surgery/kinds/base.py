@@ -205,6 +205,11 @@ class Kind:
         """Parameters the conversion added (None: it adds none worth a row)."""
         return None
 
+    def training_form(self, model):
+        """Put a loaded checkpoint of this kind into an exactly equivalent form that trains better (uptrain), in place;
+        returns what maps it back before saving (`.restore(model, state=None)`), or None: train it as loaded."""
+        return None
+
     def card_lines(self, record: dict) -> list[str]:
         """Kind-specific lines of the model card's "what was done" section."""
         return []

@@ -77,6 +77,13 @@ class MLA(Kind):
         nope, v = int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
         return {"proj": L * (H * h * (nope + rope) + H * (r + rope) + r * h * (nope + v) + h * v * H), "mixing": None}
 
+    def training_form(self, model):
+        """The latent rows at the rope rows' scale and kv_a_layernorm's epsilon divided to match: the same function,
+        trainable (surgery/mla/training.py)."""
+        from ..mla.training import LatentScale
+
+        return LatentScale.apply(model)
+
     def card_lines(self, record: dict) -> list[str]:
         m = record.get("mla") or {}
         if not m:

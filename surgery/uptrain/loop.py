@@ -24,6 +24,7 @@ import torch
 from ..checkpoint.atomic import atomic_output_dir, check_apart, check_output_path, ordinary_permissions
 from ..checkpoint.sha256 import sha256_file
 from ..errors import SurgeryError
+from ..kinds import find_kind
 from ..loaders import read_json
 from ..checkpoint.source import resolve_source, side_files
 from ..checkpoint.record import local_source_folder, public_name, read_record, write_record
@@ -314,6 +315,8 @@ class UptrainRecipe:
         o, source = self.o, self.source
         self.tokenizer = model_io.load_trusted_tokenizer(source, "model", o.trust_remote_code)
         self.model = model_io.load_causal_lm(source, "model", o.trust_remote_code)
+        kind = find_kind(self.record, source.config)
+        self.training_form = kind.training_form(self.model) if kind is not None else None
         model_io.check_seq_len(self.model, o.seq_len, source.spec)
         self.out_dtype = model_io.checkpoint_dtype(source.folder, source.config)
         self.teacher = None
@@ -667,7 +670,7 @@ class UptrainRecipe:
         if self.main:
             result = finish(self.o, self.source, acc.unwrap_model(self.model), full_state, self.out_dtype,
                             self.objective, self.metrics, self.trajectory, self.world, self.state, self.align_record,
-                            self.lora_targets)
+                            self.lora_targets, self.training_form)
         acc.wait_for_everyone()
         acc.end_training()
         return result
@@ -675,7 +678,7 @@ class UptrainRecipe:
 
 def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective: Objective, metrics: MetricsLog,
            trajectory: dict, world: int, state: RunState, align_record: dict | None = None,
-           lora_targets: list[str] | None = None) -> dict:
+           lora_targets: list[str] | None = None, training_form=None) -> dict:
     """Main process: the final checkpoint (atomic), its record, metrics and plot; then the run folder goes."""
     rows = metrics.read()
     uptraining = uptraining_record(o, objective, rows, trajectory, world, state, align_record, lora_targets)
@@ -683,6 +686,8 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
     with atomic_output_dir(o.out, force=o.force, source=source.folder, recovery=recovery) as tmp:
         if o.lora_rank:
             model = lora.unwrap(model, o.merge_lora, tmp)
+        if training_form is not None:  # the kind's training form back to the stored one (Kind.training_form)
+            training_form.restore(model, full_state)
         model_io.save_uptrained(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
         shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
         plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")
