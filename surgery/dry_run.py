@@ -7,7 +7,7 @@ from dataclasses import asdict
 import torch
 
 from .errors import SurgeryError
-from .general_text import resolve_texts
+from .general_text import describe_texts
 from .checkpoint.source import Source
 from .checkpoint.tensors import CheckpointReader, dtype_size
 
@@ -51,7 +51,7 @@ def convert_dry_run(src: Source, kind, options) -> dict:
         return {"kind": kind.name, "calibrated": False, "checkpoint_bytes": total, "host_bytes": host,
                 "device_bytes": 0,
                 "lines": [head, f"estimate for {kind.name}: peak host memory {human_bytes(host)}", f"  {STREAMED_NOTE}"]}
-    texts = resolve_texts(options.calib)
+    texts = describe_texts(options.calib)
     dev = pick_device(options.device)
     rate = probe_throughput(dev, threads_float32=compute_threads() if dev.type == "cpu" else None)
     est = kind.calibration_estimate(config, options, dtype=str(dtype).removeprefix("torch."), device=str(dev),

@@ -56,6 +56,7 @@ def resolve_texts(specs: Iterable[str]) -> list[str]:
 
 
 _FALLBACK: list[str] = []  # why `general` resolved to pydoc in this process, until the line saying so is printed
+_WHY_OFFLINE: list[str] = []  # the same reason, kept for the dry runs' descriptions
 
 
 @functools.cache
@@ -66,8 +67,22 @@ def resolve_general() -> str:
     reason = _hub_unavailable()
     if reason is None:
         return general_url()
-    _FALLBACK[:] = [reason]
+    _FALLBACK[:] = _WHY_OFFLINE[:] = [reason]
     return OFFLINE_TEXT
+
+
+def describe_texts(specs: Iterable[str]) -> list[str]:
+    """What each spec will read, as the dry runs show it: `general` says which text it became and why."""
+    out = []
+    for spec in specs:
+        text = resolve_text(spec)
+        if spec == GENERAL and text == OFFLINE_TEXT:
+            out.append(f"{OFFLINE_TEXT} (the general default offline: {_WHY_OFFLINE[0] if _WHY_OFFLINE else 'no hub'})")
+        elif spec == GENERAL:
+            out.append(f"general web text ({GENERAL_REPO}@{GENERAL_REVISION[:8]}, {GENERAL_FILE}, streamed)")
+        else:
+            out.append(text)
+    return out
 
 
 def say_fallback(spec: str) -> None:

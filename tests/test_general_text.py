@@ -127,7 +127,11 @@ def test_dry_run_names_the_text_and_an_explicit_pydoc_is_kept(hub, tmp_path):
     env = env_for(hub, tmp_path, offline=False)
     run = surgery("convert", src, "--to", "mqa", "--merge", "aligned", "--dry-run", "--device", "cpu", env=env)
     assert run.returncode == 0, run.stderr
-    assert f"calibration text: {g.general_url()}" in run.stdout.splitlines()
+    assert (f"calibration text: general web text ({g.GENERAL_REPO}@{g.GENERAL_REVISION[:8]}, {g.GENERAL_FILE}, "
+            "streamed)") in run.stdout.splitlines()
+    offline = surgery("convert", src, "--to", "mqa", "--merge", "aligned", "--dry-run", "--device", "cpu",
+                      env=env_for(None, tmp_path, offline=True))
+    assert "calibration text: pydoc (the general default offline: HF_HUB_OFFLINE is set)" in offline.stdout.splitlines()
     run = surgery("convert", src, "--to", "mqa", "--merge", "aligned", "--calib", "pydoc", "--dry-run", "--device",
                   "cpu", env=env)
     assert "calibration text: pydoc" in run.stdout.splitlines()

@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 
 from ..errors import SurgeryError
-from ..general_text import resolve_texts
+from ..general_text import describe_texts
 from ..units import human_bytes, human_count
 from . import estimate as est
 from .runner import (MODEL_STEPS, Fingerprints, State, check_recipe_output, command_line, is_done, launch_prefix,
@@ -102,18 +102,18 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
             memory = est.convert_memory(stats, o) if stats else None
             if o.kind.calibrates(o.kind_options):
                 tokens = o.calib_tokens
-                row["texts"] = resolve_texts(o.kind_options.calib)
+                row["texts"] = describe_texts(o.kind_options.calib)
                 if stats and stats.config is not None:
                     row["seconds_per_layer"] = _seconds_per_layer(stats, o, probes)
             stats = est.after_convert(stats, o) if stats else None
         elif ps.kind == "check":
             tokens = o.tokens * len(o.data)  # each text its own --tokens
-            row["texts"] = resolve_texts(o.data)
+            row["texts"] = describe_texts(o.data)
             memory = est.check_memory(stats, o) if stats else None
         elif ps.kind == "uptrain":
             procs = o.accelerate.num_processes if o.accelerate else 1
             tokens = est.uptrain_tokens(o) + o.eval_tokens
-            row["texts"] = resolve_texts([*o.data, *([o.eval_data] if o.eval_data else [])])
+            row["texts"] = describe_texts([*o.data, *([o.eval_data] if o.eval_data else [])])
             distill = o.loss in ("kd", "mix", "auto") or bool(getattr(o, "hidden_weight", 0))
             memory = est.uptrain_memory(stats, o, src_stats if distill else None, procs) if stats else None
             if memory is not None and procs > 1:
