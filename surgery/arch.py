@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
 
-from .checkpoint import validate as sanity
+from .checkpoint import validate
 from .errors import SurgeryError
 from .model_types import source_model_type
 
@@ -473,7 +473,7 @@ def first_key(config: dict, keys: tuple[str, ...]) -> int:
 def attention_shape(config: dict) -> dict:
     """heads, stored K/V heads, head_dim, hidden size, layers — from the family's spec (converted checkpoints: their
     source family's), or from the usual config keys for any other transformer."""
-    sanity.check_config_counts(config)
+    validate.check_config_counts(config)
     spec = find_spec(source_model_type(str(config.get("model_type"))))
     if spec is not None:
         return {"layers": spec.layers(config), "hidden": spec.hidden(config), "heads": spec.heads(config),
