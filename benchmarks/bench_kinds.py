@@ -126,12 +126,22 @@ def table(a) -> list[dict]:
                               "top1": t["top1_agreement"]} for t in texts(report)]
                 row[f"{when} forced"] = (report.get("generation") or {}).get("forced_agreement")
         rows.append(row)
+    reports = [r["zero-shot"] for r in rows if r.get("zero-shot")]
+    for row in rows:
+        if row["name"] == "source" and reports:  # every check measured the source on the same windows
+            row["zero-shot"] = [t | {"ppl": t["source_ppl"], "ratio": 1.0, "kl": 0.0, "top1": 1.0} for t in reports[0]]
     return rows
+
+
+def short_name(text: str) -> str:
+    """`pydoc[0:8192]` stays; `/path/lic/*.txt[0:8192]` becomes `lic/*.txt` (the folder names the domain)."""
+    spec = text.rsplit("[", 1)[0]
+    return spec if "/" not in spec else "/".join(spec.split("/")[-2:])
 
 
 def print_table(rows: list[dict], a) -> None:
     after = f"uptrained-{a.kd_tokens}"
-    names = [t["text"] for r in rows for t in r.get("zero-shot", [])][: len(a.eval)]
+    names = [short_name(t["text"]) for r in rows for t in r.get("zero-shot", [])][: len(a.eval)]
     print(f"\n| kind | cache values / token | attention MACs / token @4k | " +
           " | ".join(f"{n}: zero-shot | {n}: after {a.kd_tokens}" for n in names) + " | forced agreement |")
     print("|" + "---|" * (4 + 2 * len(names)))
@@ -161,7 +171,7 @@ def plot(rows: list[dict], a, path: Path) -> None:
                 if r.get(when):
                     ax.scatter(r["cache_values"], r[when][i]["ratio"], marker=marker, s=60)
                     ax.annotate(r["name"], (r["cache_values"], r[when][i]["ratio"]), fontsize=7)
-        name = next((r["zero-shot"][i]["text"] for r in rows if r.get("zero-shot")), a.eval[i])
+        name = short_name(next((r["zero-shot"][i]["text"] for r in rows if r.get("zero-shot")), a.eval[i]))
         ax.set_title(f"{name}"), ax.set_xlabel("KV-cache values / token (transformers)")
         ax.axhline(1.0, color="grey", lw=0.5)
     axes[0][0].set_ylabel(f"perplexity / source's (o zero-shot, * after {a.kd_tokens} tokens)")
