@@ -202,6 +202,20 @@ def plain_kv_values(layers: int, kv_heads: int, head_dim: int) -> int:
     return plain_kv_cache_values(AttentionShape(layers, 0, kv_heads, head_dim, 0))["llama.cpp"]
 
 
+def gguf_kv_values(meta: dict) -> int:
+    """Values llama.cpp caches per token for the model a GGUF's metadata describes. A latent-attention file (one
+    with `ARCH.attention.kv_lora_rank`, DeepSeek's layout) caches one K row per layer, the latent and the rope key
+    (`key_length` = kv_lora_rank + rope dims), and no V: llama.cpp absorbs the up-projections and logs
+    "V (f16): 0.00 MiB". Every other file caches K and V per KV head."""
+    arch = meta.get("general.architecture", "llama")
+    layers = int(meta[f"{arch}.block_count"])
+    heads = int(meta[f"{arch}.attention.head_count"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length", int(meta[f"{arch}.embedding_length"]) // heads))
+    if f"{arch}.attention.kv_lora_rank" in meta:
+        return layers * head_dim
+    return plain_kv_values(layers, int(meta.get(f"{arch}.attention.head_count_kv", heads)), head_dim)
+
+
 class TransformersEngine:
     """transformers' model classes: sdpa for standard models, the checkpoint's own code for converted kinds."""
 
@@ -291,15 +305,11 @@ class LlamaCppEngine:
                               n_threads=threads, n_threads_batch=threads, n_gpu_layers=self.gpu_layers,
                               logits_all=False, verbose=False)
         meta = llm.metadata
-        arch = meta.get("general.architecture", "llama")
-        layers = int(meta[f"{arch}.block_count"])
-        kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", meta[f"{arch}.attention.head_count"]))
-        embd = int(meta[f"{arch}.embedding_length"])
-        head_dim = int(meta.get(f"{arch}.attention.key_length", embd // int(meta[f"{arch}.attention.head_count"])))
-        return {"model": llm, "spec": spec, "folder": str(path), "custom_code": False, "model_type": arch,
+        return {"model": llm, "spec": spec, "folder": str(path), "custom_code": False,
+                "model_type": meta.get("general.architecture", "llama"),
                 "attention": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})",
                 "vocab_size": int(llm.n_vocab()), "max_positions": self.max_tokens,
-                "kv_per_token": plain_kv_values(layers, kv_heads, head_dim) * 2}
+                "kv_per_token": gguf_kv_values(meta) * 2}
 
     def measure(self, handle: dict, ids: torch.Tensor, next_ids: torch.Tensor, replicate: bool = False) -> dict:
         if ids.shape[0] != 1:

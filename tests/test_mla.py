@@ -67,6 +67,7 @@ def test_output_is_a_plain_dense_deepseek_v3(tmp_path):
         == (24, 8, 16, 16)
     assert all(isinstance(config[k], int) for k in ("n_routed_experts", "num_experts_per_tok", "n_group",
                                                     "topk_group", "moe_intermediate_size"))
+    assert config["n_group"] < config["n_routed_experts"]  # llama.cpp's loader asserts fewer groups than experts
     before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
     outside = [n for n in before if ".self_attn." not in n]
     assert outside and all(torch.equal(before[n], after[n]) for n in outside)  # MLP, norms, embeddings
@@ -88,6 +89,17 @@ def test_kept_rope_frequencies_are_the_sources(tmp_path):
     source = tm.load(src).model.rotary_emb.inv_freq
     converted = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out").model.rotary_emb.inv_freq
     torch.testing.assert_close(converted, source[kept], rtol=1e-5, atol=0)
+
+
+def test_full_rope_keeps_the_source_theta_and_frequencies_bit_for_bit(tmp_path):
+    """At rope_dim = head_dim the kept stride is 1: rope_theta is the source's own (not the float32-rounded one the
+    frequencies imply), so DeepSeek's rotary computes the source's inv_freq exactly."""
+    src = tiny_llama(tmp_path / "src", kv_heads=2, rope_theta=100000.0)
+    convert(src, tmp_path / "out", rank=32)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["rope_parameters"]["rope_theta"] == 100000.0
+    source = tm.load(src).model.rotary_emb.inv_freq
+    assert torch.equal(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out").model.rotary_emb.inv_freq, source)
 
 
 def test_error_shrinks_with_the_latent_rank(tmp_path):
@@ -183,6 +195,17 @@ def test_llama3_rope_keeps_only_the_frequencies_it_leaves_unscaled(tmp_path):
     source = tm.load(src).model.rotary_emb.inv_freq
     converted = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out").model.rotary_emb.inv_freq
     torch.testing.assert_close(converted, source[kept], rtol=1e-5, atol=0)
+
+
+def test_full_rope_keeps_the_source_theta_and_frequencies_bit_for_bit(tmp_path):
+    """At rope_dim = head_dim the kept stride is 1: rope_theta is the source's own (not the float32-rounded one the
+    frequencies imply), so DeepSeek's rotary computes the source's inv_freq exactly."""
+    src = tiny_llama(tmp_path / "src", kv_heads=2, rope_theta=100000.0)
+    convert(src, tmp_path / "out", rank=32)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["rope_parameters"]["rope_theta"] == 100000.0
+    source = tm.load(src).model.rotary_emb.inv_freq
+    assert torch.equal(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out").model.rotary_emb.inv_freq, source)
 
 
 def test_record_reads_back_typed_and_verifies_and_the_kind_is_found(tmp_path):

@@ -95,10 +95,18 @@ def config_frequencies(config, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def geometric_strides(inv_freq: torch.Tensor, n: int) -> dict[int, float]:
+def source_theta(config: dict) -> float | None:
+    """config.json's rope_theta (transformers 5 keeps it in rope_parameters), None where it states none."""
+    theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get("rope_theta")
+    return float(theta) if theta else None
+
+
+def geometric_strides(inv_freq: torch.Tensor, n: int, base: float | None = None) -> dict[int, float]:
     """Strides s whose frequencies inv_freq[k*s], k < n, are DeepSeek's: theta'^(-2k/(2n)) for one theta' (so the
     first is 1 and the ratios are constant; RoPE scalings such as llama3's rescale the low frequencies, which then
-    only some strides avoid) -> theta' of each."""
+    only some strides avoid) -> theta' of each. With the source's `base` (its rope_theta), theta' is computed from
+    it, base^(s*n/half), where it matches: the measured one carries float32 rounding (100000.124 for SmolLM2's
+    100000 at full rope), and the exact value gives DeepSeek's rotary the source's own inv_freq, bit for bit."""
     out = {}
     half = inv_freq.numel()
     if abs(float(inv_freq[0]) - 1.0) > 1e-6:
@@ -113,13 +121,14 @@ def geometric_strides(inv_freq: torch.Tensor, n: int) -> dict[int, float]:
         ratio = float(inv_freq[s])
         expected = torch.tensor([ratio**k for k in range(n)], dtype=torch.float64)
         if torch.allclose(inv_freq[idx], expected, rtol=1e-5, atol=0):
-            out[s] = ratio ** (-n)
+            measured, exact = ratio ** (-n), base ** (s * n / half) if base else None
+            out[s] = exact if exact and abs(measured / exact - 1) < 1e-4 else measured
     return out
 
 
-def rope_strides(inv_freq: torch.Tensor, rope_dim: int) -> dict[int, float]:
+def rope_strides(inv_freq: torch.Tensor, rope_dim: int, base: float | None = None) -> dict[int, float]:
     """`geometric_strides` for `rope_dim` rotary dims, refused when there is none."""
-    strides = geometric_strides(inv_freq, rope_dim // 2)
+    strides = geometric_strides(inv_freq, rope_dim // 2, base)
     if not strides:
         raise SurgeryError(f"--rope-dim {rope_dim}: no {rope_dim // 2} of the source's rotary frequencies form "
                            "DeepSeek's geometric progression from 1 (its RoPE scaling rescales them); choose a "
@@ -152,7 +161,9 @@ def choose_frequencies(scores: list[torch.Tensor] | None, strides: dict[int, flo
 
 def target_config(config: dict, shape: Shape, theta: float, dtype: str | None) -> dict:
     """config.json of the DeepSeek-V3 output: dense (first_k_dense_replace = every layer), no q LoRA, MHA-shaped
-    head counts, interleaved RoPE over the rope dims, no auto_map."""
+    head counts, interleaved RoPE over the rope dims, no auto_map. The MoE fields describe no layer but must be
+    integers (vLLM's weight loader counts experts from n_routed_experts), and llama.cpp asserts fewer expert groups
+    than experts: one expert, zero groups."""
     keep = ("vocab_size", "hidden_size", "intermediate_size", "hidden_act", "max_position_embeddings",
             "initializer_range", "pad_token_id", "bos_token_id", "eos_token_id", "attention_dropout")
     out = {k: config[k] for k in keep if k in config}
@@ -162,7 +173,7 @@ def target_config(config: dict, shape: Shape, theta: float, dtype: str | None) -
         "kv_lora_rank": shape.rank, "q_lora_rank": None, "qk_rope_head_dim": shape.rope_dim,
         "qk_nope_head_dim": shape.head_dim, "v_head_dim": shape.head_dim,
         "first_k_dense_replace": shape.layers, "moe_intermediate_size": int(config["intermediate_size"]),
-        "n_routed_experts": 1, "n_shared_experts": 1, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1,
+        "n_routed_experts": 1, "n_shared_experts": 1, "num_experts_per_tok": 1, "n_group": 0, "topk_group": 0,
         "routed_scaling_factor": 1.0, "norm_topk_prob": True,
         "rms_norm_eps": LATENT_EPS, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "rope_interleave": True, "attention_bias": False, "tie_word_embeddings": False, "use_cache": True,
@@ -295,7 +306,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         return SourceAttention(q, k, v, o, shape.heads, shape.kv_heads, shape.head_dim)
 
     inv_freq = source_frequencies(src.folder, shape.head_dim)
-    strides = rope_strides(inv_freq, shape.rope_dim)
+    strides = rope_strides(inv_freq, shape.rope_dim, source_theta(config))
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window)
     out_dtype = getattr(torch, dtype) if dtype else None
     losses: dict[int, tuple[float, float]] = {}

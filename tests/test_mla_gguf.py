@@ -1,0 +1,123 @@
+"""MLA outputs in llama.cpp: the GGUF completion llama.cpp's loader needs, the cache llama.cpp allocates for a latent
+GGUF, and (slow, where llama-cpp-python and llama.cpp's converter are present) the real SmolLM2 round trip."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from inprocess import surgery
+from surgery.bench import BenchOptions, gguf_kv_values, run_bench
+from surgery.errors import SurgeryError
+from surgery.mla.gguf import Q_LORA_RANK, complete_for_llama_cpp
+
+
+def write_gguf(path, arch: str, **keys) -> dict[str, np.ndarray]:
+    """A small GGUF as llama.cpp's converter would lay it out: a few uint32 keys and two f32 tensors."""
+    writer = gguf.GGUFWriter(path, arch=arch)
+    writer.add_block_count(2)
+    for key, value in keys.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    rng = np.random.default_rng(0)
+    tensors = {"token_embd.weight": rng.standard_normal((8, 4), dtype=np.float32),
+               "blk.0.attn_kv_a_mqa.weight": rng.standard_normal((6, 4), dtype=np.float32)}
+    for name, t in tensors.items():
+        writer.add_tensor(name, t)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return tensors
+
+
+def fields(path) -> dict:
+    reader = gguf.GGUFReader(path)
+    return {name: f.contents() for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+def test_completion_adds_only_the_missing_key_and_keeps_every_tensor(tmp_path):
+    path = tmp_path / "mla.gguf"
+    tensors = write_gguf(path, "deepseek2", **{"attention.kv_lora_rank": 64})
+    before = fields(path)
+    assert Q_LORA_RANK not in before
+    assert complete_for_llama_cpp(path)
+    after = fields(path)
+    assert after.pop(Q_LORA_RANK) == 0 and after == before
+    reader = gguf.GGUFReader(path)
+    assert {t.name: np.asarray(t.data).reshape(tensors[t.name].shape).tolist() for t in reader.tensors} == \
+        {n: t.tolist() for n, t in tensors.items()}
+    assert not complete_for_llama_cpp(path)  # already complete: nothing rewritten
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mla.gguf"]  # no temporary file left
+
+
+def test_completion_refuses_other_files_in_one_line(tmp_path):
+    llama = tmp_path / "llama.gguf"
+    write_gguf(llama, "llama")
+    with pytest.raises(SurgeryError, match="llama GGUF"):
+        complete_for_llama_cpp(llama)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf at all")
+    result = subprocess.run([sys.executable, "-m", "surgery.mla.gguf", str(junk)], capture_output=True, text=True)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"surgery: error: {junk}: not a readable GGUF file")
+    assert junk.read_bytes() == b"not a gguf at all"
+
+
+def test_llama_cpp_cache_of_a_latent_gguf_is_its_k_row_only():
+    """Metadata as llama.cpp's converter writes it for SmolLM2 (30 layers, 9 heads): the source caches K and V of 3
+    KV heads of 64; the MLA file one row of latent 64 + rope key 64 per layer (llama.cpp logs V 0.00 MiB)."""
+    source = {"general.architecture": "llama", "llama.block_count": "30", "llama.attention.head_count": "9",
+              "llama.attention.head_count_kv": "3", "llama.embedding_length": "576"}
+    mla = {"general.architecture": "deepseek2", "deepseek2.block_count": "30", "deepseek2.attention.head_count": "9",
+           "deepseek2.attention.head_count_kv": "1", "deepseek2.embedding_length": "576",
+           "deepseek2.attention.key_length": "128", "deepseek2.attention.value_length": "64",
+           "deepseek2.attention.kv_lora_rank": "64"}
+    assert gguf_kv_values(source) == 30 * 2 * 3 * 64
+    assert gguf_kv_values(mla) == 30 * (64 + 64)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None or not os.environ.get("LLAMA_CPP_CONVERT"),
+                    reason="needs llama-cpp-python and LLAMA_CPP_CONVERT=path/to/llama.cpp/convert_hf_to_gguf.py")
+def test_mla_output_runs_in_llama_cpp_with_the_same_logits(tmp_path):
+    """SmolLM2 -> MLA (rank 64 + rope 64, MQA's cache) through llama.cpp's own converter and this completion, then the
+    same real text through llama.cpp and transformers in float32: the logits agree to rounding, and llama.cpp's cache
+    is a third of the source's."""
+    import llama_cpp
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from surgery.checkpoint.source import embedded_smollm2_gguf
+    from surgery.data import pydoc_texts, token_stream
+
+    out, gguf_file = tmp_path / "mla", tmp_path / "mla-f32.gguf"
+    done = surgery("convert", "smollm2", "--to", "mla", "--kv-rank", "64", "--rope-dim", "64", "--calib-tokens",
+                   "2048", "--out", out)
+    assert done.returncode == 0, done.stderr[-2000:]
+    done = subprocess.run([sys.executable, os.environ["LLAMA_CPP_CONVERT"], str(out), "--outtype", "f32",
+                           "--outfile", str(gguf_file)], check=False, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert complete_for_llama_cpp(gguf_file)
+    ids = token_stream(pydoc_texts(), AutoTokenizer.from_pretrained(out), 256)[None]
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits[0].numpy()
+    llm = llama_cpp.Llama(model_path=str(gguf_file), n_ctx=256, n_batch=128, n_ubatch=128, logits_all=True,
+                          verbose=False, n_threads=1, n_threads_batch=1, type_k=llama_cpp.GGML_TYPE_F32,
+                          type_v=llama_cpp.GGML_TYPE_F32)
+    assert llm.metadata["deepseek2.attention.kv_lora_rank"] == "64"
+    llm.eval(ids[0].tolist())
+    got = np.asarray(llm.scores[: ids.shape[1]])
+    # f32 rounding only: measured 1.0e-4 over these 256 tokens (logits up to 40)
+    assert np.abs(got - ref).max() <= 5e-3, np.abs(got - ref).max()
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.98
+    del llm
+    report = run_bench(BenchOptions(source=str(embedded_smollm2_gguf()), converted=str(gguf_file), contexts=[32],
+                                    new=2, rounds=1, engine="llama.cpp", threads=1))
+    assert report["results"][0]["ratio"]["kv_cache_bytes"] == pytest.approx(1 / 3)
