@@ -4,14 +4,14 @@ bytes each decode step reads.
     python benchmarks/bench_speed.py --work DIR                      # SmolLM2-135M -> mqa, switchhead, talking-heads
     python benchmarks/bench_speed.py --work DIR --kinds mqa --batch 1,8 --context 2048,8192 --replicate-prefill
     python benchmarks/bench_speed.py --work DIR --report-only         # tables from the JSON files already in DIR
-    python benchmarks/bench_speed.py --work DIR --kinds mqa --engine llama.cpp \
-        --llama-converter llama.cpp/convert_hf_to_gguf.py --context 512,2048     # the same in llama.cpp (f32 GGUF)
+    python benchmarks/bench_speed.py --work DIR --kinds mqa,mla --engine llama.cpp \
+        --llama-converter llama.cpp/convert_hf_to_gguf.py --context 2048,8192    # the same in llama.cpp (f32 GGUF)
 
 For every kind: converts SOURCE into DIR/KIND unless it is there (`surgery convert`), runs `surgery bench SOURCE
 DIR/KIND --json DIR/KIND.json ...` (both models in one process, alternating rounds, medians), and prints a Markdown
 table per kind. With `--engine llama.cpp` (needs llama-cpp-python) SOURCE and DIR/KIND are first converted by
-llama.cpp's own converter into DIR/source-f32.gguf and DIR/KIND-f32.gguf (only MQA/GQA outputs are llama.cpp
-architectures), and the reports are DIR/KIND-llama.cpp.json. The decode limit: a decode step of a small model on CPU is bound by the bytes it reads, the
+llama.cpp's own converter into DIR/source-f32.gguf and DIR/KIND-f32.gguf (MQA/GQA and MLA outputs are llama.cpp
+architectures; an MLA file is completed with `surgery.mla.gguf`), and the reports are DIR/KIND-llama.cpp.json. The decode limit: a decode step of a small model on CPU is bound by the bytes it reads, the
 weights plus the KV cache of the batch, so the best possible decode speed-up is
 (weights + KV of the source) / (weights + KV of the conversion), with both KV sizes measured by `surgery bench`.
 """
@@ -29,7 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 CONVERT = {"mqa": ["--to", "mqa"],
            "switchhead": ["--to", "switchhead", "--heads", "3", "--experts", "3", "--topk", "2",
                           "--calib-tokens", "2048"],
-           "talking-heads": ["--to", "talking-heads"]}
+           "talking-heads": ["--to", "talking-heads"],
+           "mla": ["--to", "mla", "--kv-rank", "64", "--rope-dim", "64", "--calib-tokens", "2048"]}
+PLAIN = ("mqa", "mla")  # outputs transformers and llama.cpp load without custom code
 
 
 def surgery(*args: str) -> None:
@@ -107,8 +109,8 @@ def main() -> None:
     if llama and not args.report_only and (args.llama_converter is None or not args.llama_converter.is_file()):
         parser.error("--engine llama.cpp needs --llama-converter PATH/convert_hf_to_gguf.py")
     for kind in args.kinds.split(","):
-        if llama and kind != "mqa":
-            parser.error(f"--engine llama.cpp runs MQA/GQA outputs only, not {kind}")
+        if llama and kind not in PLAIN:
+            parser.error(f"--engine llama.cpp runs {' and '.join(PLAIN)} outputs only, not {kind}")
         out = args.work / kind
         report = args.work / (f"{kind}-llama.cpp.json" if llama else f"{kind}.json")
         if not args.report_only:
@@ -121,8 +123,12 @@ def main() -> None:
                 source = str(to_gguf(args.llama_converter, resolve_source(args.source).folder,
                                      args.work / "source-f32.gguf"))
                 converted = str(to_gguf(args.llama_converter, out, args.work / f"{kind}-f32.gguf"))
+                if kind == "mla":
+                    from surgery.mla.gguf import complete_for_llama_cpp
+
+                    complete_for_llama_cpp(Path(converted))
                 extra += ["--engine", "llama.cpp"]
-            extra += ["--trust-remote-code"] if kind != "mqa" else []
+            extra += ["--trust-remote-code"] if kind not in PLAIN else []
             extra += ["--replicate-prefill"] if args.replicate_prefill else []
             plot = args.work / (f"{kind}-llama.cpp.png" if llama else f"{kind}.png")
             surgery("bench", source, converted, "--batch", args.batch, "--context", args.context, "--new", args.new,
