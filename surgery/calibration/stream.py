@@ -28,6 +28,7 @@ from torch import nn
 from ..errors import SurgeryError
 from ..checkpoint.tensors import CheckpointReader, dtype_size
 from .layout import memory_layout
+from .residual import ResidualChunks, SpillPolicy
 
 __all__ = ["LayerCall", "LayerStream", "estimate_peak_bytes", "open_stream", "run_layer",
            "LayerProgress", "StopForward", "run_until_stopped"]
@@ -99,6 +100,13 @@ class LayerStream:
         self.model, self.paths, self.modules, self.device = model, paths, layers, device
         self._load, self._free = load, free
         self.offload = offload
+        self.spill = SpillPolicy()  # residual streams in memory, unless `spill_into` names a folder
+
+    def spill_into(self, folder: Path | None, beside: Path, budget: int | None = None) -> None:
+        """Residual-stream chunks past `budget` bytes of host memory (default: `residual.default_budget()`) go to
+        files in `folder` (a temporary folder the caller removes: the layer store's; None: memory); `beside` is the
+        output."""
+        self.spill = SpillPolicy(folder, budget, beside)
 
     def release_embeddings(self) -> None:
         """Free the modules outside the decoder layers (embeddings, final norm) once the embedding step is done: the
@@ -158,8 +166,9 @@ class LayerStream:
                 del layer.forward  # back to the class's forward
         return first[0], calls  # type: ignore[return-value]
 
-    def embed_chunks(self, chunks: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[LayerCall]]]:
-        hidden, calls = [], []
+    def embed_chunks(self, chunks: list[torch.Tensor]) -> tuple[ResidualChunks, list[list[LayerCall]]]:
+        """The hidden states entering layer 0, chunk by chunk (kept under the stream's spill policy), and the calls."""
+        hidden, calls = self.spill.stream(), []
         for c in chunks:
             h, call = self.embed(c)
             hidden.append(self.stash(h.float()))

@@ -53,8 +53,10 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, heads: int, nope: int, rope: i
     return out.transpose(1, 2).reshape(n, length, heads * v_dim)
 
 
-def _stream(folder, reader, device, windows, chunk_windows):
+def _stream(folder, reader, device, windows, chunk_windows, store=None):
     stream = open_stream(folder, reader, device, attn_implementation="sdpa")
+    if store is not None:  # the residual stream past its memory budget goes into the layer store's folder
+        stream.spill_into(store.scratch("residual"), store.beside)
     chunks = list(windows.split(chunk_windows))
     stream.plan_offload(windows.numel(), streams=1)
     hidden, calls = stream.embed_chunks(chunks)
@@ -87,11 +89,11 @@ def _second_moments(acalls) -> torch.Tensor:
 @torch.no_grad()
 def frequency_scores_pass(folder, reader, spec, windows: torch.Tensor, device: torch.device,
                           read_layer: Callable[[int], SourceAttention], pairs: str, chunk_windows: int = 8,
-                          progress: bool = True) -> list[torch.Tensor]:
+                          progress: bool = True, store=None) -> list[torch.Tensor]:
     """Every layer's per-frequency logit scores on the source's own residual stream."""
     scores = []
     with threads(torch.get_num_threads()):
-        stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows)
+        stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows, store)
         with LayerProgress("rope frequencies", len(stream), progress) as bar:
             for index, _, layer in stream.layers():
                 sigma = _second_moments(_inputs(stream, spec, layer, index, hidden, calls))
@@ -119,12 +121,12 @@ def _refit_o(stream, spec, layer, index, hidden, calls, weights: MLAWeights, att
 @torch.no_grad()
 def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.device,
                  build: Callable[[int, torch.Tensor], MLAWeights], attend: Callable, keep: Callable,
-                 refit_o: bool = True, chunk_windows: int = 8, progress: bool = True) -> None:
+                 refit_o: bool = True, chunk_windows: int = 8, progress: bool = True, store=None) -> None:
     """Convert every layer on the converted stream: `build(index, sigma)` gives the layer's MLA weights,
     `attend(x, weights)` its o_proj input, `keep(index, weights)` receives the final weights. Each step is a pass
     over the chunks (second moments, output refit, converted pass): past the residual stream, memory is one chunk."""
     with threads(torch.get_num_threads()):
-        stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows)
+        stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows, store)
         with LayerProgress("calibrate + convert", len(stream), progress) as bar:
             for index, _, layer in stream.layers():
                 attention = _modules(spec, layer)[0]

@@ -33,14 +33,16 @@ CHUNK_WINDOWS = 1
 
 
 @torch.no_grad()
-def converted_outputs(layer: torch.nn.Module, config, settings: dict, tensors: dict[str, torch.Tensor],
-                      hidden: list[torch.Tensor], calls: list, fetch) -> list[torch.Tensor]:
-    """The decoder layer's outputs with its attention replaced by the SwitchHead attention holding `tensors`."""
+def convert_hidden(layer: torch.nn.Module, config, settings: dict, tensors: dict[str, torch.Tensor], hidden,
+                   calls: list, stream: LayerStream) -> None:
+    """Replace every chunk of `hidden` (in place, one chunk at a time) by the decoder layer's output with its
+    attention replaced by the SwitchHead attention holding `tensors`."""
     path = attention_path(layer)
     source = layer.get_submodule(path)
     layer.set_submodule(path, switchhead_attention(source, config, settings, tensors))
     try:
-        return [run_layer(layer, fetch(h), call) for h, call in zip(hidden, calls)]
+        for i, call in enumerate(calls):
+            hidden[i] = stream.stash(run_layer(layer, stream.fetch(hidden[i]), call))
     finally:
         layer.set_submodule(path, source)
 
@@ -89,8 +91,7 @@ def calibrate_layers(stream: LayerStream, builder, windows: torch.Tensor, mode: 
                                                 ridge))
             del source_hidden
             if inputs == "converted":  # the next layer calibrates on what this converted layer outputs
-                hidden = [stream.stash(h) for h in
-                          converted_outputs(layer, stream.config, settings, tensors, hidden, layer_calls, stream.fetch)]
+                convert_hidden(layer, stream.config, settings, tensors, hidden, layer_calls, stream)
             builder.tensors.put(index, tensors)
             result.fits.append(dataclasses.replace(fit, router_o=None, router_v=None))
             result.clusters.append(clusters)

@@ -166,7 +166,7 @@ class _ModelMerge:
         stream.plan_offload(windows.numel(), streams=1 if opts.targets == "local" else 2)
         self.src_h, self.calls = stream.embed_chunks(self.chunks)
         stream.release_embeddings()
-        self.cv_h = list(self.src_h)
+        self.cv_h = self.src_h.copy() if opts.targets == "source" else self.src_h
         self._tick("embed")
 
     def _tick(self, stage: str) -> None:
