@@ -2,13 +2,15 @@
 held per layer) against this tree's (chunk by chunk; the residual stream past a budget on disk), in the same run.
 
     python benchmarks/bench_calib_memory.py --before /path/to/main/checkout [--layers 2] [--tokens 4096,16384,65536]
-        [--kinds aligned,mla] [--json out.json]
+        [--kinds aligned,mla] [--spill-mb 0] [--source FOLDER] [--json out.json]
 
 The source is the real SmolLM2-135M (`smollm2`) cut to its first `--layers` decoder layers (real weights, written
 once beside --json or under /tmp: peak memory is one layer's work, so fewer layers change the time, not the peak).
 Each conversion runs as `python -m surgery.cli convert SRC --out TMP ... --calib-tokens T` with PYTHONPATH set to
 the code under test, in a child whose peak RSS is the kernel's (`ru_maxrss` of the child). Prints one row per
-(kind, tokens): peak before, peak after, after/before, wall seconds of each.
+(kind, tokens): peak before, peak after, after/before, wall seconds of each. `--spill-mb M` measures this tree once
+more with `SURGERY_RESIDUAL_RAM_MB=M` (0: every residual chunk on disk), an extra column. `--source FOLDER` runs on
+that checkpoint instead (e.g. benchmarks/synthetic.py's llama3-8b at 2 layers).
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ def truncated_smollm2(layers: int, out: Path) -> Path:
     return out
 
 
-def measure(code: Path, src: Path, args: list[str], tokens: int) -> dict:
-    env = os.environ | {"PYTHONPATH": str(code), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+def measure(code: Path, src: Path, args: list[str], tokens: int, spill_mb: int | None = None) -> dict:
+    env = os.environ | ({"SURGERY_RESIDUAL_RAM_MB": str(spill_mb)} if spill_mb is not None else {}) | {"PYTHONPATH": str(code), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                         "HF_HUB_OFFLINE": "1"}
     with tempfile.TemporaryDirectory(prefix="calib-memory-") as tmp:
         cmd = [sys.executable, "-m", "surgery.cli", "convert", str(src), "--out", f"{tmp}/out", *args,
@@ -84,22 +86,28 @@ def main() -> None:
     p.add_argument("--tokens", default="4096,16384,65536")
     p.add_argument("--kinds", default="aligned,mla")
     p.add_argument("--source", type=Path, help="Where the cut SmolLM2 is written (default /tmp/smollm2-LAYERSl).")
+    p.add_argument("--spill-mb", type=int, help="Also measure this tree with SURGERY_RESIDUAL_RAM_MB set to this.")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     src = truncated_smollm2(a.layers, a.source or Path(tempfile.gettempdir()) / f"smollm2-{a.layers}l")
     rows = []
-    print("| conversion | calib tokens | peak RSS before | peak RSS after | after / before | wall before / after |")
-    print("|---|---|---|---|---|---|")
+    spill = f" | peak RSS after, residual budget {a.spill_mb} MiB" if a.spill_mb is not None else ""
+    print(f"| conversion | calib tokens | peak RSS before | peak RSS after | after / before | wall before / after{spill} |")
+    print("|---|---|---|---|---|---|" + ("---|" if spill else ""))
     for tokens in (int(t) for t in a.tokens.split(",")):
         for kind in a.kinds.split(","):
             before = measure(a.before, src, KINDS[kind], tokens)
             after = measure(a.after, src, KINDS[kind], tokens)
             row = {"kind": kind, "args": KINDS[kind], "tokens": tokens, "before": before, "after": after,
                    "ratio": round(after["peak_rss"] / before["peak_rss"], 3)}
+            extra = ""
+            if a.spill_mb is not None:
+                row["after_spill"] = measure(a.after, src, KINDS[kind], tokens, a.spill_mb)
+                extra = f" {row['after_spill']['peak_rss'] / 1e9:.2f} GB |"
             rows.append(row)
             print(f"| `{' '.join(KINDS[kind])}` | {tokens:,} | {before['peak_rss'] / 1e9:.2f} GB | "
                   f"{after['peak_rss'] / 1e9:.2f} GB | {row['ratio']:.2f}x | {before['wall_s']:.0f} s / "
-                  f"{after['wall_s']:.0f} s |", flush=True)
+                  f"{after['wall_s']:.0f} s |{extra}", flush=True)
             if a.json:
                 a.json.write_text(json.dumps({"source": str(src), "layers": a.layers, "rows": rows}, indent=1))
 
