@@ -37,7 +37,7 @@ QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
 @dataclass
 class MergeOptions:
     groups: int
-    chunk_windows: int = 8  # windows per forward chunk (bounds attention memory)
+    chunk_windows: int = 8  # windows per chunk: every per-layer stage holds one chunk (bounds the memory)
     assign: bool = True  # group K/V heads by similarity (else consecutively)
     fold: bool = True  # fit keys with RoPE-commuting maps folded into the queries
     refit_q: bool = True
