@@ -101,3 +101,15 @@ def test_spilling_conversions_leave_nothing_and_match(tmp_path, monkeypatch):
         convert_aligned(source, tmp_path / "mqa", kv_heads=1, **common)
     assert spilled[0] and spilled[0][0].startswith("stream")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mla-disk", "mla-ram", "src"]
+
+
+def test_the_residual_budget_comes_from_the_environment(monkeypatch):
+    from surgery.calibration.residual import DEFAULT_BUDGET, default_budget
+
+    monkeypatch.delenv("SURGERY_RESIDUAL_RAM_MB", raising=False)
+    assert default_budget() == DEFAULT_BUDGET
+    monkeypatch.setenv("SURGERY_RESIDUAL_RAM_MB", "1.5")
+    assert default_budget() == 3 << 19
+    monkeypatch.setenv("SURGERY_RESIDUAL_RAM_MB", "lots")
+    with pytest.raises(SurgeryError, match="SURGERY_RESIDUAL_RAM_MB must be a number of MiB"):
+        default_budget()
