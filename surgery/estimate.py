@@ -289,7 +289,7 @@ def output_expert_fit_bytes(s: LayerShape) -> int:
 
 def fit_bytes(s: LayerShape, refit_values: bool = False) -> int:
     """float64 matrices of the aligned merge's fits alive at once (not counted by the streaming model), as the code
-    builds them (in place: no identity matrices, priors or transposed copies)."""
+    builds them (in place: no identity matrices, priors or transposed copies), and the source attention's copy."""
     din, hd, d = s.hidden + s.qkv_bias, s.heads * s.head_dim, s.hidden
     # the query refit: two input Grams (one becomes the LU) and the right-hand sides, float32 solution; the output
     # refit: the heads' Gram (its own LU), right-hand sides and solution, float32 copy. The merge before them holds
@@ -297,7 +297,9 @@ def fit_bytes(s: LayerShape, refit_values: bool = False) -> int:
     query = 8 * (2 * din * din + hd * din) + 4 * hd * din
     output = 8 * ((hd + 1) ** 2 + 2 * (hd + 1) * d) + 4 * (hd + 1) * d
     value = 8 * (s.heads * din * din + 2 * hd * din) if refit_values else 0  # every query head's input Gram
-    return max(query, output, value)
+    # the source attention's float32 copy (the refits' targets, recomputed chunk by chunk) lives through the layer
+    source_copy = 4 * (din * (hd + 2 * s.kv_heads * s.head_dim) + d * hd)
+    return max(query, output, value) + source_copy
 
 
 @dataclass(frozen=True)
