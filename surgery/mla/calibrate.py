@@ -83,6 +83,7 @@ def _second_moments(acalls) -> torch.Tensor:
         flat = a.x.reshape(-1, a.x.shape[-1]).double()
         sigma = flat.T @ flat if sigma is None else sigma + flat.T @ flat
         count += flat.shape[0]
+        del a, flat  # before the next chunk is computed: one chunk alive at a time
     return (sigma / count).cpu()
 
 
@@ -113,6 +114,7 @@ def _refit_o(stream, spec, layer, index, hidden, calls, weights: MLAWeights, att
         z = attend(a.x, weights)
         target = capture.run_attention(attention, out_module, a).output
         fit.add(z.reshape(-1, z.shape[-1]), target.reshape(-1, target.shape[-1]))
+        del a, z, target  # before the next chunk is computed
     with threads(1):
         o, _ = fit.solve(O_RIDGE)
     return o.double().cpu()
@@ -138,5 +140,6 @@ def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.devi
                     out = attend(a.x, weights) @ o_proj.T
                     hidden[i] = stream.stash(capture.run_layer_with_attention_output(
                         layer, attention, stream.fetch(hidden[i]), calls[i][index], out))
+                    del a, out  # before the next chunk is computed
                 keep(index, weights)
                 bar.update()

@@ -234,6 +234,7 @@ class _ModelMerge:
             part = (flat.T @ flat).double()
             sigma = part if sigma is None else sigma.add_(part)
             count += flat.shape[0]
+            del chunk, flat  # before the next chunk is computed: one chunk alive at a time
         w.pos = w.first.kwargs.get("position_embeddings")
         if w.pos is None and self.rotary_model:
             raise RuntimeError(f"{type(w.layer).__name__} passes its rotary embedding in a way the merge cannot see")
@@ -298,6 +299,7 @@ class _ModelMerge:
                 for c in self._chunks(w, source=True, rotary=True):
                     fit = fit or make(shape(c), c.x.device)
                     add(fit, c)
+                    del c  # before the next chunk is computed
             return fit
 
         def qk_args(c: _Chunk):
@@ -329,6 +331,7 @@ class _ModelMerge:
             for c in self._chunks(w, source=True):
                 heads = capture.run_attention(w.la.attention, w.la.out_module, c.call).heads
                 fit.add(heads.reshape(-1, params.o.shape[1]), c.source.output.reshape(-1, params.o.shape[0]))
+                del c, heads  # before the next chunk is computed
             params.o, params.o_bias = fit.solve(self.opts.o_ridge)
         w.la.write(params)
 
