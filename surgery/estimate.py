@@ -1,7 +1,8 @@
 """What a calibrated conversion will cost before it runs: peak host/device memory and seconds per decoder layer.
 
 Memory is the layer-streaming model of `surgery.calibration.stream.estimate_peak_bytes` (the Python process, one
-float32 decoder layer, the embeddings, the calibration activations, one chunk's scratch) plus what it leaves out:
+float32 decoder layer, the embeddings, the residual stream up to its spill budget and one chunk's activations, one
+chunk's scratch; the residual stream past the budget is on disk, reported apart) plus what it leaves out:
 the fits' float64 matrices (second moments of the layer input, the query and output refits' normal equations);
 the checkpoint is read one tensor at a time (one tensor in its dtype, not the layer), and the embeddings are freed
 once the embedding step is done, so they and a layer are never resident together.
@@ -10,16 +11,17 @@ Time per layer is the layer's floating-point work, counted from the shapes and t
 the device's matmul throughput measured on the spot (`probe_throughput`: about one second of float32 and float64
 matrix products). The counts follow the code they estimate:
 
-- aligned merge (surgery/kv/aligned/pipeline.py): the source attention on the converted stream (targets), the
-  converted attention (output refit) and the converted layer's MLP, in float32; the layer input's second moment;
+- aligned merge (surgery/kv/aligned/pipeline.py): the source attention on the converted stream (targets: once per
+  refit pass over the chunks, as the pipeline recomputes it instead of holding it), the converted attention (output
+  refit, and again in the converted pass) and the converted layer's MLP, in float32; the layer input's second moment;
   the query refit (ideal queries at sampled positions, its normal equations); the output refit; and in float64 the
   group merges (surgery/kv/aligned/fit.py), once per group the assignment search scores (surgery/kv/aligned/assign.py) plus
   once per final group. Each group merge costs about 2 d_in² D (s r + 4 s + 2) flops for s members and fully
   rotary heads (products with the d_in x d_in second moment dominate).
 - SwitchHead (surgery/switchhead/layers.py, calibrate.py, refit.py): the source attention over the calibration
   tokens (eager; statistics; the layer's forward stops after it), the attention-map Gram, the router fits' normal equations, then the SwitchHead
-  attention on the captured calls and the output refit's normal equations, then the converted layer's pass (the next
-  layer's inputs).
+  attention on the source attention's calls (recomputed: the source attention once more) and the output refit's
+  normal equations, then the converted layer's pass (the next layer's inputs).
 The float32 and float64 work at the probe's rates, divided by `EFFICIENCY` (the rest of the work, measured once),
 gives the CPU seconds per layer, whatever the machine's load, and the wall seconds per layer at the load of the
 moment of the probe (a machine shared with other jobs gives a long run a different share than a one-second probe).
@@ -222,7 +224,9 @@ def aligned_layer_flops(s: LayerShape, kv_out: int, tokens: int, window: int = D
     windows = max(1, tokens // window)
     f.float32 += 2 * tokens * din * din  # second moment of the attention input
     if grouped:
-        f.float32 += attention_flops(s, tokens, window)  # the source attention on the converted stream (targets)
+        # the source attention on the converted stream (targets), recomputed in every refit pass over the chunks
+        passes = 2 + refit_values  # the query refit's, the value refit's, the output refit's
+        f.float32 += passes * attention_flops(s, tokens, window)
         # query refit: converted queries/keys, input Grams, ideal queries at sampled positions, right-hand sides
         samples = windows * min(query_samples, window)
         e = s.head_dim + 1
@@ -233,7 +237,7 @@ def aligned_layer_flops(s: LayerShape, kv_out: int, tokens: int, window: int = D
         # output refit: the converted attention, its Gram and the solve
         f.float32 += attention_flops(s, tokens, window) + 2 * tokens * hd * hd + 2 * tokens * hd * s.hidden
         f.float64 += 2 / 3 * (hd + 1) ** 3 + 2 * hd * hd * s.hidden
-        f.float32 += 2 * tokens * hd * s.hidden  # o_proj of the refit heads, for the converted pass
+        f.float32 += attention_flops(s, tokens, window)  # the converted pass runs the converted attention again
         if refit_values:  # per head: z = attention-weighted inputs at the sampled positions, their Gram, CG solves
             f.float32 += 2 * samples * window * din * s.heads + 2 * samples * din * din * s.heads
             f.float64 += 40 * 4 * s.heads * s.head_dim * din * din  # at most 40 CG steps (fewer when converged)
@@ -258,7 +262,9 @@ def switchhead_layer_flops(s: LayerShape, heads: int, experts: int, topk: int, t
     f.float64 += 2 / 3 * d**3 + 4 * d * d * h
     if experts > 1:
         feats = heads * experts * s.head_dim
-        # refit on the captured attention calls: the SwitchHead attention, the features' Gram and the solve
+        # refit on the source attention's calls, recomputed chunk by chunk (the source attention again), the
+        # SwitchHead attention, the features' Gram and the solve
+        f.float32 += attention_flops(s, tokens, window)
         attention = (2 * tokens * d * heads * s.head_dim * (2 + topk) + 4 * tokens * d * heads * experts
                      + 4 * tokens * window * heads * s.head_dim)
         f.float32 += attention + 2 * tokens * feats * feats + 2 * tokens * d * feats
@@ -283,7 +289,7 @@ def output_expert_fit_bytes(s: LayerShape) -> int:
 
 def fit_bytes(s: LayerShape, refit_values: bool = False) -> int:
     """float64 matrices of the aligned merge's fits alive at once (not counted by the streaming model), as the code
-    builds them (in place: no identity matrices, priors or transposed copies)."""
+    builds them (in place: no identity matrices, priors or transposed copies), and the source attention's copy."""
     din, hd, d = s.hidden + s.qkv_bias, s.heads * s.head_dim, s.hidden
     # the query refit: two input Grams (one becomes the LU) and the right-hand sides, float32 solution; the output
     # refit: the heads' Gram (its own LU), right-hand sides and solution, float32 copy. The merge before them holds
@@ -291,7 +297,9 @@ def fit_bytes(s: LayerShape, refit_values: bool = False) -> int:
     query = 8 * (2 * din * din + hd * din) + 4 * hd * din
     output = 8 * ((hd + 1) ** 2 + 2 * (hd + 1) * d) + 4 * (hd + 1) * d
     value = 8 * (s.heads * din * din + 2 * hd * din) if refit_values else 0  # every query head's input Gram
-    return max(query, output, value)
+    # the source attention's float32 copy (the refits' targets, recomputed chunk by chunk) lives through the layer
+    source_copy = 4 * (din * (hd + 2 * s.kv_heads * s.head_dim) + d * hd)
+    return max(query, output, value) + source_copy
 
 
 @dataclass(frozen=True)
@@ -304,9 +312,10 @@ class CalibratedCost:
     eager: bool = False  # eager attention: one window per chunk, scores, softmax and maps kept (streaming model)
     # (shape, tokens, window) -> memory terms of one layer's step beyond the streaming model's
     extra_memory: Callable[[LayerShape, int, int], dict[str, int]] | None = None
-    # (shape, tokens) -> bytes of the float32 [tokens, width] tensors the calibration holds at once, when the kind
-    # knows them better than the streaming model's generic count (which is the aligned merge's)
-    activations: Callable[[LayerShape, int], int] | None = None
+    # (shape, tokens, window) -> bytes of the float32 tensors the calibration holds at once (the residual stream
+    # up to its spill budget, one chunk's working set), when the kind knows them better than the streaming model's
+    # generic count (which is the aligned merge's)
+    activations: Callable[[LayerShape, int, int], int] | None = None
 
 
 @dataclass
@@ -366,12 +375,13 @@ def estimate_calibrated(config: dict, cost: CalibratedCost, tokens: int, *, dtyp
     flops = cost.layer_flops(s, tokens, window)
     terms = estimate_peak_bytes(config, tokens, dtype, eager=cost.eager, device=dev.type, window=window)
     if cost.activations is not None:
-        terms["activations"] = cost.activations(s, tokens)
+        terms["activations"] = cost.activations(s, tokens, window)
     fits = cost.fit_bytes(s)
     read = largest_layer_tensor(s) * DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 4)
     memory = {"runtime": terms["runtime"], "layer (float32)": terms["layer"], "embeddings": terms["embedding"],
               "activations": terms["activations"], "scratch": terms["scratch"], "fits (float64)": fits,
               "tensor being read": read}
+    disk = {"residual stream on disk (not memory)": terms["spilled"]}
     # The embeddings are freed after the embedding step (LayerStream.release_embeddings): the peak is the larger of
     # that step and a layer's (its float32 weights, the tensor being read, one chunk's scratch and the fits).
     extra = cost.extra_memory(s, tokens, window) if cost.extra_memory else {}
@@ -392,4 +402,4 @@ def estimate_calibrated(config: dict, cost: CalibratedCost, tokens: int, *, dtyp
         on_device = terms["activations"] + max(terms["embedding"], layer_step)  # the cast happens on the host
     per_layer = flops.seconds(rate)
     return Estimate(cost.name, str(dev), s.layers, tokens, int(host), int(on_device), per_layer, per_layer * s.layers,
-                    flops.cpu_seconds(rate), flops, rate, memory)
+                    flops.cpu_seconds(rate), flops, rate, memory | disk)

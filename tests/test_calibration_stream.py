@@ -131,7 +131,10 @@ def test_peak_memory_model_counts_one_layer(tmp_path):
     assert est["activations"] > 4 * 8192 * config["hidden_size"]
     assert est["host"] >= est["layer"] + est["embedding"] + est["activations"]
     bigger = estimate_peak_bytes(config, 16384, "bfloat16")
-    assert bigger["activations"] == 2 * est["activations"]
+    assert bigger["activations"] - est["activations"] == 4 * 8192 * config["hidden_size"]  # the residual stream
+    assert est["spilled"] == 0  # past the spill budget the stream goes to disk, and the memory stops growing:
+    capped = estimate_peak_bytes(config, 16384, "bfloat16", budget=4 * 8192 * config["hidden_size"])
+    assert capped["activations"] == est["activations"] and capped["spilled"] == 4 * 8192 * config["hidden_size"]
 
 
 def test_calibration_text_reads_pydoc_from_the_end(tmp_path):

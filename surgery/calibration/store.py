@@ -46,6 +46,11 @@ class LayerStore:
             shutil.rmtree(folder, ignore_errors=True)
             raise write_failure(self.beside, e) from None
 
+    def scratch(self, name: str) -> Path | None:
+        """A folder for other calibration data that may go to disk (the residual streams past their memory budget),
+        inside the store's temporary folder so that it goes with it; None when the store keeps memory."""
+        return self.dir / name if self.dir is not None else None
+
     def get(self, layer: int) -> dict[str, torch.Tensor]:
         if self.dir is None:
             return self._memory[layer]

@@ -28,6 +28,7 @@ from torch import nn
 from ..errors import SurgeryError
 from ..checkpoint.tensors import CheckpointReader, dtype_size
 from .layout import memory_layout
+from .residual import ResidualChunks, SpillPolicy, default_budget
 
 __all__ = ["LayerCall", "LayerStream", "estimate_peak_bytes", "open_stream", "run_layer",
            "LayerProgress", "StopForward", "run_until_stopped"]
@@ -99,6 +100,13 @@ class LayerStream:
         self.model, self.paths, self.modules, self.device = model, paths, layers, device
         self._load, self._free = load, free
         self.offload = offload
+        self.spill = SpillPolicy()  # residual streams in memory, unless `spill_into` names a folder
+
+    def spill_into(self, folder: Path | None, beside: Path, budget: int | None = None) -> None:
+        """Residual-stream chunks past `budget` bytes of host memory (default: `residual.default_budget()`) go to
+        files in `folder` (a temporary folder the caller removes: the layer store's; None: memory); `beside` is the
+        output."""
+        self.spill = SpillPolicy(folder, budget, beside)
 
     def release_embeddings(self) -> None:
         """Free the modules outside the decoder layers (embeddings, final norm) once the embedding step is done: the
@@ -158,8 +166,9 @@ class LayerStream:
                 del layer.forward  # back to the class's forward
         return first[0], calls  # type: ignore[return-value]
 
-    def embed_chunks(self, chunks: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[list[LayerCall]]]:
-        hidden, calls = [], []
+    def embed_chunks(self, chunks: list[torch.Tensor]) -> tuple[ResidualChunks, list[list[LayerCall]]]:
+        """The hidden states entering layer 0, chunk by chunk (kept under the stream's spill policy), and the calls."""
+        hidden, calls = self.spill.stream(), []
         for c in chunks:
             h, call = self.embed(c)
             hidden.append(self.stash(h.float()))
@@ -356,15 +365,17 @@ class LayerProgress:
 # --- the memory model ----------------------------------------------------------------------------------------
 def estimate_peak_bytes(config: dict, calib_tokens: int, dtype: str | torch.dtype = "bfloat16", *,
                         eager: bool = False, device: str = "cpu", window: int = 512,
-                        chunk_windows: int | None = None) -> dict:
+                        chunk_windows: int | None = None, streams: int = 1, budget: int | None = None) -> dict:
     """Peak memory of a streamed calibration, in bytes: {"layer", "embedding", "activations", "scratch",
-    "runtime", "device", "host"}.
+    "runtime", "device", "host", "spilled"}.
 
     - layer: the largest decoder layer's parameters in float32 (counted on the meta skeleton of `config`);
     - embedding: the modules outside the layers (plain embedding matrices in the checkpoint's `dtype`, the rest
       in float32);
-    - activations: the calibration tokens' hidden states and a layer's captured attention inputs/outputs
-      (float32 [tokens, width] tensors);
+    - activations: the residual streams (`streams` float32 [tokens, hidden] tensors) up to the spill budget
+      (`budget`, default `residual.default_budget()`; the rest, "spilled", goes to disk and is not memory), and one
+      chunk's attention inputs, source and converted attention outputs, queries, keys and heads (float32
+      [chunk tokens, width]: every per-layer stage works chunk by chunk);
     - scratch: one chunk's attention probabilities and MLP activations.
     On "cpu" everything is host memory; on CUDA the device holds all four and the host about one layer read from
     the checkpoint (in its dtype) plus the embedding being loaded; "host" includes the runtime (Python, torch,
@@ -395,23 +406,26 @@ def estimate_peak_bytes(config: dict, calib_tokens: int, dtype: str | torch.dtyp
     kv = int(getattr(c, "num_key_value_heads", None) or heads)
     inter = int(getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden)
     tokens = calib_tokens
-    qkv_width = (heads + 2 * kv) * head_dim
-    if eager:  # (SwitchHead) hidden stream, attention inputs and outputs, head outputs
-        width = 3 * hidden + heads * head_dim
-    else:  # converted stream, attention inputs (and their concatenation), source and converted outputs, the
-        # source's queries/keys/heads (and concatenations), converted heads, re-projected queries/keys, cos/sin
-        width = 6 * hidden + 6 * heads * head_dim + 3 * kv * head_dim + head_dim
-    activations = 4 * tokens * width
     if chunk_windows is None:  # the converters' chunks: 8 windows (aligned, sdpa), 1 (eager: SwitchHead)
         chunk_windows = 1 if eager else 8
     chunk = min(chunk_windows, max(1, tokens // window)) * window
+    qkv_width = (heads + 2 * kv) * head_dim
+    if eager:  # (SwitchHead) one chunk's attention input and output, head outputs, the layer's output
+        width = 3 * hidden + heads * head_dim
+    else:  # one chunk's attention input (augmented copy), source output and the layer's output, the source's
+        # queries/keys/heads, converted heads, re-projected queries/keys, cos/sin
+        width = 4 * hidden + 3 * heads * head_dim + 3 * kv * head_dim + head_dim
+    residual = 4 * tokens * hidden * streams
+    # the spill budget is host memory: residual chunks on a CUDA device stay there
+    resident = min(residual, default_budget() if budget is None else budget) if str(device) == "cpu" else residual
+    activations = resident + 4 * chunk * width
     probs = chunk * heads * window * (4 if eager else 1)  # eager keeps scores, softmax, the maps
     scratch = 4 * (probs + 3 * chunk * inter + chunk * qkv_width)
     layer = 4 * layer_params
     on_device = layer + embedding + activations + scratch
     host_read = layer_params * dtype_size(dt)
     parts = {"layer": layer, "embedding": embedding, "activations": activations, "scratch": scratch,
-             "runtime": RUNTIME_BYTES}
+             "runtime": RUNTIME_BYTES, "spilled": residual - resident}
     if str(device) == "cpu":
         return parts | {"device": 0, "host": RUNTIME_BYTES + on_device + host_read}
     return parts | {"device": on_device, "host": RUNTIME_BYTES + host_read + embedding}

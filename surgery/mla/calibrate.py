@@ -18,7 +18,7 @@ import torch
 
 from ..calibration.stream import LayerProgress, open_stream, run_layer
 from ..kv.aligned import capture
-from ..kv.aligned.refit import refit_output
+from ..kv.aligned.refit import OutputFit
 from ..runtime import threads
 from .factor import MLAWeights, SourceAttention, frequency_scores
 
@@ -53,21 +53,28 @@ def mla_attention(x: torch.Tensor, w: MLAWeights, heads: int, nope: int, rope: i
     return out.transpose(1, 2).reshape(n, length, heads * v_dim)
 
 
-def _stream(folder, reader, device, windows, chunk_windows):
+def _stream(folder, reader, device, windows, chunk_windows, store=None):
     stream = open_stream(folder, reader, device, attn_implementation="sdpa")
+    if store is not None:  # the residual stream past its memory budget goes into the layer store's folder
+        stream.spill_into(store.scratch("residual"), store.beside)
     chunks = list(windows.split(chunk_windows))
-    stream.plan_offload(windows.numel(), streams=3)
+    stream.plan_offload(windows.numel(), streams=1)
     hidden, calls = stream.embed_chunks(chunks)
     stream.release_embeddings()
     return stream, hidden, calls
 
 
-def _inputs(stream, spec, layer, index, hidden, calls):
+def _modules(spec, layer):
     attention = layer.get_submodule(spec.attention)
-    in_module, out_module = attention.get_submodule(spec.q), attention.get_submodule(spec.o)
-    acalls = [capture.attention_input(layer, attention, in_module, stream.fetch(hidden[i]), calls[i][index])
-              for i in range(len(hidden))]
-    return attention, out_module, acalls
+    return attention, attention.get_submodule(spec.q), attention.get_submodule(spec.o)
+
+
+def _inputs(stream, spec, layer, index, hidden, calls):
+    """Chunk by chunk, what the layer's attention receives (one chunk's attention input alive at a time: the layer's
+    input norm runs again in each pass that needs it, instead of holding every token's input)."""
+    attention, in_module, _ = _modules(spec, layer)
+    for i in range(len(hidden)):
+        yield capture.attention_input(layer, attention, in_module, stream.fetch(hidden[i]), calls[i][index])
 
 
 def _second_moments(acalls) -> torch.Tensor:
@@ -76,53 +83,63 @@ def _second_moments(acalls) -> torch.Tensor:
         flat = a.x.reshape(-1, a.x.shape[-1]).double()
         sigma = flat.T @ flat if sigma is None else sigma + flat.T @ flat
         count += flat.shape[0]
+        del a, flat  # before the next chunk is computed: one chunk alive at a time
     return (sigma / count).cpu()
 
 
 @torch.no_grad()
 def frequency_scores_pass(folder, reader, spec, windows: torch.Tensor, device: torch.device,
                           read_layer: Callable[[int], SourceAttention], pairs: str, chunk_windows: int = 8,
-                          progress: bool = True) -> list[torch.Tensor]:
+                          progress: bool = True, store=None) -> list[torch.Tensor]:
     """Every layer's per-frequency logit scores on the source's own residual stream."""
     scores = []
     with threads(torch.get_num_threads()):
-        stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows)
+        stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows, store)
         with LayerProgress("rope frequencies", len(stream), progress) as bar:
             for index, _, layer in stream.layers():
-                _, _, acalls = _inputs(stream, spec, layer, index, hidden, calls)
-                scores.append(frequency_scores(read_layer(index), _second_moments(acalls), pairs))
-                for i, a in enumerate(acalls):
+                sigma = _second_moments(_inputs(stream, spec, layer, index, hidden, calls))
+                scores.append(frequency_scores(read_layer(index), sigma, pairs))
+                for i in range(len(hidden)):
                     hidden[i] = stream.stash(run_layer(layer, stream.fetch(hidden[i]), calls[i][index]))
                 bar.update()
     return scores
 
 
+def _refit_o(stream, spec, layer, index, hidden, calls, weights: MLAWeights, attend: Callable) -> torch.Tensor:
+    """o_proj by ridge regression onto the source attention's output, its normal equations summed chunk by chunk
+    (the source attention runs on each chunk here; memory is one chunk and the [H*v, H*v] Gram)."""
+    attention, _, out_module = _modules(spec, layer)
+    fit = OutputFit(weights.o_proj.to(stream.device, torch.float32), None)
+    for a in _inputs(stream, spec, layer, index, hidden, calls):
+        z = attend(a.x, weights)
+        target = capture.run_attention(attention, out_module, a).output
+        fit.add(z.reshape(-1, z.shape[-1]), target.reshape(-1, target.shape[-1]))
+        del a, z, target  # before the next chunk is computed
+    with threads(1):
+        o, _ = fit.solve(O_RIDGE)
+    return o.double().cpu()
+
+
 @torch.no_grad()
 def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.device,
                  build: Callable[[int, torch.Tensor], MLAWeights], attend: Callable, keep: Callable,
-                 refit_o: bool = True, chunk_windows: int = 8, progress: bool = True) -> None:
+                 refit_o: bool = True, chunk_windows: int = 8, progress: bool = True, store=None) -> None:
     """Convert every layer on the converted stream: `build(index, sigma)` gives the layer's MLA weights,
-    `attend(x, weights)` its o_proj input, `keep(index, weights)` receives the final weights."""
+    `attend(x, weights)` its o_proj input, `keep(index, weights)` receives the final weights. Each step is a pass
+    over the chunks (second moments, output refit, converted pass): past the residual stream, memory is one chunk."""
     with threads(torch.get_num_threads()):
-        stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows)
+        stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows, store)
         with LayerProgress("calibrate + convert", len(stream), progress) as bar:
             for index, _, layer in stream.layers():
-                attention, out_module, acalls = _inputs(stream, spec, layer, index, hidden, calls)
-                weights = build(index, _second_moments(acalls))
-                z = [attend(a.x, weights) for a in acalls]
+                attention = _modules(spec, layer)[0]
+                weights = build(index, _second_moments(_inputs(stream, spec, layer, index, hidden, calls)))
                 if refit_o:
-                    target = torch.cat([capture.run_attention(attention, out_module, a).output for a in acalls])
-                    with threads(1):
-                        o, _ = refit_output(torch.cat(z).reshape(-1, z[0].shape[-1]),
-                                            target.reshape(-1, target.shape[-1]),
-                                            weights.o_proj.to(target.device, torch.float32), None, O_RIDGE)
-                    weights.o_proj = o.double().cpu()
-                    del target
-                o_proj = weights.o_proj.to(z[0].device, z[0].dtype)
-                for i, a in enumerate(acalls):
-                    out = z[i] @ o_proj.T
+                    weights.o_proj = _refit_o(stream, spec, layer, index, hidden, calls, weights, attend)
+                o_proj = weights.o_proj.to(stream.device, torch.float32)
+                for i, a in enumerate(_inputs(stream, spec, layer, index, hidden, calls)):
+                    out = attend(a.x, weights) @ o_proj.T
                     hidden[i] = stream.stash(capture.run_layer_with_attention_output(
                         layer, attention, stream.fetch(hidden[i]), calls[i][index], out))
+                    del a, out  # before the next chunk is computed
                 keep(index, weights)
-                del z, acalls
                 bar.update()

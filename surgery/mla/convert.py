@@ -316,7 +316,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         scores = None
         if len(strides) > 1:  # a choice to make: score the frequencies on the source's own stream
             scores = frequency_scores_pass(src.folder, reader, spec, text.windows, dev, read_layer,
-                                           spec.rotary_pairs, progress=progress)
+                                           spec.rotary_pairs, progress=progress, store=store)
         kept, stride, theta, share = choose_frequencies(scores, strides, shape.rope_dim, inv_freq,
                                                         int(text.windows.shape[1]))
 
@@ -332,7 +332,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         def keep(i: int, w: MLAWeights) -> None:
             store.put(i, {f: getattr(w, f).float() for f in fields})
 
-        convert_pass(src.folder, reader, spec, text.windows, dev, build, attend, keep, progress=progress)
+        convert_pass(src.folder, reader, spec, text.windows, dev, build, attend, keep, progress=progress, store=store)
         calib_seconds = time.time() - calib_start
 
         def layer_weights(i: int) -> MLAWeights:

@@ -13,7 +13,8 @@ no-position keys and values):
   roots, the weighted stack's products with Sigma and its eigendecomposition of size F), DeepSeek's attention on
   the calibration windows (projections, latent expansion, full-square scores and values: float32), the source
   attention for the targets, the o_proj refit (the converted heads' Gram and cross products in float32, its LU and
-  solve in float64), o_proj applied and the layer's MLP.
+  solve in float64), then the converted pass (DeepSeek's attention again: chunks are recomputed, not held), o_proj
+  applied and the layer's MLP.
 A complex multiply-add is four real ones (`COMPLEX`); a symmetric eigendecomposition with vectors costs about
 9 n^3 (`EIGH`, as surgery/estimate.py counts the merge's); an LU 2/3 n^3.
 """
@@ -90,6 +91,7 @@ def mla_layer_products(s: LayerShape, rank: int, rope: int, tokens: int, window:
     f.float32 += mla_attention_flops(s, rank, rope, tokens, window)
     f.float32 += attention_flops(s, tokens, window)  # the source attention: the refit's targets
     f.float32 += refit_products(s, tokens)
+    f.float32 += mla_attention_flops(s, rank, rope, tokens, window)  # the converted pass: the MLA attention again
     f.float32 += 2 * tokens * s.heads * s.head_dim * s.hidden + mlp_flops(s, tokens)  # o_proj, the MLP
     return f
 
@@ -124,12 +126,15 @@ def mla_fit_bytes(s: LayerShape, rank: int, rope: int, frequency_pass: bool, chu
     return max(moments, split, scores, factor, assemble, refit)
 
 
-def mla_activations(s: LayerShape, tokens: int) -> int:
-    """float32 [tokens, width] tensors of every calibration token held at once (calibrate.convert_pass): the hidden
-    stream and the layer's attention inputs, the converted heads z and their concatenation, the source attention's
-    outputs (the targets, twice while they are concatenated); the rotary cos/sin the layer calls carry."""
+def mla_activations(s: LayerShape, tokens: int, window: int) -> int:
+    """float32 tensors held at once (calibrate.convert_pass): the residual stream [tokens, H] up to its spill budget
+    (the rest is on disk), and one chunk's attention input, converted heads z, the source attention's output (the
+    target) or the converted pass's attention output and layer output; the rotary cos/sin the layer calls carry."""
+    from ..calibration.residual import default_budget
+
     H, hd = s.hidden, s.heads * s.head_dim
-    return 4 * tokens * (max(3 * H + 2 * hd, 4 * H + hd) + 2 * s.head_dim)
+    chunk = min(DEFAULT_CHUNK, max(1, tokens // window)) * window
+    return min(4 * tokens * H, default_budget()) + 4 * chunk * (3 * H + hd + 2 * s.head_dim)
 
 
 def mla_attention_memory(s: LayerShape, rank: int, rope: int, tokens: int, window: int) -> dict[str, int]:

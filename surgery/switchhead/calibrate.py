@@ -177,3 +177,26 @@ def calibrate_layer(layer: torch.nn.Module, hidden: list[torch.Tensor], calls: l
         for handle in handles:
             handle.remove()
     return stats.finish(), captures, outputs
+
+
+@torch.no_grad()
+def source_captures(layer: torch.nn.Module, hidden: list[torch.Tensor], calls: list[LayerCall], fetch=lambda t: t):
+    """Chunk by chunk, the source attention's call and output on `hidden` (the output refit's inputs and targets),
+    recomputed: each chunk's forward stops once the attention has run. One chunk's capture is alive at a time, where
+    holding them all would keep two [tokens, hidden] tensors per layer for the whole refit."""
+    attn = attention_module(layer)
+    caught: dict = {}
+
+    def on_output(module, args, kwargs, output):
+        caught["capture"] = AttentionCapture(args, kwargs, output[0])
+        raise StopForward
+
+    handle = attn.register_forward_hook(on_output, with_kwargs=True)
+    try:
+        for h, call in zip(hidden, calls):
+            if not run_until_stopped(run_layer, layer, fetch(h), call):
+                raise SurgeryError(f"calibration: the attention of {type(layer).__name__} did not run in its forward")
+            yield caught.pop("capture")
+    finally:
+        handle.remove()
+

@@ -236,6 +236,7 @@ def _calibrate(src: Source, reader: CheckpointReader, out: Path, builder: LayerB
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(src.config), window=calib_window)
     builder.tensors = LayerStore(out)  # removes itself when closed, dropped on an error, or at exit
     stream = open_stream(src.folder, reader, dev, attn_implementation="eager")
+    stream.spill_into(builder.tensors.scratch("residual"), out)
     layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress, inputs=inputs)
     builder.clusters = layers.clusters
     calibration = text.record() | {

@@ -22,7 +22,7 @@ import torch
 
 from ..calibration.stream import LayerProgress, LayerStream, run_layer
 from .build import layer_tensors
-from .calibrate import LayerFit, attention_module, attention_path, calibrate_layer
+from .calibrate import LayerFit, attention_module, attention_path, calibrate_layer, source_captures
 from .cluster import cluster_heads, medoid
 from .refit import refit_layer, switchhead_attention
 
@@ -33,14 +33,16 @@ CHUNK_WINDOWS = 1
 
 
 @torch.no_grad()
-def converted_outputs(layer: torch.nn.Module, config, settings: dict, tensors: dict[str, torch.Tensor],
-                      hidden: list[torch.Tensor], calls: list, fetch) -> list[torch.Tensor]:
-    """The decoder layer's outputs with its attention replaced by the SwitchHead attention holding `tensors`."""
+def convert_hidden(layer: torch.nn.Module, config, settings: dict, tensors: dict[str, torch.Tensor], hidden,
+                   calls: list, stream: LayerStream) -> None:
+    """Replace every chunk of `hidden` (in place, one chunk at a time) by the decoder layer's output with its
+    attention replaced by the SwitchHead attention holding `tensors`."""
     path = attention_path(layer)
     source = layer.get_submodule(path)
     layer.set_submodule(path, switchhead_attention(source, config, settings, tensors))
     try:
-        return [run_layer(layer, fetch(h), call) for h, call in zip(hidden, calls)]
+        for i, call in enumerate(calls):
+            hidden[i] = stream.stash(run_layer(layer, stream.fetch(hidden[i]), call))
     finally:
         layer.set_submodule(path, source)
 
@@ -70,8 +72,9 @@ def calibrate_layers(stream: LayerStream, builder, windows: torch.Tensor, mode: 
         for index, _, layer in stream.layers():
             layer_calls = [c[index] for c in calls]
             fit, captures, outputs = calibrate_layer(layer, hidden, layer_calls, shape.heads, shape.kv_heads,
-                                                     shape.head_dim, stream.fetch, keep_calls=refit,
+                                                     shape.head_dim, stream.fetch, keep_calls=False,
                                                      keep_outputs=inputs == "source")
+            source_hidden = hidden
             if inputs == "source":
                 hidden = [stream.stash(h) for h in outputs]
             del outputs
@@ -83,12 +86,12 @@ def calibrate_layers(stream: LayerStream, builder, windows: torch.Tensor, mode: 
                                                     if getattr(source, f.name) is not None})
             tensors = layer_tensors(source, clusters, shape, fit.router_o, fit.router_v, pivots)
             if refit:
+                captures = source_captures(layer, source_hidden, layer_calls, stream.fetch)  # recomputed per chunk
                 result.refit.append(refit_layer(attention_module(layer), stream.config, settings, tensors, captures,
                                                 ridge))
-            del captures
+            del source_hidden
             if inputs == "converted":  # the next layer calibrates on what this converted layer outputs
-                hidden = [stream.stash(h) for h in
-                          converted_outputs(layer, stream.config, settings, tensors, hidden, layer_calls, stream.fetch)]
+                convert_hidden(layer, stream.config, settings, tensors, hidden, layer_calls, stream)
             builder.tensors.put(index, tensors)
             result.fits.append(dataclasses.replace(fit, router_o=None, router_v=None))
             result.clusters.append(clusters)

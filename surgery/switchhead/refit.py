@@ -16,6 +16,8 @@ the new tensors runs on the source attention's captured calls, against the sourc
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from ..solve import lu_in_place
@@ -88,7 +90,7 @@ def switchhead_attention(attn: torch.nn.Module, config, settings: dict,
 
 @torch.no_grad()
 def refit_layer(attn: torch.nn.Module, config, settings: dict, tensors: dict[str, torch.Tensor],
-                captures: list[AttentionCapture], ridge: float = RIDGE) -> dict:
+                captures: Iterable[AttentionCapture], ridge: float = RIDGE) -> dict:
     """Refit `tensors["o_experts.weight"]` (in place) of the SwitchHead attention replacing the source attention
     `attn`, on the source attention's captured calls; returns the relative errors before and after."""
     sh = switchhead_attention(attn, config, settings, tensors)

@@ -136,6 +136,7 @@ def _calibrate_and_merge(src: Source, reader: CheckpointReader, spec, config: di
     with threads(compute_threads() if device.type == "cpu" else torch.get_num_threads()):
         stream = open_stream(src.folder, reader, device, attn_implementation="sdpa")
         capture.instrument(stream.model)
+        stream.spill_into(store.scratch("residual"), store.beside)
 
         def keep(index: int, params: AttnParams, report) -> None:
             out = export_heads(params, report.groups, shape.kv_heads, shape.head_dim)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .rotary import RotaryPairs, rotate
+from .shape import RefitShape, refit_shape
 
 
 @dataclass
@@ -62,51 +63,73 @@ def ideal_keys(q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_c
     return out.float()
 
 
+class KeyFit:
+    """refit_keys's normal equations, accumulated window by window (positions drawn per window, in order): memory is
+    one batch's tensors whatever the number of windows."""
+
+    def __init__(self, shape: RefitShape, length: int, pairs: RotaryPairs, scaling: float, softcap: float | None,
+                 opts: KeyRefit, generator: torch.Generator, device: torch.device):
+        self.shape, self.length, self.pairs = shape, length, pairs
+        self.scaling, self.softcap, self.opts, self.generator = scaling, softcap, opts, generator
+        din = shape.din
+        f64 = dict(dtype=torch.float64, device=device)
+        self.xtx_all = torch.zeros(din, din, **f64)
+        self.xtx = torch.zeros(din, din, **f64)
+        self.xty = torch.zeros(len(shape.fit), din, shape.head_dim, **f64)
+        self.samples = self.windows = 0
+
+    def add(self, x: torch.Tensor, q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor,
+            cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
+        """The next windows (refit_keys's arguments for them)."""
+        if not self.shape.fit:
+            return
+        r, m = self.shape.per_kv, min(self.opts.samples, self.length)
+        for i in range(x.shape[0]):
+            xa = x[i].float()
+            self.xtx_all += (xa.T @ xa).double()
+            positions = torch.randperm(self.length, generator=self.generator)[:m].sort().values.to(x.device)
+            xs = xa[positions]
+            self.xtx += (xs.T @ xs).double()
+            self.samples += m
+            for g, members in enumerate(self.shape.fit):
+                hs = torch.tensor([j * r + h for j in members for h in range(r)], device=x.device)
+                target = ideal_keys(q_src[i, hs], k_src[i, hs // r], q_cv[i, hs], k_cv[i, members[0]], self.scaling,
+                                    self.softcap, positions, self.opts)  # [M, D]
+                if cos is not None and self.pairs.frequencies:
+                    target = rotate(target, cos[i, positions], sin[i, positions], self.pairs, inverse=True)
+                self.xty[g] += (xs.T @ target).double()
+        self.windows += x.shape[0]
+
+    def solve(self, k_rows: torch.Tensor) -> torch.Tensor:
+        """New k_proj rows [KV*D, d_in] (every slot of a group holds the group's refit key)."""
+        s = self.shape
+        if not s.fit:
+            return k_rows
+        rows = k_rows.double().reshape(s.kv, s.head_dim, s.din).clone()
+        prior = self.xtx_all * (self.opts.prior * self.samples / (self.windows * self.length))
+        scale = torch.diagonal(self.xtx).mean().clamp_min(1e-12)
+        prior = prior + torch.eye(s.din, dtype=torch.float64, device=prior.device) * (self.opts.weight_ridge * scale)
+        for g, members in enumerate(s.fit):
+            old = rows[members[0]]  # [D, din]
+            new = torch.linalg.solve(self.xtx + prior, self.xty[g] + prior @ old.T).T
+            for j in members:
+                rows[j] = new
+        return rows.reshape(s.kv * s.head_dim, s.din).float()
+
+
 @torch.no_grad()
 def refit_keys(x: torch.Tensor, q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor,
                groups: list[list[int]], cos: torch.Tensor | None, sin: torch.Tensor | None, pairs: RotaryPairs,
                scaling: float, softcap: float | None, k_rows: torch.Tensor, opts: KeyRefit,
                generator: torch.Generator) -> torch.Tensor:
-    """New k_proj rows [KV*D, d_in] (source-shaped: every slot of a group holds the group's refit key).
+    """New k_proj rows [KV*D, d_in] (source-shaped: every slot of a group holds the group's refit key; `KeyFit` over
+    all the windows at once).
 
     x [N, L, d_in] converted attention input (augmented when k has a bias); q_src/k_src [N, H|KV, L, D] the source's
     rotated queries/keys; q_cv/k_cv the converted layer's on x (source-shaped); groups: the source K/V heads of each
     merged head; cos/sin [N, L, F] (None: no rotary).
     """
-    n_win, heads, length, head_dim = q_src.shape
-    kv = k_cv.shape[1]
-    r = heads // kv
-    din = x.shape[-1]
-    dev = x.device
-    rows = k_rows.double().reshape(kv, head_dim, din).clone()
-    fit = [members for members in groups if len(members) > 1]
-    if not fit:
-        return k_rows
-    xtx_all = torch.zeros(din, din, dtype=torch.float64, device=dev)
-    xtx = torch.zeros(din, din, dtype=torch.float64, device=dev)
-    xty = torch.zeros(len(fit), din, head_dim, dtype=torch.float64, device=dev)
-    samples = 0
-    m = min(opts.samples, length)
-    for i in range(n_win):
-        xa = x[i].float()
-        xtx_all += (xa.T @ xa).double()
-        positions = torch.randperm(length, generator=generator)[:m].sort().values.to(dev)
-        xs = xa[positions]
-        xtx += (xs.T @ xs).double()
-        samples += m
-        for g, members in enumerate(fit):
-            hs = torch.tensor([j * r + h for j in members for h in range(r)], device=dev)
-            target = ideal_keys(q_src[i, hs], k_src[i, hs // r], q_cv[i, hs], k_cv[i, members[0]], scaling, softcap,
-                                positions, opts)  # [M, D]
-            if cos is not None and pairs.frequencies:
-                target = rotate(target, cos[i, positions], sin[i, positions], pairs, inverse=True)
-            xty[g] += (xs.T @ target).double()
-    prior = xtx_all * (opts.prior * samples / (n_win * length))
-    scale = torch.diagonal(xtx).mean().clamp_min(1e-12)
-    prior = prior + torch.eye(din, dtype=torch.float64, device=dev) * (opts.weight_ridge * scale)
-    for g, members in enumerate(fit):
-        old = rows[members[0]]  # [D, din]
-        new = torch.linalg.solve(xtx + prior, xty[g] + prior @ old.T).T
-        for j in members:
-            rows[j] = new
-    return rows.reshape(kv * head_dim, din).float()
+    fit = KeyFit(refit_shape(x, q_src, k_cv, groups), q_src.shape[2], pairs, scaling, softcap, opts, generator,
+                 x.device)
+    fit.add(x, q_src, k_src, q_cv, k_cv, cos, sin)
+    return fit.solve(k_rows)

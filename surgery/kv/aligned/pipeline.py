@@ -6,12 +6,13 @@ default; measured on SmolLM2-135M 3 -> 1, 8192 calibration tokens, first 4096 he
 33.2 against 36.2 for `targets="source"`, the untouched source model's own activations, which also costs a
 second full stream through the model).
 Each layer: converted attention input -> second moments -> merge (assignment, key and value fits, folds)
--> q/k/v refits -> output refit -> the converted layer's pass. Only one layer's activations for the
-calibration tokens are alive at a time.
+-> q/k/v refits -> output refit -> the converted layer's pass. Past the residual streams, memory is one chunk of
+windows (`chunk_windows`) and float64 sums the size of the model's projections: see `_ModelMerge`.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -23,9 +24,10 @@ from ...runtime import threads
 from . import capture
 from .layer import LayerMerge, merge_layer
 from .params import AttnParams, LayerAttention
-from .keyrefit import KeyRefit, refit_keys
-from .refit import QueryRefit, augment, refit_output, refit_queries
-from .valuerefit import ValueRefit, refit_values
+from .keyrefit import KeyFit, KeyRefit
+from .refit import OutputFit, QueryFit, QueryRefit, augment
+from .shape import RefitShape
+from .valuerefit import ValueFit, ValueRefit
 from .rotary import RotaryPairs, hf_cos_sin, rotary_pairs, rotate
 
 QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
@@ -35,7 +37,7 @@ QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
 @dataclass
 class MergeOptions:
     groups: int
-    chunk_windows: int = 8  # windows per forward chunk (bounds attention memory)
+    chunk_windows: int = 8  # windows per chunk: every per-layer stage holds one chunk (bounds the memory)
     assign: bool = True  # group K/V heads by similarity (else consecutively)
     fold: bool = True  # fit keys with RoPE-commuting maps folded into the queries
     refit_q: bool = True
@@ -81,10 +83,6 @@ def project_heads(x: torch.Tensor, rows: torch.Tensor, head_dim: int, cos, sin, 
     return heads
 
 
-def _cat(chunks: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
-    return torch.cat(chunks, dim=dim)
-
-
 @torch.no_grad()
 def merge_model(stream: LayerStream, spec: ArchSpec, config: dict, heads: int, kv_heads: int, head_dim: int,
                 windows: torch.Tensor, opts: MergeOptions, progress=None, keep=None) -> MergeResult:
@@ -109,27 +107,50 @@ def merge_model(stream: LayerStream, spec: ArchSpec, config: dict, heads: int, k
 
 @dataclass
 class _Layer:
-    """One layer's work in progress (see the stages of `_ModelMerge.merge_layer`)."""
+    """One layer's work in progress (see the stages of `_ModelMerge.merge_layer`). Nothing here grows with the
+    calibration budget: the per-token tensors are recomputed chunk by chunk in each pass (`_ModelMerge._chunks`)."""
 
     index: int
     layer: torch.nn.Module
     la: LayerAttention
-    source: AttnParams | None  # freed after the merge
+    source: AttnParams | None  # freed after the merge (kept for its o_proj when values are refit)
     folded: bool  # key maps fold into the queries (no q/k norm in the way)
     grouped: bool  # some merged K/V head serves more than one source K/V head's queries
     refit_q: bool
     refit_v: bool
+    qkv_bias: bool  # q/k/v carry a bias column
     source_o: torch.Tensor | None = None  # the source's output projection, kept past the merge for the value refit
-    src_runs: list = field(default_factory=list)  # the source attention's runs (targets of the refits)
-    acalls: list = field(default_factory=list)  # the attention's calls on the converted stream
-    x: torch.Tensor | None = None  # [N, L, din] the converted attention input (augmented with 1 for q/k/v biases)
+    src_attention: torch.nn.Module | None = None  # a copy of the source attention: the refits' targets
+    src_out: torch.nn.Module | None = None  # its output projection (o_proj's input is recorded there)
+    first: capture.AttentionCall | None = None  # the first chunk's attention call (its rotary table, the RoPE check)
     pos: tuple | None = None  # the rotary (cos, sin) the layer receives
     pairs: RotaryPairs | None = None
+    scaling: float | None = None
+    softcap: float | None = None
+
+
+@dataclass
+class _Chunk:
+    """One chunk's converted attention input and what the refits read off it."""
+
+    call: capture.AttentionCall
+    x: torch.Tensor  # [n, L, din] augmented with 1 for q/k/v biases
+    source: capture.AttentionRun | None  # the source attention's run (the targets), when asked for
+    cos: torch.Tensor | None = None  # [n, L, F] the rotary table per window, when the layer rotates
+    sin: torch.Tensor | None = None
 
 
 class _ModelMerge:
     """The two residual streams (source targets when `targets="source"`, converted) and the per-stage clock; each
-    layer goes through the stages of `merge_layer` in order."""
+    layer goes through the stages of `merge_layer` in order.
+
+    Memory. Only the residual streams ([tokens, hidden] float32 each: the converted one, and the source one with
+    `targets="source"`) span the calibration budget. Everything else is one chunk (`chunk_windows` windows) at a
+    time: each stage is a pass over the chunks that recomputes the layer's attention input (the layer's input norm)
+    and, where a stage needs targets, the source attention on it, and adds the chunk to float64 sums (second
+    moments, the refits' normal equations) whose size depends on the model only. The cost: the source attention
+    runs once per refit pass (1 + refit rounds + value refit + output refit passes instead of once), and the
+    converted layer's attention runs again in the converted pass instead of reusing the output refit's run."""
 
     def __init__(self, stream: LayerStream, spec: ArchSpec, config: dict, heads: int, kv_heads: int, head_dim: int,
                  windows: torch.Tensor, opts: MergeOptions):
@@ -142,10 +163,10 @@ class _ModelMerge:
         self.gen = torch.Generator().manual_seed(opts.seed)
         self.stages: dict[str, float] = {}
         self._clock = time.time()
-        stream.plan_offload(windows.numel(), streams=4 if opts.targets == "local" else 5)
+        stream.plan_offload(windows.numel(), streams=1 if opts.targets == "local" else 2)
         self.src_h, self.calls = stream.embed_chunks(self.chunks)
         stream.release_embeddings()
-        self.cv_h = list(self.src_h)
+        self.cv_h = self.src_h.copy() if opts.targets == "source" else self.src_h
         self._tick("embed")
 
     def _tick(self, stage: str) -> None:
@@ -154,148 +175,181 @@ class _ModelMerge:
         self._clock = now
 
     def merge_layer(self, index: int, path: str, layer: torch.nn.Module) -> tuple[LayerMerge, AttnParams, LayerReport]:
-        """One layer: targets, converted input, merge, q/k/v refits, output refit, converted pass. Returns the
-        merge, the final source-shaped params (on the host) and the layer's report."""
+        """One layer: second moments, merge, q/k/v refits, output refit, converted pass (and the source stream's
+        pass with `targets="source"`). Returns the merge, the final source-shaped params (on the host) and the
+        layer's report."""
         la = LayerAttention(layer, path, self.spec, self.layout, self.heads, self.kv_heads, self.head_dim, self.conv1d)
         folded = self.opts.fold and not _has_qk_norm(la.attention)
         grouped = self.kv_heads // self.opts.groups > 1
-        w = _Layer(index, layer, la, la.read(), folded, grouped, self.opts.refit_q and folded and grouped,
-                   self.opts.refit_v and folded and grouped)
-        self._source_pass(w)
-        self._tick("source pass")
-        self._converted_input(w)
+        source = la.read()
+        w = _Layer(index, layer, la, source, folded, grouped, self.opts.refit_q and folded and grouped,
+                   self.opts.refit_v and folded and grouped, source.qkv_bias)
+        w.src_attention = copy.deepcopy(la.attention)
+        w.src_out = w.src_attention.get_submodule(_relative(la.attention, la.out_module))
+        sigma = self._moments(w)
         self._tick("converted input")
-        merged = self._merge(w)
+        merged = self._merge(w, sigma)
         params = merged.params
+        la.write(params)
         self._tick("merge")
         self._refit_qkv(w, merged)
         la.write(params)
         self._tick("q/k/v refit")
-        runs = self._refit_output(w, params)
+        self._refit_output(w, params)
         self._tick("output refit")
-        self._converted_pass(w, runs)
-        del runs
+        self._converted_pass(w)
         self._tick("converted pass")
         report = LayerReport(merged.groups, merged.key_loss, merged.value_loss, folded, 2 * w.pairs.frequencies)
         params = AttnParams(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in
                               (params.q, params.k, params.v, params.o, params.o_bias, params.qkv_bias)))
         return merged, params, report
 
-    def _source_pass(self, w: _Layer) -> None:
-        """1. With `targets="source"`: the source stream through the untouched layer, recording the targets."""
-        if self.opts.targets != "source":
-            return
-        fetch, stash = self.stream.fetch, self.stream.stash
-        for i in range(len(self.chunks)):
-            h, run = capture.run_layer_recorded(w.layer, w.la.attention, w.la.out_module, fetch(self.src_h[i]),
-                                                self.calls[i][w.index])
-            self.src_h[i] = stash(h)
-            w.src_runs.append(run)
-
-    def _converted_input(self, w: _Layer) -> None:
-        """2. What the converted stream feeds this layer's attention (with `targets="local"`, the source layer's
-        runs on it are the targets), and the rotary pairs the layer rotates."""
+    def _chunks(self, w: _Layer, source: bool = False, rotary: bool = False):
+        """Chunk by chunk: what the converted stream feeds this layer's attention, and (`source`) the source
+        attention's run on it (`targets="local"`) or on the source stream's input (`targets="source"`), and
+        (`rotary`) the rotary table per window. One chunk's tensors are alive at a time."""
         la, fetch = w.la, self.stream.fetch
-        w.acalls = [capture.attention_input(w.layer, la.attention, la.in_module, fetch(self.cv_h[i]),
-                                            self.calls[i][w.index]) for i in range(len(self.chunks))]
-        if self.opts.targets == "local" and (w.refit_q or w.refit_v or (self.opts.refit_o and w.grouped)):
-            w.src_runs = [capture.run_attention(la.attention, la.out_module, a) for a in w.acalls]  # the source layer
-        w.x = augment(_cat([a.x for a in w.acalls]), w.source.qkv_bias)
-        w.pos = w.acalls[0].kwargs.get("position_embeddings")
+        for i in range(len(self.chunks)):
+            call = self.calls[i][w.index]
+            a = capture.attention_input(w.layer, la.attention, la.in_module, fetch(self.cv_h[i]), call)
+            run = None
+            if source:
+                src = a if self.opts.targets == "local" else capture.attention_input(
+                    w.layer, la.attention, la.in_module, fetch(self.src_h[i]), call)
+                run = capture.run_attention(w.src_attention, w.src_out, src)
+            chunk = _Chunk(a, augment(a.x, w.qkv_bias), run)
+            if rotary and w.pos is not None and w.pairs.frequencies:
+                cos, sin = hf_cos_sin(a.kwargs["position_embeddings"], w.pairs)
+                chunk.cos, chunk.sin = cos.expand(a.x.shape[0], -1, -1), sin.expand(a.x.shape[0], -1, -1)
+            yield chunk
+
+    def _moments(self, w: _Layer) -> torch.Tensor:
+        """1. The converted attention input's second moments (float64 sums over the chunks), the rotary pairs the
+        layer rotates, and the source's softmax scaling and softcap."""
+        sigma, count = None, 0
+        for chunk in self._chunks(w):
+            if w.first is None:
+                w.first = chunk.call
+            flat = chunk.x.reshape(-1, chunk.x.shape[-1])
+            part = (flat.T @ flat).double()
+            sigma = part if sigma is None else sigma.add_(part)
+            count += flat.shape[0]
+            del chunk, flat  # before the next chunk is computed: one chunk alive at a time
+        w.pos = w.first.kwargs.get("position_embeddings")
         if w.pos is None and self.rotary_model:
             raise RuntimeError(f"{type(w.layer).__name__} passes its rotary embedding in a way the merge cannot see")
         w.pairs = rotary_pairs(self.head_dim, w.pos[0].shape[-1] if w.pos is not None else 0,
                               self.spec.rotary_pairs)
-        if w.folded and w.pairs.frequencies and not self._rotates(w):
+        run = capture.run_attention(w.src_attention, w.src_out, self._first_source_call(w))
+        w.scaling = run.record.scaling if run.record.scaling is not None else self.head_dim**-0.5
+        w.softcap = run.record.softcap
+        if w.folded and w.pairs.frequencies and not self._rotates(w, run):
             w.pairs = rotary_pairs(self.head_dim, 0)  # a layer without RoPE: keys merge by any linear map
+        return sigma / count
 
-    def _rotates(self, w: _Layer) -> bool:
+    def _first_source_call(self, w: _Layer) -> capture.AttentionCall:
+        if self.opts.targets == "local":
+            return w.first
+        la = w.la
+        return capture.attention_input(w.layer, la.attention, la.in_module, self.stream.fetch(self.src_h[0]),
+                                       self.calls[0][w.index])
+
+    def _rotates(self, w: _Layer, run: capture.AttentionRun) -> bool:
         """Whether the layer rotates its keys: some families receive the rotary table in every layer and skip it in
-        some (SmolLM3's no_rope_layers, Cohere2's global layers). Read off the source layer's
-        recorded keys on the first chunk against the plain projection (no q/k norm here: the merge folds)."""
-        local = w.src_runs and self.opts.targets == "local"  # the source layer's run on these same inputs
-        run = w.src_runs[0] if local else capture.run_attention(w.la.attention, w.la.out_module, w.acalls[0])
+        some (SmolLM3's no_rope_layers, Cohere2's global layers). Read off the source layer's recorded keys on the
+        first chunk against the plain projection (no q/k norm here: the merge folds)."""
+        if self.opts.targets != "local":  # the source layer's run on the converted stream's first chunk
+            run = capture.run_attention(w.src_attention, w.src_out, w.first)
         recorded = run.record.keys[0].float()  # [b, KV, L, D]
-        x0 = augment(w.acalls[0].x, w.source.qkv_bias)
+        x0 = augment(w.first.x, w.source.qkv_bias)
         plain = project_heads(x0, w.source.k, self.head_dim, None, None, w.pairs)
         if recorded.shape != plain.shape:
             return True
         return not torch.allclose(recorded, plain, rtol=1e-4, atol=1e-5 * float(plain.abs().max()) + 1e-12)
 
-    def _merge(self, w: _Layer) -> LayerMerge:
-        """3. Assignment, key and value fits, maps folded into q and o (float64, from the input's second moments)."""
-        flat = w.x.reshape(-1, w.x.shape[-1])
-        sigma = (flat.T @ flat).double() / flat.shape[0]
+    def _merge(self, w: _Layer, sigma: torch.Tensor) -> LayerMerge:
+        """2. Assignment, key and value fits, maps folded into q and o (float64, from the input's second moments)."""
         with threads(1):  # float64 one group at a time, inside
             merged = merge_layer(w.source, sigma, self.kv_heads, self.head_dim, self.opts.groups, w.pairs, w.folded,
                                  self.opts.assign)
         w.source_o = w.source.o if w.refit_v else None
-        w.source = None  # the refits do not need the source's attention: one layer's attention held, not two
+        w.source = None  # the refits read the source attention's copy: one layer's attention params, not two
         return merged
 
     def _refit_qkv(self, w: _Layer, merged: LayerMerge) -> None:
-        """4. Keys (optionally) and queries against the source's attention logits, then values (optionally)
-        against the source heads' outputs (folded merges of grouped heads only)."""
+        """3. Keys (optionally) and queries against the source's attention logits, then values (optionally)
+        against the source heads' outputs (folded merges of grouped heads only): one pass over the chunks per
+        refit, each adding to the refit's normal equations."""
         if not (w.refit_q or w.refit_v):
             return
         params, pairs, head_dim, opts = merged.params, w.pairs, self.head_dim, self.opts
-        cos = sin = None
-        if w.pos is not None and pairs.frequencies:
-            cs = [hf_cos_sin(a.kwargs["position_embeddings"], pairs) for a in w.acalls]
-            cos = _cat([c[0].expand(a.x.shape[0], -1, -1) for c, a in zip(cs, w.acalls)])
-            sin = _cat([c[1].expand(a.x.shape[0], -1, -1) for c, a in zip(cs, w.acalls)])
-        record = w.src_runs[0].record
-        scaling = record.scaling if record.scaling is not None else head_dim**-0.5
-        x = w.x
+        length = self.chunks[0].shape[1]
+
+        def projected(c: _Chunk):
+            return (project_heads(c.x, params.q, head_dim, c.cos, c.sin, pairs),
+                    project_heads(c.x, params.k, head_dim, c.cos, c.sin, pairs))
+
+        def shape(c: _Chunk) -> RefitShape:
+            return RefitShape(self.heads, self.kv_heads, head_dim, c.x.shape[-1],
+                              [m for m in merged.groups if len(m) > 1])
+
+        def fit_pass(make, add):
+            fit = None
+            with threads(1):
+                for c in self._chunks(w, source=True, rotary=True):
+                    fit = fit or make(shape(c), c.x.device)
+                    add(fit, c)
+                    del c  # before the next chunk is computed
+            return fit
+
+        def qk_args(c: _Chunk):
+            q_src, k_src = c.source.record.queries[0], c.source.record.keys[0]
+            return (c.x, q_src, k_src, *projected(c), c.cos, c.sin)
+
         if w.refit_q:
-            q_src = _cat([q for r in w.src_runs for q in r.record.queries])
-            k_src = _cat([k for r in w.src_runs for k in r.record.keys])
-            with threads(1):
-                for _ in range(opts.refit_rounds if opts.refit_k else 1):
-                    if opts.refit_k:
-                        params.k = refit_keys(
-                            x, q_src, k_src,
-                            project_heads(x, params.q, head_dim, cos, sin, pairs),
-                            project_heads(x, params.k, head_dim, cos, sin, pairs),
-                            merged.groups, cos, sin, pairs, scaling, record.softcap, params.k, opts.key, self.gen)
-                    params.q = refit_queries(
-                        x, q_src, k_src,
-                        project_heads(x, params.q, head_dim, cos, sin, pairs),
-                        project_heads(x, params.k, head_dim, cos, sin, pairs),
-                        merged.groups, cos, sin, pairs, scaling, record.softcap, params.q, opts.query, self.gen)
-            del q_src, k_src
+            for _ in range(opts.refit_rounds if opts.refit_k else 1):
+                if opts.refit_k:
+                    fit = fit_pass(lambda s, dev: KeyFit(s, length, pairs, w.scaling, w.softcap, opts.key, self.gen,
+                                                         dev), lambda f, c: f.add(*qk_args(c)))
+                    params.k = fit.solve(params.k)
+                fit = fit_pass(lambda s, dev: QueryFit(s, length, merged.groups, pairs, w.scaling, w.softcap,
+                                                       opts.query, self.gen, dev), lambda f, c: f.add(*qk_args(c)))
+                params.q = fit.solve(params.q)
         if w.refit_v:
-            with threads(1):
-                params.v = refit_values(
-                    x, project_heads(x, params.q, head_dim, cos, sin, pairs),
-                    project_heads(x, params.k, head_dim, cos, sin, pairs),
-                    _cat([r.heads for r in w.src_runs]), merged.groups, scaling, record.softcap, params.v, params.o,
-                    w.source_o, opts.value, self.gen)
+            fit = fit_pass(lambda s, dev: ValueFit(s, length, w.scaling, w.softcap, opts.value, self.gen, dev),
+                           lambda f, c: f.add(c.x, *projected(c), c.source.heads))
+            params.v = fit.solve(params.v, params.o, w.source_o)
             w.source_o = None
 
-    def _refit_output(self, w: _Layer, params: AttnParams) -> list | None:
-        """5. The output projection against the source's attention output; returns the converted attention's runs
-        (None when o was not refit)."""
+    def _refit_output(self, w: _Layer, params: AttnParams) -> None:
+        """4. The output projection against the source's attention output: the converted attention's o_proj inputs
+        and the source attention's outputs, chunk by chunk, into the ridge regression's normal equations."""
         if not (self.opts.refit_o and w.grouped):
-            return None
-        runs = [capture.run_attention(w.la.attention, w.la.out_module, a) for a in w.acalls]
-        z = _cat([r.heads for r in runs]).reshape(-1, params.o.shape[1])
-        target = _cat([r.output for r in w.src_runs])
+            return
+        fit = OutputFit(params.o, params.o_bias)
         with threads(1):
-            params.o, params.o_bias = refit_output(z, target.reshape(-1, target.shape[-1]), params.o, params.o_bias,
-                                                   self.opts.o_ridge)
+            for c in self._chunks(w, source=True):
+                heads = capture.run_attention(w.la.attention, w.la.out_module, c.call).heads
+                fit.add(heads.reshape(-1, params.o.shape[1]), c.source.output.reshape(-1, params.o.shape[0]))
+                del c, heads  # before the next chunk is computed
+            params.o, params.o_bias = fit.solve(self.opts.o_ridge)
         w.la.write(params)
-        return runs
 
-    def _converted_pass(self, w: _Layer, runs: list | None) -> None:
-        """6. The converted stream through the converted layer (its attention output is known when o was refit)."""
-        fetch, stash = self.stream.fetch, self.stream.stash
+    def _converted_pass(self, w: _Layer) -> None:
+        """5. The converted stream through the converted layer (and, with `targets="source"`, the source stream
+        through the source layer: the layer with the source attention's copy answering for its attention)."""
+        fetch, stash, la = self.stream.fetch, self.stream.stash, w.la
         for i in range(len(self.chunks)):
             call = self.calls[i][w.index]
-            if runs is None:
-                self.cv_h[i] = stash(run_layer(w.layer, fetch(self.cv_h[i]), call))
-            else:
-                out = w.la.out_module(runs[i].heads)
-                self.cv_h[i] = stash(capture.run_layer_with_attention_output(w.layer, w.la.attention,
-                                                                             fetch(self.cv_h[i]), call, out))
-        w.acalls, w.src_runs, w.x = [], [], None  # one layer's activations alive at a time
+            if self.opts.targets == "source":
+                h = fetch(self.src_h[i])
+                a = capture.attention_input(w.layer, la.attention, la.in_module, h, call)
+                out = capture.run_attention(w.src_attention, w.src_out, a).output
+                self.src_h[i] = stash(capture.run_layer_with_attention_output(w.layer, la.attention, h, call, out))
+            self.cv_h[i] = stash(run_layer(w.layer, fetch(self.cv_h[i]), call))
+        w.src_attention = w.src_out = w.first = None
+
+
+def _relative(parent: torch.nn.Module, child: torch.nn.Module) -> str:
+    """The name of `child` inside `parent` ("" when it is `parent`)."""
+    return next(name for name, m in parent.named_modules() if m is child)

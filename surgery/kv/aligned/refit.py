@@ -20,26 +20,49 @@ import torch
 
 from ...solve import lu_in_place
 from .rotary import RotaryPairs, rotate
+from .shape import RefitShape, refit_shape
 
 
 def augment(x: torch.Tensor, bias: bool) -> torch.Tensor:
     return torch.cat([x, torch.ones(*x.shape[:-1], 1, dtype=x.dtype, device=x.device)], dim=-1) if bias else x
 
 
+class OutputFit:
+    """refit_output's normal equations z^T z and z^T target (float64), accumulated over chunks of tokens: the memory
+    is the [H*D(+1)]^2 Gram whatever the number of calibration tokens."""
+
+    def __init__(self, o: torch.Tensor, o_bias: torch.Tensor | None):
+        width = o.shape[1] + (o_bias is not None)
+        self.o, self.o_bias = o, o_bias
+        self.gram = torch.zeros(width, width, dtype=torch.float64, device=o.device)
+        self.rhs = torch.zeros(width, o.shape[0], dtype=torch.float64, device=o.device)
+
+    def add(self, heads: torch.Tensor, target: torch.Tensor) -> None:
+        """heads [T, H*D] (o_proj's input), target [T, d] (the source attention's output) for T tokens."""
+        z = augment(heads.float(), self.o_bias is not None)
+        self.gram += (z.T @ z).double()
+        self.rhs += (z.T @ target.float()).double()
+
+    def solve(self, ridge: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """o [d, H*D] and its bias, by ridge regression toward the current o (the accumulated sums are consumed)."""
+        o, o_bias, gram, rhs = self.o, self.o_bias, self.gram, self.rhs
+        self.gram = self.rhs = None
+        w0 = torch.cat([o, o_bias[:, None]], dim=1) if o_bias is not None else o
+        reg = float(ridge * torch.diagonal(gram).mean().clamp_min(1e-12))  # times I, added in place
+        rhs.add_(w0.T, alpha=reg)
+        gram.diagonal().add_(reg)
+        lu, pivots = lu_in_place(gram)
+        w = torch.linalg.lu_solve(lu, pivots, rhs).T.float()
+        return (w[:, :-1].contiguous(), w[:, -1].contiguous()) if o_bias is not None else (w.contiguous(), None)
+
+
 def refit_output(heads: torch.Tensor, target: torch.Tensor, o: torch.Tensor, o_bias: torch.Tensor | None,
                  ridge: float = 1e-3) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """heads [T, H*D] (o_proj's input), target [T, d] -> o [d, H*D], bias, by ridge regression toward the current o."""
-    z = augment(heads.float(), o_bias is not None)
-    w0 = torch.cat([o, o_bias[:, None]], dim=1) if o_bias is not None else o
-    gram = (z.T @ z).double()
-    rhs = (z.T @ target.float()).double()
-    del z
-    reg = float(ridge * torch.diagonal(gram).mean().clamp_min(1e-12))  # times I, added in place
-    rhs.add_(w0.T, alpha=reg)
-    gram.diagonal().add_(reg)
-    lu, pivots = lu_in_place(gram)
-    w = torch.linalg.lu_solve(lu, pivots, rhs).T.float()
-    return (w[:, :-1].contiguous(), w[:, -1].contiguous()) if o_bias is not None else (w.contiguous(), None)
+    """heads [T, H*D] (o_proj's input), target [T, d] -> o [d, H*D], bias, by ridge regression toward the current o
+    (`OutputFit` over one chunk)."""
+    fit = OutputFit(o, o_bias)
+    fit.add(heads, target)
+    return fit.solve(ridge)
 
 
 @dataclass
@@ -112,56 +135,93 @@ def ideal_queries(q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, 
     return out
 
 
+class QueryFit:
+    """refit_queries's normal equations, accumulated over batches of windows (in order). The positions are drawn
+    once per `opts.chunk` windows counted from the first window, so any split of the windows into batches draws the
+    same samples and sums the same products: memory is one batch's tensors whatever the number of windows."""
+
+    def __init__(self, shape: RefitShape, length: int, groups: list[list[int]], pairs: RotaryPairs, scaling: float,
+                 softcap: float | None, opts: QueryRefit, generator: torch.Generator, device: torch.device):
+        self.shape, self.length, self.groups, self.pairs = shape, length, groups, pairs
+        self.scaling, self.softcap, self.opts, self.generator = scaling, softcap, opts, generator
+        din = shape.din
+        f64 = dict(dtype=torch.float64, device=device)
+        self.xtx_all = torch.zeros(din, din, **f64)
+        self.xtx = torch.zeros(din, din, **f64)
+        self.xty = torch.zeros(shape.heads, din, shape.head_dim, **f64)
+        self.samples = self.windows = 0
+        self.positions: torch.Tensor | None = None
+
+    def add(self, x: torch.Tensor, q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor,
+            cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
+        """The next windows (refit_queries's arguments for them)."""
+        n_win, lo = x.shape[0], 0
+        while lo < n_win:
+            offset = self.windows % self.opts.chunk
+            if offset == 0:
+                m = min(self.opts.samples, self.length)
+                self.positions = torch.randperm(self.length, generator=self.generator)[:m].sort().values.to(x.device)
+            hi = min(n_win, lo + self.opts.chunk - offset)
+            sl = slice(lo, hi)
+            self._add(x[sl], q_src[sl], k_src[sl], q_cv[sl], k_cv[sl], None if cos is None else cos[sl],
+                      None if sin is None else sin[sl])
+            self.windows += hi - lo
+            lo = hi
+
+    def _add(self, x, q_src, k_src, q_cv, k_cv, cos, sin) -> None:
+        s, positions, din = self.shape, self.positions, self.shape.din
+        r, head_dim = s.per_kv, s.head_dim
+        xa = x.reshape(-1, din).float()
+        self.xtx_all += (xa.T @ xa).double()
+        xs = x[:, positions].reshape(-1, din).float()
+        self.xtx += (xs.T @ xs).double()
+        self.samples += xs.shape[0]
+        for members in self.groups:
+            hs = torch.tensor([j * r + i for j in members for i in range(r)], device=x.device)
+            target = ideal_queries(q_src[:, hs], k_src[:, hs // r], q_cv[:, hs], k_cv[:, members[0]],
+                                   self.scaling, self.softcap, positions, self.opts)
+            if cos is not None and self.pairs.frequencies:
+                target = rotate(target, cos[:, None, positions], sin[:, None, positions], self.pairs, inverse=True)
+            self.xty[hs] += torch.einsum("tx,htd->hxd", xs,
+                                         target.transpose(0, 1).reshape(len(hs), -1, head_dim)).double()
+
+    def solve(self, q_rows: torch.Tensor) -> torch.Tensor:
+        """New q_proj rows [H*D, d_in] (the accumulated sums are consumed)."""
+        # (xtx + prior) W_h = xty_h + prior rows_h^T for every head h, prior = c xtx_all + ridge I (directions the
+        # calibration barely saw keep the folded weights). Built in place and solved head by head from one LU
+        # factorisation: the float64 matrices alive at once are three d_in x d_in / H x d_in x D ones, not ten.
+        heads, head_dim, din = self.shape.heads, self.shape.head_dim, self.shape.din
+        xtx, xtx_all, xty = self.xtx, self.xtx_all, self.xty
+        self.xtx = self.xtx_all = self.xty = None
+        c = self.opts.prior * self.samples / (self.windows * self.length)
+        ridge = self.opts.weight_ridge * torch.diagonal(xtx).mean().clamp_min(1e-12)
+        rows = q_rows.reshape(heads, head_dim, din)
+        for h in range(heads):
+            rows_h = rows[h].T.double()
+            xty[h] += c * (xtx_all @ rows_h) + ridge * rows_h
+        xtx += c * xtx_all
+        del xtx_all
+        xtx.diagonal().add_(ridge)
+        lu, pivots = lu_in_place(xtx)
+        fitted = torch.empty(heads, head_dim, din, dtype=torch.float32, device=xtx.device)
+        for h in range(heads):
+            fitted[h] = torch.linalg.lu_solve(lu, pivots, xty[h]).T.float()
+        return fitted.reshape(heads * head_dim, din)
+
+
 @torch.no_grad()
 def refit_queries(x: torch.Tensor, q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor,
                   groups: list[list[int]], cos: torch.Tensor | None, sin: torch.Tensor | None, pairs: RotaryPairs,
                   scaling: float, softcap: float | None, q_rows: torch.Tensor, opts: QueryRefit,
                   generator: torch.Generator) -> torch.Tensor:
-    """New q_proj rows [H*D, d_in]: each head regressed onto its ideal (un-rotated) queries at sampled positions.
+    """New q_proj rows [H*D, d_in]: each head regressed onto its ideal (un-rotated) queries at sampled positions
+    (`QueryFit` over all the windows at once).
 
     x [N, L, d_in] converted attention input (augmented when q has a bias); q_src/k_src [N, H|KV, L, D] the
     source's rotated queries/keys; q_cv/k_cv the converted layer's on x (source-shaped: the K/V slots of a group
     hold its merged head); groups: the source K/V heads of each merged head; cos/sin [N, L, F] (None: no rotary).
     """
-    n_win, heads, length, head_dim = q_src.shape
-    kv = k_cv.shape[1]
-    r = heads // kv
-    din = x.shape[-1]
-    dev = x.device
-    xtx_all = torch.zeros(din, din, dtype=torch.float64, device=dev)
-    xtx = torch.zeros(din, din, dtype=torch.float64, device=dev)
-    xty = torch.zeros(heads, din, head_dim, dtype=torch.float64, device=dev)
-    samples = 0
-    for lo in range(0, n_win, opts.chunk):
-        sl = slice(lo, lo + opts.chunk)
-        xa = x[sl].reshape(-1, din).float()
-        xtx_all += (xa.T @ xa).double()
-        m = min(opts.samples, length)
-        positions = torch.randperm(length, generator=generator)[:m].sort().values.to(dev)
-        xs = x[sl][:, positions].reshape(-1, din).float()
-        xtx += (xs.T @ xs).double()
-        samples += xs.shape[0]
-        for members in groups:
-            hs = torch.tensor([j * r + i for j in members for i in range(r)], device=dev)
-            target = ideal_queries(q_src[sl][:, hs], k_src[sl][:, hs // r], q_cv[sl][:, hs], k_cv[sl, members[0]],
-                                   scaling, softcap, positions, opts)
-            if cos is not None and pairs.frequencies:
-                target = rotate(target, cos[sl][:, None, positions], sin[sl][:, None, positions], pairs, inverse=True)
-            xty[hs] += torch.einsum("tx,htd->hxd", xs, target.transpose(0, 1).reshape(len(hs), -1, head_dim)).double()
-    # (xtx + prior) W_h = xty_h + prior rows_h^T for every head h, prior = c xtx_all + ridge I (directions the
-    # calibration barely saw keep the folded weights). Built in place and solved head by head from one LU
-    # factorisation: the float64 matrices alive at once are three d_in x d_in / H x d_in x D ones, not ten.
-    c = opts.prior * samples / (n_win * length)
-    ridge = opts.weight_ridge * torch.diagonal(xtx).mean().clamp_min(1e-12)
-    rows = q_rows.reshape(heads, head_dim, din)
-    for h in range(heads):
-        rows_h = rows[h].T.double()
-        xty[h] += c * (xtx_all @ rows_h) + ridge * rows_h
-    xtx += c * xtx_all
-    del xtx_all
-    xtx.diagonal().add_(ridge)
-    lu, pivots = lu_in_place(xtx)
-    fitted = torch.empty(heads, head_dim, din, dtype=torch.float32, device=dev)
-    for h in range(heads):
-        fitted[h] = torch.linalg.lu_solve(lu, pivots, xty[h]).T.float()
-    return fitted.reshape(heads * head_dim, din)
+    fit = QueryFit(refit_shape(x, q_src, k_cv, groups), q_src.shape[2], groups, pairs, scaling, softcap, opts,
+                   generator, x.device)
+    fit.add(x, q_src, k_src, q_cv, k_cv, cos, sin)
+    return fit.solve(q_rows)

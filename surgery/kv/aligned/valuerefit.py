@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .shape import RefitShape, refit_shape
+
 
 @dataclass
 class ValueRefit:
@@ -70,48 +72,68 @@ def solve_kronecker_sum(b: torch.Tensor, z: torch.Tensor, rhs: torch.Tensor, x0:
     return x
 
 
+class ValueFit:
+    """refit_values's normal equations (each head's Z_h and U_h Z_h products), accumulated window by window
+    (positions drawn per window, in order): memory is one batch's tensors whatever the number of windows."""
+
+    def __init__(self, shape: RefitShape, length: int, scaling: float, softcap: float | None, opts: ValueRefit,
+                 generator: torch.Generator, device: torch.device):
+        self.shape, self.length, self.scaling, self.softcap = shape, length, scaling, softcap
+        self.opts, self.generator = opts, generator
+        f64 = dict(dtype=torch.float64, device=device)
+        self.z_gram = torch.zeros(shape.heads, shape.din, shape.din, **f64)
+        self.uz = torch.zeros(shape.heads, shape.head_dim, shape.din, **f64)
+
+    def add(self, x: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor, heads_src: torch.Tensor) -> None:
+        """The next windows (refit_values's arguments for them)."""
+        if not self.shape.fit:
+            return
+        s, length, dev = self.shape, self.length, x.device
+        m = min(self.opts.samples, length)
+        for i in range(x.shape[0]):
+            positions = torch.randperm(length, generator=self.generator)[:m].sort().values.to(dev)
+            visible = torch.arange(length, device=dev)[None, :] <= positions[:, None]  # [M, L]
+            keys = k_cv[i].repeat_interleave(s.per_kv, 0).float().transpose(1, 2)
+            logits = self.scaling * (q_cv[i][:, positions].float() @ keys)
+            if self.softcap:
+                logits = self.softcap * torch.tanh(logits / self.softcap)
+            prob = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)  # [H, M, L]
+            z = prob @ x[i].float()  # [H, M, din]
+            u = heads_src[i][positions].float().reshape(m, s.heads, s.head_dim).transpose(0, 1)  # [H, M, D]
+            self.z_gram += (z.transpose(1, 2) @ z).double()
+            self.uz += (u.transpose(1, 2) @ z).double()
+
+    def solve(self, v_rows: torch.Tensor, o_cv: torch.Tensor, o_src: torch.Tensor) -> torch.Tensor:
+        """New v_proj rows [KV*D, d_in]; o_cv [d, H*D] the converted (folded) o_proj, o_src the source's."""
+        s = self.shape
+        if not s.fit:
+            return v_rows
+        rows = v_rows.double().reshape(s.kv, s.head_dim, s.din).clone()
+        o_h = o_cv.double().reshape(-1, s.heads, s.head_dim).transpose(0, 1)  # [H, d, D]
+        os_h = o_src.double().reshape(-1, s.heads, s.head_dim).transpose(0, 1)
+        b_all = o_h.transpose(1, 2) @ o_h  # [H, D, D]
+        cross = o_h.transpose(1, 2) @ os_h  # [H, D, D]: o_h^T O_h
+        for members in s.fit:
+            hs = [j * s.per_kv + h for j in members for h in range(s.per_kv)]
+            rhs = (cross[hs] @ self.uz[hs]).sum(0)  # [D, din]
+            new = solve_kronecker_sum(b_all[hs], self.z_gram[hs], rhs, rows[members[0]], self.opts.ridge,
+                                      self.opts.iterations, self.opts.tolerance)
+            for j in members:
+                rows[j] = new
+        return rows.reshape(s.kv * s.head_dim, s.din).float()
+
+
 @torch.no_grad()
 def refit_values(x: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor, heads_src: torch.Tensor,
                  groups: list[list[int]], scaling: float, softcap: float | None, v_rows: torch.Tensor,
                  o_cv: torch.Tensor, o_src: torch.Tensor, opts: ValueRefit, generator: torch.Generator) -> torch.Tensor:
-    """New v_proj rows [KV*D, d_in] (source-shaped: every slot of a group holds the group's refit value).
+    """New v_proj rows [KV*D, d_in] (source-shaped: every slot of a group holds the group's refit value; `ValueFit`
+    over all the windows at once).
 
     x [N, L, d_in] converted attention input (augmented when v has a bias); q_cv [N, H, L, D], k_cv [N, KV, L, D]
     the converted layer's rotated queries and keys on x (source-shaped); heads_src [N, L, H*D] what entered the
     source's o_proj on the same inputs; o_cv [d, H*D] the converted (folded) o_proj, o_src the source's.
     """
-    n_win, heads, length, head_dim = q_cv.shape
-    kv = k_cv.shape[1]
-    r = heads // kv
-    din = x.shape[-1]
-    dev = x.device
-    rows = v_rows.double().reshape(kv, head_dim, din).clone()
-    fit = [members for members in groups if len(members) > 1]
-    if not fit:
-        return v_rows
-    o_h = o_cv.double().reshape(-1, heads, head_dim).transpose(0, 1)  # [H, d, D]
-    os_h = o_src.double().reshape(-1, heads, head_dim).transpose(0, 1)
-    b_all = o_h.transpose(1, 2) @ o_h  # [H, D, D]
-    cross = o_h.transpose(1, 2) @ os_h  # [H, D, D]: o_h^T O_h
-    z_gram = torch.zeros(heads, din, din, dtype=torch.float64, device=dev)
-    uz = torch.zeros(heads, head_dim, din, dtype=torch.float64, device=dev)
-    m = min(opts.samples, length)
-    for i in range(n_win):
-        positions = torch.randperm(length, generator=generator)[:m].sort().values.to(dev)
-        visible = torch.arange(length, device=dev)[None, :] <= positions[:, None]  # [M, L]
-        logits = scaling * (q_cv[i][:, positions].float() @ k_cv[i].repeat_interleave(r, 0).float().transpose(1, 2))
-        if softcap:
-            logits = softcap * torch.tanh(logits / softcap)
-        prob = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)  # [H, M, L]
-        z = prob @ x[i].float()  # [H, M, din]
-        u = heads_src[i][positions].float().reshape(m, heads, head_dim).transpose(0, 1)  # [H, M, D]
-        z_gram += (z.transpose(1, 2) @ z).double()
-        uz += (u.transpose(1, 2) @ z).double()
-    for members in fit:
-        hs = [j * r + h for j in members for h in range(r)]
-        rhs = (cross[hs] @ uz[hs]).sum(0)  # [D, din]
-        new = solve_kronecker_sum(b_all[hs], z_gram[hs], rhs, rows[members[0]], opts.ridge, opts.iterations,
-                                  opts.tolerance)
-        for j in members:
-            rows[j] = new
-    return rows.reshape(kv * head_dim, din).float()
+    fit = ValueFit(refit_shape(x, q_cv, k_cv, groups), q_cv.shape[2], scaling, softcap, opts, generator, x.device)
+    fit.add(x, q_cv, k_cv, heads_src)
+    return fit.solve(v_rows, o_cv, o_src)
