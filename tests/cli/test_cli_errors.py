@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from surgery.testing import tiny_models as tm
-from inprocess import assert_one_line_error, surgery  # noqa: F401 (also imported from here)
+from inprocess import assert_one_line_error, surgery
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from surgery.testing import tiny_models as tm
 from inprocess import run_cli
 from mla_sources import CALIB, convert, tiny_llama
+from surgery.testing.tiny_models import char_tokenizer
 
 def max_error(src, out, ids) -> tuple[float, float]:
     a, b = tm.load(src), tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

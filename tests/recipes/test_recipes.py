@@ -7,13 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
-import transformers as tf
 import yaml
 
-from hub_server import LocalHub
+from hub_server import TOKEN, USER, LocalHub, download, hub_env
 from inprocess import assert_one_line_error, surgery
-from hub_server import TOKEN, USER, download, hub_env
 from recipe_files import paired_llama, write_recipe
 
 from surgery.errors import SurgeryError

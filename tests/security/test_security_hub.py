@@ -26,7 +26,7 @@ from hub_server import LocalHub
 from inprocess import REPO, assert_one_line_error, surgery
 from surgery.testing.tiny_models import char_tokenizer
 from hub_server import TOKEN, download, hub_env
-from hostile import cli_error, hostile_checkpoint, listing, ran
+from hostile import cli_error, hostile_checkpoint, ran
 
 from surgery.data import pydoc_texts
 
