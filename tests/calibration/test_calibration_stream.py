@@ -14,6 +14,7 @@ import torch
 import transformers as tf
 
 from streamed_calibration import assert_same_merge, assert_same_switchhead
+
 from surgery.calibration.stream import estimate_peak_bytes, open_stream
 from surgery.calibration.text import calibration_text
 from surgery.checkpoint.source import resolve_source

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hub_server import LocalHub
+
 from surgery import general_text as g
 from surgery.check.overlap import document_sha256
 from surgery.testing.tiny_models import char_tokenizer, tiny

@@ -6,6 +6,7 @@ import json
 import shutil
 
 from inprocess import assert_one_line_error, surgery
+
 from surgery.testing import tiny_models as tm
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

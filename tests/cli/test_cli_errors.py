@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from surgery.testing import tiny_models as tm
 from inprocess import assert_one_line_error, surgery
+
+from surgery.testing import tiny_models as tm
 
 REPO = Path(__file__).resolve().parents[2]
 

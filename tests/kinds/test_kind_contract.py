@@ -9,8 +9,9 @@ import json
 import pytest
 import yaml
 
-from surgery.testing import tiny_models as tm
 from inprocess import run_cli
+
+from surgery.testing import tiny_models as tm
 
 
 def _toy_kind():

@@ -10,15 +10,16 @@ import itertools
 import pytest
 import torch
 
-from surgery.testing import tiny_models as tm
+from streamed_calibration import merged_layers, windows
+
+from surgery.checkpoint.source import resolve_source
 from surgery.kv.aligned import pipeline
 from surgery.kv.aligned.assign import assign_groups
 from surgery.kv.aligned.grams import group_loss, head_grams
 from surgery.kv.aligned.layer import group_blocks, merge_loss
 from surgery.kv.aligned.params import AttnParams
 from surgery.kv.aligned.rotary import rotary_pairs
-from surgery.checkpoint.source import resolve_source
-from streamed_calibration import merged_layers, windows
+from surgery.testing import tiny_models as tm
 
 TOL = 1e-9
 

@@ -9,9 +9,10 @@ import torch
 import transformers as tf
 from safetensors.torch import load_file
 
-from surgery.testing import tiny_models as tm
 from inprocess import run_cli
 from mla_sources import CALIB, convert, tiny_llama
+
+from surgery.testing import tiny_models as tm
 from surgery.testing.tiny_models import char_tokenizer
 
 def max_error(src, out, ids) -> tuple[float, float]:

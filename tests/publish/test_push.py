@@ -18,9 +18,10 @@ import torch
 import transformers as tf
 import yaml
 
-from surgery.testing import tiny_models as tm
 from hub_server import TOKEN, USER, LocalHub, download, hub_env
 from inprocess import assert_one_line_error, surgery
+
+from surgery.testing import tiny_models as tm
 
 @pytest.fixture
 def hub(tmp_path):

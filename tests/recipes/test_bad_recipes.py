@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from surgery.testing import tiny_models as tm
 from inprocess import assert_one_line_error, surgery
+
+from surgery.testing import tiny_models as tm
 
 from surgery.errors import SurgeryError
 from surgery.recipes import load_recipe

@@ -21,6 +21,7 @@ import torch
 
 from hostile import cli_error, hostile_checkpoint, listing, ran
 from inprocess import assert_one_line_error, surgery
+
 from surgery.testing import tiny_models as tm
 from surgery.testing.tiny_models import char_tokenizer
 

@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from surgery.testing import tiny_models as tm
-from hub_server import LocalHub
-from inprocess import REPO, assert_one_line_error, surgery
-from surgery.testing.tiny_models import char_tokenizer
-from hub_server import TOKEN, download, hub_env
 from hostile import cli_error, hostile_checkpoint, ran
+from hub_server import TOKEN, LocalHub, download, hub_env
+from inprocess import REPO, assert_one_line_error, surgery
+
+from surgery.testing import tiny_models as tm
+from surgery.testing.tiny_models import char_tokenizer
 
 from surgery.data import pydoc_texts
 

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from surgery.testing import tiny_models as tm
-from inprocess import surgery
-from surgery.testing.tiny_models import char_tokenizer
 from hostile import cli_error, hostile_checkpoint, ran
+from inprocess import surgery
+
+from surgery.testing import tiny_models as tm
+from surgery.testing.tiny_models import char_tokenizer
 
 BENCH_FAST = ("--context", "8", "--new", "2", "--rounds", "1", "--threads", "1")
 CHECK_FAST = ("--tokens", "128", "--seq-len", "32")

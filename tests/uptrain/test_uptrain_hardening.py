@@ -15,11 +15,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from inprocess import cli_args
+
 from surgery.errors import SurgeryError
+from surgery.testing.pydoc_llama import FAST
 from surgery.uptrain import UptrainOptions, uptrain
 from surgery.uptrain.losses import kd_loss, lm_loss
-from inprocess import cli_args
-from surgery.testing.pydoc_llama import FAST
 
 REPO = Path(__file__).resolve().parents[2]
 
