@@ -230,6 +230,14 @@ def test_benchmarks_import_the_package_and_never_the_tests():
     assert offenders == {}
 
 
+def test_test_files_have_names_of_their_own():
+    """tests/ has no __init__.py: pytest imports each file by its name (rootdir-relative folders are not packages),
+    so two test files, or a test file and a support module, must never share one."""
+    names = [p.name for p in TESTS.rglob("*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+    assert not list(TESTS.rglob("__init__.py"))
+
+
 def test_the_import_rules_for_tests_and_benchmarks_see_a_made_up_offense():
     """The measure itself, on sources written here: each way of reaching into tests/ is caught, the allowed ones
     are not."""
