@@ -70,9 +70,13 @@ def cli_args(options: dict) -> list[str]:
 
 
 def uptrain_error(monkeypatch, capsys, *args) -> str:
-    """`surgery uptrain ARGS` in this process exits 2 with exactly one error line; returns it."""
+    """`surgery uptrain ARGS` in this process exits 2 with exactly one error line; returns it. The default text's
+    state starts as in a fresh process: no line owed by an earlier command that fell back to pydoc offline."""
     import cli
+    from surgery import general_text
 
+    general_text.resolve_general.cache_clear()
+    monkeypatch.setattr(general_text, "_FALLBACK", general_text._Fallback())
     monkeypatch.setattr(sys, "argv", ["surgery", "uptrain", *map(str, args)])
     with pytest.raises(SystemExit) as e:
         cli.main()
