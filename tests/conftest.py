@@ -4,7 +4,9 @@ that uptraining runs on.
 Builders that benchmarks use too live in the package (`surgery.testing`: tiny random models per family, their
 tokenizers, the aligned merge's held-out measure); the tests' own plumbing lives beside this file: the command
 line's two runners (inprocess.py), the loopback hub (hub_server.py), the hostile checkpoint (hostile.py), recipe
-files (recipe_files.py) and the streamed-versus-resident calibration checks (streamed_calibration.py)."""
+files (recipe_files.py) and the streamed-versus-resident calibration checks (streamed_calibration.py); a helper
+one folder alone uses sits in that folder (mla/mla_sources.py). tests/ has no __init__.py: pytest puts each test
+file's folder, and this one, on sys.path, so every file and helper needs a name of its own (test_registry.py)."""
 
 from __future__ import annotations
 
