@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def corpus(folder: Path, shards: int, docs: int) -> str:
@@ -163,24 +162,22 @@ def cmd_start(a) -> None:
 
 
 def cmd_curve(a) -> None:
-    """Packed vs streamed on the same text, model and options: the tiny random Llama of tests/test_uptrain.py
-    (LM loss on pydoc, the same held-out windows): the loss curve and held-out perplexity of each."""
-    from surgery.uptrain import UptrainOptions, uptrain
-    from tests.test_uptrain import make_model, make_tokenizer
+    """Packed vs streamed on the same text, model and options: the tiny random Llama that the uptraining tests run
+    on (surgery.testing.pydoc_llama; LM loss on pydoc, the same held-out windows), with the tests' short-run
+    options: the loss curve and held-out perplexity of each."""
+    from surgery.testing.pydoc_llama import FAST, make_model, make_tokenizer, metrics
+    from surgery.uptrain import UptrainOptions, stream, uptrain
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "tiny", make_tokenizer())
         curves = {}
-        from surgery.uptrain import stream
-
         for mode, block in (("packed", None), ("stream", stream.BLOCK_TOKENS), ("stream", a.tokens + 64)):
             stream.BLOCK_TOKENS = block or stream.BLOCK_TOKENS  # the last: one block = the packed run's windows
             out = Path(tmp) / f"{mode}-{block}"
-            rec = uptrain(UptrainOptions(model=str(model), out=out, data="pydoc", data_mode=mode, loss="lm",
-                                         tokens=a.tokens, seq_len=64, batch_tokens=512, micro_batch=8,
-                                         eval_tokens=4096, eval_every=a.tokens // 512 // 8, lr=3e-3, save_every=0,
-                                         progress=False))
-            rows = [json.loads(x) for x in (out / "uptrain_metrics.jsonl").read_text().splitlines()]
+            rec = uptrain(UptrainOptions(model=str(model), out=out, **(FAST | dict(
+                data_mode=mode, loss="lm", tokens=a.tokens, micro_batch=8, eval_tokens=4096,
+                eval_every=a.tokens // 512 // 8))))
+            rows = metrics(out)
             curves[mode] = {"eval_ppl": [round(r["eval_ppl"], 2) for r in rows if "eval_ppl" in r],
                             "final_train_loss": round(rec["final_train_loss"], 4)}
             print(json.dumps({"mode": mode, "block_tokens": block, **curves[mode]}), flush=True)

@@ -16,7 +16,7 @@ layer's whole work, what the estimate's "CPU time per layer" predicts.
 layers), without writing the checkpoint: what `--dry-run` on bench_scale.py's synthetic folder prints (the
 checkpoint's dtype: bfloat16), for a conversion measured before.
 
---tiny-llama writes SRC first (if absent): the 7.3M-parameter Llama of tests/test_estimate_memory.py (vocabulary
+--tiny-llama writes SRC first (if absent): the 7.3M-parameter Llama of tests/estimate/test_estimate_memory.py (vocabulary
 8,192, 4 layers of 256, 8 heads, 4 K/V heads), whose model terms are a visible part of the peak.
 """
 
@@ -31,10 +31,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests"), str(ROOT)]
-
-import bench_scale  # noqa: E402  (its subprocess runner and monitor)
+import bench_scale  # its subprocess runner and monitor (benchmarks/, the script's own folder, is on sys.path)
 
 PASS = re.compile(r"(?m)^(.*?): layer (\d+)/(\d+) \(")
 
@@ -56,7 +53,7 @@ class AllPassesMonitor(bench_scale.TreeMonitor):
 def write_tiny_llama(folder: Path) -> None:
     import torch
     import transformers as tf
-    from test_uptrain import make_tokenizer
+    from surgery.testing.pydoc_llama import make_tokenizer
 
     tok = make_tokenizer()
     torch.manual_seed(0)

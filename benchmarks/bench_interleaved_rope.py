@@ -13,20 +13,16 @@ from its end (the default split). Prints mean KL(source || converted) per token 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-
-import tiny_models as tm  # noqa: E402
-from test_merge_convert import _rotated_copy_heads, aligned, heldout_ids, kl_to_source, tiny  # noqa: E402
-
-from surgery import arch  # noqa: E402
-from surgery.kv.convert import KVOptions, convert_to_kv_heads  # noqa: E402
-from surgery.checkpoint.source import resolve_source  # noqa: E402
+from surgery import arch
+from surgery.checkpoint.source import resolve_source
+from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.testing import tiny_models as tm
+from surgery.testing.aligned import aligned, heldout_ids, kl_to_source, rotated_copy_heads
+from surgery.testing.tiny_models import tiny
 
 
 def measure(src: Path, work: Path, family: str, kv: int) -> dict[str, tuple[float, float]]:
@@ -60,7 +56,7 @@ def main() -> None:
                 if source == "random":
                     tiny(family, src)
                 else:
-                    _rotated_copy_heads(family, src)
+                    rotated_copy_heads(family, src)
                 kv_before = tm.kv_heads_of(tm.load(src).config)
                 for method, (kl, diff) in measure(src, work, family, args.kv_heads).items():
                     print(f"{family:8s} {source:15s} {kv_before} -> {args.kv_heads}  {method:38s} "

@@ -39,7 +39,6 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench_uptrain_memory"))
     a = ap.parse_args()
-    sys.path.insert(0, str(REPO))
     from surgery.recipes import estimate as est
     from surgery.recipes.schema import step_models
 

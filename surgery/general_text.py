@@ -21,6 +21,7 @@ import functools
 import os
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from .errors import SurgeryError
 
@@ -55,8 +56,16 @@ def resolve_texts(specs: Iterable[str]) -> list[str]:
     return [resolve_text(s) for s in specs]
 
 
-_FALLBACK: list[str] = []  # why `general` resolved to pydoc in this process, until the line saying so is printed
-_WHY_OFFLINE: list[str] = []  # the same reason, kept for the dry runs' descriptions
+@dataclass
+class _Fallback:
+    """Why `general` resolved to pydoc in this process (None: it did not), and whether the line saying so was
+    printed: the dry runs' descriptions read the reason, the readers print it once."""
+
+    reason: str | None = None
+    said: bool = False
+
+
+_FALLBACK = _Fallback()
 
 
 @functools.cache
@@ -67,7 +76,7 @@ def resolve_general() -> str:
     reason = _hub_unavailable()
     if reason is None:
         return general_url()
-    _FALLBACK[:] = _WHY_OFFLINE[:] = [reason]
+    _FALLBACK.reason, _FALLBACK.said = reason, False
     return OFFLINE_TEXT
 
 
@@ -77,7 +86,7 @@ def describe_texts(specs: Iterable[str]) -> list[str]:
     for spec in specs:
         text = resolve_text(spec)
         if spec == GENERAL and text == OFFLINE_TEXT:
-            out.append(f"{OFFLINE_TEXT} (the general default offline: {_WHY_OFFLINE[0] if _WHY_OFFLINE else 'no hub'})")
+            out.append(f"{OFFLINE_TEXT} (the general default offline: {_FALLBACK.reason or 'no hub'})")
         elif spec == GENERAL:
             out.append(f"general web text ({GENERAL_REPO}@{GENERAL_REVISION[:8]}, {GENERAL_FILE}, streamed)")
         else:
@@ -88,8 +97,9 @@ def describe_texts(specs: Iterable[str]) -> list[str]:
 def say_fallback(spec: str) -> None:
     """One line on stderr, the first time a text is read that `general` fell back to (called by the readers in the
     main process, before any worker starts)."""
-    if spec == OFFLINE_TEXT and _FALLBACK:
-        print(f"surgery: {_FALLBACK.pop()}: reading the embedded {OFFLINE_TEXT} text instead of {GENERAL_REPO} "
+    if spec == OFFLINE_TEXT and _FALLBACK.reason and not _FALLBACK.said:
+        _FALLBACK.said = True
+        print(f"surgery: {_FALLBACK.reason}: reading the embedded {OFFLINE_TEXT} text instead of {GENERAL_REPO} "
               "(general web text)", file=sys.stderr, flush=True)
 
 

@@ -546,6 +546,25 @@ def _handler(hub: LocalHub, cdn: bool):
     return Handler
 
 
+# ---- a test's client side: the token the hub knows, the environment a user's shell would hold, a download ----
+TOKEN = "hf_surgeryTestToken_0123456789abcdef"
+USER = "alice"
+
+
+def hub_env(hub: LocalHub, tmp_path: Path, token: str | None = TOKEN) -> dict:
+    """What a user's shell would hold: the endpoint, a token (or none), a private cache; Xet off (see hub_server)."""
+    return {"HF_ENDPOINT": hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_HUB_OFFLINE": "0",
+            "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_CACHE": str(tmp_path / "hf-cache"),
+            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_TOKEN": token or ""}
+
+
+def download(hub: LocalHub, repo_id: str, cache: Path, token: str | None = TOKEN, revision: str | None = None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id, endpoint=hub.endpoint, token=token or False, cache_dir=cache,
+                                  revision=revision))
+
+
 if __name__ == "__main__":
     import argparse
     import tempfile

@@ -1,6 +1,6 @@
 """Running the `surgery` command line in tests: `run_cli` inside the test process (no interpreter start-up): (exit
 code, stdout, stderr); `surgery` in a child process, for what needs a real process (signals, exit paths, the
-environment); `assert_one_line_error` for either's refusals."""
+environment); `assert_one_line_error` for either's refusals; `cli_args` and `uptrain_error` for uptraining's."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,3 +58,28 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
     assert "Traceback" not in result.stderr
     for fragment in fragments:
         assert fragment in lines[0]
+
+
+def cli_args(options: dict) -> list[str]:
+    """The command line flags of a library options dict (`progress` aside): {"seq_len": 64} -> --seq-len 64."""
+    out = []
+    for k, v in options.items():
+        if k != "progress":
+            out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+def uptrain_error(monkeypatch, capsys, *args) -> str:
+    """`surgery uptrain ARGS` in this process exits 2 with exactly one error line; returns it. The default text's
+    state starts as in a fresh process: no line owed by an earlier command that fell back to pydoc offline."""
+    import cli
+    from surgery import general_text
+
+    general_text.resolve_general.cache_clear()
+    monkeypatch.setattr(general_text, "_FALLBACK", general_text._Fallback())
+    monkeypatch.setattr(sys, "argv", ["surgery", "uptrain", *map(str, args)])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("surgery: error: "), err
+    return err[0]

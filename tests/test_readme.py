@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from test_push import hub_env
+from hub_server import hub_env
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -112,7 +112,7 @@ def shrink(command: str, cwd: Path) -> list[str]:
 def prepare(cwd: Path, hub) -> None:
     """The inputs the README's commands name: local folders and files, and hub ids on the test hub."""
     from surgery.checkpoint.source import embedded_smollm2_gguf, resolve_source
-    from test_recipes import paired_llama
+    from recipe_files import paired_llama
 
     cmds = commands()
     text = " ".join(cmds)

@@ -12,8 +12,9 @@ import pytest
 import yaml
 from pydantic import ValidationInfo, model_validator
 
-import tiny_models as tm
 from inprocess import run_cli
+
+from surgery.testing import tiny_models as tm
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "surgery"
@@ -40,6 +41,7 @@ LAYERS = [
     ("commands", ["surgery.commands"]),
     ("recipes", ["surgery.recipes"]),
     ("command line", ["surgery.clickgen", "surgery.cli"]),
+    ("test builders", ["surgery.testing"]),  # for tests and benchmarks: imports anything, imported by nothing here
 ]
 
 
@@ -159,6 +161,96 @@ def test_recipes_and_kinds_do_not_import_click():
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert "click" not in imported, path
+
+
+# ---- tests and benchmarks stand on the package, never on a test module ---------------------------------------
+# Builders that both use live in `surgery.testing`; the tests' own plumbing (conftest, the CLI runners, the loopback
+# hub, ...) lives in tests/ beside the test folders. A test module importing another one, or a benchmark reaching
+# into tests/, ties files together that the layout says are apart.
+TESTS = REPO / "tests"
+BENCHMARKS = REPO / "benchmarks"
+
+
+def _imported_names(tree: ast.AST) -> set[str]:
+    """Every absolute module name a file imports, and `module.name` for each `from module import name`."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def _sys_path_edits(tree: ast.AST) -> list[int]:
+    """Lines that change sys.path: assignments to it or to a slice of it, and its insert/append/extend."""
+    def is_sys_path(n) -> bool:
+        n = n.value if isinstance(n, ast.Subscript) else n
+        return isinstance(n, ast.Attribute) and n.attr == "path" and getattr(n.value, "id", None) == "sys"
+
+    lines = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) \
+            else []
+        if any(is_sys_path(t) for t in targets):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and is_sys_path(node.func.value) \
+                and node.func.attr in ("insert", "append", "extend"):
+            lines.append(node.lineno)
+    return lines
+
+
+def _names_a_test_module(name: str) -> bool:
+    return any(part.startswith("test_") for part in name.split("."))
+
+
+def offenses_of_a_test_module(source: str) -> list[str]:
+    """What a module under tests/ may not do: import a test module (`test_x`, `tests.test_x`, `tests.kv.test_x`)."""
+    return sorted(n for n in _imported_names(ast.parse(source)) if _names_a_test_module(n))
+
+
+def benchmark_offenses(source: str) -> list[str]:
+    """What a benchmark may not do: import anything of tests/ (a test module, `tests.*`, or one of the tests'
+    support modules), or edit sys.path (it imports the installed package; its own folder is on sys.path already)."""
+    support = {p.stem for p in TESTS.rglob("*.py")}
+    tree = ast.parse(source)
+    imports = sorted(n for n in _imported_names(tree)
+                     if _names_a_test_module(n) or n.split(".")[0] in support | {"tests"})
+    return imports + [f"sys.path edited on line {line}" for line in _sys_path_edits(tree)]
+
+
+def test_no_test_module_imports_another_test_module():
+    offenders = {str(p.relative_to(REPO)): bad for p in sorted(TESTS.rglob("*.py"))
+                 if (bad := offenses_of_a_test_module(p.read_text()))}
+    assert offenders == {}
+
+
+def test_benchmarks_import_the_package_and_never_the_tests():
+    offenders = {p.name: bad for p in sorted(BENCHMARKS.glob("*.py")) if (bad := benchmark_offenses(p.read_text()))}
+    assert offenders == {}
+
+
+def test_test_files_have_names_of_their_own():
+    """tests/ has no __init__.py: pytest imports each file by its name (rootdir-relative folders are not packages),
+    so two test files, or a test file and a support module, must never share one."""
+    names = [p.name for p in TESTS.rglob("*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+    assert not list(TESTS.rglob("__init__.py"))
+
+
+def test_the_import_rules_for_tests_and_benchmarks_see_a_made_up_offense():
+    """The measure itself, on sources written here: each way of reaching into tests/ is caught, the allowed ones
+    are not."""
+    bench = ('import sys\nfrom pathlib import Path\nsys.path[:0] = [str(Path(__file__).parents[1] / "tests")]\n'
+             'sys.path.insert(0, "tests")\nfrom test_uptrain import make_model\n'
+             'from tests.kv import test_kv_convert\nfrom inprocess import run_cli\n')
+    assert benchmark_offenses(bench) == ["inprocess", "inprocess.run_cli", "test_uptrain", "test_uptrain.make_model",
+                                         "tests.kv", "tests.kv.test_kv_convert", "sys.path edited on line 3",
+                                         "sys.path edited on line 4"]
+    assert benchmark_offenses("from surgery.testing import tiny_models\nimport sys\nprint(sys.path)\n") == []
+    assert offenses_of_a_test_module("from test_merge_convert import tiny\nimport tests.uptrain.test_uptrain\n") == [
+        "test_merge_convert", "test_merge_convert.tiny", "tests.uptrain.test_uptrain"]
+    assert offenses_of_a_test_module("from inprocess import run_cli\nfrom surgery.testing.aligned import aligned\n") == []
 
 
 # ---- one rule, two spellings -----------------------------------------------------------------------------------

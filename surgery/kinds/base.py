@@ -150,7 +150,7 @@ class Kind:
     refuses: dict[Feature, str] = field(default_factory=dict)
     tags: list[str] = field(default_factory=list)  # the model card's hub tags
     ships_code: bool = False  # the output carries its own modeling code (load with trust_remote_code=True)
-    # options that convert a Llama-like model of 8 heads and 4 K/V heads (tests/test_kind_contract.py runs them)
+    # options that convert a Llama-like model of 8 heads and 4 K/V heads (tests/kinds/test_kind_contract.py runs them)
     example_options: dict[str, Any] = field(default_factory=dict)
     model_type_prefix: str | None = None  # converted configs' model_type = prefix + the source's
     config_key: str | None = None  # the converted config.json's key holding the kind's settings

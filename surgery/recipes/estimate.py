@@ -4,7 +4,7 @@ Peak memory is the peak resident set (RSS) of the step's process, in bytes, per 
 weight, T trainable parameters, H hidden size, I MLP width, L layers, V vocabulary, m micro-batch, s sequence
 length, n = m s tokens per forward pass:
 - every command: the interpreter, torch, transformers and their caches, measured on this project's machines
-  (RUNTIME; tests/test_estimate.py checks the whole estimate against measured peaks of tiny models).
+  (RUNTIME; tests/estimate/test_estimate.py checks the whole estimate against measured peaks of tiny models).
 - convert, streamed (mean/first/random/talking-heads): about 3 x the largest tensor (read, pooled, written).
 - convert with calibration (aligned, switchhead): layer streaming, one fp32 decoder layer at a time plus the
   embeddings, activations and fits (surgery/estimate.py, the same model `surgery convert --dry-run` prints; the

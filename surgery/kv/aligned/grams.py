@@ -5,7 +5,7 @@ merge loss needs (fit.merge_group: the whitened values' covariance, the keys' pe
 the attached queries' energies, the non-rotary keys' covariance in the queries' metric) is a block of
 rows_a @ sigma @ rows_b^T for the layer's K, V and Q rows, or a per-head matrix that does not depend on the group.
 `head_grams` computes them once (one product of the K/V/Q rows with sigma); `group_loss` then scores a candidate
-from small [n D, n D] matrices: the same numbers as merging it (equal to float64 rounding; tests/test_merge_math.py),
+from small [n D, n D] matrices: the same numbers as merging it (equal to float64 rounding; tests/kv/test_aligned_math.py),
 without the d_in x d_in products each merge repeats.
 """
 

@@ -1,0 +1,50 @@
+"""The tiny random Llama that uptraining is tested and benchmarked on (2 layers, hidden 64, 4 query heads, 2 K/V
+heads), with a byte-level BPE tokenizer of 320 ids trained on pydoc text, and the short run's options."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers as tf
+
+# A short run: 64-token windows, 8 windows (512 tokens) per optimizer step.
+FAST = dict(data="pydoc", seq_len=64, batch_tokens=512, micro_batch=4, eval_tokens=1024, eval_every=0, save_every=0,
+            lr=3e-3, progress=False)
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from surgery.data import pydoc_texts
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(pydoc_texts(), trainer)
+    return tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+def make_model(folder: Path, tokenizer, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def metrics(folder: Path) -> list[dict]:
+    """An uptraining output's uptrain_metrics.jsonl, one dict per line."""
+    return [json.loads(line) for line in (folder / "uptrain_metrics.jsonl").read_text().splitlines()]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    """An output's tensors (one model.safetensors: the tiny model is never sharded)."""
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
