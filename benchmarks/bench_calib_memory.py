@@ -38,7 +38,6 @@ def truncated_smollm2(layers: int, out: Path) -> Path:
     """SmolLM2-135M's embeddings, final norm and first `layers` decoder layers (the dequantized cache's tensors)."""
     if (out / "config.json").exists():
         return out
-    sys.path.insert(0, str(ROOT))
     from safetensors import safe_open
     from safetensors.torch import save_file
 
