@@ -104,17 +104,12 @@ def vm_hwm_kib(pid: int) -> int:
 
 def tiny_smollm2(folder: Path) -> str:
     """A 2-layer, 64-wide Llama with SmolLM2-135M's tokenizer (so the data path is the real one), random weights."""
-    import torch
     import transformers as tf
 
+    from surgery.testing.pydoc_llama import make_model
+
     tokenizer = tf.AutoTokenizer.from_pretrained(smollm2_folder())
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
-    tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return str(folder)
+    return str(make_model(folder, tokenizer, positions=4096, bos_token_id=tokenizer.bos_token_id))
 
 
 def start_run(spec: str, tokens: int, a, tmp: Path, model: str) -> dict:

@@ -28,11 +28,14 @@ def make_tokenizer():
     return tf.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
-def make_model(folder: Path, tokenizer, seed: int = 0) -> Path:
+def make_model(folder: Path, tokenizer, seed: int = 0, hidden: int = 64, intermediate: int = 128, layers: int = 2,
+               positions: int = 256, bos_token_id: int | None = None) -> Path:
+    """A random Llama with 4 heads and 2 K/V heads for `tokenizer` (bos: its eos unless given), saved with it."""
     torch.manual_seed(seed)
-    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=positions, eos_token_id=tokenizer.eos_token_id,
+                            bos_token_id=tokenizer.eos_token_id if bos_token_id is None else bos_token_id)
     tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

@@ -13,7 +13,7 @@ from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.errors import SurgeryError
 from surgery.checkpoint.source import resolve_source
 from surgery.uptrain import UptrainOptions, uptrain
-from surgery.testing.pydoc_llama import FAST, metrics
+from surgery.testing.pydoc_llama import FAST, make_model, metrics
 
 
 @pytest.fixture(scope="module")
@@ -153,13 +153,7 @@ def test_lora_targets_pick_modules_and_refuse_unknown_ones(mqa, tmp_path):
 
 def make_sibling(folder, tokenizer):
     """A larger model with the same tokenizer: 3 layers of width 96."""
-    torch.manual_seed(5)
-    config = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=96, intermediate_size=160, num_hidden_layers=3,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
-    tf.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return make_model(folder, tokenizer, seed=5, hidden=96, intermediate=160, layers=3)
 
 
 def test_a_larger_teacher_is_used_and_recorded(mqa, tokenizer, tmp_path):
