@@ -315,6 +315,7 @@ class UptrainRecipe:
         o, source = self.o, self.source
         self.tokenizer = model_io.load_trusted_tokenizer(source, "model", o.trust_remote_code)
         self.model = model_io.load_causal_lm(source, "model", o.trust_remote_code)
+        select_trainable(self.model, o.train, self.record)  # a --train that selects nothing: refused before any text
         kind = find_kind(self.record, source.config)
         self.training_form = kind.training_form(self.model) if kind is not None else None
         model_io.check_seq_len(self.model, o.seq_len, source.spec)

@@ -402,9 +402,9 @@ def test_bad_inputs_exit_2_with_one_line(tiny, tiny_mqa, tokenizer, tmp_path, mo
     other = make_model(tmp_path / "other-vocab", small_tokenizer())
     assert "different vocabulary" in uptrain_error(monkeypatch, capsys, tiny_mqa, "--teacher", other, "--tokens", 512, *out)
     assert "needs a teacher" in uptrain_error(monkeypatch, capsys, tiny, "--loss", "kd", "--tokens", 512, *out)
-    # refused once the text is open: named here, or offline the line saying `general` fell back comes first
-    assert "introduced no new parameters" in uptrain_error(monkeypatch, capsys, tiny_mqa, "--train", "new", "--data",
-                                                           "pydoc", "--tokens", 512, *out)
+    # refused before any text is opened: offline, the default text's fallback line would otherwise come first
+    assert "introduced no new parameters" in uptrain_error(monkeypatch, capsys, tiny_mqa, "--train", "new",
+                                                           "--tokens", 512, *out)
     assert "multiple of --seq-len" in uptrain_error(monkeypatch, capsys, tiny, "--tokens", 512, "--out", tmp_path / "o",
                                                 "--seq-len", 64, "--batch-tokens", 500)
     assert "--resume" in uptrain_error(monkeypatch, capsys, tiny, "--tokens", 512, "--resume", *out)
