@@ -175,17 +175,6 @@ def test_llama3_rope_keeps_only_the_frequencies_it_leaves_unscaled(tmp_path):
     torch.testing.assert_close(converted, source[kept], rtol=1e-5, atol=0)
 
 
-def test_full_rope_keeps_the_source_theta_and_frequencies_bit_for_bit(tmp_path):
-    """At rope_dim = head_dim the kept stride is 1: rope_theta is the source's own (not the float32-rounded one the
-    frequencies imply), so DeepSeek's rotary computes the source's inv_freq exactly."""
-    src = tiny_llama(tmp_path / "src", kv_heads=2, rope_theta=100000.0)
-    convert(src, tmp_path / "out", rank=32)
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["rope_parameters"]["rope_theta"] == 100000.0
-    source = tm.load(src).model.rotary_emb.inv_freq
-    assert torch.equal(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out").model.rotary_emb.inv_freq, source)
-
-
 def test_record_reads_back_typed_and_verifies_and_the_kind_is_found(tmp_path):
     from surgery.kinds import find_kind
     from surgery.checkpoint.record import Record, read_record, verify_record
