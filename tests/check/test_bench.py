@@ -213,30 +213,18 @@ def test_mqa_output_converts_with_llama_cpp_and_gives_the_same_logits(tmp_path):
     """An MQA output as it is (tokenizer files included) through llama.cpp's own converter (it finds the gguf package
     of its llama.cpp in gguf-py/ beside itself, and imports sentencepiece), then the same tokens of real text through
     llama.cpp and transformers in float32 (weights and KV cache): the logits agree to rounding."""
-    import llama_cpp
     import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from surgery.data import pydoc_texts, token_stream
+    from llama_cpp_roundtrip import convert_with_llama_cpp, logits_both_ways
 
-    out, gguf = tmp_path / "mqa", tmp_path / "mqa-f32.gguf"
+    out = tmp_path / "mqa"
     assert surgery("convert", "smollm2", "--to", "mqa", "--out", out).returncode == 0
-    done = subprocess.run([sys.executable, os.environ["LLAMA_CPP_CONVERT"], str(out), "--outtype", "f32", "--outfile",
-                           str(gguf)], check=False, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    ids = token_stream(pydoc_texts(), AutoTokenizer.from_pretrained(out), 96)[None]
-    with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits[0].numpy()
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=256, n_batch=128, n_ubatch=128, logits_all=True, verbose=False,
-                          n_threads=1, n_threads_batch=1, type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
-    assert llm.metadata["llama.attention.head_count_kv"] == "1"
-    llm.eval(ids[0].tolist())
-    got = np.asarray(llm.scores[: ids.shape[1]])
+    gguf = convert_with_llama_cpp(out, tmp_path / "mqa-f32.gguf")
+    ref, got, metadata = logits_both_ways(out, gguf, 96)
+    assert metadata["llama.attention.head_count_kv"] == "1"
     # f32 rounding only: measured 2.5e-3 over 256 tokens (llama.cpp's default f16 cache: 0.2)
     assert np.abs(got - ref).max() <= 5e-3, np.abs(got - ref).max()
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.98
-    del llm
     report = run_bench(BenchOptions(source=str(gguf), converted=str(gguf), contexts=[32], new=2, rounds=1,
                                     engine="llama.cpp", threads=1))
     assert report["results"][0]["ratio"]["kv_cache_bytes"] == pytest.approx(1.0)

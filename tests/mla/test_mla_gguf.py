@@ -90,34 +90,20 @@ def test_mla_output_runs_in_llama_cpp_with_the_same_logits(tmp_path):
     """SmolLM2 -> MLA (rank 64 + rope 64, MQA's cache) through llama.cpp's own converter and this completion, then the
     same real text through llama.cpp and transformers in float32: the logits agree to rounding, and llama.cpp's cache
     is a third of the source's."""
-    import llama_cpp
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from llama_cpp_roundtrip import convert_with_llama_cpp, logits_both_ways
     from surgery.checkpoint.source import embedded_smollm2_gguf
-    from surgery.data import pydoc_texts, token_stream
 
-    out, gguf_file = tmp_path / "mla", tmp_path / "mla-f32.gguf"
+    out = tmp_path / "mla"
     done = surgery("convert", "smollm2", "--to", "mla", "--kv-rank", "64", "--rope-dim", "64", "--calib-tokens",
                    "2048", "--out", out)
     assert done.returncode == 0, done.stderr[-2000:]
-    done = subprocess.run([sys.executable, os.environ["LLAMA_CPP_CONVERT"], str(out), "--outtype", "f32",
-                           "--outfile", str(gguf_file)], check=False, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
+    gguf_file = convert_with_llama_cpp(out, tmp_path / "mla-f32.gguf")
     assert complete_for_llama_cpp(gguf_file)
-    ids = token_stream(pydoc_texts(), AutoTokenizer.from_pretrained(out), 256)[None]
-    with torch.no_grad():
-        ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids).logits[0].numpy()
-    llm = llama_cpp.Llama(model_path=str(gguf_file), n_ctx=256, n_batch=128, n_ubatch=128, logits_all=True,
-                          verbose=False, n_threads=1, n_threads_batch=1, type_k=llama_cpp.GGML_TYPE_F32,
-                          type_v=llama_cpp.GGML_TYPE_F32)
-    assert llm.metadata["deepseek2.attention.kv_lora_rank"] == "64"
-    llm.eval(ids[0].tolist())
-    got = np.asarray(llm.scores[: ids.shape[1]])
+    ref, got, metadata = logits_both_ways(out, gguf_file, 256)
+    assert metadata["deepseek2.attention.kv_lora_rank"] == "64"
     # f32 rounding only: measured 1.0e-4 over these 256 tokens (logits up to 40)
     assert np.abs(got - ref).max() <= 5e-3, np.abs(got - ref).max()
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.98
-    del llm
     report = run_bench(BenchOptions(source=str(embedded_smollm2_gguf()), converted=str(gguf_file), contexts=[32],
                                     new=2, rounds=1, engine="llama.cpp", threads=1))
     assert report["results"][0]["ratio"]["kv_cache_bytes"] == pytest.approx(1 / 3)
