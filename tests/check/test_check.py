@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from inprocess import run_cli
+from recipe_files import pair_kv_heads
 import torch
 import torch.nn.functional as F
 import transformers as tf
@@ -34,11 +35,7 @@ METRICS = ("max_abs_diff", "mean_abs_diff", "kl", "top1_agreement", "ppl_source"
 def paired_llama(folder: Path) -> Path:
     """A tiny llama (char tokenizer) whose 4 K/V heads come in identical pairs: merging them to 2 is exact."""
     model = tm.make_tiny("llama", folder)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
-                w = proj.weight.view(4, 8, -1)
-                w[1], w[3] = w[0], w[2]
+    pair_kv_heads(model)
     model.save_pretrained(folder)
     char_tokenizer(folder)
     return folder
