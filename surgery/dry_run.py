@@ -63,6 +63,7 @@ def convert_dry_run(src: Source, kind, options) -> dict:
             "device_bytes": est.device_bytes, "seconds_per_layer": _sig(est.seconds_per_layer),
             "cpu_seconds_per_layer": _sig(est.cpu_seconds_per_layer) if est.cpu_seconds_per_layer else None,
             "seconds": _sig(est.seconds), "layers": est.layers, "tokens": est.tokens, "device": est.device,
+            "chunk_windows": est.chunk_windows,
             "flops_per_layer": asdict(est.flops_per_layer), "throughput": asdict(est.throughput),
             "memory_terms": est.memory, "calib": texts, "lines": [head, f"calibration text: {' + '.join(texts)}",
                                                                     *est.lines()]}

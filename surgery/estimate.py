@@ -46,7 +46,6 @@ from .kv.aligned.assign import MAX_GROUPS_SCORED, MAX_PARTITIONS, partition_coun
 # it on the other layouts.
 EFFICIENCY = 0.6
 DEFAULT_WINDOW = 512  # calibration window (surgery/calibration/text.py)
-DEFAULT_CHUNK = 8  # windows per forward chunk (MergeOptions.chunk_windows)
 QUERY_SAMPLES = 128  # query positions per window in the query refit (QueryRefit.samples)
 QUERY_TOPK = 32
 
@@ -308,14 +307,14 @@ class CalibratedCost:
 
     name: str  # what the estimate is of ("estimate for NAME on cpu ...")
     layer_flops: Callable[[LayerShape, int, int], Flops]  # (shape, tokens, window) -> one layer's work
-    fit_bytes: Callable[[LayerShape], int]  # float64 fits alive at once
+    fit_bytes: Callable[[LayerShape, int], int]  # (shape, chunk tokens) -> float64 fits alive at once
     eager: bool = False  # eager attention: one window per chunk, scores, softmax and maps kept (streaming model)
-    # (shape, tokens, window) -> memory terms of one layer's step beyond the streaming model's
-    extra_memory: Callable[[LayerShape, int, int], dict[str, int]] | None = None
-    # (shape, tokens, window) -> bytes of the float32 tensors the calibration holds at once (the residual stream
-    # up to its spill budget, one chunk's working set), when the kind knows them better than the streaming model's
-    # generic count (which is the aligned merge's)
-    activations: Callable[[LayerShape, int, int], int] | None = None
+    # (shape, tokens, window, chunk tokens) -> memory terms of one layer's step beyond the streaming model's
+    extra_memory: Callable[[LayerShape, int, int, int], dict[str, int]] | None = None
+    # (shape, tokens, window, chunk tokens) -> bytes of the float32 tensors the calibration holds at once (the
+    # residual stream up to its spill budget, one chunk's working set), when the kind knows them better than the
+    # streaming model's generic count (which is the aligned merge's)
+    activations: Callable[[LayerShape, int, int, int], int] | None = None
 
 
 @dataclass
@@ -332,6 +331,8 @@ class Estimate:
     flops_per_layer: Flops
     throughput: Throughput
     memory: dict  # the terms
+    chunk_windows: int = 1  # calibration windows per chunk (surgery/calibration/chunks.py, or --calib-chunk)
+    window: int = DEFAULT_WINDOW
 
     def lines(self) -> list[str]:
         from .units import human_bytes
@@ -341,6 +342,8 @@ class Estimate:
         out = [f"estimate for {self.kind} on {self.device} ({self.layers} layers, {self.tokens} calibration tokens):",
                f"  peak host memory    {human_bytes(self.host_bytes)}",
                f"  peak device memory  {human_bytes(self.device_bytes) if self.device_bytes else '- (CPU run)'}",
+               f"  calibration chunk   {self.chunk_windows} window{'s' * (self.chunk_windows > 1)} of "
+               f"{self.window} tokens per pass (--calib-chunk N changes it)",
                f"  time per layer      {self.seconds_per_layer:.1f} s  ({gf.float32 / 1e9:.0f} GFLOP float32 at "
                f"{t.float32 / 1e9:.1f} GFLOP/s, {gf.float64 / 1e9:.0f} GFLOP float64 at {t.float64 / 1e9:.1f} GFLOP/s "
                f"measured now)",
@@ -362,9 +365,11 @@ def _duration(seconds: float) -> str:
 
 def estimate_calibrated(config: dict, cost: CalibratedCost, tokens: int, *, dtype: str = "bfloat16",
                         device: str = "cpu", throughput: Throughput | None = None,
-                        window: int = DEFAULT_WINDOW) -> Estimate:
+                        window: int = DEFAULT_WINDOW, chunk: int | None = None) -> Estimate:
     """Peak memory and time of a calibrated conversion with the cost model `cost` (its kind's) of the checkpoint
-    described by `config` stored in `dtype`, on `device`."""
+    described by `config` stored in `dtype`, on `device`, in chunks of `chunk` windows (default: the conversions'
+    rule, surgery/calibration/chunks.py)."""
+    from .calibration.chunks import chunk_tokens, chunk_windows
     from .calibration.stream import estimate_peak_bytes
 
     s = layer_shape(config)
@@ -373,10 +378,13 @@ def estimate_calibrated(config: dict, cost: CalibratedCost, tokens: int, *, dtyp
     dev = torch.device(device)
     rate = throughput or probe_throughput(dev)
     flops = cost.layer_flops(s, tokens, window)
-    terms = estimate_peak_bytes(config, tokens, dtype, eager=cost.eager, device=dev.type, window=window)
+    per_chunk = chunk_windows(config, window, requested=chunk, eager=cost.eager)
+    chunked = chunk_tokens(per_chunk, tokens, window)
+    terms = estimate_peak_bytes(config, tokens, dtype, eager=cost.eager, device=dev.type, window=window,
+                                chunk_windows=per_chunk)
     if cost.activations is not None:
-        terms["activations"] = cost.activations(s, tokens, window)
-    fits = cost.fit_bytes(s)
+        terms["activations"] = cost.activations(s, tokens, window, chunked)
+    fits = cost.fit_bytes(s, chunked)
     read = largest_layer_tensor(s) * DTYPE_BYTES.get(str(dtype).removeprefix("torch."), 4)
     memory = {"runtime": terms["runtime"], "layer (float32)": terms["layer"], "embeddings": terms["embedding"],
               "activations": terms["activations"], "scratch": terms["scratch"], "fits (float64)": fits,
@@ -384,7 +392,7 @@ def estimate_calibrated(config: dict, cost: CalibratedCost, tokens: int, *, dtyp
     disk = {"residual stream on disk (not memory)": terms["spilled"]}
     # The embeddings are freed after the embedding step (LayerStream.release_embeddings): the peak is the larger of
     # that step and a layer's (its float32 weights, the tensor being read, one chunk's scratch and the fits).
-    extra = cost.extra_memory(s, tokens, window) if cost.extra_memory else {}
+    extra = cost.extra_memory(s, tokens, window, chunked) if cost.extra_memory else {}
     memory |= extra
     layer_step = terms["layer"] + terms["scratch"] + fits + sum(extra.values()) + (read if dev.type == "cpu" else 0)
     # an embedding matrix kept in float32 (not a plain nn.Embedding, e.g. Gemma's scaled one) is read in the
@@ -402,4 +410,4 @@ def estimate_calibrated(config: dict, cost: CalibratedCost, tokens: int, *, dtyp
         on_device = terms["activations"] + max(terms["embedding"], layer_step)  # the cast happens on the host
     per_layer = flops.seconds(rate)
     return Estimate(cost.name, str(dev), s.layers, tokens, int(host), int(on_device), per_layer, per_layer * s.layers,
-                    flops.cpu_seconds(rate), flops, rate, memory | disk)
+                    flops.cpu_seconds(rate), flops, rate, memory | disk, per_chunk, window)

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..errors import SurgeryError
 from ..checkpoint.tensors import CheckpointReader, dtype_size
+from .chunks import EAGER_WINDOWS, chunk_terms_per_token, chunk_tokens, windows_within
 from .layout import memory_layout
 from .residual import ResidualChunks, SpillPolicy, default_budget
 
@@ -406,21 +407,15 @@ def estimate_peak_bytes(config: dict, calib_tokens: int, dtype: str | torch.dtyp
     kv = int(getattr(c, "num_key_value_heads", None) or heads)
     inter = int(getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * hidden)
     tokens = calib_tokens
-    if chunk_windows is None:  # the converters' chunks: 8 windows (aligned, sdpa), 1 (eager: SwitchHead)
-        chunk_windows = 1 if eager else 8
-    chunk = min(chunk_windows, max(1, tokens // window)) * window
-    qkv_width = (heads + 2 * kv) * head_dim
-    if eager:  # (SwitchHead) one chunk's attention input and output, head outputs, the layer's output
-        width = 3 * hidden + heads * head_dim
-    else:  # one chunk's attention input (augmented copy), source output and the layer's output, the source's
-        # queries/keys/heads, converted heads, re-projected queries/keys, cos/sin
-        width = 4 * hidden + 3 * heads * head_dim + 3 * kv * head_dim + head_dim
+    per_activations, per_scratch = chunk_terms_per_token(hidden, heads, kv, head_dim, inter, window, eager)
+    if chunk_windows is None:  # the converters' rule (surgery/calibration/chunks.py)
+        chunk_windows = EAGER_WINDOWS if eager else windows_within(per_activations + per_scratch, window)
+    chunk = chunk_tokens(chunk_windows, tokens, window)
     residual = 4 * tokens * hidden * streams
     # the spill budget is host memory: residual chunks on a CUDA device stay there
     resident = min(residual, default_budget() if budget is None else budget) if str(device) == "cpu" else residual
-    activations = resident + 4 * chunk * width
-    probs = chunk * heads * window * (4 if eager else 1)  # eager keeps scores, softmax, the maps
-    scratch = 4 * (probs + 3 * chunk * inter + chunk * qkv_width)
+    activations = resident + chunk * per_activations
+    scratch = chunk * per_scratch
     layer = 4 * layer_params
     on_device = layer + embedding + activations + scratch
     host_read = layer_params * dtype_size(dt)

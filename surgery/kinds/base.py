@@ -99,6 +99,13 @@ def calib_window_rule(cls, v: int, info: ValidationInfo) -> int:
     return v
 
 
+def calib_chunk_rule(cls, v: int | None, info: ValidationInfo) -> int | None:
+    """The rule on calib_chunk: a chunk holds at least one window (None: the conversions' rule chooses)."""
+    if v is not None and v < 1:
+        raise ValueError(f"{spelling(info, cls).flag('calib_chunk')} must be at least 1 window, got {v}")
+    return v
+
+
 class CalibrationOptions(CliModel):
     """Text read to fit a conversion to the source's activations (aligned merge, SwitchHead, MLA): the one
     declaration of those options and their rules, mixed into a kind's options model. Fields follow the bases in
@@ -115,10 +122,16 @@ class CalibrationOptions(CliModel):
         512, "--calib-window", "Tokens per calibration window (capped by the model's context): the longest query-key "
         "distance the fits see. Calibrate at the context the model will serve; the cost per token grows with it.",
         metavar="N", group=GROUP)
+    calib_chunk: int | None = option(
+        None, "--calib-chunk", "Calibration windows per chunk: each per-layer pass holds one chunk's activations at a "
+        "time (default: the most windows, up to 8, whose working set fits 256 MiB: 8 on SmolLM2, 1 on an 8B model). "
+        "Fewer: less memory, the same result to float rounding, a little more time; the dry run shows the chunk.",
+        metavar="N", group=GROUP)
 
     _calib = field_validator("calib")(calib_texts_rule)
     _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
     _calib_window = field_validator("calib_window")(calib_window_rule)
+    _calib_chunk = field_validator("calib_chunk")(calib_chunk_rule)
 
 
 @dataclass

@@ -111,7 +111,8 @@ class KVMerge(Kind):
             from ..kv.aligned.refit import QueryRefit
 
             merge = MergeOptions(groups=options.groups, assign=options.grouping == "similarity",
-                                 refit_v=options.refit_values, query=QueryRefit(samples=options.query_samples))
+                                 refit_v=options.refit_values, query=QueryRefit(samples=options.query_samples),
+                                 chunk_windows=options.calib_chunk)
             return convert_aligned(source, out, kv_heads=options.groups, calib=options.calib,
                                    calib_tokens=options.calib_tokens, calib_window=options.calib_window,
                                    device=options.device, options=merge, **common)
@@ -139,9 +140,9 @@ class KVMerge(Kind):
             ALIGNED,
             lambda s, tokens, window: aligned_layer_flops(s, options.groups or 1, tokens, window, assign,
                                                           options.query_samples, options.refit_values),
-            lambda s: fit_bytes(s, options.refit_values))
+            lambda s, chunk: fit_bytes(s, options.refit_values))
         return estimate_calibrated(config, cost, options.calib_tokens, dtype=dtype, device=device,
-                                   window=options.calib_window, throughput=throughput)
+                                   window=options.calib_window, throughput=throughput, chunk=options.calib_chunk)
 
     def card_lines(self, record: dict) -> list[str]:
         method = record.get("method")

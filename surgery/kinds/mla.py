@@ -50,15 +50,16 @@ class MLA(Kind):
 
         return convert_to_mla(source, out, kv_rank=options.kv_rank, rope_dim=options.rope_dim, calib=options.calib,
                               calib_tokens=options.calib_tokens, calib_window=options.calib_window,
+                              calib_chunk=options.calib_chunk,
                               device=options.device, **options.write_kwargs())
 
     def calibration_estimate(self, config: dict, options: MLAOptions, *, dtype: str, device: str, throughput=None):
         from ..estimate import estimate_calibrated
         from ..mla.cost import mla_cost
 
-        cost = mla_cost(config, options.kv_rank, options.rope_dim, options.calib_tokens, options.calib_window)
+        cost = mla_cost(config, options.kv_rank, options.rope_dim)
         return estimate_calibrated(config, cost, options.calib_tokens, dtype=dtype, device=device,
-                                   window=options.calib_window, throughput=throughput)
+                                   window=options.calib_window, throughput=throughput, chunk=options.calib_chunk)
 
     def summary(self, record: dict, options: MLAOptions) -> str:
         m = record["mla"]

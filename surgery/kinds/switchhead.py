@@ -38,7 +38,8 @@ class SwitchHead(Kind):
 
         return convert_to_switchhead(source, out, heads=options.heads, experts=options.experts, topk=options.topk,
                                      calib=options.calib, calib_tokens=options.calib_tokens,
-                                     calib_window=options.calib_window, device=options.device,
+                                     calib_window=options.calib_window, calib_chunk=options.calib_chunk,
+                                     device=options.device,
                                      **options.write_kwargs())
 
     def calibration_estimate(self, config: dict, options: SwitchHeadOptions, *, dtype: str, device: str,
@@ -51,10 +52,11 @@ class SwitchHead(Kind):
             "switchhead",
             lambda s, tokens, window: switchhead_layer_flops(s, options.heads or s.heads, options.experts or 1,
                                                              options.topk or 1, tokens, window),
-            output_expert_fit_bytes, eager=True,
-            extra_memory=lambda s, tokens, window: switchhead_memory(s, tokens, window, options.heads, options.experts))
+            lambda s, chunk: output_expert_fit_bytes(s), eager=True,
+            extra_memory=lambda s, tokens, window, chunk: switchhead_memory(s, window, chunk, options.heads,
+                                                                            options.experts))
         return estimate_calibrated(config, cost, options.calib_tokens, dtype=dtype, device=device,
-                                   window=options.calib_window, throughput=throughput)
+                                   window=options.calib_window, throughput=throughput, chunk=options.calib_chunk)
 
     def attention_macs(self, shape: AttentionShape, config: dict, record: dict, context: int) -> dict:
         switchhead = config.get("switchhead") or {}
@@ -73,13 +75,11 @@ class SwitchHead(Kind):
         return record.get("added_parameters")
 
 
-def switchhead_memory(s, tokens: int, window: int, heads: int | None, experts: int | None) -> dict[str, int]:
-    """One calibrated layer's memory beyond the streaming model's (surgery/estimate.py's terms)."""
-    from ..estimate import DEFAULT_CHUNK
-
+def switchhead_memory(s, window: int, chunk: int, heads: int | None, experts: int | None) -> dict[str, int]:
+    """One calibrated layer's memory beyond the streaming model's (surgery/estimate.py's terms), at chunks of
+    `chunk` tokens."""
     # eager attention: the scores, the probabilities and the heads' maps reshaped for their Gram are three
     # [chunk, heads, window, window] float32 tensors (the streaming model counts one)
-    chunk = min(DEFAULT_CHUNK, max(1, tokens // window)) * window
     memory = {"attention maps": 2 * 4 * chunk * s.heads * window}
     # the source attention read again in float32, the new tensors and the SwitchHead module built from them
     h_new, e = heads or s.heads, experts or 1

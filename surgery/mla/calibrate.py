@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ..calibration.chunks import MAX_WINDOWS
 from ..calibration.stream import LayerProgress, open_stream, run_layer
 from ..kv.aligned import capture
 from ..kv.aligned.refit import OutputFit
@@ -89,7 +90,7 @@ def _second_moments(acalls) -> torch.Tensor:
 
 @torch.no_grad()
 def frequency_scores_pass(folder, reader, spec, windows: torch.Tensor, device: torch.device,
-                          read_layer: Callable[[int], SourceAttention], pairs: str, chunk_windows: int = 8,
+                          read_layer: Callable[[int], SourceAttention], pairs: str, chunk_windows: int = MAX_WINDOWS,
                           progress: bool = True, store=None) -> list[torch.Tensor]:
     """Every layer's per-frequency logit scores on the source's own residual stream."""
     scores = []
@@ -123,7 +124,7 @@ def _refit_o(stream, spec, layer, index, hidden, calls, weights: MLAWeights, att
 @torch.no_grad()
 def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.device,
                  build: Callable[[int, torch.Tensor], MLAWeights], attend: Callable, keep: Callable,
-                 refit_o: bool = True, chunk_windows: int = 8, progress: bool = True, store=None) -> None:
+                 refit_o: bool = True, chunk_windows: int = MAX_WINDOWS, progress: bool = True, store=None) -> None:
     """Convert every layer on the converted stream: `build(index, sigma)` gives the layer's MLA weights,
     `attend(x, weights)` its o_proj input, `keep(index, weights)` receives the final weights. Each step is a pass
     over the chunks (second moments, output refit, converted pass): past the residual stream, memory is one chunk."""

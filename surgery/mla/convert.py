@@ -18,6 +18,7 @@ import torch
 
 from ..arch import spec_for
 from ..checkpoint.atomic import check_output_path
+from ..calibration.chunks import chunk_windows
 from ..calibration.store import LayerStore
 from ..calibration.text import calibration_text, context_of, WINDOW
 from ..errors import SurgeryError
@@ -282,10 +283,12 @@ def _record(shape: Shape, spec, text, dev, dtype, seed, output_files, calib_seco
 
 def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None = None,
                    calib: str | list[str] = "pydoc", calib_tokens: int = 8192, calib_window: int = WINDOW,
-                   force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
+                   calib_chunk: int | None = None, force: bool = False, dtype: str | None = None,
+                   max_shard_bytes: int = 5_000_000_000,
                    allow_pickle: bool = False, seed: int = 0, progress: bool = True, device: str = "auto") -> dict:
     """Convert `src` into a DeepSeek-V3 (MLA) checkpoint at `out` with latent rank `kv_rank` and `rope_dim` rotary
-    dims per head (default: head_dim)."""
+    dims per head (default: head_dim), calibrating in chunks of `calib_chunk` windows (default: the rule of
+    surgery/calibration/chunks.py)."""
     start = time.time()
     config = src.config
     spec = spec_for(config, KIND, REFUSES)
@@ -308,6 +311,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     inv_freq = source_frequencies(src.folder, shape.head_dim)
     strides = rope_strides(inv_freq, shape.rope_dim, source_theta(config))
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window)
+    chunk = chunk_windows(config, int(text.windows.shape[1]), requested=calib_chunk)
     out_dtype = getattr(torch, dtype) if dtype else None
     losses: dict[int, tuple[float, float]] = {}
     fields = ("q_proj", "kv_a", "kv_a_norm", "kv_b", "o_proj")
@@ -316,7 +320,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         scores = None
         if len(strides) > 1:  # a choice to make: score the frequencies on the source's own stream
             scores = frequency_scores_pass(src.folder, reader, spec, text.windows, dev, read_layer,
-                                           spec.rotary_pairs, progress=progress, store=store)
+                                           spec.rotary_pairs, chunk_windows=chunk, progress=progress, store=store)
         kept, stride, theta, share = choose_frequencies(scores, strides, shape.rope_dim, inv_freq,
                                                         int(text.windows.shape[1]))
 
@@ -332,7 +336,8 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         def keep(i: int, w: MLAWeights) -> None:
             store.put(i, {f: getattr(w, f).float() for f in fields})
 
-        convert_pass(src.folder, reader, spec, text.windows, dev, build, attend, keep, progress=progress, store=store)
+        convert_pass(src.folder, reader, spec, text.windows, dev, build, attend, keep, chunk_windows=chunk,
+                     progress=progress, store=store)
         calib_seconds = time.time() - calib_start
 
         def layer_weights(i: int) -> MLAWeights:
@@ -345,8 +350,9 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         def record_fields(output_files: list[str]) -> dict:
             mla = _mla_record(shape, kept, stride, theta, share, losses)
             mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
-            return _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds,
-                           time.time() - start) | {"mla": mla}
+            record = _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds, time.time() - start)
+            record["calibration"]["chunk_windows"] = chunk
+            return record | {"mla": mla}
 
         return write_conversion(src, reader, out, planner.plan(), new_config, KIND, record_fields, force=force,
                                 progress=progress, max_shard_bytes=max_shard_bytes)

@@ -21,7 +21,7 @@ A complex multiply-add is four real ones (`COMPLEX`); a symmetric eigendecomposi
 
 from __future__ import annotations
 
-from ..estimate import DEFAULT_CHUNK, CalibratedCost, Flops, LayerShape, attention_flops, mlp_flops
+from ..estimate import CalibratedCost, Flops, LayerShape, attention_flops, mlp_flops
 
 COMPLEX = 4  # real flops per complex flop of a matrix product (zgemm)
 EIGH = 9  # flops of torch.linalg.eigh of an n x n matrix, per n^3
@@ -126,25 +126,24 @@ def mla_fit_bytes(s: LayerShape, rank: int, rope: int, frequency_pass: bool, chu
     return max(moments, split, scores, factor, assemble, refit)
 
 
-def mla_activations(s: LayerShape, tokens: int, window: int) -> int:
+def mla_activations(s: LayerShape, tokens: int, window: int, chunk: int) -> int:
     """float32 tensors held at once (calibrate.convert_pass): the residual stream [tokens, H] up to its spill budget
     (the rest is on disk), and one chunk's attention input, converted heads z, the source attention's output (the
-    target) or the converted pass's attention output and layer output; the rotary cos/sin the layer calls carry."""
+    target) or the converted pass's attention output and layer output; the rotary cos/sin the layer calls carry.
+    `chunk`: tokens per chunk (surgery/calibration/chunks.py)."""
     from ..calibration.residual import default_budget
 
     H, hd = s.hidden, s.heads * s.head_dim
-    chunk = min(DEFAULT_CHUNK, max(1, tokens // window)) * window
     return min(4 * tokens * H, default_budget()) + 4 * chunk * (3 * H + hd + 2 * s.head_dim)
 
 
-def mla_attention_memory(s: LayerShape, rank: int, rope: int, tokens: int, window: int) -> dict[str, int]:
+def mla_attention_memory(s: LayerShape, rank: int, rope: int, window: int, chunk: int) -> dict[str, int]:
     """One chunk's DeepSeek attention beyond the streaming model's scratch (which counts one [chunk, heads, window]
     map): its head dims differ (d + D for scores, d for values), which sends scaled_dot_product_attention to the
     math path on the CPU, holding the scores and their masked copy (then the probabilities) at once; and its float32
     queries, keys and values (q_proj's output, the expanded latent, the rotated and concatenated queries and keys,
     the math path's scaled copies)."""
     h, d = s.heads, s.head_dim
-    chunk = min(DEFAULT_CHUNK, max(1, tokens // window)) * window
     return {"attention scores (math path)": 4 * chunk * h * window,
             "MLA queries and keys": 4 * chunk * (h * (5 * (d + rope) + 2 * d) + 3 * (rank + rope))}
 
@@ -162,7 +161,7 @@ def frequency_pass(config: dict, head_dim: int, rope: int) -> bool:
     return len(rope_strides(config_frequencies(one_layer, head_dim), rope)) > 1
 
 
-def mla_cost(config: dict, rank: int, rope_dim: int | None, calib_tokens: int, calib_window: int) -> CalibratedCost:
+def mla_cost(config: dict, rank: int, rope_dim: int | None) -> CalibratedCost:
     """The conversion's cost model for `estimate_calibrated` (`--kv-rank rank --rope-dim rope_dim`, default head_dim),
     after the checks the conversion makes first (family, config, sizes: the dry run refuses what it would)."""
     from ..arch import spec_for
@@ -174,9 +173,8 @@ def mla_cost(config: dict, rank: int, rope_dim: int | None, calib_tokens: int, c
     shape = Shape(spec, config, rank, rope_dim)
     rope = shape.rope_dim
     scored = frequency_pass(config, shape.head_dim, rope)
-    chunk = min(DEFAULT_CHUNK * calib_window, calib_tokens)  # tokens cast to float64 at a time (second moments)
     return CalibratedCost(
         "mla", lambda s, tokens, window: mla_layer_flops(s, rank, rope, tokens, window, scored),
-        lambda s: mla_fit_bytes(s, rank, rope, scored, chunk),
-        extra_memory=lambda s, tokens, window: mla_attention_memory(s, rank, rope, tokens, window),
+        lambda s, chunk: mla_fit_bytes(s, rank, rope, scored, chunk),  # a chunk's rows are cast to float64 at once
+        extra_memory=lambda s, tokens, window, chunk: mla_attention_memory(s, rank, rope, window, chunk),
         activations=mla_activations)

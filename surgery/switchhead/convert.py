@@ -17,6 +17,7 @@ import torch
 from ..checkpoint.atomic import check_output_path
 from ..calibration.store import LayerStore
 from ..calibration.stream import open_stream
+from ..calibration.chunks import chunk_windows
 from ..calibration.text import calibration_text, context_of, WINDOW
 from ..checkpoint.writer import write_conversion
 from ..errors import SurgeryError
@@ -156,7 +157,7 @@ def layer_pattern(family: Family, module: str) -> str:
 
 def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, topk: int,
                           calib: str | list[str] = "pydoc", calib_tokens: int = 8192, calib_window: int = WINDOW,
-                          force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
+                          calib_chunk: int | None = None, force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
                           allow_pickle: bool = False, seed: int = 0, progress: bool = True,
                           respect_kv_groups: bool = True, qk_merge: str = "mean", refit: bool = True,
                           ridge: float = RIDGE, device: str = "auto", calib_inputs: str = "converted") -> dict:
@@ -187,8 +188,8 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
         calibrated = Calibrated(clusters)
     else:
         builder = LayerBuilder(reader, family, names, shape, [], None, out_dtype)
-        calibrated = _calibrate(src, reader, out, builder, mode, calib, calib_tokens, calib_window, qk_merge, refit,
-                                ridge, device, progress, start, calib_inputs)
+        calibrated = _calibrate(src, reader, out, builder, mode, calib, calib_tokens, calib_window, calib_chunk,
+                                qk_merge, refit, ridge, device, progress, start, calib_inputs)
     planned = builder.plan(out_dtype)
     new_config = target_config(config, family, shape, dtype, builder.biases())
     settings = {"mode": mode, "qk_merge": qk_merge, "ridge": ridge, "seed": seed, "dtype": dtype, "start": start,
@@ -228,8 +229,8 @@ class Calibrated:
 
 
 def _calibrate(src: Source, reader: CheckpointReader, out: Path, builder: LayerBuilder, mode: str,
-               calib: str | list[str], calib_tokens: int, calib_window: int, qk_merge: str, refit: bool, ridge: float,
-               device: str, progress: bool, start: float, inputs: str) -> Calibrated:
+               calib: str | list[str], calib_tokens: int, calib_window: int, calib_chunk: int | None, qk_merge: str,
+               refit: bool, ridge: float, device: str, progress: bool, start: float, inputs: str) -> Calibrated:
     """Stream the source layer by layer over the calibration text: head distances and clusters, router fits and the
     output refit per layer; the new tensors go into a layer store the builder serves."""
     dev = pick_device(device)
@@ -237,12 +238,15 @@ def _calibrate(src: Source, reader: CheckpointReader, out: Path, builder: LayerB
     builder.tensors = LayerStore(out)  # removes itself when closed, dropped on an error, or at exit
     stream = open_stream(src.folder, reader, dev, attn_implementation="eager")
     stream.spill_into(builder.tensors.scratch("residual"), out)
-    layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress, inputs=inputs)
+    chunk = chunk_windows(src.config, int(text.windows.shape[1]), requested=calib_chunk, eager=True)
+    layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress,
+                              chunk_windows=chunk, inputs=inputs)
     builder.clusters = layers.clusters
     calibration = text.record() | {
         "device": str(dev),
         "streaming": "layer by layer from the checkpoint (float32 on the device, eager attention)",
         "layer_inputs": LAYER_INPUTS[inputs],
+        "chunk_windows": chunk,
         "distance": "mean over query rows of the squared L2 distance between two heads' attention probabilities",
         "seconds": round(time.time() - start, 3)}
     return Calibrated(layers.clusters, layers.fits, layers.pivots, layers.refit, calibration)

@@ -14,6 +14,7 @@ import torch
 
 from ...arch import QKVLayout, spec_for
 from ...checkpoint.atomic import check_output_path
+from ...calibration.chunks import chunk_windows
 from ...calibration.store import LayerStore
 from ...calibration.stream import LayerProgress, open_stream
 from ...calibration.text import CalibrationText, calibration_text, context_of, WINDOW
@@ -120,6 +121,7 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[
     opts = replace(options or MergeOptions(groups=kv_heads), groups=kv_heads, seed=seed)
     dev = pick_device(device)
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window)
+    opts = replace(opts, chunk_windows=chunk_windows(config, int(text.windows.shape[1]), requested=opts.chunk_windows))
     calib_start = time.time()
     with LayerStore(out) as store:
         result = _calibrate_and_merge(src, reader, spec, config, shape, text.windows, opts, dev, store, progress)
@@ -164,6 +166,7 @@ def _merge_record(text: CalibrationText, result, opts: MergeOptions, shape, seed
         "calibration": text.record() | {
             "device": str(device),
             "streaming": "layer by layer from the checkpoint (float32 on the device)",
+            "chunk_windows": opts.chunk_windows,
             "seconds": round(seconds, 3),
             "stages_seconds": result.stages,
         },

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...arch import ArchSpec, qkv_layout
+from ...calibration.chunks import chunk_windows
 from ...calibration.stream import LayerStream, run_layer
 from ...runtime import threads
 from . import capture
@@ -37,7 +38,9 @@ QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
 @dataclass
 class MergeOptions:
     groups: int
-    chunk_windows: int = 8  # windows per chunk: every per-layer stage holds one chunk (bounds the memory)
+    # windows per chunk: every per-layer stage holds one chunk (bounds the memory); None: the rule of
+    # surgery/calibration/chunks.py (the most windows, up to 8, that fit its budget on this model)
+    chunk_windows: int | None = None
     assign: bool = True  # group K/V heads by similarity (else consecutively)
     fold: bool = True  # fit keys with RoPE-commuting maps folded into the queries
     refit_q: bool = True
@@ -158,7 +161,7 @@ class _ModelMerge:
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.layout = qkv_layout(spec, config)
         self.conv1d = spec.conv1d_pattern is not None
-        self.chunks = list(windows.split(opts.chunk_windows))
+        self.chunks = list(windows.split(chunk_windows(config, int(windows.shape[-1]), requested=opts.chunk_windows)))
         self.rotary_model = any(name.endswith("rotary_emb") for name, _ in stream.model.named_modules())
         self.gen = torch.Generator().manual_seed(opts.seed)
         self.stages: dict[str, float] = {}
