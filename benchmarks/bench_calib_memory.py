@@ -8,9 +8,11 @@ The source is the real SmolLM2-135M (`smollm2`) cut to its first `--layers` deco
 once beside --json or under /tmp: peak memory is one layer's work, so fewer layers change the time, not the peak).
 Each conversion runs as `python -m surgery.cli convert SRC --out TMP ... --calib-tokens T` with PYTHONPATH set to
 the code under test, in a child whose peak RSS is the kernel's (`ru_maxrss` of the child). Prints one row per
-(kind, tokens): peak before, peak after, after/before, wall seconds of each. `--spill-mb M` measures this tree once
+(kind, tokens): peak before, peak after, after/before, wall seconds and CPU seconds (user + system of the child:
+what the load changes less) of each. `--spill-mb M` measures this tree once
 more with `SURGERY_RESIDUAL_RAM_MB=M` (0: every residual chunk on disk), an extra column. `--source FOLDER` runs on
-that checkpoint instead (e.g. benchmarks/synthetic.py's llama3-8b at 2 layers).
+that checkpoint instead (e.g. benchmarks/synthetic.py's llama3-8b at 2 layers; `--kinds mla512,aligned` for its
+MLA at rank 512, 32 rope dims).
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PEAK = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
-        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, rc)")
+        "r = resource.getrusage(resource.RUSAGE_CHILDREN); print(r.ru_utime + r.ru_stime, r.ru_maxrss * 1024, rc)")
 KINDS = {
     "aligned": ["--to", "mqa", "--merge", "aligned"],
     "mla": ["--to", "mla", "--kv-rank", "64"],
+    "mla512": ["--to", "mla", "--kv-rank", "512", "--rope-dim", "32"],  # the 8B layout's (issue 29)
 }
 
 
@@ -71,10 +74,10 @@ def measure(code: Path, src: Path, args: list[str], tokens: int, spill_mb: int |
         start = time.time()
         proc = subprocess.run([sys.executable, "-c", PEAK, *cmd], env=env, capture_output=True, text=True, cwd=tmp)
         wall = time.time() - start
-    peak, rc = proc.stdout.split()[-2:]
+    cpu, peak, rc = proc.stdout.split()[-3:]
     if rc != "0":
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
-    return {"peak_rss": int(peak), "wall_s": round(wall, 1), "load": os.getloadavg()}
+    return {"peak_rss": int(peak), "wall_s": round(wall, 1), "cpu_s": round(float(cpu), 1), "load": os.getloadavg()}
 
 
 def main() -> None:
@@ -91,8 +94,9 @@ def main() -> None:
     src = truncated_smollm2(a.layers, a.source or Path(tempfile.gettempdir()) / f"smollm2-{a.layers}l")
     rows = []
     spill = f" | peak RSS after, residual budget {a.spill_mb} MiB" if a.spill_mb is not None else ""
-    print(f"| conversion | calib tokens | peak RSS before | peak RSS after | after / before | wall before / after{spill} |")
-    print("|---|---|---|---|---|---|" + ("---|" if spill else ""))
+    print(f"| conversion | calib tokens | peak RSS before | peak RSS after | after / before | wall before / after | "
+          f"CPU s before / after{spill} |")
+    print("|---|---|---|---|---|---|---|" + ("---|" if spill else ""))
     for tokens in (int(t) for t in a.tokens.split(",")):
         for kind in a.kinds.split(","):
             before = measure(a.before, src, KINDS[kind], tokens)
@@ -106,7 +110,7 @@ def main() -> None:
             rows.append(row)
             print(f"| `{' '.join(KINDS[kind])}` | {tokens:,} | {before['peak_rss'] / 1e9:.2f} GB | "
                   f"{after['peak_rss'] / 1e9:.2f} GB | {row['ratio']:.2f}x | {before['wall_s']:.0f} s / "
-                  f"{after['wall_s']:.0f} s |{extra}", flush=True)
+                  f"{after['wall_s']:.0f} s | {before['cpu_s']:.0f} / {after['cpu_s']:.0f} |{extra}", flush=True)
             if a.json:
                 a.json.write_text(json.dumps({"source": str(src), "layers": a.layers, "rows": rows}, indent=1))
 
