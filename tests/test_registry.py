@@ -265,6 +265,8 @@ RULES = [
      "--calib-tokens must be positive, got 0", "calib_tokens must be positive, got 0"),
     ({"to": "mqa", "merge": "aligned", "calib_window": 1},
      "--calib-window must be at least 2, got 1", "calib_window must be at least 2, got 1"),
+    ({"to": "mla", "kv_rank": 8, "calib_chunk": 0},
+     "--calib-chunk must be at least 1 window, got 0", "calib_chunk must be at least 1 window, got 0"),
 ]
 
 
