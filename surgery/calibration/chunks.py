@@ -14,7 +14,9 @@ from __future__ import annotations
 
 MAX_WINDOWS = 8  # the most windows a chunk holds (past it the per-chunk overhead is negligible on any model)
 CHUNK_BUDGET = 256 << 20  # bytes of one chunk's activations and scratch (SmolLM2: 8 windows, Llama-3-8B: 1)
-EAGER_WINDOWS = 1  # eager attention (SwitchHead) keeps scores, probabilities and maps: one window by default
+# eager attention (SwitchHead) keeps scores, probabilities and maps, and its router fits are ill-conditioned enough
+# that batching windows moves them ~1% (surgery/switchhead/layers.py): one window by default
+EAGER_WINDOWS = 1
 
 
 def intermediate_size(config: dict, hidden: int) -> int:

@@ -20,16 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
+from ..calibration.chunks import EAGER_WINDOWS
 from ..calibration.stream import LayerProgress, LayerStream, run_layer
 from .build import layer_tensors
 from .calibrate import LayerFit, attention_module, attention_path, calibrate_layer, source_captures
 from .cluster import cluster_heads, medoid
 from .refit import refit_layer, switchhead_attention
 
-# windows per forward: one, as the in-memory path ran them. The router fit and the output refit solve
-# ill-conditioned systems, which turn float32 summation-order differences from batching windows into ~1% changes
-# of the routers; one window per forward keeps every product, and so the fits, identical.
-CHUNK_WINDOWS = 1
+# windows per forward: one (the chunk rule's EAGER_WINDOWS, surgery/calibration/chunks.py), as the in-memory path
+# ran them. The router fit and the output refit solve ill-conditioned systems, which turn float32 summation-order
+# differences from batching windows into ~1% changes of the routers; one window per forward keeps every product,
+# and so the fits, identical (`--calib-chunk N` trades that for speed).
+CHUNK_WINDOWS = EAGER_WINDOWS
 
 
 @torch.no_grad()
