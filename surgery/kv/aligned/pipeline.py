@@ -104,6 +104,7 @@ def merge_model(stream: LayerStream, spec: ArchSpec, config: dict, heads: int, k
         reports.append(report)
         if progress:
             progress(index, merged)
+        del merged, params  # not alive through the next layer's merge
     stages = {k: round(v, 2) for k, v in merger.stages.items()}
     return MergeResult(out_layers, reports, time.time() - start, stages)
 
@@ -187,11 +188,13 @@ class _ModelMerge:
         source = la.read()
         w = _Layer(index, layer, la, source, folded, grouped, self.opts.refit_q and folded and grouped,
                    self.opts.refit_v and folded and grouped, source.qkv_bias)
+        del source  # w.source is the one reference, which the merge drops (see _merge)
         w.src_attention = copy.deepcopy(la.attention)
         w.src_out = w.src_attention.get_submodule(_relative(la.attention, la.out_module))
         sigma = self._moments(w)
         self._tick("converted input")
         merged = self._merge(w, sigma)
+        del sigma  # the refits sum their own moments: the merge's d_in x d_in float64 need not outlive it
         params = merged.params
         la.write(params)
         self._tick("merge")
