@@ -293,12 +293,14 @@ def fit_bytes(s: LayerShape, refit_values: bool = False) -> int:
     # the query refit: two input Grams (one becomes the LU) and the right-hand sides, float32 solution; the output
     # refit: the heads' Gram (its own LU), right-hand sides and solution, float32 copy. The merge before them holds
     # sigma and one group's heads in float64 (less).
-    query = 8 * (2 * din * din + hd * din) + 4 * hd * din
+    # each chunk's right-hand-side product in float32 and its float64 cast come on top of the query refit's sums
+    query = 8 * (2 * din * din + hd * din) + 4 * hd * din + 12 * hd * din
     output = 8 * ((hd + 1) ** 2 + 2 * (hd + 1) * d) + 4 * (hd + 1) * d
     value = 8 * (s.heads * din * din + 2 * hd * din) if refit_values else 0  # every query head's input Gram
-    # the source attention's float32 copy (the refits' targets, recomputed chunk by chunk) lives through the layer
+    # the source attention's float32 copy (the refits' targets, recomputed chunk by chunk) and the merged params
+    # (source-shaped, float32) live through the layer
     source_copy = 4 * (din * (hd + 2 * s.kv_heads * s.head_dim) + d * hd)
-    return max(query, output, value) + source_copy
+    return max(query, output, value) + 2 * source_copy
 
 
 @dataclass(frozen=True)
