@@ -6,6 +6,8 @@
   resident, one decoder layer at a time read from the checkpoint onto the device, calibrated and freed; the
   calibration activations stay on the device (or on the host when they do not fit). `estimate_peak_bytes` is its
   memory model.
+- `chunks`: how many calibration windows one chunk holds (sized by the model's width; `--calib-chunk`), the one
+  rule the calibrated conversions and their cost models share.
 """
 
 from .stream import LayerStream, estimate_peak_bytes, open_stream

@@ -378,6 +378,7 @@ def estimate_peak_bytes(config: dict, calib_tokens: int, dtype: str | torch.dtyp
       chunk's attention inputs, source and converted attention outputs, queries, keys and heads (float32
       [chunk tokens, width]: every per-layer stage works chunk by chunk);
     - scratch: one chunk's attention probabilities and MLP activations.
+    A chunk is `chunk_windows` windows of `window` tokens (default: the converters' rule, surgery/calibration/chunks.py).
     On "cpu" everything is host memory; on CUDA the device holds all four and the host about one layer read from
     the checkpoint (in its dtype) plus the embedding being loaded; "host" includes the runtime (Python, torch,
     transformers: `RUNTIME_BYTES`).
