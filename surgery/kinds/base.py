@@ -134,6 +134,24 @@ class CalibrationOptions(CliModel):
     _calib_chunk = field_validator("calib_chunk")(calib_chunk_rule)
 
 
+class QueryRefitOptions(CliModel):
+    """The query refit's sampling (aligned merge, MLA): after the keys change, q_proj is regressed onto the queries
+    that best reproduce the source's attention logits at sampled positions of every calibration window."""
+
+    GROUP: ClassVar[str] = "query refit (aligned merge, mla)"
+    query_samples: int = option(
+        128, "--query-samples", "[aligned, mla] Query positions per calibration window whose ideal queries the query "
+        "refit solves for (more fits better and costs more; the window's length = every position).", metavar="N",
+        group=GROUP)
+
+    @field_validator("query_samples")
+    @classmethod
+    def _samples(cls, v: int, info: ValidationInfo) -> int:
+        if v < 1:
+            raise ValueError(f"{spelling(info, cls).flag('query_samples')} must be positive, got {v}")
+        return v
+
+
 @dataclass
 class AttentionShape:
     """Per-layer attention sizes as surgery/inspect.py reads them (L layers, h heads, kv K/V heads, d head_dim,

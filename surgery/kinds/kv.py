@@ -10,7 +10,7 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..arch import Feature
 from ..options import option, spelling
-from .base import CalibrationOptions, Kind, WriteOptions
+from .base import CalibrationOptions, Kind, QueryRefitOptions, WriteOptions
 from ..kv.refusals import ALIGNED_LABEL, ALIGNED_REFUSES, PLAIN_LABEL, PLAIN_REFUSES
 
 ALIGNED = "aligned"  # the calibrated merge; the others are surgery.kv.pool's POOL_METHODS (tests/test_registry.py)
@@ -38,24 +38,13 @@ class KVMergeFields(WriteOptions):
         "similarity", "--grouping", "[aligned] Which K/V heads share a merged head: similarity (the grouping that "
         "loses least, searched over up to C(K, K/G) candidate groups per layer, each scored from per-head products "
         "computed once) or consecutive (as the plain merges; skips the search).", group=GROUP)
-    query_samples: int = option(
-        128, "--query-samples", "[aligned] Query positions per calibration window whose ideal queries the query refit "
-        "solves for (more fits better and costs more; the window's length = every position).", metavar="N",
-        group=GROUP)
     refit_values: bool = option(
         False, "--refit-values", "[aligned] Also refit the merged values so that each query head reproduces its "
         "source head's output under the converted attention (holds one hidden x hidden float64 matrix per query head: "
         "about 4 GB on Llama-3-8B).", group=GROUP)
 
-    @field_validator("query_samples")
-    @classmethod
-    def _samples(cls, v: int, info: ValidationInfo) -> int:
-        if v < 1:
-            raise ValueError(f"{spelling(info, cls).flag('query_samples')} must be positive, got {v}")
-        return v
 
-
-class KVMergeOptions(CalibrationOptions, KVMergeFields):
+class KVMergeOptions(CalibrationOptions, QueryRefitOptions, KVMergeFields):
     @property
     def groups(self) -> int:
         """K/V heads after conversion."""

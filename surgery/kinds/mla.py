@@ -10,7 +10,7 @@ from typing import ClassVar
 from pydantic import ValidationInfo, model_validator
 
 from ..options import option, spelling
-from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
+from .base import AttentionShape, CalibrationOptions, Kind, QueryRefitOptions, WriteOptions
 from ..mla.refusals import REFUSES
 
 
@@ -27,7 +27,7 @@ class MLAFields(WriteOptions):
         "head_dim; default head_dim).", metavar="D", group=GROUP)
 
 
-class MLAOptions(CalibrationOptions, MLAFields):
+class MLAOptions(CalibrationOptions, QueryRefitOptions, MLAFields):
     @model_validator(mode="after")
     def _sizes(self, info: ValidationInfo):
         s = spelling(info, type(self))
@@ -50,14 +50,14 @@ class MLA(Kind):
 
         return convert_to_mla(source, out, kv_rank=options.kv_rank, rope_dim=options.rope_dim, calib=options.calib,
                               calib_tokens=options.calib_tokens, calib_window=options.calib_window,
-                              calib_chunk=options.calib_chunk,
+                              calib_chunk=options.calib_chunk, query_samples=options.query_samples,
                               device=options.device, **options.write_kwargs())
 
     def calibration_estimate(self, config: dict, options: MLAOptions, *, dtype: str, device: str, throughput=None):
         from ..estimate import estimate_calibrated
         from ..mla.cost import mla_cost
 
-        cost = mla_cost(config, options.kv_rank, options.rope_dim)
+        cost = mla_cost(config, options.kv_rank, options.rope_dim, options.query_samples)
         return estimate_calibrated(config, cost, options.calib_tokens, dtype=dtype, device=device,
                                    window=options.calib_window, throughput=throughput, chunk=options.calib_chunk)
 

@@ -5,13 +5,16 @@
    the whole model shares (DeepSeek has one rope_theta) is chosen before any layer is converted.
 2. `convert_pass`: on the converted model's own residual stream (layer l sees what layers 0..l-1, already
    converted, output, as the aligned merge's `targets="local"`): the layer's attention input x gives Sigma =
-   E[x x^T] for the factorisation (surgery/mla/factor.py); the converted attention (`mla_attention`, DeepSeek's
-   computation) then runs on the same x, o_proj is refit by ridge regression onto the source layer's attention
-   output on that x (the aligned merge's `refit_output`), and the converted layer's output feeds the next layer.
+   E[x x^T] for the factorisation (surgery/mla/factor.py); q_proj is refit on the same x so that each head's
+   logits against its MLA keys reproduce the source head's (the aligned merge's `QueryFit`, one head per group);
+   the converted attention (`MLAGeometry.attend`, DeepSeek's computation) then runs on x, o_proj is refit by ridge
+   regression onto the source layer's attention output on that x (the aligned merge's `OutputFit`), and the
+   converted layer's output feeds the next layer.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -19,43 +22,74 @@ import torch
 from ..calibration.chunks import MAX_WINDOWS
 from ..calibration.stream import LayerProgress, open_stream, run_layer
 from ..kv.aligned import capture
-from ..kv.aligned.refit import OutputFit
+from ..kv.aligned.refit import OutputFit, QueryFit, QueryRefit
+from ..kv.aligned.rotary import RotaryPairs
+from ..kv.aligned.shape import RefitShape
 from ..runtime import threads
 from .factor import MLAWeights, SourceAttention, frequency_scores
 
 O_RIDGE = 0.1  # the aligned merge's output-refit ridge (relative to the Gram's mean diagonal)
 
 
-def mla_attention(x: torch.Tensor, w: MLAWeights, heads: int, nope: int, rope: int, v_dim: int, theta: float,
-                  eps: float) -> torch.Tensor:
-    """DeepSeek-V3's attention (q_lora_rank null, interleaved RoPE) on windows x [N, L, H] starting at position 0,
-    causal; returns o_proj's input [N, L, heads * v_dim]."""
-    n, length, _ = x.shape
-    f = x.dtype
-    q = (x @ w.q_proj.T.to(f)).view(n, length, heads, nope + rope).transpose(1, 2)
-    ckv = x @ w.kv_a.T.to(f)
-    latent, k_rope = ckv[..., :-rope], ckv[..., -rope:]
-    latent = latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps) * w.kv_a_norm.to(f)
-    kv = (latent @ w.kv_b.T.to(f)).view(n, length, heads, nope + v_dim).transpose(1, 2)
-    inv_freq = 1.0 / theta ** (torch.arange(0, rope, 2, dtype=torch.float64, device=x.device) / rope)
-    angle = torch.arange(length, dtype=torch.float64, device=x.device)[:, None] * inv_freq[None]
-    cos, sin = angle.cos().to(f), angle.sin().to(f)
+@dataclass(frozen=True)
+class MLAGeometry:
+    """The sizes DeepSeek-V3's attention needs beside its weights: heads, no-position / rope / value dims per head,
+    rope_theta and kv_a_layernorm's epsilon."""
 
-    def rotate(t):  # pairs (2i, 2i+1) rotated by frequency i, as DeepSeek's rope_interleave
-        a, b = t[..., 0::2], t[..., 1::2]
-        return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+    heads: int
+    nope: int
+    rope: int
+    v_dim: int
+    theta: float
+    eps: float
 
-    q_rope = rotate(q[..., nope:])
-    k_rope = rotate(k_rope)[:, None].expand(n, heads, length, rope)
-    query = torch.cat([q[..., :nope], q_rope], dim=-1)
-    key = torch.cat([kv[..., :nope], k_rope], dim=-1)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, kv[..., nope:], is_causal=True,
-                                                           scale=(nope + rope) ** -0.5)
-    return out.transpose(1, 2).reshape(n, length, heads * v_dim)
+    @property
+    def scale(self) -> float:
+        return (self.nope + self.rope) ** -0.5
+
+    def rotary(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [L, rope/2] of positions 0..L-1 (one angle per interleaved pair)."""
+        inv_freq = 1.0 / self.theta ** (torch.arange(0, self.rope, 2, dtype=torch.float64, device=device) / self.rope)
+        angle = torch.arange(length, dtype=torch.float64, device=device)[:, None] * inv_freq[None]
+        return angle.cos(), angle.sin()
+
+    def pairs(self) -> RotaryPairs:
+        """The rotating pairs of one MLA head [no-position dims, rope dims]: (nope + 2i, nope + 2i + 1)."""
+        a = torch.arange(self.nope, self.nope + self.rope, 2)
+        return RotaryPairs(a, a + 1, torch.arange(self.nope))
+
+    def project(self, x: torch.Tensor, w: MLAWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's queries and keys [N, heads, L, nope + rope] (rope dims rotated, interleaved) and values
+        [N, heads, L, v_dim] on windows x [N, L, H] starting at position 0 (q_lora_rank null)."""
+        n, length, _ = x.shape
+        f, heads, nope, rope = x.dtype, self.heads, self.nope, self.rope
+        q = (x @ w.q_proj.T.to(f)).view(n, length, heads, nope + rope).transpose(1, 2)
+        ckv = x @ w.kv_a.T.to(f)
+        latent, k_rope = ckv[..., :-rope], ckv[..., -rope:]
+        latent = latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + self.eps) * w.kv_a_norm.to(f)
+        kv = (latent @ w.kv_b.T.to(f)).view(n, length, heads, nope + self.v_dim).transpose(1, 2)
+        cos, sin = (t.to(f) for t in self.rotary(length, x.device))
+
+        def rotate(t):  # pairs (2i, 2i+1) rotated by frequency i, as DeepSeek's rope_interleave
+            a, b = t[..., 0::2], t[..., 1::2]
+            return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+
+        k_rope = rotate(k_rope)[:, None].expand(n, heads, length, rope)
+        query = torch.cat([q[..., :nope], rotate(q[..., nope:])], dim=-1)
+        key = torch.cat([kv[..., :nope], k_rope], dim=-1)
+        return query, key, kv[..., nope:]
+
+    def attend(self, x: torch.Tensor, w: MLAWeights) -> torch.Tensor:
+        """DeepSeek-V3's attention, causal, on windows x [N, L, H]; returns o_proj's input [N, L, heads * v_dim]."""
+        n, length, _ = x.shape
+        query, key, value = self.project(x, w)
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=self.scale)
+        return out.transpose(1, 2).reshape(n, length, self.heads * self.v_dim)
 
 
 def _stream(folder, reader, device, windows, chunk_windows, store=None):
     stream = open_stream(folder, reader, device, attn_implementation="sdpa")
+    capture.instrument(stream.model)  # the query refit reads the source's rotated queries and keys
     if store is not None:  # the residual stream past its memory budget goes into the layer store's folder
         stream.spill_into(store.scratch("residual"), store.beside)
     chunks = list(windows.split(chunk_windows))
@@ -106,13 +140,42 @@ def frequency_scores_pass(folder, reader, spec, windows: torch.Tensor, device: t
     return scores
 
 
-def _refit_o(stream, spec, layer, index, hidden, calls, weights: MLAWeights, attend: Callable) -> torch.Tensor:
+def _refit_q(stream, spec, layer, index, hidden, calls, weights: MLAWeights, geometry: MLAGeometry,
+             opts: QueryRefit, generator: torch.Generator) -> torch.Tensor:
+    """q_proj refit as the aligned merge's (`QueryFit`): at sampled positions of every window, each head's query that
+    best reproduces the source head's attention logits against the head's MLA keys (no-position keys through the
+    latent, the shared rope key), weighted by the source's attention probabilities; q_proj regressed onto those
+    queries (rope dims un-rotated), pulled toward the factorisation's. The MLA keys enter at the source's logit scale
+    (DeepSeek's softmax scale over the source's), so the queries come out in MLA's own space."""
+    attention, _, out_module = _modules(spec, layer)
+    heads, width = geometry.heads, geometry.nope + geometry.rope
+    fit = None
+    with threads(1):
+        for a in _inputs(stream, spec, layer, index, hidden, calls):
+            record = capture.run_attention(attention, out_module, a).record
+            q_src, k_src = record.queries[0], record.keys[0]
+            k_src = k_src.repeat_interleave(heads // k_src.shape[1], dim=1)  # each query head against its K/V head
+            query, key, _ = geometry.project(a.x, weights)
+            key = key * (geometry.scale / record.scaling)
+            n, length = a.x.shape[:2]
+            cos, sin = (t.float().expand(n, length, -1) for t in geometry.rotary(length, a.x.device))
+            if fit is None:
+                shape = RefitShape(heads, heads, width, a.x.shape[-1], [[h] for h in range(heads)])
+                fit = QueryFit(shape, length, [[h] for h in range(heads)], geometry.pairs(), record.scaling,
+                               record.softcap, opts, generator, a.x.device)
+            fit.add(a.x, q_src, k_src, query, key, cos, sin)
+            del a, record, q_src, k_src, query, key  # before the next chunk is computed
+        q = fit.solve(weights.q_proj.to(stream.device, torch.float32))
+    return q.double().cpu()
+
+
+def _refit_o(stream, spec, layer, index, hidden, calls, weights: MLAWeights, geometry: MLAGeometry) -> torch.Tensor:
     """o_proj by ridge regression onto the source attention's output, its normal equations summed chunk by chunk
     (the source attention runs on each chunk here; memory is one chunk and the [H*v, H*v] Gram)."""
     attention, _, out_module = _modules(spec, layer)
     fit = OutputFit(weights.o_proj.to(stream.device, torch.float32), None)
     for a in _inputs(stream, spec, layer, index, hidden, calls):
-        z = attend(a.x, weights)
+        z = geometry.attend(a.x, weights)
         target = capture.run_attention(attention, out_module, a).output
         fit.add(z.reshape(-1, z.shape[-1]), target.reshape(-1, target.shape[-1]))
         del a, z, target  # before the next chunk is computed
@@ -123,22 +186,27 @@ def _refit_o(stream, spec, layer, index, hidden, calls, weights: MLAWeights, att
 
 @torch.no_grad()
 def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.device,
-                 build: Callable[[int, torch.Tensor], MLAWeights], attend: Callable, keep: Callable,
-                 refit_o: bool = True, chunk_windows: int = MAX_WINDOWS, progress: bool = True, store=None) -> None:
+                 build: Callable[[int, torch.Tensor], MLAWeights], geometry: MLAGeometry, keep: Callable,
+                 refit_q: QueryRefit | None = None, refit_o: bool = True, seed: int = 0,
+                 chunk_windows: int = MAX_WINDOWS, progress: bool = True, store=None) -> None:
     """Convert every layer on the converted stream: `build(index, sigma)` gives the layer's MLA weights,
-    `attend(x, weights)` its o_proj input, `keep(index, weights)` receives the final weights. Each step is a pass
-    over the chunks (second moments, output refit, converted pass): past the residual stream, memory is one chunk."""
+    `keep(index, weights)` receives the final weights. Each step is a pass over the chunks (second moments, query
+    refit, output refit, converted pass): past the residual stream, memory is one chunk."""
+    generator = torch.Generator().manual_seed(seed)  # the query refit's sampled positions
     with threads(torch.get_num_threads()):
         stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows, store)
         with LayerProgress("calibrate + convert", len(stream), progress) as bar:
             for index, _, layer in stream.layers():
                 attention = _modules(spec, layer)[0]
                 weights = build(index, _second_moments(_inputs(stream, spec, layer, index, hidden, calls)))
+                if refit_q is not None:
+                    weights.q_proj = _refit_q(stream, spec, layer, index, hidden, calls, weights, geometry, refit_q,
+                                              generator)
                 if refit_o:
-                    weights.o_proj = _refit_o(stream, spec, layer, index, hidden, calls, weights, attend)
+                    weights.o_proj = _refit_o(stream, spec, layer, index, hidden, calls, weights, geometry)
                 o_proj = weights.o_proj.to(stream.device, torch.float32)
                 for i, a in enumerate(_inputs(stream, spec, layer, index, hidden, calls)):
-                    out = attend(a.x, weights) @ o_proj.T
+                    out = geometry.attend(a.x, weights) @ o_proj.T
                     hidden[i] = stream.stash(capture.run_layer_with_attention_output(
                         layer, attention, stream.fetch(hidden[i]), calls[i][index], out))
                     del a, out  # before the next chunk is computed

@@ -26,10 +26,12 @@ from ..checkpoint.writer import write_conversion
 from ..runtime import load_tokenizer, pick_device
 from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, PlannedTensor
-from .calibrate import convert_pass, frequency_scores_pass, mla_attention
+from ..kv.aligned.refit import QueryRefit
+from .calibrate import MLAGeometry, convert_pass, frequency_scores_pass
 from .factor import MLAWeights, SourceAttention, mla_layer
 from .refusals import KIND, REFUSES
 
+QUERY_SAMPLES = QueryRefit().samples  # the aligned merge's default (`--query-samples`)
 LATENT_EPS = 1e-6  # transformers' DeepseekV3 kv_a_layernorm epsilon (fixed; vLLM and llama.cpp read rms_norm_eps)
 ATTENTION = ("q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 
@@ -257,7 +259,7 @@ def _projection_names(reader: CheckpointReader, spec, layers: int) -> dict[tuple
 
 
 def _mla_record(shape: Shape, kept: list[int], stride: int, theta: float, share: float,
-                losses: dict[int, tuple[float, float]]) -> dict:
+                losses: dict[int, tuple[float, float]], query_samples: int) -> dict:
     """surgery.json's `mla` fields: the sizes, the kept frequencies and the mean losses of the two fits."""
     n = max(len(losses), 1)
     return {"kv_lora_rank": shape.rank, "full_rank": shape.full_rank, "qk_rope_head_dim": shape.rope_dim,
@@ -266,6 +268,7 @@ def _mla_record(shape: Shape, kept: list[int], stride: int, theta: float, share:
                         "queries' energy); the residual keys lose their rotation",
             "latent": "joint K-nope/V factorisation weighted by the calibration activations, key rows by their "
                       "queries' and value rows by o_proj's metric",
+            "query_refit": {"samples": query_samples} if query_samples else False,
             "output_refit": True, "targets": "local (each layer on the converted layers' outputs)",
             "kv_a_layernorm": f"linear regime: latent mean square ~1e-4 x eps {LATENT_EPS}",
             "rope_loss": round(sum(v[0] for v in losses.values()) / n, 6),
@@ -284,11 +287,11 @@ def _record(shape: Shape, spec, text, dev, dtype, seed, output_files, calib_seco
 def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None = None,
                    calib: str | list[str] = "pydoc", calib_tokens: int = 8192, calib_window: int = WINDOW,
                    calib_chunk: int | None = None, force: bool = False, dtype: str | None = None,
-                   max_shard_bytes: int = 5_000_000_000,
-                   allow_pickle: bool = False, seed: int = 0, progress: bool = True, device: str = "auto") -> dict:
+                   max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
+                   progress: bool = True, device: str = "auto", query_samples: int = QUERY_SAMPLES) -> dict:
     """Convert `src` into a DeepSeek-V3 (MLA) checkpoint at `out` with latent rank `kv_rank` and `rope_dim` rotary
     dims per head (default: head_dim), calibrating in chunks of `calib_chunk` windows (default: the rule of
-    surgery/calibration/chunks.py)."""
+    surgery/calibration/chunks.py); `query_samples` positions per window for the query refit (0: none)."""
     start = time.time()
     config = src.config
     spec = spec_for(config, KIND, REFUSES)
@@ -329,14 +332,12 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
             losses[i] = (w.rope_loss, w.latent_loss)
             return w
 
-        def attend(x: torch.Tensor, w: MLAWeights) -> torch.Tensor:
-            return mla_attention(x, w, shape.heads, shape.head_dim, shape.rope_dim, shape.head_dim, theta,
-                                 LATENT_EPS)
-
         def keep(i: int, w: MLAWeights) -> None:
             store.put(i, {f: getattr(w, f).float() for f in fields})
 
-        convert_pass(src.folder, reader, spec, text.windows, dev, build, attend, keep, chunk_windows=chunk,
+        geometry = MLAGeometry(shape.heads, shape.head_dim, shape.rope_dim, shape.head_dim, theta, LATENT_EPS)
+        convert_pass(src.folder, reader, spec, text.windows, dev, build, geometry, keep, chunk_windows=chunk,
+                     refit_q=QueryRefit(samples=query_samples) if query_samples else None, seed=seed,
                      progress=progress, store=store)
         calib_seconds = time.time() - calib_start
 
@@ -348,7 +349,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         new_config = target_config(config, shape, theta, dtype)
 
         def record_fields(output_files: list[str]) -> dict:
-            mla = _mla_record(shape, kept, stride, theta, share, losses)
+            mla = _mla_record(shape, kept, stride, theta, share, losses, query_samples)
             mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
             record = _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds, time.time() - start)
             record["calibration"]["chunk_windows"] = chunk

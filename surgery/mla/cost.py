@@ -10,7 +10,9 @@ no-position keys and values):
   (`frequency_scores`: the heads' rows times Sigma), and the source layer's forward (attention and MLP, float32).
 - `convert_pass`: the second moments again (on the converted stream), then the factorisation (`mla_layer`, float64:
   per kept frequency the RoRoPE split's complex products with Sigma; the query and o_proj metrics, their square
-  roots, the weighted stack's products with Sigma and its eigendecomposition of size F), DeepSeek's attention on
+  roots, the weighted stack's products with Sigma and its eigendecomposition of size F), the query refit
+  (`query_refit_products`: the source attention again, DeepSeek's queries and keys, the aligned merge's ideal
+  queries per head at the sampled positions, the input Grams; an LU of H), DeepSeek's attention on
   the calibration windows (projections, latent expansion, full-square scores and values: float32), the source
   attention for the targets, the o_proj refit (the converted heads' Gram and cross products in float32, its LU and
   solve in float64), then the converted pass (DeepSeek's attention again: chunks are recomputed, not held), o_proj
@@ -21,7 +23,8 @@ A complex multiply-add is four real ones (`COMPLEX`); a symmetric eigendecomposi
 
 from __future__ import annotations
 
-from ..estimate import CalibratedCost, Flops, LayerShape, attention_flops, mlp_flops
+from ..estimate import QUERY_SAMPLES, CalibratedCost, Flops, LayerShape, attention_flops, mlp_flops
+from ..kv.aligned.refit import QueryRefit
 
 COMPLEX = 4  # real flops per complex flop of a matrix product (zgemm)
 EIGH = 9  # flops of torch.linalg.eigh of an n x n matrix, per n^3
@@ -81,13 +84,45 @@ def refit_solve(s: LayerShape) -> float:
     return 2 / 3 * hd**3 + 2 * hd * hd * s.hidden
 
 
-def mla_layer_products(s: LayerShape, rank: int, rope: int, tokens: int, window: int, frequency_pass: bool) -> Flops:
+def query_refit_products(s: LayerShape, rank: int, rope: int, tokens: int, window: int, samples: int) -> Flops:
+    """Matrix products of calibrate._refit_q (the aligned merge's `QueryFit` with one head per group): the source
+    attention (its rotated queries and keys), DeepSeek's queries and keys (projections only), the input's Grams on
+    all tokens and at the sampled positions, per head the key kernel phi A^-1 phi^T of every window and the ideal
+    queries' products at the sampled positions (`ideal_queries`), the right-hand sides; float64: the prior's
+    product with each head's rows."""
+    H, h, _, d, R, D, _ = _sizes(s, rank, rope)
+    windows = max(1, tokens // window)
+    m = windows * min(samples, window)
+    e = d + D + 1
+    f = Flops()
+    f.float32 += attention_flops(s, tokens, window)
+    f.float32 += 2 * tokens * H * h * (d + D) + 2 * tokens * H * (R + D) + 2 * tokens * R * 2 * h * d
+    f.float32 += 2 * tokens * H * H + 2 * m * H * H + 2 * m * H * h * (d + D)
+    k = min(QueryRefit().top_k, window)
+    per_head = (2 * tokens * window * e + 4 * tokens * e * e + 2 * tokens * e * d  # kernel, Grams, cross moments
+                + 2 * m * window * (d + 3 * e - 1) + 2 * m * (d * e + e * e + k * k))  # at the sampled positions
+    f.float32 += h * per_head
+    f.float64 += 2 * H * H * h * (d + D)
+    return f
+
+
+def query_refit_solve(s: LayerShape, rope: int) -> float:
+    """float64 LU of the input's Gram and its solves for every head's rows (not seen by torch's flop counter)."""
+    return 2 / 3 * s.hidden**3 + 2 * s.hidden**2 * s.heads * (s.head_dim + rope)
+
+
+def mla_layer_products(s: LayerShape, rank: int, rope: int, tokens: int, window: int, frequency_pass: bool,
+                       query_samples: int = 0) -> Flops:
     """One layer's matrix products (float32, float64): what torch's flop counter counts of `mla_layer_flops`."""
     f = Flops()
     if frequency_pass:
         f.float64 += second_moment_flops(s, tokens) + frequency_score_flops(s)
         f.float32 += attention_flops(s, tokens, window) + mlp_flops(s, tokens)  # the source layer's forward
     f.float64 += second_moment_flops(s, tokens) + factor_products(s, rank, rope)
+    if query_samples:
+        q = query_refit_products(s, rank, rope, tokens, window, query_samples)
+        f.float32 += q.float32
+        f.float64 += q.float64
     f.float32 += mla_attention_flops(s, rank, rope, tokens, window)
     f.float32 += attention_flops(s, tokens, window)  # the source attention: the refit's targets
     f.float32 += refit_products(s, tokens)
@@ -96,10 +131,13 @@ def mla_layer_products(s: LayerShape, rank: int, rope: int, tokens: int, window:
     return f
 
 
-def mla_layer_flops(s: LayerShape, rank: int, rope: int, tokens: int, window: int, frequency_pass: bool) -> Flops:
+def mla_layer_flops(s: LayerShape, rank: int, rope: int, tokens: int, window: int, frequency_pass: bool,
+                    query_samples: int = 0) -> Flops:
     """Work of one layer of the MLA conversion: both passes' products and the factorisations."""
-    f = mla_layer_products(s, rank, rope, tokens, window, frequency_pass)
+    f = mla_layer_products(s, rank, rope, tokens, window, frequency_pass, query_samples)
     f.float64 += factor_decompositions(s, rank, rope) + refit_solve(s)
+    if query_samples:
+        f.float64 += query_refit_solve(s, rope)
     return f
 
 
@@ -123,7 +161,8 @@ def mla_fit_bytes(s: LayerShape, rank: int, rope: int, frequency_pass: bool, chu
     assemble = sigma + source + split_out + 8 * (R * H + F * R) + 16 * h * (d + D) * H + 32 * hd * R
     weights = 8 * (h * (d + D) * H + (R + D) * H + 2 * hd * R + H * hd)
     refit = weights + 4 * H * hd + 8 * hd * hd + 16 * hd * H + 4 * hd * H
-    return max(moments, split, scores, factor, assemble, refit)
+    query = weights + 8 * (2 * H * H + h * (d + D) * H) + 4 * h * (d + D) * H  # QueryFit's sums, the new q_proj
+    return max(moments, split, scores, factor, assemble, refit, query)
 
 
 def mla_activations(s: LayerShape, tokens: int, window: int, chunk: int) -> int:
@@ -161,7 +200,7 @@ def frequency_pass(config: dict, head_dim: int, rope: int) -> bool:
     return len(rope_strides(config_frequencies(one_layer, head_dim), rope)) > 1
 
 
-def mla_cost(config: dict, rank: int, rope_dim: int | None) -> CalibratedCost:
+def mla_cost(config: dict, rank: int, rope_dim: int | None, query_samples: int = QUERY_SAMPLES) -> CalibratedCost:
     """The conversion's cost model for `estimate_calibrated` (`--kv-rank rank --rope-dim rope_dim`, default head_dim),
     after the checks the conversion makes first (family, config, sizes: the dry run refuses what it would)."""
     from ..arch import spec_for
@@ -174,7 +213,7 @@ def mla_cost(config: dict, rank: int, rope_dim: int | None) -> CalibratedCost:
     rope = shape.rope_dim
     scored = frequency_pass(config, shape.head_dim, rope)
     return CalibratedCost(
-        "mla", lambda s, tokens, window: mla_layer_flops(s, rank, rope, tokens, window, scored),
+        "mla", lambda s, tokens, window: mla_layer_flops(s, rank, rope, tokens, window, scored, query_samples),
         lambda s, chunk: mla_fit_bytes(s, rank, rope, scored, chunk),  # a chunk's rows are cast to float64 at once
         extra_memory=lambda s, tokens, window, chunk: mla_attention_memory(s, rank, rope, window, chunk),
         activations=mla_activations)

@@ -22,15 +22,20 @@ LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 143
             "max_position_embeddings": 131072, "tie_word_embeddings": False, "rope_theta": 500000.0}
 
 
+def _layer_and_moments(din: int, d: int, kv_heads: int, queries_per_kv: int, rotary: int):
+    """A one-layer shape, a seeded generator and the float64 second moments of random inputs."""
+    s = LayerShape(layers=1, hidden=din, heads=kv_heads * queries_per_kv, kv_heads=kv_heads, head_dim=d,
+                   intermediate=512, mlp_matrices=3, qkv_bias=False, rotary_dims=rotary)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * din, din, generator=g, dtype=torch.float64)
+    return s, g, x.T @ x / x.shape[0]
+
+
 @pytest.mark.parametrize("members,queries_per_kv,rotary", [(2, 4, 16), (3, 2, 8), (4, 1, 0)])
 def test_group_merge_flops_match_torch_flop_counter(members, queries_per_kv, rotary):
     """The float64 work of one K/V group merge, as counted by torch, within 10% of the formula."""
     d, din = 16, 256
-    s = LayerShape(layers=1, hidden=din, heads=members * queries_per_kv, kv_heads=members, head_dim=d,
-                   intermediate=512, mlp_matrices=3, qkv_bias=False, rotary_dims=rotary)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2 * din, din, generator=g, dtype=torch.float64)
-    sigma = x.T @ x / x.shape[0]
+    s, g, sigma = _layer_and_moments(din, d, members, queries_per_kv, rotary)
     rnd = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64)  # noqa: E731
     with FlopCounterMode(display=False) as counter:
         merge_group(rnd(members, d, din), rnd(members, d, din), rnd(members, queries_per_kv, d, din),
@@ -43,11 +48,7 @@ def test_group_merge_flops_match_torch_flop_counter(members, queries_per_kv, rot
 def test_head_grams_flops_match_torch_flop_counter(kv_heads, queries_per_kv, rotary):
     """The grouping search's shared products (grams.head_grams), as counted by torch, within 10% of the formula."""
     d, din = 16, 256
-    s = LayerShape(layers=1, hidden=din, heads=kv_heads * queries_per_kv, kv_heads=kv_heads, head_dim=d,
-                   intermediate=512, mlp_matrices=3, qkv_bias=False, rotary_dims=rotary)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2 * din, din, generator=g, dtype=torch.float64)
-    sigma = x.T @ x / x.shape[0]
+    s, g, sigma = _layer_and_moments(din, d, kv_heads, queries_per_kv, rotary)
     rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731  (float32, as the pipeline passes them)
     with FlopCounterMode(display=False) as counter:
         head_grams(rnd(kv_heads, queries_per_kv, d, din), rnd(kv_heads, d, din), rnd(kv_heads, d, din),

@@ -81,8 +81,9 @@ def ideal_queries(q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, 
                   softcap: float | None, positions: torch.Tensor, opts: QueryRefit) -> torch.Tensor:
     """At each of `positions` [M], the rotated query that best reproduces the source's logits against the merged key.
 
-    q_src, k_src [N, R, L, D]: R source query heads and, for each, its source key head; q_cv [N, R, L, D] the
-    converted (folded) queries; k_cv [N, L, D] the merged key they all share now.
+    q_src, k_src [N, R, L, D]: R source query heads and, for each, its source key head; q_cv [N, R, L, D'] the
+    converted (folded) queries; k_cv [N, L, D'] the merged key they all share now (D' = D for a K/V merge; MLA's
+    heads are wider: no-position and rope dims).
     Per query position m, with phi_n = [k_n, 1] and theta = [q, c] (c: a free logit offset, which softmax
     ignores), minimises
         sum_{n in top-k} p_mn (theta . phi_n - s_mn)^2 + uniform * E_n[(theta . phi_n - s_mn)^2] + ridge |theta - theta0|^2
@@ -91,7 +92,8 @@ def ideal_queries(q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, 
     + ridge * I is inverted once per window; the top-k part is a rank-k update, solved with the Woodbury identity
     as one k x k system per position. Returns [N, R, M, D].
     """
-    n_win, heads, length, head_dim = q_src.shape
+    n_win, heads, length, _ = q_src.shape
+    head_dim = k_cv.shape[-1]  # the converted head's (MLA: no-position + rope dims), the source's may differ
     e = head_dim + 1
     m = positions.numel()
     dev = q_src.device
