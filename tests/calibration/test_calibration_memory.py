@@ -115,9 +115,10 @@ def test_the_residual_budget_comes_from_the_environment(monkeypatch):
         default_budget()
 
 
-# worst max |difference| / max |weight| over the tensors: MLA measured 1.8e-5 (o_proj); the aligned merge 5.6e-4 on
-# layer 0's q_proj, whose query refit solves an ill-conditioned system (k_proj, v_proj <= 1.4e-6, o_proj 2.5e-5)
-@pytest.mark.parametrize("kind, tolerance", [(("--to", "mla", "--kv-rank", "8"), 1e-4),
+# worst max |difference| / max |weight| over the tensors: the aligned merge 5.6e-4 on layer 0's q_proj, whose query
+# refit solves an ill-conditioned system (k_proj, v_proj <= 1.4e-6, o_proj 2.5e-5); MLA, which refits its queries the
+# same way, 5.3e-4 (1.8e-5, on o_proj, before it had the query refit)
+@pytest.mark.parametrize("kind, tolerance", [(("--to", "mla", "--kv-rank", "8"), 2e-3),
                                              (("--to", "mqa", "--merge", "aligned"), 2e-3)])
 def test_the_calib_chunk_changes_no_weight_beyond_float_rounding(kind, tolerance, tmp_path, capsys):
     """`--calib-chunk 1` against the rule's chunk (all 8 windows of a tiny model): the same converted tensors to
