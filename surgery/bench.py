@@ -34,12 +34,12 @@ from .runtime import cache_keyword, returned_cache
 from .units import human_bytes
 
 ENGINES = ("transformers", "llama.cpp", "vllm")
+ENGINE_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python"), "vllm": ("vllm", "vllm")}
 # llama.cpp's flash attention (--flash-attn). llama-cpp-python 0.3.36's `Llama` takes a bool (ENABLED or DISABLED:
 # llama.cpp's own AUTO is not reachable through it), so the choice is on/off; the default is on, what llama.cpp's
 # AUTO (its CLI's and its context's default) resolves to on CPU and on GPUs whose backend has the kernel.
 FLASH_ATTN = ("on", "off")
 FLASH_ATTN_DEFAULT = "on"
-ENGINE_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python"), "vllm": ("vllm", "vllm")}
 METRICS = ("prefill_s", "prefill_tokens_per_s", "decode_step_s", "decode_tokens_per_s", "kv_cache_bytes",
            "peak_memory_bytes")
 # For the table: which way is better (True: higher).
@@ -308,7 +308,8 @@ class TransformersEngine:
 class LlamaCppEngine:
     """llama-cpp-python on a GGUF file (SOURCE/CONVERTED given as .gguf files, e.g. written by llama.cpp's
     convert_hf_to_gguf.py). Batch 1 only; the KV cache is counted from the GGUF's metadata (f16 cache). Flash
-    attention on or off for both files alike (`flash_attn`): it changes the decode speed of an MLA file most."""
+    attention on or off for both files alike (`flash_attn`): on CPU it speeds an MLA file's decoding up and slows an
+    MQA file's down (BENCHMARKS.md), so a report says which it measured."""
 
     name = "llama.cpp"
 

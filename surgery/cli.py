@@ -169,7 +169,7 @@ def inspect(checkpoints, context, as_json, allow_pickle):
                    "aot_eager: dynamo alone); every batch x context is compiled before its rounds, unmeasured.")
 @click.option("--flash-attn", type=click.Choice(["on", "off"]), default=None,
               help="llama.cpp's flash attention for both files (--engine llama.cpp only) [default: on, what "
-                   "llama.cpp's own auto picks where the backend has the kernel; an MLA file decodes much faster]")
+                   "llama.cpp's own auto picks where the backend has the kernel]")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write every field and the raw rounds as JSON ('-' for stdout).")
 @click.option("--plot", type=click.Path(path_type=Path), help="Write a PNG of tokens/s against context.")
 def bench(source, converted, batches, contexts, new, rounds, dtype, device, threads, engine, trust_remote_code,
