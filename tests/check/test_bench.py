@@ -189,7 +189,7 @@ def test_flash_attn_reaches_llama_cpp_and_every_record(tmp_path, capsys):
     assert "llama.cpp, flash attention off," in "\n".join(bench_section(report))
 
 
-def test_flash_attn_with_another_engine_or_value_is_one_line(pair, capsys):
+def test_flash_attn_with_another_engine_or_value_is_one_line(pair, capsys, tmp_path):
     """A flash-attention choice the engine would not apply is refused, not ignored."""
     from inprocess import run_cli
     from surgery.bench import resolve_flash_attn
@@ -206,6 +206,12 @@ def test_flash_attn_with_another_engine_or_value_is_one_line(pair, capsys):
     assert resolve_flash_attn(None, "llama.cpp") == "on" and resolve_flash_attn(None, "vllm") is None
     report = run_bench(BenchOptions(source=str(src), converted=str(mqa), contexts=[8], new=2, rounds=1, threads=1))
     assert report["flash_attn"] is None  # transformers: no such switch, and the report does not pretend one
+    from surgery.bench import load_report
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(report | {"flash_attn": "sometimes"}))
+    with pytest.raises(SurgeryError, match="flash_attn"):  # a report for the card names a path that exists
+        load_report(path)
 
 
 # --- tokenizer files -------------------------------------------------------------------------------------------
