@@ -308,8 +308,8 @@ class TransformersEngine:
 class LlamaCppEngine:
     """llama-cpp-python on a GGUF file (SOURCE/CONVERTED given as .gguf files, e.g. written by llama.cpp's
     convert_hf_to_gguf.py). Batch 1 only; the KV cache is counted from the GGUF's metadata (f16 cache). Flash
-    attention on or off for both files alike (`flash_attn`): on CPU it speeds an MLA file's decoding up and slows an
-    MQA file's down (BENCHMARKS.md), so a report says which it measured."""
+    attention on or off for both files alike (`flash_attn`): on CPU it speeds an MLA file's decoding up and an MQA
+    file's down at long context (BENCHMARKS.md), so a report says which path it measured."""
 
     name = "llama.cpp"
 
