@@ -6,14 +6,17 @@ bytes each decode step reads.
     python benchmarks/bench_speed.py --work DIR --report-only         # tables from the JSON files already in DIR
     python benchmarks/bench_speed.py --work DIR --kinds mqa,mla --engine llama.cpp \
         --llama-converter llama.cpp/convert_hf_to_gguf.py --context 2048,8192    # the same in llama.cpp (f32 GGUF)
+    python benchmarks/bench_speed.py ... --engine llama.cpp --flash-attn off  # llama.cpp without flash attention
 
 For every kind: converts SOURCE into DIR/KIND unless it is there (`surgery convert`), runs `surgery bench SOURCE
 DIR/KIND --json DIR/KIND.json ...` (both models in one process, alternating rounds, medians), and prints a Markdown
 table per kind. With `--engine llama.cpp` (needs llama-cpp-python) SOURCE and DIR/KIND are first converted by
 llama.cpp's own converter into DIR/source-f32.gguf and DIR/KIND-f32.gguf (MQA/GQA and MLA outputs are llama.cpp
-architectures; an MLA file is completed with `surgery.mla.gguf`), and the reports are DIR/KIND-llama.cpp.json. The decode limit: a decode step of a small model on CPU is bound by the bytes it reads, the
-weights plus the KV cache of the batch, so the best possible decode speed-up is
-(weights + KV of the source) / (weights + KV of the conversion), with both KV sizes measured by `surgery bench`.
+architectures; an MLA file is completed with `surgery.mla.gguf`), and the reports are DIR/KIND-llama.cpp.json
+(DIR/KIND-llama.cpp-flash-off.json with `--flash-attn off`, passed on to `surgery bench`).
+
+The decode limit: a decode step of a small model on CPU is bound by the bytes it reads, the weights plus the KV cache
+of the batch, so the best possible decode speed-up is (weights + KV of the source) / (weights + KV of the conversion), with both KV sizes measured by `surgery bench`.
 """
 
 from __future__ import annotations
@@ -103,16 +106,21 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true", help="only print the tables of existing reports")
     parser.add_argument("--engine", default="transformers", choices=("transformers", "llama.cpp"))
     parser.add_argument("--llama-converter", type=Path, help="llama.cpp's convert_hf_to_gguf.py (--engine llama.cpp)")
+    parser.add_argument("--flash-attn", choices=("on", "off"), help="llama.cpp's flash attention (surgery bench's "
+                        "default: on)")
     args = parser.parse_args()
-    args.work.mkdir(parents=True, exist_ok=True)
     llama = args.engine == "llama.cpp"
+    if args.flash_attn and not llama:
+        parser.error("--flash-attn works with --engine llama.cpp only")
+    args.work.mkdir(parents=True, exist_ok=True)
+    suffix = "-llama.cpp" + (f"-flash-{args.flash_attn}" if args.flash_attn else "") if llama else ""
     if llama and not args.report_only and (args.llama_converter is None or not args.llama_converter.is_file()):
         parser.error("--engine llama.cpp needs --llama-converter PATH/convert_hf_to_gguf.py")
     for kind in args.kinds.split(","):
         if llama and kind not in PLAIN:
             parser.error(f"--engine llama.cpp runs {' and '.join(PLAIN)} outputs only, not {kind}")
         out = args.work / kind
-        report = args.work / (f"{kind}-llama.cpp.json" if llama else f"{kind}.json")
+        report = args.work / f"{kind}{suffix}.json"
         if not args.report_only:
             if not (out / "config.json").exists():
                 surgery("convert", args.source, *CONVERT[kind], "--out", str(out))
@@ -127,10 +135,10 @@ def main() -> None:
                     from surgery.mla.gguf import complete_for_llama_cpp
 
                     complete_for_llama_cpp(Path(converted))
-                extra += ["--engine", "llama.cpp"]
+                extra += ["--engine", "llama.cpp"] + (["--flash-attn", args.flash_attn] if args.flash_attn else [])
             extra += ["--trust-remote-code"] if kind not in PLAIN else []
             extra += ["--replicate-prefill"] if args.replicate_prefill else []
-            plot = args.work / (f"{kind}-llama.cpp.png" if llama else f"{kind}.png")
+            plot = args.work / f"{kind}{suffix}.png"
             surgery("bench", source, converted, "--batch", args.batch, "--context", args.context, "--new", args.new,
                     "--rounds", args.rounds, "--threads", args.threads, "--device", args.device, "--json", str(report),
                     "--plot", str(plot), *extra)

@@ -35,6 +35,11 @@ from .units import human_bytes
 
 ENGINES = ("transformers", "llama.cpp", "vllm")
 ENGINE_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python"), "vllm": ("vllm", "vllm")}
+# llama.cpp's flash attention (--flash-attn). llama-cpp-python 0.3.36's `Llama` takes a bool (ENABLED or DISABLED:
+# llama.cpp's own AUTO is not reachable through it), so the choice is on/off; the default is on, what llama.cpp's
+# AUTO (its CLI's and its context's default) resolves to on CPU and on GPUs whose backend has the kernel.
+FLASH_ATTN = ("on", "off")
+FLASH_ATTN_DEFAULT = "on"
 METRICS = ("prefill_s", "prefill_tokens_per_s", "decode_step_s", "decode_tokens_per_s", "kv_cache_bytes",
            "peak_memory_bytes")
 # For the table: which way is better (True: higher).
@@ -59,6 +64,7 @@ class BenchOptions:
     seed: int = 0
     replicate_prefill: bool = False  # batch > 1: prefill one row, copy its cache to the batch (decode only)
     compile: str | None = None  # torch.compile backend for both models (transformers engine): "inductor", "eager" ...
+    flash_attn: str | None = None  # llama.cpp engine: "on" / "off"; None: FLASH_ATTN_DEFAULT (other engines: none)
 
 
 def parse_int_list(text: str, name: str) -> list[int]:
@@ -82,6 +88,22 @@ def require_engine(engine: str) -> None:
         if importlib.util.find_spec(module) is None:
             raise SurgeryError(f"--engine {engine} needs the {package} package, which is not installed "
                                f"(pip install {package})")
+
+
+def resolve_flash_attn(choice: str | None, engine: str) -> str | None:
+    """The flash-attention setting a run measures: `choice` or the default for llama.cpp; None for the other
+    engines, which refuse an explicit choice (one line) rather than ignore it: transformers runs sdpa here, and vLLM
+    picks its own attention backend (an MLA model gets its MLA kernels), so a switch there would measure nothing."""
+    if engine != "llama.cpp":
+        if choice is not None:
+            raise SurgeryError(f"--flash-attn works with --engine llama.cpp only (--engine {engine} picks its own "
+                               f"attention: transformers runs sdpa, vllm its backend for the model)")
+        return None
+    if choice is None:
+        return FLASH_ATTN_DEFAULT
+    if choice not in FLASH_ATTN:
+        raise SurgeryError(f"--flash-attn {choice}: choose {' or '.join(FLASH_ATTN)}")
+    return choice
 
 
 # --- memory -----------------------------------------------------------------------------------------------------
@@ -285,12 +307,14 @@ class TransformersEngine:
 
 class LlamaCppEngine:
     """llama-cpp-python on a GGUF file (SOURCE/CONVERTED given as .gguf files, e.g. written by llama.cpp's
-    convert_hf_to_gguf.py). Batch 1 only; the KV cache is counted from the GGUF's metadata (f16 cache)."""
+    convert_hf_to_gguf.py). Batch 1 only; the KV cache is counted from the GGUF's metadata (f16 cache). Flash
+    attention on or off for both files alike (`flash_attn`): on CPU it speeds an MLA file's decoding up and an MQA
+    file's down at long context (BENCHMARKS.md), so a report says which path it measured."""
 
     name = "llama.cpp"
 
-    def __init__(self, device: torch.device, dtype: str, threads: int | None, max_tokens: int):
-        self.threads, self.max_tokens = threads, max_tokens
+    def __init__(self, device: torch.device, dtype: str, threads: int | None, max_tokens: int, flash_attn: bool):
+        self.threads, self.max_tokens, self.flash_attn = threads, max_tokens, flash_attn
         self.gpu_layers = -1 if device.type == "cuda" else 0
 
     def load(self, spec: str, role: str):
@@ -303,11 +327,15 @@ class LlamaCppEngine:
         threads = self.threads or os.cpu_count()  # prefill (batch) threads too: llama.cpp's default is every core
         llm = llama_cpp.Llama(model_path=str(path), n_ctx=self.max_tokens, n_batch=512, n_ubatch=512,
                               n_threads=threads, n_threads_batch=threads, n_gpu_layers=self.gpu_layers,
-                              logits_all=False, verbose=False)
+                              flash_attn=self.flash_attn, logits_all=False, verbose=False)
         meta = llm.metadata
+        # what the context was built with (read back from it, not from the option)
+        flash = llm.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         return {"model": llm, "spec": spec, "folder": str(path), "custom_code": False,
                 "model_type": meta.get("general.architecture", "llama"),
-                "attention": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})",
+                "attention": f"llama.cpp (llama-cpp-python {llama_cpp.__version__}, flash attention "
+                             f"{'on' if flash else 'off'})",
+                "flash_attn": flash,
                 "vocab_size": int(llm.n_vocab()), "max_positions": self.max_tokens,
                 "kv_per_token": gguf_kv_values(meta) * 2}
 
@@ -429,7 +457,8 @@ def make_engine(opts: BenchOptions, device: torch.device):
     require_compile(opts.compile, opts.engine, device)
     longest = max(opts.contexts) + opts.new
     if opts.engine == "llama.cpp":
-        return LlamaCppEngine(device, opts.dtype, opts.threads, longest)
+        return LlamaCppEngine(device, opts.dtype, opts.threads, longest,
+                              flash_attn=resolve_flash_attn(opts.flash_attn, opts.engine) == "on")
     if opts.engine == "vllm":
         if device.type != "cuda":
             raise SurgeryError("--engine vllm needs a CUDA device")
@@ -504,6 +533,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None,
         raise SurgeryError("--replicate-prefill works with the transformers engine only")
     if opts.threads is not None and opts.threads < 1:
         raise SurgeryError(f"--threads must be at least 1, got {opts.threads}")
+    resolve_flash_attn(opts.flash_attn, opts.engine)  # before a device or a model is touched
     device = pick_device(opts.device)
     engine = make_engine(opts, device)
     before_threads = torch.get_num_threads()
@@ -586,6 +616,7 @@ def _report(opts: BenchOptions, engine, handles: dict, results: list, started: f
         "rounds": opts.rounds,
         "replicate_prefill": opts.replicate_prefill,
         "compile": opts.compile,
+        "flash_attn": resolve_flash_attn(opts.flash_attn, opts.engine),  # "on" / "off" (llama.cpp), else None
         "batches": opts.batches,
         "contexts": opts.contexts,
         "machine": start_info["machine"],
@@ -618,7 +649,8 @@ def print_bench(report: dict) -> None:
     m = report["machine"]
     title = (f"{report['models']['converted']['spec']} vs {report['models']['source']['spec']} — {report['engine']}, "
              f"{report['dtype']}, {m['device']}, {m['threads']} threads, {report['rounds']} rounds, "
-             f"{report['new_tokens']} new tokens")
+             f"{report['new_tokens']} new tokens"
+             + (f", flash attention {report['flash_attn']}" if report.get("flash_attn") else ""))
     table = Table(title=title, caption="median (± half the min-max spread); ratio = converted / source "
                   "(tokens/s: > 1 is faster; time and bytes: < 1 is better)")
     table.add_column("batch", justify="right")

@@ -167,10 +167,13 @@ def inspect(checkpoints, context, as_json, allow_pickle):
 @click.option("--compile", "compile_backend", is_flag=False, flag_value="inductor", default=None,
               help="torch.compile both models (transformers engine) with this backend (default inductor; eager, "
                    "aot_eager: dynamo alone); every batch x context is compiled before its rounds, unmeasured.")
+@click.option("--flash-attn", type=click.Choice(["on", "off"]), default=None,
+              help="llama.cpp's flash attention for both files (--engine llama.cpp only) [default: on, what "
+                   "llama.cpp's own auto picks where the backend has the kernel]")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write every field and the raw rounds as JSON ('-' for stdout).")
 @click.option("--plot", type=click.Path(path_type=Path), help="Write a PNG of tokens/s against context.")
 def bench(source, converted, batches, contexts, new, rounds, dtype, device, threads, engine, trust_remote_code,
-          trust_source_code, seed, replicate_prefill, compile_backend, json_out, plot):
+          trust_source_code, seed, replicate_prefill, compile_backend, flash_attn, json_out, plot):
     """Measured speed and memory of CONVERTED against SOURCE: prefill and decode tokens/s, time per decode step,
     KV-cache bytes and peak memory, at every --batch x --context, in alternating rounds (medians and spread).
 
@@ -178,16 +181,17 @@ def bench(source, converted, batches, contexts, new, rounds, dtype, device, thre
     """
     from surgery.checkpoint.atomic import check_output_file, write_json as write_json_file
     from surgery.bench import (BenchOptions, check_plot_path, parse_int_list, plot_bench, print_bench, require_engine,
-                               run_bench)
+                               resolve_flash_attn, run_bench)
 
     require_engine(engine)
+    resolve_flash_attn(flash_attn, engine)
     check_output_file(json_out, "--json")  # before the measurements, not after them
     check_plot_path(plot)
     opts = BenchOptions(source=source, converted=converted, batches=parse_int_list(batches, "--batch"),
                         contexts=parse_int_list(contexts, "--context"), new=new, dtype=dtype, device=device,
                         threads=threads, rounds=rounds, engine=engine, trust_remote_code=trust_remote_code,
                         trust_source_code=trust_source_code, seed=seed,
-                        replicate_prefill=replicate_prefill, compile=compile_backend)
+                        replicate_prefill=replicate_prefill, compile=compile_backend, flash_attn=flash_attn)
     def write_json(report: dict) -> None:
         if json_out and str(json_out) != "-":  # written beside, then renamed: never half a file
             write_json_file(report, json_out)

@@ -336,8 +336,10 @@ def bench_section(bench: dict | None) -> list[str]:
 
     m = bench.get("machine") if isinstance(bench.get("machine"), dict) else {}
     where = m.get("gpu") or f"{m.get('processor', 'CPU')}, {m.get('threads')} threads"
+    flash = bench.get("flash_attn")  # llama.cpp reports: which attention path was measured
+    engine = text(bench.get("engine")) + (f", flash attention {text(flash)}" if flash in ("on", "off") else "")
     lines = ["## Measured speed", "",
-             f"`surgery bench` ({text(bench.get('engine'))}, {text(bench.get('dtype'))}, {text(where)}, "
+             f"`surgery bench` ({engine}, {text(bench.get('dtype'))}, {text(where)}, "
              f"{text(str(bench.get('date', ''))[:10])}): medians of {text(bench.get('rounds'))} alternating rounds, "
              f"{text(bench.get('new_tokens'))} generated tokens; ratios are converted / source.", ""]
     rows = [r | {"batch": number(r.get("batch")), "context": number(r.get("context"))}

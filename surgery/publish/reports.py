@@ -4,7 +4,7 @@ is uploaded, instead of a traceback half-way through writing the card. Unknown f
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -93,3 +93,4 @@ class BenchReport(Loose):
     date: StrictStr = ""
     rounds: Optional[StrictInt] = None
     new_tokens: Optional[StrictInt] = None
+    flash_attn: Optional[Literal["on", "off"]] = None  # llama.cpp's attention path (surgery bench --flash-attn)

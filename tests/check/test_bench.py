@@ -163,6 +163,57 @@ def test_llama_cpp_engine_on_gguf_files(tmp_path):
     assert row["source"]["decode_tokens_per_s"]["median"] > 0
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_flash_attn_reaches_llama_cpp_and_every_record(tmp_path, capsys):
+    """--flash-attn builds llama.cpp's context with flash attention on (the default) or off, read back from the
+    context llama-cpp-python built, and the JSON, the table title and the card say which path was measured. The
+    embedded SmolLM2 GGUF against itself, 8 tokens: a second each."""
+    from inprocess import run_cli
+    from surgery.checkpoint.source import embedded_smollm2_gguf
+
+    gguf = str(embedded_smollm2_gguf())
+    for choice, expected in ((None, "on"), ("off", "off")):
+        out = tmp_path / f"flash-{expected}.json"
+        args = ["bench", gguf, gguf, "--engine", "llama.cpp", "--context", "8", "--new", "2", "--rounds", "1",
+                "--threads", "1", "--json", out] + (["--flash-attn", choice] if choice else [])
+        code, stdout, stderr = run_cli(capsys, *args)
+        assert code == 0, stderr
+        report = json.loads(out.read_text())
+        assert report["flash_attn"] == expected
+        for role in ("source", "converted"):
+            assert report["models"][role]["flash_attn"] is (expected == "on")
+            assert report["models"][role]["attention"].endswith(f"flash attention {expected})")
+        assert f"flash attention {expected}" in " ".join(stdout.split())  # the table's title
+    from surgery.publish.card import bench_section
+
+    assert "llama.cpp, flash attention off," in "\n".join(bench_section(report))
+
+
+def test_flash_attn_with_another_engine_or_value_is_one_line(pair, capsys, tmp_path):
+    """A flash-attention choice the engine would not apply is refused, not ignored."""
+    from inprocess import run_cli
+    from surgery.bench import resolve_flash_attn
+
+    src, mqa = pair
+    code, _, stderr = run_cli(capsys, "bench", src, mqa, "--context", "8", "--flash-attn", "off")
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("surgery: error: --flash-attn works with --engine "
+                                                                 "llama.cpp only"), stderr
+    with pytest.raises(SurgeryError, match="--engine llama.cpp only"):
+        run_bench(BenchOptions(source=str(src), converted=str(mqa), contexts=[8], new=2, rounds=1, flash_attn="on"))
+    with pytest.raises(SurgeryError, match="choose on or off"):
+        resolve_flash_attn("auto", "llama.cpp")
+    assert resolve_flash_attn(None, "llama.cpp") == "on" and resolve_flash_attn(None, "vllm") is None
+    report = run_bench(BenchOptions(source=str(src), converted=str(mqa), contexts=[8], new=2, rounds=1, threads=1))
+    assert report["flash_attn"] is None  # transformers: no such switch, and the report does not pretend one
+    from surgery.bench import load_report
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(report | {"flash_attn": "sometimes"}))
+    with pytest.raises(SurgeryError, match="flash_attn"):  # a report for the card names a path that exists
+        load_report(path)
+
+
 # --- tokenizer files -------------------------------------------------------------------------------------------
 def test_copied_tokenizer_config_loads_in_transformers_4_and_5(tmp_path):
     """transformers 5 writes "TokenizersBackend", which transformers 4.x does not know: copies say
