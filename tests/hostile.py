@@ -1,9 +1,13 @@
 """A hostile tiny checkpoint: its config's `auto_map` names `configuration_x.py` / `modeling_x.py`, which leave a
-marker file when imported; and how the security tests look at what ran and what was written."""
+marker file when imported; how the security tests look at what ran and what was written; and a hostile disk (a
+tiny tmpfs, empty or full)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -60,3 +64,22 @@ def ran(markers: Path) -> list[str]:
 
 def listing(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@contextlib.contextmanager
+def small_tmpfs(mount: Path, full: bool = False):
+    """A 64 KiB tmpfs mounted at `mount` (where this user may mount one; the test is skipped elsewhere), smaller than
+    the tiny model; with `full`, filled to the last byte by `.filler`. Unmounted on the way out."""
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        if full:
+            with contextlib.suppress(OSError), open(mount / ".filler", "wb") as f:
+                while True:
+                    f.write(b"\0" * 4096)
+                    f.flush()
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)

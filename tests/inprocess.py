@@ -1,6 +1,7 @@
 """Running the `surgery` command line in tests: `run_cli` inside the test process (no interpreter start-up): (exit
 code, stdout, stderr); `surgery` in a child process, for what needs a real process (signals, exit paths, the
-environment); `assert_one_line_error` for either's refusals; `cli_args` and `uptrain_error` for uptraining's."""
+environment); `assert_one_line_error` for either's refusals; `cli_args` and `uptrain_error` for uptraining's;
+`launch_uptrain` for `surgery uptrain` under `accelerate launch`."""
 
 from __future__ import annotations
 
@@ -83,3 +84,14 @@ def uptrain_error(monkeypatch, capsys, *args) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("surgery: error: "), err
     return err[0]
+
+
+FSDP_CPU = ["--config_file", str(REPO / "recipes/accelerate/fsdp-cpu.yaml"), "--num_processes", "2"]
+
+
+def launch_uptrain(launch: list[str], args: list, **env: str) -> subprocess.CompletedProcess:
+    """`accelerate launch LAUNCH -m cli uptrain ARGS` from the repository root, offline, with `env` added to the
+    environment (e.g. OMP_NUM_THREADS="1"); the finished process, its output captured."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch, "-m", "cli", "uptrain", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env})

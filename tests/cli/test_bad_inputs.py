@@ -277,13 +277,10 @@ def test_disk_full_gives_one_line_and_removes_the_temporary_folder(src, tmp_path
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """A 64 KiB tmpfs (where this user may mount one), smaller than the tiny model."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
+    from hostile import small_tmpfs
+
+    with small_tmpfs(tmp_path / "small") as mount:
+        yield mount
 
 
 def test_real_disk_full_on_a_tiny_tmpfs(src, tiny_tmpfs, run_cli):

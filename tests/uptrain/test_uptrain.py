@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import signal
 import subprocess
@@ -26,7 +25,7 @@ from surgery.errors import SurgeryError
 from surgery.uptrain.params import select_trainable
 from surgery.testing.pydoc_llama import FAST, make_model, metrics, weights
 
-from inprocess import cli_args, uptrain_error
+from inprocess import FSDP_CPU, cli_args, launch_uptrain, uptrain_error
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -157,8 +156,6 @@ def test_kd_is_the_default_for_a_converted_model_and_uses_its_source_as_teacher(
     rec = run(tiny_mqa, out, tokens=512 * 6, eval_every=3, keep_run_dir=True)
     assert rec["loss"] == "kd" and rec["teacher"] == "surgery.json source"
     # The teacher's held-out perplexity equals the source model's, recomputed on the run's held-out windows.
-    from safetensors.torch import load_file
-
     held_out = load_file(tmp_path / "o.run" / "data.safetensors")["eval"].long()
     with torch.no_grad():
         nll = load(trained[0])(input_ids=held_out, labels=held_out).loss.item()
@@ -303,11 +300,9 @@ def test_two_processes_give_the_same_result_as_one(tiny, tmp_path):
     """accelerate launch with 2 CPU processes (DDP over gloo) vs 1 process with the same global batch."""
     args = dict(loss="lm", tokens=512 * 4)
     run(tiny, tmp_path / "one", **args)  # 1 process: 2 micro-batches of 4 per step
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "cli", "uptrain", str(tiny), "--out",
-           str(tmp_path / "two"), "--tokens", str(args["tokens"]), "--loss", "lm", *cli_args(FAST)]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = launch_uptrain(["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                             "--dynamo_backend", "no"],
+                            [tiny, "--out", tmp_path / "two", "--tokens", args["tokens"], "--loss", "lm", *cli_args(FAST)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es) x 1 micro-batch(es) of 4" in result.stdout
     one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
@@ -333,11 +328,8 @@ def test_fsdp_on_cpu_gives_the_same_result_as_one_process_and_resumes_exactly(to
     tokenizer.save_pretrained(tied)
     args = dict(FAST, loss="lm", tokens=512 * 4, eval_tokens=1088, eval_every=2, save_every=2)
     run(tied, tmp_path / "one", **args)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / "recipes/accelerate/fsdp-cpu.yaml"),
-           "--num_processes", "2", "-m", "cli", "uptrain", str(tied), "--out", str(tmp_path / "fsdp"),
-           "--keep-run-dir", *cli_args(args)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    uptrain_args = [tied, "--out", tmp_path / "fsdp", "--keep-run-dir", *cli_args(args)]
+    result = launch_uptrain(FSDP_CPU, uptrain_args, OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es) x 1 micro-batch(es) of 4, 48 training / 17 held-out" in result.stdout
     assert "parameters sharded by FSDP" in result.stdout  # not accelerate's silent DDP fallback on CPU
@@ -356,7 +348,7 @@ def test_fsdp_on_cpu_gives_the_same_result_as_one_process_and_resumes_exactly(to
 
     shutil.rmtree(tmp_path / "fsdp")
     shutil.rmtree(tmp_path / "fsdp.run" / "checkpoints" / "step-00000004")
-    result = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    result = launch_uptrain(FSDP_CPU, [*uptrain_args, "--resume"], OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed at step 2 from step-00000002" in result.stdout
     resumed = weights(tmp_path / "fsdp")

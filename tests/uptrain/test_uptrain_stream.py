@@ -16,7 +16,6 @@ from surgery.uptrain import UptrainOptions, uptrain
 from surgery.uptrain.stream import Plan, Reader, Sequential, hold_out, parse_weights, resolve_sources
 from surgery.testing.pydoc_llama import FAST, make_model, weights
 
-REPO = Path(__file__).resolve().parents[2]
 
 # 3 windows of 64 per step: a step leaves the 2 readers of a 2-worker run mid-round (the resume's rotation).
 STREAM = dict(FAST, loss="lm", data_mode="stream", batch_tokens=192, micro_batch=3, eval_tokens=256, tokens=192 * 4,
@@ -242,31 +241,24 @@ def test_resume_refuses_altered_positions_steps_and_changed_sources(tiny, tmp_pa
 def test_two_processes_over_gloo_resume_a_streamed_mixture_to_bitwise_equal_weights(tiny, tmp_path):
     """accelerate launch, 2 CPU processes (DDP over gloo), a mixture read by 2 readers per process: a run resumed
     after step 1 (each rank's own position, data-0.json and data-1.json) ends with the uninterrupted run's weights."""
-    import os
-    import subprocess
-    import sys
-
+    from inprocess import launch_uptrain
 
     shards = write_shards(tmp_path / "shards", 8, 20)
     args = ["--data", "pydoc", "--data", shards, "--data-weights", "0.6,0.4", "--data-mode", "stream",
             "--data-workers", "2", "--seq-len", "64", "--batch-tokens", "256", "--micro-batch", "2", "--eval-tokens",
             "256", "--tokens", str(256 * 3), "--loss", "lm", "--save-every", "1", "--keep-last", "4", "--lr", "3e-3",
             "--eval-every", "0", "--keep-run-dir"]
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "cli", "uptrain",
-              str(tiny)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(launch + args + ["--out", str(tmp_path / "straight")], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env=env)
+    launch = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no"]
+    done = launch_uptrain(launch, [tiny, *args, "--out", tmp_path / "straight"], OMP_NUM_THREADS="1")
     assert done.returncode == 0, done.stderr[-3000:]
     ckpt = tmp_path / "straight.run" / "checkpoints" / "step-00000003"
     assert (ckpt / "data-0.json").exists() and (ckpt / "data-1.json").exists()
     positions = [json.loads((ckpt / f"data-{r}.json").read_text())["readers"] for r in (0, 1)]
     assert set(positions[0]) == {"0", "1"} and set(positions[1]) == {"2", "3"}  # each rank its own readers
     resume_from(tmp_path / "straight.run", 1, tmp_path / "resumed.run")
-    again = subprocess.run(launch + args + ["--out", str(tmp_path / "resumed"), "--run-dir",
-                                            str(tmp_path / "resumed.run"), "--resume"],
-                           cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    again = launch_uptrain(launch, [tiny, *args, "--out", tmp_path / "resumed", "--run-dir", tmp_path / "resumed.run",
+                                    "--resume"], OMP_NUM_THREADS="1")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed at step 1" in again.stdout
     a, b = weights(tmp_path / "straight"), weights(tmp_path / "resumed")
@@ -350,20 +342,12 @@ def test_a_streamed_dataset_with_enough_shards_is_split_by_shard(tokenizer, tmp_
 def test_fsdp_on_cpu_shards_the_teacher_and_gives_the_one_process_result(tiny, tokenizer, tmp_path):
     """KD under recipes/accelerate/fsdp-cpu.yaml (2 processes, FSDP2 over gloo): the teacher is sharded like the
     student (no gradients) and the run ends with the weights of one process with the same global batch."""
-    import os
-    import subprocess
-    import sys
-
-    from inprocess import cli_args
+    from inprocess import FSDP_CPU, cli_args, launch_uptrain
 
     teacher = make_model(tmp_path / "teacher", tokenizer, seed=1)
     args = dict(FAST, loss="kd", teacher=str(teacher), tokens=512 * 3, eval_tokens=512)
     uptrain(UptrainOptions(model=str(tiny), out=tmp_path / "one", **args))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "recipes/accelerate/fsdp-cpu.yaml"), "--num_processes", "2", "-m", "cli", "uptrain", str(tiny),
-           "--out", str(tmp_path / "fsdp"), *cli_args(args)]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    result = launch_uptrain(FSDP_CPU, [tiny, "--out", tmp_path / "fsdp", *cli_args(args)], OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "parameters sharded by FSDP (the teacher's too)" in result.stdout
     one, fsdp = weights(tmp_path / "one"), weights(tmp_path / "fsdp")
