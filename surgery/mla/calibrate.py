@@ -24,7 +24,7 @@ from ..calibration.stream import LayerProgress, open_stream, run_layer
 from ..kv.aligned import capture
 from ..kv.aligned.refit import OutputFit, QueryFit, QueryRefit
 from ..kv.aligned.rotary import RotaryPairs
-from ..kv.aligned.shape import RefitShape
+from ..kv.aligned.shape import refit_shape
 from ..runtime import threads
 from .factor import MLAWeights, SourceAttention, frequency_scores
 
@@ -148,7 +148,7 @@ def _refit_q(stream, spec, layer, index, hidden, calls, weights: MLAWeights, geo
     queries (rope dims un-rotated), pulled toward the factorisation's. The MLA keys enter at the source's logit scale
     (DeepSeek's softmax scale over the source's), so the queries come out in MLA's own space."""
     attention, _, out_module = _modules(spec, layer)
-    heads, width = geometry.heads, geometry.nope + geometry.rope
+    heads, groups = geometry.heads, [[h] for h in range(geometry.heads)]
     fit = None
     with threads(1):
         for a in _inputs(stream, spec, layer, index, hidden, calls):
@@ -160,8 +160,7 @@ def _refit_q(stream, spec, layer, index, hidden, calls, weights: MLAWeights, geo
             n, length = a.x.shape[:2]
             cos, sin = (t.float().expand(n, length, -1) for t in geometry.rotary(length, a.x.device))
             if fit is None:
-                shape = RefitShape(heads, heads, width, a.x.shape[-1], [[h] for h in range(heads)])
-                fit = QueryFit(shape, length, [[h] for h in range(heads)], geometry.pairs(), record.scaling,
+                fit = QueryFit(refit_shape(a.x, query, key, groups), length, groups, geometry.pairs(), record.scaling,
                                record.softcap, opts, generator, a.x.device)
             fit.add(a.x, q_src, k_src, query, key, cos, sin)
             del a, record, q_src, k_src, query, key  # before the next chunk is computed

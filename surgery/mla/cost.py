@@ -23,8 +23,7 @@ A complex multiply-add is four real ones (`COMPLEX`); a symmetric eigendecomposi
 
 from __future__ import annotations
 
-from ..estimate import QUERY_SAMPLES, CalibratedCost, Flops, LayerShape, attention_flops, mlp_flops
-from ..kv.aligned.refit import QueryRefit
+from ..estimate import QUERY_SAMPLES, QUERY_TOPK, CalibratedCost, Flops, LayerShape, attention_flops, mlp_flops
 
 COMPLEX = 4  # real flops per complex flop of a matrix product (zgemm)
 EIGH = 9  # flops of torch.linalg.eigh of an n x n matrix, per n^3
@@ -98,7 +97,7 @@ def query_refit_products(s: LayerShape, rank: int, rope: int, tokens: int, windo
     f.float32 += attention_flops(s, tokens, window)
     f.float32 += 2 * tokens * H * h * (d + D) + 2 * tokens * H * (R + D) + 2 * tokens * R * 2 * h * d
     f.float32 += 2 * tokens * H * H + 2 * m * H * H + 2 * m * H * h * (d + D)
-    k = min(QueryRefit().top_k, window)
+    k = min(QUERY_TOPK, window)
     per_head = (2 * tokens * window * e + 4 * tokens * e * e + 2 * tokens * e * d  # kernel, Grams, cross moments
                 + 2 * m * window * (d + 3 * e - 1) + 2 * m * (d * e + e * e + k * k))  # at the sampled positions
     f.float32 += h * per_head
