@@ -227,7 +227,6 @@ def talking_heads_attention(
     chunk = max(1, min(chunk, BLOCK_ELEMENTS // (max(h, query.shape[1]) * max(keys, 1))))
     heads_v, value_dim = (h if grouped else value.shape[1]), value.shape[-1]
     out = query.new_empty(b, t, heads_v, value_dim)
-    min_value = torch.finfo(query.dtype).min
     for start in range(0, t, chunk):
         stop = min(t, start + chunk)
         mask = None if attention_mask is None else attention_mask[:, :, start:stop]
@@ -247,7 +246,8 @@ def talking_heads_attention(
         if mhi > mlo:  # only the keys that some query of the block may not see
             part = mask[..., mlo:mhi]
             if part.dtype == torch.bool:
-                scores[..., mlo - lo : mhi - lo].masked_fill_(~part, min_value)
+                # the scores' own dtype: under autocast they are bf16 while the query is fp32
+                scores[..., mlo - lo : mhi - lo].masked_fill_(~part, torch.finfo(scores.dtype).min)
             else:
                 scores[..., mlo - lo : mhi - lo].add_(part)
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)

@@ -505,3 +505,22 @@ def test_cli_convert_check_and_inspect(tmp_path):
     assert stats["added_parameters"] == layers * (16 * h + h * h)
     assert stats["head_mixing_macs_per_token"] == layers * (16 * h + h * h) * 100
     assert stats["parameters"] == inspect_checkpoint(tmp_path / "src")["parameters"] + stats["added_parameters"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_bf16_autocast_forward_and_backward_match_the_source(arch, tmp_path):
+    """Under bf16 autocast (what uptraining turns on with CUDA, reproduced with the CPU's autocast) the scores are bf16
+    while the query stays fp32: masking must use the scores' dtype. The converted model runs forward and backward and
+    stays the source's function within bf16 rounding."""
+    make_source(arch, tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "th", chunk_size=7)
+    source, converted = load(tmp_path / "src", arch), load_converted(tmp_path / "th", arch)
+    ids, mask = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = outputs(source, ids, mask)
+        out = converted(input_ids=ids, attention_mask=mask).logits
+    out.float().logsumexp(-1).sum().backward()
+    keep = mask.bool()
+    scale = a[keep].abs().max()
+    assert (a.float() - out.detach().float())[keep].abs().max() <= 0.05 * scale
+    assert all(m.logits_mix.grad is not None and torch.isfinite(m.logits_mix.grad).all() for m in mixers(converted))
