@@ -119,7 +119,7 @@ def _second_moments(acalls) -> torch.Tensor:
         sigma = flat.T @ flat if sigma is None else sigma + flat.T @ flat
         count += flat.shape[0]
         del a, flat  # before the next chunk is computed: one chunk alive at a time
-    return (sigma / count).cpu()
+    return sigma / count  # on the stream's device: the factorisation runs there
 
 
 @torch.no_grad()
@@ -133,7 +133,7 @@ def frequency_scores_pass(folder, reader, spec, windows: torch.Tensor, device: t
         with LayerProgress("rope frequencies", len(stream), progress) as bar:
             for index, _, layer in stream.layers():
                 sigma = _second_moments(_inputs(stream, spec, layer, index, hidden, calls))
-                scores.append(frequency_scores(read_layer(index), sigma, pairs))
+                scores.append(frequency_scores(read_layer(index), sigma, pairs).cpu())
                 for i in range(len(hidden)):
                     hidden[i] = stream.stash(run_layer(layer, stream.fetch(hidden[i]), calls[i][index]))
                 bar.update()

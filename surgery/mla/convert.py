@@ -308,7 +308,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     scaling = shape.head_dim ** -0.5
 
     def read_layer(i: int) -> SourceAttention:
-        q, k, v, o = (reader.load(names[(i, p)]).double() for p in (spec.q, spec.k, spec.v, spec.o))
+        q, k, v, o = (reader.load(names[(i, p)]).to(dev, torch.float64) for p in (spec.q, spec.k, spec.v, spec.o))
         return SourceAttention(q, k, v, o, shape.heads, shape.kv_heads, shape.head_dim)
 
     inv_freq = source_frequencies(src.folder, shape.head_dim)
@@ -328,7 +328,8 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
                                                         int(text.windows.shape[1]))
 
         def build(i: int, sigma: torch.Tensor) -> MLAWeights:
-            w = mla_layer(read_layer(i), sigma, kept, spec.rotary_pairs, shape.rank, scaling, LATENT_EPS)
+            # on the calibration device (float64; priced there by the dry run), kept on the host between passes
+            w = mla_layer(read_layer(i), sigma, kept, spec.rotary_pairs, shape.rank, scaling, LATENT_EPS).to("cpu")
             losses[i] = (w.rope_loss, w.latent_loss)
             return w
 

@@ -15,6 +15,11 @@ activations), W stacks the residual keys and the values, and M weighs each group
 of the queries that read them and each group's value rows by o_proj's metric, each block normalised to the same
 total (relative errors of logits and outputs count alike). Solution: U_R, the top R eigenvectors of
 M W Sigma W^T M; A = U_R^T M W, B = M^-1 U_R.
+
+Everything runs on the device of its inputs (the calibration's, CUDA included): every tensor made here is made there.
+On CUDA, eigh may return eigenvectors of other signs (phases) than the CPU's; the attention function is the same (B A
+and the rope query-key products do not depend on them), so conversions made on two devices compare by logits, not
+by weights.
 """
 
 from __future__ import annotations
@@ -50,10 +55,14 @@ class MLAWeights:
     rope_loss: float
     latent_loss: float
 
+    def to(self, device: torch.device | str) -> "MLAWeights":
+        tensors = (self.q_proj, self.kv_a, self.kv_a_norm, self.kv_b, self.o_proj)
+        return MLAWeights(*(t.to(device) for t in tensors), self.rope_loss, self.latent_loss)
 
-def pair_rows(head_dim: int, pairs: str) -> tuple[torch.Tensor, torch.Tensor]:
+
+def pair_rows(head_dim: int, pairs: str, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the real and imaginary part of each rotary frequency inside one head: (i, i + d/2) or (2i, 2i+1)."""
-    i = torch.arange(head_dim // 2)
+    i = torch.arange(head_dim // 2, device=device)
     return (i, i + head_dim // 2) if pairs == "half" else (2 * i, 2 * i + 1)
 
 
@@ -70,7 +79,7 @@ def frequency_scores(src: SourceAttention, sigma: torch.Tensor, pairs: str) -> t
     """Per source frequency, its contribution to the attention logits (MHA2MLA's 2-norm score): sum over heads of
     sqrt(E|q_h,f|^2) sqrt(E|k_g,f|^2), normalised to sum 1 over the layer."""
     h, kv, d = src.heads, src.kv_heads, src.head_dim
-    re, im = pair_rows(d, pairs)
+    re, im = pair_rows(d, pairs, sigma.device)
     qc, kc = _complex(_heads(src.q, h, d), re, im), _complex(_heads(src.k, kv, d), re, im)
     s = sigma.to(torch.complex128)
     q_energy = torch.einsum("hfi,ij,hfj->hf", qc, s, qc.conj()).real.clamp_min(0).sqrt()
@@ -85,7 +94,7 @@ def _rope_split(qc_f: torch.Tensor, kc_f: torch.Tensor, sigma: torch.Tensor, gro
     s = sigma.to(torch.complex128)
     cov = kc_f @ s @ kc_f.conj().T  # E[k k^H]
     q_energy = torch.einsum("hi,ij,hj->h", qc_f, s, qc_f.conj()).real
-    weight = torch.zeros(kc_f.shape[0], dtype=torch.float64).index_add_(0, group, q_energy)
+    weight = torch.zeros(kc_f.shape[0], dtype=torch.float64, device=kc_f.device).index_add_(0, group, q_energy)
     weight = weight + 1e-12 * weight.max().clamp_min(1e-300)
     root = weight.sqrt().to(torch.complex128)
     vals, vecs = torch.linalg.eigh(root[:, None] * cov * root[None, :])
@@ -102,11 +111,12 @@ def split_rope(src: SourceAttention, sigma: torch.Tensor, kept: list[int], pairs
     """The rope key [D_r, H] (DeepSeek's interleaved pairs), rope queries [h, D_r, H], the no-position keys
     [kv, d, H] (source layout) and the mean relative loss of the shared rope key over the kept frequencies."""
     h, kv, d = src.heads, src.kv_heads, src.head_dim
-    re, im = pair_rows(d, pairs)
+    re, im = pair_rows(d, pairs, sigma.device)
     q, k = _heads(src.q, h, d), _heads(src.k, kv, d).clone()
-    group = torch.arange(h) // (h // kv)
-    rope_k = torch.zeros(2 * len(kept), src.k.shape[1], dtype=torch.float64)
-    rope_q = torch.zeros(h, 2 * len(kept), src.q.shape[1], dtype=torch.float64)
+    f64 = dict(dtype=torch.float64, device=sigma.device)
+    group = torch.arange(h, device=sigma.device) // (h // kv)
+    rope_k = torch.zeros(2 * len(kept), src.k.shape[1], **f64)
+    rope_q = torch.zeros(h, 2 * len(kept), src.q.shape[1], **f64)
     losses = []
     for i, f in enumerate(kept):
         z, qr, residual, loss = _rope_split(torch.complex(q[:, re[f]], q[:, im[f]]),
@@ -176,9 +186,9 @@ def mla_layer(src: SourceAttention, sigma: torch.Tensor, kept: list[int], pairs:
     q = torch.cat([_heads(src.q, h, d), rope_q], dim=1) * fold  # [h, d + D_r, H]
     energy = float(torch.einsum("ri,ij,rj->", a, sigma, a)) / rank
     scale = (latent_energy * eps / energy) ** 0.5 if energy > 0 else 1.0
-    group = torch.arange(h) // (h // kv)
+    group = torch.arange(h, device=sigma.device) // (h // kv)
     bk, bv = b[: kv * d].reshape(kv, d, rank), b[kv * d:].reshape(kv, d, rank)
     kv_b = torch.cat([bk[group], bv[group]], dim=1)  # [h, d + d, R]
     return MLAWeights(q.reshape(-1, q.shape[-1]), torch.cat([a * scale, rope_k]),
-                      torch.full((rank,), eps**0.5 / scale, dtype=torch.float64), kv_b.reshape(-1, rank),
+                      torch.full((rank,), eps**0.5 / scale, dtype=torch.float64, device=sigma.device), kv_b.reshape(-1, rank),
                       src.o.clone(), rope_loss, latent_loss)

@@ -300,3 +300,29 @@ def test_kd_uptraining_of_an_mla_output_stays_near_its_start_instead_of_explodin
     assert config["rms_norm_eps"] == 1e-6 and config["model_type"] == "deepseek_v3"
     a = load_file(tmp_path / "up" / "model.safetensors")["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
     assert float(a[:8].pow(2).mean().sqrt()) < 1e-2 * float(a[8:].pow(2).mean().sqrt())  # stored: tiny latent again
+
+
+@pytest.mark.parametrize("kv_heads,pairs", [(2, "half"), (1, "interleaved")])
+def test_factorisation_makes_every_tensor_on_its_inputs_device(kv_heads, pairs):
+    """mla_layer runs on the calibration device (CUDA on a GPU, priced there by the dry run): every tensor it makes
+    must be made on its inputs' device. With the default device set to meta, a tensor made without `device=` lands
+    on meta and meets the CPU inputs in an error; made right, the weights are the CPU-default run's exactly."""
+    from surgery.mla.factor import SourceAttention, mla_layer
+
+    g = torch.Generator().manual_seed(0)
+    h, d, H = 4, 8, 24
+    x = torch.randn(256, H, generator=g, dtype=torch.float64)
+    sigma = x.T @ x / 256
+    src = SourceAttention(*(torch.randn(*s, generator=g, dtype=torch.float64) for s in
+                            ((h * d, H), (kv_heads * d, H), (kv_heads * d, H), (H, h * d))), h, kv_heads, d)
+    args = (src, sigma, [0, 2], pairs, 6, d**-0.5, 1e-5)
+    expected = mla_layer(*args)
+    torch.set_default_device("meta")
+    try:
+        got = mla_layer(*args)
+    finally:
+        torch.set_default_device(None)
+    for name in ("q_proj", "kv_a", "kv_a_norm", "kv_b", "o_proj"):
+        a, b = getattr(expected, name), getattr(got, name)
+        assert b.device.type == "cpu" and torch.equal(a, b), name
+    assert got.to("meta").kv_b.device.type == "meta"
