@@ -74,8 +74,12 @@ def parse_weights(weights: str | list | None, count: int, flag: str = "--data-we
                            f"per source")
     if not all(np.isfinite(v) and v > 0 for v in values):
         raise SurgeryError(f"{flag} must all be positive numbers, got {weights}")
-    total = sum(values)
-    return [v / total for v in values]
+    top = max(values)  # scaled by the largest first: a sum of huge weights (1e308 + 1e308) would overflow to inf
+    scaled = [v / top for v in values]
+    if not all(v > 0 for v in scaled):
+        raise SurgeryError(f"{flag} {weights}: the weights differ too much in size (a ratio beyond floating point)")
+    total = sum(scaled)
+    return [v / total for v in scaled]
 
 
 def resolve_sources(specs: list[str], weights: list[float]) -> list[Source]:
