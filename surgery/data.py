@@ -8,8 +8,10 @@ Anything else: a hub dataset `name[:config][@split]`, optionally streamed.
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
+import stat
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -24,6 +26,31 @@ def pydoc_texts() -> list[str]:
     from pydoc_data.topics import topics
 
     return [topics[k] for k in sorted(topics)]
+
+
+def local_files(spec: str) -> list[str]:
+    """The files a local data spec names (a path or a glob, `~` expanded), sorted, each a regular file with its
+    symlinks resolved once (the path read later is the target checked now). A FIFO (reading it would block for
+    ever), a device, a socket, a folder matched by a glob, a dangling link or a symlink loop is one line. A spec that
+    names nothing here gives []."""
+    path = os.path.expanduser(spec)
+    if any(c in spec for c in "*?["):
+        names = sorted(glob.glob(path))
+    else:  # a folder of that name is no data file (a hub dataset may share its name)
+        names = [path] if os.path.lexists(path) and not os.path.isdir(path) else []
+    files = []
+    for name in names:
+        try:
+            mode = os.stat(name).st_mode
+        except OSError as e:
+            reason = "a symlink loop" if e.errno == errno.ELOOP else e.strerror
+            raise SurgeryError(f"data {name}: cannot open it ({reason})") from None
+        if not stat.S_ISREG(mode):
+            what = ("a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+            raise SurgeryError(f"data {name} is {what}; only regular files are read")
+        files.append(os.path.realpath(name))
+    return files
 
 
 def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
@@ -43,7 +70,7 @@ def load_texts(spec: str, text_field: str = "text", streaming: bool = False) -> 
     if spec == "pydoc":
         return pydoc_texts()
     pattern = any(c in spec for c in "*?[")  # a hub dataset's name has none of these: a local glob, never online
-    files = sorted(glob.glob(os.path.expanduser(spec))) if pattern else ([spec] if Path(spec).exists() else [])
+    files = local_files(spec)
     if files:
         return _local_texts(files, text_field, streaming)
     if pattern:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from .arch import attention_shape
 from .errors import SurgeryError
-from .kinds import AttentionShape, find_kind, kv_cache_values, plain_attention_macs  # importing the kinds registers their model types
+from .kinds import AttentionShape, check_checkpoint, find_kind, kv_cache_values, plain_attention_macs  # importing the kinds registers their model types
 from .checkpoint.record import read_record
 from .checkpoint.source import load_config
 from .checkpoint.tensors import CheckpointReader, dtype_size
@@ -22,6 +22,7 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
     record = read_record(folder)  # typed: a mistyped field is one line naming the file
     with CheckpointReader(folder, allow_pickle=allow_pickle) as reader:
         tensors = list(reader.tensors.values())
+    check_checkpoint(folder, config, record, {t.name: t.shape for t in tensors})  # config.json against the tensors
     params = sum(t.numel for t in tensors)
     floats = [t for t in tensors if t.dtype.is_floating_point]
     # The KV cache is kept in the weights' dtype: the dtype holding most parameters.
@@ -43,7 +44,7 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
         "model_type": config.get("model_type"),
         "surgery": record.get("kind"),
         **shape,
-        "distinct_kv_heads": record.get("kv_heads", {}).get("after", kv),
+        "distinct_kv_heads": (record.get("kv_heads") or {}).get("after", kv),
         "experts": experts,
         "topk": topk,
         "parameters": params,

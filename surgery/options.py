@@ -140,3 +140,24 @@ def texts_rule(name: str):
             raise ValueError(f"{spelling(info, cls).flag(name)} needs at least one text")
         return v
     return rule
+
+
+def env_number(name: str, default: float, unit: str, maximum: float = 1e15) -> float:
+    """Environment variable `name` as a finite number from 0 to `maximum` (the numeric options' strictness: `inf`,
+    `nan`, a negative number or text is one line naming the variable, never silently clamped); `default` when unset
+    or blank."""
+    import math
+    import os
+
+    from .errors import SurgeryError
+
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or not 0 <= number <= maximum:
+        raise SurgeryError(f"{name} must be a number of {unit} from 0 to {maximum:g}, not {value!r}")
+    return number

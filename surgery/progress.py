@@ -8,7 +8,6 @@ The plain line says what is done, how fast and how long is left, e.g.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 
@@ -29,10 +28,9 @@ def format_seconds(seconds: float) -> str:
 
 
 def interval_from_env() -> float:
-    try:
-        return max(0.0, float(os.environ.get("SURGERY_PROGRESS_SECONDS", DEFAULT_SECONDS)))
-    except ValueError:
-        return DEFAULT_SECONDS
+    from .options import env_number
+
+    return env_number("SURGERY_PROGRESS_SECONDS", DEFAULT_SECONDS, "seconds", maximum=86400)
 
 
 class Progress:

@@ -11,7 +11,6 @@ is about host memory. Small runs never touch the disk.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import weakref
@@ -28,15 +27,9 @@ DEFAULT_BUDGET = 512 << 20  # bytes of residual stream kept in host memory befor
 
 def default_budget() -> int:
     """`SURGERY_RESIDUAL_RAM_MB` (MiB; 0 spills every chunk) or 512 MiB."""
-    value = os.environ.get(RESIDUAL_BUDGET_ENV)
-    if value is None or not value.strip():
-        return DEFAULT_BUDGET
-    try:
-        return max(0, int(float(value) * (1 << 20)))
-    except ValueError:
-        from ..errors import SurgeryError
+    from ..options import env_number
 
-        raise SurgeryError(f"{RESIDUAL_BUDGET_ENV} must be a number of MiB, not {value!r}") from None
+    return int(env_number(RESIDUAL_BUDGET_ENV, DEFAULT_BUDGET / (1 << 20), "MiB", maximum=1 << 30) * (1 << 20))
 
 
 class SpillPolicy:

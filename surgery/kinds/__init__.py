@@ -79,7 +79,9 @@ def find_kind(record: dict | None = None, config: dict | None = None) -> Kind | 
     """The kind that wrote a checkpoint: the one whose config key the config sets (SwitchHead's `switchhead`), else
     surgery.json's `kind`, else the model_type prefix of a converted config."""
     config = config or {}
-    by_key = next((k for k in _KINDS.values() if k.config_key and config.get(k.config_key)), None)
+    # a key set to anything but null or false names the kind (a tampered `kv_lora_rank: 0` is still MLA's, to refuse)
+    by_key = next((k for k in _KINDS.values() if k.config_key and config.get(k.config_key) is not None
+                   and config.get(k.config_key) is not False), None)
     if by_key is not None:
         return by_key
     name = (record or {}).get("kind")
@@ -187,3 +189,18 @@ def kv_cache_values(shape: AttentionShape, config: dict, record: dict | None = N
     kind = find_kind(record, config)
     return (kind or _PLAIN).kv_cache_values(shape, config)
 
+
+
+def check_checkpoint(folder, config: dict, record: dict | None = None, shapes: dict | None = None) -> None:
+    """A checkpoint read back by any command (inspect, check, bench, uptrain): the kind that wrote it checks its
+    config.json against its tensors' shapes (`shapes`: name -> shape; read from the safetensors headers when not
+    given), so every command refuses the same inconsistencies in the same words. Nothing for a plain checkpoint."""
+    kind = find_kind(record, config)
+    if kind is None:
+        return
+    if shapes is None:
+        from ..checkpoint.tensors import CheckpointReader
+
+        with CheckpointReader(folder) as reader:
+            shapes = {n: t.shape for n, t in reader.tensors.items()}
+    kind.check_checkpoint(config, shapes)

@@ -241,6 +241,11 @@ class Kind:
         returns what maps it back before saving (`.restore(model, state=None)`), or None: train it as loaded."""
         return None
 
+    def check_checkpoint(self, config: dict, shapes: dict[str, tuple[int, ...]]) -> None:
+        """A checkpoint this kind wrote, read back: its config.json's own settings (`config_key`'s and the sizes
+        they imply) and its tensors' `shapes` (name -> shape, from the headers) agree, else one line
+        (surgery.kinds.check_checkpoint runs it for every command that reads a checkpoint back)."""
+
     def card_lines(self, record: dict) -> list[str]:
         """Kind-specific lines of the model card's "what was done" section."""
         return []

@@ -78,6 +78,11 @@ class MLA(Kind):
         nope, v = int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
         return {"proj": L * (H * h * (nope + rope) + H * (r + rope) + r * h * (nope + v) + h * v * H), "mixing": None}
 
+    def check_checkpoint(self, config: dict, shapes: dict[str, tuple[int, ...]]) -> None:
+        from ..mla.validate import check_mla
+
+        check_mla(config, shapes)
+
     def training_form(self, model):
         """The latent rows at the rope rows' scale and kv_a_layernorm's epsilon divided to match: the same function,
         trainable (surgery/mla/training.py)."""

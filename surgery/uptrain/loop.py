@@ -24,7 +24,7 @@ import torch
 from ..checkpoint.atomic import atomic_output_dir, check_apart, check_output_path, ordinary_permissions
 from ..checkpoint.sha256 import sha256_file
 from ..errors import SurgeryError
-from ..kinds import find_kind
+from ..kinds import check_checkpoint, find_kind
 from ..loaders import read_json
 from ..checkpoint.source import resolve_source, side_files
 from ..checkpoint.record import local_source_folder, public_name, read_record, write_record
@@ -289,6 +289,7 @@ class UptrainRecipe:
         o = self.o
         self.source = resolve_source(o.model)
         self.record = read_record(self.source.folder)
+        check_checkpoint(self.source.folder, self.source.config, self.record)  # before anything is loaded or written
         self.objective = resolve_objective(o, self.record)
         self.acc = make_accelerator()
         self.main, self.world = self.acc.is_main_process, self.acc.num_processes

@@ -25,7 +25,6 @@ reads exactly the windows the uninterrupted one would have.
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -52,12 +51,6 @@ class Source:
     units: tuple[str, ...]  # local files; ("",) for pydoc and hub datasets (one unit)
 
 
-def local_files(spec: str) -> list[str]:
-    if any(c in spec for c in "*?["):
-        return sorted(glob.glob(spec))
-    return [spec] if Path(spec).is_file() else []
-
-
 def parse_weights(weights: str | list | None, count: int, flag: str = "--data-weights",
                   data_flag: str = "--data") -> list[float]:
     """`--data-weights 0.7,0.3` -> normalised weights, one per `--data`; equal weights when not given. (`flag`,
@@ -74,12 +67,16 @@ def parse_weights(weights: str | list | None, count: int, flag: str = "--data-we
                            f"per source")
     if not all(np.isfinite(v) and v > 0 for v in values):
         raise SurgeryError(f"{flag} must all be positive numbers, got {weights}")
-    total = sum(values)
-    return [v / total for v in values]
+    top = max(values)  # scaled by the largest first: a sum of huge weights (1e308 + 1e308) would overflow to inf
+    scaled = [v / top for v in values]
+    if not all(v > 0 for v in scaled):
+        raise SurgeryError(f"{flag} {weights}: the weights differ too much in size (a ratio beyond floating point)")
+    total = sum(scaled)
+    return [v / total for v in scaled]
 
 
 def resolve_sources(specs: list[str], weights: list[float]) -> list[Source]:
-    from ..data import BUILDERS
+    from ..data import BUILDERS, local_files
 
     out = []
     for spec, w in zip(specs, weights):
@@ -275,9 +272,10 @@ class Sequential:
         plan = self.plan
         while True:
             raw = self._raw(self.epoch)
-            for _ in range(self.doc):  # resumed: re-read, without tokenizing, what was read before
-                if next(raw, None) is None:
-                    break
+            for i in range(self.doc):  # resumed: re-read, without tokenizing, what was read before
+                if next(raw, None) is None:  # a saved position lies within what this reader has to read
+                    raise bad_position(f"document {self.doc} of epoch {self.epoch}, but this reader's part of data "
+                                       f"{plan.sources[self.s].spec} holds {i} documents")
             batch, read_any = [], self.doc > 0
             for text in raw:
                 batch.append(text)
@@ -307,6 +305,9 @@ class Sequential:
         while need:
             if self._current is None:
                 ids = next(self._docs)
+                if self.offset and self.offset >= len(ids or ()):  # only a resumed position starts inside a document
+                    raise bad_position(f"token {self.offset} of a document of {len(ids or ())} tokens (document "
+                                       f"{self.doc} of data {self.plan.sources[self.s].spec})")
                 if ids is None:
                     self.skipped += 1
                     self.doc += 1
@@ -395,6 +396,11 @@ class SourceReader:
             self._fill()
         self.emitted += 1
         return self.windows[self.order[self.emitted - 1]]
+
+
+def bad_position(where: str) -> SurgeryError:
+    """A saved data position past what the data holds: the checkpoint was altered, or the data changed under it."""
+    return SurgeryError(f"--resume: the data position in the checkpoint is not valid: it points at {where}")
 
 
 def check_state(state, plan: Plan) -> None:

@@ -107,3 +107,65 @@ def test_mla_output_runs_in_llama_cpp_with_the_same_logits(tmp_path):
     report = run_bench(BenchOptions(source=str(embedded_smollm2_gguf()), converted=str(gguf_file), contexts=[32],
                                     new=2, rounds=1, engine="llama.cpp", threads=1))
     assert report["results"][0]["ratio"]["kv_cache_bytes"] == pytest.approx(1 / 3)
+
+
+# ---- the tool against hostile files (issue 40) -------------------------------------------------------------------
+def tool(path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "surgery.mla.gguf", str(path)], capture_output=True, text=True)
+
+
+def one_error_line(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("surgery: error: "), result.stderr
+    assert all(f in lines[0] for f in fragments), lines[0]
+
+
+def test_a_symlink_is_followed_and_stays_a_link_and_the_mode_is_kept(tmp_path):
+    target = tmp_path / "real.gguf"
+    write_gguf(target, "deepseek2")
+    target.chmod(0o640)
+    link = tmp_path / "link.gguf"
+    link.symlink_to(target)
+    done = tool(link)
+    assert done.returncode == 0, done.stderr
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert fields(target)[Q_LORA_RANK] == 0 and (target.stat().st_mode & 0o777) == 0o640
+    loop = tmp_path / "loop.gguf"
+    loop.symlink_to(loop)
+    one_error_line(tool(loop), "symlink loop")
+    assert loop.is_symlink()
+
+
+def test_read_only_files_and_folders_are_refused_and_left_as_they_are(tmp_path):
+    path = tmp_path / "ro.gguf"
+    write_gguf(path, "deepseek2")
+    before = path.read_bytes()
+    path.chmod(0o444)
+    one_error_line(tool(path), "read-only")
+    assert path.read_bytes() == before and (path.stat().st_mode & 0o777) == 0o444
+    folder = tmp_path / "folder.gguf"
+    folder.mkdir()
+    one_error_line(tool(folder), "a folder")
+
+
+def test_a_truncated_gguf_is_one_line_at_every_length(tmp_path):
+    path = tmp_path / "whole.gguf"
+    write_gguf(path, "deepseek2")
+    data = path.read_bytes()
+    for cut in range(len(data)):  # every prefix (a 4-byte one was an IndexError)
+        broken = tmp_path / f"cut{cut}.gguf"
+        broken.write_bytes(data[:cut])
+        with pytest.raises(SurgeryError):
+            complete_for_llama_cpp(broken)
+        assert broken.read_bytes() == data[:cut]
+    one_error_line(tool(tmp_path / "cut4.gguf"), "not a readable GGUF file")
+
+
+def test_a_gguf_on_a_read_only_mount_is_one_line(tmp_path):
+    from hostile import small_tmpfs
+
+    with small_tmpfs(tmp_path / "mnt") as mount:
+        write_gguf(mount / "m.gguf", "deepseek2")
+        subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+        one_error_line(tool(mount / "m.gguf"), "read-only")
+        assert Q_LORA_RANK not in fields(mount / "m.gguf")

@@ -1,0 +1,113 @@
+"""The streamed data path against hostile and careless inputs (issue 40): weights, file kinds, tampered positions,
+large documents and single-file corpora, each refused in one line or handled with bounded memory."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+
+import pytest
+
+from surgery.errors import SurgeryError
+from surgery.uptrain.stream import Plan, Reader, check_state, hold_out, parse_weights, resolve_sources
+
+
+def test_weights_whose_sum_overflows_are_normalised_not_zeroed():
+    assert parse_weights("1e308,1e308", 2) == [0.5, 0.5]
+    assert parse_weights([1.5e308, 0.5e308], 2) == pytest.approx([0.75, 0.25])
+    with pytest.raises(SurgeryError, match="differ too much"):
+        parse_weights("1e308,1e-320", 2)
+
+
+# ---- what a data spec may name -------------------------------------------------------------------------------
+def jsonl(path, docs: int, tag: str = "doc") -> str:
+    from surgery.data import pydoc_texts
+
+    texts = pydoc_texts()
+    path.write_text("".join(json.dumps({"text": f"{tag} {d}: " + texts[d % len(texts)][:400]}) + "\n"
+                            for d in range(docs)))
+    return str(path)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: os.mkfifo(p), "is a FIFO; only regular files are read"),
+    (lambda p: p.symlink_to(p), "a symlink loop"),
+    (lambda p: p.symlink_to(p.parent / "gone.jsonl"), "No such file"),
+    (lambda p: p.mkdir(), "is a folder"),
+])
+def test_a_glob_matching_anything_but_a_regular_file_is_one_line(tmp_path, make, words):
+    from surgery.data import load_texts
+
+    jsonl(tmp_path / "a.jsonl", 3)
+    make(tmp_path / "b.jsonl")
+    spec = str(tmp_path / "*.jsonl")
+    with timeout(20):
+        for read in (lambda: resolve_sources([spec], [1.0]), lambda: list(load_texts(spec))):
+            with pytest.raises(SurgeryError, match=words):
+                read()
+
+
+def test_a_linked_data_file_is_read_through_its_target(tmp_path, tokenizer):
+    target = jsonl(tmp_path / "real.jsonl", 4)
+    (tmp_path / "link.jsonl").symlink_to(target)
+    [source] = resolve_sources([str(tmp_path / "link.jsonl")], [1.0])
+    assert source.units == (target,)
+
+
+# ---- tampered positions ----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def timeout(seconds: int):
+    """A hang becomes a test failure."""
+    def alarm(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def plan_for(tokenizer, sources, epochs=1, seq_len=16, readers=1, eval_tokens=0) -> Plan:
+    args = dict(tokenizer=tokenizer, eos=tokenizer.eos_token_id, seq_len=seq_len, seed=0, readers=readers,
+                epochs=epochs)
+    _, held = hold_out(args, sources, eval_tokens)
+    return Plan(sources=tuple(sources), held=held, **args)
+
+
+def saved_state(plan, windows: int) -> dict:
+    reader = Reader(plan, 0, None)
+    it = iter(reader)
+    for _ in range(windows):
+        next(it)
+    return json.loads(json.dumps(reader.state()))  # as a checkpoint holds it
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("offset", 10 ** 9, "token 1000000000 of a document of"),  # looped for ever
+    ("doc", 10 ** 6, "document 1000000 of epoch 0"),  # was "ran dry ... raise --data-epochs"
+])
+def test_a_position_past_what_the_data_holds_is_refused_not_read(tmp_path, tokenizer, field, value, words):
+    sources = resolve_sources([jsonl(tmp_path / "d.jsonl", 20)], [1.0])
+    plan = plan_for(tokenizer, sources)
+    state = saved_state(plan, 3)
+    check_state(state, plan)
+    state["sources"][0]["start"][field] = value
+    check_state(state, plan)  # the shape is right: only the data can tell it is past the end
+    with timeout(30), pytest.raises(SurgeryError, match="data position in the checkpoint is not valid") as e:
+        next(iter(Reader(plan, 0, state)))
+    assert words in str(e.value) and "ran dry" not in str(e.value)
+
+
+def test_an_untampered_position_resumes_to_the_same_windows(tmp_path, tokenizer):
+    sources = resolve_sources([jsonl(tmp_path / "d.jsonl", 20)], [1.0])
+    plan = plan_for(tokenizer, sources, epochs=3)
+    straight = iter(Reader(plan, 0, None))
+    expected = [next(straight)[0].tolist() for _ in range(40)]
+    for k in (1, 7, 25):
+        resumed = iter(Reader(plan, 0, saved_state(plan, k)))
+        assert [next(resumed)[0].tolist() for _ in range(40 - k)] == expected[k:]
