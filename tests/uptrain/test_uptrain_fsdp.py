@@ -60,3 +60,42 @@ def test_fsdp2_under_bf16_computes_in_bf16_and_reduces_gradients_in_fp32():
 def test_fsdp1_is_refused_with_the_reason():
     with pytest.raises(SurgeryError, match="FSDP2 only .*FSDP1.*inv_freq.*fsdp_version: 2"):
         use_fsdp2(fsdp_accelerator(1, "bf16"))
+
+
+def gpu_config_on_cpu(folder: Path) -> Path:
+    """recipes/accelerate/fsdp-8gpu.yaml as it is (FSDP2, bf16, its sharding keys), on 2 CPU processes over gloo."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "recipes/accelerate/fsdp-8gpu.yaml").read_text())
+    path = folder / "fsdp-8gpu-on-cpu.yaml"
+    path.write_text(yaml.safe_dump(config | {"use_cpu": True, "num_processes": 2}))
+    return path
+
+
+def test_fsdp2_bf16_keeps_rope_buffers_fp32_and_the_rotary_tables_exact(tiny, tokenizer, tmp_path):
+    """The shipped GPU config on 2 CPU processes with bf16: after uptrain's own make_accelerator, loading, teacher
+    sharding and `prepare` (surgery.testing.fsdp_probe), every rank's student and teacher keep inv_freq in fp32 and
+    compute the same cos/sin at positions 0..4095 as the checkpoints loaded alone; the policy reduces in fp32."""
+    import json
+    import subprocess
+    import sys
+
+    from surgery.testing.pydoc_llama import make_model
+
+    teacher = make_model(tmp_path / "teacher", tokenizer, seed=1)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(gpu_config_on_cpu(tmp_path)),
+           "--main_process_port", "0", "-m", "surgery.testing.fsdp_probe", str(tmp_path), "bf16", str(tiny),
+           str(teacher)]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert got["distributed_type"] == "FSDP" and got["world"] == 2 and got["mixed_precision"] == "bf16"
+        assert got["policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+        for role in ("student", "teacher"):
+            buffers = got[role]["buffers"]
+            assert {n for n in buffers if n.endswith("inv_freq")} == {"model.rotary_emb.inv_freq",
+                                                                       "model.rotary_emb.original_inv_freq"}
+            assert all(dtype == "float32" for dtype in buffers.values()), (rank, role, buffers)
+            assert got[role]["rotary_exact"] == {"model.rotary_emb": True}, (rank, role)
