@@ -63,21 +63,24 @@ def make_optimizer(params: list, o: UptrainOptions) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, **kw)
 
 
-def make_accelerator():
-    """bf16 autocast on CUDA, fp32 elsewhere. Without CUDA, cpu=True lets several processes started by
-    `accelerate launch --multi_gpu --num_processes N` (torchrun) or `torchrun` run DDP on CPU over gloo, and
-    an FSDP config (`accelerate launch --config_file fsdp.yaml`) run FSDP on CPU over gloo (see `use_fsdp_on_cpu`)."""
+def make_accelerator(mixed_precision: str | None = None):
+    """bf16 autocast on CUDA, fp32 elsewhere (`mixed_precision` "bf16" or "no" chooses). Without CUDA, cpu=True lets
+    several processes started by `accelerate launch --multi_gpu --num_processes N` (torchrun) or `torchrun` run DDP on
+    CPU over gloo, and an FSDP config (`accelerate launch --config_file fsdp.yaml`) run FSDP on CPU over gloo (see
+    `use_fsdp_on_cpu`); under FSDP, `use_fsdp2` sets the mixed precision policy."""
     import os
 
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
     cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes")
-    precision = "bf16" if cuda and torch.cuda.is_bf16_supported() else "no"
+    precision = mixed_precision or ("bf16" if cuda and torch.cuda.is_bf16_supported() else "no")
     acc = Accelerator(cpu=not cuda, mixed_precision=precision)
     fsdp_config = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"  # set by accelerate launch
     if fsdp_config and acc.distributed_type == DistributedType.MULTI_CPU:
         use_fsdp_on_cpu(acc)
+    if acc.distributed_type == DistributedType.FSDP:
+        use_fsdp2(acc)
     return acc
 
 
@@ -92,6 +95,25 @@ def use_fsdp_on_cpu(acc) -> None:
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     acc.state.distributed_type = DistributedType.FSDP
     acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()
+
+
+def use_fsdp2(acc) -> None:
+    """FSDP is FSDP2 (`fully_shard`) or refused: FSDP1 casts buffers to its bf16 buffer dtype (RoPE's inv_freq: a
+    phase error of ~7 rad at position 4096 at Llama-3's base) and clips a partly trained model's gradients by each
+    shard's local norm. With bf16 the policy is bf16 compute and fp32 gradient reduction (accelerate builds bf16 for
+    both from `mixed_precision: bf16`, and a config file cannot say reduce_dtype); FSDP2 casts parameters only, so
+    buffers keep the dtype they were built in."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    plugin = acc.state.fsdp_plugin
+    if plugin.fsdp_version != 2:
+        raise SurgeryError(f"uptrain runs FSDP2 only (the accelerate config asks for FSDP{plugin.fsdp_version}, which "
+                           "casts RoPE's inv_freq to bf16): set fsdp_version: 2 under fsdp_config, as "
+                           "recipes/accelerate/fsdp-8gpu.yaml does")
+    if acc.mixed_precision == "bf16":
+        plugin.mixed_precision_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif acc.mixed_precision == "no":
+        plugin.mixed_precision_policy = None
 
 
 def shard_teacher(teacher) -> None:

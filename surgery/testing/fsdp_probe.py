@@ -1,0 +1,79 @@
+"""The setup of one `surgery uptrain` run under `accelerate launch` (the same make_accelerator, model loading, teacher
+sharding and `prepare` as the command), reported by every rank as OUT/rank-N.json: the dtype of each buffer of the
+student and the teacher, whether each rotary embedding's cos/sin tables (positions 0..4095) equal those of the model
+loaded alone, the FSDP2 mixed precision policy of the student's root unit, and the process's peak RSS.
+
+    accelerate launch --config_file CFG -m surgery.testing.fsdp_probe OUT MIXED_PRECISION MODEL [TEACHER]
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+POSITIONS = 4096
+
+
+def rotary_tables(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each rotary embedding's (cos, sin) for positions 0..POSITIONS-1, computed in fp32 on the CPU."""
+    tables = {}
+    positions = torch.arange(POSITIONS)[None]
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb"):
+            device = module.inv_freq.device
+            x = torch.zeros(1, dtype=torch.float32, device=device)
+            cos, sin = module(x, positions.to(device))
+            tables[name] = (cos.cpu(), sin.cpu())
+    return tables
+
+
+def report(model, reference) -> dict:
+    """`model`'s buffers' dtypes and whether its rotary tables equal `reference`'s (the same checkpoint, loaded alone)."""
+    ours, theirs = rotary_tables(model), rotary_tables(reference)
+    return {"buffers": {name: str(b.dtype).removeprefix("torch.") for name, b in model.named_buffers()},
+            "rotary_exact": {name: bool(torch.equal(ours[name][0], theirs[name][0])
+                                        and torch.equal(ours[name][1], theirs[name][1])) for name in theirs},
+            "rotary_modules": sorted(ours)}
+
+
+def mp_policy(model) -> dict | None:
+    state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
+    if state is None:
+        return None
+    policy = state._mp_policy
+    return {k: str(getattr(policy, k)).removeprefix("torch.") for k in ("param_dtype", "reduce_dtype")}
+
+
+def main(argv: list[str]) -> None:
+    from ..checkpoint.source import resolve_source
+    from ..uptrain import loop
+    from ..uptrain.model_io import load_causal_lm
+    from ..uptrain.options import UptrainOptions
+    from .pydoc_llama import FAST
+
+    out, precision, model = Path(argv[0]), argv[1], argv[2]
+    teacher = argv[3] if len(argv) > 3 else None
+    loop.make_accelerator = functools.partial(loop.make_accelerator, precision)
+    args = dict(FAST, tokens=FAST["batch_tokens"], eval_tokens=512, loss="kd" if teacher else "lm", teacher=teacher)
+    recipe = loop.UptrainRecipe(UptrainOptions(model=model, out=out / "run-output", force=True, **args))
+    recipe.setup()
+    peak_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # loading and prepare, before the references
+    acc = recipe.acc
+    result = {"rank": acc.process_index, "world": acc.num_processes, "distributed_type": acc.distributed_type.value,
+              "mixed_precision": acc.mixed_precision, "peak_rss_kib": peak_rss_kib, "policy": mp_policy(recipe.model),
+              "student": report(acc.unwrap_model(recipe.model), load_causal_lm(resolve_source(model), "model"))}
+    if teacher:
+        result["teacher"] = report(recipe.teacher, load_causal_lm(resolve_source(teacher), "teacher"))
+        result["teacher_param_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in recipe.teacher.parameters()})
+    (out / f"rank-{acc.process_index}.json").write_text(json.dumps(result, indent=2) + "\n")
+    acc.wait_for_everyone()
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

