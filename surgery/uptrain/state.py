@@ -10,12 +10,22 @@ A checkpoint `checkpoints/step-NNNNNNNN/` holds
 - `data-R.json`            streamed data: process R's position in the stream (surgery/uptrain/stream.py);
 - `manifest.json`          written last: the size and sha256 of every file above.
 
+Under FSDP (several processes, parameters sharded) a checkpoint is saved per process instead, without gathering
+anything (layout "per-process" in the manifest): process R writes
+- `model-rankR.safetensors` its shards of the parameters (the DTensors' local tensors), tied weights once;
+- `optim-rankR.safetensors` its shards of AdamW's state, the parameter groups as JSON in the metadata;
+- `shards-rankR.json`       the world size, and every tensor's global shape, local shape and placements;
+and hashes its own files (the main process only merges the sizes and sha256 into the manifest). A resume reads
+only its own process's files, and refuses (one line) a different number of processes: the shards are not
+re-sharded. A checkpoint of the whole model (one process, DDP, or written before this layout) still resumes under
+FSDP. The consolidated model is written once, at the end of the run (loop.py `save`).
+
 Each checkpoint is written into `checkpoints/.tmp-step-NNNNNNNN`, flushed to disk, and renamed to `step-NNNNNNNN`
 only when complete; a run killed at any moment leaves the previous checkpoints plus at most a temporary folder the
 next start removes. The last K are kept. `--resume` takes the newest checkpoint whose manifest matches its files
 and falls back to an older intact one (saying so) when the newest is damaged. All processes call `save` and
 `load_latest` (the model and optimizer state are gathered and scattered with collectives); only the main process
-writes the model and optimizer files, creates, renames and removes folders.
+writes the whole model's and optimizer's files, creates, renames and removes folders.
 """
 
 from __future__ import annotations
@@ -40,6 +50,19 @@ from ..checkpoint.tensors import save_safetensors
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 FORMAT = "surgery-uptrain-checkpoint/1"
 MANIFEST = "manifest.json"
+PER_PROCESS = "per-process"  # the manifest's "layout" of a checkpoint saved in shards, one set of files per process
+OWNER = re.compile(r"-(?:rank)?(\d+)\.(?:safetensors|json)$")  # rng-R, data-R, model-rankR, ...: process R's files
+
+
+def shard_files(rank: int) -> tuple[str, str, str]:
+    """Process `rank`'s files of a per-process checkpoint: its model shards, its optimizer shards, their layout."""
+    return f"model-rank{rank}.safetensors", f"optim-rank{rank}.safetensors", f"shards-rank{rank}.json"
+
+
+def owner(name: str) -> int | None:
+    """The process whose file `name` is (None: a file of the whole run)."""
+    m = OWNER.search(name)
+    return int(m.group(1)) if m else None
 
 
 class RunStateFile(BaseModel):
@@ -179,8 +202,10 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def damage(folder: Path) -> str | None:
-    """Why checkpoint `folder` cannot be resumed from ("FILE: reason"), or None when it is intact."""
+def damage(folder: Path, rank: int | None = None) -> str | None:
+    """Why checkpoint `folder` cannot be resumed from ("FILE: reason"), or None when it is intact. With `rank`, only
+    the files of the whole run and process `rank`'s own are read (a per-process checkpoint's other shards are the
+    other processes' to check)."""
     manifest = folder / MANIFEST
     if not manifest.exists():
         return f"{manifest}: missing (an incomplete checkpoint, or one written by an older version)"
@@ -191,9 +216,19 @@ def damage(folder: Path) -> str | None:
     if record.format != FORMAT:
         return f"{manifest}: unreadable (not a checkpoint manifest of this toolkit)"
     files = {name: entry.model_dump() for name, entry in record.files.items()}
-    for name in ("model.safetensors", "optimizer.safetensors", "run-state.json"):
+    if getattr(record, "layout", None) == PER_PROCESS:
+        processes = getattr(record, "processes", None)
+        if not isinstance(processes, int) or processes < 1:
+            return f"{manifest}: corrupt (a per-process checkpoint without its number of processes)"
+        ranks = range(processes) if rank is None else [rank]
+        required = ["run-state.json", *(name for r in ranks if r < processes for name in shard_files(r))]
+    else:
+        required = ["model.safetensors", "optimizer.safetensors", "run-state.json"]
+    for name in required:
         if name not in files:
             return f"{folder / name}: not in the manifest"
+    if rank is not None:
+        files = {name: entry for name, entry in files.items() if owner(name) in (None, rank)}
     for name, expect in files.items():
         path = folder / name
         if not path.is_file():
@@ -205,11 +240,77 @@ def damage(folder: Path) -> str | None:
     return None
 
 
+def _local(t):
+    """A DTensor's local shard (FSDP2 parameters and their AdamW states); any other value as it is."""
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
+
+
+def _layout(state: dict) -> dict:
+    """Each tensor's global and local shape, dtype and placements, for a process's shards-rankR.json."""
+    out = {}
+    for name, t in state.items():
+        if isinstance(t, torch.Tensor):
+            out[name] = {"shape": list(t.shape), "local_shape": list(_local(t).shape),
+                         "dtype": str(t.dtype).removeprefix("torch."),
+                         "placements": [repr(p) for p in t.placements] if hasattr(t, "placements") else None}
+    return out
+
+
+def _to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+
+
+def _like(templates: dict, loaded: dict, what: str) -> dict:
+    """The loaded local shards as the templates' DTensors (same mesh, placements, global shape), or plain tensors on
+    the templates' devices; a shard of another shape, a missing or an extra tensor is a KeyError/ValueError."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, t in templates.items():
+        if not isinstance(t, torch.Tensor):
+            out[name] = loaded.get(name, t)
+            continue
+        if name not in loaded:
+            raise KeyError(f"{what} {name!r} is not in the checkpoint")
+        v = loaded[name]
+        expect = _local(t).shape
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(expect):
+            raise ValueError(f"{what} {name!r}: the checkpoint's shard is {tuple(getattr(v, 'shape', ()))}, this "
+                             f"process holds {tuple(expect)}")
+        v = v.to(device=t.device, dtype=t.dtype)
+        out[name] = (DTensor.from_local(v, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                        stride=t.stride()) if isinstance(t, DTensor) else v)
+    extra = sorted(set(loaded) - set(templates))
+    if extra:
+        raise KeyError(f"{what} {extra[0]!r} of the checkpoint is not in this run")
+    return out
+
+
+def _gather_json(acc, value) -> list:
+    """`value` (JSON) of every process, in process order (a byte tensor per process: nothing is pickled)."""
+    data = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8)
+    sizes = acc.gather(torch.tensor([data.numel()], device=acc.device)).cpu().tolist()
+    padded = torch.zeros(1, max(sizes), dtype=torch.uint8)
+    padded[0, : data.numel()] = data
+    rows = acc.gather(padded.to(acc.device)).cpu()
+    return [json.loads(bytes(rows[i, :n].tolist())) for i, n in enumerate(sizes)]
+
+
+def _hashes(paths: list[Path]) -> dict:
+    return {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in paths}
+
+
 class Checkpoints:
-    def __init__(self, run_dir: Path, keep_last: int, accelerator):
+    def __init__(self, run_dir: Path, keep_last: int, accelerator, per_process: bool | None = None):
+        """`per_process`: save each process's shards (the default under FSDP) or gather the whole model to the main
+        process (the default elsewhere; under FSDP the layout before per-process checkpoints, kept for comparison)."""
+        from accelerate.utils import DistributedType
+
         self.dir = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.acc = accelerator
+        self.sharded = accelerator.distributed_type == DistributedType.FSDP
+        self.per_process = self.sharded if per_process is None else per_process
 
     def steps(self) -> list[tuple[int, Path]]:
         if not self.dir.is_dir():
@@ -227,22 +328,66 @@ class Checkpoints:
             for p in self.dir.glob(".tmp-step-*"):
                 shutil.rmtree(p, ignore_errors=True)
 
+    def _any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any process (a collective)."""
+        return bool(self.acc.reduce(torch.tensor([1.0 if flag else 0.0], device=self.acc.device),
+                                    reduction="sum").item())
+
+    def _states(self, model, optimizer) -> tuple[dict, dict]:
+        """The model's and the optimizer's state dicts: this process's shards (DTensors, per-process checkpoints) or
+        the whole of them gathered to the main process's host memory (collectives: every process calls this)."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        options = StateDictOptions(full_state_dict=False) if self.per_process else _state_options(cpu_offload=True)
+        return (get_model_state_dict(model, options=options),
+                get_optimizer_state_dict(model, optimizer, options=options))
+
+    def _write_whole(self, tmp: Path, model_state: dict, optim_state: dict, state: RunState) -> list[Path]:
+        """The whole model and optimizer state (gathered to the main process), written by the main process."""
+        if not self.acc.is_main_process:
+            return []
+        tensors, aliases = _split_aliases(model_state)
+        save_safetensors(tensors, tmp / "model.safetensors", metadata={"aliases": json.dumps(aliases)})
+        del tensors, model_state
+        tensors, meta = _optimizer_files(optim_state)
+        save_safetensors(tensors, tmp / "optimizer.safetensors", metadata=meta)
+        (tmp / "run-state.json").write_text(json.dumps(state.state_dict()) + "\n")
+        return [tmp / "model.safetensors", tmp / "optimizer.safetensors", tmp / "run-state.json"]
+
+    def _write_shards(self, tmp: Path, model_state: dict, optim_state: dict, state: RunState) -> list[Path]:
+        """This process's shards of the model and the optimizer state (no collective moves a tensor), their layout."""
+        rank, world = self.acc.process_index, self.acc.num_processes
+        model_file, optim_file, layout_file = shard_files(rank)
+        tensors, aliases = _split_aliases({k: _local(v) for k, v in model_state.items()})
+        save_safetensors(_to_host(tensors), tmp / model_file, metadata={"aliases": json.dumps(aliases)})
+        del tensors
+        flat = {f"{p}\x1f{k}": v for p, e in optim_state["state"].items() for k, v in e.items()
+                if isinstance(v, torch.Tensor)}
+        local = {"state": {p: {k: _local(v) for k, v in e.items()} for p, e in optim_state["state"].items()},
+                 "param_groups": optim_state["param_groups"]}
+        tensors, meta = _optimizer_files(local)
+        save_safetensors(_to_host(tensors), tmp / optim_file, metadata=meta)
+        del tensors, local
+        (tmp / layout_file).write_text(json.dumps({"rank": rank, "processes": world, "model": _layout(model_state),
+                                                   "optimizer": _layout(flat)}) + "\n")
+        written = [tmp / model_file, tmp / optim_file, tmp / layout_file]
+        if self.acc.is_main_process:
+            (tmp / "run-state.json").write_text(json.dumps(state.state_dict()) + "\n")
+            written.append(tmp / "run-state.json")
+        return written
+
     def save(self, step: int, model, optimizer, state: RunState, data_state: dict | None = None) -> Path:
         """Write checkpoint `step` atomically. A full disk (or any OSError) leaves the earlier checkpoints as they
         were, removes the partial folder and stops the run with one line."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
         final = self.dir / f"step-{step:08d}"
         tmp = self.dir / f".tmp-step-{step:08d}"
         main = self.acc.is_main_process
-        model_state = get_model_state_dict(model, options=_state_options(cpu_offload=True))  # collectives
-        optim_state = get_optimizer_state_dict(model, optimizer, options=_state_options(cpu_offload=True))
         error = None
+        hashes: dict = {}
 
         def agree(err):  # every process learns whether any failed, so all stop together
-            failed = torch.tensor([0.0 if err is None else 1.0], device=self.acc.device)
-            return err if err is not None else (OSError("another process failed") if self.acc.reduce(
-                failed, reduction="sum").item() else None)
+            return err if err is not None else (OSError("another process failed") if self._any(False) else None)
 
         try:
             if main:
@@ -252,26 +397,28 @@ class Checkpoints:
         except OSError as e:
             error = e
         error = agree(error)
+        write = self._write_shards if self.per_process else self._write_whole
+        model_state, optim_state = self._states(model, optimizer)
         try:
             if error is None:
                 rng, rng_meta = _rng_files()
-                save_safetensors(rng, tmp / f"rng-{self.acc.process_index}.safetensors", metadata=rng_meta)
+                written = [tmp / f"rng-{self.acc.process_index}.safetensors"]
+                save_safetensors(rng, written[0], metadata=rng_meta)
                 if data_state is not None:
-                    (tmp / f"data-{self.acc.process_index}.json").write_text(json.dumps(data_state) + "\n")
-                if main:
-                    tensors, aliases = _split_aliases(model_state)
-                    save_safetensors(tensors, tmp / "model.safetensors", metadata={"aliases": json.dumps(aliases)})
-                    tensors, meta = _optimizer_files(optim_state)
-                    save_safetensors(tensors, tmp / "optimizer.safetensors", metadata=meta)
-                    (tmp / "run-state.json").write_text(json.dumps(state.state_dict()) + "\n")
+                    written.append(tmp / f"data-{self.acc.process_index}.json")
+                    written[-1].write_text(json.dumps(data_state) + "\n")
+                written += write(tmp, model_state, optim_state, state)
+                hashes = _hashes(written)  # each process hashes its own files
         except OSError as e:
             error = e
         error = agree(error)
         del model_state, optim_state
+        every = _gather_json(self.acc, hashes if error is None else {})
         try:
             if main and error is None:
-                files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir())}
-                (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step,
+                files = dict(sorted({name: entry for h in every for name, entry in h.items()}.items()))
+                layout = {"layout": PER_PROCESS} if self.per_process else {}
+                (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "step": step, **layout,
                                                         "processes": self.acc.num_processes, "files": files}) + "\n")
                 _fsync_tree(tmp)
                 if final.exists():
@@ -294,34 +441,80 @@ class Checkpoints:
         self.acc.wait_for_everyone()
         return final
 
-    def load_latest(self, model, optimizer, state: RunState) -> Path:
-        """Restore the newest intact checkpoint; a damaged newer one is named on stderr and skipped."""
-        from safetensors import safe_open
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    def _choose(self) -> Path:
+        """The newest checkpoint intact on every process (each checks the run's files and its own; a collective)."""
         candidates = list(reversed(self.steps()))
         if not candidates:
             raise SurgeryError(f"--resume: no checkpoint in {self.dir}")
         problems = []
         for _, path in candidates:
-            problem = damage(path)
-            if problem is None:
+            problem = damage(path, self.acc.process_index)
+            if problem is not None:
+                problems.append(problem)
+            if not self._any(problem is not None):
                 break
-            problems.append(problem)
+            if problem is None:
+                problems.append(f"{path}: damaged in another process's files (that process names them)")
         else:
             raise SurgeryError(f"--resume: no intact checkpoint in {self.dir}: {problems[0]}"
                                + (f" (and {len(problems) - 1} older damaged)" if len(problems) > 1 else ""))
+        mine = [p for p in problems if "another process" not in p]
+        for p in mine if (self.acc.is_main_process or mine) else []:
+            print(f"surgery: warning: skipping a damaged checkpoint: {p}", file=sys.stderr, flush=True)
         if problems and self.acc.is_main_process:
-            for p in problems:
-                print(f"surgery: warning: skipping a damaged checkpoint: {p}", file=sys.stderr, flush=True)
             print(f"surgery: warning: resuming from the older intact checkpoint {path.name}", file=sys.stderr, flush=True)
+        return path
+
+    def _read_whole(self, path: Path) -> tuple[dict, dict]:
+        from safetensors import safe_open
+
+        with safe_open(path / "model.safetensors", "pt") as f:
+            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+            model_state = {k: f.get_tensor(k) for k in f.keys()}
+        model_state.update({alias: model_state[target] for alias, target in aliases.items()})
+        with safe_open(path / "optimizer.safetensors", "pt") as f:
+            optim_state = _optimizer_state({k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {})
+        return model_state, optim_state
+
+    def _read_shards(self, path: Path) -> tuple[dict, dict]:
+        """This process's shards (and nothing of the other processes')."""
+        from safetensors import safe_open
+
+        model_file, optim_file, _ = shard_files(self.acc.process_index)
+        with safe_open(path / model_file, "pt") as f:
+            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+            model_state = {k: f.get_tensor(k) for k in f.keys()}
+        model_state.update({alias: model_state[target] for alias, target in aliases.items()})
+        with safe_open(path / optim_file, "pt") as f:
+            optim_state = _optimizer_state({k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {})
+        return model_state, optim_state
+
+    def _check_layout(self, path: Path) -> bool:
+        """Whether checkpoint `path` is per-process; one that this run cannot take is refused in one line."""
+        record = read_model(path / MANIFEST, Manifest)
+        if getattr(record, "layout", None) != PER_PROCESS:
+            return False
+        saved, world = getattr(record, "processes", None), self.acc.num_processes
+        if not self.sharded:
+            raise SurgeryError(f"--resume: checkpoint {path} holds FSDP shards of {saved} processes; resume it under "
+                               f"FSDP with {saved} processes")
+        if saved != world:
+            raise SurgeryError(f"--resume: checkpoint {path} holds the shards of {saved} processes, this run has "
+                               f"{world}: resume with {saved} processes (shards are not re-sharded)")
+        return True
+
+    def load_latest(self, model, optimizer, state: RunState) -> Path:
+        """Restore the newest intact checkpoint; a damaged newer one is named on stderr and skipped."""
+        from safetensors import safe_open
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        path = self._choose()
         try:
-            with safe_open(path / "model.safetensors", "pt") as f:
-                aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-                model_state = {k: f.get_tensor(k) for k in f.keys()}
-            model_state.update({alias: model_state[target] for alias, target in aliases.items()})
-            with safe_open(path / "optimizer.safetensors", "pt") as f:
-                optim_state = _optimizer_state({k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {})
+            per_process = self._check_layout(path)
+            model_state, optim_state = (self._read_shards if per_process else self._read_whole)(path)
             rng = None  # a process that did not exist when the checkpoint was written keeps its seeded generators
             if (path / f"rng-{self.acc.process_index}.safetensors").is_file():
                 with safe_open(path / f"rng-{self.acc.process_index}.safetensors", "pt") as f:
@@ -335,8 +528,18 @@ class Checkpoints:
             raise SurgeryError(f"--resume: checkpoint {path} says step {state.step} in run-state.json, "
                                f"{manifest_step} in its manifest: it was altered")
         try:
-            set_model_state_dict(model, model_state, options=_state_options())
-            set_optimizer_state_dict(model, optimizer, optim_state, options=_state_options())
+            if per_process:  # the shards into this process's DTensors (the same mesh and placements as when saved)
+                options = StateDictOptions(full_state_dict=False)
+                model_state = _like(get_model_state_dict(model, options=options), model_state, "parameter")
+                templates = get_optimizer_state_dict(model, optimizer, options=options)
+                if set(optim_state["state"]) != set(templates["state"]):
+                    raise KeyError("the optimizer state's parameters differ from this run's")
+                optim_state["state"] = {p: _like(templates["state"][p], e, f"optimizer state of {p}")
+                                        for p, e in optim_state["state"].items()}
+            else:
+                options = _state_options()
+            set_model_state_dict(model, model_state, options=options)
+            set_optimizer_state_dict(model, optimizer, optim_state, options=options)
         except (RuntimeError, KeyError, ValueError) as e:
             raise SurgeryError(f"--resume: checkpoint {path} does not fit this model: {str(e).splitlines()[0]}") from None
         if rng is not None:
