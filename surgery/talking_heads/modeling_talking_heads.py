@@ -20,8 +20,10 @@ Per query block of `chunk_size` rows, with W = h * d the attention width:
     U = P_w^T A                  mixed into h_v weight heads             (b, h_v, c, S)
     O = U V                      h_v value heads of size W / h_v          (b, h_v, c, W / h_v)
 
-so peak memory is O(h * chunk * S) instead of O(h * T * S). Keys that no query of a block may see (the future
-in causal attention, padding, outside a sliding window) are cut from that block before any of this.
+so peak memory is O(h * chunk * S) instead of O(h * T * S). On CPU blocks are sized to stay in cache and keys that
+no query of a block may see (the future in causal attention, padding, outside a sliding window) are cut from that
+block before any of this; on a GPU blocks are sized by memory (a few per layer) and masked on the device, without
+reading the mask on the host (`block_plan`).
 
 Initialization ("overlap"): P_l[j, i] is the number of dims that query-key head j shares with source head i,
 divided by the size of head j; P_w[i, j] likewise for value head j. With h_k = h_v = h both are the identity and
@@ -184,9 +186,34 @@ def _key_range(mask: torch.Tensor | None, keys: int) -> tuple[int, int, int, int
     return lo, hi, lo + int(partial[0]), lo + int(partial[-1]) + 1
 
 
-# Rows of one attention block: the block's scores (heads x rows x keys) are kept near this many elements, so that
-# the passes over them (mixing, masking, softmax, mixing) stay in cache; `chunk_size` remains the upper bound.
+def _whole_keys(mask: torch.Tensor | None, keys: int) -> tuple[int, int, int, int]:
+    """`_key_range` without reading the mask: every key computed, every key masked (none if there is no mask)."""
+    return 0, keys, 0, (0 if mask is None else keys)
+
+
+# Rows of one attention block on CPU: the block's scores (heads x rows x keys) are kept near this many elements, so
+# that the passes over them (mixing, masking, softmax, mixing) stay in cache; `chunk_size` remains the upper bound.
 BLOCK_ELEMENTS = 2**21
+# Elsewhere (CUDA, ...) a block is as large as memory allows: its scores (batch x heads x rows x keys) are kept under
+# this many elements (512 MiB in float32; the block's few temporaries of that size come and go), so that a 4k-token
+# forward of an 8B model is a few blocks per layer at batch 1; `chunk_size` remains the upper bound.
+DEVICE_BLOCK_ELEMENTS = 2**27
+
+
+def block_plan(device_type: str) -> tuple[int, bool]:
+    """How `talking_heads_attention` cuts its work on a device type: (elements of a block's scores, whether a
+    block's keys are narrowed by its mask). Narrowing skips the keys that no query of a block may see (the future,
+    padding) but reads the mask's values on the host, four times a block: free on CPU, a wait for the whole queue
+    on a GPU, where every key is masked on the device instead."""
+    if device_type == "cpu":
+        return BLOCK_ELEMENTS, True
+    return DEVICE_BLOCK_ELEMENTS, False
+
+
+def _block_rows(plan: tuple[int, bool], batch: int, heads: int, keys: int) -> int:
+    elements, narrow = plan
+    per_row = heads * max(keys, 1) * (1 if narrow else batch)  # (the CPU's blocks were tuned per sequence)
+    return max(1, elements // per_row)
 
 
 # --- the attention function and its mask -------------------------------------------------------------------------
@@ -224,13 +251,14 @@ def talking_heads_attention(
         query, key, value = mixer.query_key_heads(query), mixer.query_key_heads(key), mixer.value_heads(value)
         logits_mix, weights_mix = mixer.logits_mix, mixer.weights_mix
         chunk = mixer.chunk_size or t
-    chunk = max(1, min(chunk, BLOCK_ELEMENTS // (max(h, query.shape[1]) * max(keys, 1))))
+    plan = block_plan(query.device.type)
+    chunk = max(1, min(chunk, _block_rows(plan, b, max(h, query.shape[1]), keys)))
     heads_v, value_dim = (h if grouped else value.shape[1]), value.shape[-1]
     out = query.new_empty(b, t, heads_v, value_dim)
     for start in range(0, t, chunk):
         stop = min(t, start + chunk)
         mask = None if attention_mask is None else attention_mask[:, :, start:stop]
-        lo, hi, mlo, mhi = _key_range(mask, keys)
+        lo, hi, mlo, mhi = _key_range(mask, keys) if plan[1] else _whole_keys(mask, keys)
         block = query[:, :, start:stop]
         if grouped:  # (b, h, c, d) -> (b, kv, h/kv * c, d): the query heads of a group share their keys
             block = block.reshape(b, kv, (h // kv) * (stop - start), d)
