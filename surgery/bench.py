@@ -12,6 +12,7 @@ round; medians, min/max and the converted/source ratios of the medians are compu
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -30,6 +31,7 @@ import torch
 from .checkpoint.atomic import check_output_file, temp_prefix
 from .dtypes import DTYPE_NAMES
 from .errors import SurgeryError
+from .precision import load_dtype
 from .runtime import cache_keyword, returned_cache
 from .units import human_bytes
 
@@ -54,7 +56,8 @@ class BenchOptions:
     batches: list[int] = field(default_factory=lambda: [1])
     contexts: list[int] = field(default_factory=lambda: [512])
     new: int = 16
-    dtype: str = "float32"
+    dtype: str | None = None  # the models' dtype; None: the dtype of --precision (surgery.precision.load_dtype)
+    precision: str = "auto"  # bf16: bfloat16 weights, fp32: float32; auto: bf16 on CUDA with bf16, else fp32
     device: str = "auto"
     threads: int | None = None
     rounds: int = 3
@@ -531,14 +534,19 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None,
 
     if opts.rounds < 1 or opts.new < 1:
         raise SurgeryError("--rounds and --new must be at least 1")
-    if opts.dtype not in DTYPE_NAMES:
+    if opts.dtype is not None and opts.dtype not in DTYPE_NAMES:
         raise SurgeryError(f"--dtype {opts.dtype}: choose float32, bfloat16 or float16")
+    try:
+        load_dtype(opts.precision, opts.dtype, "cpu")  # a contradiction is refused before a device is touched
+    except ValueError as e:
+        raise SurgeryError(str(e)) from None
     if opts.replicate_prefill and opts.engine != "transformers":
         raise SurgeryError("--replicate-prefill works with the transformers engine only")
     if opts.threads is not None and opts.threads < 1:
         raise SurgeryError(f"--threads must be at least 1, got {opts.threads}")
     resolve_flash_attn(opts.flash_attn, opts.engine)  # before a device or a model is touched
     device = pick_device(opts.device)
+    opts = dataclasses.replace(opts, dtype=load_dtype(opts.precision, opts.dtype, device))
     engine = make_engine(opts, device)
     before_threads = torch.get_num_threads()
     if opts.threads:
@@ -616,6 +624,7 @@ def _report(opts: BenchOptions, engine, handles: dict, results: list, started: f
         "seconds": time.time() - started,
         "engine": engine.name,
         "dtype": opts.dtype,
+        "precision": opts.precision,
         "new_tokens": opts.new,
         "rounds": opts.rounds,
         "replicate_prefill": opts.replicate_prefill,

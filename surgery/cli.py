@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from surgery import __version__
-from surgery.clickgen import GroupedCommand, model_options, parse_options
+from surgery.clickgen import GroupedCommand, click_option, model_options, parse_options
 from surgery.commands.check import CheckOptions
 from surgery.commands.push import PushOptions
 from surgery.commands.uptrain import UptrainArgs
@@ -18,6 +18,19 @@ from surgery.dtypes import DTYPE_NAMES
 from surgery.errors import SurgeryError
 from surgery.kinds import get_kind, kind_names
 from surgery.kinds.kv import METHODS, KVMergeOptions
+from surgery.precision import PrecisionOptions
+
+
+def bench_precision_option():
+    """bench's --precision: the one definition (surgery/precision.py), its help worded for inference."""
+    param = click_option(PrecisionOptions, "precision")
+    param.help = ("Precision the models run in: bf16 (bfloat16 weights), fp32, or auto: bf16 on CUDA with bf16, fp32 "
+                  "elsewhere. --dtype, when given, must agree with it.")
+
+    def decorate(f):
+        click.decorators._param_memo(f, param)
+        return f
+    return decorate
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -154,7 +167,9 @@ def inspect(checkpoints, context, as_json, allow_pickle):
               help="Prompt lengths (tokens), comma-separated (e.g. 512,2048).")
 @click.option("--new", type=int, default=16, show_default=True, help="Generated tokens (decode steps) per measurement.")
 @click.option("--rounds", type=int, default=3, show_default=True, help="Measured rounds per model (alternating).")
-@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default=None,
+              help="The models' dtype (default: --precision's: bfloat16 for bf16, float32 for fp32).")
+@bench_precision_option()
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
 @click.option("--threads", type=int, help="CPU threads (default: torch's).")
 @click.option("--engine", type=click.Choice(["transformers", "llama.cpp", "vllm"]), default="transformers",
@@ -172,7 +187,7 @@ def inspect(checkpoints, context, as_json, allow_pickle):
                    "llama.cpp's own auto picks where the backend has the kernel]")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), help="Write every field and the raw rounds as JSON ('-' for stdout).")
 @click.option("--plot", type=click.Path(path_type=Path), help="Write a PNG of tokens/s against context.")
-def bench(source, converted, batches, contexts, new, rounds, dtype, device, threads, engine, trust_remote_code,
+def bench(source, converted, batches, contexts, new, rounds, dtype, precision, device, threads, engine, trust_remote_code,
           trust_source_code, seed, replicate_prefill, compile_backend, flash_attn, json_out, plot):
     """Measured speed and memory of CONVERTED against SOURCE: prefill and decode tokens/s, time per decode step,
     KV-cache bytes and peak memory, at every --batch x --context, in alternating rounds (medians and spread).
@@ -188,7 +203,8 @@ def bench(source, converted, batches, contexts, new, rounds, dtype, device, thre
     check_output_file(json_out, "--json")  # before the measurements, not after them
     check_plot_path(plot)
     opts = BenchOptions(source=source, converted=converted, batches=parse_int_list(batches, "--batch"),
-                        contexts=parse_int_list(contexts, "--context"), new=new, dtype=dtype, device=device,
+                        contexts=parse_int_list(contexts, "--context"), new=new, dtype=dtype, precision=precision,
+                        device=device,
                         threads=threads, rounds=rounds, engine=engine, trust_remote_code=trust_remote_code,
                         trust_source_code=trust_source_code, seed=seed,
                         replicate_prefill=replicate_prefill, compile=compile_backend, flash_attn=flash_attn)

@@ -27,6 +27,7 @@ from torch import nn
 
 from ..errors import SurgeryError
 from ..checkpoint.tensors import CheckpointReader, dtype_size
+from ..precision import calibration_autocast
 from .chunks import EAGER_WINDOWS, chunk_terms_per_token, chunk_tokens, windows_within
 from .layout import memory_layout
 from .residual import ResidualChunks, SpillPolicy, default_budget
@@ -53,7 +54,9 @@ def first_output(out):
 
 @torch.no_grad()
 def run_layer(layer: nn.Module, hidden: torch.Tensor, call: LayerCall) -> torch.Tensor:
-    return first_output(layer(hidden, *call.args, **call.kwargs))
+    """One decoder layer's output, computed in the running conversion's precision (surgery.precision.calibrating)."""
+    with calibration_autocast():
+        return first_output(layer(hidden, *call.args, **call.kwargs))
 
 
 class StopForward(Exception):
@@ -161,7 +164,8 @@ class LayerStream:
         for i, layer in enumerate(self.modules):
             layer.forward = stub(i)
         try:
-            self.model.base_model(input_ids=input_ids.to(self.device), use_cache=False)
+            with calibration_autocast():
+                self.model.base_model(input_ids=input_ids.to(self.device), use_cache=False)
         finally:
             for layer in self.modules:
                 del layer.forward  # back to the class's forward

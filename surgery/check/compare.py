@@ -39,6 +39,7 @@ from .spill import MEMORY_BYTES, SpillStore
 from .tokenizers import choose_tokenizer, has_tokenizer
 from ..data import token_stream
 from ..errors import SurgeryError
+from ..precision import autocast, weights_precision
 from ..progress import Progress
 from ..runtime import (context_length, is_causal_lm, load_model, load_model_config, load_tokenizer, pick_device,
                        windows)
@@ -53,6 +54,11 @@ IGNORE = -100  # target of a window's last position (no next token inside the wi
 
 def tolerance(dtype: str) -> float:
     return TOLERANCE[dtype]
+
+
+def precision_tolerance(precision: str) -> float:
+    """--expect exact's tolerance for models computing in `precision` (the report's "bf16", "fp16" or "fp32")."""
+    return TOLERANCE[{"bf16": "bfloat16", "fp16": "float16"}.get(precision, "float32")]
 
 
 def vocab_size(config) -> int | None:
@@ -272,6 +278,7 @@ class CheckPlan:
     layer_windows: int  # 0: no --layers
     layer_bytes: int
     tasks: object = None  # check.tasks.TaskSet of --tasks, loaded before any model
+    precision: str = "fp32"  # what the models compute in: bf16 (autocast or bf16 weights), fp16 or fp32
 
     @property
     def batches(self) -> torch.Tensor:
@@ -300,6 +307,7 @@ class CheckRequest:
     batch_size: int = 4
     device: str = "auto"
     dtype: str = "float32"
+    precision: str = "auto"  # --precision: autocast over float32 weights (surgery/precision.py)
     trust_remote_code: bool = False  # run the converted model's own code
     trust_source_code: bool = False  # run the source's own code
     allow_pickle: bool = False
@@ -323,6 +331,10 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
     if r.prompt_len < 1:
         raise SurgeryError(f"--prompt-len must be at least 1 (got {r.prompt_len})")
     dev = pick_device(r.device)
+    try:
+        precision = weights_precision(r.precision, dev, r.dtype)
+    except ValueError as e:
+        raise SurgeryError(str(e)) from None
     trust_a, trust_b = resolve_trusts(source, converted, r.trust_source_code, r.trust_remote_code)
     for s in (source, converted):  # a kind's config.json against its tensors, before transformers reads it
         check_checkpoint(s.folder, s.config, read_record_or_empty(s.folder))
@@ -383,7 +395,7 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
     return CheckPlan(source, converted, dev, r.dtype, (trust_a, trust_b), causal,
                      vocab_size(config_a) if causal else hidden_size(config_a), source_attention, tok, tokenizer_note,
                      checked, r.batch_size, prompts, r.generate, n_layer_windows,
-                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), task_set)
+                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), task_set, precision)
 
 
 def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str], progress: bool = True,
@@ -405,7 +417,8 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
     p, seconds = plan, {}
     several = len(p.texts) > 1
     with SpillStore(p.output_bytes, spill_bytes) as store, \
-            SpillStore(p.layer_bytes, spill_bytes, what="the source's per-layer outputs") as layer_store:
+            SpillStore(p.layer_bytes, spill_bytes, what="the source's per-layer outputs") as layer_store, \
+            autocast(p.precision, p.device):  # the forward passes in --precision; the metrics cast to float32
         # pass 1: the source alone; what the metrics need waits in the stores (text i's chunks under "i-")
         start = time.time()
         model = load_model(p.source, p.device, p.dtype, p.trust[0], attn_implementation=p.source_attention)
@@ -445,7 +458,7 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         seconds["converted"] = round(time.time() - start, 2)
 
     report |= {"compared": "logits" if p.causal else "last_hidden_state", "device": str(p.device), "dtype": p.dtype,
-               "source_attention": source_attention, "seconds": seconds,
+               "precision": p.precision, "source_attention": source_attention, "seconds": seconds,
                "scratch": "memory" if store.in_memory else "disk"}
     if several:
         report["texts"] = texts

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import field_validator
+from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..dtypes import DTYPE_NAMES
 from ..errors import SurgeryError
-from ..options import CliModel, Texts, option, texts_rule
+from ..options import Texts, option, spelling, texts_rule
+from ..precision import PrecisionOptions, check_dtype
 
 RUNNER_OWNED = ("revision",)  # a recipe's check compares its source (at the recipe's revision) with the step's input
 
@@ -20,7 +21,7 @@ class CheckFailed(SurgeryError):
     code = 1
 
 
-class CheckOptions(CliModel):
+class CheckOptions(PrecisionOptions):
     data: Texts = option(["pydoc"], "--data", "Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub "
                          "dataset name[:config][@split]. Repeat it to check on several texts (e.g. domains) in one "
                          "run, each model loaded once: each text gives its own --tokens tokens and numbers.")
@@ -29,7 +30,8 @@ class CheckOptions(CliModel):
     seq_len: int = option(1024, "--seq-len", "Window length (capped at the context).")
     batch_size: int = option(4, "--batch-size", "Windows per forward pass.")
     device: str = option("auto", "--device", "auto (CUDA when present), cpu, cuda, cuda:N.")
-    dtype: Literal[DTYPE_NAMES] = option("float32", "--dtype")
+    dtype: Literal[DTYPE_NAMES] = option("float32", "--dtype", "The dtype both models are loaded in; --precision bf16 "
+                                                            "autocasts float32 weights to bf16.")
     expect: Literal["exact", "none"] = option("none", "--expect", "exact: exit 1 when max |Δlogits| exceeds the dtype's "
                                                                   "tolerance.")
     atol: float | None = option(None, "--atol", "Override the tolerance used by --expect exact.")
@@ -52,6 +54,12 @@ class CheckOptions(CliModel):
 
     _data = field_validator("data")(texts_rule("data"))
 
+    @model_validator(mode="after")
+    def _precision_dtype(self, info: ValidationInfo):
+        s = spelling(info, type(self))
+        check_dtype(self.precision, self.dtype, (s.flag("precision"), s.flag("dtype")))
+        return self
+
 
 def warn_same_domain(folder: Path, first: str, more: list[str], warn) -> None:
     """One line when the check's only text is a source the converted model was calibrated or trained on: its numbers
@@ -69,7 +77,7 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
                       warn=print) -> dict:
     """Compare, print the report, write it as JSON (`json_out`); CheckFailed when --expect exact is not met."""
     from ..checkpoint.atomic import write_json
-    from ..check.compare import check_counts, check_json_path, compare_checkpoints, print_report, tolerance
+    from ..check.compare import check_counts, check_json_path, compare_checkpoints, precision_tolerance, print_report
     from ..data import load_texts
     from ..checkpoint.source import resolve_source
 
@@ -83,12 +91,12 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
     report = compare_checkpoints(src, dst, load_texts(first, text_field=o.text_field),
                                  more_texts=[(d, load_texts(d, text_field=o.text_field)) for d in more],
                                  tokens=o.tokens, seq_len=o.seq_len, batch_size=o.batch_size, device=o.device,
-                                 dtype=o.dtype, trust_remote_code=o.trust_remote_code,
+                                 dtype=o.dtype, precision=o.precision, trust_remote_code=o.trust_remote_code,
                                  trust_source_code=o.trust_source_code, allow_pickle=o.allow_pickle,
                                  tokenizer=o.tokenizer, generate=o.generate, prompt_len=o.prompt_len,
                                  prompts_file=Path(o.prompts) if o.prompts else None, layers=o.layers, data=first,
                                  tasks=o.tasks, tasks_limit=o.tasks_limit, warn=warn)
-    tol = o.atol if o.atol is not None else tolerance(o.dtype)
+    tol = o.atol if o.atol is not None else precision_tolerance(report["precision"])
     worst = max(t["max_abs_diff"] for t in report.get("texts", [report]))
     report["tolerance"] = tol
     report["exact"] = worst <= tol

@@ -23,6 +23,7 @@ from pydantic import ValidationInfo, field_validator
 from ..arch import Feature
 from ..dtypes import DTYPE_NAMES
 from ..options import CliModel, Texts, option, spelling, texts_rule
+from ..precision import PrecisionOptions
 
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 
@@ -106,12 +107,12 @@ def calib_chunk_rule(cls, v: int | None, info: ValidationInfo) -> int | None:
     return v
 
 
-class CalibrationOptions(CliModel):
+class CalibrationOptions(PrecisionOptions):
     """Text read to fit a conversion to the source's activations (aligned merge, SwitchHead, MLA): the one
     declaration of those options and their rules, mixed into a kind's options model. Fields follow the bases in
     reverse order, so `class MyOptions(CalibrationOptions, WriteOptions)` puts them after the write options and
     `class MyOptions(CalibrationOptions, MyFields)` after the kind's own fields (where `--help` and a recipe list
-    them)."""
+    them). `precision` (surgery/precision.py) is the calibration's forward passes' precision."""
 
     GROUP: ClassVar[str] = "calibration (aligned merge, switchhead)"
     calib: Texts = option(["general"], "--calib", "Calibration text (same forms as check --data; general: general web "

@@ -59,6 +59,9 @@ class KVMergeOptions(CalibrationOptions, QueryRefitOptions, KVMergeFields):
         if self.refit_values:
             raise ValueError(f"{s.flag('refit_values')} refits the aligned merge's values: it does nothing for the "
                              f"{self.merge} merge (use {s.flag('merge')} aligned)")
+        if self.precision != "auto":
+            raise ValueError(f"{s.flag('precision')} is calibration's precision: the {self.merge} merge runs none "
+                             f"(use {s.flag('merge')} aligned, or leave {s.flag('precision')} out)")
         if self.device != "auto":
             raise ValueError(f"{s.flag('device')} is where calibration runs: the {self.merge} merge runs none "
                              f"(use {s.flag('merge')} aligned, or leave {s.flag('device')} out)")
@@ -104,7 +107,7 @@ class KVMerge(Kind):
                                  chunk_windows=options.calib_chunk)
             return convert_aligned(source, out, kv_heads=options.groups, calib=options.calib,
                                    calib_tokens=options.calib_tokens, calib_window=options.calib_window,
-                                   device=options.device, options=merge, **common)
+                                   device=options.device, precision=options.precision, options=merge, **common)
         from ..kv.convert import KVOptions, convert_to_kv_heads
 
         force = common.pop("force")

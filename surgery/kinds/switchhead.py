@@ -39,7 +39,7 @@ class SwitchHead(Kind):
         return convert_to_switchhead(source, out, heads=options.heads, experts=options.experts, topk=options.topk,
                                      calib=options.calib, calib_tokens=options.calib_tokens,
                                      calib_window=options.calib_window, calib_chunk=options.calib_chunk,
-                                     device=options.device,
+                                     device=options.device, precision=options.precision,
                                      **options.write_kwargs())
 
     def calibration_estimate(self, config: dict, options: SwitchHeadOptions, *, dtype: str, device: str,

@@ -23,6 +23,7 @@ from ..calibration.store import LayerStore
 from ..calibration.text import calibration_text, context_of, WINDOW
 from ..errors import SurgeryError
 from ..checkpoint.writer import write_conversion
+from ..precision import calibrating, resolve_precision
 from ..runtime import load_tokenizer, pick_device
 from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, PlannedTensor
@@ -275,11 +276,13 @@ def _mla_record(shape: Shape, kept: list[int], stride: int, theta: float, share:
             "latent_loss": round(sum(v[1] for v in losses.values()) / n, 6)}
 
 
-def _record(shape: Shape, spec, text, dev, dtype, seed, output_files, calib_seconds, seconds) -> dict:
+def _record(shape: Shape, spec, text, dev, dtype, seed, output_files, calib_seconds, seconds,
+            precision: str = "fp32") -> dict:
     """surgery.json's converter fields beside `mla`."""
     return {"dtype": dtype or "auto", "architecture": {"spec": spec.name, "target_model_type": "deepseek_v3"},
             "heads": shape.heads, "head_dim": shape.head_dim, "kv_heads": {"before": shape.kv_heads},
-            "calibration": text.record() | {"device": str(dev), "seconds": round(calib_seconds, 3),
+            "calibration": text.record() | {"device": str(dev), "precision": precision,
+                                            "seconds": round(calib_seconds, 3),
                                             "streaming": "layer by layer from the checkpoint (float32)"},
             "output_files": output_files, "seed": seed, "seconds": round(seconds, 3)}
 
@@ -288,10 +291,12 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
                    calib: str | list[str] = "pydoc", calib_tokens: int = 8192, calib_window: int = WINDOW,
                    calib_chunk: int | None = None, force: bool = False, dtype: str | None = None,
                    max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
-                   progress: bool = True, device: str = "auto", query_samples: int = QUERY_SAMPLES) -> dict:
+                   progress: bool = True, device: str = "auto", query_samples: int = QUERY_SAMPLES,
+                   precision: str = "auto") -> dict:
     """Convert `src` into a DeepSeek-V3 (MLA) checkpoint at `out` with latent rank `kv_rank` and `rope_dim` rotary
     dims per head (default: head_dim), calibrating in chunks of `calib_chunk` windows (default: the rule of
-    surgery/calibration/chunks.py); `query_samples` positions per window for the query refit (0: none)."""
+    surgery/calibration/chunks.py); `query_samples` positions per window for the query refit (0: none); the
+    calibration's forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64."""
     start = time.time()
     config = src.config
     spec = spec_for(config, KIND, REFUSES)
@@ -299,6 +304,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     shape = Shape(spec, config, kv_rank, rope_dim)
     check_output_path(out, force, source=src.folder)
     dev = pick_device(device)
+    resolved = resolve_precision(precision, dev)
     reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
     names = _projection_names(reader, spec, shape.layers)
     written = dtype or str(reader.tensors[names[(0, spec.q)]].dtype).removeprefix("torch.")
@@ -318,7 +324,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     out_dtype = getattr(torch, dtype) if dtype else None
     losses: dict[int, tuple[float, float]] = {}
     fields = ("q_proj", "kv_a", "kv_a_norm", "kv_b", "o_proj")
-    with LayerStore(out) as store:
+    with LayerStore(out) as store, calibrating(resolved, dev):
         calib_start = time.time()
         scores = None
         if len(strides) > 1:  # a choice to make: score the frequencies on the source's own stream
@@ -352,7 +358,8 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         def record_fields(output_files: list[str]) -> dict:
             mla = _mla_record(shape, kept, stride, theta, share, losses, query_samples)
             mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
-            record = _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds, time.time() - start)
+            record = _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds, time.time() - start,
+                             resolved)
             record["calibration"]["chunk_windows"] = chunk
             return record | {"mla": mla}
 

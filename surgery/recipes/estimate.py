@@ -17,7 +17,8 @@ length, n = m s tokens per forward pass:
   activations are freed, so the two overlap only with gradient accumulation (m < the sequences per step): the
   step needs max(activations, 4T), or their sum when accumulating. The losses take the final hidden states and
   project 256 positions at a time (surgery/uptrain/heads.py), ~6 x 4 x 256 V of temporaries; under FSDP, which
-  keeps the whole logits, 3 x 4 x n V. Weights, moments and gradients are divided by the processes under FSDP.
+  keeps the whole logits, and for a model whose logits are not its output projection's (soft-capping:
+  `chunked_head`), the whole fp32 logits, their gradient and the softmax's temporaries, 3 x 4 x n V. Weights, moments and gradients are divided by the processes under FSDP.
   With --hidden-weight the teacher's hidden states, n (L + 1) H x 4, wait for the loss (the student's are among
   the saved activations already).
 Measured against these (BENCHMARKS.md, "Memory estimates"): within about 25% on SmolLM2-135M and tiny models.
@@ -147,6 +148,18 @@ def trainable_params(stats: ModelStats, train: str) -> int:
     return stats.params
 
 
+# config.json keys of a non-linear step after the output projection (Gemma 2/3's soft-capping): surgery/uptrain/
+# heads.py's OutputHead.of then finds the logits are not the projection of what it feeds it and keeps whole logits
+# (a scaling, Cohere's or Granite's, is linear: it scales the hidden states the head is fed, and the head stays)
+AFTER_PROJECTION = {"final_logit_softcapping": None}
+
+
+def chunked_head(config: dict | None) -> bool:
+    """Whether uptraining can move this model's output projection into its losses (surgery/uptrain/heads.py): no
+    step after the projection. Unknown (no config): assumed so."""
+    return not any((config or {}).get(key, neutral) not in (None, neutral) for key, neutral in AFTER_PROJECTION.items())
+
+
 def uptrain_memory(stats: ModelStats, options, teacher: ModelStats | None, processes: int) -> int:
     procs = max(processes, 1)
     trainable = trainable_params(stats, getattr(options, "train", "all") or "all")
@@ -160,7 +173,9 @@ def uptrain_memory(stats: ModelStats, options, teacher: ModelStats | None, proce
     sequences = max(options.batch_tokens // options.seq_len, 1)
     accumulating = options.micro_batch * procs < sequences
     step = activations + gradients if accumulating else max(activations, gradients)
-    if procs > 1:  # FSDP keeps the whole logits (surgery/uptrain/loop.py), DDP the projection chunks; size for FSDP
+    if procs > 1 or not chunked_head(stats.config):
+        # FSDP keeps the whole logits (surgery/uptrain/loop.py), DDP the projection chunks: size for FSDP; a model
+        # with a step after its projection keeps them too: the fp32 logits, their gradient, the softmax's temporaries
         logits = 3 * 4 * tokens * stats.vocab
     else:
         logits = 6 * 4 * min(tokens, LOSS_CHUNK) * stats.vocab

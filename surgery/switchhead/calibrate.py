@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..calibration.stream import LayerCall, StopForward, run_layer, run_until_stopped
 from ..errors import SurgeryError
+from ..precision import full_precision
 from .families import family_for, module_value_output
 
 RIDGE = 1e-3  # times the mean eigenvalue of x's second moment
@@ -146,6 +147,7 @@ def calibrate_layer(layer: torch.nn.Module, hidden: list[torch.Tensor], calls: l
     def on_heads(module, args):
         caught["a"] = args[0]
 
+    @full_precision  # the statistics in float32 inside a bf16 forward
     def on_output(module, args, kwargs, output):
         probs = output[1]
         if probs is None:
@@ -157,7 +159,7 @@ def calibrate_layer(layer: torch.nn.Module, hidden: list[torch.Tensor], calls: l
         stats.add(x, probs.float(), 0.5 * sq.clamp(min=1e-12).log())  # log ||O_m u||
         call_args, call_kwargs = caught.pop("args"), caught.pop("kwargs")
         if keep_calls:
-            captures.append(AttentionCapture(call_args, call_kwargs, output[0]))
+            captures.append(AttentionCapture(call_args, call_kwargs, output[0].float()))
         if not keep_outputs:
             raise StopForward
 
@@ -188,7 +190,7 @@ def source_captures(layer: torch.nn.Module, hidden: list[torch.Tensor], calls: l
     caught: dict = {}
 
     def on_output(module, args, kwargs, output):
-        caught["capture"] = AttentionCapture(args, kwargs, output[0])
+        caught["capture"] = AttentionCapture(args, kwargs, output[0].float())
         raise StopForward
 
     handle = attn.register_forward_hook(on_output, with_kwargs=True)

@@ -22,6 +22,7 @@ from ..calibration.text import calibration_text, context_of, WINDOW
 from ..checkpoint.writer import write_conversion
 from ..errors import SurgeryError
 from ..arch import attention_shape
+from ..precision import calibrating, resolve_precision
 from ..runtime import load_tokenizer, pick_device
 from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, DTYPES, PlannedTensor
@@ -160,7 +161,8 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
                           calib_chunk: int | None = None, force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
                           allow_pickle: bool = False, seed: int = 0, progress: bool = True,
                           respect_kv_groups: bool = True, qk_merge: str = "mean", refit: bool = True,
-                          ridge: float = RIDGE, device: str = "auto", calib_inputs: str = "converted") -> dict:
+                          ridge: float = RIDGE, device: str = "auto", calib_inputs: str = "converted",
+                          precision: str = "auto") -> dict:
     """Convert every self-attention layer of `src` into SwitchHead attention with H=`heads` heads of E=`experts`
     experts, k=`topk` selected per token; write the checkpoint to `out`. Returns the surgery.json record.
 
@@ -168,7 +170,8 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
     Ablations: `respect_kv_groups=False` clusters a GQA source's heads freely (see cluster.py); `qk_merge="medoid"`
     takes the medoid member's query and key instead of the members' mean; `refit=False` keeps the members' own
     output projections (see refit.py; `ridge` is its pull toward them); `calib_inputs="source"` calibrates every
-    layer on the source's own hidden states instead of the converted layers' (see layers.py)."""
+    layer on the source's own hidden states instead of the converted layers' (see layers.py). The calibration's
+    forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64."""
     _check_options(dtype, calib_tokens, qk_merge, calib_inputs)
     check_output_path(out, force, source=src.folder)
     config = src.config
@@ -189,7 +192,7 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
     else:
         builder = LayerBuilder(reader, family, names, shape, [], None, out_dtype)
         calibrated = _calibrate(src, reader, out, builder, mode, calib, calib_tokens, calib_window, calib_chunk,
-                                qk_merge, refit, ridge, device, progress, start, calib_inputs)
+                                qk_merge, refit, ridge, device, progress, start, calib_inputs, precision)
     planned = builder.plan(out_dtype)
     new_config = target_config(config, family, shape, dtype, builder.biases())
     settings = {"mode": mode, "qk_merge": qk_merge, "ridge": ridge, "seed": seed, "dtype": dtype, "start": start,
@@ -230,20 +233,24 @@ class Calibrated:
 
 def _calibrate(src: Source, reader: CheckpointReader, out: Path, builder: LayerBuilder, mode: str,
                calib: str | list[str], calib_tokens: int, calib_window: int, calib_chunk: int | None, qk_merge: str,
-               refit: bool, ridge: float, device: str, progress: bool, start: float, inputs: str) -> Calibrated:
+               refit: bool, ridge: float, device: str, progress: bool, start: float, inputs: str,
+               precision: str = "auto") -> Calibrated:
     """Stream the source layer by layer over the calibration text: head distances and clusters, router fits and the
     output refit per layer; the new tensors go into a layer store the builder serves."""
     dev = pick_device(device)
+    resolved = resolve_precision(precision, dev)
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(src.config), window=calib_window)
     builder.tensors = LayerStore(out)  # removes itself when closed, dropped on an error, or at exit
     stream = open_stream(src.folder, reader, dev, attn_implementation="eager")
     stream.spill_into(builder.tensors.scratch("residual"), out)
     chunk = chunk_windows(src.config, int(text.windows.shape[1]), requested=calib_chunk, eager=True)
-    layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress,
-                              chunk_windows=chunk, inputs=inputs)
+    with calibrating(resolved, dev):
+        layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress,
+                                  chunk_windows=chunk, inputs=inputs)
     builder.clusters = layers.clusters
     calibration = text.record() | {
         "device": str(dev),
+        "precision": resolved,
         "streaming": "layer by layer from the checkpoint (float32 on the device, eager attention)",
         "layer_inputs": LAYER_INPUTS[inputs],
         "chunk_windows": chunk,

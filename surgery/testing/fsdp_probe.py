@@ -8,7 +8,6 @@ loaded alone, the FSDP2 mixed precision policy of the student's root unit, and t
 
 from __future__ import annotations
 
-import functools
 import json
 import resource
 import sys
@@ -58,8 +57,8 @@ def main(argv: list[str]) -> None:
 
     out, precision, model = Path(argv[0]), argv[1], argv[2]
     teacher = argv[3] if len(argv) > 3 else None
-    loop.make_accelerator = functools.partial(loop.make_accelerator, precision)
-    args = dict(FAST, tokens=FAST["batch_tokens"], eval_tokens=512, loss="kd" if teacher else "lm", teacher=teacher)
+    args = dict(FAST, tokens=FAST["batch_tokens"], eval_tokens=512, loss="kd" if teacher else "lm", teacher=teacher,
+                precision={"no": "fp32"}.get(precision, precision))
     recipe = loop.UptrainRecipe(UptrainOptions(model=model, out=out / "run-output", force=True, **args))
     recipe.setup()
     peak_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # loading and prepare, before the references

@@ -9,7 +9,9 @@ activation checkpoint (surgery/uptrain/losses.py): no [B, T, V] tensor of the wh
 This holds only for models whose logits are exactly `output_embeddings(last hidden state)`: no soft-capping
 (Gemma 2), logit scaling (Cohere, Granite) or other step after the projection. `OutputHead.of` checks that on a
 short input (the logits of the model and of the projected hidden states must agree) and returns None otherwise;
-the loop then falls back to whole logits (the losses still chunk their softmax temporaries).
+the loop then falls back to whole logits (the losses still chunk their softmax temporaries). The probe runs in
+float32 whatever the run's precision: the model class's own forward (not accelerate's mixed-precision wrapper on the
+instance) with autocast off, so that a bf16 run's rounding is not mistaken for a step after the projection.
 """
 
 from __future__ import annotations
@@ -51,9 +53,11 @@ class OutputHead:
         try:
             device = module.weight.device
             ids = torch.arange(PROBE_TOKENS, device=device)[None] % vocab_size
-            logits = model(input_ids=ids, use_cache=False).logits
-            with head.returning_hidden():
-                hidden = model(input_ids=ids, use_cache=False).logits
+            forward = type(model).forward  # the class's: accelerate's bf16 autocast wraps the instance's forward
+            with torch.autocast(device.type, enabled=False):
+                logits = forward(model, input_ids=ids, use_cache=False).logits
+                with head.returning_hidden():
+                    hidden = forward(model, input_ids=ids, use_cache=False).logits
             if hidden.shape[-1] != module.weight.shape[1]:
                 return None
             same = torch.allclose(head.project(hidden).float(), logits.float(), rtol=1e-4, atol=1e-4)

@@ -4,7 +4,7 @@ One optimizer step = `batch_tokens` tokens = B windows of `seq_len`, split over 
 into micro-batches of `micro_batch` windows (gradient accumulation makes up the rest). Losses are means over
 positions and DDP averages gradients over processes, so a step computes the same update however it is split.
 AdamW over the trainable parameters, linear warmup then cosine decay (the learning rate is a function of the step
-alone), gradient clipping. bf16 autocast on CUDA, fp32 on CPU. Only the main process logs and writes files.
+alone), gradient clipping. Autocast in --precision (auto: bf16 on CUDA, fp32 on CPU). Only the main process logs and writes files.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from ..checkpoint.sha256 import sha256_file
 from ..errors import SurgeryError
 from ..kinds import check_checkpoint, find_kind
 from ..loaders import read_json
+from ..precision import resolve_precision
 from ..checkpoint.source import resolve_source, side_files
 from ..checkpoint.record import local_source_folder, public_name, read_record, write_record
 from . import lora, model_io
@@ -63,25 +64,38 @@ def make_optimizer(params: list, o: UptrainOptions) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, **kw)
 
 
-def make_accelerator(mixed_precision: str | None = None):
-    """bf16 autocast on CUDA, fp32 elsewhere (`mixed_precision` "bf16" or "no" chooses). Without CUDA, cpu=True lets
-    several processes started by `accelerate launch --multi_gpu --num_processes N` (torchrun) or `torchrun` run DDP on
-    CPU over gloo, and an FSDP config (`accelerate launch --config_file fsdp.yaml`) run FSDP on CPU over gloo (see
-    `use_fsdp_on_cpu`); under FSDP, `use_fsdp2` sets the mixed precision policy."""
+def make_accelerator(precision: str = "auto"):
+    """Autocast in `--precision` (surgery/precision.py; auto: bf16 on CUDA with bf16, fp32 elsewhere; bf16 on the CPU
+    is torch's CPU autocast, the same code path as on CUDA). Without CUDA, cpu=True lets several processes started by
+    `accelerate launch --multi_gpu --num_processes N` (torchrun) or `torchrun` run DDP on CPU over gloo, and
+    an FSDP config (`accelerate launch --config_file fsdp.yaml`) run FSDP on CPU over gloo (see `use_fsdp_on_cpu`);
+    under FSDP, `use_fsdp2` sets the mixed precision policy."""
     import os
 
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
     cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true", "yes")
-    precision = mixed_precision or ("bf16" if cuda and torch.cuda.is_bf16_supported() else "no")
-    acc = Accelerator(cpu=not cuda, mixed_precision=precision)
+    resolved = resolve_precision(precision, "cuda" if cuda else "cpu")
+    mixed = "bf16" if resolved == "bf16" else "no"
+    from accelerate.state import AcceleratorState
+
+    if AcceleratorState._shared_state.get("_mixed_precision", mixed) != mixed:
+        # an earlier run in this process (the library, tests) left another precision in accelerate's shared state,
+        # which refuses a change: start it afresh (the process group, PartialState's, stays)
+        AcceleratorState._reset_state(reset_partial_state=False)
+    acc = Accelerator(cpu=not cuda, mixed_precision=mixed)
     fsdp_config = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"  # set by accelerate launch
     if fsdp_config and acc.distributed_type == DistributedType.MULTI_CPU:
         use_fsdp_on_cpu(acc)
     if acc.distributed_type == DistributedType.FSDP:
         use_fsdp2(acc)
     return acc
+
+
+def precision_of(acc) -> str:
+    """The compute precision an Accelerator runs in: "bf16" (autocast) or "fp32"."""
+    return "bf16" if str(acc.mixed_precision) == "bf16" else "fp32"
 
 
 def use_fsdp_on_cpu(acc) -> None:
@@ -313,7 +327,7 @@ class UptrainRecipe:
         self.record = read_record(self.source.folder)
         check_checkpoint(self.source.folder, self.source.config, self.record)  # before anything is loaded or written
         self.objective = resolve_objective(o, self.record)
-        self.acc = make_accelerator()
+        self.acc = make_accelerator(o.precision)
         self.main, self.world = self.acc.is_main_process, self.acc.num_processes
         per_process, rem = divmod(o.sequences_per_step, self.world)
         if rem or per_process % o.micro_batch:
@@ -694,7 +708,7 @@ class UptrainRecipe:
         if self.main:
             result = finish(self.o, self.source, acc.unwrap_model(self.model), full_state, self.out_dtype,
                             self.objective, self.metrics, self.trajectory, self.world, self.state, self.align_record,
-                            self.lora_targets, self.training_form)
+                            self.lora_targets, self.training_form, precision=precision_of(acc))
         acc.wait_for_everyone()
         acc.end_training()
         return result
@@ -702,10 +716,11 @@ class UptrainRecipe:
 
 def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective: Objective, metrics: MetricsLog,
            trajectory: dict, world: int, state: RunState, align_record: dict | None = None,
-           lora_targets: list[str] | None = None, training_form=None) -> dict:
+           lora_targets: list[str] | None = None, training_form=None, precision: str = "fp32") -> dict:
     """Main process: the final checkpoint (atomic), its record, metrics and plot; then the run folder goes."""
     rows = metrics.read()
     uptraining = uptraining_record(o, objective, rows, trajectory, world, state, align_record, lora_targets)
+    uptraining["precision"] = precision  # the compute precision the run used (--precision resolved)
     recovery = f"the run folder {o.run_dir} keeps the final checkpoint (--resume writes the output from it)"
     with atomic_output_dir(o.out, force=o.force, source=source.folder, recovery=recovery) as tmp:
         if o.lora_rank:

@@ -17,6 +17,7 @@ from ..checkpoint.atomic import check_apart
 from ..errors import SurgeryError
 from ..general_text import resolve_texts
 from ..options import CliModel, Texts, cli_meta, option, spelling, texts_rule
+from ..precision import PrecisionOptions
 
 LOSSES = ("auto", "lm", "kd", "mix")
 TRAIN = ("all", "attention", "new")
@@ -59,7 +60,7 @@ def counts_rule(cls, v: int, info: ValidationInfo):
     return v
 
 
-class UptrainArgs(CliModel):
+class UptrainArgs(PrecisionOptions):
     """Every option of one uptraining run but the model, the output and the progress display."""
 
     data: Texts = option(["general"], "--data", "Text: general (general web text, C4, from the hub; pydoc "

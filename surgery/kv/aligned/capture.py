@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...precision import calibration_autocast
 from ...calibration.stream import LayerCall, StopForward, first_output, run_layer, run_until_stopped
 
 CAPTURE_PREFIX = "surgery_capture_"
@@ -34,8 +35,8 @@ def _capture_attention(base: str):
     def attention(module, query, key, value, attention_mask, **kwargs):
         if _RECORDER:
             rec = _RECORDER[-1]
-            rec.queries.append(query.detach())
-            rec.keys.append(key.detach())
+            rec.queries.append(query.detach().float())  # float32 also under bf16 autocast: the fits' inputs
+            rec.keys.append(key.detach().float())
             rec.scaling = kwargs.get("scaling")
             rec.softcap = kwargs.get("softcap")
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -112,7 +113,7 @@ def attention_input(layer: torch.nn.Module, attention: torch.nn.Module, in_modul
         caught["args"], caught["kwargs"] = args, kwargs
 
     def on_projection(module, args):
-        caught["x"] = args[0]
+        caught["x"] = args[0].float()
         raise StopForward
 
     handles = [attention.register_forward_pre_hook(on_attention, with_kwargs=True),
@@ -136,10 +137,10 @@ class AttentionRun:
 def run_attention(attention: torch.nn.Module, out_module: torch.nn.Module, call: AttentionCall) -> AttentionRun:
     """Run the attention module alone on a caught call, recording queries, keys and o_proj's input."""
     heads: list[torch.Tensor] = []
-    handle = out_module.register_forward_pre_hook(lambda m, args: heads.append(args[0]))
+    handle = out_module.register_forward_pre_hook(lambda m, args: heads.append(args[0].float()))
     try:
-        with recording() as rec:
-            out = first_output(attention(*call.args, **call.kwargs))
+        with recording() as rec, calibration_autocast():
+            out = first_output(attention(*call.args, **call.kwargs)).float()
     finally:
         handle.remove()
     return AttentionRun(out, heads[0], rec)
@@ -151,8 +152,8 @@ def run_layer_recorded(layer: torch.nn.Module, attention: torch.nn.Module, out_m
     """Run a whole layer, also returning its attention's output, o_proj input and recorded queries/keys."""
     heads: list[torch.Tensor] = []
     outs: list[torch.Tensor] = []
-    h1 = out_module.register_forward_pre_hook(lambda m, args: heads.append(args[0]))
-    h2 = attention.register_forward_hook(lambda m, args, out: outs.append(first_output(out)))
+    h1 = out_module.register_forward_pre_hook(lambda m, args: heads.append(args[0].float()))
+    h2 = attention.register_forward_hook(lambda m, args, out: outs.append(first_output(out).float()))
     try:
         with recording() as rec:
             new_hidden = run_layer(layer, hidden, call)

@@ -22,6 +22,7 @@ from ..convert import KVOptions, KVPlanner, head_shape, target_config, write_con
 from ...errors import SurgeryError
 from ..pool import join_qkv, repeat_heads
 from ...checkpoint.source import Source
+from ...precision import calibrating, resolve_precision
 from ...runtime import compute_threads, load_tokenizer, pick_device, threads
 from ...checkpoint.tensors import CheckpointReader
 from . import capture
@@ -97,8 +98,10 @@ class AlignedPlanner(KVPlanner):
 def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[str] = "pydoc",
                     calib_tokens: int = 8192, calib_window: int = WINDOW, force: bool = False, dtype: str | None = None,
                     max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
-                    progress: bool = True, options: MergeOptions | None = None, device: str = "auto") -> dict:
-    """Merge `src`'s K/V heads into `kv_heads` with calibration, writing a standard checkpoint to `out`."""
+                    progress: bool = True, options: MergeOptions | None = None, device: str = "auto",
+                    precision: str = "auto") -> dict:
+    """Merge `src`'s K/V heads into `kv_heads` with calibration, writing a standard checkpoint to `out`; the
+    calibration's forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64."""
     start = time.time()
     config = src.config
     spec = spec_for(config, ALIGNED_LABEL, ALIGNED_REFUSES)
@@ -120,12 +123,15 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[
 
     opts = replace(options or MergeOptions(groups=kv_heads), groups=kv_heads, seed=seed)
     dev = pick_device(device)
+    resolved = resolve_precision(precision, dev)
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window)
     opts = replace(opts, chunk_windows=chunk_windows(config, int(text.windows.shape[1]), requested=opts.chunk_windows))
     calib_start = time.time()
     with LayerStore(out) as store:
-        result = _calibrate_and_merge(src, reader, spec, config, shape, text.windows, opts, dev, store, progress)
+        with calibrating(resolved, dev):
+            result = _calibrate_and_merge(src, reader, spec, config, shape, text.windows, opts, dev, store, progress)
         extra = _merge_record(text, result, opts, shape, seed, time.time() - calib_start, dev)
+        extra["calibration"]["precision"] = resolved
         groupings = [r.groups for r in result.reports]
         planner = AlignedPlanner(reader, spec, config, shape, kv_options, store, groupings)
         return write_converted(src, out, planner, force=force, progress=progress, method="aligned", extra=extra,
