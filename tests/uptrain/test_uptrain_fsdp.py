@@ -99,3 +99,27 @@ def test_fsdp2_bf16_keeps_rope_buffers_fp32_and_the_rotary_tables_exact(tiny, to
                                                                        "model.rotary_emb.original_inv_freq"}
             assert all(dtype == "float32" for dtype in buffers.values()), (rank, role, buffers)
             assert got[role]["rotary_exact"] == {"model.rotary_emb": True}, (rank, role)
+
+
+def test_fsdp2_clips_a_partly_trained_model_by_the_norm_over_every_ranks_shards(tiny, tmp_path):
+    """--train attention (some parameters train) under FSDP on 2 CPU processes: step 1's gradient norm is the one
+    process's on the same data (the norm over both ranks' shards, not each shard's own: FSDP1's fallback), and with
+    clipping on (max norm below it) the clipped update, hence the weights, are the one process's too."""
+    from inprocess import FSDP_CPU, cli_args, launch_uptrain
+    from surgery.testing.pydoc_llama import FAST, metrics, weights
+    from surgery.uptrain import UptrainOptions, uptrain
+
+    args = dict(FAST, loss="lm", train="attention", tokens=FAST["batch_tokens"], eval_tokens=512, max_grad_norm=0.05)
+    uptrain(UptrainOptions(model=str(tiny), out=tmp_path / "one", **args))
+    result = launch_uptrain(FSDP_CPU + ["--main_process_port", "0"],
+                            [tiny, "--out", tmp_path / "fsdp", *cli_args(args)], OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "parameters sharded by FSDP" in result.stdout
+    norm_one, norm_fsdp = ([m["grad_norm"] for m in metrics(tmp_path / out) if "grad_norm" in m] for out in ("one", "fsdp"))
+    assert len(norm_one) == 1 and norm_one[0] > 2 * args["max_grad_norm"]  # clipping changes the update
+    assert norm_fsdp == pytest.approx(norm_one, rel=1e-5)
+    one, fsdp, before = weights(tmp_path / "one"), weights(tmp_path / "fsdp"), weights(tiny)
+    for k in one:
+        torch.testing.assert_close(fsdp[k], one[k], atol=1e-6, rtol=1e-5)
+    assert not torch.equal(one["model.layers.0.self_attn.q_proj.weight"], before["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(one["model.layers.0.mlp.up_proj.weight"], before["model.layers.0.mlp.up_proj.weight"])
