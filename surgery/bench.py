@@ -192,6 +192,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class SyncedTimer:
+    """Seconds of a `with` block on `device`, read between two synchronizations: what was queued before it is done
+    before the clock starts, and what it queued is done before the clock stops (CUDA runs asynchronously)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds = device, None
+
+    def __enter__(self):
+        _sync(self.device)
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        _sync(self.device)
+        self.seconds = time.perf_counter() - self._start
+        return False
+
+
 # --- engines ----------------------------------------------------------------------------------------------------
 def cache_bytes(cache) -> int:
     """Bytes of the key/value tensors a transformers cache holds."""
@@ -289,24 +307,21 @@ class TransformersEngine:
         batch = ids.shape[0]
         steps = []
         with PeakMemory(device) as peak:
-            _sync(device)
-            start = time.perf_counter()
-            out = model(input_ids=ids[:1] if replicate else ids, use_cache=True, logits_to_keep=1)
-            _sync(device)
-            prefill = time.perf_counter() - start
+            with SyncedTimer(device) as prefill:
+                out = model(input_ids=ids[:1] if replicate else ids, use_cache=True, logits_to_keep=1)
             cache = returned_cache(out)
             if replicate and batch > 1:  # the same prompt in every row: decode costs do not depend on the tokens
-                cache.batch_repeat_interleave(batch)
+                cache.batch_repeat_interleave(batch)  # (not timed: the first step's timer waits for it to finish)
             kv = cache_bytes(cache)
             del out
             keyword = cache_keyword(model)
             for j in range(next_ids.shape[1]):
-                start = time.perf_counter()
-                model(input_ids=next_ids[:, j : j + 1], use_cache=True, **{keyword: cache})
-                _sync(device)
-                steps.append(time.perf_counter() - start)
+                with SyncedTimer(device) as step:
+                    model(input_ids=next_ids[:, j : j + 1], use_cache=True, **{keyword: cache})
+                steps.append(step.seconds)
             del cache
-        return {"prefill_s": prefill, "decode_steps_s": steps, "kv_cache_bytes": kv, "peak_memory_bytes": peak.bytes}
+        return {"prefill_s": prefill.seconds, "decode_steps_s": steps, "kv_cache_bytes": kv,
+                "peak_memory_bytes": peak.bytes}
 
     def close(self, handle: dict) -> None:
         handle.pop("model", None)
@@ -566,9 +581,9 @@ def _run(opts: BenchOptions, engine, device: torch.device, log, partial=None) ->
             engine.preflight(spec, role)
     handles = {}
     for role, spec in (("source", opts.source), ("converted", opts.converted)):
-        start = time.perf_counter()
-        handles[role] = engine.load(spec, role)
-        handles[role]["load_s"] = time.perf_counter() - start
+        with SyncedTimer(device) as load:
+            handles[role] = engine.load(spec, role)
+        handles[role]["load_s"] = load.seconds
     vocab = min(h["vocab_size"] for h in handles.values())
     for role, h in handles.items():
         if h["max_positions"] and max(opts.contexts) + opts.new > h["max_positions"]:
@@ -591,9 +606,9 @@ def _run(opts: BenchOptions, engine, device: torch.device, log, partial=None) ->
             compile_s = {}
             if opts.compile:  # compiled graphs are made for the first calls of a shape: not measured
                 for role, h in handles.items():
-                    start = time.perf_counter()
-                    engine.measure(h, ids, next_ids[:, :2], replicate=replicate)
-                    compile_s[role] = round(time.perf_counter() - start, 2)
+                    with SyncedTimer(device) as warmup:
+                        engine.measure(h, ids, next_ids[:, :2], replicate=replicate)
+                    compile_s[role] = round(warmup.seconds, 2)
                 log(f"batch {batch} context {context}: compiled in {compile_s['source']:.0f} s (source) and "
                     f"{compile_s['converted']:.0f} s (converted)")
             for r in range(opts.rounds):

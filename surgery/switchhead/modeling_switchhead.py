@@ -16,11 +16,12 @@ SwitchHeadLlamaForCausalLM, made on first use for any architecture) with every s
       a_h     = attention(q_h, k_h, v_h)                                 (one attention map per head)
       y(x)    = Σ_h Σ_{e ∈ topk(s_o,h(x))} s_o,h,e(x) · O_h,e a_h(x) + b_o
 
-Only the selected experts are computed. For a few tokens (decode) the selected experts' weights are gathered per
-token and applied in one batched matmul; for many (prefill) the (token, head, slot) assignments are sorted by
-expert, each expert multiplies the rows routed to it (gather), and the results are added back to their tokens
-(scatter), expert by expert so that each expert's rows stay in cache. With k = E every expert is selected and one
-dense matmul does the same work.
+For a few tokens (decode) every expert is computed in one matmul and the gates weigh them (zero for the unselected);
+for many (prefill) only the selected experts are: the (token, head, slot) assignments are sorted by expert on the
+device, each expert's rows padded to whole blocks, and one batched matmul multiplies every block by its expert's
+weight (`expert_blocks`, `grouped_matmul`), with no host sync, no data-dependent shape and no Python loop over the
+experts; each token's k slots are then added in a fixed order (deterministic, no atomics). With k = E every expert
+is selected and one dense matmul does the same work.
 """
 
 from __future__ import annotations
@@ -150,8 +151,9 @@ class SwitchHeadExperts(nn.Module):
 # weight once, in place. It multiplies E/k times the selected experts' MACs, which costs less at these sizes than the
 # alternatives, measured on SmolLM2's shapes on one CPU thread: gathering the selected experts' weights per token
 # copies k/E of every weight per token (1.6x the dense step at 1 token, 4x at 8 tokens), and sorting the
-# assignments by expert (the grouped GEMM below) costs a dispatch and a Python loop over the H*E experts per call
-# (2x at 8 tokens, 1.2x at 128). Above it (prefill) each expert multiplies only the rows routed to it (cost ∝ k).
+# assignments by expert (the grouped GEMM below) costs a dispatch per call (measured with the loop over the H*E
+# experts it then had: 2x at 8 tokens, 1.2x at 128). Above it (prefill) each expert multiplies only the rows routed
+# to it, padded to whole blocks (cost ∝ k, plus under one block per expert).
 DENSE_TOKENS = 128
 
 
@@ -160,16 +162,6 @@ def dense_gates(gates: torch.Tensor, index: torch.Tensor | None, experts: int) -
     if index is None:  # k = E: every expert selected, in order
         return gates
     return gates.new_zeros(*gates.shape[:2], experts).scatter(2, index, gates)
-
-
-def dispatch(index: torch.Tensor, experts: int) -> tuple[torch.Tensor, list[int]]:
-    """Sort the N*H*k (token, head, slot) assignments of `index` (N, H, k) by expert h*E+e.
-
-    Returns the order (positions in the flattened (N, H, k) index, grouped by expert) and the rows per expert."""
-    flat = flat_expert_index(index, experts).reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=index.shape[1] * experts).tolist()
-    return order, counts
 
 
 def flat_expert_index(index: torch.Tensor, experts: int) -> torch.Tensor:
@@ -185,6 +177,52 @@ def flat_expert_index(index: torch.Tensor, experts: int) -> torch.Tensor:
 _EXPERT_OFFSETS: dict = {}
 
 
+def expert_block_rows(assignments: int, groups: int) -> int:
+    """Rows of one block of the grouped matmul: a power of two from 16 to 1024, small enough that the padding (under
+    one block per expert) stays near a quarter of the `assignments` rows or less, large enough for a fast matmul."""
+    rows = 16
+    while rows < 1024 and 8 * rows * groups <= assignments:
+        rows *= 2
+    return rows
+
+
+def expert_blocks(index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Lay the M = N*H*k (token, head, slot) assignments of `index` (N, H, k) out for one batched matmul, on the
+    device and without reading anything on the host (no sync, no data-dependent shape).
+
+    The assignments are sorted by expert h*E+e and each expert's rows are padded to whole blocks of `rows` rows;
+    there are at most ceil(M / rows) + H*E blocks (a number known from the shapes alone), each of one expert.
+    Returns, for each assignment in (N, H, k) order, its row in that layout (M,); the expert of each block; and
+    `rows`. Rows no assignment lands on (padding, unused trailing blocks) are zero inputs whose outputs are never
+    read."""
+    n, heads, k = index.shape
+    groups, m = heads * experts, index.numel()
+    rows = expert_block_rows(m, groups)
+    flat = flat_expert_index(index, experts).reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    by_expert = flat[order]
+    ids = torch.arange(groups, device=flat.device)
+    first = torch.searchsorted(by_expert, ids)
+    padded = (torch.searchsorted(by_expert, ids, right=True) - first + rows - 1) // rows * rows
+    padded_end = padded.cumsum(0)
+    row = (padded_end - padded)[by_expert] + torch.arange(m, device=flat.device) - first[by_expert]
+    row = torch.empty_like(row).index_copy_(0, order, row)  # back to (N, H, k) order
+    blocks = -(-m // rows) + groups
+    starts = torch.arange(0, blocks * rows, rows, device=flat.device)
+    block_expert = torch.searchsorted(padded_end, starts, right=True).clamp_(max=groups - 1)
+    return row, block_expert, rows
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, row: torch.Tensor, block_expert: torch.Tensor,
+                   rows: int) -> torch.Tensor:
+    """x (M, in) assignment rows, weight (H*E, out, in) -> (M, out): each row times its expert's weight, as one
+    batched matmul over the blocks of `expert_blocks` (each block with its expert's weight)."""
+    blocks = block_expert.shape[0]
+    laid_out = x.new_zeros(blocks * rows, x.shape[1]).index_copy(0, row, x)
+    y = torch.bmm(laid_out.view(blocks, rows, -1), weight[block_expert].transpose(1, 2))
+    return y.view(blocks * rows, -1)[row]
+
+
 def expert_values(experts: SwitchHeadExperts, x: torch.Tensor, gates: torch.Tensor,
                   index: torch.Tensor | None) -> torch.Tensor:
     """x (N, D) -> (N, H, d): per token and head, the sum over its selected experts of gate * (V_e x + b_e)."""
@@ -197,20 +235,12 @@ def expert_values(experts: SwitchHeadExperts, x: torch.Tensor, gates: torch.Tens
             y = y + b
         return (y * dense_gates(gates, index, n_exp).unsqueeze(-1).to(y.dtype)).sum(2)
     k = index.shape[-1]
-    order, counts = dispatch(index, n_exp)
-    rows = order // k  # token * H + head
-    tokens = rows // heads
-    g = gates.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
-    out = x.new_zeros(n * heads, d)
-    start = 0
-    for j, count in enumerate(counts):  # grouped GEMM: each expert multiplies the rows routed to it
-        if count:
-            h, e = divmod(j, n_exp)
-            part = slice(start, start + count)
-            y = F.linear(x.index_select(0, tokens[part]), w[h, e], None if b is None else b[h, e])
-            out.index_add_(0, rows[part], y * g[part])
-            start += count
-    return out.view(n, heads, d)
+    row, block_expert, rows = expert_blocks(index, n_exp)
+    assigned = x.unsqueeze(1).expand(n, heads * k, dim).reshape(n * heads * k, dim)
+    y = grouped_matmul(assigned, w.reshape(heads * n_exp, d, dim), row, block_expert, rows).view(n, heads, k, d)
+    if b is not None:
+        y = y + b.reshape(heads * n_exp, d)[flat_expert_index(index, n_exp)]
+    return (y * gates.unsqueeze(-1).to(y.dtype)).sum(2)  # the k slots of each head, added in order
 
 
 def expert_outputs(experts: SwitchHeadExperts, a: torch.Tensor, gates: torch.Tensor,
@@ -227,18 +257,9 @@ def expert_outputs(experts: SwitchHeadExperts, a: torch.Tensor, gates: torch.Ten
         return F.linear(z.reshape(n, heads * n_exp * d), w.permute(2, 0, 1, 3).reshape(dim, heads * n_exp * d))
     k = index.shape[-1]
     gated = a.unsqueeze(2) * gates.unsqueeze(-1).to(a.dtype)  # (N, H, k, d): the gate applied on the small side
-    order, counts = dispatch(index, n_exp)
-    tokens = order // (k * heads)
-    gated = gated.reshape(n * heads * k, d)
-    out = a.new_zeros(n, dim)
-    start = 0
-    for j, count in enumerate(counts):  # grouped GEMM: each expert multiplies the rows routed to it
-        if count:
-            h, e = divmod(j, n_exp)
-            part = slice(start, start + count)
-            out.index_add_(0, tokens[part], F.linear(gated.index_select(0, order[part]), w[h, e]))
-            start += count
-    return out
+    row, block_expert, rows = expert_blocks(index, n_exp)
+    y = grouped_matmul(gated.reshape(n * heads * k, d), w.reshape(heads * n_exp, dim, d), row, block_expert, rows)
+    return y.view(n, heads * k, dim).sum(1)  # every head's k slots, added in order
 
 
 # --- the attention module ------------------------------------------------------------------------------------------
@@ -300,7 +321,8 @@ class SwitchHeadAttention(nn.Module):
     def _router_weight(self) -> torch.Tensor:
         """Both routers' weights stacked; kept between calls while neither changes and no gradient is recorded."""
         v, o = self.v_router.weight, self.o_router.weight
-        if torch.is_grad_enabled() and (v.requires_grad or o.requires_grad):
+        if torch.is_grad_enabled() and (v.requires_grad or o.requires_grad) or torch.compiler.is_compiling():
+            # (compiled: the cache's key, data pointers, would break the graph; the cat is fused there)
             return torch.cat([v, o])
         key = (v.data_ptr(), v._version, o.data_ptr(), o._version, v.dtype, v.device)
         cached = getattr(self, "_router_cache", None)

@@ -311,3 +311,38 @@ def test_compile_that_cannot_run_is_one_line(pair, monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     with pytest.raises(SurgeryError, match="needs a C\\+\\+ compiler"):
         require_compile("inductor", "transformers", torch.device("cpu"))
+
+
+def test_every_timed_region_is_read_between_device_syncs_and_the_cache_copy_is_not_timed(pair, monkeypatch):
+    """On CUDA the clock must be read after a sync on both sides of a region, or it times what the queue held
+    (the batch > 1 cache copy landed in the first decode step). The device sync is recorded here on CPU."""
+    import transformers
+
+    import surgery.bench as bench
+
+    events = []
+    monkeypatch.setattr(bench, "_sync", lambda device: events.append("sync"))
+    clock = iter(range(10**6))
+
+    def perf_counter():
+        events.append("clock")
+        return float(next(clock))
+
+    monkeypatch.setattr(bench.time, "perf_counter", perf_counter)
+    repeat = transformers.DynamicCache.batch_repeat_interleave
+    monkeypatch.setattr(transformers.DynamicCache, "batch_repeat_interleave",
+                        lambda self, n: (events.append("copy"), repeat(self, n))[1])
+    src, _ = pair
+    engine = bench.TransformersEngine(bench.torch.device("cpu"), "float32", {"source": False})
+    handle = engine.load(str(src), "source")
+    forward = handle["model"].forward
+    monkeypatch.setattr(handle["model"], "forward", lambda *a, **k: (events.append("forward"), forward(*a, **k))[1])
+    ids = bench.torch.randint(0, 90, (3, 8), generator=bench.torch.Generator().manual_seed(0))
+    events.clear()
+    raw = engine.measure(handle, ids, ids[:, :3], replicate=True)
+    clocks = [i for i, e in enumerate(events) if e == "clock"]
+    assert len(clocks) == 2 * (1 + 3) and len(raw["decode_steps_s"]) == 3  # the prefill and three steps
+    for start, stop in zip(clocks[::2], clocks[1::2]):
+        assert events[start - 1] == "sync" and events[stop - 1] == "sync"
+        assert events[start + 1:stop - 1] == ["forward"]  # nothing else inside a timed region
+    assert "copy" in events and events.index("copy") < clocks[2]  # before the first step's clock starts

@@ -240,8 +240,10 @@ def test_expert_computation_is_dense_for_few_tokens_and_conditional_beyond(n):
             outputs = expert_outputs(o, a, gates, index)
         flops[k] = counter.get_total_flops()
         # each side: one (d x D) product for each of the n * heads * k selected (token, head, expert) triples; with
-        # few tokens, for every expert of every head
-        assert flops[k] == 2 * (2 * n * heads * (n_exp if dense else k) * d * dim)
+        # few tokens, for every expert of every head; routed, the rows of each expert are padded to whole blocks
+        rows = n * heads * (n_exp if dense or index is None else k)
+        pad = 0 if dense or index is None else (heads * n_exp + 1) * msh.expert_block_rows(rows, heads * n_exp)
+        assert 2 * (2 * rows * d * dim) <= flops[k] <= 2 * (2 * (rows + pad) * d * dim)
         if index is None:
             index = torch.arange(n_exp).expand(n, heads, n_exp)
         assert torch.allclose(values, naive_values(v.weight, v.bias, x, gates, index), atol=1e-4)
@@ -249,7 +251,7 @@ def test_expert_computation_is_dense_for_few_tokens_and_conditional_beyond(n):
         chosen = torch.zeros(n, heads, n_exp).scatter(2, index, gates)
         assert torch.allclose(outputs, (dense_o * chosen.unsqueeze(-1)).sum((1, 2)), atol=1e-3)
     if not dense:
-        assert flops[1] * 2 == flops[2] and flops[1] * n_exp == flops[n_exp]
+        assert flops[1] < flops[2] < flops[n_exp]
 
 
 @pytest.fixture(scope="module")
@@ -281,8 +283,12 @@ def test_attention_module_computes_only_selected_experts_beyond_few_tokens(route
             flops[k] = counter.get_total_flops()
         n = batch * length
         per_expert = 2 * 2 * n * attn.num_heads * attn.head_dim * model.config.hidden_size  # V and O, per layer
-        if n > msh.DENSE_TOKENS:
-            assert flops[2] - flops[1] == layers * per_expert and flops[4] - flops[2] == 2 * layers * per_expert
+        if n > msh.DENSE_TOKENS:  # the routed rows of each expert are padded to whole blocks: under one block each
+            groups = attn.num_heads * attn.num_experts
+            pad = [(groups + 1) * msh.expert_block_rows(n * attn.num_heads * k, groups) for k in (1, 2)]
+            pad = [layers * 2 * 2 * p * attn.head_dim * model.config.hidden_size for p in pad]
+            assert per_expert * layers - pad[0] <= flops[2] - flops[1] <= per_expert * layers + pad[1]
+            assert 2 * layers * per_expert - pad[1] <= flops[4] - flops[2] <= 2 * layers * per_expert
         else:
             assert flops[1] == flops[2] == flops[4]
 
