@@ -226,7 +226,7 @@ def test_no_test_module_imports_another_test_module():
 
 
 def test_benchmarks_import_the_package_and_never_the_tests():
-    offenders = {p.name: bad for p in sorted(BENCHMARKS.glob("*.py")) if (bad := benchmark_offenses(p.read_text()))}
+    offenders = {p.name: bad for p in sorted(BENCHMARKS.rglob("*.py")) if (bad := benchmark_offenses(p.read_text()))}
     assert offenders == {}
 
 

