@@ -280,12 +280,11 @@ class TransformersEngine:
         from .runtime import load_model
         from .checkpoint.source import resolve_source
 
-        from .checkpoint.record import read_record_or_empty
         from .kinds import check_checkpoint
 
         trust = self.preflight(spec, role)
         source = resolve_source(spec)
-        check_checkpoint(source.folder, source.config, read_record_or_empty(source.folder))
+        check_checkpoint(source.folder, source.config)
         custom = bool(source.config.get("auto_map"))
         model = load_model(source, self.device, self.dtype, trust_remote_code=trust,
                            attn_implementation=None if custom else "sdpa")

@@ -43,7 +43,6 @@ from ..precision import autocast, weights_precision
 from ..progress import Progress
 from ..runtime import (context_length, is_causal_lm, load_model, load_model_config, load_tokenizer, pick_device,
                        windows)
-from ..checkpoint.record import read_record_or_empty
 from ..checkpoint.source import Source
 from ..kinds import check_checkpoint
 
@@ -337,7 +336,7 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
         raise SurgeryError(str(e)) from None
     trust_a, trust_b = resolve_trusts(source, converted, r.trust_source_code, r.trust_remote_code)
     for s in (source, converted):  # a kind's config.json against its tensors, before transformers reads it
-        check_checkpoint(s.folder, s.config, read_record_or_empty(s.folder))
+        check_checkpoint(s.folder, s.config)
     config_a, config_b = load_model_config(source, trust_a), load_model_config(converted, trust_b)
     causal = is_causal_lm(config_a)
     if causal != is_causal_lm(config_b):

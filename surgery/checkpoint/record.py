@@ -18,7 +18,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from .sha256 import sha256_file
 from ..errors import SurgeryError
@@ -51,6 +53,26 @@ class CalibrationRecord(_Part):
     documents_sha256: list[StrictStr] | None = None
 
 
+Count = Annotated[StrictInt, Field(ge=1)]  # heads, dims, ranks: a positive integer, never text or a bool
+Amount = Annotated[StrictInt, Field(ge=0)]
+
+
+class HeadCounts(_Part):
+    """Heads (or K/V heads) before and after a conversion (`inspect`'s distinct K/V heads, the card's row)."""
+
+    before: Count | None = None
+    after: Count | None = None
+
+
+class MLARecord(_Part):
+    """An MLA conversion's latent (the card's and `convert`'s summary)."""
+
+    kv_lora_rank: Count | None = None
+    full_rank: Count | None = None
+    qk_rope_head_dim: Count | None = None
+    rope_frequencies: list[Amount] | None = None
+
+
 class Record(_Part):
     """surgery.json. Every field is optional (a hand-made or older record may lack any); the ones present must have
     these types. Kinds' own fields (`kv_heads`, `switchhead`, ...) are kept as they are."""
@@ -60,8 +82,14 @@ class Record(_Part):
     kind: StrictStr | None = None
     created: StrictStr | None = None
     source: SourceRecord | None = None
-    kv_heads: dict | None = None
-    mix_macs_per_query_key_per_layer: StrictInt | None = None
+    heads: Count | HeadCounts | None = None  # SwitchHead's: before and after
+    head_dim: Count | None = None
+    kv_heads: HeadCounts | None = None
+    stored_kv_heads: Count | None = None
+    mla: MLARecord | None = None
+    added_parameters: Amount | None = None
+    seconds: Annotated[StrictFloat | StrictInt, Field(ge=0)] | None = None
+    mix_macs_per_query_key_per_layer: Amount | None = None
     calibration: CalibrationRecord | None = None
     code_sha256: dict[str, StrictStr] | None = None  # the toolkit's own modeling files copied (surgery/trust.py)
     output_sha256: dict[str, StrictStr] | None = None  # every file written but this one and the card
@@ -119,9 +147,21 @@ def check_record(record: object, path: Path | str = RECORD_FILE) -> dict:
         Record.model_validate(record)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
+        where = _where(record, first["loc"])
         raise SurgeryError(f"corrupt {path}: {where} is {first.get('input')!r} ({first['msg'].lower()})") from None
     return record
+
+
+def _where(record: dict, loc: tuple) -> str:
+    """The dotted path of an error's location in the record itself (a union's member names, which pydantic puts in
+    the location, left out)."""
+    parts, value = [], record
+    for p in loc:
+        if (isinstance(value, dict) and p in value) or (isinstance(value, list) and isinstance(p, int)
+                                                        and 0 <= p < len(value)):
+            parts.append(str(p))
+            value = value[p]
+    return ".".join(parts)
 
 
 def read_record(folder: Path) -> dict:

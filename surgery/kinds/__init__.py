@@ -192,9 +192,15 @@ def kv_cache_values(shape: AttentionShape, config: dict, record: dict | None = N
 
 
 def check_checkpoint(folder, config: dict, record: dict | None = None, shapes: dict | None = None) -> None:
-    """A checkpoint read back by any command (inspect, check, bench, uptrain): the kind that wrote it checks its
+    """A checkpoint read back by any command (inspect, check, bench, uptrain): its surgery.json against the schema
+    (read here when `record` is None; surgery.checkpoint.record.Record), and the kind that wrote it checks its
     config.json against its tensors' shapes (`shapes`: name -> shape; read from the safetensors headers when not
-    given), so every command refuses the same inconsistencies in the same words. Nothing for a plain checkpoint."""
+    given), so every command refuses the same inconsistencies in the same words. Nothing more for a plain
+    checkpoint."""
+    if record is None:
+        from ..checkpoint.record import read_record
+
+        record = read_record(folder)
     kind = find_kind(record, config)
     if kind is None:
         return

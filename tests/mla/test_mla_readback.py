@@ -66,3 +66,30 @@ def test_check_refuses_the_same_inconsistency_in_the_same_words(mla_out, tmp_pat
     folder = tampered(mla_out, tmp_path, kv_lora_rank=8)
     src = json.loads((mla_out / "surgery.json").read_text())["local"]["source_folder"]
     assert one_line(cli, "check", src, folder, "--tokens", "64") == one_line(cli, "inspect", folder)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("heads", "x", "heads is 'x'"), ("kv_heads", {"before": 0}, "kv_heads.before is 0"),
+    ("mla", {"kv_lora_rank": "16"}, "mla.kv_lora_rank is '16'"), ("head_dim", True, "head_dim is True"),
+])
+def test_a_mistyped_record_is_refused_by_every_reader_in_the_same_words(mla_out, tmp_path, cli, field, value, words):
+    folder = tmp_path / "c"
+    shutil.copytree(mla_out, folder)
+    record = json.loads((folder / "surgery.json").read_text())
+    (folder / "surgery.json").write_text(json.dumps({**record, field: value}))
+    line = one_line(cli, "inspect", folder)
+    assert line.startswith(f"surgery: error: corrupt {folder / 'surgery.json'}: {words}"), line
+    src = record["local"]["source_folder"]
+    assert one_line(cli, "check", src, folder, "--tokens", "64") == line
+    assert one_line(cli, "uptrain", folder, "--data", "pydoc", "--tokens", "64", "--seq-len", "32", "--batch-tokens",
+                    "32", "--micro-batch", "1", "--eval-tokens", "32", "--out", tmp_path / "o") == line
+
+
+def test_a_record_whose_kv_heads_is_null_is_inspected(mla_out, tmp_path, cli):
+    folder = tmp_path / "c"
+    shutil.copytree(mla_out, folder)
+    record = json.loads((folder / "surgery.json").read_text())
+    (folder / "surgery.json").write_text(json.dumps({**record, "kv_heads": None}))
+    code, out, err = cli("inspect", str(folder), "--json")
+    assert code == 0, err
+    assert json.loads(out)[0]["distinct_kv_heads"] == 4  # config.json's (the MLA output stores one per head)
