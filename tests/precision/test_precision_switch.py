@@ -37,7 +37,8 @@ def test_a_recipe_names_the_option_its_own_way():
     from surgery.options import YAML
     from surgery.uptrain.options import UptrainArgs
 
-    assert UptrainArgs.model_validate({"tokens": 512, "precision": "bf16"}, context={"spelling": YAML}).precision == "bf16"
+    recipe = UptrainArgs.model_validate({"tokens": 512, "precision": "bf16"}, context={"spelling": YAML})
+    assert recipe.precision == "bf16"
     with pytest.raises(ValidationError, match="precision 'half': choose auto, bf16 or fp32"):
         UptrainArgs.model_validate({"tokens": 512, "precision": "half"}, context={"spelling": YAML})
     with pytest.raises(ValidationError, match="--precision 'half'"):
@@ -45,10 +46,14 @@ def test_a_recipe_names_the_option_its_own_way():
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (["bench", "{src}", "{src}", "--precision", "fp32", "--dtype", "bfloat16"], "--precision fp32 contradicts --dtype bfloat16"),
-    (["bench", "{src}", "{src}", "--precision", "bf16", "--dtype", "float16"], "--precision bf16 contradicts --dtype float16"),
-    (["check", "{src}", "{src}", "--precision", "fp32", "--dtype", "bfloat16"], "--precision fp32 contradicts --dtype bfloat16"),
-    (["convert", "{src}", "--out", "{out}", "--to", "mqa", "--precision", "bf16"], "--precision is calibration's precision"),
+    (["bench", "{src}", "{src}", "--precision", "fp32", "--dtype", "bfloat16"],
+     "--precision fp32 contradicts --dtype bfloat16"),
+    (["bench", "{src}", "{src}", "--precision", "bf16", "--dtype", "float16"],
+     "--precision bf16 contradicts --dtype float16"),
+    (["check", "{src}", "{src}", "--precision", "fp32", "--dtype", "bfloat16"],
+     "--precision fp32 contradicts --dtype bfloat16"),
+    (["convert", "{src}", "--out", "{out}", "--to", "mqa", "--precision", "bf16"],
+     "--precision is calibration's precision"),
     (["uptrain", "{src}", "--out", "{out}", "--precision", "half"], "--precision"),
 ])
 def test_contradictions_are_one_line_exit_2(llama, tmp_path, capsys, args, fragment):
