@@ -1,9 +1,13 @@
 """The setup of one `surgery uptrain` run under `accelerate launch` (the same make_accelerator, model loading, teacher
 sharding and `prepare` as the command), reported by every rank as OUT/rank-N.json: the dtype of each buffer of the
-student and the teacher, whether each rotary embedding's cos/sin tables (positions 0..4095) equal those of the model
+student and the teacher, the parameters that differ from the checkpoint's (none should: rank 1 receives its shards
+from rank 0), which of them this rank read from the checkpoint, whether each rotary embedding's cos/sin tables (positions 0..4095) equal those of the model
 loaded alone, the FSDP2 mixed precision policy of the student's root unit, and the process's peak RSS.
 
-    accelerate launch --config_file CFG -m surgery.testing.fsdp_probe OUT MIXED_PRECISION MODEL [TEACHER]
+    accelerate launch --config_file CFG -m surgery.testing.fsdp_probe OUT MIXED_PRECISION MODEL [TEACHER] [--every-rank-reads]
+
+--every-rank-reads: the loading before rank-0 loading, for a baseline (every rank reads the student and the
+teacher, the teacher in fp32).
 """
 
 from __future__ import annotations
@@ -34,7 +38,14 @@ def rotary_tables(model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 def report(model, reference) -> dict:
     """`model`'s buffers' dtypes and whether its rotary tables equal `reference`'s (the same checkpoint, loaded alone)."""
     ours, theirs = rotary_tables(model), rotary_tables(reference)
-    return {"buffers": {name: str(b.dtype).removeprefix("torch.") for name, b in model.named_buffers()},
+    loaded = dict(reference.named_parameters())
+    differ = []
+    for name, p in model.named_parameters():  # every rank gathers every parameter (a collective), in the same order
+        whole = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if not torch.equal(whole.detach().cpu(), loaded[name].detach().to(p.dtype)):
+            differ.append(name)
+    return {"weights_differ": differ,
+            "buffers": {name: str(b.dtype).removeprefix("torch.") for name, b in model.named_buffers()},
             "rotary_exact": {name: bool(torch.equal(ours[name][0], theirs[name][0])
                                         and torch.equal(ours[name][1], theirs[name][1])) for name in theirs},
             "rotary_modules": sorted(ours)}
@@ -55,16 +66,31 @@ def main(argv: list[str]) -> None:
     from ..uptrain.options import UptrainOptions
     from .pydoc_llama import FAST
 
+    every_rank_reads = "--every-rank-reads" in argv
+    argv = [a for a in argv if a != "--every-rank-reads"]
     out, precision, model = Path(argv[0]), argv[1], argv[2]
     teacher = argv[3] if len(argv) > 3 else None
+    reads: dict[str, bool] = {}  # role -> whether this rank read the checkpoint's weights
+    load = loop.model_io.load_causal_lm
+
+    def recording_load(source, role, *args, **kw):
+        reads[role] = kw.get("weights", True)
+        return load(source, role, *args, **kw)
+
+    loop.model_io.load_causal_lm = recording_load
+    if every_rank_reads:
+        loop.rank_zero_loads = lambda acc, o, kind: False
+        loop.teacher_dtype = lambda acc, o: torch.float32
     args = dict(FAST, tokens=FAST["batch_tokens"], eval_tokens=512, loss="kd" if teacher else "lm", teacher=teacher,
                 precision={"no": "fp32"}.get(precision, precision))
     recipe = loop.UptrainRecipe(UptrainOptions(model=model, out=out / "run-output", force=True, **args))
     recipe.setup()
     peak_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # loading and prepare, before the references
+    loop.model_io.load_causal_lm = load
     acc = recipe.acc
     result = {"rank": acc.process_index, "world": acc.num_processes, "distributed_type": acc.distributed_type.value,
               "mixed_precision": acc.mixed_precision, "peak_rss_kib": peak_rss_kib, "policy": mp_policy(recipe.model),
+              "read_weights": reads,
               "student": report(acc.unwrap_model(recipe.model), load_causal_lm(resolve_source(model), "model"))}
     if teacher:
         result["teacher"] = report(recipe.teacher, load_causal_lm(resolve_source(teacher), "teacher"))

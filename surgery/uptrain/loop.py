@@ -130,17 +130,42 @@ def use_fsdp2(acc) -> None:
         plugin.mixed_precision_policy = None
 
 
-def shard_teacher(teacher) -> None:
-    """Under FSDP the frozen teacher is sharded like the student (FSDP2 `fully_shard`, one unit per decoder layer,
-    then the rest): each process holds 1/N of its weights and gathers one layer at a time in its forward, so a
-    teacher as large as the student, or larger, fits beside it. No gradients, no optimizer state."""
-    from torch.distributed.fsdp import fully_shard
+def shard_teacher(teacher, acc):
+    """Under FSDP the frozen teacher is sharded like the student, by accelerate's own FSDP2 preparation (one unit per
+    decoder layer, the embeddings, the head; the run's mixed precision policy; with rank-0 loading, the weights
+    broadcast from rank 0): each process holds 1/N of its weights and gathers one layer at a time in its forward, so a
+    teacher as large as the student, or larger, fits beside it. Each unit is moved to the device as it is sharded: the
+    whole teacher never lands on a GPU. No gradients, no optimizer state; the teacher is not one of accelerate's
+    models (its checkpoints hold the student alone)."""
+    import copy
 
-    blocks = set(getattr(teacher, "_no_split_modules", None) or [])
-    for module in teacher.modules():
-        if type(module).__name__ in blocks:
-            fully_shard(module)
-    fully_shard(teacher)
+    from accelerate.utils import fsdp2_prepare_model
+
+    plugin = acc.state.fsdp_plugin
+    acc.state.fsdp_plugin = copy.copy(plugin)  # preparing sets the plugin's layer classes: the student's must be its own
+    try:
+        return fsdp2_prepare_model(acc, teacher)
+    finally:
+        acc.state.fsdp_plugin = plugin
+
+
+def rank_zero_loads(acc, o: UptrainOptions, kind) -> bool:
+    """Under FSDP, rank 0 alone reads the student and the teacher; the other ranks build them without weights and
+    receive their shards in `prepare` (accelerate's cpu_ram_efficient_loading). Not with the align stage (it trains
+    whole models on every rank before sharding) nor for a kind with a training form (it rewrites the loaded weights and
+    module settings on every rank)."""
+    from accelerate.utils import DistributedType
+
+    from ..kinds.base import Kind
+
+    return (acc.distributed_type == DistributedType.FSDP and "align" not in o.stages
+            and (kind is None or type(kind).training_form is Kind.training_form))
+
+
+def teacher_dtype(acc, o: UptrainOptions) -> torch.dtype:
+    """The frozen teacher needs no fp32 master copy: loaded in the compute precision (bf16 in a bf16 run), except for
+    the align stage, which trains the student's fp32 layers on its hidden states."""
+    return torch.bfloat16 if acc.mixed_precision == "bf16" and "align" not in o.stages else torch.float32
 
 
 def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
@@ -350,24 +375,35 @@ class UptrainRecipe:
     def _setup_models(self) -> None:
         """The student (and its tokenizer) and, when the objective or the alignment needs one, the frozen teacher."""
         o, source = self.o, self.source
+        from accelerate.utils import DistributedType
+
+        acc = self.acc
         self.tokenizer = model_io.load_trusted_tokenizer(source, "model", o.trust_remote_code)
-        self.model = model_io.load_causal_lm(source, "model", o.trust_remote_code)
-        select_trainable(self.model, o.train, self.record)  # a --train that selects nothing: refused before any text
         kind = find_kind(self.record, source.config)
+        fsdp = acc.distributed_type == DistributedType.FSDP
+        rank_zero = rank_zero_loads(acc, o, kind)
+        if fsdp:
+            acc.state.fsdp_plugin.cpu_ram_efficient_loading = rank_zero
+        reads = self.main or not rank_zero  # this process reads the weights
+        self.model = model_io.load_causal_lm(source, "model", o.trust_remote_code, weights=reads)
+        select_trainable(self.model, o.train, self.record)  # a --train that selects nothing: refused before any text
         self.training_form = kind.training_form(self.model) if kind is not None else None
         model_io.check_seq_len(self.model, o.seq_len, source.spec)
         self.out_dtype = model_io.checkpoint_dtype(source.folder, source.config)
         self.teacher = None
         if self.objective.needs_teacher or "align" in o.stages:
             t_src = model_io.teacher_source(self.record, o.teacher)
-            teacher = model_io.load_causal_lm(t_src, "teacher", o.trust_teacher_code)
+            teacher = model_io.load_causal_lm(t_src, "teacher", o.trust_teacher_code, dtype=teacher_dtype(acc, o),
+                                              weights=reads)
             model_io.check_teacher(self.model, teacher, self.tokenizer, t_src, o.trust_teacher_code)
             if "align" in o.stages:  # refused here, before the run folder is started (_setup_data)
                 check_alignable(self.model, teacher)
             if self.objective.needs_hidden_states:
                 check_alignable(self.model, teacher, "--hidden-weight")
             teacher.requires_grad_(False)
-            self.teacher = teacher.eval().to(self.acc.device)
+            teacher.eval()
+            # sharded before it reaches the device, unless the align stage needs it whole (sharded after it)
+            self.teacher = shard_teacher(teacher, acc) if fsdp and "align" not in o.stages else teacher.to(acc.device)
 
     def _setup_data(self) -> None:
         """The training and held-out windows: packed up front (small runs, data.py) or streamed (stream.py)."""
@@ -488,8 +524,8 @@ class UptrainRecipe:
         self.sharded = acc.distributed_type == DistributedType.FSDP
         if self.sharded and o.lora_rank:
             raise SurgeryError("--lora-rank does not run under FSDP yet: use DDP or one process")
-        if self.sharded and self.teacher is not None:
-            shard_teacher(self.teacher)
+        if self.sharded and self.teacher is not None and "align" in o.stages:
+            self.teacher = shard_teacher(self.teacher, acc)
         self.state = RunState()
         self.state.data_key, self.state.data_sha256 = self.key, self.data_sha256
         self.ckpts.remove_partial()

@@ -33,8 +33,12 @@ def trust_name(source: Source) -> str:
     return folder if Path(source.spec).absolute() == Path(folder).absolute() else f"{folder} (from {source.spec})"
 
 
-def load_causal_lm(source: Source, role: str, trusted: bool = False):
-    """An fp32 causal LM from a local folder; code it ships runs only as `surgery.trust.resolve_trust` allows."""
+def load_causal_lm(source: Source, role: str, trusted: bool = False, dtype: torch.dtype = torch.float32,
+                   weights: bool = True):
+    """A causal LM (fp32 unless `dtype`) from a local folder; code it ships runs only as `surgery.trust.resolve_trust`
+    allows. `weights=False`: built from its config without reading a weight, its parameters uninitialised memory
+    (`empty_parameters`) and its buffers (RoPE's inv_freq) computed as loading computes them: for a rank that receives
+    its FSDP shards from rank 0."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     remote = trust_for(source, role, trusted)
@@ -43,9 +47,30 @@ def load_causal_lm(source: Source, role: str, trusted: bool = False):
         if not is_causal_lm(config) and not (remote and "AutoModelForCausalLM" in source.config.get("auto_map", {})):
             raise SurgeryError(f"the {role} {source.spec} is not a causal LM (architectures: "
                                f"{', '.join(config.architectures or ['none'])}); uptraining needs one")
-        model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32, trust_remote_code=remote)
+        if not weights:
+            from accelerate import init_empty_weights
+
+            with init_empty_weights(include_buffers=False):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=remote)
+            model.tie_weights()  # as loading ties them (from_config leaves meta parameters untied)
+            return empty_parameters(model)
+        model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=dtype, trust_remote_code=remote)
     except (OSError, ValueError, KeyError) as e:
         raise SurgeryError(f"cannot load the {role} {source.spec}: {str(e).splitlines()[0]}") from None
+    return model
+
+
+def empty_parameters(model):
+    """`model` with each parameter on the meta device replaced by an uninitialised CPU tensor of its shape (tied ones
+    stay tied): distinct storages, as an optimizer and accelerate's FSDP2 preparation need, that the system does not
+    back with memory until written (FSDP2 moves the model to the meta device before the shards arrive)."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in made:
+                    made[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+                module._parameters[name] = made[id(p)]
     return model
 
 

@@ -75,7 +75,8 @@ def gpu_config_on_cpu(folder: Path) -> Path:
 def test_fsdp2_bf16_keeps_rope_buffers_fp32_and_the_rotary_tables_exact(tiny, tokenizer, tmp_path):
     """The shipped GPU config on 2 CPU processes with bf16: after uptrain's own make_accelerator, loading, teacher
     sharding and `prepare` (surgery.testing.fsdp_probe), every rank's student and teacher keep inv_freq in fp32 and
-    compute the same cos/sin at positions 0..4095 as the checkpoints loaded alone; the policy reduces in fp32."""
+    compute the same cos/sin at positions 0..4095 as the checkpoints loaded alone; the policy reduces in fp32. Rank 0
+    alone read the weights, every rank holds the checkpoint's (gathered from the shards), the teacher in bf16."""
     import json
     import subprocess
     import sys
@@ -99,6 +100,9 @@ def test_fsdp2_bf16_keeps_rope_buffers_fp32_and_the_rotary_tables_exact(tiny, to
                                                                        "model.rotary_emb.original_inv_freq"}
             assert all(dtype == "float32" for dtype in buffers.values()), (rank, role, buffers)
             assert got[role]["rotary_exact"] == {"model.rotary_emb": True}, (rank, role)
+            assert got[role]["weights_differ"] == [], (rank, role)  # the shards rank 0 read and sent
+        assert got["teacher_param_dtypes"] == ["bfloat16"]  # frozen: loaded in the compute precision
+        assert got["read_weights"] == {"model": rank == 0, "teacher": rank == 0}  # rank 1 receives its shards
 
 
 def test_fsdp2_clips_a_partly_trained_model_by_the_norm_over_every_ranks_shards(tiny, tmp_path):
