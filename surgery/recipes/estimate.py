@@ -323,7 +323,8 @@ def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats |
     loading = {"student (fp32, whole)": 4 * P, "file being read (mapped)": stats.dtype_bytes * P}
     if teacher is not None:
         loading["teacher (whole)"] = c * teacher.params
-    final = {"whole model gathered (fp32)": 4 * P, "output copy": out_bytes * P if out_bytes != 4 else 0}
+    # the final save: one process saves the model it holds (a copy in the output dtype); FSDP gathers it first
+    final = {"whole model gathered (fp32)": 4 * P if sharded else 0, "output copy": out_bytes * P if out_bytes != 4 else 0}
 
     def with_runtime(phases):
         return {name: {"runtime": runtime, **terms} for name, terms in phases.items()}

@@ -118,3 +118,29 @@ def test_dry_run_prints_host_and_gpu_memory_per_process_for_the_8b_recipe_with_k
     peak = float(re.search(r"GPU memory: peak ([\d.]+) GB", out).group(1))
     assert 20 < peak < 80
     assert re.search(r"host memory: peak [\d.]+ GB", out)
+
+
+def test_uptrain_dry_run_prints_each_process_memory_under_accelerate(tiny, tmp_path, capsys, monkeypatch):
+    """`surgery uptrain --dry-run` as `accelerate launch` starts it (WORLD_SIZE=2, CPU): the per-process estimate,
+    the shards a half of the fp32 weights and AdamW's moments, printed by the main process only; nothing is written.
+    Without --dry-run, --out is required (one line)."""
+    import re
+
+    from inprocess import run_cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    code, out, err = run_cli(capsys, "uptrain", tiny, "--tokens", 1024, "--loss", "kd", "--teacher", tiny, "--dry-run")
+    assert code == 0, err
+    assert "memory per process (2 processes, FSDP)" in out and "teacher (shard)" in out
+    params = stats_from_folder(tiny).params
+    kb = lambda term: float(re.search(re.escape(term) + r" ([\d.]+) KB", out).group(1)) * 1e3  # noqa: E731
+    assert kb("weights (fp32 shard)") == pytest.approx(4 * params / 2, rel=0.01)
+    assert kb("AdamW moments (shard)") == pytest.approx(8 * params / 2, rel=0.01)
+    assert not any(tmp_path.iterdir())
+    monkeypatch.setenv("RANK", "1")
+    code, out, err = run_cli(capsys, "uptrain", tiny, "--tokens", 1024, "--dry-run")
+    assert code == 0 and "memory per process" not in out
+    code, out, err = run_cli(capsys, "uptrain", tiny, "--tokens", 1024)
+    assert code == 2 and err.strip() == "surgery: error: uptrain needs --out (the output folder) unless --dry-run"
