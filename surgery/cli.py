@@ -235,9 +235,12 @@ def demo(out, tokens, force):
 
 @cli.command()
 @click.argument("model")
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output checkpoint folder (written atomically).")
+@click.option("--out", type=click.Path(path_type=Path), help="Output checkpoint folder (written atomically); required "
+              "unless --dry-run.")
+@click.option("--dry-run", is_flag=True, help="Print the host and GPU memory of each process (by phase and term) "
+              "and exit; under `accelerate launch` for its number of processes.")
 @model_options(UptrainArgs)
-def uptrain(model, out, **kw):
+def uptrain(model, out, dry_run, **kw):
     """Continue training MODEL (a converted checkpoint, or any causal LM) for --tokens tokens.
 
     Runs on CPU, one GPU, or under `accelerate launch` with several processes (DDP; FSDP/DeepSpeed through
@@ -246,9 +249,18 @@ def uptrain(model, out, **kw):
     surgery.json extended by an "uptraining" record, uptrain_metrics.jsonl and uptrain.png; checkpoints go to
     OUT.run (--resume continues from the newest).
     """
-    from surgery.commands.uptrain import uptrain_model
+    from surgery.commands.uptrain import uptrain_dry_run, uptrain_model
 
-    uptrain_model(model, out, parse_options(UptrainArgs, kw))
+    options = parse_options(UptrainArgs, kw)
+    if dry_run:
+        import os
+
+        if os.environ.get("RANK", "0") == "0":
+            click.echo("\n".join(uptrain_dry_run(model, options)))
+        return
+    if out is None:
+        _fail("uptrain needs --out (the output folder) unless --dry-run")
+    uptrain_model(model, out, options)
 
 
 @cli.command()

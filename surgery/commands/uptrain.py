@@ -7,10 +7,38 @@ from pathlib import Path
 
 from ..uptrain.options import RUNNER_OWNED, UptrainArgs
 
-__all__ = ["RUNNER_OWNED", "UptrainArgs", "uptrain_model"]
+__all__ = ["RUNNER_OWNED", "UptrainArgs", "uptrain_dry_run", "uptrain_model"]
 
 
 def uptrain_model(model: str, out: Path, options: UptrainArgs) -> None:
     from ..uptrain import UptrainOptions, uptrain
 
     uptrain(UptrainOptions(model=model, out=Path(out), **options.model_dump()))
+
+
+def uptrain_dry_run(model: str, options: UptrainArgs) -> list[str]:
+    """The memory of each process `surgery uptrain MODEL ... --dry-run` prints (surgery/recipes/estimate.py): as many
+    processes as `accelerate launch` started (WORLD_SIZE; FSDP when several), on CUDA when this machine has it,
+    with the teacher when the loss distills. Nothing is loaded beyond the checkpoints' headers and configs."""
+    import os
+
+    import torch
+
+    from ..checkpoint.record import local_source_folder, read_record
+    from ..checkpoint.source import resolve_source
+    from ..recipes.estimate import stats_from_folder, uptrain_memory_per_process
+    from ..uptrain.model_io import teacher_source
+
+    source = resolve_source(model)
+    record = read_record(source.folder)
+    teacher_known = bool(options.teacher or (record.get("source") or {}).get("spec") or local_source_folder(record))
+    distill = options.loss in ("kd", "mix") or (options.loss == "auto" and teacher_known) or options.hidden_weight > 0
+    teacher = teacher_source(record, options.teacher) if distill else None
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    device = "cuda" if torch.cuda.is_available() and not cpu else "cpu"
+    stats = stats_from_folder(source.folder)
+    estimate = uptrain_memory_per_process(stats, options, stats_from_folder(teacher.folder) if teacher else None,
+                                          processes, device=device)
+    return [f"{source.spec}: {stats.params:,} parameters" + (f", teacher {teacher.spec}" if teacher else ""),
+            *estimate.lines()]

@@ -199,3 +199,158 @@ def teacher_memory(teacher: ModelStats, processes: int) -> int:
 def uptrain_tokens(options) -> int:
     steps = -(-options.tokens // options.batch_tokens)
     return steps * options.batch_tokens
+
+
+# ------------------------------------------------------------------------------ per process: host and GPU memory
+
+
+@dataclass
+class ProcessMemory:
+    """Peak memory of one uptraining process, by term, for the main process and for each other one: `device` the
+    accelerator's memory (on a CPU run everything is host memory and `device` is empty), `host` the process's RSS.
+    A peak is the largest phase's sum (loading, a training step, a checkpoint, the final save), not the sum of all
+    terms."""
+
+    processes: int
+    device_type: str
+    host: dict[str, dict[str, int]]  # phase -> term -> bytes (the main process)
+    device: dict[str, dict[str, int]]
+    host_other: dict[str, dict[str, int]]  # the same for every other process
+    device_other: dict[str, dict[str, int]]
+
+    @staticmethod
+    def _peak(phases: dict[str, dict[str, int]]) -> tuple[str, int]:
+        if not phases:
+            return "-", 0
+        name = max(phases, key=lambda p: sum(phases[p].values()))
+        return name, sum(phases[name].values())
+
+    @property
+    def host_peak(self) -> int:
+        return self._peak(self.host)[1]
+
+    @property
+    def device_peak(self) -> int:
+        return self._peak(self.device)[1]
+
+    @property
+    def host_peak_other(self) -> int:
+        return self._peak(self.host_other)[1]
+
+    @property
+    def device_peak_other(self) -> int:
+        return self._peak(self.device_other)[1]
+
+    def lines(self) -> list[str]:
+        from ..units import human_bytes
+
+        def table(label, phases):
+            name, peak = self._peak(phases)
+            if not phases:
+                return [f"    {label}: - (a CPU run: everything is host memory)"]
+            out = [f"    {label}: peak {human_bytes(peak)} ({name})"]
+            for phase, terms in phases.items():
+                out.append(f"      {phase:<16} " + ", ".join(f"{k} {human_bytes(v)}" for k, v in terms.items() if v))
+            return out
+
+        what = "GPU" if self.device_type == "cuda" else self.device_type
+        out = [f"  memory per process ({self.processes} process{'es' * (self.processes > 1)}"
+               + (", FSDP" if self.processes > 1 else "") + "):"]
+        out += ["   main process (rank 0):"] + table(f"{what} memory", self.device) + table("host memory", self.host)
+        if self.processes > 1:
+            out += ["   every other process:"] + table(f"{what} memory", self.device_other)
+            out += table("host memory", self.host_other)
+        return out
+
+
+def _root_params(stats: ModelStats, tied: bool) -> int:
+    """Parameters outside the decoder layers: embeddings, the output head unless tied, the final norm."""
+    return stats.vocab * stats.hidden * (1 if tied else 2) + stats.hidden
+
+
+def layer_params(stats: ModelStats) -> int:
+    """One decoder layer's parameters (the unit FSDP gathers at a time)."""
+    return max((stats.params - _root_params(stats, _tied(stats))) // max(stats.layers, 1), 0)
+
+
+def _tied(stats: ModelStats) -> bool:
+    return bool((stats.config or {}).get("tie_word_embeddings", False))
+
+
+def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats | None, processes: int,
+                               device: str = "cuda", out_bytes: int | None = None) -> ProcessMemory:
+    """Host and device memory of each uptraining process (surgery/uptrain/loop.py, state.py), by phase and term.
+
+    P parameters (T trainable), W processes (FSDP when W > 1: parameters, gradients and AdamW states sharded, the
+    teacher too), c bytes of the compute dtype (2 under bf16 on CUDA, 4 on CPU), n = micro-batch x sequence length.
+    - loading: every process reads the whole student in fp32 (4P) and the teacher in the compute dtype, plus the
+      pages of the safetensors file being read (mapped, counted in RSS), before sharding them;
+    - a training step: the fp32 master weights 4P/W, gradients 4T/W, AdamW's moments 8T/W, the teacher's shard
+      c Pt/W; the units FSDP gathers in the compute dtype: the root (embeddings, output head, final norm: FSDP2 keeps
+      a root unit gathered from its forward to the end of the backward, and the teacher's, which has no backward,
+      from its first forward on) and its unsharded gradients before their reduce-scatter, plus two decoder layers
+      (the one running and the one prefetched); the micro-batch's activations and logits (`uptrain_memory`'s count;
+      under FSDP the whole [n, V] logits, their gradients and the teacher's logits);
+    - a checkpoint: this process's shards (per-process checkpoints, surgery/uptrain/state.py), written from the
+      tensors' memory by safetensors (>= 0.8; older versions build each file's bytes first), from a GPU through a
+      host copy of the larger file's tensors (AdamW's shard, 8T/W);
+    - the final save (main process): the whole model gathered to the host in fp32 (4P) and its copy in the output
+      dtype.
+    Not counted: the CUDA context and allocator caches (about 1 GB of GPU memory), NCCL's buffers, fragmentation."""
+    W = max(processes, 1)
+    cuda = device == "cuda"
+    c = 2 if cuda else 4
+    out_bytes = out_bytes or stats.dtype_bytes
+    P, T = stats.params, trainable_params(stats, getattr(options, "train", "all") or "all")
+    n = options.micro_batch * options.seq_len
+    runtime = RUNTIME["uptrain"]
+    block = n * (8 * stats.hidden + 4 * stats.mlp) * 4
+    if options.gradient_checkpointing:
+        activations = n * stats.hidden * 4 * stats.layers + block
+    else:
+        activations = block * stats.layers
+    sequences = max(options.batch_tokens // options.seq_len, 1)
+    accumulating = options.micro_batch * W < sequences
+    gradients = 4 * T // W
+    chunked = W == 1  # surgery/uptrain/loop.py _setup_heads: the chunked output head is off under FSDP
+    logits = 6 * 4 * min(n, LOSS_CHUNK) * stats.vocab if chunked else 3 * 4 * n * stats.vocab
+    step = {"weights (fp32 shard)": 4 * P // W, "AdamW moments (shard)": 8 * T // W}
+    if accumulating:  # gradients and activations alive together
+        step |= {"gradients (fp32 shard)": gradients, "activations": activations}
+    else:  # the gradients grow as the activations are freed
+        step["activations / gradients"] = max(activations, gradients)
+    sharded = W > 1
+    if sharded:
+        root = _root_params(stats, _tied(stats))
+        step["gathered root unit + its gradients"] = 2 * c * root
+        step["gathered layers (2)"] = 2 * c * layer_params(stats)
+    step["logits and loss"] = logits
+    if teacher is not None:
+        step["teacher (shard)"] = c * teacher.params // W
+        if sharded:
+            step["teacher root unit (kept gathered)"] = c * _root_params(teacher, _tied(teacher))
+        step["teacher logits"] = 0 if chunked else 4 * n * teacher.vocab
+        if getattr(options, "hidden_weight", 0):
+            step["teacher hidden states"] = 4 * n * (stats.layers + 1) * stats.hidden
+    resident = {k: v for k, v in step.items() if k in ("weights (fp32 shard)", "AdamW moments (shard)",
+                                                        "teacher (shard)", "teacher root unit (kept gathered)")}
+    save_buffer = 8 * T // W if cuda else 0  # the host copy of the larger shard file (CPU: written in place)
+    loading = {"student (fp32, whole)": 4 * P, "file being read (mapped)": stats.dtype_bytes * P}
+    if teacher is not None:
+        loading["teacher (whole)"] = c * teacher.params
+    # the final save: one process saves the model it holds (a copy in the output dtype); FSDP gathers it first
+    final = {"whole model gathered (fp32)": 4 * P if sharded else 0, "output copy": out_bytes * P if out_bytes != 4 else 0}
+
+    def with_runtime(phases):
+        return {name: {"runtime": runtime, **terms} for name, terms in phases.items()}
+
+    if cuda:
+        device_phases = {"training step": step, "checkpoint": resident}
+        host = {"loading": loading, "checkpoint": {"checkpoint save buffers": save_buffer}}
+        host_main = with_runtime(host | {"final save": final})
+        return ProcessMemory(W, device, host_main, device_phases, with_runtime(host), device_phases)
+    phases = {"loading": loading, "training step": step,
+              "checkpoint": resident | {"checkpoint save buffers": save_buffer}}
+    other = with_runtime(phases)
+    final_main = resident | final
+    return ProcessMemory(W, device, with_runtime(phases | {"final save": final_main}), {}, other, {})

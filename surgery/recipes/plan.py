@@ -118,6 +118,13 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
             memory = est.uptrain_memory(stats, o, src_stats if distill else None, procs) if stats else None
             if memory is not None and procs > 1:
                 row["per_process"] = True
+            if stats is not None:
+                per = est.uptrain_memory_per_process(stats, o, src_stats if distill else None, procs,
+                                                     device=uptrain_device(recipe, o))
+                row["memory_per_process"] = {"device": per.device_type, "processes": per.processes,
+                                             "host_main": per.host_peak, "device_main": per.device_peak,
+                                             "host_other": per.host_peak_other, "device_other": per.device_peak_other,
+                                             "lines": per.lines()}
         row.update(tokens=tokens, memory=memory, size=stats.bytes if (stats and ps.kind in MODEL_STEPS) else None,
                    upload=stats.bytes if (stats and ps.kind == "push") else None)
         rows.append(row)
@@ -125,6 +132,22 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
             "source_note": src_note, "source_params": src_stats.params if src_stats else None,
             "source_bytes": src_stats.bytes if src_stats else None, "output": str(output), "steps": rows,
             "hardware": recipe.hardware.model_dump(exclude_none=True) if recipe.hardware else None}
+
+
+def uptrain_device(recipe: Recipe, options) -> str:
+    """Where an uptrain step will run: its accelerate config's (`use_cpu`), else CUDA when this machine has it."""
+    import torch
+
+    launch = getattr(options, "accelerate", None)
+    if launch is not None and launch.config_file:
+        import yaml
+
+        try:
+            config = yaml.safe_load(recipe.relative(launch.config_file).read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            config = {}
+        return "cpu" if isinstance(config, dict) and config.get("use_cpu") else "cuda"
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _seconds_per_layer(stats: est.ModelStats, options, probes: dict) -> float | None:
@@ -172,6 +195,11 @@ def print_plan(plan: dict) -> None:
     print("commands:")
     for r in plan["steps"]:
         print(f"  {r['number']}. {r['command']}")
+    for r in plan["steps"]:
+        if r.get("memory_per_process"):
+            print(f"{r['number']}. {r['name']}:")
+            for line in r["memory_per_process"]["lines"]:
+                print(line)
     if any(r.get("texts") for r in plan["steps"]):
         print("texts read:")
         for r in plan["steps"]:
