@@ -35,7 +35,7 @@ from .data import DATA_CACHE, cache_key, pack, pack_held_out, read_cache, write_
 from .heads import OutputHead
 from .losses import identity, Objective
 from .metrics import MetricsLog
-from .options import TRAJECTORY_DEFAULTS, UptrainOptions
+from .options import TRAJECTORY_DEFAULTS, UptrainOptions, resolve_data_workers
 from .params import select_trainable
 from .plot import plot_metrics
 from .progress import Progress
@@ -198,6 +198,19 @@ def input_folders(o: UptrainOptions, source_folder: Path, record: dict) -> list[
     return folders
 
 
+def recorded_data_workers(o: UptrainOptions) -> int | None:
+    """The --data-workers a streamed run being resumed read with (its newest checkpoint's data position); None when
+    there is none to read (not streamed, no checkpoint yet, unreadable: the resume's own checks say so later)."""
+    from .stream import STATE_FILE
+
+    steps = sorted((o.run_dir / "checkpoints").glob("step-*/" + STATE_FILE.format(rank=0)))
+    try:
+        workers = json.loads(steps[-1].read_text()).get("workers") if steps else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return workers if isinstance(workers, int) and workers >= 0 else None
+
+
 def check_run_dir(o: UptrainOptions, trajectory: dict) -> None:
     """Refuse a run folder that cannot be used: nothing is written here."""
     run_json = o.run_dir / "run.json"
@@ -354,6 +367,8 @@ class UptrainRecipe:
         self.objective = resolve_objective(o, self.record)
         self.acc = make_accelerator(o.precision)
         self.main, self.world = self.acc.is_main_process, self.acc.num_processes
+        o.data_workers = resolve_data_workers(o.data_workers, self.acc.device.type,
+                                              recorded_data_workers(o) if o.resume else None)
         per_process, rem = divmod(o.sequences_per_step, self.world)
         if rem or per_process % o.micro_batch:
             raise SurgeryError(
@@ -791,6 +806,7 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
     return {
         "data": o.data_spec,
         "data_mode": "stream" if o.streamed else "packed",
+        "data_workers": o.data_workers,  # the number `auto` resolved to on this run's device
         "sources": getattr(state, "sources", None),
         "eval_data": o.eval_data,
         "text_field": o.text_field,

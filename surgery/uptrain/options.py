@@ -41,6 +41,19 @@ LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_we
 PACKED_TOKENS = 1 << 22  # --data-mode auto: runs of at most this many training tokens (16 MiB of windows) are packed
 
 
+AUTO_DATA_WORKERS = 2  # --data-workers auto on CUDA, per process
+
+
+def resolve_data_workers(requested: int | str, device_type: str, recorded: int | None = None) -> int:
+    """--data-workers as a number: `auto` is the number a resumed run started with (`recorded`), else
+    AUTO_DATA_WORKERS on CUDA and 0 elsewhere (the CPU's behaviour before `auto`)."""
+    if requested != "auto":
+        return int(requested)
+    if recorded is not None:
+        return recorded
+    return AUTO_DATA_WORKERS if device_type == "cuda" else 0
+
+
 def weights_rule(cls, v, info: ValidationInfo):
     """--data-weights: one positive weight per --data (a recipe's list too), checked when a recipe loads."""
     from .stream import parse_weights
@@ -54,6 +67,8 @@ def weights_rule(cls, v, info: ValidationInfo):
 
 
 def counts_rule(cls, v: int, info: ValidationInfo):
+    if info.field_name == "data_workers" and v == "auto":
+        return v
     least = 1 if info.field_name == "data_epochs" else 0
     if v < least:
         raise ValueError(f"{spelling(info, cls).flag(info.field_name)} must be at least {least}, got {v}")
@@ -72,8 +87,10 @@ class UptrainArgs(PrecisionOptions):
         "auto", "--data-mode", "packed: tokenize the training text up front, in memory (epochs over small data, each "
         "reshuffled); stream: read, tokenize and pack documents as training needs them. auto: packed for one text and "
         "at most 4M training tokens, else stream.")
-    data_workers: int = option(0, "--data-workers", "[stream] Worker processes per training process that read and "
-                               "tokenize (0: the training process itself).")
+    data_workers: int | Literal["auto"] = option(
+        "auto", "--data-workers", "[stream] Worker processes per training process that read and tokenize (0: the "
+        "training process itself). auto: 2 on CUDA (tokenizing off the GPU's critical path), 0 elsewhere; a resumed "
+        "run keeps the number it started with.")
     data_epochs: int = option(1, "--data-epochs", "[stream] Passes a source may make over its documents; one that "
                               "runs dry sooner stops the run.")
     tokens: int = option(None, "--tokens", "Training tokens (rounded up to whole steps).", required=True)
@@ -158,7 +175,7 @@ class UptrainArgs(PrecisionOptions):
 def check_rules(o, s) -> None:
     """Every rule of an uptraining run's options `o` (a recipe's step model too), named in spelling `s`; the first
     broken one raises ValueError."""
-    if o.data_mode == "packed" and (len(o.data) > 1 or o.data_workers):
+    if o.data_mode == "packed" and (len(o.data) > 1 or o.data_workers not in (0, "auto")):
         raise ValueError(f"{s.flag('data_mode')} packed reads one text in this process: several {s.flag('data')} or "
                          f"{s.flag('data_workers')} need {s.flag('data_mode')} stream")
     try:
@@ -267,7 +284,8 @@ class UptrainOptions(UptrainArgs):
         --data-mode auto streams several texts, data workers, and runs of more than PACKED_TOKENS tokens."""
         if self.data_mode != "auto":
             return self.data_mode == "stream"
-        return len(self.data) > 1 or self.data_workers > 0 or self.total_steps * self.batch_tokens > PACKED_TOKENS
+        workers = self.data_workers != "auto" and self.data_workers > 0  # (auto never streams a run by itself)
+        return len(self.data) > 1 or workers or self.total_steps * self.batch_tokens > PACKED_TOKENS
 
     @property
     def data_spec(self) -> str | list[str]:
