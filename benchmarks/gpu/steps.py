@@ -509,9 +509,31 @@ STEPS = {"device": (step_device,)} | STEPS
 
 
 def run_all(out: Path, cpu: bool, only: list[str] | None = None) -> dict:
+    import shutil
+    import tempfile
+
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(os.environ.get("GPU_RUN_WORK") or (out / "work"))
+    # models, conversions and logs: GBs, never under OUT (the device tool brings OUT's few small files back)
+    work = Path(os.environ.get("GPU_RUN_WORK") or tempfile.mkdtemp(prefix="gpu-run-"))
     (work / "figures").mkdir(parents=True, exist_ok=True)
+    try:
+        return _run_all(out, work, cpu, only)
+    finally:
+        write_logs(out, work)
+        if not os.environ.get("GPU_RUN_WORK"):
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def write_logs(out: Path, work: Path, lines: int = 150) -> None:
+    """OUT/logs.txt: the last lines of every step's log, in the order the steps ran."""
+    parts = []
+    for log in sorted(work.glob("*.log"), key=lambda p: p.stat().st_mtime):
+        text = log.read_text(errors="replace").splitlines()
+        parts += [f"==== {log.stem} ({len(text)} lines, the last {min(lines, len(text))})", *text[-lines:], ""]
+    (out / "logs.txt").write_text("\n".join(parts))
+
+
+def _run_all(out: Path, work: Path, cpu: bool, only: list[str] | None) -> dict:
     os.environ.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1",
                       TOKENIZERS_PARALLELISM="false", PYTHONPATH=child_env()["PYTHONPATH"])
     if cpu:  # import as the GPU machine would: without what it lacks, here and in every process started
@@ -532,6 +554,11 @@ def run_all(out: Path, cpu: bool, only: list[str] | None = None) -> dict:
             entry["error"] = "the run's time budget is spent"
         else:
             entry |= run_child(name, work, cpu, limit, fork)
+            if name == "device" and fork and entry["status"] != "passed":
+                # CUDA refused to start in a forked child (the driver initialised in this process after all):
+                # every step in a new interpreter instead, slower to start
+                fork = results["forked"] = False
+                entry = dict(entry, **run_child(name, work, cpu, limit, fork))
         if name == "device":
             results["device"] = entry.get("figures", {})
         results["steps"][name] = entry
