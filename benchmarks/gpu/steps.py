@@ -30,10 +30,11 @@ LEGACY_PRECISION = {"convert": ["--dtype", "auto"], "check": ["--dtype", "bfloat
 
 
 def precision_args(command: str) -> list[str]:
-    """The precision flags of `command` (convert, calibrated, check, bench, uptrain)."""
-    if PRECISION is not None:
-        return ["--precision", PRECISION]
-    return list(LEGACY_PRECISION[command])
+    """The precision flags of `command`: convert (plain tensor surgery: the output keeps the source's bf16),
+    calibrated (a conversion that runs the model), check, bench, uptrain."""
+    if PRECISION is None or command == "convert":
+        return list(LEGACY_PRECISION[command])
+    return ["--precision", PRECISION] + (["--dtype", "auto"] if command == "calibrated" else [])
 
 
 # ---- shapes -------------------------------------------------------------------------------------------------------
@@ -732,7 +733,10 @@ def main() -> None:
     if a.command == "step":
         run_step(a.name, a.work, a.cpu)
         return
-    results = run_all(a.out, a.cpu, a.only.split(",") if a.only else None)
+    only = a.only.split(",") if a.only else None
+    if unknown := [n for n in only or [] if n not in STEPS]:
+        p.error(f"unknown steps: {', '.join(unknown)} (the steps: {', '.join(STEPS)})")
+    results = run_all(a.out, a.cpu, only)
     print(summary(results).split("\n## ")[0])
     failed = [n for n, s in results["steps"].items() if s["status"] != "passed"]
     print(f"[gpu-run] {results['passed']}/{len(results['steps'])} passed; results in {a.out}"
