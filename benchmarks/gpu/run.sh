@@ -5,6 +5,9 @@
 #
 #   bash benchmarks/gpu/run.sh [--cpu] [--out DIR] [--only STEP,STEP]    (DIR defaults to $OUT)
 #
+# A GPU session: `bash benchmarks/gpu/prepare.sh` where PyPI is reachable, then on the device machine, carrying
+# .whl: `bash benchmarks/gpu/run.sh` (timeout 600 s); $OUT brings back summary.md, results.json and logs.txt.
+#
 # --cpu: the same steps at tiny shapes on the CPU (FSDP over gloo), importing as if the packages the GPU machine
 # lacks were absent; the default test suite runs it (tests/benchmarks/test_gpu_run.py).
 set -uo pipefail
@@ -19,7 +22,7 @@ while [ $# -gt 0 ]; do
     --cpu) CPU=(--cpu); shift ;;
     --out) DIR=${2:?--out needs a folder}; shift 2 ;;
     --only) ONLY=(--only "${2:?--only needs step names}"); shift 2 ;;
-    -h|--help) sed -n 2,10p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,13p "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done

@@ -30,10 +30,11 @@ LEGACY_PRECISION = {"convert": ["--dtype", "auto"], "check": ["--dtype", "bfloat
 
 
 def precision_args(command: str) -> list[str]:
-    """The precision flags of `command` (convert, calibrated, check, bench, uptrain)."""
-    if PRECISION is not None:
-        return ["--precision", PRECISION]
-    return list(LEGACY_PRECISION[command])
+    """The precision flags of `command`: convert (plain tensor surgery: the output keeps the source's bf16),
+    calibrated (a conversion that runs the model), check, bench, uptrain."""
+    if PRECISION is None or command == "convert":
+        return list(LEGACY_PRECISION[command])
+    return ["--precision", PRECISION] + (["--dtype", "auto"] if command == "calibrated" else [])
 
 
 # ---- shapes -------------------------------------------------------------------------------------------------------
@@ -213,7 +214,27 @@ def step_convert(ctx: Ctx, layout: str, kind: str, device: str | None = None, dr
     surgery("convert", ctx.model(layout), *opts, "--out", out, "--force", *where, *precision)
     seconds = time.perf_counter() - start
     layers = LAYOUTS[ctx.mode][layout]["num_hidden_layers"]
-    return figures | dict(seconds=seconds, seconds_per_layer=seconds / layers, **ctx.peak())
+    figures |= dict(seconds=seconds, seconds_per_layer=seconds / layers, **ctx.peak())
+    estimate = figures.get("estimate", {})
+    for measured, estimated in (("seconds_per_layer", "seconds_per_layer"), ("peak_host_rss_bytes", "host_bytes"),
+                                ("peak_device_bytes", "device_bytes")):
+        if estimate.get(estimated) and measured in figures:
+            figures[f"{measured}_of_estimate"] = figures[measured] / estimate[estimated]
+    if dry_run and (layout, kind) not in LATER:
+        discard(out)
+    return figures
+
+
+# the conversions later steps read (bench, uptrain, fsdp2-launch); every other output is deleted once measured, as
+# the GPU machine's disk (64 GB) holds the models, these and the FSDP checkpoints, not every conversion besides
+LATER = {("llama-3.2-1b", k) for k in ("mqa", "gqa", "mla", "switchhead", "talking-heads")}
+
+
+def discard(*folders: Path) -> None:
+    import shutil
+
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def numbers(tree, prefix: str = "") -> dict:
@@ -240,6 +261,7 @@ def step_agree(ctx: Ctx) -> dict:
     c = CHECK[ctx.mode]
     surgery("check", a, b, "--json", report, "--data", "pydoc", "--tokens", c["tokens"], "--seq-len", c["seq_len"],
             "--batch-size", c["batch_size"], "--device", ctx.device, *precision_args("check"))
+    discard(a, b)
     return dict(cpu_convert_s=on_cpu["seconds"], device_convert_s=on_dev["seconds"],
                 **{f"check.{k}": v for k, v in numbers(json.loads(report.read_text())).items()})
 
@@ -283,6 +305,8 @@ def step_bench(ctx: Ctx, kind: str) -> dict:
                     s = sf.get_slice(key)
                     total += math.prod(s.get_shape()) * 2  # bf16 bytes per element
         weights[role] = total
+    if kind not in ("mqa", "gqa"):  # read again by fsdp2-launch and uptrain-kd
+        discard(ctx.converted(layout, kind))
     figures = {"bandwidth_bytes_per_s": bw}
     for row in bench_rows(json.loads(report.read_text())):
         cell = f"b{row['batch']}.c{row['context']}"
@@ -333,6 +357,7 @@ def step_uptrain(ctx: Ctx) -> dict:
     rows = [json.loads(line) for line in (out / "uptrain_metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "tokens_per_s" in r]
     rate = median_of([r["tokens_per_s"] for r in steps[1:] or steps])  # the first step warms up
+    discard(out, out.with_name(out.name + ".run"))
     s, teacher = stats_from_folder(student), stats_from_folder(ctx.model(layout))
     flops_per_token = 6 * s.params + 2 * teacher.params  # student forward+backward, teacher forward
     peak_flops = device_peak_flops(ctx)
@@ -401,8 +426,9 @@ def launch(ctx: Ctx, args: list) -> str:
 
 
 def step_fsdp(ctx: Ctx) -> dict:
-    """`accelerate launch` with an FSDP2 config (NCCL on the GPU, gloo on the CPU): three KD steps with a checkpoint
-    after each; the output and the step-3 checkpoint removed, a resume from step 2 repeats step 3 (the weights
+    """`accelerate launch` with an FSDP2 config (NCCL on the GPU, gloo on the CPU): three KD steps of the attention
+    (`--train attention`: the global gradient norm over sharded and frozen parameters; small checkpoints) with a
+    checkpoint after each; the output and the step-3 checkpoint removed, a resume from step 2 repeats step 3 (the weights
     against the uninterrupted run's); and the dtype of RoPE's inv_freq after `prepare` (fp32: bf16 corrupts
     positions)."""
     import shutil
@@ -413,7 +439,7 @@ def step_fsdp(ctx: Ctx) -> dict:
     student, out = ctx.converted("llama-3.2-1b", "mqa"), ctx.work / "fsdp-out"
     args = ["-m", "surgery.cli", "uptrain", student, "--out", out, "--data", "pydoc", "--loss", "kd", "--tokens",
             3 * f["batch_tokens"], "--seq-len", f["seq_len"], "--batch-tokens", f["batch_tokens"], "--micro-batch",
-            f["micro_batch"], "--eval-tokens", 0, "--save-every", 1, "--keep-run-dir", "--warmup-steps", 1,
+            f["micro_batch"], "--eval-tokens", 0, "--save-every", 1, "--keep-run-dir", "--warmup-steps", 1, "--train", "attention",
             "--progress-every", 3600, "--force", *precision_args("uptrain")]
     start = time.perf_counter()
     launch(ctx, args)
@@ -434,6 +460,7 @@ def step_fsdp(ctx: Ctx) -> dict:
     found = json.loads(probe.read_text())
     if found["inv_freq_dtypes"] != ["torch.float32"]:
         raise RuntimeError(f"inv_freq after prepare: {found['inv_freq_dtypes']} (want float32 only)")
+    discard(out, out.with_name(out.name + ".run"))
     return dict(three_steps_s=three, resume_s=resumed, resumed_at_step=2, processes=f["processes"],
                 resumed_max_abs_dweight=max(float((again[k] - whole[k]).abs().max()) for k in whole),
                 inv_freq_fp32=1, inv_freq_buffers=found["buffers"],
@@ -451,7 +478,7 @@ TIMEOUTS = {"gpu": {"build": 90, "bench-talking-heads": 90, "bench-switchhead": 
                     "fsdp2-launch": 150, "agree-cpu-device": 150},
             "cpu": {"uptrain-kd": 120, "fsdp2-launch": 240}}
 DEFAULT_TIMEOUT = {"gpu": 60, "cpu": 90}
-BUDGET = {"gpu": 530, "cpu": 600}  # the whole run, seconds: 9 minutes on one H100 (with set-up)
+BUDGET = {"gpu": 500, "cpu": 600}  # the whole run, seconds: 9 minutes on one H100 with the set-up around it
 
 
 def run_step(name: str, work: Path, cpu: bool) -> None:
@@ -483,9 +510,31 @@ STEPS = {"device": (step_device,)} | STEPS
 
 
 def run_all(out: Path, cpu: bool, only: list[str] | None = None) -> dict:
+    import shutil
+    import tempfile
+
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(os.environ.get("GPU_RUN_WORK") or (out / "work"))
+    # models, conversions and logs: GBs, never under OUT (the device tool brings OUT's few small files back)
+    work = Path(os.environ.get("GPU_RUN_WORK") or tempfile.mkdtemp(prefix="gpu-run-"))
     (work / "figures").mkdir(parents=True, exist_ok=True)
+    try:
+        return _run_all(out, work, cpu, only)
+    finally:
+        write_logs(out, work)
+        if not os.environ.get("GPU_RUN_WORK"):
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def write_logs(out: Path, work: Path, lines: int = 150) -> None:
+    """OUT/logs.txt: the last lines of every step's log, in the order the steps ran."""
+    parts = []
+    for log in sorted(work.glob("*.log"), key=lambda p: p.stat().st_mtime):
+        text = log.read_text(errors="replace").splitlines()
+        parts += [f"==== {log.stem} ({len(text)} lines, the last {min(lines, len(text))})", *text[-lines:], ""]
+    (out / "logs.txt").write_text("\n".join(parts))
+
+
+def _run_all(out: Path, work: Path, cpu: bool, only: list[str] | None) -> dict:
     os.environ.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", PYTORCH_NVML_BASED_CUDA_CHECK="1",
                       TOKENIZERS_PARALLELISM="false", PYTHONPATH=child_env()["PYTHONPATH"])
     if cpu:  # import as the GPU machine would: without what it lacks, here and in every process started
@@ -506,6 +555,11 @@ def run_all(out: Path, cpu: bool, only: list[str] | None = None) -> dict:
             entry["error"] = "the run's time budget is spent"
         else:
             entry |= run_child(name, work, cpu, limit, fork)
+            if name == "device" and fork and entry["status"] != "passed":
+                # CUDA refused to start in a forked child (the driver initialised in this process after all):
+                # every step in a new interpreter instead, slower to start
+                fork = results["forked"] = False
+                entry = dict(entry, **run_child(name, work, cpu, limit, fork))
         if name == "device":
             results["device"] = entry.get("figures", {})
         results["steps"][name] = entry
@@ -620,7 +674,7 @@ def fmt(v) -> str:
     if isinstance(v, float):
         if v != 0 and (abs(v) >= 1e6 or abs(v) < 1e-3):
             return f"{v:.3g}"
-        return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
+        return f"{v:.3g}" if abs(v) < 1 else f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
     if isinstance(v, int) and abs(v) >= 10_000:
         return f"{v:,}"
     return str(v)
@@ -650,9 +704,17 @@ def summary(results: dict) -> str:
         if s.get("error"):
             lines += ["```", s["error"], *s.get("log_tail", []), "```"]
         figures = flat(s.get("figures", {}))
-        if figures:
+        grid = {k: v for k, v in figures.items() if name.startswith("bench-") and k.count(".") >= 2}
+        rest = {k: v for k, v in figures.items() if k not in grid}
+        if rest:
             lines += ["| figure | value |", "| --- | ---: |"]
-            lines += [f"| {k} | {fmt(v)} |" for k, v in figures.items()]
+            lines += [f"| {k} | {fmt(v)} |" for k, v in rest.items()]
+        if grid:  # batch.context.role x metric
+            rows = list(dict.fromkeys(k.rsplit(".", 1)[0] for k in grid))
+            columns = list(dict.fromkeys(k.rsplit(".", 1)[1] for k in grid))
+            lines += ["", "| batch.context.model | " + " | ".join(columns) + " |",
+                      "| --- |" + " ---: |" * len(columns)]
+            lines += [f"| {r} | " + " | ".join(fmt(grid.get(f"{r}.{c}", "")) for c in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -671,7 +733,10 @@ def main() -> None:
     if a.command == "step":
         run_step(a.name, a.work, a.cpu)
         return
-    results = run_all(a.out, a.cpu, a.only.split(",") if a.only else None)
+    only = a.only.split(",") if a.only else None
+    if unknown := [n for n in only or [] if n not in STEPS]:
+        p.error(f"unknown steps: {', '.join(unknown)} (the steps: {', '.join(STEPS)})")
+    results = run_all(a.out, a.cpu, only)
     print(summary(results).split("\n## ")[0])
     failed = [n for n, s in results["steps"].items() if s["status"] != "passed"]
     print(f"[gpu-run] {results['passed']}/{len(results['steps'])} passed; results in {a.out}"
