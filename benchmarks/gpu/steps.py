@@ -553,9 +553,11 @@ def _run_all(out: Path, work: Path, cpu: bool, only: list[str] | None) -> dict:
     for name in names:
         left = BUDGET[mode] - (time.perf_counter() - started)
         limit = min(TIMEOUTS[mode].get(name, DEFAULT_TIMEOUT[mode]), left)
-        entry = dict(status="skipped", seconds=0.0, figures={}, timeout_s=round(limit, 1))
+        entry = dict(status="skipped", seconds=0.0, figures={}, timeout_s=round(max(limit, 0), 1))
         if limit < 5:
             entry["error"] = "the run's time budget is spent"
+        elif name != "device" and results["steps"]["device"]["status"] != "passed":
+            entry["error"] = "no device: the device step failed"
         else:
             entry |= run_child(name, work, cpu, limit, fork)
             if name == "device" and fork and entry["status"] != "passed":
