@@ -107,3 +107,20 @@ def test_the_cpu_run_passes_every_step_with_finite_figures(tmp_path):
     agree = steps["agree-cpu-device"]["figures"]
     finite(agree, "check.kl", "check.top1_agreement", "check.max_abs_diff")
     assert agree["check.kl"] == 0.0 and agree["check.top1_agreement"] == 1.0  # the same device twice: deterministic
+
+
+def test_the_cpu_run_imports_as_if_what_the_gpu_machine_lacks_were_absent():
+    """benchmarks/gpu/absent/sitecustomize.py, on the PYTHONPATH of the --cpu run's processes: a package named in
+    GPU_RUN_ABSENT fails to import and find_spec reports it missing; others import as before."""
+    code = ("import importlib.util, json\n"
+            "try:\n    import json.decoder, yaml\n    ok = True\nexcept ImportError:\n    ok = False\n"
+            "try:\n    import yaml as y2\n    blocked = False\nexcept ModuleNotFoundError:\n    blocked = True\n"
+            "print(ok, blocked, importlib.util.find_spec('yaml') is None)\n")
+    absent = str(REPO / "benchmarks" / "gpu" / "absent")
+    base = {**os.environ, "PYTHONPATH": absent}
+    done = subprocess.run([sys.executable, "-c", code], env=base | {"GPU_RUN_ABSENT": "yaml"}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.split() == ["False", "True", "True"], done.stderr
+    done = subprocess.run([sys.executable, "-c", code], env=base | {"GPU_RUN_ABSENT": ""}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.split() == ["True", "False", "False"], done.stderr
