@@ -52,6 +52,8 @@ def test_a_hanging_step_is_killed_at_its_limit_and_a_failing_one_recorded_while_
     assert failed["status"] == "failed" and "ValueError: a planted failure" in "\n".join(failed["log_tail"])
     assert steps.run_child("fine", tmp_path, True, 30.0) == {"status": "passed", "seconds": pytest.approx(
         steps.run_child("fine", tmp_path, True, 30.0)["seconds"], abs=30), "figures": {"answer": 42.0}}
+    spawned = steps.run_child("device", tmp_path, True, 300.0, fork=False)  # the fallback: a new interpreter
+    assert spawned["status"] == "passed" and spawned["figures"]["device"] == "cpu", spawned
     text = steps.summary({"mode": "cpu", "device": {}, "total_s": 1.0, "passed": 1,
                           "steps": {"hang": hung | {"timeout_s": 2.0}, "fine": {"status": "passed", "seconds": 0.1,
                                                                                "timeout_s": 30, "figures": {"a": 1}}}})
@@ -63,7 +65,7 @@ def test_the_cpu_run_passes_every_step_with_finite_figures(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "2"}
     env.pop("OUT", None)
     done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu" / "run.sh"), "--cpu", "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     results = json.loads((out / "results.json").read_text())
     steps = results["steps"]
     not_passed = {n: s.get("error", "") + "\n" + "\n".join(s.get("log_tail", [])) for n, s in steps.items()
@@ -105,3 +107,20 @@ def test_the_cpu_run_passes_every_step_with_finite_figures(tmp_path):
     agree = steps["agree-cpu-device"]["figures"]
     finite(agree, "check.kl", "check.top1_agreement", "check.max_abs_diff")
     assert agree["check.kl"] == 0.0 and agree["check.top1_agreement"] == 1.0  # the same device twice: deterministic
+
+
+def test_the_cpu_run_imports_as_if_what_the_gpu_machine_lacks_were_absent():
+    """benchmarks/gpu/absent/sitecustomize.py, on the PYTHONPATH of the --cpu run's processes: a package named in
+    GPU_RUN_ABSENT fails to import and find_spec reports it missing; others import as before."""
+    code = ("import importlib.util, json\n"
+            "try:\n    import json.decoder, yaml\n    ok = True\nexcept ImportError:\n    ok = False\n"
+            "try:\n    import yaml as y2\n    blocked = False\nexcept ModuleNotFoundError:\n    blocked = True\n"
+            "print(ok, blocked, importlib.util.find_spec('yaml') is None)\n")
+    absent = str(REPO / "benchmarks" / "gpu" / "absent")
+    base = {**os.environ, "PYTHONPATH": absent}
+    done = subprocess.run([sys.executable, "-c", code], env=base | {"GPU_RUN_ABSENT": "yaml"}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.split() == ["False", "True", "True"], done.stderr
+    done = subprocess.run([sys.executable, "-c", code], env=base | {"GPU_RUN_ABSENT": ""}, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.split() == ["True", "False", "False"], done.stderr
