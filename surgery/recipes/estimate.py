@@ -21,6 +21,11 @@ length, n = m s tokens per forward pass:
   With --hidden-weight the teacher's hidden states, n (L + 1) H x 4, wait for the loss (the student's are among
   the saved activations already).
 Measured against these (BENCHMARKS.md, "Memory estimates"): within about 25% on SmolLM2-135M and tiny models.
+
+`uptrain_memory_per_process` breaks an uptraining process's memory down by phase (loading, a training step, a
+checkpoint, the final save) and term, host and GPU apart, the main process and the others apart: what
+`run --dry-run` and `uptrain --dry-run` print for FSDP worlds (BENCHMARKS.md, "Per-process FSDP checkpoints",
+holds it to measured peaks).
 """
 
 from __future__ import annotations
