@@ -273,8 +273,11 @@ def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats |
 
     P parameters (T trainable), W processes (FSDP when W > 1: parameters, gradients and AdamW states sharded, the
     teacher too), c bytes of the compute dtype (2 under bf16 on CUDA, 4 on CPU), n = micro-batch x sequence length.
-    - loading: every process reads the whole student in fp32 (4P) and the teacher in the compute dtype, plus the
-      pages of the safetensors file being read (mapped, counted in RSS), before sharding them;
+    - loading: under FSDP the main process alone reads the whole student in fp32 (4P) and the teacher in the
+      compute dtype, plus the pages of the safetensors file being read (mapped, counted in RSS); the others build
+      the models without weights (untouched memory) and receive their shards (surgery/uptrain/loop.py
+      `rank_zero_loads`). With the align stage (and for a kind with a training form, which this estimate does not
+      see) every process reads the whole models, as one process does;
     - a training step: the fp32 master weights 4P/W, gradients 4T/W, AdamW's moments 8T/W, the teacher's shard
       c Pt/W; the units FSDP gathers in the compute dtype: the root (embeddings, output head, final norm: FSDP2 keeps
       a root unit gathered from its forward to the end of the backward, and the teacher's, which has no backward,
@@ -328,6 +331,11 @@ def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats |
     loading = {"student (fp32, whole)": 4 * P, "file being read (mapped)": stats.dtype_bytes * P}
     if teacher is not None:
         loading["teacher (whole)"] = c * teacher.params
+    stages = str(getattr(options, "stage", "") or "")
+    loading_other = loading
+    if sharded and "align" not in stages:  # rank 0 reads; the others receive their shards
+        loading_other = {"student (fp32 shard)": 4 * P // W,
+                         **({"teacher (shard)": c * teacher.params // W} if teacher is not None else {})}
     # the final save: one process saves the model it holds (a copy in the output dtype); FSDP gathers it first
     final = {"whole model gathered (fp32)": 4 * P if sharded else 0, "output copy": out_bytes * P if out_bytes != 4 else 0}
 
@@ -338,9 +346,10 @@ def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats |
         device_phases = {"training step": step, "checkpoint": resident}
         host = {"loading": loading, "checkpoint": {"checkpoint save buffers": save_buffer}}
         host_main = with_runtime(host | {"final save": final})
-        return ProcessMemory(W, device, host_main, device_phases, with_runtime(host), device_phases)
+        return ProcessMemory(W, device, host_main, device_phases, with_runtime(host | {"loading": loading_other}),
+                             device_phases)
     phases = {"loading": loading, "training step": step,
               "checkpoint": resident | {"checkpoint save buffers": save_buffer}}
-    other = with_runtime(phases)
+    other = with_runtime(phases | {"loading": loading_other})
     final_main = resident | final
     return ProcessMemory(W, device, with_runtime(phases | {"final save": final_main}), {}, other, {})
