@@ -22,6 +22,11 @@ length, n = m s tokens per forward pass:
   With --hidden-weight the teacher's hidden states, n (L + 1) H x 4, wait for the loss (the student's are among
   the saved activations already).
 Measured against these (BENCHMARKS.md, "Memory estimates"): within about 25% on SmolLM2-135M and tiny models.
+
+`uptrain_memory_per_process` breaks an uptraining process's memory down by phase (loading, a training step, a
+checkpoint, the final save) and term, host and GPU apart, the main process and the others apart: what
+`run --dry-run` and `uptrain --dry-run` print for FSDP worlds (BENCHMARKS.md, "Per-process FSDP checkpoints",
+holds it to measured peaks).
 """
 
 from __future__ import annotations
@@ -283,8 +288,11 @@ def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats |
 
     P parameters (T trainable), W processes (FSDP when W > 1: parameters, gradients and AdamW states sharded, the
     teacher too), c bytes of the compute dtype (2 under bf16 on CUDA, 4 on CPU), n = micro-batch x sequence length.
-    - loading: every process reads the whole student in fp32 (4P) and the teacher in the compute dtype, plus the
-      pages of the safetensors file being read (mapped, counted in RSS), before sharding them;
+    - loading: under FSDP the main process alone reads the whole student in fp32 (4P) and the teacher in the
+      compute dtype, plus the pages of the safetensors file being read (mapped, counted in RSS); the others build
+      the models without weights (untouched memory) and receive their shards (surgery/uptrain/loop.py
+      `rank_zero_loads`). With the align stage (and for a kind with a training form, which this estimate does not
+      see) every process reads the whole models, as one process does;
     - a training step: the fp32 master weights 4P/W, gradients 4T/W, AdamW's moments 8T/W, the teacher's shard
       c Pt/W; the units FSDP gathers in the compute dtype: the root (embeddings, output head, final norm: FSDP2 keeps
       a root unit gathered from its forward to the end of the backward, and the teacher's, which has no backward,
@@ -338,6 +346,11 @@ def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats |
     loading = {"student (fp32, whole)": 4 * P, "file being read (mapped)": stats.dtype_bytes * P}
     if teacher is not None:
         loading["teacher (whole)"] = c * teacher.params
+    stages = str(getattr(options, "stage", "") or "")
+    loading_other = loading
+    if sharded and "align" not in stages:  # rank 0 reads; the others receive their shards
+        loading_other = {"student (fp32 shard)": 4 * P // W,
+                         **({"teacher (shard)": c * teacher.params // W} if teacher is not None else {})}
     # the final save: one process saves the model it holds (a copy in the output dtype); FSDP gathers it first
     final = {"whole model gathered (fp32)": 4 * P if sharded else 0, "output copy": out_bytes * P if out_bytes != 4 else 0}
 
@@ -348,9 +361,10 @@ def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats |
         device_phases = {"training step": step, "checkpoint": resident}
         host = {"loading": loading, "checkpoint": {"checkpoint save buffers": save_buffer}}
         host_main = with_runtime(host | {"final save": final})
-        return ProcessMemory(W, device, host_main, device_phases, with_runtime(host), device_phases)
+        return ProcessMemory(W, device, host_main, device_phases, with_runtime(host | {"loading": loading_other}),
+                             device_phases)
     phases = {"loading": loading, "training step": step,
               "checkpoint": resident | {"checkpoint save buffers": save_buffer}}
-    other = with_runtime(phases)
+    other = with_runtime(phases | {"loading": loading_other})
     final_main = resident | final
     return ProcessMemory(W, device, with_runtime(phases | {"final save": final_main}), {}, other, {})

@@ -123,15 +123,28 @@ def test_fsdp_checkpoints_hold_each_process_shards_and_resume_reads_only_its_own
         assert {f"model-rank{r}.safetensors", f"optim-rank{r}.safetensors", f"rng-{r}.safetensors"} <= names
 
 
-@pytest.mark.slow  # a 2-process run
-def test_a_per_process_checkpoint_is_refused_in_one_line_by_another_number_of_processes(tiny, tmp_path):
-    """Shards are not re-sharded: one process resuming 2 processes' FSDP checkpoint is refused before training."""
-    args = dict(FAST, loss="lm", tokens=512 * 2, save_every=2)
-    out = tmp_path / "fsdp"
+@pytest.mark.slow  # two 2-process runs
+def test_a_per_process_checkpoint_damaged_in_one_process_files_is_skipped_by_all_and_refused_by_another_world(
+        tiny, tmp_path):
+    """Shards are not re-sharded: one process resuming 2 processes' FSDP checkpoint is refused in one line. A newest
+    checkpoint whose damage only process 1 can see (its optimizer shard truncated) is skipped by both processes
+    together: the resume starts from the older one and ends bitwise where the uninterrupted run ended."""
+    args = dict(FAST, loss="lm", tokens=512 * 4, save_every=2)
+    out, run_dir = tmp_path / "fsdp", tmp_path / "fsdp.run"
     uptrain_args = [tiny, "--out", out, "--keep-run-dir", *cli_args(args)]
     result = launch_uptrain(FSDP_CPU, uptrain_args, OMP_NUM_THREADS="1")
     assert result.returncode == 0, result.stderr[-3000:]
+    straight = weights(out)
     shutil.rmtree(out)
     single = surgery("uptrain", *uptrain_args, "--resume")
     assert_one_line_error(single, "holds FSDP shards of 2 processes", "resume it under FSDP with 2 processes")
     assert not out.exists()
+
+    damaged = run_dir / "checkpoints" / "step-00000004" / "optim-rank1.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    result = launch_uptrain(FSDP_CPU, [*uptrain_args, "--resume"], OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"skipping a damaged checkpoint: {damaged}" in result.stderr
+    assert "resumed at step 2 from step-00000002" in result.stdout
+    resumed = weights(out)
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
