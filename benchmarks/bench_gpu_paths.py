@@ -17,6 +17,8 @@ Paths, switched inside the checkpoint's own copy of the modeling code:
 
 Syncs: calls that would wait for a GPU (`surgery.testing.host_syncs`), counted on CPU from the modeling file and
 this file. Graph breaks: `torch._dynamo.explain` at 256 tokens (the tiny models only: explaining is slow).
+`--experts-only`: SwitchHead's two expert computations alone at SmolLM2's shapes, old vs new, at 512, --length and
+4 x --length tokens (median of 10 x --repeats).
 Time: forwards alternated old/new after a warm-up, median of --repeats, in no-grad fp32 on this CPU; on a GPU the
 syncs and the Python loop are what costs, which a CPU cannot show: the ratio here says what the new paths cost
 where they were not needed.
@@ -168,14 +170,46 @@ def measure(model, kind: str, length: int, repeats: int, explain: bool) -> dict:
     return row
 
 
+@torch.no_grad()
+def experts_alone(tokens: int, repeats: int) -> None:
+    """SwitchHead's routed expert computation alone (both sides), SmolLM2-sized: H=3, E=3, k=2, d=64, D=576."""
+    from surgery.switchhead import modeling_switchhead as msh
+
+    torch.manual_seed(0)
+    heads, n_exp, k, d, dim = 3, 3, 2, 64, 576
+    v, o = msh.SwitchHeadExperts(heads, n_exp, dim, d, bias=False), msh.SwitchHeadExperts(heads, n_exp, d, dim, bias=False)
+    router = msh.SigmaMoERouter(dim, heads, n_exp, k)
+    for p in (*v.parameters(), *o.parameters(), router.weight):
+        torch.nn.init.normal_(p, std=0.02)
+    x, a = torch.randn(tokens, dim), torch.randn(tokens, heads, d)
+    gates, index = router(x)
+    fns = {"old": (old_expert_values(msh), old_expert_outputs(msh)), "new": (msh.expert_values, msh.expert_outputs)}
+    times = {p: [] for p in fns}
+    for r in range(repeats + 1):
+        for path, (values, outputs) in fns.items():
+            start = time.perf_counter()
+            values(v, x, gates, index)
+            outputs(o, a, gates, index)
+            if r:
+                times[path].append(time.perf_counter() - start)
+    old, new = (statistics.median(times[p]) for p in ("old", "new"))
+    print(f"| SmolLM2-sized | switchhead experts alone, {tokens} tokens | — | — | {old * 1e3:.1f} ms → {new * 1e3:.1f} ms "
+          f"| {new / old:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--experts-only", action="store_true", help="only SwitchHead's expert computation alone")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.experts_only:
+        for tokens in (512, args.length, 4 * args.length):
+            experts_alone(tokens, 10 * args.repeats)
+        return
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
