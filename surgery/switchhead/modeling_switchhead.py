@@ -186,15 +186,15 @@ def expert_block_rows(assignments: int, groups: int) -> int:
     return rows
 
 
-def expert_blocks(index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def expert_blocks(index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Lay the M = N*H*k (token, head, slot) assignments of `index` (N, H, k) out for one batched matmul, on the
     device and without reading anything on the host (no sync, no data-dependent shape).
 
     The assignments are sorted by expert h*E+e and each expert's rows are padded to whole blocks of `rows` rows;
     there are at most ceil(M / rows) + H*E blocks (a number known from the shapes alone), each of one expert.
-    Returns, for each assignment in (N, H, k) order, its row in that layout (M,); the expert of each block; and
-    `rows`. Rows no assignment lands on (padding, unused trailing blocks) are zero inputs whose outputs are never
-    read."""
+    Returns, for each assignment in (N, H, k) order, its row in that layout (M,); for each row of the layout, its
+    assignment (M for padding and unused trailing blocks: a zero input whose output is never read); the expert of
+    each block; and `rows`."""
     n, heads, k = index.shape
     groups, m = heads * experts, index.numel()
     rows = expert_block_rows(m, groups)
@@ -206,21 +206,23 @@ def expert_blocks(index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torc
     padded = (torch.searchsorted(by_expert, ids, right=True) - first + rows - 1) // rows * rows
     padded_end = padded.cumsum(0)
     row = (padded_end - padded)[by_expert] + torch.arange(m, device=flat.device) - first[by_expert]
-    row = torch.empty_like(row).index_copy_(0, order, row)  # back to (N, H, k) order
     blocks = -(-m // rows) + groups
+    assignment = torch.full((blocks * rows,), m, dtype=order.dtype, device=flat.device).index_copy_(0, row, order)
+    row = torch.empty_like(row).index_copy_(0, order, row)  # back to (N, H, k) order
     starts = torch.arange(0, blocks * rows, rows, device=flat.device)
     block_expert = torch.searchsorted(padded_end, starts, right=True).clamp_(max=groups - 1)
-    return row, block_expert, rows
+    return row, assignment, block_expert, rows
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, row: torch.Tensor, block_expert: torch.Tensor,
-                   rows: int) -> torch.Tensor:
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, layout: tuple) -> torch.Tensor:
     """x (M, in) assignment rows, weight (H*E, out, in) -> (M, out): each row times its expert's weight, as one
-    batched matmul over the blocks of `expert_blocks` (each block with its expert's weight)."""
+    batched matmul over the blocks of `expert_blocks` (`layout`), each block with its expert's weight."""
+    row, assignment, block_expert, rows = layout
     blocks = block_expert.shape[0]
-    laid_out = x.new_zeros(blocks * rows, x.shape[1]).index_copy(0, row, x)
-    y = torch.bmm(laid_out.view(blocks, rows, -1), weight[block_expert].transpose(1, 2))
-    return y.view(blocks * rows, -1)[row]
+    # index_select, not [...]: the same gathers, several times faster on CPU
+    laid_out = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, assignment).view(blocks, rows, -1)
+    y = torch.bmm(laid_out, weight.index_select(0, block_expert).transpose(1, 2))  # (gathered as stored: fast)
+    return y.view(blocks * rows, -1).index_select(0, row)
 
 
 def expert_values(experts: SwitchHeadExperts, x: torch.Tensor, gates: torch.Tensor,
@@ -235,9 +237,10 @@ def expert_values(experts: SwitchHeadExperts, x: torch.Tensor, gates: torch.Tens
             y = y + b
         return (y * dense_gates(gates, index, n_exp).unsqueeze(-1).to(y.dtype)).sum(2)
     k = index.shape[-1]
-    row, block_expert, rows = expert_blocks(index, n_exp)
-    assigned = x.unsqueeze(1).expand(n, heads * k, dim).reshape(n * heads * k, dim)
-    y = grouped_matmul(assigned, w.reshape(heads * n_exp, d, dim), row, block_expert, rows).view(n, heads, k, d)
+    row, assignment, block_expert, rows = expert_blocks(index, n_exp)
+    # each token's row stands for its H*k assignments: the layout reads it by token (assignment // (H*k))
+    token = torch.where(assignment < n * heads * k, assignment // (heads * k), n)
+    y = grouped_matmul(x, w.reshape(heads * n_exp, d, dim), (row, token, block_expert, rows)).view(n, heads, k, d)
     if b is not None:
         y = y + b.reshape(heads * n_exp, d)[flat_expert_index(index, n_exp)]
     return (y * gates.unsqueeze(-1).to(y.dtype)).sum(2)  # the k slots of each head, added in order
@@ -257,8 +260,7 @@ def expert_outputs(experts: SwitchHeadExperts, a: torch.Tensor, gates: torch.Ten
         return F.linear(z.reshape(n, heads * n_exp * d), w.permute(2, 0, 1, 3).reshape(dim, heads * n_exp * d))
     k = index.shape[-1]
     gated = a.unsqueeze(2) * gates.unsqueeze(-1).to(a.dtype)  # (N, H, k, d): the gate applied on the small side
-    row, block_expert, rows = expert_blocks(index, n_exp)
-    y = grouped_matmul(gated.reshape(n * heads * k, d), w.reshape(heads * n_exp, dim, d), row, block_expert, rows)
+    y = grouped_matmul(gated.reshape(n * heads * k, d), w.reshape(heads * n_exp, dim, d), expert_blocks(index, n_exp))
     return y.view(n, heads * k, dim).sum(1)  # every head's k slots, added in order
 
 

@@ -90,7 +90,7 @@ class UptrainArgs(PrecisionOptions):
     data_workers: int | Literal["auto"] = option(
         "auto", "--data-workers", "[stream] Worker processes per training process that read and tokenize (0: the "
         "training process itself). auto: 2 on CUDA (tokenizing off the GPU's critical path), 0 elsewhere; a resumed "
-        "run keeps the number it started with.")
+        "run keeps the number it started with.", metavar="N|auto")
     data_epochs: int = option(1, "--data-epochs", "[stream] Passes a source may make over its documents; one that "
                               "runs dry sooner stops the run.")
     tokens: int = option(None, "--tokens", "Training tokens (rounded up to whole steps).", required=True)
