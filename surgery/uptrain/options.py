@@ -142,6 +142,16 @@ class UptrainArgs(CliModel):
 
     _data = field_validator("data")(texts_rule("data"))
     _weights = field_validator("data_weights")(weights_rule)
+
+    @field_validator("data_weights", mode="before")
+    @classmethod
+    def _weights_shape(cls, v, info: ValidationInfo):
+        """A recipe's single number (or anything but text or a list): told what the option takes."""
+        if v is None or isinstance(v, (str, list)):
+            return v
+        s = spelling(info, cls)
+        raise ValueError(f"{s.flag('data_weights')} takes one weight per {s.flag('data')}: a list of numbers "
+                         f"([0.7, 0.3]) or comma-separated text ('0.7,0.3'), not {v!r}")
     _counts = field_validator("data_workers", "data_epochs")(counts_rule)
 
     @field_validator("run_dir", mode="before")

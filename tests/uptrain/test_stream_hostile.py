@@ -111,3 +111,18 @@ def test_an_untampered_position_resumes_to_the_same_windows(tmp_path, tokenizer)
     for k in (1, 7, 25):
         resumed = iter(Reader(plan, 0, saved_state(plan, k)))
         assert [next(resumed)[0].tolist() for _ in range(40 - k)] == expected[k:]
+
+
+@pytest.mark.parametrize("bad", [0.7, 1, True, {"a": 1}])
+def test_a_recipe_s_scalar_data_weights_is_told_what_the_option_takes(tmp_path, bad):
+    import yaml
+
+    from surgery.recipes import load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"source": {"path": "src"}, "output": "run", "steps": [
+        {"convert": {"to": "mqa"}}, {"uptrain": {"tokens": 512, "data": ["pydoc", "a.jsonl"], "data_weights": bad}}]}))
+    with pytest.raises(SurgeryError) as e:
+        load_recipe(path)
+    assert "data_weights takes one weight per data: a list of numbers ([0.7, 0.3])" in str(e.value), str(e.value)
+    assert "valid string" not in str(e.value)
