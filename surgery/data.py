@@ -2,7 +2,7 @@
 
 `pydoc`: the standard library's pydoc_data.topics (about 100k tokens of English, no download).
 `general` (the default of --calib and uptrain --data) and `hf://datasets/REPO@REVISION/FILE`: surgery/general_text.py.
-Local files or globs: .txt (one document per file), .jsonl/.json, .parquet, .csv (column --text-field).
+Local files or globs: .txt (one document per file; uptrain: per paragraph, line or file, read lazily), .jsonl/.json, .parquet, .csv (column --text-field).
 Anything else: a hub dataset `name[:config][@split]`, optionally streamed.
 """
 
@@ -20,6 +20,56 @@ import torch
 from .errors import SurgeryError
 
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+TXT_UNITS = ("paragraph", "line", "file")  # what one document of a local .txt file is (uptrain's --txt-unit)
+MAX_TXT_CHARS = 1 << 20  # a .txt document longer than this (a file with no blank line) is cut into documents of it
+PIECE_CHARS = 1 << 15  # a longer document is tokenized in pieces of about this many characters, as they are needed
+
+
+def txt_documents(path: str, unit: str = "paragraph") -> Iterator[str]:
+    """The documents of a local .txt file, read lazily (never the whole file at once): its paragraphs (separated by
+    blank lines), its lines, or the whole file as one; any of them longer than MAX_TXT_CHARS cut into documents of
+    that many characters, so that memory is bounded whatever the file holds."""
+    if unit not in TXT_UNITS:
+        raise SurgeryError(f"--txt-unit must be one of {', '.join(TXT_UNITS)}, got {unit!r}")
+    parts: list[str] = []
+    size = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        while True:
+            line = f.readline(MAX_TXT_CHARS)  # a file without newlines comes in bounded pieces too
+            if not line:
+                break
+            if unit == "paragraph" and not line.strip() and line.endswith("\n"):
+                if parts:
+                    yield "".join(parts)
+                parts, size = [], 0
+                continue
+            parts.append(line)
+            size += len(line)
+            if (unit == "line" and line.endswith("\n")) or size >= MAX_TXT_CHARS:
+                yield "".join(parts)
+                parts, size = [], 0
+    if parts:
+        yield "".join(parts)
+
+
+def text_pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
+    """`text` in consecutive pieces of at most about `size` characters, each cut just before a whitespace where
+    there is one (so that a word and the space before it stay together for the tokenizer)."""
+    start = 0
+    while start < len(text):
+        end = min(len(text), start + size)
+        if end < len(text):
+            cut = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+            end = cut if cut > start else end
+        yield text[start:end]
+        start = end
+
+
+def encode_pieces(tokenizer, text: str) -> Iterator[list[int]]:
+    """The token ids of one document, piece by piece: a document of any length is never tokenized whole (a 50 MB
+    line would take gigabytes in the tokenizer); a short one is one piece."""
+    for piece in text_pieces(text):
+        yield tokenizer(piece, add_special_tokens=False)["input_ids"]
 
 
 def pydoc_texts() -> list[str]:
@@ -60,7 +110,10 @@ def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
     return name, config or None, split or "train"
 
 
-def load_texts(spec: str, text_field: str = "text", streaming: bool = False) -> Iterable[str]:
+def load_texts(spec: str, text_field: str = "text", streaming: bool = False,
+               txt_unit: str | None = None) -> Iterable[str]:
+    """The documents of a text spec; a local .txt file's are its `txt_unit`s read lazily (txt_documents), or, when
+    None (calibration and `check`, whose records hash whole files), each file whole."""
     from .general_text import hub_file_texts, is_hub_file, resolve_text, say_fallback
 
     spec = resolve_text(spec)  # `general`: the pinned general text, or pydoc offline
@@ -72,7 +125,7 @@ def load_texts(spec: str, text_field: str = "text", streaming: bool = False) -> 
     pattern = any(c in spec for c in "*?[")  # a hub dataset's name has none of these: a local glob, never online
     files = local_files(spec)
     if files:
-        return _local_texts(files, text_field, streaming)
+        return _local_texts(files, text_field, streaming, txt_unit)
     if pattern:
         where = "" if Path(spec).expanduser().is_absolute() else f" (relative to {Path.cwd()})"
         raise SurgeryError(f"data {spec}: the pattern matches no file{where}")
@@ -81,11 +134,13 @@ def load_texts(spec: str, text_field: str = "text", streaming: bool = False) -> 
     return _hub_texts(spec, text_field, streaming)
 
 
-def _local_texts(files: list[str], text_field: str, streaming: bool) -> Iterable[str]:
+def _local_texts(files: list[str], text_field: str, streaming: bool, txt_unit: str | None = None) -> Iterable[str]:
     suffixes = {Path(f).suffix for f in files}
     if len(suffixes) != 1 or (suffix := suffixes.pop()) not in BUILDERS:
         raise SurgeryError(f"data files must share one of the suffixes {', '.join(BUILDERS)}: got {', '.join(files[:3])}")
     if suffix == ".txt":
+        if txt_unit is not None:  # read lazily, document by document
+            return (doc for f in files for doc in txt_documents(f, txt_unit))
         return [Path(f).read_text(errors="replace") for f in files]
     import datasets
 

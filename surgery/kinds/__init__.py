@@ -205,8 +205,12 @@ def check_checkpoint(folder, config: dict, record: dict | None = None, shapes: d
     if kind is None:
         return
     if shapes is None:
+        from pathlib import Path
+
         from ..checkpoint.tensors import CheckpointReader
 
-        with CheckpointReader(folder) as reader:
-            shapes = {n: t.shape for n, t in reader.tensors.items()}
+        shapes = {}  # pickle (.bin) weights are not unpickled for this: their config is checked alone
+        if any(Path(folder).glob("*.safetensors")) or (Path(folder) / "model.safetensors.index.json").exists():
+            with CheckpointReader(folder) as reader:
+                shapes = {n: t.shape for n, t in reader.tensors.items()}
     kind.check_checkpoint(config, shapes)

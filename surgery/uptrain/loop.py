@@ -339,6 +339,7 @@ class UptrainRecipe:
     def setup(self) -> None:
         self._setup_environment()
         self._setup_run()
+        self._check_stream()
         self._setup_models()
         self._setup_data()
         self.ckpts = Checkpoints(self.o.run_dir, self.o.keep_last, self.acc)
@@ -420,6 +421,14 @@ class UptrainRecipe:
             # sharded before it reaches the device, unless the align stage needs it whole (sharded after it)
             self.teacher = shard_teacher(teacher, acc) if fsdp and "align" not in o.stages else teacher.to(acc.device)
 
+    def _check_stream(self) -> None:
+        """Streamed data that is empty, or has fewer documents than readers: refused before the model loads."""
+        if self.o.streamed and not self.o.resume:
+            from .stream import early_check
+
+            early_check(self.o.data, self.o.weights, self.world * max(1, self.o.data_workers),
+                        text_field=self.o.text_field, streaming=self.o.streaming, txt_unit=self.o.txt_unit)
+
     def _setup_data(self) -> None:
         """The training and held-out windows: packed up front (small runs, data.py) or streamed (stream.py)."""
         if not self.o.streamed:
@@ -434,7 +443,7 @@ class UptrainRecipe:
         for resuming; the checkpoint records the cache's sha256, which a resumed run must find again)."""
         o, tokenizer = self.o, self.tokenizer
         train_tokens = o.total_steps * o.sequences_per_step * o.seq_len
-        self.key = cache_key(data=o.data_spec, text_field=o.text_field, seq_len=o.seq_len, eval_tokens=o.eval_tokens,
+        self.key = cache_key(data=o.data_spec, text_field=o.text_field, **o.txt_key(), seq_len=o.seq_len, eval_tokens=o.eval_tokens,
                              **({"eval_data": o.eval_data} if o.eval_data is not None else {}),
                              train_tokens=train_tokens, vocab=len(tokenizer), eos=tokenizer.eos_token_id,
                              tokenizer=type(tokenizer).__name__)
@@ -442,10 +451,10 @@ class UptrainRecipe:
         def build():
             from ..data import load_texts
 
-            data = pack(load_texts(o.data[0], o.text_field, o.streaming), tokenizer, o.seq_len, o.eval_tokens,
+            data = pack(load_texts(o.data[0], o.text_field, o.streaming, o.txt_unit), tokenizer, o.seq_len, o.eval_tokens,
                         train_tokens, seed=o.seed)
             if o.eval_data is not None:
-                data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming), tokenizer, o.seq_len,
+                data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit), tokenizer, o.seq_len,
                                            o.eval_tokens)
             return data
 
@@ -464,7 +473,7 @@ class UptrainRecipe:
     def _setup_stream(self) -> None:
         """Streamed training windows (read, tokenized and packed as the steps need them, by --data-workers); the
         held-out windows (the first documents of every source, and --eval-data) in memory."""
-        from .stream import Plan, StreamedData, data_key, fingerprint, hold_out, resolve_sources
+        from .stream import Plan, StreamedData, check_readers, data_key, fingerprint, hold_out, resolve_sources
 
         o, tokenizer, acc = self.o, self.tokenizer, self.acc
         if "align" in o.stages and self.world > 1:
@@ -478,16 +487,18 @@ class UptrainRecipe:
         sources = resolve_sources(o.data, o.weights)
         args = dict(tokenizer=tokenizer, eos=eos, seq_len=o.seq_len, seed=o.seed,
                     readers=self.world * max(1, o.data_workers), epochs=o.data_epochs, text_field=o.text_field,
-                    streaming=o.streaming)
+                    streaming=o.streaming, txt_unit=o.txt_unit)
         eval_windows, held = hold_out(args, sources, o.eval_tokens)
         plan = Plan(sources=tuple(sources), held=held, **args)
+        if not o.resume:
+            check_readers(plan)  # after the held-out documents, before the run folder is started
         self.data = StreamedData(plan, eval_windows, acc.process_index, self.world, o.data_workers)
         if o.eval_data is not None:
             from ..data import load_texts
 
-            self.data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming), tokenizer, o.seq_len,
+            self.data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit), tokenizer, o.seq_len,
                                             o.eval_tokens)
-        self.key = data_key({"sources": fingerprint(sources), "seq_len": o.seq_len, "eval_tokens": o.eval_tokens,
+        self.key = data_key({"sources": fingerprint(sources), **o.txt_key(), "seq_len": o.seq_len, "eval_tokens": o.eval_tokens,
                              "eval_data": o.eval_data, "seed": o.seed,
                              "vocab": len(tokenizer), "eos": eos, "tokenizer": type(tokenizer).__name__})
         self.data_sha256 = ""
@@ -810,6 +821,7 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
         "sources": getattr(state, "sources", None),
         "eval_data": o.eval_data,
         "text_field": o.text_field,
+        **o.txt_key(),  # a .txt file's documents: its paragraphs, lines or whole
         "tokens": o.total_steps * o.batch_tokens,
         "stage": o.stage,
         "steps": o.steps,

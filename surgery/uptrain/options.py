@@ -32,10 +32,10 @@ TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_to
                    "teacher", "temperature", "kd_weight", "kd_divergence", "hidden_weight", "train", "lr",
                    "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
                    "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data", "data_weights",
-                   "data_mode")
+                   "data_mode", "txt_unit")
 # Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
 # (TRAJECTORY_DEFAULTS, below the options).
-LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode")
+LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode", "txt_unit")
 # --data-epochs is not among them: it changes nothing before a source runs dry, so a run stopped by a dry source
 # resumes with a higher one.
 PACKED_TOKENS = 1 << 22  # --data-mode auto: runs of at most this many training tokens (16 MiB of windows) are packed
@@ -95,6 +95,9 @@ class UptrainArgs(PrecisionOptions):
                               "runs dry sooner stops the run.")
     tokens: int = option(None, "--tokens", "Training tokens (rounded up to whole steps).", required=True)
     text_field: str = option("text", "--text-field", "Column holding the text in tabular data.")
+    txt_unit: Literal["paragraph", "line", "file"] = option(
+        "paragraph", "--txt-unit", "What one document of a local .txt file is: a paragraph (text between blank "
+        "lines), a line, or the whole file (cut every 1M characters); the file is read lazily, never whole.")
     streaming: bool = option(False, "--streaming", "Stream a hub dataset instead of downloading it whole.")
     loss: Literal[LOSSES] = option(
         "auto", "--loss", "lm: next-token; kd: KL to the teacher's logits; mix: both. auto: kd when a teacher is known.")
@@ -157,6 +160,16 @@ class UptrainArgs(PrecisionOptions):
 
     _data = field_validator("data")(texts_rule("data"))
     _weights = field_validator("data_weights")(weights_rule)
+
+    @field_validator("data_weights", mode="before")
+    @classmethod
+    def _weights_shape(cls, v, info: ValidationInfo):
+        """A recipe's single number (or anything but text or a list): told what the option takes."""
+        if v is None or isinstance(v, (str, list)):
+            return v
+        s = spelling(info, cls)
+        raise ValueError(f"{s.flag('data_weights')} takes one weight per {s.flag('data')}: a list of numbers "
+                         f"([0.7, 0.3]) or comma-separated text ('0.7,0.3'), not {v!r}")
     _counts = field_validator("data_workers", "data_epochs")(counts_rule)
 
     @field_validator("run_dir", mode="before")
@@ -331,6 +344,11 @@ class UptrainOptions(UptrainArgs):
     def warmup(self) -> int:
         return self.warmup_steps if self.warmup_steps is not None else max(1, round(0.05 * self.steps))
 
+    def txt_key(self) -> dict:
+        """--txt-unit for the data's key, when a .txt file is read (other runs' keys stay as they were)."""
+        specs = [*self.data, *([self.eval_data] if self.eval_data else [])]
+        return {"txt_unit": self.txt_unit} if any(str(s).endswith(".txt") for s in specs) else {}
+
     def trajectory(self) -> dict:
         d = self.model_dump()
         d |= {"data": self.data_spec, "data_mode": "stream" if self.streamed else "packed",
@@ -367,4 +385,4 @@ def check_shard_size(size, flag: str = "--max-shard-size") -> None:
 
 
 TRAJECTORY_DEFAULTS = {k: UptrainOptions.model_fields[k].default for k in LATER_TRAJECTORY_KEYS} | {
-    "data_mode": "packed"}
+    "data_mode": "packed"}  # (a run saved before --txt-unit that read a .txt file: its data key differs, refused)

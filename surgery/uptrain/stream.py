@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ..errors import SurgeryError
+from ..data import PIECE_CHARS, encode_pieces, txt_documents
 from ..general_text import hub_file_texts, is_hub_file, say_fallback
 
 TOKENIZE_BATCH = 64  # documents per tokenizer call in a reader
@@ -117,6 +118,7 @@ class Plan:
     epochs: int  # passes each source may make (then it has run dry)
     text_field: str = "text"
     streaming: bool = False
+    txt_unit: str = "paragraph"  # what one document of a .txt file is (surgery.data.txt_documents)
 
     def unit_texts(self, s: int, u: int, shard: int | None = None) -> Iterator[str]:
         """The raw documents of unit `u` of source `s`, in order (blank ones included, so indices are stable);
@@ -130,7 +132,7 @@ class Plan:
         elif is_hub_file(source.spec):  # one data file of a hub dataset at a revision (the `general` default)
             yield from (t if isinstance(t, str) else "" for t in hub_file_texts(source.spec, self.text_field))
         elif unit.endswith(".txt"):
-            yield Path(unit).read_text(errors="replace")  # a .txt file is one document
+            yield from txt_documents(unit, self.txt_unit)  # read lazily: never the whole file at once
         else:
             ds = self._dataset(source, unit)
             if shard is not None:
@@ -197,9 +199,9 @@ def hold_out(plan_args: dict, sources: list[Source], eval_tokens: int) -> tuple[
                     break
                 counts[u] += 1
                 if text.strip():
-                    ids = plan.tokenizer(text, add_special_tokens=False)["input_ids"] + [plan.eos]
-                    parts.append(np.asarray(ids, dtype=np.int32))
-                    have += len(ids)
+                    for ids in (*_pieces_until(plan.tokenizer, text, need - have), [plan.eos]):
+                        parts.append(np.asarray(ids, dtype=np.int32))
+                        have += len(ids)
         if have < need:
             raise SurgeryError(f"data {source.spec} holds only {have} tokens, fewer than its {need} held-out tokens "
                                f"(--eval-tokens)")
@@ -208,6 +210,15 @@ def hold_out(plan_args: dict, sources: list[Source], eval_tokens: int) -> tuple[
         held.append(tuple(counts))
     eval_windows = torch.cat(windows) if windows else torch.zeros(0, seq_len, dtype=torch.int32)
     return eval_windows, tuple(held)
+
+
+def _pieces_until(tokenizer, text: str, need: int) -> Iterator[list[int]]:
+    """A document's token pieces until `need` tokens are there (a long document is not tokenized past them)."""
+    for ids in encode_pieces(tokenizer, text):
+        yield ids
+        need -= len(ids)
+        if need <= 0:
+            return
 
 
 def _split(total: int, weights: list[float]) -> list[int]:
@@ -293,34 +304,84 @@ class Sequential:
                     f"before --tokens: --resume with a higher --data-epochs reads it again")
             self.epoch, self.doc, self.offset = self.epoch + 1, 0, 0
 
-    def _encode(self, batch: list[str]) -> Iterator[list[int] | None]:
-        keep = [t for t in batch if t.strip()]
-        ids = iter(self.plan.tokenizer(keep, add_special_tokens=False)["input_ids"]) if keep else iter(())
+    def _encode(self, batch: list[str]) -> Iterator[Iterator[list[int]] | None]:
+        """Each document as its token pieces (EOS last): the short ones tokenized together, a long one piece by
+        piece as the windows need them; None for a blank one."""
+        short = [t for t in batch if t.strip() and len(t) <= PIECE_CHARS]
+        ids = iter(self.plan.tokenizer(short, add_special_tokens=False)["input_ids"]) if short else iter(())
         for t in batch:
-            yield next(ids) + [self.plan.eos] if t.strip() else None
+            if not t.strip():
+                yield None
+            elif len(t) <= PIECE_CHARS:
+                yield iter((next(ids) + [self.plan.eos],))
+            else:
+                yield _with_eos(encode_pieces(self.plan.tokenizer, t), self.plan.eos)
 
     def window(self) -> np.ndarray:
         """The next window of `seq_len` tokens; the position moves past it."""
         need, parts = self.plan.seq_len, []
         while need:
             if self._current is None:
-                ids = next(self._docs)
-                if self.offset and self.offset >= len(ids or ()):  # only a resumed position starts inside a document
-                    raise bad_position(f"token {self.offset} of a document of {len(ids or ())} tokens (document "
-                                       f"{self.doc} of data {self.plan.sources[self.s].spec})")
-                if ids is None:
+                pieces = next(self._docs)
+                current = _Document(pieces) if pieces is not None else None
+                if self.offset:  # only a resumed position starts inside a document: it must lie inside it
+                    skipped = current.skip(self.offset) if current is not None else 0
+                    if skipped < self.offset or current.done():
+                        raise bad_position(f"token {self.offset} of a document of {skipped} tokens (document "
+                                           f"{self.doc} of data {self.plan.sources[self.s].spec})")
+                if current is None:
                     self.skipped += 1
                     self.doc += 1
                     continue
-                self._current = ids
-            take = self._current[self.offset : self.offset + need]
+                self._current = current
+            take = self._current.take(need)
             parts.extend(take)
             self.offset += len(take)
             need -= len(take)
-            if self.offset == len(self._current):
+            if self._current.done():
                 self._current, self.doc, self.offset = None, self.doc + 1, 0
         self.tokens += self.plan.seq_len
         return np.asarray(parts, dtype=np.int32)
+
+
+def _with_eos(pieces: Iterator[list[int]], eos: int) -> Iterator[list[int]]:
+    yield from pieces
+    yield [eos]
+
+
+class _Document:
+    """One document's tokens, read piece by piece (a long document is tokenized only as far as the windows need)."""
+
+    def __init__(self, pieces: Iterator[list[int]]):
+        self.pieces, self.buf, self.pos = iter(pieces), [], 0
+
+    def _more(self) -> bool:
+        while self.pos == len(self.buf):
+            nxt = next(self.pieces, None)
+            if nxt is None:
+                return False
+            self.buf, self.pos = nxt, 0
+        return True
+
+    def take(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n and self._more():
+            k = min(n - len(out), len(self.buf) - self.pos)
+            out.extend(self.buf[self.pos : self.pos + k])
+            self.pos += k
+        return out
+
+    def skip(self, n: int) -> int:
+        """Pass over `n` tokens (a resumed position); how many there were."""
+        done = 0
+        while done < n and self._more():
+            k = min(n - done, len(self.buf) - self.pos)
+            self.pos += k
+            done += k
+        return done
+
+    def done(self) -> bool:
+        return not self._more()
 
 
 class Reader:
@@ -396,6 +457,29 @@ class SourceReader:
             self._fill()
         self.emitted += 1
         return self.windows[self.order[self.emitted - 1]]
+
+
+def check_readers(plan: Plan) -> None:
+    """Every local source (and pydoc) gives every reader a document that is not blank in its first epoch, after the
+    held-out ones: checked before the model loads and before the run folder exists (a worker would find out only
+    after both). Reads no further than each reader's first such document; a hub dataset is left to the workers."""
+    for s, source in enumerate(plan.sources):
+        if source.units == ("",) and source.spec != "pydoc":
+            continue
+        for role in range(plan.readers):
+            if not any(t.strip() for t in Sequential(plan, s, role, None)._raw(0)):
+                if role == 0:
+                    raise SurgeryError(f"data {source.spec} holds no text"
+                                       + (" after the held-out documents (--eval-tokens)" if any(plan.held[s]) else ""))
+                raise SurgeryError(f"data {source.spec} has too few documents or files to give each of the "
+                                   f"{plan.readers} readers (processes x --data-workers) some: lower --data-workers")
+
+
+def early_check(specs: list[str], weights: list[float], readers: int, **plan_args) -> None:
+    """check_readers before the tokenizer is loaded (nothing held out yet)."""
+    sources = resolve_sources(specs, weights)
+    check_readers(Plan(sources=tuple(sources), held=tuple((0,) * len(s.units) for s in sources), tokenizer=None,
+                       eos=0, seq_len=1, seed=0, readers=readers, epochs=1, **plan_args))
 
 
 def bad_position(where: str) -> SurgeryError:

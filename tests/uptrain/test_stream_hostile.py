@@ -111,3 +111,42 @@ def test_an_untampered_position_resumes_to_the_same_windows(tmp_path, tokenizer)
     for k in (1, 7, 25):
         resumed = iter(Reader(plan, 0, saved_state(plan, k)))
         assert [next(resumed)[0].tolist() for _ in range(40 - k)] == expected[k:]
+
+
+@pytest.mark.parametrize("bad", [0.7, 1, True, {"a": 1}])
+def test_a_recipe_s_scalar_data_weights_is_told_what_the_option_takes(tmp_path, bad):
+    import yaml
+
+    from surgery.recipes import load_recipe
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({"source": {"path": "src"}, "output": "run", "steps": [
+        {"convert": {"to": "mqa"}}, {"uptrain": {"tokens": 512, "data": ["pydoc", "a.jsonl"], "data_weights": bad}}]}))
+    with pytest.raises(SurgeryError) as e:
+        load_recipe(path)
+    assert "data_weights takes one weight per data: a list of numbers ([0.7, 0.3])" in str(e.value), str(e.value)
+    assert "valid string" not in str(e.value)
+
+
+def test_library_log_lines_stay_off_stderr_unless_verbose(tiny, tmp_path):
+    """datasets logs a bad JSON row before raising; the one line says it (`surgery -v` shows the library's too)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{bad json\n')
+    env = {k: v for k, v in os.environ.items() if k not in ("DATASETS_VERBOSITY", "TRANSFORMERS_VERBOSITY")}
+    args = ["uptrain", str(tiny), "--data", str(bad), "--data-mode", "stream", "--tokens", "64", "--seq-len", "32",
+            "--batch-tokens", "32", "--micro-batch", "1", "--eval-tokens", "0", "--out", str(tmp_path / "o")]
+
+    def run(*flags):
+        return subprocess.run([sys.executable, "-m", "cli", *flags, *args], capture_output=True, text=True, env=env,
+                              cwd=Path(__file__).resolve().parents[2], timeout=300)
+
+    quiet, verbose = run(), run("-v")
+    assert quiet.returncode == verbose.returncode == 2
+    assert quiet.stderr.strip().splitlines() == [f"surgery: error: cannot read data {bad}: JSON parse error: Missing a "
+                                                 "name for object member. in row 1"], quiet.stderr
+    assert "Failed to load JSON" in verbose.stderr
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.run").exists()
