@@ -8,7 +8,9 @@ mean squared error to the teacher's attention output, normalised by the variance
 from the teacher's hidden states after layer i.
 
 Memory is one layer's worth: the teacher's residual stream at the current layer for the alignment windows
-(tokens x hidden size), that layer's attention inputs and outputs, and one attention's optimizer state. The
+(tokens x hidden size), that layer's attention inputs and outputs, and one attention's optimizer state. On an
+accelerator these live on the host and reach the device one micro-batch at a time (`Placement`): the device holds
+the models, one micro-batch's tensors and the attention being trained, however many windows align. The
 teacher's hidden states are advanced one decoder layer at a time by calling that layer with the keyword
 arguments the model passed its first layer (captured by a hook), so nothing here knows an architecture's names
 beyond its list of decoder layers and the attention module inside each.
@@ -59,6 +61,30 @@ def check_alignable(student, teacher, option: str = "--stage align") -> None:
                            f"from): the student has {len(s)} layers of width {sh}, the teacher {len(t)} of width {th}")
 
 
+class Placement:
+    """Where the alignment computes (`device`) and where it keeps every micro-batch's tensors between uses (`store`:
+    the host when computing on an accelerator, else the device itself, where moving is free)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.store = torch.device("cpu") if self.device.type != "cpu" else self.device
+
+    def _move(self, obj, device):
+        if isinstance(obj, torch.Tensor):
+            return obj.to(device, non_blocking=device.type != "cpu")
+        if isinstance(obj, (tuple, list)):
+            return type(obj)(self._move(o, device) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self._move(v, device) for k, v in obj.items()}
+        return obj  # None, flags, cache objects: as they are
+
+    def compute(self, obj):
+        return self._move(obj, self.device)
+
+    def keep(self, obj):
+        return self._move(obj, self.store)
+
+
 class _Batch:
     """One micro-batch of windows on its way through the teacher: residual stream and per-layer kwargs."""
 
@@ -93,42 +119,57 @@ def _layer_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict]:
 
 
 @torch.no_grad()
-def _enter(teacher, student, t_layers, s_layers, ids: torch.Tensor, held_out: bool) -> _Batch:
+def _enter(teacher, student, t_layers, s_layers, ids: torch.Tensor, held_out: bool, at: Placement) -> _Batch:
     """The teacher's input to its first decoder layer, and the keyword arguments each model passes its layers
-    (masks and position embeddings in each model's own attention implementation)."""
+    (masks and position embeddings in each model's own attention implementation), kept where `at` keeps them."""
+    ids = at.compute(ids)
     hidden, t_kwargs = _layer_input(*_call_until(teacher, t_layers[0], input_ids=ids, use_cache=False))
     _, s_kwargs = _layer_input(*_call_until(student, s_layers[0], input_ids=ids, use_cache=False))
-    return _Batch(hidden, t_kwargs, s_kwargs, held_out)
+    return _Batch(*at.keep((hidden, t_kwargs, s_kwargs)), held_out)
 
 
 @torch.no_grad()
-def _advance(t_layer: nn.Module, t_attn: nn.Module, s_layer: nn.Module, s_attn: nn.Module, batch: _Batch) -> None:
+def _advance(t_layer: nn.Module, t_attn: nn.Module, s_layer: nn.Module, s_attn: nn.Module, batch: _Batch,
+             at: Placement) -> None:
     """The student attention's inputs on the teacher's residual stream, the teacher attention's output there;
     then the residual stream moves past the teacher's layer."""
-    batch.attn_args, batch.attn_kwargs = _call_until(s_layer, s_attn, batch.hidden, **batch.student_layer_kwargs)
+    hidden = at.compute(batch.hidden)
+    args, kwargs = _call_until(s_layer, s_attn, hidden, **at.compute(batch.student_layer_kwargs))
+    batch.attn_args, batch.attn_kwargs = at.keep((args, kwargs))
+    target = {}
 
     def post(module, args, output):
-        batch.target = first_output(output).detach()
+        target["out"] = first_output(output).detach()
 
     handle = t_attn.register_forward_hook(post)
     try:
-        batch.hidden = first_output(t_layer(batch.hidden, **batch.layer_kwargs))
+        batch.hidden = at.keep(first_output(t_layer(hidden, **at.compute(batch.layer_kwargs))))
     finally:
         handle.remove()
+    batch.target = at.keep(target["out"])
 
 
-def _attend(attention: nn.Module, batch: _Batch) -> torch.Tensor:
-    return first_output(attention(*batch.attn_args, **batch.attn_kwargs))
+def _attend(attention: nn.Module, batch: _Batch, at: Placement) -> torch.Tensor:
+    return first_output(attention(*at.compute(batch.attn_args), **at.compute(batch.attn_kwargs)))
 
 
 @torch.no_grad()
-def _relative_error(attention: nn.Module, batches: list[_Batch]) -> float:
+def _relative_error(attention: nn.Module, batches: list[_Batch], at: Placement) -> float:
     err = var = 0.0
     for b in batches:
-        out = _attend(attention, b).float()
-        err += (out - b.target.float()).pow(2).sum().item()
-        var += (b.target.float() - b.target.float().mean()).pow(2).sum().item()
+        out, target = _attend(attention, b, at).float(), at.compute(b.target).float()
+        err += (out - target).pow(2).sum().item()
+        var += (target - target.mean()).pow(2).sum().item()
     return err / max(var, 1e-30)
+
+
+def _variance(tensors: list[torch.Tensor]) -> float:
+    """The unbiased variance of all the tensors' values together, summed tensor by tensor (no concatenated copy)."""
+    n, total, square = 0, 0.0, 0.0
+    for t in tensors:
+        t = t.double()
+        n, total, square = n + t.numel(), total + t.sum().item(), square + t.square().sum().item()
+    return (square - total * total / n) / max(n - 1, 1) if n else 0.0
 
 
 def align(student, teacher, train_ids: torch.Tensor, held_out_ids: torch.Tensor, *, micro_batch: int, epochs: int,
@@ -140,7 +181,8 @@ def align(student, teacher, train_ids: torch.Tensor, held_out_ids: torch.Tensor,
     student.eval()  # no dropout: the target is deterministic
     student.requires_grad_(False)
     start = time.perf_counter()
-    batches = [_enter(teacher, student, t_layers, s_layers, ids[i : i + micro_batch].to(device), held_out)
+    at = Placement(device)
+    batches = [_enter(teacher, student, t_layers, s_layers, ids[i : i + micro_batch], held_out, at)
                for ids, held_out in ((train_ids, False), (held_out_ids, True))
                for i in range(0, ids.shape[0], micro_batch)]
     train = [b for b in batches if not b.held_out]
@@ -153,19 +195,19 @@ def align(student, teacher, train_ids: torch.Tensor, held_out_ids: torch.Tensor,
         for i, (s_layer, t_layer) in enumerate(zip(s_layers, t_layers)):
             t_attn, s_attn = attention_of(t_layer), attention_of(s_layer)
             for b in batches:
-                _advance(t_layer, t_attn, s_layer, s_attn, b)
+                _advance(t_layer, t_attn, s_layer, s_attn, b, at)
             params = [p for p in s_attn.parameters() if p.is_floating_point()]
-            before = _relative_error(s_attn, held)
-            val_before = _relative_error(s_attn, val) if val else None
+            before = _relative_error(s_attn, held, at)
+            val_before = _relative_error(s_attn, val, at) if val else None
             saved = [p.detach().clone() for p in params]
             # The loss of each micro-batch is normalised by the variance of the layer's whole target.
-            scale = 1.0 / max(torch.cat([b.target.float().flatten() for b in fit]).var().item(), 1e-30)
+            scale = 1.0 / max(_variance([b.target for b in fit]), 1e-30)
             for p in params:
                 p.requires_grad_(True)
             opt = torch.optim.Adam(params, lr=lr)
             for _ in range(epochs):
                 for b in fit:
-                    loss = (_attend(s_attn, b).float() - b.target.float()).pow(2).mean() * scale
+                    loss = (_attend(s_attn, b, at).float() - at.compute(b.target).float()).pow(2).mean() * scale
                     if not torch.isfinite(loss):
                         raise SurgeryError(f"--stage align: the loss of layer {i} is not finite (lower --align-lr, "
                                            f"now {lr:g})")
@@ -175,13 +217,13 @@ def align(student, teacher, train_ids: torch.Tensor, held_out_ids: torch.Tensor,
             for p in params:
                 p.requires_grad_(False)
             del opt
-            kept = not val or _relative_error(s_attn, val) <= val_before
+            kept = not val or _relative_error(s_attn, val, at) <= val_before
             if not kept:
                 with torch.no_grad():
                     for p, old in zip(params, saved):
                         p.copy_(old)
             del saved
-            after = _relative_error(s_attn, held)
+            after = _relative_error(s_attn, held, at)
             per_layer.append({"layer": i, "before": before, "after": after, "kept": kept})
             for b in batches:
                 b.attn_args = b.attn_kwargs = b.target = None
