@@ -317,7 +317,7 @@ def perplexity(folder, windows: torch.Tensor) -> float:
 def test_eval_data_is_a_second_held_out_text_measured_for_the_student_and_the_teacher(tiny, mqa, tokenizer, tmp_path):
     text = tmp_path / "other.txt"
     text.write_text(other_domain_text())
-    rec = run(mqa, tmp_path / "o", loss="mix", tokens=512 * 3, eval_data=str(text), eval_every=1)
+    rec = run(mqa, tmp_path / "o", loss="mix", tokens=512 * 3, eval_data=str(text), eval_every=1, txt_unit="file")
     # The first 1,024 tokens of the file (one document, then EOS) in windows of 64, computed here independently.
     ids = tokenizer(text.read_text(), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     windows = torch.tensor(ids[:1024]).view(16, 64)
@@ -343,7 +343,8 @@ def test_eval_data_is_a_second_held_out_text_measured_for_the_student_and_the_te
 def test_eval_data_before_an_alignment_is_the_models_perplexity_before_it(mqa, tokenizer, tmp_path):
     text = tmp_path / "other.txt"
     text.write_text(other_domain_text())
-    rec = run(mqa, tmp_path / "o", stage="align,kd", tokens=512 * 2, align_tokens=512, eval_data=str(text))
+    rec = run(mqa, tmp_path / "o", stage="align,kd", tokens=512 * 2, align_tokens=512, eval_data=str(text),
+              txt_unit="file")  # the text as one document, as the windows below are cut
     ids = tokenizer(text.read_text(), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     windows = torch.tensor(ids[:1024]).view(16, 64)
     assert rec["initial_other_eval_ppl"] == pytest.approx(perplexity(mqa, windows), rel=1e-5)
