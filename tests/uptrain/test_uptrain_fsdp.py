@@ -127,3 +127,33 @@ def test_fsdp2_clips_a_partly_trained_model_by_the_norm_over_every_ranks_shards(
         torch.testing.assert_close(fsdp[k], one[k], atol=1e-6, rtol=1e-5)
     assert not torch.equal(one["model.layers.0.self_attn.q_proj.weight"], before["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(one["model.layers.0.mlp.up_proj.weight"], before["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_a_rank_that_receives_its_shards_builds_the_model_without_reading_a_weight(tiny, tmp_path):
+    """load_causal_lm(weights=False) on a folder with no weight file at all: the student's shape, tied embeddings
+    tied, distinct CPU parameters (the optimizer and FSDP2's preparation map them by storage), and RoPE's inv_freq
+    (not in the checkpoint) in fp32, equal to the loaded model's."""
+    import shutil
+
+    import transformers as tf
+
+    from surgery.checkpoint.source import resolve_source
+    from surgery.uptrain.model_io import load_causal_lm
+
+    config = tf.AutoConfig.from_pretrained(tiny)
+    config.tie_word_embeddings = True
+    folder = tmp_path / "config-only"
+    folder.mkdir()
+    config.save_pretrained(folder)
+    for f in tiny.glob("tokenizer*"):
+        shutil.copy(f, folder)
+    assert not list(folder.glob("*.safetensors"))
+    built = load_causal_lm(resolve_source(str(folder)), "model", weights=False, dtype=torch.bfloat16)
+    assert built.lm_head.weight is built.model.embed_tokens.weight
+    params = list(built.parameters())
+    assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 for p in params)
+    assert len({p.data_ptr() for p in params}) == len(params)
+    loaded = tf.AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    assert built.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(built.model.rotary_emb.inv_freq, loaded.model.rotary_emb.inv_freq)
+    assert {n for n, _ in built.named_parameters()} == {n for n, _ in loaded.named_parameters()} - {"lm_head.weight"}
