@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import transformers as tf
 
 from surgery.checkpoint.source import resolve_source
@@ -42,40 +41,17 @@ from surgery.switchhead import convert_to_switchhead
 from surgery.talking_heads import convert_to_talking_heads
 from surgery.testing import tiny_models as tm
 from surgery.testing.host_syncs import count_host_syncs, graph_breaks
+from surgery.testing.switchhead_loop import loop_outputs, loop_values
 
 
-# --- SwitchHead's routed experts before (main at 990b1b1) ----------------------------------------------------------
-def _dispatch(msh, index, experts):
-    flat = msh.flat_expert_index(index, experts).reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=index.shape[1] * experts).tolist()
-    return order, counts
-
-
+# --- SwitchHead's routed experts before (main at 990b1b1: surgery.testing.switchhead_loop) ------------------------
 def old_expert_values(msh):
     new = msh.expert_values
 
     def expert_values(experts, x, gates, index):
-        w, b = experts.weight, experts.bias
-        heads, n_exp, d, dim = w.shape
-        n = x.shape[0]
-        if index is None or n <= msh.DENSE_TOKENS:
+        if index is None or x.shape[0] <= msh.DENSE_TOKENS:
             return new(experts, x, gates, index)
-        k = index.shape[-1]
-        order, counts = _dispatch(msh, index, n_exp)
-        rows = order // k
-        tokens = rows // heads
-        g = gates.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
-        out = x.new_zeros(n * heads, d)
-        start = 0
-        for j, count in enumerate(counts):
-            if count:
-                h, e = divmod(j, n_exp)
-                part = slice(start, start + count)
-                y = F.linear(x.index_select(0, tokens[part]), w[h, e], None if b is None else b[h, e])
-                out.index_add_(0, rows[part], y * g[part])
-                start += count
-        return out.view(n, heads, d)
+        return loop_values(msh, experts.weight, experts.bias, x, gates, index)
 
     return expert_values
 
@@ -84,25 +60,9 @@ def old_expert_outputs(msh):
     new = msh.expert_outputs
 
     def expert_outputs(experts, a, gates, index):
-        w = experts.weight
-        heads, n_exp, dim, d = w.shape
-        n = a.shape[0]
-        if index is None or n <= msh.DENSE_TOKENS:
+        if index is None or a.shape[0] <= msh.DENSE_TOKENS:
             return new(experts, a, gates, index)
-        k = index.shape[-1]
-        gated = a.unsqueeze(2) * gates.unsqueeze(-1).to(a.dtype)
-        order, counts = _dispatch(msh, index, n_exp)
-        tokens = order // (k * heads)
-        gated = gated.reshape(n * heads * k, d)
-        out = a.new_zeros(n, dim)
-        start = 0
-        for j, count in enumerate(counts):
-            if count:
-                h, e = divmod(j, n_exp)
-                part = slice(start, start + count)
-                out.index_add_(0, tokens[part], F.linear(gated.index_select(0, order[part]), w[h, e]))
-                start += count
-        return out
+        return loop_outputs(msh, experts.weight, a, gates, index)
 
     return expert_outputs
 

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers as tf
 
 from surgery.checkpoint.source import resolve_source
@@ -16,50 +15,15 @@ from surgery.switchhead import convert_to_switchhead
 from surgery.switchhead import modeling_switchhead as msh
 from surgery.testing import tiny_models as tm
 from surgery.testing.host_syncs import count_host_syncs, graph_breaks
-
-
-# --- the implementation before (main at 990b1b1): sort by expert, a Python loop over the H*E experts ------------------
-def _dispatch(index, experts):
-    flat = msh.flat_expert_index(index, experts).reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=index.shape[1] * experts).tolist()
-    return order, counts
+from surgery.testing.switchhead_loop import loop_outputs, loop_values
 
 
 def reference_values(w, b, x, gates, index):
-    heads, n_exp, d, dim = w.shape
-    n, k = x.shape[0], index.shape[-1]
-    order, counts = _dispatch(index, n_exp)
-    rows = order // k
-    tokens = rows // heads
-    g = gates.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
-    out = x.new_zeros(n * heads, d)
-    start = 0
-    for j, count in enumerate(counts):
-        if count:
-            h, e = divmod(j, n_exp)
-            part = slice(start, start + count)
-            y = F.linear(x.index_select(0, tokens[part]), w[h, e], None if b is None else b[h, e])
-            out = out.index_add(0, rows[part], y * g[part])
-            start += count
-    return out.view(n, heads, d)
+    return loop_values(msh, w, b, x, gates, index)
 
 
 def reference_outputs(w, a, gates, index):
-    heads, n_exp, dim, d = w.shape
-    n, k = a.shape[0], index.shape[-1]
-    gated = (a.unsqueeze(2) * gates.unsqueeze(-1).to(a.dtype)).reshape(n * heads * k, d)
-    order, counts = _dispatch(index, n_exp)
-    tokens = order // (k * heads)
-    out = a.new_zeros(n, dim)
-    start = 0
-    for j, count in enumerate(counts):
-        if count:
-            h, e = divmod(j, n_exp)
-            part = slice(start, start + count)
-            out = out.index_add(0, tokens[part], F.linear(gated.index_select(0, order[part]), w[h, e]))
-            start += count
-    return out
+    return loop_outputs(msh, w, a, gates, index)
 
 
 def _experts(heads, n_exp, d, dim, gen):
