@@ -6,8 +6,9 @@ temporaries. With `OutputHead.returning_hidden()` the model returns its final hi
 (H = 576 for SmolLM2: 85x smaller), and the losses project one chunk of positions at a time inside an
 activation checkpoint (surgery/uptrain/losses.py): no [B, T, V] tensor of the whole micro-batch ever exists.
 
-This holds only for models whose logits are exactly `output_embeddings(last hidden state)`: no soft-capping
-(Gemma 2), logit scaling (Cohere, Granite) or other step after the projection. `OutputHead.of` checks that on a
+This holds only for models whose logits are exactly `output_embeddings(what the model feeds it)` up to steps that
+commute with it: a logit scale (Cohere, Granite) comes back applied to the hidden states and passes, soft-capping
+(Gemma 2) or any other non-linear step after the projection does not. `OutputHead.of` checks that on a
 short input (the logits of the model and of the projected hidden states must agree) and returns None otherwise;
 the loop then falls back to whole logits (the losses still chunk their softmax temporaries). The probe runs in
 float32 whatever the run's precision: the model class's own forward (not accelerate's mixed-precision wrapper on the
