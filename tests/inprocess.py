@@ -5,6 +5,8 @@ environment); `assert_one_line_error` for either's refusals; `cli_args` and `upt
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import signal
 import subprocess
@@ -47,6 +49,21 @@ def run_cli(capsys, *args, hang_seconds: int | None = None) -> tuple[int, str, s
     return code, out, err
 
 
+@contextlib.contextmanager
+def time_limit(seconds: int):
+    """A block still running after `seconds` raises Hang: a hang becomes a test failure, not a wait."""
+    def alarm(signum, frame):
+        raise Hang(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def surgery(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}, timeout=300)
@@ -70,9 +87,10 @@ def cli_args(options: dict) -> list[str]:
     return out
 
 
-def uptrain_error(monkeypatch, capsys, *args) -> str:
-    """`surgery uptrain ARGS` in this process exits 2 with exactly one error line; returns it. The default text's
-    state starts as in a fresh process: no line owed by an earlier command that fell back to pydoc offline."""
+def uptrain_error(monkeypatch, capsys, *args, warnings: bool = False) -> str:
+    """`surgery uptrain ARGS` in this process exits 2 with exactly one error line (`warnings`: besides any warning
+    lines); returns it. The default text's state starts as in a fresh process: no line owed by an earlier command
+    that fell back to pydoc offline."""
     import cli
     from surgery import general_text
 
@@ -82,6 +100,8 @@ def uptrain_error(monkeypatch, capsys, *args) -> str:
     with pytest.raises(SystemExit) as e:
         cli.main()
     err = capsys.readouterr().err.strip().splitlines()
+    if warnings:
+        err = [line for line in err if not line.startswith("surgery: warning: ")]
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("surgery: error: "), err
     return err[0]
 

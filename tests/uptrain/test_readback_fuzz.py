@@ -4,15 +4,14 @@ gives, or one SurgeryError; never another exception or a hang (SIGALRM after HAN
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
-import signal
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from inprocess import time_limit
 from surgery.errors import SurgeryError
 from surgery.mla.validate import check_mla
 from surgery.uptrain.stream import Plan, Reader, check_state, hold_out, resolve_sources
@@ -20,19 +19,6 @@ from surgery.uptrain.stream import Plan, Reader, check_state, hold_out, resolve_
 HANG_SECONDS = 20
 SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 
-
-@contextlib.contextmanager
-def no_hang():
-    def alarm(signum, frame):
-        raise TimeoutError(f"still running after {HANG_SECONDS} s")
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(HANG_SECONDS)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 # ---- data positions --------------------------------------------------------------------------------------------
@@ -79,7 +65,7 @@ def test_a_mutated_position_resumes_exactly_or_is_one_error(plan, k, field, valu
     for key in field[:-1]:
         target = target[key]
     target[field[-1]] = value
-    with no_hang():
+    with time_limit(HANG_SECONDS):
         try:
             check_state(state, plan)
             got = windows(plan, state, 3)

@@ -3,13 +3,12 @@ large documents and single-file corpora, each refused in one line or handled wit
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 
 import pytest
 
+from inprocess import time_limit
 from surgery.errors import SurgeryError
 from surgery.uptrain.stream import Plan, Reader, check_state, hold_out, parse_weights, resolve_sources
 
@@ -43,7 +42,7 @@ def test_a_glob_matching_anything_but_a_regular_file_is_one_line(tmp_path, make,
     jsonl(tmp_path / "a.jsonl", 3)
     make(tmp_path / "b.jsonl")
     spec = str(tmp_path / "*.jsonl")
-    with timeout(20):
+    with time_limit(20):
         for read in (lambda: resolve_sources([spec], [1.0]), lambda: list(load_texts(spec))):
             with pytest.raises(SurgeryError, match=words):
                 read()
@@ -57,20 +56,6 @@ def test_a_linked_data_file_is_read_through_its_target(tmp_path, tokenizer):
 
 
 # ---- tampered positions ----------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def timeout(seconds: int):
-    """A hang becomes a test failure."""
-    def alarm(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
 
 def plan_for(tokenizer, sources, epochs=1, seq_len=16, readers=1, eval_tokens=0) -> Plan:
     args = dict(tokenizer=tokenizer, eos=tokenizer.eos_token_id, seq_len=seq_len, seed=0, readers=readers,
@@ -98,7 +83,7 @@ def test_a_position_past_what_the_data_holds_is_refused_not_read(tmp_path, token
     check_state(state, plan)
     state["sources"][0]["start"][field] = value
     check_state(state, plan)  # the shape is right: only the data can tell it is past the end
-    with timeout(30), pytest.raises(SurgeryError, match="data position in the checkpoint is not valid") as e:
+    with time_limit(30), pytest.raises(SurgeryError, match="data position in the checkpoint is not valid") as e:
         next(iter(Reader(plan, 0, state)))
     assert words in str(e.value) and "ran dry" not in str(e.value)
 

@@ -15,9 +15,14 @@ import pytest
 
 from surgery.data import MAX_TXT_CHARS, txt_documents
 from surgery.uptrain import UptrainOptions, uptrain
+from inprocess import uptrain_error
 from surgery.testing.pydoc_llama import FAST
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def stream_error(monkeypatch, capsys, *args) -> str:
+    return uptrain_error(monkeypatch, capsys, *args, warnings=True)
 
 
 def pydoc_paragraphs() -> list[str]:
@@ -104,16 +109,6 @@ def test_a_one_file_corpus_trains_with_a_held_out_split(tiny, tmp_path, mode):
     assert record["uptraining"]["txt_unit"] == "paragraph"
 
 
-def cli_error(monkeypatch, capsys, *args) -> str:
-    import cli
-
-    monkeypatch.setattr(sys, "argv", ["surgery", "uptrain", *map(str, args)])
-    with pytest.raises(SystemExit) as e:
-        cli.main()
-    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("surgery: warning: ")]
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("surgery: error: "), err
-    return err[0]
-
 
 def test_an_empty_or_too_small_streamed_source_leaves_no_run_folder(tiny, tmp_path, monkeypatch, capsys):
     import surgery.uptrain.model_io as model_io
@@ -128,6 +123,6 @@ def test_an_empty_or_too_small_streamed_source_leaves_no_run_folder(tiny, tmp_pa
     one.write_text(json.dumps({"text": "a single document"}) + "\n")
     out = ["--out", tmp_path / "o", "--seq-len", "64", "--batch-tokens", "64", "--micro-batch", "1", "--eval-tokens",
            "0", "--tokens", "640", "--data-mode", "stream"]
-    assert "holds no text" in cli_error(monkeypatch, capsys, tiny, "--data", empty, *out)
-    assert "too few documents" in cli_error(monkeypatch, capsys, tiny, "--data", one, "--data-workers", "2", *out)
+    assert "holds no text" in stream_error(monkeypatch, capsys, tiny, "--data", empty, *out)
+    assert "too few documents" in stream_error(monkeypatch, capsys, tiny, "--data", one, "--data-workers", "2", *out)
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.run").exists()

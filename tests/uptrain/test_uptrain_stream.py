@@ -14,26 +14,18 @@ import torch
 from surgery.checkpoint.sha256 import sha256_file
 from surgery.uptrain import UptrainOptions, uptrain
 from surgery.uptrain.stream import Plan, Reader, Sequential, hold_out, parse_weights, resolve_sources
+from inprocess import uptrain_error
 from surgery.testing.pydoc_llama import FAST, make_model, weights
+
+
+def stream_error(monkeypatch, capsys, *args) -> str:
+    return uptrain_error(monkeypatch, capsys, *args, warnings=True)
 
 
 # 3 windows of 64 per step: a step leaves the 2 readers of a 2-worker run mid-round (the resume's rotation).
 STREAM = dict(FAST, loss="lm", data_mode="stream", batch_tokens=192, micro_batch=3, eval_tokens=256, tokens=192 * 4,
               save_every=1, keep_last=4, keep_run_dir=True)
 
-
-def cli_error(monkeypatch, capsys, *args) -> str:
-    """`surgery uptrain ARGS` exits 2 with one error line (warnings aside); returns it."""
-    import sys
-
-    import cli
-
-    monkeypatch.setattr(sys, "argv", ["surgery", "uptrain", *map(str, args)])
-    with pytest.raises(SystemExit) as e:
-        cli.main()
-    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("surgery: warning: ")]
-    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("surgery: error: "), err
-    return err[0]
 
 
 def write_shards(folder: Path, shards: int, docs: int, tag: str = "doc") -> str:
@@ -164,12 +156,12 @@ def test_bad_mixtures_and_dry_sources_exit_2_with_one_line(tiny, tmp_path, monke
     small = write_shards(tmp_path / "small", 1, 3)
     out = ["--out", tmp_path / "o", "--seq-len", "64", "--batch-tokens", "64", "--micro-batch", "1",
            "--eval-tokens", "64", "--tokens", "1920", "--data-mode", "stream"]
-    assert "2 weight(s) for 1" in cli_error(monkeypatch, capsys, tiny, "--data-weights", "0.5,0.5", *out)
+    assert "2 weight(s) for 1" in stream_error(monkeypatch, capsys, tiny, "--data-weights", "0.5,0.5", *out)
     for bad in ("0.7,0", "1,-1", "a,b", "1,nan"):
-        cli_error(monkeypatch, capsys, tiny, "--data", "pydoc", "--data", small, "--data-weights", bad, *out)
-    assert "matches no file" in cli_error(monkeypatch, capsys, tiny, "--data", str(tmp_path / "none*.jsonl"), *out)
+        stream_error(monkeypatch, capsys, tiny, "--data", "pydoc", "--data", small, "--data-weights", bad, *out)
+    assert "matches no file" in stream_error(monkeypatch, capsys, tiny, "--data", str(tmp_path / "none*.jsonl"), *out)
     assert not (tmp_path / "o").exists()
-    assert "ran dry" in cli_error(monkeypatch, capsys, tiny, "--data", small, *out, "--save-every", "5")
+    assert "ran dry" in stream_error(monkeypatch, capsys, tiny, "--data", small, *out, "--save-every", "5")
     assert not (tmp_path / "o").exists() and (tmp_path / "o.run" / "checkpoints").is_dir()  # the last checkpoint kept
     import sys
 
@@ -204,7 +196,7 @@ def test_resume_refuses_altered_positions_steps_and_changed_sources(tiny, tmp_pa
         folder = tmp_path / f"{name}.run"
         resume_from(base, 2, folder)
         edit(folder / "checkpoints" / "step-00000002")
-        return cli_error(monkeypatch, capsys, tiny, *args, *extra, "--out", tmp_path / name, "--run-dir", folder,
+        return stream_error(monkeypatch, capsys, tiny, *args, *extra, "--out", tmp_path / name, "--run-dir", folder,
                          "--resume")
 
     def set_json(file, **values):
@@ -233,7 +225,7 @@ def test_resume_refuses_altered_positions_steps_and_changed_sources(tiny, tmp_pa
             f.write(json.dumps({"text": "one more"}) + "\n")
     assert "no longer matches" in case("changed", grow)
     resume_from(base, 2, tmp_path / "opts.run")
-    assert "different options" in cli_error(monkeypatch, capsys, tiny, *args[:2], *args[6:], "--out", tmp_path / "opts",
+    assert "different options" in stream_error(monkeypatch, capsys, tiny, *args[:2], *args[6:], "--out", tmp_path / "opts",
                                             "--run-dir", tmp_path / "opts.run", "--resume")
 
 
