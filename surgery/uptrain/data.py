@@ -1,7 +1,8 @@
 """Training data: documents tokenized, joined with an EOS between them, and packed into fixed-length windows.
 
 The first documents form the held-out split (whole documents, at least `eval_tokens` tokens, cut to whole
-windows); the rest form the training split, read only as far as the run needs. Training windows are visited
+windows; when no document follows them, a single file read whole, the split ends inside the last one, whose rest
+is trained on); the rest form the training split, read only as far as the run needs. Training windows are visited
 in a seeded random order, a fresh one each epoch when the run needs more tokens than the data holds.
 A second held-out text (`--eval-data`, typically of another domain than the training text) is packed the same way
 from its own first documents: it tells recovery from adaptation to the training text's domain, which the first
@@ -99,6 +100,10 @@ def pack(texts: Iterable[str], tokenizer, seq_len: int, eval_tokens: int, train_
             break
     if documents == 0:
         raise SurgeryError("the data holds no text")
+    if not parts["train"] and have["eval"] > eval_need:  # no document after the held-out split: it ends inside the
+        flat = np.concatenate(parts["eval"])  # last one, whose rest (past the first eval_need tokens) is trained on
+        parts = {"eval": [flat[:eval_need]], "train": [flat[eval_need:]]}
+        have = {"eval": eval_need, "train": int(flat.size) - eval_need}
     if have["eval"] < eval_need:
         raise SurgeryError(f"the data holds only {have['eval']} tokens, fewer than --eval-tokens {eval_tokens}")
     train = _windows(parts["train"], seq_len)

@@ -120,6 +120,11 @@ class Plan:
     streaming: bool = False
     txt_unit: str = "paragraph"  # what one document of a .txt file is (surgery.data.txt_documents)
 
+    def cut(self, s: int) -> tuple[int, int] | None:
+        """(unit, tokens) when source `s`'s held-out split ends inside its last document (Held.cut), else None."""
+        cuts = getattr(self.held, "cut", ())
+        return cuts[s] if s < len(cuts) else None
+
     def unit_texts(self, s: int, u: int, shard: int | None = None) -> Iterator[str]:
         """The raw documents of unit `u` of source `s`, in order (blank ones included, so indices are stable);
         `shard`: only that one of `readers` contiguous parts of a streamed hub dataset's shards."""
@@ -180,36 +185,58 @@ def _no_column(batch: dict, label: str, text_field: str):
 
 
 # ------------------------------------------------------------------------------------------------ held out
-def hold_out(plan_args: dict, sources: list[Source], eval_tokens: int) -> tuple[torch.Tensor, tuple]:
+class Held(tuple):
+    """Per source, per unit: how many documents are held out for evaluation (never trained on). `cut[s]`: None, or
+    (unit, tokens) when the held-out split of source `s` ends inside the source's last document (too few documents
+    to hold out whole ones): that document, the one after the unit's held-out ones, has its first `tokens` tokens
+    held out and the rest trained on."""
+
+    cut: tuple = ()
+
+    @classmethod
+    def of(cls, counts, cut=None) -> "Held":
+        held = cls(tuple(c) for c in counts)
+        held.cut = tuple(cut) if cut is not None else (None,) * len(held)
+        return held
+
+
+def hold_out(plan_args: dict, sources: list[Source], eval_tokens: int) -> tuple[torch.Tensor, Held]:
     """The first documents of every source, packed into its share of the held-out windows (by weight); returns the
-    windows and, per source and unit, how many documents they took."""
+    windows and, per source and unit, how many documents they took (`Held`). A source with no document left after
+    them (one document, a single file read with --txt-unit file) gives only the first tokens of its last document."""
     seq_len = plan_args["seq_len"]
     total = -(-eval_tokens // seq_len) if eval_tokens else 0
     shares = _split(total, [s.weight for s in sources])
     plan = Plan(sources=tuple(sources), held=tuple((0,) * len(s.units) for s in sources), **plan_args)
-    windows, held = [], []
+    windows, held, cuts = [], [], []
     for s, (source, n) in enumerate(zip(sources, shares)):
         counts = [0] * len(source.units)
-        need, parts, have = n * seq_len, [], 0
-        for u in range(len(source.units)):
+        need, parts, have, inside = n * seq_len, [], 0, None
+        texts = ((u, t) for u in range(len(source.units)) for t in plan.unit_texts(s, u)) if need else iter(())
+        for u, text in texts:
+            counts[u] += 1
+            if text.strip():
+                before = have
+                for ids in (*_pieces_until(plan.tokenizer, text, need - have), [plan.eos]):
+                    parts.append(np.asarray(ids, dtype=np.int32))
+                    have += len(ids)
+                # the split ends before this document's last token: (unit, its tokens held out)
+                inside = (u, need - before) if have - 1 > need else None
             if have >= need:
                 break
-            for text in plan.unit_texts(s, u):
-                if have >= need:
-                    break
-                counts[u] += 1
-                if text.strip():
-                    for ids in (*_pieces_until(plan.tokenizer, text, need - have), [plan.eos]):
-                        parts.append(np.asarray(ids, dtype=np.int32))
-                        have += len(ids)
         if have < need:
             raise SurgeryError(f"data {source.spec} holds only {have} tokens, fewer than its {need} held-out tokens "
                                f"(--eval-tokens)")
+        cut = None
+        if inside is not None and not any(t.strip() for _, t in texts) and plan.hub_shards(s) < plan.readers:
+            counts[inside[0]] -= 1  # nothing after it: the rest of the document is trained on
+            cut = inside
         if n:
             windows.append(torch.from_numpy(np.concatenate(parts)[:need].reshape(n, seq_len).copy()))
         held.append(tuple(counts))
+        cuts.append(cut)
     eval_windows = torch.cat(windows) if windows else torch.zeros(0, seq_len, dtype=torch.int32)
-    return eval_windows, tuple(held)
+    return eval_windows, Held.of(held, cuts)
 
 
 def _pieces_until(tokenizer, text: str, need: int) -> Iterator[list[int]]:
@@ -268,6 +295,7 @@ class Sequential:
                     yield text
             return
         units, whole = self._units(epoch)
+        cut = plan.cut(self.s)
         index = 0  # documents of the source after the held-out ones, by document
         for u in units:
             held = plan.held[self.s][u]
@@ -275,7 +303,7 @@ class Sequential:
                 if i < held:
                     continue
                 if whole or index % R == self.role:
-                    yield text
+                    yield _Cut.of(text, cut[1]) if cut is not None and cut[0] == u and i == held else text
                 index += 1
 
     def _tokenized(self) -> Iterator[list[int] | None]:
@@ -307,15 +335,17 @@ class Sequential:
     def _encode(self, batch: list[str]) -> Iterator[Iterator[list[int]] | None]:
         """Each document as its token pieces (EOS last): the short ones tokenized together, a long one piece by
         piece as the windows need them; None for a blank one."""
-        short = [t for t in batch if t.strip() and len(t) <= PIECE_CHARS]
+        short = [str(t) for t in batch if t.strip() and len(t) <= PIECE_CHARS]
         ids = iter(self.plan.tokenizer(short, add_special_tokens=False)["input_ids"]) if short else iter(())
         for t in batch:
             if not t.strip():
                 yield None
-            elif len(t) <= PIECE_CHARS:
-                yield iter((next(ids) + [self.plan.eos],))
+                continue
+            if len(t) <= PIECE_CHARS:
+                pieces = iter((next(ids) + [self.plan.eos],))
             else:
-                yield _with_eos(encode_pieces(self.plan.tokenizer, t), self.plan.eos)
+                pieces = _with_eos(encode_pieces(self.plan.tokenizer, t), self.plan.eos)
+            yield _after(pieces, t.held) if isinstance(t, _Cut) else pieces
 
     def window(self) -> np.ndarray:
         """The next window of `seq_len` tokens; the position moves past it."""
@@ -342,6 +372,28 @@ class Sequential:
                 self._current, self.doc, self.offset = None, self.doc + 1, 0
         self.tokens += self.plan.seq_len
         return np.asarray(parts, dtype=np.int32)
+
+
+class _Cut(str):
+    """The document in which a source's held-out split ends (Held.cut): its first `held` tokens are not trained on."""
+
+    held: int = 0
+
+    @classmethod
+    def of(cls, text: str, held: int) -> "_Cut":
+        cut = cls(text)
+        cut.held = held
+        return cut
+
+
+def _after(pieces: Iterator[list[int]], n: int) -> Iterator[list[int]]:
+    """A document's token pieces without its first `n` tokens."""
+    for ids in pieces:
+        if n >= len(ids):
+            n -= len(ids)
+            continue
+        yield ids[n:]
+        n = 0
 
 
 def _with_eos(pieces: Iterator[list[int]], eos: int) -> Iterator[list[int]]:

@@ -93,3 +93,16 @@ def test_a_record_whose_kv_heads_is_null_is_inspected(mla_out, tmp_path, cli):
     code, out, err = cli("inspect", str(folder), "--json")
     assert code == 0, err
     assert json.loads(out)[0]["distinct_kv_heads"] == 4  # config.json's (the MLA output stores one per head)
+
+
+@pytest.mark.parametrize("config, record", [({"kv_lora_rank": 8}, {}), ({"kv_lora_rank": "abc"}, {}),
+                                            ({}, {"heads": "x"})], ids=["disagrees", "no-integer", "mistyped-record"])
+def test_bench_refuses_what_inspect_refuses_in_the_same_words(mla_out, tmp_path, cli, config, record):
+    folder = tampered(mla_out, tmp_path, **config)
+    written = json.loads((folder / "surgery.json").read_text())
+    (folder / "surgery.json").write_text(json.dumps({**written, **record}))
+    src = written["local"]["source_folder"]
+    line = one_line(cli, "bench", src, folder, "--batch", "1", "--context", "8", "--new", "1", "--rounds", "1",
+                    "--device", "cpu", "--json", tmp_path / "bench.json")
+    assert line == one_line(cli, "inspect", folder)
+    assert not (tmp_path / "bench.json").exists()

@@ -135,3 +135,37 @@ def test_library_log_lines_stay_off_stderr_unless_verbose(tiny, tmp_path):
                                                  "name for object member. in row 1"], quiet.stderr
     assert "Failed to load JSON" in verbose.stderr
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.run").exists()
+
+
+def test_transformers_load_report_and_torch_s_worker_warning_stay_off_stderr_unless_verbose(tiny, tmp_path):
+    """A checkpoint with a tensor the model does not have makes transformers print its load report, more DataLoader
+    workers than CPUs make torch warn (twice): neither reaches stderr without `surgery -v`; with it, both do."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "extra"
+    shutil.copytree(tiny, model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2, 2)
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    workers = len(os.sched_getaffinity(0)) + 1  # one more than torch suggests
+    env = {k: v for k, v in os.environ.items() if k not in ("DATASETS_VERBOSITY", "TRANSFORMERS_VERBOSITY")}
+
+    def run(*flags):
+        args = ["uptrain", str(model), "--data", "pydoc", "--data-mode", "stream", "--data-workers", str(workers),
+                "--tokens", "64", "--seq-len", "32", "--batch-tokens", "32", "--micro-batch", "1", "--eval-tokens", "0",
+                "--out", str(tmp_path / f"out{''.join(flags)}")]
+        return subprocess.run([sys.executable, "-m", "cli", *flags, *args], capture_output=True, text=True, env=env,
+                              cwd=Path(__file__).resolve().parents[2], timeout=300)
+
+    quiet, verbose = run(), run("-v")
+    assert quiet.returncode == verbose.returncode == 0, quiet.stderr + verbose.stderr
+    assert all(line.startswith(("uptrain:", "surgery: warning:", "wrote ")) for line in quiet.stderr.splitlines()), \
+        quiet.stderr
+    assert "LOAD REPORT" in verbose.stderr and "model.layers.0.mlp.extra.weight" in verbose.stderr
+    assert f"This DataLoader will create {workers} worker processes" in verbose.stderr

@@ -111,7 +111,7 @@ def test_readers_read_disjoint_documents_and_never_the_held_out_ones(tokenizer, 
     sources = resolve_sources([spec], [1.0])
     plan = plan_for(tokenizer, sources, readers=4, eval_tokens=300)
     held = plan.held[0]
-    assert sum(held) >= 2  # the first documents are held out
+    assert sum(held) >= 2 and plan.cut(0) is None  # the first documents are held out, whole ones
     every = [f"doc {s}-{d}" for s in range(shards) for d in range(48 // shards)]
     held_docs = set(every[: sum(held)])  # the held-out documents are the first ones, in file order
     seen = [[t.split(":")[0] for t in reader_documents(plan, 0, role)] for role in range(4)]
@@ -346,3 +346,45 @@ def test_fsdp_on_cpu_shards_the_teacher_and_gives_the_one_process_result(tiny, t
     for k in one:
         torch.testing.assert_close(fsdp[k], one[k], atol=1e-5, rtol=1e-5)
     assert not torch.equal(one["model.norm.weight"], weights(tiny)["model.norm.weight"])
+
+
+def one_file(tmp_path: Path, topics: int = 12) -> Path:
+    """One .txt file of pydoc text with blank lines inside: several paragraphs, one document with --txt-unit file."""
+    from surgery.data import pydoc_texts
+
+    path = tmp_path / "one.txt"
+    path.write_text("\n\n".join(t.strip() for t in pydoc_texts()[:topics]) + "\n")
+    return path
+
+
+def test_a_single_document_gives_its_first_tokens_to_the_held_out_split_and_the_rest_to_the_reader(tokenizer,
+                                                                                                     tmp_path):
+    """--txt-unit file on one file: the held-out windows are the document's first tokens, the reader trains on
+    exactly the rest (no held-out token, none skipped), also from a resumed position inside it."""
+    path = one_file(tmp_path)
+    ids = tokenizer(path.read_text(), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    sources = resolve_sources([str(path)], [1.0])
+    args = dict(tokenizer=tokenizer, eos=tokenizer.eos_token_id, seq_len=16, seed=0, readers=1, epochs=1,
+                txt_unit="file")
+    eval_windows, held = hold_out(args, sources, 40)  # 3 windows of 16: 48 tokens held out
+    plan = Plan(sources=tuple(sources), held=held, **args)
+    assert eval_windows.flatten().tolist() == ids[:48]
+    assert plan.held == ((0,),) and plan.cut(0) == (0, 48)
+    reader = Sequential(plan, 0, 0, None)
+    got = [t for _ in range((len(ids) - 48) // 16) for t in reader.window().tolist()]
+    assert got == ids[48 : 48 + len(got)] and len(ids) - 48 - len(got) < 16
+    resumed = Sequential(plan, 0, 0, {"epoch": 0, "doc": 0, "offset": 21})
+    assert resumed.window().tolist() == ids[48 + 21 : 48 + 21 + 16]
+    # a source with documents after the held-out ones holds those out whole, as before
+    paragraphs = Plan(sources=tuple(sources), held=hold_out(args | {"txt_unit": "paragraph"}, sources, 40)[1],
+                      **(args | {"txt_unit": "paragraph"}))
+    assert paragraphs.held[0][0] >= 1 and paragraphs.cut(0) is None
+
+
+@pytest.mark.parametrize("mode", ["stream", "packed"])
+def test_a_one_file_corpus_read_whole_trains_with_a_held_out_split(tiny, tmp_path, mode):
+    path = one_file(tmp_path)
+    out = run(tiny, tmp_path / mode, data=[str(path)], txt_unit="file", data_mode=mode, eval_tokens=512,
+              tokens=192 * 2, save_every=0)
+    assert out["eval_tokens"] == 512 and out["initial_eval_ppl"] > out["final_eval_ppl"] > 0
+    assert not torch.equal(weights(tiny)["model.norm.weight"], weights(tmp_path / mode)["model.norm.weight"])
