@@ -105,6 +105,7 @@ def test_fsdp2_bf16_keeps_rope_buffers_fp32_and_the_rotary_tables_exact(tiny, to
         assert got["read_weights"] == {"model": rank == 0, "teacher": rank == 0}  # rank 1 receives its shards
 
 
+@pytest.mark.slow  # two accelerate launches (~1 min); the default suite checks FSDP2 in the GPU run's CPU mode
 def test_fsdp2_clips_a_partly_trained_model_by_the_norm_over_every_ranks_shards(tiny, tmp_path):
     """--train attention (some parameters train) under FSDP on 2 CPU processes: step 1's gradient norm is the one
     process's on the same data (the norm over both ranks' shards, not each shard's own: FSDP1's fallback), and with
