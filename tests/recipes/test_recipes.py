@@ -138,6 +138,7 @@ def state(out: Path) -> dict:
     return json.loads((out / "recipe-state.json").read_text())["steps"]
 
 
+@pytest.mark.slow  # ~50 s
 def test_run_resumes_skips_and_reruns_from_a_step(hub, tmp_path):
     paired_llama(tmp_path / "src")
     recipe = write_recipe(tmp_path / "tiny.yaml", {

@@ -140,6 +140,7 @@ def machine_paths(tmp_path: Path) -> list[str]:
     return [str(tmp_path), str(tmp_path.resolve()), str(Path.home()), os.getcwd(), str(REPO), sys.prefix]
 
 
+@pytest.mark.slow  # ~50 s
 def test_nothing_pushed_names_this_machine(hub, tmp_path):
     work = tmp_path / "work"
     texts = work / "texts"

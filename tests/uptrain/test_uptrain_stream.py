@@ -105,7 +105,7 @@ def reader_documents(plan: Plan, s: int, role: int) -> list[str]:
     return list(Sequential(plan, s, role, None)._raw(0))
 
 
-@pytest.mark.parametrize("shards", [8, 1], ids=["by-file", "by-document"])
+@pytest.mark.parametrize("shards", [pytest.param(8, marks=pytest.mark.slow), 1], ids=["by-file", "by-document"])  # by-file: ~100 s
 def test_readers_read_disjoint_documents_and_never_the_held_out_ones(tokenizer, tmp_path, shards):
     spec = write_shards(tmp_path / "c", shards, 48 // shards)
     sources = resolve_sources([spec], [1.0])
@@ -124,6 +124,7 @@ def test_readers_read_disjoint_documents_and_never_the_held_out_ones(tokenizer, 
     assert len(first) == 4
 
 
+@pytest.mark.slow  # ~50 s; the bitwise resume tests with 2 workers stay in the default suite
 def test_two_workers_read_the_windows_of_two_readers_in_turn(tiny, tokenizer, tmp_path):
     """The DataLoader's workers each run their own reader: the process's windows alternate between them."""
     from surgery.uptrain.stream import StreamedData
