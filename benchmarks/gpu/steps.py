@@ -455,17 +455,20 @@ def step_fsdp(ctx: Ctx) -> dict:
     again = {k: v.float() for f_ in sorted(out.glob("*.safetensors")) for k, v in load_file(f_).items()}
     if again.keys() != whole.keys():
         raise RuntimeError(f"the resumed output holds other tensors: {sorted(again.keys() ^ whole.keys())[:4]}")
-    probe = ctx.work / "inv_freq.json"
-    launch(ctx, [Path(__file__).with_name("fsdp_probe.py"), student, probe])
-    found = json.loads(probe.read_text())
-    if found["inv_freq_dtypes"] != ["torch.float32"]:
-        raise RuntimeError(f"inv_freq after prepare: {found['inv_freq_dtypes']} (want float32 only)")
-    discard(out, out.with_name(out.name + ".run"))
+    probe = ctx.work / "probe"  # uptrain's own setup under the launch: the test suite's FSDP probe
+    probe.mkdir(exist_ok=True)
+    launch(ctx, ["-m", "surgery.testing.fsdp_probe", probe, PRECISION, student])
+    found = json.loads((probe / "rank-0.json").read_text())
+    inv_freq = {n: d for n, d in found["student"]["buffers"].items() if n.endswith("inv_freq")}
+    if not inv_freq or set(inv_freq.values()) != {"float32"}:
+        raise RuntimeError(f"inv_freq after prepare: {sorted(set(inv_freq.values()))} (want float32 only)")
+    if not all(found["student"]["rotary_exact"].values()):
+        raise RuntimeError("the rotary cos/sin tables after prepare differ from the checkpoint's")
+    discard(out, out.with_name(out.name + ".run"), probe)
     return dict(three_steps_s=three, resume_s=resumed, resumed_at_step=2, processes=f["processes"],
                 resumed_max_abs_dweight=max(float((again[k] - whole[k]).abs().max()) for k in whole),
-                inv_freq_fp32=1, inv_freq_buffers=found["buffers"],
-                inv_freq_max_abs_error=found["inv_freq_max_abs_error"], distributed_type=found["distributed_type"],
-                mixed_precision=found["mixed_precision"])
+                inv_freq_fp32=1, inv_freq_buffers=len(inv_freq), rotary_exact=1,
+                distributed_type=found["distributed_type"], mixed_precision=found["mixed_precision"])
 
 
 STEPS: dict[str, tuple] = {"build": (step_build,)}

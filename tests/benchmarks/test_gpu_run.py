@@ -103,7 +103,7 @@ def test_the_cpu_run_passes_every_step_with_finite_figures(tmp_path):
     fsdp = steps["fsdp2-launch"]["figures"]
     assert fsdp["resumed_at_step"] == 2 and fsdp["processes"] == 2 and fsdp["inv_freq_fp32"] == 1
     assert fsdp["resumed_max_abs_dweight"] == 0.0  # gloo on the CPU: the resume repeats the run exactly
-    assert fsdp["distributed_type"] == "DistributedType.FSDP"
+    assert fsdp["distributed_type"] == "FSDP" and fsdp["rotary_exact"] == 1
     agree = steps["agree-cpu-device"]["figures"]
     finite(agree, "check.kl", "check.top1_agreement", "check.max_abs_diff")
     assert agree["check.kl"] == 0.0 and agree["check.top1_agreement"] == 1.0  # the same device twice: deterministic
