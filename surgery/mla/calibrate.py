@@ -197,17 +197,21 @@ def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.devi
         with LayerProgress("calibrate + convert", len(stream), progress) as bar:
             for index, _, layer in stream.layers():
                 attention = _modules(spec, layer)[0]
+                # one layer's weights on the stream's device while its passes run (build may hand them back on
+                # the host; the passes multiply them with the device's activations)
                 weights = build(index, _second_moments(_inputs(stream, spec, layer, index, hidden, calls)))
+                weights = weights.to(stream.device)
                 if refit_q is not None:
                     weights.q_proj = _refit_q(stream, spec, layer, index, hidden, calls, weights, geometry, refit_q,
-                                              generator)
+                                              generator).to(stream.device)
                 if refit_o:
-                    weights.o_proj = _refit_o(stream, spec, layer, index, hidden, calls, weights, geometry)
+                    weights.o_proj = _refit_o(stream, spec, layer, index, hidden, calls, weights, geometry
+                                              ).to(stream.device)
                 o_proj = weights.o_proj.to(stream.device, torch.float32)
                 for i, a in enumerate(_inputs(stream, spec, layer, index, hidden, calls)):
                     out = geometry.attend(a.x, weights) @ o_proj.T
                     hidden[i] = stream.stash(capture.run_layer_with_attention_output(
                         layer, attention, stream.fetch(hidden[i]), calls[i][index], out))
                     del a, out  # before the next chunk is computed
-                keep(index, weights)
+                keep(index, weights.to("cpu"))
                 bar.update()
