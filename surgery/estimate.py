@@ -396,7 +396,9 @@ def estimate_calibrated(config: dict, cost: CalibratedCost, tokens: int, *, dtyp
     # that step and a layer's (its float32 weights, the tensor being read, one chunk's scratch and the fits).
     extra = cost.extra_memory(s, tokens, window, chunked) if cost.extra_memory else {}
     memory |= extra
-    layer_step = terms["layer"] + terms["scratch"] + fits + sum(extra.values()) + (read if dev.type == "cpu" else 0)
+    # the tensor being read: on the host on the CPU; on CUDA it crosses in the checkpoint's dtype and is cast there
+    # (torch's cross-device `.to(device, float32)` copies, then converts on the device), so both copies are device memory
+    layer_step = terms["layer"] + terms["scratch"] + fits + sum(extra.values()) + read
     # an embedding matrix kept in float32 (not a plain nn.Embedding, e.g. Gemma's scaled one) is read in the
     # checkpoint's dtype first: both copies exist for a moment
     word = int(config.get("vocab_size") or 0) * s.hidden
@@ -408,7 +410,8 @@ def estimate_calibrated(config: dict, cost: CalibratedCost, tokens: int, *, dtyp
         host = terms["runtime"] + terms["activations"] + max(embed_step, layer_step)
         on_device = 0
     else:
-        host = terms["runtime"] + read + terms["embedding"]
+        memory["cuda runtime (host)"] = terms["cuda runtime"]
+        host = terms["runtime"] + terms["cuda runtime"] + read + terms["embedding"]
         on_device = terms["activations"] + max(terms["embedding"], layer_step)  # the cast happens on the host
     per_layer = flops.seconds(rate)
     return Estimate(cost.name, str(dev), s.layers, tokens, int(host), int(on_device), per_layer, per_layer * s.layers,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU run (issue 38): every step of benchmarks/gpu/steps.py, each in a process of its own with a time
-# limit, results in OUT/summary.md and OUT/results.json. At most 9 minutes on one H100, without network; the wheels
-# that benchmarks/gpu/prepare.sh put in .whl/ are installed first (into $GPU_RUN_SITE, default /tmp/site).
+# limit, results in OUT/summary.md and OUT/results.json. At most 9.5 minutes on one H100 (GPU_RUN_BUDGET=seconds
+# for less), without network; the wheels that benchmarks/gpu/prepare.sh put in .whl/ are installed first (into
+# $GPU_RUN_SITE, default /tmp/site).
 #
 #   bash benchmarks/gpu/run.sh [--cpu] [--out DIR] [--only STEP,STEP]    (DIR defaults to $OUT)
 #

@@ -401,7 +401,10 @@ class UptrainRecipe:
         if fsdp:
             acc.state.fsdp_plugin.cpu_ram_efficient_loading = rank_zero
         reads = self.main or not rank_zero  # this process reads the weights
-        self.model = model_io.load_causal_lm(source, "model", o.trust_remote_code, weights=reads)
+        # without FSDP each process reads its weights straight onto its device (FSDP: rank 0 reads on the host and
+        # `prepare` shards them out; the align stage moves the student itself once it is aligned)
+        straight = None if fsdp or "align" in o.stages else acc.device
+        self.model = model_io.load_causal_lm(source, "model", o.trust_remote_code, weights=reads, device=straight)
         select_trainable(self.model, o.train, self.record)  # a --train that selects nothing: refused before any text
         self.training_form = kind.training_form(self.model) if kind is not None else None
         model_io.check_seq_len(self.model, o.seq_len, source.spec)
@@ -410,7 +413,7 @@ class UptrainRecipe:
         if self.objective.needs_teacher or "align" in o.stages:
             t_src = model_io.teacher_source(self.record, o.teacher)
             teacher = model_io.load_causal_lm(t_src, "teacher", o.trust_teacher_code, dtype=teacher_dtype(acc, o),
-                                              weights=reads)
+                                              weights=reads, device=straight)
             model_io.check_teacher(self.model, teacher, self.tokenizer, t_src, o.trust_teacher_code)
             if "align" in o.stages:  # refused here, before the run folder is started (_setup_data)
                 check_alignable(self.model, teacher)
