@@ -443,7 +443,7 @@ def conditional_refusals() -> list[str]:
 
 
 def support_markdown(kinds: tuple[str, ...]) -> str:
-    """The families x kinds table, as `surgery convert --list` prints it and README shows it."""
+    """The families x kinds table, as `surgery convert --list` prints it and docs/tasks/convert.md shows it."""
     rows = support_table(kinds)
     columns = list(rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

@@ -59,4 +59,4 @@ def explain(report: dict) -> str:
             f"model whose perplexity is {ratio:,.0f}x the source's — expected, and why the GQA paper uptrains "
             "after pooling. Next steps: `surgery convert smollm2 --to mqa --merge aligned --out smollm2-mqa-aligned` "
             "(activation-aware merge: about 2x the source's perplexity before any training), then `surgery uptrain` "
-            "(README: Uptraining). Remove the outputs with `rm -r` when done; the cache folder above is reused.")
+            "(docs/tasks/uptrain.md). Remove the outputs with `rm -r` when done; the cache folder above is reused.")

@@ -1,6 +1,9 @@
-"""The newcomer's path: every command in README.md parses (fast) and runs (slow), and every command has help.
+"""The newcomer's path: every command in README.md and the docs pages parses (fast) and runs (slow), and every
+command has help.
 
-How the README's commands are run (`test_readme_commands_run`, in one scratch folder, top to bottom):
+The pages are read in order: README.md, then the docs/ pages in mkdocs.yml's nav order (a page the README includes
+through a snippet, `--8<-- "README.md:tour"`, holds no command of its own, so each command is read once).
+How their commands are run (`test_readme_commands_run`, in one scratch folder, top to bottom):
 - the install parts of the two set-up lines (`pip install ...`) and `python -m pytest` are left out: CI has just
   run them; what follows them on the line (`surgery demo`) runs.
 - hub ids need the network, so HF_ENDPOINT points at tests/hub_server.py on loopback, seeded with every model id
@@ -34,8 +37,25 @@ CAPS = {"--tokens": 1024, "--calib-tokens": 1024, "--eval-tokens": 256, "--batch
 RECIPE_CAPS = {"tokens": 1024, "calib_tokens": 1024, "eval_tokens": 256, "batch_tokens": 512, "seq_len": 128}
 
 
+def nav_pages(nav) -> list[str]:
+    """The docs pages of mkdocs.yml's nav, in order."""
+    if isinstance(nav, str):
+        return [nav]
+    if isinstance(nav, dict):
+        nav = list(nav.values())
+    return [page for entry in nav for page in nav_pages(entry)]
+
+
+def pages() -> list[Path]:
+    """README.md, then every docs page that exists under docs/ in nav order (BENCHMARKS.md is served, not moved)."""
+    import yaml
+
+    nav = yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"]
+    return [README] + [REPO / "docs" / p for p in nav_pages(nav) if (REPO / "docs" / p).is_file()]
+
+
 def blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
+    return [block for page in pages() for block in re.findall(rf"```{language}\n(.*?)```", page.read_text(), flags=re.S)]
 
 
 def commands() -> list[str]:

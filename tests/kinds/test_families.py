@@ -1,5 +1,6 @@
 """The family registry: one data entry is all a Llama-like family needs for every kind; families a kind cannot
-convert exactly say why in one line; `surgery convert --list` and README's table are the same table."""
+convert exactly say why in one line; `surgery convert --list` and the docs' table (docs/tasks/convert.md) are
+the same table."""
 
 from __future__ import annotations
 
@@ -123,9 +124,10 @@ def test_list_prints_the_table_and_readme_has_the_same():
     run = cli("convert", "--list")
     assert run.returncode == 0, run.stderr
     assert run.stdout == support_markdown(support_labels())
-    readme = (REPO / "README.md").read_text()
-    block = re.search(r"<!-- families:begin -->\n(.*?)<!-- families:end -->", readme, re.DOTALL)
-    assert block and block.group(1) == run.stdout, "README's table is stale: paste `surgery convert --list` into it"
+    page = (REPO / "docs" / "tasks" / "convert.md").read_text()
+    block = re.search(r"<!-- families:begin -->\n(.*?)<!-- families:end -->", page, re.DOTALL)
+    assert block and block.group(1) == run.stdout, \
+        "docs/tasks/convert.md's table is stale: paste `surgery convert --list` into it"
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and not line.startswith("| model_type")]
     columns = run.stdout.splitlines()[0].strip("| ").split(" | ")
     counts = {kind: sum(row.strip("| ").split(" | ")[columns.index(kind)] == "yes" for row in rows)
