@@ -47,6 +47,8 @@ OOM_MARKERS = ("out of memory", "can't allocate memory", "CUDA error: out of mem
 
 def lr_at(step: int, o: UptrainOptions) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine down to lr * min_lr_ratio."""
+    # Not transformers' cosine_with_min_lr schedule: its warmup starts at lr 0 (step / warmup, one step later than
+    # here), which would make step 0 a no-op and move every saved run's schedule (tests/uptrain/test_lr_schedule.py).
     warmup, total = o.warmup, o.steps
     if step < warmup:
         return o.lr * (step + 1) / warmup
