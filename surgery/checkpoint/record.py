@@ -27,6 +27,7 @@ from ..errors import SurgeryError
 
 RECORD_FILE = "surgery.json"
 LOCAL_KEY = "local"
+CODE_RECORD = "code_sha256"  # {file name: sha256} of the code files a converter copied (surgery/trust.py reads it)
 EMBEDDED_NAMES = ("smollm2",)
 # Files that may change after a conversion without invalidating it: the record itself and the model card.
 UNHASHED = {RECORD_FILE, "README.md"}
@@ -133,6 +134,11 @@ def new_record(kind: str, source, shard_hashes: dict[str, str]) -> dict:
             "gguf_path": str(Path(source.gguf_file).absolute()) if source.gguf_file else None,
         },
     }
+
+
+def code_record(folder, names) -> dict[str, str]:
+    """{name: sha256} of the code files a converter copied into `folder` (for surgery.json's "code_sha256")."""
+    return {name: sha256_file(Path(folder) / name) for name in names}
 
 
 def now() -> str:
