@@ -25,6 +25,7 @@ from ..checkpoint.atomic import atomic_output_dir, check_apart, check_output_pat
 from ..checkpoint.sha256 import sha256_file
 from ..errors import SurgeryError
 from ..kinds import check_checkpoint, find_kind
+from ..data import dataset_commits
 from ..loaders import read_json
 from ..precision import resolve_precision
 from ..checkpoint.source import resolve_source, side_files
@@ -822,6 +823,7 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
         "data_workers": o.data_workers,  # the number `auto` resolved to on this run's device
         "sources": getattr(state, "sources", None),
         "eval_data": o.eval_data,
+        "data_commits": dataset_commits([*o.data, o.eval_data]) or None,  # each hub dataset's resolved commit
         "text_field": o.text_field,
         **o.txt_key(),  # a .txt file's documents: its paragraphs, lines or whole
         "tokens": o.total_steps * o.batch_tokens,
