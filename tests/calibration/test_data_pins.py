@@ -2,6 +2,7 @@
 source resolved to is recorded (surgery.json's "source.commit", "calibration.data_commits"). The hub is not
 reachable here: `datasets` and the hub client are replaced by fakes that record what they are asked."""
 
+import json
 from types import SimpleNamespace
 
 import datasets
@@ -103,3 +104,25 @@ def test_the_source_commit_is_the_snapshot_the_hub_id_resolved_to(tmp_path, monk
     assert record["source"]["revision"] == "main" and record["source"]["commit"] == COMMIT
     local = resolve_source(str(snapshot))  # the same folder named as a local path: not from the hub
     assert local.commit is None and new_record("mqa", local, {})["source"]["commit"] is None
+
+
+def test_uptraining_on_a_hub_dataset_reads_its_revision_and_records_its_commit(online, monkeypatch, tiny, tmp_path):
+    from pydoc_data.topics import topics
+
+    from surgery.testing.pydoc_llama import FAST
+    from surgery.uptrain import UptrainOptions, uptrain
+
+    loads = []
+
+    def load_dataset(name, config=None, split=None, streaming=False, revision=None, **kw):
+        loads.append((name, split, revision))
+        return datasets.Dataset.from_dict({"text": [topics[k] for k in sorted(topics)]})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    spec = "someone/corpus@train@main"
+    record = uptrain(UptrainOptions(model=str(tiny), out=tmp_path / "o", **(FAST | dict(data=[spec], loss="lm",
+                                                                                       tokens=1024))))
+    assert loads and set(loads) == {("someone/corpus", "train", "main")}
+    assert record["data_commits"] == {spec: MOVED}
+    saved = json.loads((tmp_path / "o" / "surgery.json").read_text())["uptraining"]
+    assert saved["data_commits"] == {spec: MOVED}
