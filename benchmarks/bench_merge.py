@@ -33,7 +33,7 @@ from surgery.kv.convert import KVOptions, convert_to_kv_heads  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
 from surgery.kv.aligned import convert_aligned  # noqa: E402
 from surgery.calibration.text import pydoc_documents_used  # noqa: E402
-from surgery.kv.compare import heldout_documents  # noqa: E402
+from surgery.commands.compare_merges import heldout_documents  # noqa: E402
 from surgery.runtime import compute_threads, load_model, load_tokenizer, threads  # noqa: E402
 from surgery.checkpoint.source import resolve_source  # noqa: E402
 

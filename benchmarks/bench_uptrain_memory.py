@@ -6,7 +6,7 @@ Runs, in fresh processes, `surgery uptrain MQA --tokens N --seq-len 256 --batch-
 --eval-tokens 4096` (the tour's command; the tour trains 32,768 tokens, the peak is reached in the first steps)
 with the code of --baseline-repo (when given) and of this repository, each process's peak RSS read with
 getrusage(RUSAGE_CHILDREN) in a wrapper process; then `surgery run --dry-run`'s estimate for the same command
-(surgery/recipes/estimate.py). MQA: a mean-pooled MQA conversion of the embedded SmolLM2-135M, made once under
+(surgery/memory_estimate.py). MQA: a mean-pooled MQA conversion of the embedded SmolLM2-135M, made once under
 --work (the merge method does not change the memory).
 """
 
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench_uptrain_memory"))
     a = ap.parse_args()
-    from surgery.recipes import estimate as est
+    from surgery import memory_estimate as est
     from surgery.recipes.schema import step_models
 
     a.work.mkdir(parents=True, exist_ok=True)

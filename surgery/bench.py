@@ -715,18 +715,6 @@ def markdown_table(report: dict) -> list[str]:
     return lines
 
 
-def load_report(path: Path) -> dict:
-    from .loaders import read_json, validated
-
-    report = read_json(path, f"bench report {path}")
-    if not isinstance(report, dict) or not isinstance(report.get("results"), list) or "machine" not in report:
-        raise SurgeryError(f"{path} is not a `surgery bench --json` report")
-    from .publish.reports import BenchReport
-
-    validated(BenchReport, report, f"bench report {path}")
-    return report
-
-
 def plot_bench(report: dict, path: Path) -> None:
     """Tokens/s against context, one panel for prefill and one for decode, a line per model and batch."""
     import matplotlib

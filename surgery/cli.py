@@ -355,7 +355,7 @@ def compare_merges(source, kind, kv_heads, methods, data, tokens, seq_len, calib
                    revision):
     """Zero-shot perplexity, KL and top-1 agreement of each K/V merge method on held-out text, in one table."""
     from surgery.kinds import options_for
-    from surgery.kv.compare import compare_merges as run_comparison, print_comparison
+    from surgery.commands.compare_merges import compare_merges as run_comparison, print_comparison
     from surgery.checkpoint.source import resolve_source
 
     from surgery.checkpoint.atomic import check_output_file, write_json

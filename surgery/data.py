@@ -3,7 +3,8 @@
 `pydoc`: the standard library's pydoc_data.topics (about 100k tokens of English, no download).
 `general` (the default of --calib and uptrain --data) and `hf://datasets/REPO@REVISION/FILE`: surgery/general_text.py.
 Local files or globs: .txt (one document per file; uptrain: per paragraph, line or file, read lazily), .jsonl/.json, .parquet, .csv (column --text-field).
-Anything else: a hub dataset `name[:config][@split]`, optionally streamed.
+Anything else: a hub dataset `name[:config][@split[@revision]]`, optionally streamed; `dataset_commit` resolves the
+commit it reads, for the record.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import errno
 import glob
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -103,11 +105,62 @@ def local_files(spec: str) -> list[str]:
     return files
 
 
-def parse_hub_spec(spec: str) -> tuple[str, str | None, str]:
-    """`name[:config][@split]` -> (name, config, split)."""
-    name, _, split = spec.partition("@")
+def parse_hub_spec(spec: str) -> tuple[str, str | None, str, str | None]:
+    """`name[:config][@split[@revision]]` -> (name, config, split, revision); `name@@revision` reads the train split.
+    The revision (a branch, tag or commit of the dataset repository) comes after the split: `@split` alone keeps
+    the meaning it has always had."""
+    name, _, rest = spec.partition("@")
+    split, _, revision = rest.partition("@")
     name, _, config = name.partition(":")
-    return name, config or None, split or "train"
+    return name, config or None, split or "train", revision or None
+
+
+COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def hub_dataset_id(spec: str) -> str | None:
+    """The hub repository (`owner/name`) a data spec reads: a hub dataset spec's name, or the repository of an
+    `hf://datasets/OWNER/NAME@REVISION/PATH` file; None for pydoc, `general` unresolved and local files."""
+    from .checkpoint.record import is_local_data
+    from .general_text import HUB_FILE
+
+    if spec.startswith(HUB_FILE):
+        parts = spec[len(HUB_FILE):].split("/", 2)
+        return f"{parts[0]}/{parts[1].partition('@')[0]}" if len(parts) >= 2 and parts[0] else None
+    if spec in ("pydoc", "general") or is_local_data(spec):
+        return None
+    return parse_hub_spec(spec)[0] or None
+
+
+def dataset_commit(spec: str) -> str | None:
+    """The commit of the hub dataset repository `spec` reads (a branch or tag, or no revision, resolved now: what
+    the run read, though the branch moves later); None for anything not on the hub, or offline (HF_HUB_OFFLINE, or
+    the hub not answering: then nothing says which commit `datasets` read from its cache)."""
+    from .general_text import HUB_FILE, PROBE_SECONDS, hub_offline
+
+    name = hub_dataset_id(spec)
+    if name is None:
+        return None
+    if spec.startswith(HUB_FILE):
+        revision = spec[len(HUB_FILE):].split("/", 2)[1].partition("@")[2] or None
+    else:
+        revision = parse_hub_spec(spec)[3]
+    if revision is not None and COMMIT.fullmatch(revision):
+        return revision
+    if hub_offline():
+        return None
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().dataset_info(name, revision=revision, timeout=PROBE_SECONDS).sha
+    except Exception:  # noqa: BLE001 - unreachable, refused, not found: the record then says it is not known
+        return None
+
+
+def dataset_commits(specs) -> dict[str, str | None]:
+    """{spec: its commit} for each hub dataset among `specs` (a mixture's " + "-joined parts each); {} when none."""
+    parts = [p for spec in specs if isinstance(spec, str) for p in spec.split(" + ")]
+    return {p: dataset_commit(p) for p in dict.fromkeys(parts) if hub_dataset_id(p) is not None}
 
 
 def load_texts(spec: str, text_field: str = "text", streaming: bool = False,
@@ -154,9 +207,9 @@ def _local_texts(files: list[str], text_field: str, streaming: bool, txt_unit: s
 def _hub_texts(spec: str, text_field: str, streaming: bool) -> Iterable[str]:
     import datasets
 
-    name, config, split = parse_hub_spec(spec)
+    name, config, split, revision = parse_hub_spec(spec)
     try:
-        ds = datasets.load_dataset(name, config, split=split, streaming=streaming)
+        ds = datasets.load_dataset(name, config, split=split, streaming=streaming, revision=revision)
     except Exception as e:
         raise SurgeryError(f"cannot load dataset {spec}: {str(e).splitlines()[0]}") from None
     return _column(ds, text_field, spec)

@@ -33,44 +33,77 @@ def interval_from_env() -> float:
     return env_number("SURGERY_PROGRESS_SECONDS", DEFAULT_SECONDS, "seconds", maximum=86400)
 
 
+def is_main_process() -> bool:
+    """False in the non-zero ranks of a distributed launch (torchrun / accelerate set RANK): one bar per run."""
+    import os
+
+    return os.environ.get("RANK", "0").strip() in ("", "0")
+
+
 class Progress:
-    """`with Progress(total, "check source") as p: ... p.update(n)` — a bar or plain lines on stderr."""
+    """`with Progress(total, "check source") as p: ... p.update(n)` — a tqdm bar when the output is a terminal,
+    else plain lines (`line()`) at most every `every` seconds and at the end; main process only.
+
+    `stream` receives the plain lines; the bar goes to `stream` when it is a terminal, else to stderr (`terminal`
+    says whether the output is one, when the caller knows better). Subclasses change `line()`."""
 
     def __init__(self, total: int, desc: str, unit: str = "tokens", enabled: bool = True,
-                 every: float | None = None, stream=None):
+                 every: float | None = None, stream=None, initial: int = 0, terminal: bool | None = None):
         self.total, self.desc, self.unit = int(total), desc, unit
         self.stream = stream if stream is not None else sys.stderr
         self.every = interval_from_env() if every is None else every
-        self.done = 0
+        self.done = self.first = int(initial)
         self.start = self.last = time.monotonic()
         self.bar = None
         self.plain = False
-        if enabled and self.total > 0:
-            if getattr(self.stream, "isatty", lambda: False)():
+        if enabled and self.total > 0 and is_main_process():
+            if terminal is None:
+                terminal = getattr(self.stream, "isatty", lambda: False)()
+            if terminal:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=self.total, desc=desc, unit=unit, unit_scale=True, dynamic_ncols=True,
-                                leave=False, file=self.stream)
+                file = self.stream if getattr(self.stream, "isatty", lambda: False)() else sys.stderr
+                self.bar = tqdm(total=self.total, initial=self.done, desc=desc, unit=unit, unit_scale=True,
+                                dynamic_ncols=True, leave=False, file=file)
             else:
                 self.plain = True
 
-    def update(self, n: int) -> None:
+    def update(self, n: int = 1, postfix: dict | None = None) -> None:
+        """`n` more done; `postfix` (name -> text) shown after the bar."""
         self.done += n
         if self.bar is not None:
+            if postfix:
+                self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(n)
-        elif self.plain:
-            now = time.monotonic()
-            if now - self.last >= self.every or self.done >= self.total:
-                self.last = now
-                print(self.line(now), file=self.stream, flush=True)
+        elif self.plain and self.due():
+            print(self.line(self.last), file=self.stream, flush=True)
+
+    def due(self, done: int | None = None) -> bool:
+        """Whether `every` seconds have passed since the last line (or all is `done`); if so, the clock restarts."""
+        now = time.monotonic()
+        if now - self.last >= self.every or (self.done if done is None else done) >= self.total:
+            self.last = now
+            return True
+        return False
+
+    def rate(self, now: float | None = None) -> float:
+        """Units per second since the start (counting from `initial`)."""
+        elapsed = (now if now is not None else time.monotonic()) - self.start
+        return (self.done - self.first) / elapsed if elapsed > 0 else 0.0
 
     def line(self, now: float | None = None) -> str:
-        elapsed = (now if now is not None else time.monotonic()) - self.start
-        rate = self.done / elapsed if elapsed > 0 else 0.0
+        rate = self.rate(now)
         eta = (self.total - self.done) / rate if rate > 0 else math.inf
         percent = 100 * self.done / self.total if self.total else 100.0
         return (f"{self.desc}: {self.done:,}/{self.total:,} {self.unit} ({percent:.0f}%), "
                 f"{rate:,.0f} {self.unit}/s, ETA {format_seconds(eta)}")
+
+    def write(self, line: str) -> None:
+        """A message between progress updates (above the bar on a terminal); nothing when progress is off."""
+        if self.bar is not None:
+            self.bar.write(line, file=self.stream)
+        elif self.plain:
+            print(line, file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

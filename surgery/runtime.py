@@ -5,7 +5,6 @@ check, bench, uptrain) gets these from here."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 
@@ -14,6 +13,7 @@ import torch
 from .errors import SurgeryError
 from .checkpoint.source import Source
 from .checkpoint.tensors import DTYPES
+from .threads import threads  # noqa: F401 - the runtime's helpers in one place for its users
 
 
 # ---- where and on how many threads --------------------------------------------------------------------------------
@@ -29,20 +29,6 @@ def pick_device(device: str) -> torch.device:
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise SurgeryError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return dev
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    """Run a block with `n` torch compute threads, restoring the caller's setting afterwards.
-
-    The merge's small dense linear algebra (eigh and solves on ~100x100 matrices) runs single-threaded: measured
-    here, multi-threaded it was 2x to 80x slower; the plain converter is I/O-bound and needs no compute threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def compute_threads() -> int:

@@ -19,10 +19,9 @@ from pathlib import Path
 
 from .checkpoint.sha256 import sha256_file
 from .errors import SurgeryError
-from .checkpoint.record import read_record_or_empty
+from .checkpoint.record import CODE_RECORD, read_record_or_empty
 
 PACKAGE = Path(__file__).resolve().parent
-CODE_RECORD = "code_sha256"  # surgery.json key: {file name: sha256} of the code files a converter copied
 
 
 def _read_json_object(path: Path) -> dict:
@@ -110,8 +109,3 @@ def resolve_trust(folder, trusted: bool, flag: str = "--trust-remote-code", what
         return True
     files = ", ".join(code_references(folder)) or "auto_map"
     raise SurgeryError(f"{what or folder} ships its own modeling code ({files}); pass {flag} to run it")
-
-
-def code_record(folder, names) -> dict[str, str]:
-    """{name: sha256} of the code files a converter copied into `folder` (for surgery.json's "code_sha256")."""
-    return {name: sha256_file(Path(folder) / name) for name in names}

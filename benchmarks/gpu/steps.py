@@ -340,7 +340,7 @@ def median(v):
 def step_uptrain(ctx: Ctx) -> dict:
     """KD uptraining of the 1B layout's GQA conversion (teacher: its source): tokens/s, MFU, peak memory against the
     dry-run estimate."""
-    from surgery.recipes.estimate import stats_from_folder, uptrain_memory
+    from surgery.memory_estimate import stats_from_folder, uptrain_memory
 
     layout = "llama-3.2-1b"
     u = UPTRAIN[ctx.mode]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data import load_texts, pydoc_texts, token_stream
+from ..data import dataset_commits, load_texts, pydoc_texts, token_stream
 from ..errors import SurgeryError
 from ..general_text import resolve_texts, say_fallback
 
@@ -35,6 +35,7 @@ class CalibrationText:
     split: str
     documents_sha256: list[str]
     mixture: list[dict] | None = None  # several texts: each one's share ({"data", "tokens", "windows"})
+    data_commits: dict[str, str | None] | None = None  # each hub dataset's resolved commit (surgery/data.py)
 
     @property
     def tokens(self) -> int:
@@ -44,7 +45,8 @@ class CalibrationText:
         """The `surgery.json` "calibration" fields about the text."""
         record = {"data": self.data, "split": self.split, "tokens": self.tokens, "windows": int(self.windows.shape[0]),
                   "window_length": int(self.windows.shape[1]), "documents_sha256": self.documents_sha256}
-        return record | ({"mixture": self.mixture} if self.mixture else {})
+        return (record | ({"mixture": self.mixture} if self.mixture else {})
+                | ({"data_commits": self.data_commits} if self.data_commits else {}))
 
 
 def calibration_texts(spec: str, text_field: str = "text"):
@@ -89,7 +91,8 @@ def calibration_text(spec: str | Sequence[str], tokenizer, tokens: int, context:
                            f"of {length}")
     return CalibrationText(torch.cat([p.windows for p in parts]), " + ".join(specs), "mixture: " + "; ".join(
         f"{p.data}: {p.split}" for p in parts), [h for p in parts for h in p.documents_sha256],
-        [{"data": p.data, "tokens": p.tokens, "windows": int(p.windows.shape[0])} for p in parts])
+        [{"data": p.data, "tokens": p.tokens, "windows": int(p.windows.shape[0])} for p in parts],
+        {k: v for p in parts for k, v in (p.data_commits or {}).items()} or None)
 
 
 def _windows(spec: str, tokenizer, tokens: int, length: int, text_field: str) -> CalibrationText:
@@ -102,7 +105,7 @@ def _windows(spec: str, tokenizer, tokens: int, length: int, text_field: str) ->
     n = ids.numel() // length
     digests = [hashlib.sha256(text.encode("utf-8")).hexdigest() for text in used]
     return CalibrationText(ids[: n * length].view(n, length), spec, PYDOC_SPLIT if spec == "pydoc" else OTHER_SPLIT,
-                           digests)
+                           digests, data_commits=dataset_commits([spec]) or None)
 
 
 def pydoc_documents_used(tokenizer, tokens: int) -> list[int]:

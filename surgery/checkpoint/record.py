@@ -27,6 +27,7 @@ from ..errors import SurgeryError
 
 RECORD_FILE = "surgery.json"
 LOCAL_KEY = "local"
+CODE_RECORD = "code_sha256"  # {file name: sha256} of the code files a converter copied (surgery/trust.py reads it)
 EMBEDDED_NAMES = ("smollm2",)
 # Files that may change after a conversion without invalidating it: the record itself and the model card.
 UNHASHED = {RECORD_FILE, "README.md"}
@@ -41,6 +42,7 @@ class SourceRecord(_Part):
 
     spec: StrictStr | None = None
     revision: StrictStr | None = None
+    commit: StrictStr | None = None  # the hub commit the revision resolved to (None: not from the hub)
     gguf_file: StrictStr | None = None
     model_type: StrictStr | None = None
     shards_sha256: dict[str, StrictStr] | None = None
@@ -51,6 +53,7 @@ class CalibrationRecord(_Part):
 
     data: StrictStr | None = None
     documents_sha256: list[StrictStr] | None = None
+    data_commits: dict[str, StrictStr | None] | None = None  # each hub dataset's commit (None: offline)
 
 
 Count = Annotated[StrictInt, Field(ge=1)]  # heads, dims, ranks: a positive integer, never text or a bool
@@ -123,6 +126,7 @@ def new_record(kind: str, source, shard_hashes: dict[str, str]) -> dict:
         "source": {
             "spec": public_name(source.spec),
             "revision": source.revision,
+            "commit": source.commit,
             "gguf_file": Path(source.gguf_file).name if source.gguf_file else None,
             "model_type": source.config.get("model_type"),
             "shards_sha256": shard_hashes,
@@ -133,6 +137,11 @@ def new_record(kind: str, source, shard_hashes: dict[str, str]) -> dict:
             "gguf_path": str(Path(source.gguf_file).absolute()) if source.gguf_file else None,
         },
     }
+
+
+def code_record(folder, names) -> dict[str, str]:
+    """{name: sha256} of the code files a converter copied into `folder` (for surgery.json's "code_sha256")."""
+    return {name: sha256_file(Path(folder) / name) for name in names}
 
 
 def now() -> str:
@@ -256,7 +265,7 @@ MIXTURE = "mixture: "  # calibration "split" of several texts: "mixture: SPEC: s
 
 def is_local_data(spec: str) -> bool:
     """A data spec naming files of this machine (a path, a glob, a file with a data suffix), not `pydoc` or a hub
-    dataset `name[:config][@split]`; judged by its form, so it holds on a machine where the file is gone."""
+    dataset `name[:config][@split[@revision]]`; judged by its form, so it holds on a machine where the file is gone."""
     if spec in ("pydoc", "general") or spec.startswith("hf://"):
         return False
     return (spec.startswith(("/", ".", "~")) or any(c in spec for c in "*?[") or spec.count("/") > 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class Source:
     revision: str | None = None  # hub revision when it came from the hub
     gguf_file: str | None = None
     prepare_seconds: float = 0.0  # time spent making the folder (dequantizing a GGUF file the first time)
+    commit: str | None = None  # the hub commit the revision resolved to (None: a local folder or file)
 
     @property
     def config(self) -> dict:
@@ -108,7 +110,14 @@ def resolve_source(spec: str, revision: str | None = None, allow_pickle: bool = 
         raise SurgeryError(f"{spec} is neither a checkpoint folder nor a .gguf file")
     if spec.startswith((".", "/", "~")) or spec.count("/") > 1 or not spec.strip("/"):
         raise SurgeryError(f"{spec} does not exist (and is not a hub id of the form owner/name)")
-    return Source(download(spec, revision, allow_pickle), spec, revision=revision)
+    folder = download(spec, revision, allow_pickle)
+    return Source(folder, spec, revision=revision, commit=snapshot_commit(folder))
+
+
+def snapshot_commit(folder: Path) -> str | None:
+    """The commit a folder of huggingface_hub's cache is a snapshot of (`.../snapshots/COMMIT`), else None."""
+    folder = Path(folder)
+    return folder.name if folder.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", folder.name) else None
 
 
 def download(repo_id: str, revision: str | None, allow_pickle: bool) -> Path:

@@ -22,6 +22,8 @@ from ..dtypes import DTYPE_NAMES
 from . import validate
 from ..errors import SurgeryError
 
+# Every element type the safetensors format defines (its Rust `Dtype` enum), by code. Written out here because
+# safetensors.torch's own table (`_TYPES`) is private and lacks F8_E8M0.
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -31,11 +33,21 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "I32": torch.int32,
     "I16": torch.int16,
     "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "C64": torch.complex64,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
+# The format's sub-byte types: torch has no dtype holding one such value per element (float4_e2m1fn_x2 packs two
+# per byte, so a tensor's torch shape would not be its header's shape; there is no 6-bit dtype at all).
+SUBBYTE_DTYPES = {"F4": "4-bit", "F6_E2M3": "6-bit", "F6_E3M2": "6-bit"}
 DTYPE_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 # The floating dtypes a user names (--dtype), by name: the one table every command uses.
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -90,7 +102,8 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
     infos: dict[str, TensorInfo] = {}
     ranges = []
     for name, entry in header.items():
-        code, shape, begin, end = validate.safetensors_entry(path, name, entry, SAFETENSORS_DTYPES)
+        code, shape, begin, end = validate.safetensors_entry(path, name, entry, SAFETENSORS_DTYPES,
+                                                              SUBBYTE_DTYPES)
         dtype = SAFETENSORS_DTYPES[code]
         info = TensorInfo(name, path, dtype, shape, base + begin, end - begin)
         if info.numel * dtype_size(dtype) != info.nbytes or base + end > size:

@@ -108,12 +108,17 @@ def check_config_counts(config: dict, heads_required: bool = True) -> None:
 # --- safetensors headers -------------------------------------------------------------------------------------
 
 
-def safetensors_entry(path: Path, name: str, entry: object, dtypes: dict) -> tuple[str, tuple[int, ...], int, int]:
-    """(dtype code, shape, begin, end) of one header entry, with every field of the right type."""
+def safetensors_entry(path: Path, name: str, entry: object, dtypes: dict,
+                      subbyte: dict | None = None) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype code, shape, begin, end) of one header entry, with every field of the right type; a dtype of the
+    format that torch cannot hold per element (`subbyte`: code -> width) is its own line."""
     bad = SurgeryError(f"corrupt safetensors file {path}: bad entry for {name}")
     if not isinstance(entry, dict):
         raise bad
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if isinstance(dtype, str) and dtype in (subbyte or {}):
+        raise SurgeryError(f"{path}: tensor {name} has dtype {dtype} ({subbyte[dtype]} values), which torch cannot "
+                           "hold one value per element; surgery reads 8-bit and wider tensors")
     if not isinstance(dtype, str) or dtype not in dtypes:
         raise SurgeryError(f"corrupt safetensors file {path}: tensor {name} has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_is_int(s) and s >= 0 for s in shape):

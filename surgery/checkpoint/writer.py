@@ -13,11 +13,10 @@ from typing import Callable
 
 from .atomic import atomic_output_dir
 from ..errors import SurgeryError
-from .record import new_record, write_record
+from .record import CODE_RECORD, code_record, new_record, write_record
 from .source import Source, copy_side_files, custom_code_files, public_config, side_files
 from .tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
-from ..runtime import threads
-from ..trust import CODE_RECORD, code_record
+from ..threads import threads
 
 
 def write_conversion(source: Source, reader: CheckpointReader, out: Path, planned: list[PlannedTensor],

@@ -5,4 +5,5 @@ and YAML recipes (surgery/recipes) call. Layering, top to bottom: cli, recipes, 
 - `check.py`    `surgery check`: options model and the comparison.
 - `uptrain.py`  `surgery uptrain`: options model and the training run.
 - `push.py`     `surgery push`: options model and the upload.
+- `compare_merges.py` `surgery compare-merges`: every K/V merge method side by side.
 """

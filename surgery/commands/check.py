@@ -23,7 +23,7 @@ class CheckFailed(SurgeryError):
 
 class CheckOptions(PrecisionOptions):
     data: Texts = option(["pydoc"], "--data", "Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub "
-                         "dataset name[:config][@split]. Repeat it to check on several texts (e.g. domains) in one "
+                         "dataset name[:config][@split[@revision]]. Repeat it to check on several texts (e.g. domains) in one "
                          "run, each model loaded once: each text gives its own --tokens tokens and numbers.")
     text_field: str = option("text", "--text-field", "Column holding the text in tabular data.")
     tokens: int = option(16384, "--tokens", "Tokens to compare on (at least 1).")

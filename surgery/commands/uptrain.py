@@ -17,7 +17,7 @@ def uptrain_model(model: str, out: Path, options: UptrainArgs) -> None:
 
 
 def uptrain_dry_run(model: str, options: UptrainArgs) -> list[str]:
-    """The memory of each process `surgery uptrain MODEL ... --dry-run` prints (surgery/recipes/estimate.py): as many
+    """The memory of each process `surgery uptrain MODEL ... --dry-run` prints (surgery/memory_estimate.py): as many
     processes as `accelerate launch` started (WORLD_SIZE; FSDP when several), on CUDA when this machine has it,
     with the teacher when the loss distills. Nothing is loaded beyond the checkpoints' headers and configs."""
     import os
@@ -26,7 +26,7 @@ def uptrain_dry_run(model: str, options: UptrainArgs) -> list[str]:
 
     from ..checkpoint.record import local_source_folder, read_record
     from ..checkpoint.source import resolve_source
-    from ..recipes.estimate import stats_from_folder, uptrain_memory_per_process
+    from ..memory_estimate import stats_from_folder, uptrain_memory_per_process
     from ..uptrain.model_io import teacher_source
 
     source = resolve_source(model)

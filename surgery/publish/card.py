@@ -1,12 +1,16 @@
 """The model card (README.md) of a converted checkpoint: hub metadata and what was done to the model.
 
 Everything comes from the folder itself (config.json, surgery.json, uptrain.png), the source folder when it is
-still on disk (for `surgery.inspect` ratios and its licence), and `surgery check --json` reports.
+still on disk (for `surgery.inspect` ratios and its licence), and `surgery check --json` reports. The metadata is
+huggingface_hub's `ModelCardData` (base model and relation, datasets, the check reports' numbers as `model-index`
+`EvalResult`s) and the card a `ModelCard`, so the hub's own parser reads what it writes; the body is assembled here
+(not through ModelCard's Jinja templates, which would evaluate `{{ }}` inside a report's untrusted text).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import yaml
@@ -114,6 +118,85 @@ def metadata(v: Validation, info: dict) -> dict:
     meta["pipeline_tag"] = "text-generation" if is_causal_lm(v.config) else "feature-extraction"
     meta["tags"] = tags
     return meta
+
+
+def plain(value: object, limit: int = 200) -> str:
+    """Untrusted text for a metadata field: escaped as in the body (`text`: whoever renders the whole file as
+    Markdown, front matter included, meets no tag, link or table cell from a report), one line, cut to `limit`."""
+    return text(value, limit)
+
+
+def hub_datasets(record: dict, reports: list[tuple[str, dict]] = ()) -> list[str]:
+    """The hub datasets (`owner/name`) the model was calibrated, uptrained and checked on, in order of first use;
+    local files, pydoc and the offline fallback name none."""
+    from ..data import hub_dataset_id
+
+    def part(key: str) -> dict:
+        return record.get(key) if isinstance(record.get(key), dict) else {}
+
+    up = part("uptraining")
+    specs: list = [part("calibration").get("data"), *(up.get("data") if isinstance(up.get("data"), list)
+                                                      else [up.get("data")]), up.get("eval_data")]
+    for _, report in reports:
+        specs += [report.get("data")] + [t.get("data") for t in report.get("texts") or [] if isinstance(t, dict)]
+    ids: list[str] = []
+    for spec in specs:
+        for one in spec.split(" + ") if isinstance(spec, str) else []:
+            name = hub_dataset_id(one)
+            if name and name not in ids:
+                ids.append(name)
+    return ids
+
+
+# A check report's numbers as model-index metrics: (report key, metric type, metric name).
+CHECK_METRICS = [("ppl_converted", "perplexity", "perplexity"),
+                 ("kl", "kl_divergence", "KL(source || converted) per token"),
+                 ("top1_agreement", "top1_agreement", "top-1 agreement with the source")]
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def eval_results(reports: list[tuple[str, dict]]):
+    """The check reports as huggingface_hub `EvalResult`s (the card's `model-index`): per checked text, the converted
+    model's perplexity, its KL from the source and its top-1 agreement; per lm-eval task, the converted score."""
+    from huggingface_hub import EvalResult
+
+    from ..check.tasks import rows as task_rows
+    from ..checkpoint.record import public_data
+    from ..data import hub_dataset_id
+
+    out = []
+    for name, report in reports:
+        texts = [t for t in report.get("texts") or [] if isinstance(t, dict)] or [report]
+        for row in texts:
+            data = row.get("data") if isinstance(row.get("data"), str) else row.get("text", "?")
+            tokens = {"tokens": row["tokens"]} if _finite(row.get("tokens")) else None
+            for key, metric, metric_name in CHECK_METRICS:
+                if _finite(row.get(key)):
+                    out.append(EvalResult(
+                        task_type="text-generation", task_name=plain(f"surgery check: {name}"),
+                        dataset_type=plain(hub_dataset_id(str(data)) or public_data(str(data))),
+                        dataset_name=plain(public_data(str(data))), dataset_args=tokens, metric_type=metric,
+                        metric_name=metric_name,
+                        metric_value=float(row[key])))
+        if isinstance(report.get("tasks"), dict):
+            for task, metric, _, converted in task_rows(report["tasks"]):
+                if _finite(converted):
+                    out.append(EvalResult(task_type="text-generation", task_name=plain(task), dataset_type=plain(task),
+                                          dataset_name=plain(task), metric_type=plain(metric), metric_name=plain(metric),
+                                          metric_value=float(converted)))
+    return out
+
+
+def card_data(v: Validation, info: dict, repo_id: str, reports: list[tuple[str, dict]] = ()):
+    """The card's metadata as huggingface_hub's `ModelCardData` (see `metadata`), with the datasets and results."""
+    from huggingface_hub import ModelCardData
+
+    results = eval_results(list(reports))
+    return ModelCardData(**metadata(v, info), datasets=hub_datasets(v.record or {}, reports) or None,
+                         eval_results=results or None, model_name=plain(repo_id.split("/")[-1]) if results else None)
 
 
 def _ratio(a, b) -> str:
@@ -348,8 +431,10 @@ def bench_section(bench: dict | None) -> list[str]:
 
 
 def build_card(v: Validation, repo_id: str, reports: list[tuple[str, dict]] = (), bench: dict | None = None) -> str:
+    from huggingface_hub import ModelCard
+
     info = source_info(v.record)
-    meta = metadata(v, info)
+    data = card_data(v, info, repo_id, list(reports))
     body = [f"# {text(repo_id.split('/')[-1])}", ""]
     body += conversion_section(v, info)
     body += check_section(list(reports))
@@ -358,8 +443,8 @@ def build_card(v: Validation, repo_id: str, reports: list[tuple[str, dict]] = ()
     body += usage_section(v, repo_id)
     body += ["`surgery.json` in this repository records the source (and the sha256 of its files), the conversion "
              "and any uptraining.", ""]
-    return ("---\n" + yaml.safe_dump(meta, sort_keys=False, allow_unicode=True) + "---\n\n" + MARKER + "\n\n"
-            + "\n".join(body))
+    card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n{MARKER}\n\n" + "\n".join(body))  # parsed as the hub will
+    return str(card)
 
 
 def load_reports(paths: list[Path]) -> list[tuple[str, dict]]:

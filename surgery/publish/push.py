@@ -101,9 +101,9 @@ def push_folder(folder: Path, repo_id: str, private: bool = False, revision: str
     reports = load_reports(list(check_reports))
     bench = None
     if bench_report is not None:
-        from ..bench import load_report
+        from .reports import load_bench_report
 
-        bench = load_report(bench_report)
+        bench = load_bench_report(bench_report)
 
     card = folder / "README.md"
     card_written = not card.exists() or MARKER in card.read_text(errors="replace")

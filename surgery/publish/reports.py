@@ -4,6 +4,7 @@ is uploaded, instead of a traceback half-way through writing the card. Unknown f
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -94,3 +95,15 @@ class BenchReport(Loose):
     rounds: Optional[StrictInt] = None
     new_tokens: Optional[StrictInt] = None
     flash_attn: Optional[Literal["on", "off"]] = None  # llama.cpp's attention path (surgery bench --flash-attn)
+
+
+def load_bench_report(path: Path) -> dict:
+    """A `surgery bench --json` report, with the fields the card reads of the right types (else one line)."""
+    from ..errors import SurgeryError
+    from ..loaders import read_json, validated
+
+    report = read_json(path, f"bench report {path}")
+    if not isinstance(report, dict) or not isinstance(report.get("results"), list) or "machine" not in report:
+        raise SurgeryError(f"{path} is not a `surgery bench --json` report")
+    validated(BenchReport, report, f"bench report {path}")
+    return report

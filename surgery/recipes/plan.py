@@ -14,7 +14,7 @@ from pathlib import Path
 from ..errors import SurgeryError
 from ..general_text import describe_texts
 from ..units import human_bytes, human_count
-from . import estimate as est
+from .. import memory_estimate as est
 from .runner import (MODEL_STEPS, Fingerprints, State, check_recipe_output, command_line, is_done, launch_prefix,
                      plan_steps, step_range)
 from .schema import Recipe
@@ -205,5 +205,5 @@ def print_plan(plan: dict) -> None:
         for r in plan["steps"]:
             if r.get("texts"):
                 print(f"  {r['number']}. {' + '.join(r['texts'])}")
-    console.print("(dry run: nothing was run; memory, sizes and times are estimates, see surgery/recipes/estimate.py "
+    console.print("(dry run: nothing was run; memory, sizes and times are estimates, see surgery/memory_estimate.py "
                   "and surgery/estimate.py)")

@@ -25,6 +25,7 @@ from ..checkpoint.atomic import atomic_output_dir, check_apart, check_output_pat
 from ..checkpoint.sha256 import sha256_file
 from ..errors import SurgeryError
 from ..kinds import check_checkpoint, find_kind
+from ..data import dataset_commits
 from ..loaders import read_json
 from ..precision import resolve_precision
 from ..checkpoint.source import resolve_source, side_files
@@ -47,6 +48,8 @@ OOM_MARKERS = ("out of memory", "can't allocate memory", "CUDA error: out of mem
 
 def lr_at(step: int, o: UptrainOptions) -> float:
     """Learning rate for optimizer step `step` (0-based): linear warmup, then cosine down to lr * min_lr_ratio."""
+    # Not transformers' cosine_with_min_lr schedule: its warmup starts at lr 0 (step / warmup, one step later than
+    # here), which would make step 0 a no-op and move every saved run's schedule (tests/uptrain/test_lr_schedule.py).
     warmup, total = o.warmup, o.steps
     if step < warmup:
         return o.lr * (step + 1) / warmup
@@ -823,6 +826,7 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
         "data_workers": o.data_workers,  # the number `auto` resolved to on this run's device
         "sources": getattr(state, "sources", None),
         "eval_data": o.eval_data,
+        "data_commits": dataset_commits([*o.data, o.eval_data]) or None,  # each hub dataset's resolved commit
         "text_field": o.text_field,
         **o.txt_key(),  # a .txt file's documents: its paragraphs, lines or whole
         "tokens": o.total_steps * o.batch_tokens,

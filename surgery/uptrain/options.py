@@ -80,7 +80,7 @@ class UptrainArgs(PrecisionOptions):
 
     data: Texts = option(["general"], "--data", "Text: general (general web text, C4, from the hub; pydoc "
                          "offline), pydoc, local .txt/.jsonl/.parquet files or globs, or a hub "
-                         "dataset name[:config][@split]. Repeat for a mixture (--data-weights).")
+                         "dataset name[:config][@split[@revision]]. Repeat for a mixture (--data-weights).")
     data_weights: str | list[float] | None = option(
         None, "--data-weights", "Mixture weights, one per --data, comma-separated (default: equal).")
     data_mode: Literal[DATA_MODES] = option(

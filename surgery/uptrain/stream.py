@@ -162,8 +162,8 @@ class Plan:
             if unit:
                 return datasets.load_dataset(BUILDERS[Path(unit).suffix], data_files=[unit], split="train",
                                              streaming=True)
-            name, config, split = parse_hub_spec(source.spec)
-            return datasets.load_dataset(name, config, split=split, streaming=self.streaming)
+            name, config, split, revision = parse_hub_spec(source.spec)
+            return datasets.load_dataset(name, config, split=split, streaming=self.streaming, revision=revision)
         except Exception as e:  # datasets raises many kinds for unreadable files and unknown datasets
             raise SurgeryError(f"cannot read data {unit or source.spec}: {str(e).splitlines()[0]}") from None
 

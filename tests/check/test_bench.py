@@ -206,7 +206,7 @@ def test_flash_attn_with_another_engine_or_value_is_one_line(pair, capsys, tmp_p
     assert resolve_flash_attn(None, "llama.cpp") == "on" and resolve_flash_attn(None, "vllm") is None
     report = run_bench(BenchOptions(source=str(src), converted=str(mqa), contexts=[8], new=2, rounds=1, threads=1))
     assert report["flash_attn"] is None  # transformers: no such switch, and the report does not pretend one
-    from surgery.bench import load_report
+    from surgery.publish.reports import load_bench_report as load_report
 
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(report | {"flash_attn": "sometimes"}))

@@ -164,7 +164,7 @@ def test_the_kd_teacher_is_sharded_like_the_student_in_the_per_process_estimate(
     per process holds its shard and one gathered layer, not the whole teacher as on one process."""
     from pathlib import Path
 
-    from surgery.recipes import estimate as est
+    from surgery import memory_estimate as est
     from surgery.recipes.schema import step_models
 
     config = json.loads((Path(__file__).parents[2] / "recipes/configs/llama-3-8b.json").read_text())

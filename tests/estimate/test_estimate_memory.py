@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers as tf
 
-from surgery.recipes import estimate as est
+from surgery import memory_estimate as est
 from surgery.recipes.schema import step_models
 from surgery.testing.pydoc_llama import make_tokenizer
 

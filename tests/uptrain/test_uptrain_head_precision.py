@@ -46,7 +46,7 @@ def test_the_dry_run_counts_whole_logits_where_the_head_cannot_chunk(tmp_path):
     gradient: the estimate adds them; the same rule as the probe's, on the same models."""
     from types import SimpleNamespace
 
-    from surgery.recipes.estimate import chunked_head, stats_from_folder, uptrain_memory
+    from surgery.memory_estimate import chunked_head, stats_from_folder, uptrain_memory
 
     llama = tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL))
     capped = tf.Gemma2ForCausalLM(tf.Gemma2Config(**SMALL, head_dim=16, final_logit_softcapping=30.0))

@@ -5,7 +5,7 @@ Modules: `capture` (what one layer's attention sees on the calibration tokens; t
 (grouping heads by similarity), `layer` (one layer's merge and export), `refit` (least-squares refits of q_proj /
 o_proj, summed over chunks), `keyrefit` / `valuerefit` (the optional key and value refits), `shape` (the head
 layout the refits share), `pipeline` (the layer loop, chunk by chunk), `convert` (the checkpoint writer).
-`surgery compare-merges` is `surgery.kv.compare`.
+`surgery compare-merges` is `surgery.commands.compare_merges`.
 """
 
 from .convert import convert_aligned

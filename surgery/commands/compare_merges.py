@@ -12,14 +12,14 @@ import time
 from pathlib import Path
 
 from ..check.compare import compare_models
-from .convert import KVOptions, convert_to_kv_heads
+from ..kv.convert import KVOptions, convert_to_kv_heads
 from ..data import load_texts, token_stream
 from ..errors import SurgeryError
 from ..checkpoint.source import Source, resolve_source
 from ..calibration.text import pydoc_documents_used
 from ..runtime import compute_threads, context_length, is_causal_lm, load_model, load_tokenizer, pick_device, threads
 from ..kinds.kv import METHODS
-from .aligned.convert import convert_aligned
+from ..kv.aligned.convert import convert_aligned
 
 
 

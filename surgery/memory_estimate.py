@@ -34,8 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..arch import attention_shape
-from ..dtypes import DTYPE_BYTES
+from .arch import attention_shape
+from .dtypes import DTYPE_BYTES
 
 
 MB = 1 << 20
@@ -76,8 +76,8 @@ def _shape(config: dict) -> dict:
 
 
 def stats_from_folder(folder: Path, allow_pickle: bool = False) -> ModelStats:
-    from ..checkpoint.source import load_config
-    from ..checkpoint.tensors import CheckpointReader, dtype_size
+    from .checkpoint.source import load_config
+    from .checkpoint.tensors import CheckpointReader, dtype_size
 
     config = load_config(folder)
     with CheckpointReader(folder, allow_pickle=allow_pickle) as reader:
@@ -130,7 +130,7 @@ def convert_memory(stats: ModelStats, options) -> int:
 
 def streamed_calibration(stats: ModelStats, options, throughput=None):
     """The calibrated conversion's estimate (the kind's cost model, surgery/estimate.py) for a convert step."""
-    from ..estimate import Throughput
+    from .estimate import Throughput
 
     dtype = {4: "float32", 2: "bfloat16"}.get(stats.dtype_bytes, "float32")
     device = getattr(options, "device", "cpu") or "cpu"
@@ -247,7 +247,7 @@ class ProcessMemory:
         return self._peak(self.device_other)[1]
 
     def lines(self) -> list[str]:
-        from ..units import human_bytes
+        from .units import human_bytes
 
         def table(label, phases):
             name, peak = self._peak(phases)

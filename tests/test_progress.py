@@ -1,0 +1,58 @@
+"""One progress implementation (surgery/progress.py, on tqdm) for checks and uptraining: plain lines when the output
+is not a terminal, a tqdm bar when it is, nothing outside the main process."""
+
+import io
+
+import tqdm
+
+from surgery.progress import Progress
+from surgery.uptrain.progress import Progress as UptrainProgress
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_plain_lines_when_piped_and_a_tqdm_bar_on_a_terminal(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    piped = io.StringIO()
+    with Progress(100, "check source", every=0, stream=piped) as p:
+        p.update(25)
+        p.write("a message")
+        p.update(75)
+    lines = piped.getvalue().splitlines()
+    assert lines[0].startswith("check source: 25/100 tokens (25%), ") and "tokens/s, ETA " in lines[0]
+    assert lines[1] == "a message" and lines[2].startswith("check source: 100/100 tokens (100%)")
+    term = Terminal()
+    with Progress(100, "check source", every=0, stream=term) as p:
+        assert isinstance(p.bar, tqdm.tqdm)
+        p.update(40)
+        p.bar.refresh()
+    assert "check source:  40%|" in term.getvalue()
+
+
+def test_uptrain_progress_is_the_same_implementation(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert issubclass(UptrainProgress, Progress)
+    out = io.StringIO()
+    p = UptrainProgress(4, 1, 512, enabled=True, every_s=0, stream=out, terminal=False, data_line=lambda: "read 9 tokens")
+    for step in (2, 3, 4):
+        p.step({"step": step, "loss": 2.5, "tokens_per_s": 100.0})
+    lines = out.getvalue().splitlines()
+    assert [ln.split(",")[0] for ln in lines] == ["uptrain: step 2/4", "uptrain: step 3/4", "uptrain: step 4/4"]
+    assert lines[-1].startswith("uptrain: step 4/4, 2,048/2,048 tokens, ") and lines[-1].endswith(
+        "loss 2.5000; read 9 tokens")
+
+
+def test_only_the_main_process_reports(monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setenv("RANK", "1")
+    with Progress(10, "check source", every=0, stream=out) as p:
+        p.update(10)
+        p.write("hidden")
+    assert out.getvalue() == ""
+    monkeypatch.setenv("RANK", "0")
+    with Progress(10, "check source", every=0, stream=out) as p:
+        p.update(10)
+    assert out.getvalue().startswith("check source: 10/10 tokens (100%)")
