@@ -54,11 +54,13 @@ def _api_property(name: str) -> property:
 
 
 class _Package(types.ModuleType):
-    """`surgery.check` and `surgery.inspect` are the API's functions although subpackages of the same name exist
-    (surgery/check, surgery/inspect.py): an attribute of the module class wins over the import system's binding."""
+    """`surgery.check`, `surgery.inspect` and `surgery.uptrain` are the API's functions although submodules of the
+    same names exist (surgery/check, surgery/inspect.py, surgery/uptrain): an attribute of the module class wins over
+    the import system's binding."""
 
     check = _api_property("check")
     inspect = _api_property("inspect")
+    uptrain = _api_property("uptrain")
 
 
 sys.modules[__name__].__class__ = _Package
