@@ -8,22 +8,32 @@ import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
 
 from ..options import validate_options
 from .results import CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, UptrainResult
 from .sources import source_spec, text_spec, text_specs
 
+if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
 log = logging.getLogger("surgery")
 
-PathLike = str | os.PathLike
+PathLike = Union[str, os.PathLike]
+Source = Union[str, os.PathLike, "PreTrainedModel", ConversionResult, UptrainResult]
+"""A checkpoint folder, a hub id, a `.gguf` file, `"smollm2"`, a result, or a loaded model."""
+Text = Union[str, Sequence[str], Sequence[dict], "Dataset", "IterableDataset", tuple]
+"""A text spec (`pydoc`, `general`, files, a hub dataset), a list of documents or rows, a dataset, or a tuple of
+several of these (a mixture)."""
 
 
 def _default(model, name: str) -> Any:
     return model.model_fields[name].default
 
 
-def convert(source: Any, out: PathLike, *, to: str, tokenizer: Any = None, **options: Any) -> ConversionResult:
+def convert(source: Source, out: PathLike, *, to: str, tokenizer: PreTrainedTokenizerBase | None = None,
+            **options: Any) -> ConversionResult:
     """Convert a checkpoint to another attention, as `surgery convert SOURCE --out OUT --to KIND` does.
 
     Args:
@@ -52,14 +62,15 @@ def convert(source: Any, out: PathLike, *, to: str, tokenizer: Any = None, **opt
     model = options_model()
     values = dict(options, to=to)
     if "calib" in values:
-        values["calib"] = text_specs(values["calib"], "text", values.get("calib_tokens") or _default(model, "calib_tokens"))
+        tokens = values.get("calib_tokens") or _default(model, "calib_tokens")
+        values["calib"] = text_specs(values["calib"], "text", tokens)
     parsed = validate_options(model, values)
     message = convert_checkpoint(source_spec(source, tokenizer), Path(out), parsed)
     log.info(message)
     return ConversionResult.read(Path(out), parsed.to, message)
 
 
-def check(source: Any, converted: Any, *, json_out: PathLike | None = None, **options: Any) -> CheckReport:
+def check(source: Source, converted: Source, *, json_out: PathLike | None = None, **options: Any) -> CheckReport:
     """Compare a converted checkpoint with its source on the same tokens, as `surgery check SOURCE CONVERTED` does.
 
     Args:
@@ -89,7 +100,7 @@ def check(source: Any, converted: Any, *, json_out: PathLike | None = None, **op
     return CheckReport(report)
 
 
-def inspect(*checkpoints: Any, context: int = 4096, allow_pickle: bool = False) -> list[InspectReport]:
+def inspect(*checkpoints: Source, context: int = 4096, allow_pickle: bool = False) -> list[InspectReport]:
     """Heads, K/V heads, parameters, KV-cache bytes and attention MACs of checkpoints, from their headers only (as
     `surgery inspect --json`).
 
@@ -111,12 +122,13 @@ def inspect(*checkpoints: Any, context: int = 4096, allow_pickle: bool = False) 
     for c in checkpoints:
         spec = source_spec(c)
         folder = resolve_source(spec, allow_pickle=allow_pickle).folder
-        reports.append(InspectReport(inspect_checkpoint(folder, context=context, label=spec, allow_pickle=allow_pickle)))
+        stats = inspect_checkpoint(folder, context=context, label=spec, allow_pickle=allow_pickle)
+        reports.append(InspectReport(stats))
     return reports
 
 
-def uptrain(model: Any, out: PathLike, *, tokenizer: Any = None, progress: bool = True,
-            **options: Any) -> UptrainResult:
+def uptrain(model: Source, out: PathLike, *, tokenizer: PreTrainedTokenizerBase | None = None,
+            progress: bool = True, **options: Any) -> UptrainResult:
     """Continue training a (converted) causal LM, as `surgery uptrain MODEL --out OUT` does.
 
     Args:
@@ -140,7 +152,8 @@ def uptrain(model: Any, out: PathLike, *, tokenizer: Any = None, progress: bool 
 
     values = dict(options)
     tokens = values.get("tokens")
-    need = (tokens if isinstance(tokens, int) else 0) + (values.get("eval_tokens") or _default(UptrainArgs, "eval_tokens"))
+    held_out = values.get("eval_tokens") or _default(UptrainArgs, "eval_tokens")
+    need = (tokens if isinstance(tokens, int) else 0) + held_out
     need *= values.get("data_epochs") or 1
     field = values.get("text_field") or "text"
     if "data" in values:
@@ -154,8 +167,9 @@ def uptrain(model: Any, out: PathLike, *, tokenizer: Any = None, progress: bool 
     return UptrainResult.read(Path(out))
 
 
-def push(folder: Any, repo_id: str, *, check_reports: Sequence[PathLike | CheckReport] = (),
-         json_out: PathLike | None = None, **options: Any) -> PushResult:
+def push(folder: PathLike | ConversionResult | UptrainResult, repo_id: str, *,
+         check_reports: Sequence[PathLike | CheckReport] = (), json_out: PathLike | None = None,
+         **options: Any) -> PushResult:
     """Validate a converted folder and upload it to the hub, with its model card, as `surgery push FOLDER REPO_ID`.
 
     Args:

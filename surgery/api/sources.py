@@ -67,8 +67,9 @@ def model_folder(model: Any, tokenizer: Any = None) -> str:
 
 
 def _tokenizer_beside(model: Any):
-    folder = Path(str(getattr(model, "name_or_path", "") or ""))
-    if not (folder.is_dir() and ((folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file())):
+    name = str(getattr(model, "name_or_path", "") or "")
+    folder = Path(name)
+    if not name or not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer
 

@@ -23,7 +23,8 @@ def test_convert_check_uptrain_example(tiny, tmp_path):
                          "--out", tmp_path / "out", cache=tmp_path / "cache")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
-    assert lines[0].startswith(f"wrote {tmp_path / 'out' / 'gqa'}: ") and "(2 -> 1 K/V heads, aligned merge)" in lines[0]
+    assert lines[0].startswith(f"wrote {tmp_path / 'out' / 'gqa'}: ")
+    assert "(2 -> 1 K/V heads, aligned merge)" in lines[0]
     assert any(line.startswith("check: KL ") for line in lines)
     assert any(line.startswith("uptrain: 1024 tokens, held-out perplexity") for line in lines)
     assert lines[-1] == f"LlamaForCausalLM: 4 heads, 1 K/V heads, in {tmp_path / 'out' / 'gqa-uptrained'}"
