@@ -242,3 +242,25 @@ def test_push_uploads_with_a_check_report_object_in_the_card(tiny, tmp_path):
     assert f"{100 * out['report']['top1_agreement']:.2f}%" in card
     with pytest.raises(surgery.SurgeryError, match="must be of the form owner/name"):
         surgery.push(tiny, "no-owner")
+
+
+@pytest.mark.parametrize("command, own", [
+    ("convert", {"out", "dry_run", "json_out", "source"}),
+    ("check", {"json_out", "source", "converted"}),
+    ("uptrain", {"out", "dry_run", "model"}),
+    ("push", {"folder", "check_reports", "json_out"}),
+])
+def test_the_api_takes_the_options_the_command_line_lists(command, own):
+    """One source of truth: every option of `surgery COMMAND` is a keyword of surgery.COMMAND, under its field name,
+    and nothing else is."""
+    from surgery.cli import cli
+    from surgery.commands.check import CheckOptions
+    from surgery.commands.convert import options_model
+    from surgery.commands.push import PushOptions
+    from surgery.commands.uptrain import UptrainArgs
+
+    model = {"convert": options_model(), "check": CheckOptions, "uptrain": UptrainArgs, "push": PushOptions}[command]
+    params = {p.name for p in cli.commands[command].params if p.expose_value} - own
+    assert params == set(model.model_fields)
+    with pytest.raises(surgery.SurgeryError, match="^unknown option 'not_an_option'"):
+        getattr(surgery, command)("x", "y", not_an_option=1, **({"to": "mqa"} if command == "convert" else {}))
