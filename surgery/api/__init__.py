@@ -11,8 +11,8 @@ return results.
 """
 
 from ..errors import SurgeryError
-from .functions import check, convert, inspect, push, run_recipe, uptrain
+from .functions import Source, Text, check, convert, inspect, push, run_recipe, uptrain
 from .results import CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, UptrainResult
 
-__all__ = ["CheckReport", "ConversionResult", "InspectReport", "PushResult", "RecipeResult", "SurgeryError",
-           "UptrainResult", "check", "convert", "inspect", "push", "run_recipe", "uptrain"]
+__all__ = ["CheckReport", "ConversionResult", "InspectReport", "PushResult", "RecipeResult", "Source", "SurgeryError",
+           "Text", "UptrainResult", "check", "convert", "inspect", "push", "run_recipe", "uptrain"]

@@ -140,7 +140,9 @@ def uptrain(model: Source, out: PathLike, *, tokenizer: PreTrainedTokenizerBase 
             `teacher=`, `seq_len=`, `batch_tokens=`, `lr=`, `device` comes from accelerate, ...). `data` and
             `eval_data` also take a `datasets.Dataset` / `IterableDataset`, a list of strings (documents) or, for
             `data`, a tuple of several sources (a mixture, with `data_weights=`); `teacher` also takes a loaded
-            model. Token counts, windows and held-out splits apply to them as to files.
+            model. Token counts, windows and held-out splits apply to them as to files. A data object is first
+            written into the cache as a .jsonl file (up to 32 characters per token the run needs): for a large
+            streamed hub dataset, pass its spec (`"name:config@split"`, with `streaming=True`) instead.
 
     Returns:
         The trained checkpoint: its folder, record, metrics and `.load()`.
