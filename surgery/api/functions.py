@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
 
-from ..options import validate_options
+from ..options import refuse_unknown, validate_options
 from .results import CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, UptrainResult
 from .sources import source_spec, text_spec, text_specs
 
@@ -61,6 +61,7 @@ def convert(source: Source, out: PathLike, *, to: str, tokenizer: PreTrainedToke
 
     model = options_model()
     values = dict(options, to=to)
+    refuse_unknown(model, values)  # before any data object is written
     if "calib" in values:
         tokens = values.get("calib_tokens") or _default(model, "calib_tokens")
         values["calib"] = text_specs(values["calib"], "text", tokens)
@@ -91,6 +92,7 @@ def check(source: Source, converted: Source, *, json_out: PathLike | None = None
     from ..commands.check import CheckOptions, check_checkpoints
 
     values = dict(options)
+    refuse_unknown(CheckOptions, values)
     if "data" in values:
         values["data"] = text_specs(values["data"], values.get("text_field") or "text",
                                     values.get("tokens") or _default(CheckOptions, "tokens"))
@@ -153,6 +155,7 @@ def uptrain(model: Source, out: PathLike, *, tokenizer: PreTrainedTokenizerBase 
     from ..commands.uptrain import UptrainArgs, uptrain_model
 
     values = dict(options)
+    refuse_unknown(UptrainArgs, values)
     tokens = values.get("tokens")
     held_out = values.get("eval_tokens") or _default(UptrainArgs, "eval_tokens")
     need = (tokens if isinstance(tokens, int) else 0) + held_out

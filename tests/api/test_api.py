@@ -58,9 +58,10 @@ def test_import_surgery_imports_no_torch_until_a_function_runs():
     assert result.returncode == 0, result.stderr
 
 
-def test_an_unknown_keyword_is_named_with_the_closest_option_before_any_work(tiny, tmp_path):
+def test_an_unknown_keyword_is_named_with_the_closest_option_before_any_work(tiny, tmp_path, cache):
     with pytest.raises(surgery.SurgeryError, match=r"^unknown option 'kv_head'; did you mean 'kv_heads'\?$"):
-        surgery.convert(tiny, tmp_path / "out", to="gqa", kv_head=1)
+        surgery.convert(tiny, tmp_path / "out", to="gqa", kv_head=1, calib=DOCS[:3])
+    assert not (cache / "data").exists()  # the calibration list was not written
     with pytest.raises(surgery.SurgeryError, match=r"^unknown option 'tokns'; did you mean 'tokens'\?$"):
         surgery.check(tiny, tiny, tokns=64)
     assert not (tmp_path / "out").exists()
