@@ -32,3 +32,15 @@ def test_convert_check_uptrain_example(tiny, tmp_path):
     assert record["uptraining"]["loss"] == "kd" and record["uptraining"]["tokens"] == 1024
     calibration = json.loads((tmp_path / "out" / "gqa" / "surgery.json").read_text())["calibration"]
     assert calibration["tokens"] == 1024 and Path(calibration["data"]).parent == tmp_path / "cache" / "data"
+
+
+def test_recipe_from_python_example(tiny, tmp_path):
+    result = run_example("recipe_from_python.py", "--model", tiny, "--fast", "--out", tmp_path / "out",
+                         cache=tmp_path / "cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "first run: convert ran, check ran" in lines and "second run: convert skipped, check skipped" in lines
+    report = json.loads((tmp_path / "out" / "02-check.json").read_text())
+    assert report["tokens"] == 256 and lines[-1].startswith(f"check: KL {report['kl']:.4f}")
+    record = json.loads((tmp_path / "out" / "01-convert" / "surgery.json").read_text())
+    assert record["calibration"]["tokens"] == 512 and record["kind"] == "mqa"
