@@ -91,13 +91,13 @@ def convert_command() -> click.Command:
                   "as JSON ('-' for stdout).")
     @model_options(options_model())
     def convert(source, out, dry_run, json_out, **values):
-        from surgery.commands.convert import convert_checkpoint
+        from surgery.api import convert as convert_source
 
         options = parse_options(options_model(), values)
         if dry_run:
             _print_dry_run(source, options, json_out)
             return
-        click.echo(convert_checkpoint(source, _required_out(out), options))
+        click.echo(convert_source(source, _required_out(out), **values).message)
 
     return convert
 
@@ -165,11 +165,10 @@ def inspect(checkpoints, context, as_json, allow_pickle):
 
     With several, ratios against the first are shown.
     """
-    from surgery.inspect import inspect_checkpoint, print_inspection
-    from surgery.checkpoint.source import resolve_source
+    from surgery.api import inspect as inspect_checkpoints
+    from surgery.inspect import print_inspection
 
-    stats = [inspect_checkpoint(resolve_source(c, allow_pickle=allow_pickle).folder, context=context, label=c,
-                                allow_pickle=allow_pickle) for c in checkpoints]
+    stats = [dict(r) for r in inspect_checkpoints(*checkpoints, context=context, allow_pickle=allow_pickle)]
     if as_json:
         click.echo(json.dumps(stats, indent=2))
     else:
@@ -266,7 +265,8 @@ def uptrain(model, out, dry_run, **kw):
     surgery.json extended by an "uptraining" record, uptrain_metrics.jsonl and uptrain.png; checkpoints go to
     OUT.run (--resume continues from the newest).
     """
-    from surgery.commands.uptrain import uptrain_dry_run, uptrain_model
+    from surgery.api import uptrain as uptrain_checkpoint
+    from surgery.commands.uptrain import uptrain_dry_run
 
     options = parse_options(UptrainArgs, kw)
     if dry_run:
@@ -277,7 +277,7 @@ def uptrain(model, out, dry_run, **kw):
         return
     if out is None:
         _fail("uptrain needs --out (the output folder) unless --dry-run")
-    uptrain_model(model, out, options)
+    uptrain_checkpoint(model, out, **kw)
 
 
 @cli.command()

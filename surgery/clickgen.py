@@ -9,10 +9,9 @@ import typing
 from typing import Any, Iterable, Literal
 
 import click
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from .errors import SurgeryError
-from .options import cli_meta
+from .options import cli_meta, validate_options
 
 
 def _base_type(annotation: Any) -> Any:
@@ -84,16 +83,9 @@ def model_options(model: type[BaseModel], exclude: Iterable[str] = (), only: Ite
 
 
 def parse_options(model: type[BaseModel], values: dict) -> BaseModel:
-    """Validate a command's option values into `model`; the first broken rule is one `surgery: error:` line."""
-    try:
-        return model.model_validate({k: v for k, v in values.items() if k in model.model_fields})
-    except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        message = err["msg"].removeprefix("Value error, ")
-        field = next((p for p in err["loc"] if isinstance(p, str) and p in model.model_fields), None)
-        if field is not None and err["type"] not in ("value_error", "assertion_error"):
-            message = f"{cli_meta(model, field)['flag']}: {message}"
-        raise SurgeryError(message) from None
+    """Validate a command's option values into `model`; the first broken rule is one `surgery: error:` line (the
+    Python API validates its keywords the same way: surgery.options.validate_options)."""
+    return validate_options(model, {k: v for k, v in values.items() if k in model.model_fields})
 
 
 class GroupedCommand(click.Command):

@@ -48,6 +48,42 @@ class CliModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def validate_options(model: type[BaseModel], values: dict, *, extra_names: Iterable[str] = ()) -> BaseModel:
+    """`values` validated into `model`, the one way both front ends turn option values into options: the command line
+    (surgery/clickgen.py) and the Python API (surgery/api). A key that is no field of `model` (nor one of
+    `extra_names`, taken elsewhere) is refused with the closest option's name; the first broken rule is one line,
+    worded as the command line prints it (`--kv-heads: ...`). Raises SurgeryError."""
+    from pydantic import ValidationError
+
+    from .errors import SurgeryError
+
+    refuse_unknown(model, values, extra_names)
+    try:
+        return model.model_validate({k: v for k, v in values.items() if k in model.model_fields})
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        message = err["msg"].removeprefix("Value error, ")
+        field = next((p for p in err["loc"] if isinstance(p, str) and p in model.model_fields), None)
+        if field is not None and err["type"] not in ("value_error", "assertion_error"):
+            message = f"{cli_meta(model, field)['flag']}: {message}"
+        raise SurgeryError(message) from None
+
+
+def refuse_unknown(model: type[BaseModel], values: Iterable[str], extra_names: Iterable[str] = ()) -> None:
+    """SurgeryError naming the first of `values` (option names) that is no field of `model` nor one of
+    `extra_names`, and the closest name that is."""
+    import difflib
+
+    from .errors import SurgeryError
+
+    known = [*model.model_fields, *extra_names]
+    unknown = [k for k in values if k not in known]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise SurgeryError(f"unknown option {unknown[0]!r}{hint}")
+
+
 # ---- how a rule names the options it is about ---------------------------------------------------------------
 class Spelling:
     """Option names as the command line writes them: `--to gqa`, `--kv-heads N`."""

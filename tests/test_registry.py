@@ -40,6 +40,7 @@ LAYERS = [
                           "surgery.memory_estimate"]),
     ("commands", ["surgery.commands"]),
     ("recipes", ["surgery.recipes"]),
+    ("Python API", ["surgery.api"]),
     ("command line", ["surgery.clickgen", "surgery.cli"]),
     ("test builders", ["surgery.testing"]),  # for tests and benchmarks: imports anything, imported by nothing here
 ]
@@ -60,7 +61,13 @@ def _imports(path: Path, modules=None) -> set[str]:
     module = _module_name(path)
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree)  # `if TYPE_CHECKING:` imports never run
+                   if isinstance(block, ast.If) and getattr(block.test, "id", None) == "TYPE_CHECKING"
+                   for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):

@@ -74,8 +74,9 @@ def warn_same_domain(folder: Path, first: str, more: list[str], warn) -> None:
 
 
 def check_checkpoints(source: str, converted: str, options: CheckOptions, json_out: Path | None = None,
-                      warn=print) -> dict:
-    """Compare, print the report, write it as JSON (`json_out`); CheckFailed when --expect exact is not met."""
+                      warn=print, show: bool = True) -> dict:
+    """Compare, print the report (`show`; the Python API returns it instead), write it as JSON (`json_out`);
+    CheckFailed when --expect exact is not met."""
     from ..checkpoint.atomic import write_json
     from ..check.compare import check_counts, check_json_path, compare_checkpoints, precision_tolerance, print_report
     from ..data import load_texts
@@ -100,7 +101,8 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
     worst = max(t["max_abs_diff"] for t in report.get("texts", [report]))
     report["tolerance"] = tol
     report["exact"] = worst <= tol
-    print_report(report, title=f"{source}  vs  {converted}")
+    if show:
+        print_report(report, title=f"{source}  vs  {converted}")
     if json_out:
         write_json(report, json_out)
     if o.expect == "exact" and not report["exact"]:

@@ -44,6 +44,14 @@ class PushOptions(CliModel):
 def push_checkpoint(folder: Path, options: PushOptions, check_reports: list[Path] = (), json_out: Path | None = None,
                     log=print) -> str:
     """Upload `folder`; returns the line that says where it went."""
+    result = push_result(folder, options, check_reports, json_out, log)
+    return f"pushed {folder} to {result.repo_url} ({result.revision}): {result.commit_url}"
+
+
+def push_result(folder: Path, options: PushOptions, check_reports: list[Path] = (), json_out: Path | None = None,
+                log=print):
+    """Upload `folder`; returns the upload's result (surgery.publish.push: repo_url, revision, commit_url,
+    card_written), also written as JSON (`json_out`)."""
     from ..checkpoint.atomic import check_output_file, write_json
     from ..publish.push import push_folder
 
@@ -55,4 +63,4 @@ def push_checkpoint(folder: Path, options: PushOptions, check_reports: list[Path
     if json_out:
         write_json({"repo_id": o.repo_id, "repo_url": result.repo_url, "revision": result.revision,
                     "commit_url": result.commit_url, "card_written": result.card_written}, json_out, echo=log)
-    return f"pushed {folder} to {result.repo_url} ({result.revision}): {result.commit_url}"
+    return result

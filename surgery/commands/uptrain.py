@@ -10,10 +10,11 @@ from ..uptrain.options import RUNNER_OWNED, UptrainArgs
 __all__ = ["RUNNER_OWNED", "UptrainArgs", "uptrain_dry_run", "uptrain_model"]
 
 
-def uptrain_model(model: str, out: Path, options: UptrainArgs) -> None:
+def uptrain_model(model: str, out: Path, options: UptrainArgs, progress: bool = True) -> dict:
+    """Train; returns the uptraining record written into OUT/surgery.json (`progress`: the progress display)."""
     from ..uptrain import UptrainOptions, uptrain
 
-    uptrain(UptrainOptions(model=model, out=Path(out), **options.model_dump()))
+    return uptrain(UptrainOptions(model=model, out=Path(out), progress=progress, **options.model_dump()))
 
 
 def uptrain_dry_run(model: str, options: UptrainArgs) -> list[str]:

@@ -5,6 +5,6 @@
 - `plan.py`     `--dry-run`: the plan with sizes, tokens and memory; `estimate.py` holds the formulas.
 """
 
-from .schema import Recipe, load_recipe
+from .schema import Recipe, load_recipe, recipe_from_data
 
-__all__ = ["Recipe", "load_recipe"]
+__all__ = ["Recipe", "load_recipe", "recipe_from_data"]

@@ -18,6 +18,7 @@ kinds, surgery/kinds), so a recipe and the command line cannot drift apart.
 
 from __future__ import annotations
 
+import copy
 import typing
 from pathlib import Path
 from typing import Any
@@ -343,11 +344,19 @@ def _check_size(root: yaml.Node, file: str) -> None:
 
 def load_recipe(path: Path, overrides: list[str] = ()) -> Recipe:
     path = Path(path)
-    file = str(path)
     node, data = read_yaml(path)
+    return recipe_from_data(data, overrides, path=path, lines=_line_map(node) if node is not None else {})
+
+
+def recipe_from_data(data: Any, overrides: list[str] = (), path: Path | None = None,
+                     lines: dict | None = None) -> Recipe:
+    """A recipe from its parsed mapping (a YAML file's, or a dict the Python API was given: then `path` is None,
+    messages name "recipe", and relative paths are relative to the working folder)."""
+    file = str(path) if path is not None else "recipe"
+    lines = lines or {}
     if not isinstance(data, dict):
         raise SurgeryError(f"{file}: a recipe is a mapping with source, output and steps")
-    lines = _line_map(node) if node is not None else {}
+    data = copy.deepcopy(data) if path is None else data  # overrides edit it: never the caller's dict
     apply_overrides(data, list(overrides))
     bad = [k for k in data if not isinstance(k, str)]
     if bad:

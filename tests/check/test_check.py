@@ -423,7 +423,7 @@ def tail_text(folder: Path) -> Path:
 
 @pytest.mark.parametrize("spill_bytes", [0, 1 << 30], ids=["scratch-disk", "memory"])
 def test_several_texts_are_checked_in_one_run_with_each_texts_own_numbers(models, tmp_path, monkeypatch, spill_bytes):
-    import surgery.check.compare as check_module
+    from surgery.check import compare as check_module
 
     loads = []
     real_load = check_module.load_model
@@ -473,7 +473,7 @@ def test_several_texts_from_the_command_line(models, capsys, tmp_path):
 
 
 def test_a_bad_second_text_fails_in_one_line_before_any_model(models, capsys, tmp_path, monkeypatch):
-    import surgery.check.compare as check_module
+    from surgery.check import compare as check_module
 
     monkeypatch.setattr(check_module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     short = tmp_path / "short.txt"

@@ -111,7 +111,7 @@ def test_a_one_file_corpus_trains_with_a_held_out_split(tiny, tmp_path, mode):
 
 
 def test_an_empty_or_too_small_streamed_source_leaves_no_run_folder(tiny, tmp_path, monkeypatch, capsys):
-    import surgery.uptrain.model_io as model_io
+    from surgery.uptrain import model_io
 
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the data was checked")

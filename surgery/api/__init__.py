@@ -1,0 +1,18 @@
+"""The Python API: `surgery.convert`, `surgery.check`, `surgery.inspect`, `surgery.uptrain`, `surgery.push` and
+`surgery.run_recipe`, the commands of the same name as functions that take the same options (by field name) and
+return results.
+
+- `functions.py` the six functions; each validates its keywords with its command's options model
+  (surgery.options.validate_options) and calls the library function the command line and the recipes call.
+- `sources.py`   what a notebook has (a loaded model, a `datasets.Dataset`, a list of documents) written into the
+  cache as a checkpoint folder or a .jsonl file, named by its sha256.
+- `results.py`   what the functions return: ConversionResult, CheckReport, InspectReport, UptrainResult, PushResult,
+  RecipeResult.
+"""
+
+from ..errors import SurgeryError
+from .functions import Source, Text, check, convert, inspect, push, run_recipe, uptrain
+from .results import CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, UptrainResult
+
+__all__ = ["CheckReport", "ConversionResult", "InspectReport", "PushResult", "RecipeResult", "Source", "SurgeryError",
+           "Text", "UptrainResult", "check", "convert", "inspect", "push", "run_recipe", "uptrain"]

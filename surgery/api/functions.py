@@ -1,0 +1,249 @@
+"""The Python API's functions: each validates its keywords with the options model of the command of the same name
+(the fields `surgery <command> --help` lists, by their field names) and calls the library function the command and
+the recipes call (surgery/commands)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
+
+from ..options import refuse_unknown, validate_options
+from .results import CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, UptrainResult
+from .sources import source_spec, text_spec, text_specs
+
+if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+log = logging.getLogger("surgery")
+
+PathLike = Union[str, os.PathLike]
+Source = Union[str, os.PathLike, "PreTrainedModel", ConversionResult, UptrainResult]
+"""A checkpoint folder, a hub id, a `.gguf` file, `"smollm2"`, a result, or a loaded model."""
+Text = Union[str, Sequence[str], Sequence[dict], "Dataset", "IterableDataset", tuple]
+"""A text spec (`pydoc`, `general`, files, a hub dataset), a list of documents or rows, a dataset, or a tuple of
+several of these (a mixture)."""
+
+
+def _default(model, name: str) -> Any:
+    return model.model_fields[name].default
+
+
+def convert(source: Source, out: PathLike, *, to: str, tokenizer: PreTrainedTokenizerBase | None = None,
+            **options: Any) -> ConversionResult:
+    """Convert a checkpoint to another attention, as `surgery convert SOURCE --out OUT --to KIND` does.
+
+    Args:
+        source: A checkpoint folder, a hub id (`owner/name`, with `revision=`), a `.gguf` file, `"smollm2"` (the
+            embedded SmolLM2-135M), or a loaded `transformers.PreTrainedModel`. A loaded model is saved with
+            `save_pretrained` (safetensors) into the toolkit's cache (`~/.cache/surgery/loaded/<sha256>`, with
+            `tokenizer`) and converted from there: simple and honest, at the cost of one copy on disk.
+        out: The output folder (written atomically: nothing half-written is left on failure).
+        to: The target attention: `mqa`, `gqa`, `talking-heads`, `switchhead` or `mla`.
+        tokenizer: With a loaded model: its tokenizer (default: the one in the folder the model was loaded from).
+        **options: Any option of `surgery convert`, by its field name: `kv_heads=`, `merge=`, `calib=`,
+            `calib_tokens=`, `device=`, `dtype=`, `precision=`, `force=`, `revision=`, ... `calib` also takes a
+            `datasets.Dataset` / `IterableDataset` (column `text`), a list of strings (documents) or of dicts (rows),
+            or a tuple of several sources to mix (`("pydoc", my_dataset)`); `calib_tokens` and `calib_window`
+            apply to them as to text read from files.
+
+    Returns:
+        The converted checkpoint: its folder, its surgery.json record and `.load()`.
+
+    Raises:
+        SurgeryError: bad input, an unknown option (named with the closest one), or a rule the options break; the
+            message is the line the command line prints.
+    """
+    from ..commands.convert import convert_checkpoint, options_model
+
+    model = options_model()
+    values = dict(options, to=to)
+    refuse_unknown(model, values)  # before any data object is written
+    if "calib" in values:
+        tokens = values.get("calib_tokens") or _default(model, "calib_tokens")
+        values["calib"] = text_specs(values["calib"], "text", tokens)
+    parsed = validate_options(model, values)
+    message = convert_checkpoint(source_spec(source, tokenizer), Path(out), parsed)
+    log.info(message)
+    return ConversionResult.read(Path(out), parsed.to, message)
+
+
+def check(source: Source, converted: Source, *, json_out: PathLike | None = None, **options: Any) -> CheckReport:
+    """Compare a converted checkpoint with its source on the same tokens, as `surgery check SOURCE CONVERTED` does.
+
+    Args:
+        source: The source: a folder, hub id, `.gguf` file, `"smollm2"` or a loaded model (saved as `convert` does).
+        converted: The converted checkpoint: a folder, a `ConversionResult` / `UptrainResult`, or a loaded model.
+        json_out: Also write the report as JSON here (what `--json` writes).
+        **options: Any option of `surgery check` by its field name (`data=`, `tokens=`, `seq_len=`, `device=`,
+            `dtype=`, `expect=`, `generate=`, `layers=`, ...). `data` also takes a `datasets.Dataset` /
+            `IterableDataset`, a list of strings (documents) or a tuple of several texts, each checked on its own.
+
+    Returns:
+        The report: |Δlogits|, KL, top-1 agreement, perplexities, as attributes and as a mapping.
+
+    Raises:
+        SurgeryError: bad input or options; `surgery.commands.check.CheckFailed` (a SurgeryError) when
+            `expect="exact"` is not met.
+    """
+    from ..commands.check import CheckOptions, check_checkpoints
+
+    values = dict(options)
+    refuse_unknown(CheckOptions, values)
+    if "data" in values:
+        values["data"] = text_specs(values["data"], values.get("text_field") or "text",
+                                    values.get("tokens") or _default(CheckOptions, "tokens"))
+    parsed = validate_options(CheckOptions, values)
+    report = check_checkpoints(source_spec(source), source_spec(converted), parsed,
+                               json_out=Path(json_out) if json_out is not None else None, warn=log.warning, show=False)
+    return CheckReport(report)
+
+
+def inspect(*checkpoints: Source, context: int = 4096, allow_pickle: bool = False) -> list[InspectReport]:
+    """Heads, K/V heads, parameters, KV-cache bytes and attention MACs of checkpoints, from their headers only (as
+    `surgery inspect --json`).
+
+    Args:
+        *checkpoints: Folders, hub ids, `.gguf` files, results or loaded models.
+        context: The context length of the per-context numbers.
+        allow_pickle: Accept pickle `.bin` weights (read with `weights_only=True`).
+
+    Returns:
+        One report per checkpoint, in order.
+
+    Raises:
+        SurgeryError: a checkpoint that cannot be read, or a context below 1.
+    """
+    from ..checkpoint.source import resolve_source
+    from ..inspect import inspect_checkpoint
+
+    reports = []
+    for c in checkpoints:
+        spec = source_spec(c)
+        folder = resolve_source(spec, allow_pickle=allow_pickle).folder
+        stats = inspect_checkpoint(folder, context=context, label=spec, allow_pickle=allow_pickle)
+        reports.append(InspectReport(stats))
+    return reports
+
+
+def uptrain(model: Source, out: PathLike, *, tokenizer: PreTrainedTokenizerBase | None = None,
+            progress: bool = True, **options: Any) -> UptrainResult:
+    """Continue training a (converted) causal LM, as `surgery uptrain MODEL --out OUT` does.
+
+    Args:
+        model: The model to train: a folder, a `ConversionResult`, or a loaded model (saved as `convert` does).
+        out: The output folder (written atomically; checkpoints go to `OUT.run`).
+        tokenizer: With a loaded model: its tokenizer.
+        progress: Show the progress bar (or progress lines when stderr is not a terminal).
+        **options: Any option of `surgery uptrain` by its field name (`tokens=` is required; `data=`, `loss=`,
+            `teacher=`, `seq_len=`, `batch_tokens=`, `lr=`, `device` comes from accelerate, ...). `data` and
+            `eval_data` also take a `datasets.Dataset` / `IterableDataset`, a list of strings (documents) or, for
+            `data`, a tuple of several sources (a mixture, with `data_weights=`); `teacher` also takes a loaded
+            model. Token counts, windows and held-out splits apply to them as to files. A data object is first
+            written into the cache as a .jsonl file (up to 32 characters per token the run needs): for a large
+            streamed hub dataset, pass its spec (`"name:config@split"`, with `streaming=True`) instead.
+
+    Returns:
+        The trained checkpoint: its folder, record, metrics and `.load()`.
+
+    Raises:
+        SurgeryError: bad input or options (the line the command line prints).
+    """
+    from ..commands.uptrain import UptrainArgs, uptrain_model
+
+    values = dict(options)
+    refuse_unknown(UptrainArgs, values)
+    tokens = values.get("tokens")
+    held_out = values.get("eval_tokens") or _default(UptrainArgs, "eval_tokens")
+    need = (tokens if isinstance(tokens, int) else 0) + held_out
+    need *= values.get("data_epochs") or 1
+    field = values.get("text_field") or "text"
+    if "data" in values:
+        values["data"] = text_specs(values["data"], field, need)
+    if "eval_data" in values:
+        values["eval_data"] = text_spec(values["eval_data"], field, need)
+    if values.get("teacher") is not None:
+        values["teacher"] = source_spec(values["teacher"])
+    parsed = validate_options(UptrainArgs, values)
+    uptrain_model(source_spec(model, tokenizer), Path(out), parsed, progress=progress)
+    return UptrainResult.read(Path(out))
+
+
+def push(folder: PathLike | ConversionResult | UptrainResult, repo_id: str, *,
+         check_reports: Sequence[PathLike | CheckReport] = (), json_out: PathLike | None = None,
+         **options: Any) -> PushResult:
+    """Validate a converted folder and upload it to the hub, with its model card, as `surgery push FOLDER REPO_ID`.
+
+    Args:
+        folder: The folder (or a `ConversionResult` / `UptrainResult`).
+        repo_id: The hub repository, `owner/name`.
+        check_reports: Check reports to put in the model card: `surgery check --json` files or `CheckReport`s.
+        json_out: Also write the result as JSON here.
+        **options: Any option of `surgery push` by its field name (`private=`, `revision=`, `exist_ok=`,
+            `message=`, `bench_report=`).
+
+    Returns:
+        Where the upload went.
+
+    Raises:
+        SurgeryError: a folder that does not validate, a bad repo id, or a hub refusal.
+    """
+    import json
+
+    from ..commands.push import PushOptions, push_result
+
+    parsed = validate_options(PushOptions, dict(options, repo_id=repo_id))
+    with tempfile.TemporaryDirectory(prefix="surgery-reports-") as tmp:
+        paths = []
+        for i, r in enumerate(check_reports):
+            if isinstance(r, CheckReport):
+                path = Path(tmp) / f"check-{i}.json"
+                path.write_text(json.dumps(r.to_dict()))
+                paths.append(path)
+            else:
+                paths.append(Path(r))
+        result = push_result(Path(source_spec(folder)), parsed, paths,
+                             json_out=Path(json_out) if json_out is not None else None, log=log.info)
+    return PushResult(repo_id=parsed.repo_id, repo_url=str(result.repo_url), revision=str(result.revision),
+                      commit_url=str(result.commit_url), card_written=bool(result.card_written))
+
+
+def run_recipe(recipe: PathLike | Mapping[str, Any], *, output: PathLike | None = None, from_step: str | None = None,
+               until: str | None = None, overrides: Sequence[str] = ()) -> RecipeResult:
+    """Run a recipe's steps in order, as `surgery run RECIPE` does: finished, unchanged steps are skipped; an
+    interrupted uptraining resumes.
+
+    Args:
+        recipe: A YAML recipe file, or the recipe as a mapping (`{"source": {...}, "output": ..., "steps": [...]}`;
+            its relative paths are then relative to the working folder).
+        output: The output folder (default: the recipe's `output`).
+        from_step: Re-run from this step (its name or number).
+        until: Stop after this step.
+        overrides: `KEY=VALUE` overrides, as `--set` takes them.
+
+    Returns:
+        The output folder and what happened to each step.
+
+    Raises:
+        SurgeryError: a recipe that does not validate, or a step's bad input (named by the step).
+    """
+    from ..recipes import load_recipe, recipe_from_data
+    from ..recipes.runner import StepFailed, run_recipe as run
+
+    if isinstance(recipe, Mapping):
+        r = recipe_from_data(dict(recipe), list(overrides))
+    else:
+        r = load_recipe(Path(recipe), overrides=list(overrides))
+    out = Path(output) if output is not None else Path(r.output)
+    try:
+        steps = run(r, out, from_step=from_step, until=until, log=log.info)
+    except StepFailed as e:
+        from ..errors import SurgeryError
+
+        error = SurgeryError(str(e))
+        error.code = e.code
+        raise error from None
+    return RecipeResult(output=out, steps=steps)
