@@ -40,6 +40,7 @@ from .params import select_trainable
 from .plot import plot_metrics
 from .progress import Progress
 from .state import Checkpoints, RunState
+from .trackers import TB_DIR, copy_tensorboard, finish_trackers, require_trackers, start_trackers
 
 FEW_STEPS = 20  # fewer optimizer steps than this: warn
 OOM_MARKERS = ("out of memory", "can't allocate memory", "CUDA error: out of memory")
@@ -64,12 +65,13 @@ def make_optimizer(params: list, o: UptrainOptions) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, **kw)
 
 
-def make_accelerator(precision: str = "auto"):
+def make_accelerator(precision: str = "auto", log_with: list[str] | None = None, project_dir: Path | None = None):
     """Autocast in `--precision` (surgery/precision.py; auto: bf16 on CUDA with bf16, fp32 elsewhere; bf16 on the CPU
     is torch's CPU autocast, the same code path as on CUDA). Without CUDA, cpu=True lets several processes started by
     `accelerate launch --multi_gpu --num_processes N` (torchrun) or `torchrun` run DDP on CPU over gloo, and
     an FSDP config (`accelerate launch --config_file fsdp.yaml`) run FSDP on CPU over gloo (see `use_fsdp_on_cpu`);
-    under FSDP, `use_fsdp2` sets the mixed precision policy."""
+    under FSDP, `use_fsdp2` sets the mixed precision policy. `log_with`: the experiment trackers (--report-to),
+    `project_dir`: where TensorBoard writes (surgery/uptrain/trackers.py)."""
     import os
 
     from accelerate import Accelerator
@@ -84,7 +86,8 @@ def make_accelerator(precision: str = "auto"):
         # an earlier run in this process (the library, tests) left another precision in accelerate's shared state,
         # which refuses a change: start it afresh (the process group, PartialState's, stays)
         AcceleratorState._reset_state(reset_partial_state=False)
-    acc = Accelerator(cpu=not cuda, mixed_precision=mixed)
+    acc = Accelerator(cpu=not cuda, mixed_precision=mixed, log_with=log_with or None,
+                      project_dir=str(project_dir) if project_dir is not None else None)
     fsdp_config = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"  # set by accelerate launch
     if fsdp_config and acc.distributed_type == DistributedType.MULTI_CPU:
         use_fsdp_on_cpu(acc)
@@ -366,7 +369,8 @@ class UptrainRecipe:
         self.record = read_record(self.source.folder)
         check_checkpoint(self.source.folder, self.source.config, self.record)  # before anything is loaded or written
         self.objective = resolve_objective(o, self.record)
-        self.acc = make_accelerator(o.precision)
+        require_trackers(o.trackers)  # a tracker's missing package: one line, before anything loads
+        self.acc = make_accelerator(o.precision, o.trackers, o.run_dir / TB_DIR)
         self.main, self.world = self.acc.is_main_process, self.acc.num_processes
         o.data_workers = resolve_data_workers(o.data_workers, self.acc.device.type,
                                               recorded_data_workers(o) if o.resume else None)
@@ -555,13 +559,15 @@ class UptrainRecipe:
         self.state = RunState()
         self.state.data_key, self.state.data_sha256 = self.key, self.data_sha256
         self.ckpts.remove_partial()
-        self.metrics = MetricsLog(o.run_dir / "metrics.jsonl", self.main)
+        self.metrics = MetricsLog(o.run_dir / "metrics.jsonl", self.main, tracker=acc if o.trackers else None)
         self.resumed_from = None
         if o.resume and self.ckpts.latest() is not None:
             self.resumed_from = self.ckpts.load_latest(self.model, self.optimizer, self.state)
             self._check_resumed()
         acc.wait_for_everyone()
         self.metrics.start(self.state.step if self.resumed_from else None)
+        start_trackers(acc, o.trackers, o.model_dump(mode="json") | self.trajectory | {
+            "processes": self.world, "steps": o.steps, "precision": precision_of(acc)})
 
     def _check_resumed(self) -> None:
         """The resumed checkpoint against this run: its step within the run, its data the same (sources, files and,
@@ -766,6 +772,7 @@ class UptrainRecipe:
         # Sharded parameters are gathered for the final save (a collective: every process calls it).
         full_state = acc.get_state_dict(self.model) if self.sharded else None
         self.state.sources = self.source_shares()
+        finish_trackers(acc)  # TensorBoard's event file complete before the output copies it
         result = None
         if self.main:
             result = finish(self.o, self.source, acc.unwrap_model(self.model), full_state, self.out_dtype,
@@ -791,6 +798,8 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
             training_form.restore(model, full_state)
         model_io.save_uptrained(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
         shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
+        if "tensorboard" in o.trackers:
+            copy_tensorboard(o.run_dir, tmp)
         plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")
         write_record(tmp, model_io.uptrained_record(source, uptraining))  # with the sha256 of the files written
         ordinary_permissions(tmp)  # safetensors' save_file makes -rw-------; other outputs are ordinary files

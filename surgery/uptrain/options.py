@@ -157,8 +157,24 @@ class UptrainArgs(PrecisionOptions):
                                                               "the attention's linear layers).")
     merge_lora: bool = option(True, "--merge-lora", "Merge the adapters into the output, or keep the input's weights "
                                                     "and write OUT/adapter.")
+    report_to: str | list[str] = option(
+        "none", "--report-to", "Experiment trackers that get the run's configuration and metrics (metrics.jsonl is "
+        "written either way): none, tensorboard (event files in the run folder, copied to OUT/runs), wandb, trackio, "
+        "mlflow; comma-separated for several.", metavar="NAME[,NAME]")
 
     _data = field_validator("data")(texts_rule("data"))
+
+    @field_validator("report_to")
+    @classmethod
+    def _report_to(cls, v, info: ValidationInfo):
+        """--report-to: known tracker names (their packages are checked when the run starts)."""
+        from .trackers import parse_report_to
+
+        try:
+            parse_report_to(v, spelling(info, cls).flag("report_to"))
+        except SurgeryError as e:
+            raise ValueError(str(e)) from None
+        return v
     _weights = field_validator("data_weights")(weights_rule)
 
     @field_validator("data_weights", mode="before")
@@ -285,6 +301,13 @@ class UptrainOptions(UptrainArgs):
         # the run folder is deleted after success (and by --force): never the output, inside it, or holding it
         check_apart(self.run_dir, "run folder", [("output", self.out)], option="--run-dir")
         return self
+
+    @property
+    def trackers(self) -> list[str]:
+        """--report-to as tracker names (none: an empty list)."""
+        from .trackers import parse_report_to
+
+        return parse_report_to(self.report_to)
 
     @property
     def weights(self) -> list[float]:
