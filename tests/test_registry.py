@@ -28,7 +28,8 @@ PACKAGE = REPO / "surgery"
 # Data flows: checkpoint in -> architecture spec -> kind -> checkpoint out -> check / uptrain -> hub.
 LAYERS = [
     ("foundation", ["surgery", "surgery.errors", "surgery.options", "surgery.progress", "surgery.solve",
-                    "surgery.units", "surgery.dtypes", "surgery.model_types", "surgery.precision"]),
+                    "surgery.units", "surgery.dtypes", "surgery.model_types", "surgery.precision",
+                    "surgery.logs"]),
     ("checkpoint I/O", ["surgery.checkpoint", "surgery.trust", "surgery.data"]),
     ("runtime", ["surgery.runtime"]),
     ("architecture and checkpoint writing", ["surgery.arch", "surgery.checkpoint.writer"]),

@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from ..checkpoint.sha256 import sha256_file
 from ..errors import SurgeryError
 from ..kinds import check_checkpoint, find_kind
 from ..loaders import read_json
+from ..logs import get_logger
 from ..precision import resolve_precision
 from ..checkpoint.source import resolve_source, side_files
 from ..checkpoint.record import local_source_folder, public_name, read_record, write_record
@@ -44,6 +44,7 @@ from .trackers import TB_DIR, copy_tensorboard, finish_trackers, require_tracker
 
 FEW_STEPS = 20  # fewer optimizer steps than this: warn
 OOM_MARKERS = ("out of memory", "can't allocate memory", "CUDA error: out of memory")
+log = get_logger(__name__)
 
 
 def lr_at(step: int, o: UptrainOptions) -> float:
@@ -261,7 +262,7 @@ def last_good(ckpts: Checkpoints) -> str:
 
 
 def warn(message: str) -> None:
-    print(f"surgery: warning: {message}", file=sys.stderr, flush=True)
+    log.warning(message)
 
 
 @torch.no_grad()
@@ -517,12 +518,12 @@ class UptrainRecipe:
             return json.loads(align_json.read_text()) if align_json.exists() else None
         count = o.align_steps * o.sequences_per_step
         windows = data.take(count) if o.streamed else data.train[data.window_indices(0, count)]
-        log = (lambda line: print(line, flush=True)) if self.main else (lambda line: None)
+        say = log.info if self.main else (lambda line: None)
         self.model.to(acc.device)
         before = evaluate_held_out(self.model, data, acc, o.micro_batch) if data.eval.shape[0] else {}
         held_out = data.eval[: windows.shape[0]]  # the per-layer errors on as many held-out windows as it trains on
         record = align(self.model, self.teacher, windows.long(), held_out.long(), micro_batch=o.micro_batch,
-                       epochs=o.align_epochs, lr=o.align_lr, device=acc.device, log=log)
+                       epochs=o.align_epochs, lr=o.align_lr, device=acc.device, log=say)
         record["tokens"] = o.align_steps * o.batch_tokens
         record["eval_ppl_before"] = before.get("eval_ppl")
         if "other_eval_ppl" in before:
@@ -611,7 +612,7 @@ class UptrainRecipe:
         if not self.main:
             return
         n_params = sum(p.numel() for p in self.params)
-        print(f"uptrain: {self.objective.kind} loss, training {len(self.trainable)} tensors ({n_params:,} parameters), "
+        log.info(f"uptrain: {self.objective.kind} loss, training {len(self.trainable)} tensors ({n_params:,} parameters), "
               f"{o.steps} steps x {self.tokens_per_step} tokens, {self.world} process(es) x {self.accum} "
               f"micro-batch(es) of {o.micro_batch}, "
               + (f"training windows streamed from {len(o.data)} source(s) by {max(1, o.data_workers)} reader(s) per "
@@ -621,8 +622,7 @@ class UptrainRecipe:
               + f"windows of {o.seq_len}"
               + (f", parameters sharded by {self.acc.distributed_type.value}" if self.sharded else "")
               + (" (the teacher's too)" if self.sharded and self.teacher is not None else "")
-              + (f"; resumed at step {state.step} from {self.resumed_from.name}" if self.resumed_from else ""),
-              flush=True)
+              + (f"; resumed at step {state.step} from {self.resumed_from.name}" if self.resumed_from else ""))
         if 0 < o.steps < FEW_STEPS:
             warn(f"--tokens {o.tokens} with --batch-tokens {o.batch_tokens} makes only {o.steps} optimizer step"
                  f"{'s' if o.steps > 1 else ''}: too few for the learning-rate schedule to mean much; raise --tokens "
@@ -813,8 +813,8 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
     done = [f"{o.steps} steps ({objective.kind} loss)"] if o.steps else []
     if align_record is not None:
         done.insert(0, f"{align_record['tokens']} aligning attention layer by layer")
-    print(f"wrote {o.out}: {uptraining['tokens']} tokens, {' then '.join(done)}{ppl}, "
-          f"{state.elapsed + (align_record or {}).get('seconds', 0):.1f}s of training", flush=True)
+    log.info(f"wrote {o.out}: {uptraining['tokens']} tokens, {' then '.join(done)}{ppl}, "
+             f"{state.elapsed + (align_record or {}).get('seconds', 0):.1f}s of training")
     return uptraining
 
 
