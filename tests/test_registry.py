@@ -30,7 +30,7 @@ LAYERS = [
     ("foundation", ["surgery", "surgery.errors", "surgery.options", "surgery.progress", "surgery.solve",
                     "surgery.units", "surgery.dtypes", "surgery.model_types", "surgery.precision",
                     "surgery.logs"]),
-    ("checkpoint I/O", ["surgery.checkpoint", "surgery.trust", "surgery.data"]),
+    ("checkpoint I/O", ["surgery.checkpoint", "surgery.trust", "surgery.data", "surgery.chat"]),
     ("runtime", ["surgery.runtime"]),
     ("architecture and checkpoint writing", ["surgery.arch", "surgery.checkpoint.writer"]),
     ("conversions", ["surgery.calibration", "surgery.kv", "surgery.switchhead", "surgery.talking_heads",

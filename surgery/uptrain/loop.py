@@ -400,6 +400,9 @@ class UptrainRecipe:
 
         acc = self.acc
         self.tokenizer = model_io.load_trusted_tokenizer(source, "model", o.trust_remote_code)
+        from ..chat import ChatFormat
+
+        self.chat = ChatFormat(o.chat_template, self.tokenizer)  # --chat-template on without a template: refused now
         kind = find_kind(self.record, source.config)
         fsdp = acc.distributed_type == DistributedType.FSDP
         rank_zero = rank_zero_loads(acc, o, kind)
@@ -451,16 +454,16 @@ class UptrainRecipe:
         self.key = cache_key(data=o.data_spec, text_field=o.text_field, **o.txt_key(), seq_len=o.seq_len, eval_tokens=o.eval_tokens,
                              **({"eval_data": o.eval_data} if o.eval_data is not None else {}),
                              train_tokens=train_tokens, vocab=len(tokenizer), eos=tokenizer.eos_token_id,
-                             tokenizer=type(tokenizer).__name__)
+                             tokenizer=type(tokenizer).__name__, **self._chat_key())
 
         def build():
             from ..data import load_texts
 
-            data = pack(load_texts(o.data[0], o.text_field, o.streaming, o.txt_unit), tokenizer, o.seq_len, o.eval_tokens,
-                        train_tokens, seed=o.seed)
+            data = pack(load_texts(o.data[0], o.text_field, o.streaming, o.txt_unit, self.chat), tokenizer, o.seq_len,
+                        o.eval_tokens, train_tokens, seed=o.seed)
             if o.eval_data is not None:
-                data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit), tokenizer, o.seq_len,
-                                           o.eval_tokens)
+                data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit, self.chat),
+                                           tokenizer, o.seq_len, o.eval_tokens)
             return data
 
         cache = o.run_dir / DATA_CACHE
@@ -492,7 +495,7 @@ class UptrainRecipe:
         sources = resolve_sources(o.data, o.weights)
         args = dict(tokenizer=tokenizer, eos=eos, seq_len=o.seq_len, seed=o.seed,
                     readers=self.world * max(1, o.data_workers), epochs=o.data_epochs, text_field=o.text_field,
-                    streaming=o.streaming, txt_unit=o.txt_unit)
+                    streaming=o.streaming, txt_unit=o.txt_unit, chat_template=o.chat_template)
         eval_windows, held = hold_out(args, sources, o.eval_tokens)
         plan = Plan(sources=tuple(sources), held=held, **args)
         if not o.resume:
@@ -501,12 +504,17 @@ class UptrainRecipe:
         if o.eval_data is not None:
             from ..data import load_texts
 
-            self.data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit), tokenizer, o.seq_len,
-                                            o.eval_tokens)
+            self.data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit, self.chat),
+                                            tokenizer, o.seq_len, o.eval_tokens)
         self.key = data_key({"sources": fingerprint(sources), **o.txt_key(), "seq_len": o.seq_len, "eval_tokens": o.eval_tokens,
                              "eval_data": o.eval_data, "seed": o.seed,
-                             "vocab": len(tokenizer), "eos": eos, "tokenizer": type(tokenizer).__name__})
+                             "vocab": len(tokenizer), "eos": eos, "tokenizer": type(tokenizer).__name__,
+                             **self._chat_key()})
         self.data_sha256 = ""
+
+    def _chat_key(self) -> dict:
+        """--chat-template for the data's key when it is not the default (other runs' keys stay as they were)."""
+        return {"chat_template": self.o.chat_template} if self.o.chat_template != "auto" else {}
 
     def _setup_align(self) -> dict | None:
         """The `align` stage (attention layer by layer against the teacher), unless a checkpoint already has it."""

@@ -32,10 +32,11 @@ TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_to
                    "teacher", "temperature", "kd_weight", "kd_divergence", "hidden_weight", "train", "lr",
                    "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
                    "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data", "data_weights",
-                   "data_mode", "txt_unit")
+                   "data_mode", "txt_unit", "chat_template")
 # Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
 # (TRAJECTORY_DEFAULTS, below the options).
-LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode", "txt_unit")
+LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode", "txt_unit",
+                         "chat_template")
 # --data-epochs is not among them: it changes nothing before a source runs dry, so a run stopped by a dry source
 # resumes with a higher one.
 PACKED_TOKENS = 1 << 22  # --data-mode auto: runs of at most this many training tokens (16 MiB of windows) are packed
@@ -98,6 +99,10 @@ class UptrainArgs(PrecisionOptions):
     txt_unit: Literal["paragraph", "line", "file"] = option(
         "paragraph", "--txt-unit", "What one document of a local .txt file is: a paragraph (text between blank "
         "lines), a line, or the whole file (cut every 1M characters); the file is read lazily, never whole.")
+    chat_template: Literal["auto", "on", "off"] = option(
+        "auto", "--chat-template", "How a tabular text's `messages` column (conversations: lists of {role, content}) "
+        "is read: on: rendered with the tokenizer's chat template; off: the contents joined; auto: the template when "
+        "the tokenizer has one.")
     streaming: bool = option(False, "--streaming", "Stream a hub dataset instead of downloading it whole.")
     loss: Literal[LOSSES] = option(
         "auto", "--loss", "lm: next-token; kd: KL to the teacher's logits; mix: both. auto: kd when a teacher is known.")
