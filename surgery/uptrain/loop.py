@@ -402,7 +402,8 @@ class UptrainRecipe:
         self.tokenizer = model_io.load_trusted_tokenizer(source, "model", o.trust_remote_code)
         from ..chat import ChatFormat
 
-        self.chat = ChatFormat(o.chat_template, self.tokenizer)  # --chat-template on without a template: refused now
+        # --chat-template on without a template: refused now
+        self.chat = ChatFormat(o.chat_template, self.tokenizer, spans=o.loss_on == "assistant")
         kind = find_kind(self.record, source.config)
         fsdp = acc.distributed_type == DistributedType.FSDP
         rank_zero = rank_zero_loads(acc, o, kind)
@@ -439,6 +440,9 @@ class UptrainRecipe:
 
     def _setup_data(self) -> None:
         """The training and held-out windows: packed up front (small runs, data.py) or streamed (stream.py)."""
+        if self.o.loss_on == "assistant" and self.o.streamed:
+            raise SurgeryError("--loss-on assistant reads packed data: this run would stream its data (several --data, "
+                               "--data-workers, or more than --data-mode auto packs); use --data-mode packed")
         if not self.o.streamed:
             return self._setup_packed()
         self._setup_stream()
@@ -460,7 +464,7 @@ class UptrainRecipe:
             from ..data import load_texts
 
             data = pack(load_texts(o.data[0], o.text_field, o.streaming, o.txt_unit, self.chat), tokenizer, o.seq_len,
-                        o.eval_tokens, train_tokens, seed=o.seed)
+                        o.eval_tokens, train_tokens, seed=o.seed, masked=o.loss_on == "assistant")
             if o.eval_data is not None:
                 data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit, self.chat),
                                            tokenizer, o.seq_len, o.eval_tokens)
@@ -514,7 +518,9 @@ class UptrainRecipe:
 
     def _chat_key(self) -> dict:
         """--chat-template for the data's key when it is not the default (other runs' keys stay as they were)."""
-        return {"chat_template": self.o.chat_template} if self.o.chat_template != "auto" else {}
+        o = self.o
+        return ({"chat_template": o.chat_template} if o.chat_template != "auto" else {}) | (
+            {"loss_on": o.loss_on} if o.loss_on != "all" else {})
 
     def _setup_align(self) -> dict | None:
         """The `align` stage (attention layer by layer against the teacher), unless a checkpoint already has it."""
@@ -677,14 +683,17 @@ class UptrainRecipe:
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = self.data.step_batch(o.align_steps + step, o.sequences_per_step, acc.process_index, self.world)
+        masks, weights = self._step_masks(step)
         loss_sum = torch.zeros((), device=acc.device)
         parts_sum: dict[str, torch.Tensor] = {}
         for m in range(self.accum):
             ids = batch[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device)
-            loss, parts = self._micro_step(ids, last=m == self.accum - 1)
-            loss_sum += loss / self.accum
+            mask = masks[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device) if masks is not None else None
+            weight = weights[m] if weights is not None else None
+            loss, parts = self._micro_step(ids, last=m == self.accum - 1, weight=weight, mask=mask)
+            loss_sum += loss / self.accum if weight is None else loss * weight
             for k, v in parts.items():
-                parts_sum[k] = parts_sum.get(k, 0) + v / self.accum
+                parts_sum[k] = parts_sum.get(k, 0) + (v / self.accum if weight is None else v * weight)
         # inf max_norm: the norm (of all processes' gradients) without clipping
         grad_norm = acc.clip_grad_norm_(self.params, o.max_grad_norm if o.max_grad_norm > 0 else math.inf)
         logged = acc.reduce(torch.stack([loss_sum, *parts_sum.values()]), reduction="mean").tolist()  # syncs
@@ -702,9 +711,27 @@ class UptrainRecipe:
                     **{f"{k}_loss": v for k, v in zip(parts_sum, logged[1:])}, lr=lr, grad_norm=grad_norm,
                     tokens_per_s=self.tokens_per_step / seconds, elapsed=state.elapsed)
 
-    def _micro_step(self, ids: torch.Tensor, last: bool) -> tuple[torch.Tensor, dict]:
-        """Forward and backward of one micro-batch (gradients synchronised on the step's last one only); returns
-        its detached loss and loss parts."""
+    def _step_masks(self, step: int) -> tuple[torch.Tensor | None, list[float] | None]:
+        """--loss-on assistant: this process's token masks of step `step` and each micro-batch's weight, its share of
+        the step's counted targets (all processes) times the number of processes (DDP averages the gradients): the
+        step's loss is the mean over every counted target, however the batch is split. Otherwise no masks, and each
+        micro-batch weighs 1 / accumulation steps (None)."""
+        o, acc = self.o, self.acc
+        if o.loss_on != "assistant":
+            return None, None
+        masks = self.data.step_mask(o.align_steps + step, o.sequences_per_step, acc.process_index, self.world)
+        counts = [int(masks[m * o.micro_batch : (m + 1) * o.micro_batch, 1:].sum()) for m in range(self.accum)]
+        total = acc.reduce(torch.tensor([float(sum(counts))], device=acc.device), reduction="sum").item()
+        if total == 0:
+            raise SurgeryError(f"--loss-on assistant: step {step + 1}'s windows hold no assistant token (is the data "
+                               "a messages column rendered with the chat template?)")
+        return masks, [c * self.world / total for c in counts]
+
+    def _micro_step(self, ids: torch.Tensor, last: bool, weight: float | None = None,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """Forward and backward of one micro-batch (gradients synchronised on the step's last one only), its loss
+        scaled by `weight` (default 1 / accumulation steps); returns its detached loss and loss parts (unscaled).
+        `mask`: the tokens the losses count (--loss-on assistant)."""
         acc, model, teacher = self.acc, self.model, self.teacher
         sync = contextlib.nullcontext() if last else acc.no_sync(model)
         with sync:
@@ -718,8 +745,9 @@ class UptrainRecipe:
                         t_out = teacher(input_ids=ids, use_cache=False, **states)
                 loss, parts = self.objective(out.logits, ids, t_out.logits if t_out is not None else None,
                                              *self.projections, states=out.hidden_states if states else None,
-                                             teacher_states=t_out.hidden_states if states else None)
-            acc.backward(loss / self.accum)
+                                             teacher_states=t_out.hidden_states if states else None,
+                                             mask=mask)
+            acc.backward(loss / self.accum if weight is None else loss * weight)
         del out, t_out
         return loss.detach(), parts
 

@@ -32,11 +32,11 @@ TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_to
                    "teacher", "temperature", "kd_weight", "kd_divergence", "hidden_weight", "train", "lr",
                    "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
                    "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data", "data_weights",
-                   "data_mode", "txt_unit", "chat_template")
+                   "data_mode", "txt_unit", "chat_template", "loss_on")
 # Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
 # (TRAJECTORY_DEFAULTS, below the options).
 LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode", "txt_unit",
-                         "chat_template")
+                         "chat_template", "loss_on")
 # --data-epochs is not among them: it changes nothing before a source runs dry, so a run stopped by a dry source
 # resumes with a higher one.
 PACKED_TOKENS = 1 << 22  # --data-mode auto: runs of at most this many training tokens (16 MiB of windows) are packed
@@ -103,6 +103,9 @@ class UptrainArgs(PrecisionOptions):
         "auto", "--chat-template", "How a tabular text's `messages` column (conversations: lists of {role, content}) "
         "is read: on: rendered with the tokenizer's chat template; off: the contents joined; auto: the template when "
         "the tokenizer has one.")
+    loss_on: Literal["all", "assistant"] = option(
+        "all", "--loss-on", "Which tokens the LM and KD losses count: all, or only the assistant turns of "
+        "conversations (a messages column rendered with the chat template; other text counts whole). [packed data]")
     streaming: bool = option(False, "--streaming", "Stream a hub dataset instead of downloading it whole.")
     loss: Literal[LOSSES] = option(
         "auto", "--loss", "lm: next-token; kd: KL to the teacher's logits; mix: both. auto: kd when a teacher is known.")
@@ -212,6 +215,8 @@ def check_rules(o, s) -> None:
     if o.data_mode == "packed" and (len(o.data) > 1 or o.data_workers not in (0, "auto")):
         raise ValueError(f"{s.flag('data_mode')} packed reads one text in this process: several {s.flag('data')} or "
                          f"{s.flag('data_workers')} need {s.flag('data_mode')} stream")
+    if o.loss_on == "assistant" and o.data_mode == "stream":
+        raise ValueError(f"{s.flag('loss_on')} assistant reads packed data: not with {s.flag('data_mode')} stream")
     try:
         resolve_texts(o.data)
     except SurgeryError as e:

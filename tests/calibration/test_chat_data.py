@@ -7,6 +7,7 @@ import json
 import shutil
 
 import pytest
+import torch
 import transformers as tf
 from safetensors.torch import load_file
 
@@ -125,3 +126,65 @@ def test_uptrain_streams_rendered_conversations(tiny, tiny_chat, chat_jsonl, tmp
     with pytest.raises(SurgeryError, match="--chat-template on: the tokenizer has no chat template"):
         chat_run(tiny, tmp_path / "n", chat_jsonl, chat_template="on")
     assert not (tmp_path / "n").exists() and not (tmp_path / "n.run").exists()
+
+
+# ------------------------------------------------------------------------------------------ --loss-on assistant
+def test_masked_losses_count_only_the_marked_targets():
+    import torch.nn.functional as F
+
+    from surgery.uptrain.losses import kd_loss, lm_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits, teacher = torch.randn(2, 6, 9, generator=g), torch.randn(2, 6, 9, generator=g)
+    ids = torch.randint(0, 9, (2, 6), generator=g)
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1], [0, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    rows = [(b, p) for b in range(2) for p in range(5) if mask[b, p + 1]]  # position p predicts token p + 1
+    manual = torch.stack([F.cross_entropy(logits[b, p], ids[b, p + 1]) for b, p in rows]).mean()
+    assert lm_loss(logits, ids, mask=mask).item() == pytest.approx(manual.item(), rel=1e-6)
+    s = torch.stack([logits[b, p] for b, p in rows])[:, None]
+    t = torch.stack([teacher[b, p] for b, p in rows])[:, None]
+    assert kd_loss(logits, teacher, mask=mask).item() == pytest.approx(kd_loss(s, t).item(), rel=1e-6)
+    assert lm_loss(logits, ids, mask=mask).item() != pytest.approx(lm_loss(logits, ids).item(), rel=1e-3)
+
+
+def test_assistant_spans_cover_the_answers_and_their_end_of_turn(smol_tokenizer):
+    from surgery.chat import token_mask
+
+    chat = ChatFormat("auto", smol_tokenizer, spans=True)
+    messages = [{"role": "user", "content": "Explain X"}, {"role": "assistant", "content": "X is Y."},
+                {"role": "user", "content": "more"}, {"role": "assistant", "content": "Z!"}]
+    text = chat.render(messages, "test")
+    assert [text[a:b] for a, b in text.assistant_spans] == ["X is Y.<|im_end|>\n", "Z!<|im_end|>\n"]
+    ids, mask = token_mask(smol_tokenizer, text, text.assistant_spans)
+    assert ids == smol_tokenizer(str(text), add_special_tokens=False)["input_ids"]
+    assert smol_tokenizer.decode([i for i, m in zip(ids, mask) if m]) == "X is Y.<|im_end|>\nZ!<|im_end|>\n"
+
+
+def test_uptrain_loss_on_assistant_trains_on_the_assistant_tokens_only(tiny_chat, tmp_path):
+    from surgery.uptrain.data import PackedData
+    from surgery.uptrain.losses import lm_loss
+
+    short = tmp_path / "short.jsonl"  # answers of ~50 tokens: every window holds turns of both roles
+    short.write_text("".join(json.dumps({"messages": [m | {"content": m["content"][:200]} for m in c["messages"]]})
+                             + "\n" for c in conversations(80)))
+    tok = tf.AutoTokenizer.from_pretrained(tiny_chat)
+    chat_run(tiny_chat, tmp_path / "o", short, data_mode="packed", loss_on="assistant", tokens=512,
+             eval_every=0)
+    cache = load_file(str(tmp_path / "o.run" / "data.safetensors"))
+    data = PackedData(cache["train"], cache["eval"], seed=FAST.get("seed", 0), train_mask=cache["train_mask"])
+    batch = data.step_batch(0, 8, 0, 1)  # 512 tokens / 64 per window
+    mask = data.step_mask(0, 8, 0, 1)
+    trained = tok.decode(batch[mask].tolist())
+    assert "### assistant:" not in trained and "### user:" not in trained and "Explain " not in trained
+    assert 0 < mask.sum() < mask.numel()
+    first = json.loads((tmp_path / "o" / "uptrain_metrics.jsonl").read_text().splitlines()[1])  # step 1
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny_chat, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch).logits
+    # a random model's losses are close to one another: the logged loss (7 digits) is the masked one to float
+    # rounding, and the unmasked loss is farther from it than 20 times that
+    masked, whole = lm_loss(logits, batch, mask=mask).item(), lm_loss(logits, batch).item()
+    assert first["loss"] == pytest.approx(masked, rel=1e-6, abs=0)
+    assert abs(first["loss"] - whole) > 20 * 1e-6 * whole
+    with pytest.raises(SurgeryError, match="--loss-on assistant reads packed data: not with --data-mode stream"):
+        chat_run(tiny_chat, tmp_path / "s", short, data_mode="stream", loss_on="assistant")
