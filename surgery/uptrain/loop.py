@@ -867,6 +867,8 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
         "eval_data": o.eval_data,
         "text_field": o.text_field,
         **o.txt_key(),  # a .txt file's documents: its paragraphs, lines or whole
+        **({"chat_template": o.chat_template} if o.chat_template != "auto" else {}),  # (other records unchanged)
+        **({"loss_on": o.loss_on} if o.loss_on != "all" else {}),
         "tokens": o.total_steps * o.batch_tokens,
         "stage": o.stage,
         "steps": o.steps,
