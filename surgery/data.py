@@ -2,7 +2,8 @@
 
 `pydoc`: the standard library's pydoc_data.topics (about 100k tokens of English, no download).
 `general` (the default of --calib and uptrain --data) and `hf://datasets/REPO@REVISION/FILE`: surgery/general_text.py.
-Local files or globs: .txt (one document per file; uptrain: per paragraph, line or file, read lazily), .jsonl/.json, .parquet, .csv (column --text-field).
+Local files or globs: .txt (one document per file; uptrain: per paragraph, line or file, read lazily), .jsonl/.json, .parquet, .csv (column --text-field,
+or a `messages` column of conversations: surgery/chat.py).
 Anything else: a hub dataset `name[:config][@split[@revision]]`, optionally streamed; `dataset_commit` resolves the
 commit it reads, for the record.
 """
@@ -164,9 +165,11 @@ def dataset_commits(specs) -> dict[str, str | None]:
 
 
 def load_texts(spec: str, text_field: str = "text", streaming: bool = False,
-               txt_unit: str | None = None) -> Iterable[str]:
+               txt_unit: str | None = None, chat=None) -> Iterable[str]:
     """The documents of a text spec; a local .txt file's are its `txt_unit`s read lazily (txt_documents), or, when
-    None (calibration and `check`, whose records hash whole files), each file whole."""
+    None (calibration and `check`, whose records hash whole files), each file whole. A tabular source's `messages`
+    column is read as `chat` (a surgery.chat.ChatFormat; None: contents joined, when there is no text column)
+    renders it."""
     from .general_text import hub_file_texts, is_hub_file, resolve_text, say_fallback
 
     spec = resolve_text(spec)  # `general`: the pinned general text, or pydoc offline
@@ -178,16 +181,17 @@ def load_texts(spec: str, text_field: str = "text", streaming: bool = False,
     pattern = any(c in spec for c in "*?[")  # a hub dataset's name has none of these: a local glob, never online
     files = local_files(spec)
     if files:
-        return _local_texts(files, text_field, streaming, txt_unit)
+        return _local_texts(files, text_field, streaming, txt_unit, chat)
     if pattern:
         where = "" if Path(spec).expanduser().is_absolute() else f" (relative to {Path.cwd()})"
         raise SurgeryError(f"data {spec}: the pattern matches no file{where}")
     if Path(spec).suffix in BUILDERS or spec.startswith((".", "/", "~")):
         raise SurgeryError(f"data {spec} does not exist")
-    return _hub_texts(spec, text_field, streaming)
+    return _hub_texts(spec, text_field, streaming, chat)
 
 
-def _local_texts(files: list[str], text_field: str, streaming: bool, txt_unit: str | None = None) -> Iterable[str]:
+def _local_texts(files: list[str], text_field: str, streaming: bool, txt_unit: str | None = None,
+                 chat=None) -> Iterable[str]:
     suffixes = {Path(f).suffix for f in files}
     if len(suffixes) != 1 or (suffix := suffixes.pop()) not in BUILDERS:
         raise SurgeryError(f"data files must share one of the suffixes {', '.join(BUILDERS)}: got {', '.join(files[:3])}")
@@ -201,10 +205,10 @@ def _local_texts(files: list[str], text_field: str, streaming: bool, txt_unit: s
         ds = datasets.load_dataset(BUILDERS[suffix], data_files=files, split="train", streaming=streaming)
     except Exception as e:  # datasets raises many kinds for unreadable files
         raise SurgeryError(f"cannot read data {files[0]}: {str(e).splitlines()[0]}") from None
-    return _column(ds, text_field, files[0])
+    return _column(ds, text_field, files[0], chat)
 
 
-def _hub_texts(spec: str, text_field: str, streaming: bool) -> Iterable[str]:
+def _hub_texts(spec: str, text_field: str, streaming: bool, chat=None) -> Iterable[str]:
     import datasets
 
     name, config, split, revision = parse_hub_spec(spec)
@@ -212,14 +216,21 @@ def _hub_texts(spec: str, text_field: str, streaming: bool) -> Iterable[str]:
         ds = datasets.load_dataset(name, config, split=split, streaming=streaming, revision=revision)
     except Exception as e:
         raise SurgeryError(f"cannot load dataset {spec}: {str(e).splitlines()[0]}") from None
-    return _column(ds, text_field, spec)
+    return _column(ds, text_field, spec, chat)
 
 
-def _column(ds, text_field: str, label: str) -> Iterator[str]:
+def _column(ds, text_field: str, label: str, chat=None) -> Iterator[str]:
+    from .chat import MESSAGES, ChatFormat
+
+    chat = chat if chat is not None else ChatFormat("off")
     columns = ds.column_names or []
+    if columns and chat.reads_messages(columns, text_field):
+        return (chat.render(row[MESSAGES], label) for row in ds)
     if columns and text_field not in columns:
-        raise SurgeryError(f"data {label} has no column {text_field!r} (columns: {', '.join(columns)}); use --text-field")
-    return (row[text_field] for row in ds)
+        raise SurgeryError(f"data {label} has no column {text_field!r} (columns: {', '.join(columns)}); use "
+                           f"--text-field, or give conversations a {MESSAGES!r} column")
+    return (chat.render(row[MESSAGES], label) if not columns and chat.reads_messages(list(row), text_field)
+            else row[text_field] for row in ds)
 
 
 def token_stream(texts: Iterable[str], tokenizer, limit: int | None = None, used: list[str] | None = None) -> torch.Tensor:

@@ -28,8 +28,9 @@ PACKAGE = REPO / "surgery"
 # Data flows: checkpoint in -> architecture spec -> kind -> checkpoint out -> check / uptrain -> hub.
 LAYERS = [
     ("foundation", ["surgery", "surgery.errors", "surgery.options", "surgery.progress", "surgery.solve",
-                    "surgery.units", "surgery.dtypes", "surgery.model_types", "surgery.precision", "surgery.threads"]),
-    ("checkpoint I/O", ["surgery.checkpoint", "surgery.trust", "surgery.data"]),
+                    "surgery.units", "surgery.dtypes", "surgery.model_types", "surgery.precision", "surgery.threads",
+                    "surgery.logs"]),
+    ("checkpoint I/O", ["surgery.checkpoint", "surgery.trust", "surgery.data", "surgery.chat"]),
     ("runtime", ["surgery.runtime"]),
     ("architecture", ["surgery.arch"]),
     ("conversions", ["surgery.calibration", "surgery.kv", "surgery.switchhead", "surgery.talking_heads",

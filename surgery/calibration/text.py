@@ -49,12 +49,13 @@ class CalibrationText:
                 | ({"data_commits": self.data_commits} if self.data_commits else {}))
 
 
-def calibration_texts(spec: str, text_field: str = "text"):
-    """Documents in calibration order: pydoc from its last document backwards, anything else from its start."""
+def calibration_texts(spec: str, text_field: str = "text", chat=None):
+    """Documents in calibration order: pydoc from its last document backwards, anything else from its start
+    (conversations rendered as `chat`, a surgery.chat.ChatFormat, says)."""
     if spec == "pydoc":
         say_fallback(spec)  # `general` offline: its one line
         return list(reversed(pydoc_texts()))
-    return load_texts(spec, text_field=text_field)
+    return load_texts(spec, text_field=text_field, chat=chat)
 
 
 def context_of(config: dict) -> int | None:
@@ -64,11 +65,15 @@ def context_of(config: dict) -> int | None:
 
 
 def calibration_text(spec: str | Sequence[str], tokenizer, tokens: int, context: int | None,
-                     text_field: str = "text", window: int = WINDOW) -> CalibrationText:
+                     text_field: str = "text", window: int = WINDOW, chat_template: str = "auto") -> CalibrationText:
     """`tokens` calibration tokens of `spec` as [N, L] windows (L = `window`, or the context when shorter).
 
     Several specs mix domains: each gives an equal share of the N windows (the first ones one more when N does not
-    divide), read as that spec alone would be (pydoc from its last document, anything else from its start)."""
+    divide), read as that spec alone would be (pydoc from its last document, anything else from its start).
+    A `messages` column is read per `chat_template` (surgery/chat.py)."""
+    from ..chat import ChatFormat
+
+    chat = ChatFormat(chat_template, tokenizer)
     specs = resolve_texts([spec] if isinstance(spec, str) else spec)  # `general`: C4 from the hub, or pydoc
     if not specs:
         raise SurgeryError("no calibration text given")
@@ -78,12 +83,12 @@ def calibration_text(spec: str | Sequence[str], tokenizer, tokens: int, context:
         raise SurgeryError(f"--calib-window must be at least 2, got {window}")
     length = min(window, context or window, tokens)
     if len(specs) == 1:
-        return _windows(specs[0], tokenizer, tokens, length, text_field)
+        return _windows(specs[0], tokenizer, tokens, length, text_field, chat)
     n = tokens // length
     if n < len(specs):
         raise SurgeryError(f"--calib-tokens {tokens} makes fewer windows of {length} than the {len(specs)} "
                            f"calibration texts")
-    parts = [_windows(one, tokenizer, (n // len(specs) + (i < n % len(specs))) * length, length, text_field)
+    parts = [_windows(one, tokenizer, (n // len(specs) + (i < n % len(specs))) * length, length, text_field, chat)
              for i, one in enumerate(specs)]
     short = next((p for p in parts if p.windows.shape[1] < length), None)
     if short is not None:
@@ -95,10 +100,10 @@ def calibration_text(spec: str | Sequence[str], tokenizer, tokens: int, context:
         {k: v for p in parts for k, v in (p.data_commits or {}).items()} or None)
 
 
-def _windows(spec: str, tokenizer, tokens: int, length: int, text_field: str) -> CalibrationText:
+def _windows(spec: str, tokenizer, tokens: int, length: int, text_field: str, chat=None) -> CalibrationText:
     """Up to `tokens` tokens of one spec, cut into windows of `length` (shorter when the text is)."""
     used: list[str] = []
-    ids = token_stream(calibration_texts(spec, text_field), tokenizer, tokens, used=used)
+    ids = token_stream(calibration_texts(spec, text_field, chat), tokenizer, tokens, used=used)
     length = min(length, ids.numel())
     if length < 2:
         raise SurgeryError(f"calibration data {spec} gave only {ids.numel()} token(s)")

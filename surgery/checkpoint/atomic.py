@@ -15,12 +15,12 @@ import errno
 import os
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
 from ..errors import SurgeryError
+from ..logs import get_logger
 
 
 # The temporary names made beside an output: `tmp` (an output being written, a JSON file being written), `old` (the
@@ -123,8 +123,8 @@ def clean_stale_siblings(out: Path) -> list[Path]:
             kept.append(p)
     if kept:
         owner = "another running process or an older version" if len(kept) == 1 else "other processes"
-        print(f"surgery: warning: left in place {len(kept)} temporary folder(s) beside {out} ({owner}): "
-              f"{', '.join(p.name for p in kept[:3])}", file=sys.stderr)
+        get_logger(__name__).warning(f"left in place {len(kept)} temporary folder(s) beside {out} ({owner}): "
+                                     f"{', '.join(p.name for p in kept[:3])}")
     return kept
 
 

@@ -129,6 +129,11 @@ class CalibrationOptions(PrecisionOptions):
         "Fewer: less memory, the same result to float rounding, a little more time; the dry run shows the chunk.",
         metavar="N", group=GROUP)
 
+    chat_template: Literal["auto", "on", "off"] = option(
+        "auto", "--chat-template", "How a calibration text's `messages` column (conversations: lists of {role, "
+        "content}) is read: on: rendered with the tokenizer's chat template; off: the contents joined; auto: the "
+        "template when the tokenizer has one.", group=GROUP)
+
     _calib = field_validator("calib")(calib_texts_rule)
     _calib_tokens = field_validator("calib_tokens")(positive_calib_tokens)
     _calib_window = field_validator("calib_window")(calib_window_rule)

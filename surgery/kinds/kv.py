@@ -112,7 +112,8 @@ class KVMerge(Kind):
                                  chunk_windows=options.calib_chunk)
             return convert_aligned(source, out, kv_heads=options.groups, calib=options.calib,
                                    calib_tokens=options.calib_tokens, calib_window=options.calib_window,
-                                   device=options.device, precision=options.precision, options=merge, **common)
+                                   device=options.device, precision=options.precision, options=merge,
+                                   chat_template=options.chat_template, **common)
         from ..kv.convert import KVOptions, convert_to_kv_heads
 
         force = common.pop("force")

@@ -51,7 +51,8 @@ class MLA(Kind):
         return convert_to_mla(source, out, kv_rank=options.kv_rank, rope_dim=options.rope_dim, calib=options.calib,
                               calib_tokens=options.calib_tokens, calib_window=options.calib_window,
                               calib_chunk=options.calib_chunk, query_samples=options.query_samples,
-                              device=options.device, precision=options.precision, **options.write_kwargs())
+                              device=options.device, precision=options.precision,
+                              chat_template=options.chat_template, **options.write_kwargs())
 
     def calibration_estimate(self, config: dict, options: MLAOptions, *, dtype: str, device: str, throughput=None):
         from ..estimate import estimate_calibrated

@@ -40,7 +40,7 @@ class SwitchHead(Kind):
                                      calib=options.calib, calib_tokens=options.calib_tokens,
                                      calib_window=options.calib_window, calib_chunk=options.calib_chunk,
                                      device=options.device, precision=options.precision,
-                                     **options.write_kwargs())
+                                     chat_template=options.chat_template, **options.write_kwargs())
 
     def calibration_estimate(self, config: dict, options: SwitchHeadOptions, *, dtype: str, device: str,
                              throughput=None):

@@ -162,7 +162,7 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
                           allow_pickle: bool = False, seed: int = 0, progress: bool = True,
                           respect_kv_groups: bool = True, qk_merge: str = "mean", refit: bool = True,
                           ridge: float = RIDGE, device: str = "auto", calib_inputs: str = "converted",
-                          precision: str = "auto") -> dict:
+                          precision: str = "auto", chat_template: str = "auto") -> dict:
     """Convert every self-attention layer of `src` into SwitchHead attention with H=`heads` heads of E=`experts`
     experts, k=`topk` selected per token; write the checkpoint to `out`. Returns the surgery.json record.
 
@@ -192,7 +192,8 @@ def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, t
     else:
         builder = LayerBuilder(reader, family, names, shape, [], None, out_dtype)
         calibrated = _calibrate(src, reader, out, builder, mode, calib, calib_tokens, calib_window, calib_chunk,
-                                qk_merge, refit, ridge, device, progress, start, calib_inputs, precision)
+                                qk_merge, refit, ridge, device, progress, start, calib_inputs, precision,
+                                chat_template=chat_template)
     planned = builder.plan(out_dtype)
     new_config = target_config(config, family, shape, dtype, builder.biases())
     settings = {"mode": mode, "qk_merge": qk_merge, "ridge": ridge, "seed": seed, "dtype": dtype, "start": start,
@@ -234,12 +235,13 @@ class Calibrated:
 def _calibrate(src: Source, reader: CheckpointReader, out: Path, builder: LayerBuilder, mode: str,
                calib: str | list[str], calib_tokens: int, calib_window: int, calib_chunk: int | None, qk_merge: str,
                refit: bool, ridge: float, device: str, progress: bool, start: float, inputs: str,
-               precision: str = "auto") -> Calibrated:
+               precision: str = "auto", chat_template: str = "auto") -> Calibrated:
     """Stream the source layer by layer over the calibration text: head distances and clusters, router fits and the
     output refit per layer; the new tensors go into a layer store the builder serves."""
     dev = pick_device(device)
     resolved = resolve_precision(precision, dev)
-    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(src.config), window=calib_window)
+    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(src.config), window=calib_window,
+                            chat_template=chat_template)
     builder.tensors = LayerStore(out)  # removes itself when closed, dropped on an error, or at exit
     stream = open_stream(src.folder, reader, dev, attn_implementation="eager")
     stream.spill_into(builder.tensors.scratch("residual"), out)

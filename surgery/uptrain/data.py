@@ -35,6 +35,7 @@ class PackedData:
     eval: torch.Tensor  # [windows, seq_len] int32 (0 windows when evaluation is off)
     seed: int = 0
     other: torch.Tensor | None = None  # [windows, seq_len] int32: the --eval-data text's held-out windows
+    train_mask: torch.Tensor | None = None  # [windows, seq_len] uint8, --loss-on assistant: 1 where a token is trained on
 
     def __post_init__(self):
         self._perm_epoch = -1
@@ -65,6 +66,12 @@ class PackedData:
         idx = self.window_indices(step * sequences_per_step + rank * share, share)
         return self.train[idx].long()
 
+    def step_mask(self, step: int, sequences_per_step: int, rank: int, world: int) -> torch.Tensor:
+        """`step_batch`'s windows' token masks (--loss-on assistant): [sequences_per_step / world, seq_len] bool."""
+        share = sequences_per_step // world
+        idx = self.window_indices(step * sequences_per_step + rank * share, share)
+        return self.train_mask[idx].bool()
+
 
 def _documents(texts: Iterable[str], tokenizer) -> Iterator[list[int]]:
     batch: list[str] = []
@@ -78,23 +85,46 @@ def _documents(texts: Iterable[str], tokenizer) -> Iterator[list[int]]:
         yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
 
 
+def _masked_documents(texts: Iterable[str], tokenizer) -> Iterator[tuple[list[int], list[int]]]:
+    """(ids, mask) per document for --loss-on assistant: a conversation's assistant turns are 1 (surgery/chat.py's
+    ChatText spans), everything else 0; a document that is no conversation counts whole."""
+    from ..chat import token_mask
+
+    for text in texts:
+        if not (text and text.strip()):
+            continue
+        spans = getattr(text, "assistant_spans", None)
+        if spans is None:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            yield ids, [1] * len(ids)
+        else:
+            yield token_mask(tokenizer, text, spans)
+
+
 def _eos(tokenizer) -> int:
     if tokenizer.eos_token_id is None:
         raise SurgeryError("the tokenizer has no EOS token to put between documents")
     return tokenizer.eos_token_id
 
 
-def pack(texts: Iterable[str], tokenizer, seq_len: int, eval_tokens: int, train_tokens: int, seed: int = 0) -> PackedData:
-    """Tokenize documents until the held-out split has `eval_tokens` and the training split `train_tokens`."""
+def pack(texts: Iterable[str], tokenizer, seq_len: int, eval_tokens: int, train_tokens: int, seed: int = 0,
+         masked: bool = False) -> PackedData:
+    """Tokenize documents until the held-out split has `eval_tokens` and the training split `train_tokens`;
+    `masked` (--loss-on assistant): also each training token's mask (`_masked_documents`; EOS after a conversation
+    is 0, after other text 1)."""
     eos = _eos(tokenizer)
     eval_need = -(-eval_tokens // seq_len) * seq_len
     parts: dict[str, list[np.ndarray]] = {"eval": [], "train": []}
+    masks: dict[str, list[np.ndarray]] = {"eval": [], "train": []}
     have = {"eval": 0, "train": 0}
     documents = 0
-    for ids in _documents(texts, tokenizer):
+    docs = _masked_documents(texts, tokenizer) if masked else ((ids, None) for ids in _documents(texts, tokenizer))
+    for ids, mask in docs:
         documents += 1
         split = "eval" if have["eval"] < eval_need else "train"
         parts[split].append(np.asarray(ids + [eos], dtype=np.int32))
+        if masked:
+            masks[split].append(np.asarray(mask + [mask[-1] if mask and min(mask) == 1 else 0], dtype=np.uint8))
         have[split] += len(ids) + 1
         if have["train"] >= train_tokens + seq_len:
             break
@@ -103,6 +133,9 @@ def pack(texts: Iterable[str], tokenizer, seq_len: int, eval_tokens: int, train_
     if not parts["train"] and have["eval"] > eval_need:  # no document after the held-out split: it ends inside the
         flat = np.concatenate(parts["eval"])  # last one, whose rest (past the first eval_need tokens) is trained on
         parts = {"eval": [flat[:eval_need]], "train": [flat[eval_need:]]}
+        if masked:
+            flat_mask = np.concatenate(masks["eval"])
+            masks = {"eval": [flat_mask[:eval_need]], "train": [flat_mask[eval_need:]]}
         have = {"eval": eval_need, "train": int(flat.size) - eval_need}
     if have["eval"] < eval_need:
         raise SurgeryError(f"the data holds only {have['eval']} tokens, fewer than --eval-tokens {eval_tokens}")
@@ -111,7 +144,8 @@ def pack(texts: Iterable[str], tokenizer, seq_len: int, eval_tokens: int, train_
         raise SurgeryError(
             f"no training data left: the data's {have['eval'] + have['train']} tokens give "
             f"{have['train']} after the {eval_need} held out (need at least --seq-len {seq_len}); lower --eval-tokens")
-    return PackedData(train=train, eval=_windows(parts["eval"], seq_len)[: eval_need // seq_len], seed=seed)
+    return PackedData(train=train, eval=_windows(parts["eval"], seq_len)[: eval_need // seq_len], seed=seed,
+                      train_mask=_windows(masks["train"], seq_len, np.uint8) if masked else None)
 
 
 def pack_held_out(texts: Iterable[str], tokenizer, seq_len: int, tokens: int,
@@ -129,8 +163,8 @@ def pack_held_out(texts: Iterable[str], tokenizer, seq_len: int, tokens: int,
                        f"windows of {seq_len} ({need})")
 
 
-def _windows(parts: list[np.ndarray], seq_len: int) -> torch.Tensor:
-    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+def _windows(parts: list[np.ndarray], seq_len: int, dtype=np.int32) -> torch.Tensor:
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
     n = flat.size // seq_len
     return torch.from_numpy(flat[: n * seq_len].reshape(n, seq_len).copy())
 
@@ -154,7 +188,8 @@ def read_cache(cache: Path, key: str, seed: int) -> PackedData | None:
             if (f.metadata() or {}).get("key") != key:
                 return None
             other = f.get_tensor("other") if "other" in f.keys() else None
-            return PackedData(f.get_tensor("train"), f.get_tensor("eval"), seed=seed, other=other)
+            mask = f.get_tensor("train_mask") if "train_mask" in f.keys() else None
+            return PackedData(f.get_tensor("train"), f.get_tensor("eval"), seed=seed, other=other, train_mask=mask)
     except Exception:  # unreadable, or not a safetensors file: rebuilt
         return None
 
@@ -163,6 +198,7 @@ def write_cache(cache: Path, key: str, data: PackedData) -> None:
     from ..checkpoint.tensors import save_safetensors  # a full disk: one line, not SafetensorError's traceback
 
     tmp = cache.with_name(cache.name + ".tmp")
-    tensors = {"train": data.train, "eval": data.eval} | ({"other": data.other} if data.other is not None else {})
+    tensors = {"train": data.train, "eval": data.eval} | ({"other": data.other} if data.other is not None else {}) | (
+        {"train_mask": data.train_mask} if data.train_mask is not None else {})
     save_safetensors({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"key": key})
     tmp.replace(cache)

@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from ..errors import SurgeryError
 from ..kinds import check_checkpoint, find_kind
 from ..data import dataset_commits
 from ..loaders import read_json
+from ..logs import get_logger
 from ..precision import resolve_precision
 from ..checkpoint.source import resolve_source, side_files
 from ..checkpoint.record import local_source_folder, public_name, read_record, write_record
@@ -41,9 +41,11 @@ from .params import select_trainable
 from .plot import plot_metrics
 from .progress import Progress
 from .state import Checkpoints, RunState
+from .trackers import TB_DIR, copy_tensorboard, finish_trackers, require_trackers, start_trackers
 
 FEW_STEPS = 20  # fewer optimizer steps than this: warn
 OOM_MARKERS = ("out of memory", "can't allocate memory", "CUDA error: out of memory")
+log = get_logger(__name__)
 
 
 def lr_at(step: int, o: UptrainOptions) -> float:
@@ -67,12 +69,13 @@ def make_optimizer(params: list, o: UptrainOptions) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, **kw)
 
 
-def make_accelerator(precision: str = "auto"):
+def make_accelerator(precision: str = "auto", log_with: list[str] | None = None, project_dir: Path | None = None):
     """Autocast in `--precision` (surgery/precision.py; auto: bf16 on CUDA with bf16, fp32 elsewhere; bf16 on the CPU
     is torch's CPU autocast, the same code path as on CUDA). Without CUDA, cpu=True lets several processes started by
     `accelerate launch --multi_gpu --num_processes N` (torchrun) or `torchrun` run DDP on CPU over gloo, and
     an FSDP config (`accelerate launch --config_file fsdp.yaml`) run FSDP on CPU over gloo (see `use_fsdp_on_cpu`);
-    under FSDP, `use_fsdp2` sets the mixed precision policy."""
+    under FSDP, `use_fsdp2` sets the mixed precision policy. `log_with`: the experiment trackers (--report-to),
+    `project_dir`: where TensorBoard writes (surgery/uptrain/trackers.py)."""
     import os
 
     from accelerate import Accelerator
@@ -87,7 +90,8 @@ def make_accelerator(precision: str = "auto"):
         # an earlier run in this process (the library, tests) left another precision in accelerate's shared state,
         # which refuses a change: start it afresh (the process group, PartialState's, stays)
         AcceleratorState._reset_state(reset_partial_state=False)
-    acc = Accelerator(cpu=not cuda, mixed_precision=mixed)
+    acc = Accelerator(cpu=not cuda, mixed_precision=mixed, log_with=log_with or None,
+                      project_dir=str(project_dir) if project_dir is not None else None)
     fsdp_config = os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"  # set by accelerate launch
     if fsdp_config and acc.distributed_type == DistributedType.MULTI_CPU:
         use_fsdp_on_cpu(acc)
@@ -261,7 +265,7 @@ def last_good(ckpts: Checkpoints) -> str:
 
 
 def warn(message: str) -> None:
-    print(f"surgery: warning: {message}", file=sys.stderr, flush=True)
+    log.warning(message)
 
 
 @torch.no_grad()
@@ -369,7 +373,8 @@ class UptrainRecipe:
         self.record = read_record(self.source.folder)
         check_checkpoint(self.source.folder, self.source.config, self.record)  # before anything is loaded or written
         self.objective = resolve_objective(o, self.record)
-        self.acc = make_accelerator(o.precision)
+        require_trackers(o.trackers)  # a tracker's missing package: one line, before anything loads
+        self.acc = make_accelerator(o.precision, o.trackers, o.run_dir / TB_DIR)
         self.main, self.world = self.acc.is_main_process, self.acc.num_processes
         o.data_workers = resolve_data_workers(o.data_workers, self.acc.device.type,
                                               recorded_data_workers(o) if o.resume else None)
@@ -398,6 +403,10 @@ class UptrainRecipe:
 
         acc = self.acc
         self.tokenizer = model_io.load_trusted_tokenizer(source, "model", o.trust_remote_code)
+        from ..chat import ChatFormat
+
+        # --chat-template on without a template: refused now
+        self.chat = ChatFormat(o.chat_template, self.tokenizer, spans=o.loss_on == "assistant")
         kind = find_kind(self.record, source.config)
         fsdp = acc.distributed_type == DistributedType.FSDP
         rank_zero = rank_zero_loads(acc, o, kind)
@@ -437,6 +446,9 @@ class UptrainRecipe:
 
     def _setup_data(self) -> None:
         """The training and held-out windows: packed up front (small runs, data.py) or streamed (stream.py)."""
+        if self.o.loss_on == "assistant" and self.o.streamed:
+            raise SurgeryError("--loss-on assistant reads packed data: this run would stream its data (several --data, "
+                               "--data-workers, or more than --data-mode auto packs); use --data-mode packed")
         if not self.o.streamed:
             return self._setup_packed()
         self._setup_stream()
@@ -452,16 +464,16 @@ class UptrainRecipe:
         self.key = cache_key(data=o.data_spec, text_field=o.text_field, **o.txt_key(), seq_len=o.seq_len, eval_tokens=o.eval_tokens,
                              **({"eval_data": o.eval_data} if o.eval_data is not None else {}),
                              train_tokens=train_tokens, vocab=len(tokenizer), eos=tokenizer.eos_token_id,
-                             tokenizer=type(tokenizer).__name__)
+                             tokenizer=type(tokenizer).__name__, **self._chat_key())
 
         def build():
             from ..data import load_texts
 
-            data = pack(load_texts(o.data[0], o.text_field, o.streaming, o.txt_unit), tokenizer, o.seq_len, o.eval_tokens,
-                        train_tokens, seed=o.seed)
+            data = pack(load_texts(o.data[0], o.text_field, o.streaming, o.txt_unit, self.chat), tokenizer, o.seq_len,
+                        o.eval_tokens, train_tokens, seed=o.seed, masked=o.loss_on == "assistant")
             if o.eval_data is not None:
-                data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit), tokenizer, o.seq_len,
-                                           o.eval_tokens)
+                data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit, self.chat),
+                                           tokenizer, o.seq_len, o.eval_tokens)
             return data
 
         cache = o.run_dir / DATA_CACHE
@@ -493,7 +505,7 @@ class UptrainRecipe:
         sources = resolve_sources(o.data, o.weights)
         args = dict(tokenizer=tokenizer, eos=eos, seq_len=o.seq_len, seed=o.seed,
                     readers=self.world * max(1, o.data_workers), epochs=o.data_epochs, text_field=o.text_field,
-                    streaming=o.streaming, txt_unit=o.txt_unit)
+                    streaming=o.streaming, txt_unit=o.txt_unit, chat_template=o.chat_template)
         eval_windows, held = hold_out(args, sources, o.eval_tokens)
         plan = Plan(sources=tuple(sources), held=held, **args)
         if not o.resume:
@@ -502,12 +514,19 @@ class UptrainRecipe:
         if o.eval_data is not None:
             from ..data import load_texts
 
-            self.data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit), tokenizer, o.seq_len,
-                                            o.eval_tokens)
+            self.data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit, self.chat),
+                                            tokenizer, o.seq_len, o.eval_tokens)
         self.key = data_key({"sources": fingerprint(sources), **o.txt_key(), "seq_len": o.seq_len, "eval_tokens": o.eval_tokens,
                              "eval_data": o.eval_data, "seed": o.seed,
-                             "vocab": len(tokenizer), "eos": eos, "tokenizer": type(tokenizer).__name__})
+                             "vocab": len(tokenizer), "eos": eos, "tokenizer": type(tokenizer).__name__,
+                             **self._chat_key()})
         self.data_sha256 = ""
+
+    def _chat_key(self) -> dict:
+        """--chat-template for the data's key when it is not the default (other runs' keys stay as they were)."""
+        o = self.o
+        return ({"chat_template": o.chat_template} if o.chat_template != "auto" else {}) | (
+            {"loss_on": o.loss_on} if o.loss_on != "all" else {})
 
     def _setup_align(self) -> dict | None:
         """The `align` stage (attention layer by layer against the teacher), unless a checkpoint already has it."""
@@ -519,12 +538,12 @@ class UptrainRecipe:
             return json.loads(align_json.read_text()) if align_json.exists() else None
         count = o.align_steps * o.sequences_per_step
         windows = data.take(count) if o.streamed else data.train[data.window_indices(0, count)]
-        log = (lambda line: print(line, flush=True)) if self.main else (lambda line: None)
+        say = log.info if self.main else (lambda line: None)
         self.model.to(acc.device)
         before = evaluate_held_out(self.model, data, acc, o.micro_batch) if data.eval.shape[0] else {}
         held_out = data.eval[: windows.shape[0]]  # the per-layer errors on as many held-out windows as it trains on
         record = align(self.model, self.teacher, windows.long(), held_out.long(), micro_batch=o.micro_batch,
-                       epochs=o.align_epochs, lr=o.align_lr, device=acc.device, log=log)
+                       epochs=o.align_epochs, lr=o.align_lr, device=acc.device, log=say)
         record["tokens"] = o.align_steps * o.batch_tokens
         record["eval_ppl_before"] = before.get("eval_ppl")
         if "other_eval_ppl" in before:
@@ -561,13 +580,15 @@ class UptrainRecipe:
         self.state = RunState()
         self.state.data_key, self.state.data_sha256 = self.key, self.data_sha256
         self.ckpts.remove_partial()
-        self.metrics = MetricsLog(o.run_dir / "metrics.jsonl", self.main)
+        self.metrics = MetricsLog(o.run_dir / "metrics.jsonl", self.main, tracker=acc if o.trackers else None)
         self.resumed_from = None
         if o.resume and self.ckpts.latest() is not None:
             self.resumed_from = self.ckpts.load_latest(self.model, self.optimizer, self.state)
             self._check_resumed()
         acc.wait_for_everyone()
         self.metrics.start(self.state.step if self.resumed_from else None)
+        start_trackers(acc, o.trackers, o.model_dump(mode="json") | self.trajectory | {
+            "processes": self.world, "steps": o.steps, "precision": precision_of(acc)})
 
     def _check_resumed(self) -> None:
         """The resumed checkpoint against this run: its step within the run, its data the same (sources, files and,
@@ -611,7 +632,7 @@ class UptrainRecipe:
         if not self.main:
             return
         n_params = sum(p.numel() for p in self.params)
-        print(f"uptrain: {self.objective.kind} loss, training {len(self.trainable)} tensors ({n_params:,} parameters), "
+        log.info(f"uptrain: {self.objective.kind} loss, training {len(self.trainable)} tensors ({n_params:,} parameters), "
               f"{o.steps} steps x {self.tokens_per_step} tokens, {self.world} process(es) x {self.accum} "
               f"micro-batch(es) of {o.micro_batch}, "
               + (f"training windows streamed from {len(o.data)} source(s) by {max(1, o.data_workers)} reader(s) per "
@@ -621,8 +642,7 @@ class UptrainRecipe:
               + f"windows of {o.seq_len}"
               + (f", parameters sharded by {self.acc.distributed_type.value}" if self.sharded else "")
               + (" (the teacher's too)" if self.sharded and self.teacher is not None else "")
-              + (f"; resumed at step {state.step} from {self.resumed_from.name}" if self.resumed_from else ""),
-              flush=True)
+              + (f"; resumed at step {state.step} from {self.resumed_from.name}" if self.resumed_from else ""))
         if 0 < o.steps < FEW_STEPS:
             warn(f"--tokens {o.tokens} with --batch-tokens {o.batch_tokens} makes only {o.steps} optimizer step"
                  f"{'s' if o.steps > 1 else ''}: too few for the learning-rate schedule to mean much; raise --tokens "
@@ -669,14 +689,17 @@ class UptrainRecipe:
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = self.data.step_batch(o.align_steps + step, o.sequences_per_step, acc.process_index, self.world)
+        masks, weights = self._step_masks(step)
         loss_sum = torch.zeros((), device=acc.device)
         parts_sum: dict[str, torch.Tensor] = {}
         for m in range(self.accum):
             ids = batch[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device)
-            loss, parts = self._micro_step(ids, last=m == self.accum - 1)
-            loss_sum += loss / self.accum
+            mask = masks[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device) if masks is not None else None
+            weight = weights[m] if weights is not None else None
+            loss, parts = self._micro_step(ids, last=m == self.accum - 1, weight=weight, mask=mask)
+            loss_sum += loss / self.accum if weight is None else loss * weight
             for k, v in parts.items():
-                parts_sum[k] = parts_sum.get(k, 0) + v / self.accum
+                parts_sum[k] = parts_sum.get(k, 0) + (v / self.accum if weight is None else v * weight)
         # inf max_norm: the norm (of all processes' gradients) without clipping
         grad_norm = acc.clip_grad_norm_(self.params, o.max_grad_norm if o.max_grad_norm > 0 else math.inf)
         logged = acc.reduce(torch.stack([loss_sum, *parts_sum.values()]), reduction="mean").tolist()  # syncs
@@ -694,9 +717,27 @@ class UptrainRecipe:
                     **{f"{k}_loss": v for k, v in zip(parts_sum, logged[1:])}, lr=lr, grad_norm=grad_norm,
                     tokens_per_s=self.tokens_per_step / seconds, elapsed=state.elapsed)
 
-    def _micro_step(self, ids: torch.Tensor, last: bool) -> tuple[torch.Tensor, dict]:
-        """Forward and backward of one micro-batch (gradients synchronised on the step's last one only); returns
-        its detached loss and loss parts."""
+    def _step_masks(self, step: int) -> tuple[torch.Tensor | None, list[float] | None]:
+        """--loss-on assistant: this process's token masks of step `step` and each micro-batch's weight, its share of
+        the step's counted targets (all processes) times the number of processes (DDP averages the gradients): the
+        step's loss is the mean over every counted target, however the batch is split. Otherwise no masks, and each
+        micro-batch weighs 1 / accumulation steps (None)."""
+        o, acc = self.o, self.acc
+        if o.loss_on != "assistant":
+            return None, None
+        masks = self.data.step_mask(o.align_steps + step, o.sequences_per_step, acc.process_index, self.world)
+        counts = [int(masks[m * o.micro_batch : (m + 1) * o.micro_batch, 1:].sum()) for m in range(self.accum)]
+        total = acc.reduce(torch.tensor([float(sum(counts))], device=acc.device), reduction="sum").item()
+        if total == 0:
+            raise SurgeryError(f"--loss-on assistant: step {step + 1}'s windows hold no assistant token (is the data "
+                               "a messages column rendered with the chat template?)")
+        return masks, [c * self.world / total for c in counts]
+
+    def _micro_step(self, ids: torch.Tensor, last: bool, weight: float | None = None,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """Forward and backward of one micro-batch (gradients synchronised on the step's last one only), its loss
+        scaled by `weight` (default 1 / accumulation steps); returns its detached loss and loss parts (unscaled).
+        `mask`: the tokens the losses count (--loss-on assistant)."""
         acc, model, teacher = self.acc, self.model, self.teacher
         sync = contextlib.nullcontext() if last else acc.no_sync(model)
         with sync:
@@ -710,8 +751,9 @@ class UptrainRecipe:
                         t_out = teacher(input_ids=ids, use_cache=False, **states)
                 loss, parts = self.objective(out.logits, ids, t_out.logits if t_out is not None else None,
                                              *self.projections, states=out.hidden_states if states else None,
-                                             teacher_states=t_out.hidden_states if states else None)
-            acc.backward(loss / self.accum)
+                                             teacher_states=t_out.hidden_states if states else None,
+                                             mask=mask)
+            acc.backward(loss / self.accum if weight is None else loss * weight)
         del out, t_out
         return loss.detach(), parts
 
@@ -772,6 +814,7 @@ class UptrainRecipe:
         # Sharded parameters are gathered for the final save (a collective: every process calls it).
         full_state = acc.get_state_dict(self.model) if self.sharded else None
         self.state.sources = self.source_shares()
+        finish_trackers(acc)  # TensorBoard's event file complete before the output copies it
         result = None
         if self.main:
             result = finish(self.o, self.source, acc.unwrap_model(self.model), full_state, self.out_dtype,
@@ -797,6 +840,8 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
             training_form.restore(model, full_state)
         model_io.save_uptrained(model, full_state, source, tmp, dtype, o.max_shard_size, o.gradient_checkpointing)
         shutil.copy2(metrics.path, tmp / "uptrain_metrics.jsonl")
+        if "tensorboard" in o.trackers:
+            copy_tensorboard(o.run_dir, tmp)
         plot_metrics(rows, tmp / "uptrain.png", title=f"uptraining {source.spec} ({objective.kind} loss)")
         write_record(tmp, model_io.uptrained_record(source, uptraining))  # with the sha256 of the files written
         ordinary_permissions(tmp)  # safetensors' save_file makes -rw-------; other outputs are ordinary files
@@ -810,8 +855,8 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
     done = [f"{o.steps} steps ({objective.kind} loss)"] if o.steps else []
     if align_record is not None:
         done.insert(0, f"{align_record['tokens']} aligning attention layer by layer")
-    print(f"wrote {o.out}: {uptraining['tokens']} tokens, {' then '.join(done)}{ppl}, "
-          f"{state.elapsed + (align_record or {}).get('seconds', 0):.1f}s of training", flush=True)
+    log.info(f"wrote {o.out}: {uptraining['tokens']} tokens, {' then '.join(done)}{ppl}, "
+             f"{state.elapsed + (align_record or {}).get('seconds', 0):.1f}s of training")
     return uptraining
 
 
@@ -829,6 +874,8 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
         "data_commits": dataset_commits([*o.data, o.eval_data]) or None,  # each hub dataset's resolved commit
         "text_field": o.text_field,
         **o.txt_key(),  # a .txt file's documents: its paragraphs, lines or whole
+        **({"chat_template": o.chat_template} if o.chat_template != "auto" else {}),  # (other records unchanged)
+        **({"loss_on": o.loss_on} if o.loss_on != "all" else {}),
         "tokens": o.total_steps * o.batch_tokens,
         "stage": o.stage,
         "steps": o.steps,

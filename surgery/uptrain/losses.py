@@ -46,11 +46,13 @@ def identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = identity) -> torch.Tensor:
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = identity,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy of logits [B, T, V] for ids [B, T] (T-1 targets per sequence), in chunks of
     positions. The targets are shifted (the last position ignored) rather than the logits sliced, which would copy them.
-    `project`: given the final hidden states [B, T, H] instead of logits, the output projection (surgery/uptrain/heads.py)."""
-    targets = F.pad(ids[:, 1:], (0, 1), value=-100).flatten()
+    `project`: given the final hidden states [B, T, H] instead of logits, the output projection (surgery/uptrain/heads.py).
+    `mask` [B, T] (--loss-on assistant): only targets whose token is marked count."""
+    targets = F.pad(ids[:, 1:] if mask is None else ids[:, 1:].masked_fill(~mask[:, 1:], -100), (0, 1), value=-100).flatten()
     counted = (targets != -100).sum().clamp(min=1)
 
     def nll_sum(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -60,15 +62,15 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = ident
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
-            project: Projection = identity, project_teacher: Projection = identity, divergence: str = "forward"
-            ) -> torch.Tensor:
+            project: Projection = identity, project_teacher: Projection = identity, divergence: str = "forward",
+            mask: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over positions of T² · D(teacher ‖ student) on softmax(logits / T) (Hinton et al.'s scaling), computed
     in chunks of positions so that no [positions, V] temporary of the whole batch exists besides the inputs.
     D by `divergence`: forward KL(p_t ‖ p_s) (mass-covering: the student spreads over all the teacher's
     candidates), reverse KL(p_s ‖ p_t) (mode-seeking: the student concentrates on the teacher's likeliest tokens,
     MiniLLM), or jsd, the Jensen-Shannon divergence ½ KL(p_t ‖ m) + ½ KL(p_s ‖ m), m = ½ (p_t + p_s), between the
     two (GKD's β = 0.5). `project` / `project_teacher`: as for `lm_loss`, when hidden states are given instead of
-    logits."""
+    logits. `mask` [B, T] (--loss-on assistant): only the positions predicting a marked token count."""
     if divergence not in DIVERGENCES:
         raise ValueError(f"unknown divergence {divergence!r}")
 
@@ -85,6 +87,11 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
                       + F.kl_div(log_m, log_s, log_target=True, reduction="sum"))
 
     s, t = student_logits.flatten(0, 1), teacher_logits.flatten(0, 1)
+    if mask is not None:
+        keep = F.pad(mask[:, 1:], (0, 1), value=False).flatten()
+        if not keep.any():  # nothing to distill in this micro-batch: a zero that still reaches every parameter used
+            return student_logits.sum() * 0.0
+        s, t = s[keep], t[keep]
     return _chunked_sum(divergence_sum, s, t) / s.shape[0] * (temperature * temperature)
 
 
@@ -125,16 +132,18 @@ class Objective:
 
     def __call__(self, logits: torch.Tensor, ids: torch.Tensor, teacher_logits: torch.Tensor | None = None,
                  project: Projection = identity, project_teacher: Projection = identity,
-                 states: tuple[torch.Tensor, ...] | None = None, teacher_states: tuple[torch.Tensor, ...] | None = None):
+                 states: tuple[torch.Tensor, ...] | None = None, teacher_states: tuple[torch.Tensor, ...] | None = None,
+                 mask: torch.Tensor | None = None):
         """(loss, parts): the loss to minimise and its terms, detached, for logging. `project` / `project_teacher`:
         the output projections when `logits` / `teacher_logits` are final hidden states (see `lm_loss`).
-        `states` / `teacher_states`: both models' hidden states, for the hidden-state term."""
+        `states` / `teacher_states`: both models' hidden states, for the hidden-state term (over every position).
+        `mask` (--loss-on assistant): the LM and KD terms count only the marked tokens' predictions."""
         parts: dict[str, torch.Tensor] = {}
         if self.kind in ("lm", "mix"):
-            parts["lm"] = lm_loss(logits, ids, project)
+            parts["lm"] = lm_loss(logits, ids, project, mask)
         if self.kind in ("kd", "mix"):
             parts["kd"] = kd_loss(logits, teacher_logits, self.temperature, project, project_teacher,
-                                 self.divergence)
+                                 self.divergence, mask)
         if self.kind == "mix":
             loss = self.kd_weight * parts["kd"] + (1 - self.kd_weight) * parts["lm"]
         else:

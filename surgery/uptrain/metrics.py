@@ -32,9 +32,13 @@ def _number(v):
 
 
 class MetricsLog:
-    def __init__(self, path: Path, enabled: bool):
+    """metrics.jsonl, and the same lines sent to the run's experiment trackers (`tracker`: an Accelerator with
+    trackers; surgery/uptrain/trackers.py)."""
+
+    def __init__(self, path: Path, enabled: bool, tracker=None):
         self.path = Path(path)
         self.enabled = enabled
+        self.tracker = tracker
 
     def start(self, resumed_step: int | None) -> None:
         """Fresh run: empty the file. Resumed run: keep only lines up to the checkpoint's step."""
@@ -47,6 +51,11 @@ class MetricsLog:
         if self.enabled:
             with open(self.path, "a") as f:
                 f.write(json.dumps({k: _number(v) for k, v in fields.items()}, allow_nan=False) + "\n")
+            if self.tracker is not None:
+                from .trackers import tracker_values
+
+                values, step = tracker_values(fields)
+                self.tracker.log(values, step=step)
 
     def read(self) -> list[dict]:
         return read_metrics(self.path)

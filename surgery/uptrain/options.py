@@ -32,10 +32,11 @@ TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_to
                    "teacher", "temperature", "kd_weight", "kd_divergence", "hidden_weight", "train", "lr",
                    "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
                    "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data", "data_weights",
-                   "data_mode", "txt_unit")
+                   "data_mode", "txt_unit", "chat_template", "loss_on")
 # Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
 # (TRAJECTORY_DEFAULTS, below the options).
-LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode", "txt_unit")
+LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode", "txt_unit",
+                         "chat_template", "loss_on")
 # --data-epochs is not among them: it changes nothing before a source runs dry, so a run stopped by a dry source
 # resumes with a higher one.
 PACKED_TOKENS = 1 << 22  # --data-mode auto: runs of at most this many training tokens (16 MiB of windows) are packed
@@ -98,6 +99,13 @@ class UptrainArgs(PrecisionOptions):
     txt_unit: Literal["paragraph", "line", "file"] = option(
         "paragraph", "--txt-unit", "What one document of a local .txt file is: a paragraph (text between blank "
         "lines), a line, or the whole file (cut every 1M characters); the file is read lazily, never whole.")
+    chat_template: Literal["auto", "on", "off"] = option(
+        "auto", "--chat-template", "How a tabular text's `messages` column (conversations: lists of {role, content}) "
+        "is read: on: rendered with the tokenizer's chat template; off: the contents joined; auto: the template when "
+        "the tokenizer has one.")
+    loss_on: Literal["all", "assistant"] = option(
+        "all", "--loss-on", "Which tokens the LM and KD losses count: all, or only the assistant turns of "
+        "conversations (a messages column rendered with the chat template; other text counts whole). [packed data]")
     streaming: bool = option(False, "--streaming", "Stream a hub dataset instead of downloading it whole.")
     loss: Literal[LOSSES] = option(
         "auto", "--loss", "lm: next-token; kd: KL to the teacher's logits; mix: both. auto: kd when a teacher is known.")
@@ -157,8 +165,24 @@ class UptrainArgs(PrecisionOptions):
                                                               "the attention's linear layers).")
     merge_lora: bool = option(True, "--merge-lora", "Merge the adapters into the output, or keep the input's weights "
                                                     "and write OUT/adapter.")
+    report_to: str | list[str] = option(
+        "none", "--report-to", "Experiment trackers that get the run's configuration and metrics (metrics.jsonl is "
+        "written either way): none, tensorboard (event files in the run folder, copied to OUT/runs), wandb, trackio, "
+        "mlflow; comma-separated for several.", metavar="NAME[,NAME]")
 
     _data = field_validator("data")(texts_rule("data"))
+
+    @field_validator("report_to")
+    @classmethod
+    def _report_to(cls, v, info: ValidationInfo):
+        """--report-to: known tracker names (their packages are checked when the run starts)."""
+        from .trackers import parse_report_to
+
+        try:
+            parse_report_to(v, spelling(info, cls).flag("report_to"))
+        except SurgeryError as e:
+            raise ValueError(str(e)) from None
+        return v
     _weights = field_validator("data_weights")(weights_rule)
 
     @field_validator("data_weights", mode="before")
@@ -191,6 +215,8 @@ def check_rules(o, s) -> None:
     if o.data_mode == "packed" and (len(o.data) > 1 or o.data_workers not in (0, "auto")):
         raise ValueError(f"{s.flag('data_mode')} packed reads one text in this process: several {s.flag('data')} or "
                          f"{s.flag('data_workers')} need {s.flag('data_mode')} stream")
+    if o.loss_on == "assistant" and o.data_mode == "stream":
+        raise ValueError(f"{s.flag('loss_on')} assistant reads packed data: not with {s.flag('data_mode')} stream")
     try:
         resolve_texts(o.data)
     except SurgeryError as e:
@@ -285,6 +311,13 @@ class UptrainOptions(UptrainArgs):
         # the run folder is deleted after success (and by --force): never the output, inside it, or holding it
         check_apart(self.run_dir, "run folder", [("output", self.out)], option="--run-dir")
         return self
+
+    @property
+    def trackers(self) -> list[str]:
+        """--report-to as tracker names (none: an empty list)."""
+        from .trackers import parse_report_to
+
+        return parse_report_to(self.report_to)
 
     @property
     def weights(self) -> list[float]:

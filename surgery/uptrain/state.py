@@ -35,7 +35,6 @@ import os
 import random
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +44,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from ..checkpoint.sha256 import sha256_file
 from ..errors import SurgeryError
 from ..loaders import read_model
+from ..logs import get_logger
 from ..checkpoint.tensors import save_safetensors
+
+log = get_logger(__name__)
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 FORMAT = "surgery-uptrain-checkpoint/1"
@@ -461,9 +463,9 @@ class Checkpoints:
                                + (f" (and {len(problems) - 1} older damaged)" if len(problems) > 1 else ""))
         mine = [p for p in problems if "another process" not in p]
         for p in mine if (self.acc.is_main_process or mine) else []:
-            print(f"surgery: warning: skipping a damaged checkpoint: {p}", file=sys.stderr, flush=True)
+            log.warning(f"skipping a damaged checkpoint: {p}")
         if problems and self.acc.is_main_process:
-            print(f"surgery: warning: resuming from the older intact checkpoint {path.name}", file=sys.stderr, flush=True)
+            log.warning(f"resuming from the older intact checkpoint {path.name}")
         return path
 
     def _read_whole(self, path: Path) -> tuple[dict, dict]:

@@ -119,6 +119,13 @@ class Plan:
     text_field: str = "text"
     streaming: bool = False
     txt_unit: str = "paragraph"  # what one document of a .txt file is (surgery.data.txt_documents)
+    chat_template: str = "auto"  # how a `messages` column is read (surgery/chat.py)
+
+    def chat(self):
+        """The conversations' format (None before the tokenizer is known: a messages column read plainly)."""
+        from ..chat import ChatFormat
+
+        return ChatFormat(self.chat_template, self.tokenizer) if self.tokenizer is not None else None
 
     def cut(self, s: int) -> tuple[int, int] | None:
         """(unit, tokens) when source `s`'s held-out split ends inside its last document (Held.cut), else None."""
@@ -142,7 +149,7 @@ class Plan:
             ds = self._dataset(source, unit)
             if shard is not None:
                 ds = ds.shard(num_shards=self.readers, index=shard, contiguous=True)
-            for batch in _batches(ds, unit or source.spec, self.text_field):
+            for batch in _batches(ds, unit or source.spec, self.text_field, chat=self.chat()):
                 for t in batch:
                     yield t if isinstance(t, str) else ""
 
@@ -168,11 +175,18 @@ class Plan:
             raise SurgeryError(f"cannot read data {unit or source.spec}: {str(e).splitlines()[0]}") from None
 
 
-def _batches(ds, label: str, text_field: str = "text", size: int = 256) -> Iterator[list]:
+def _batches(ds, label: str, text_field: str = "text", size: int = 256, chat=None) -> Iterator[list]:
     """Rows of `ds` in batches, through `iter` (a DataLoader worker iterating a streamed dataset directly would get
-    only its worker's share of the dataset's shards: datasets splits them by worker itself)."""
+    only its worker's share of the dataset's shards: datasets splits them by worker itself); a `messages` column's
+    conversations rendered as `chat` (surgery/chat.py) says."""
+    from ..chat import MESSAGES, ChatFormat
+
+    chat = chat if chat is not None else ChatFormat("off")
     try:
         for batch in ds.iter(batch_size=size):
+            if chat.reads_messages(list(batch), text_field):
+                yield [chat.render(m, label) for m in batch[MESSAGES]]
+                continue
             yield batch[text_field] if text_field in batch else _no_column(batch, label, text_field)
     except SurgeryError:
         raise

@@ -99,7 +99,7 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[
                     calib_tokens: int = 8192, calib_window: int = WINDOW, force: bool = False, dtype: str | None = None,
                     max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
                     progress: bool = True, options: MergeOptions | None = None, device: str = "auto",
-                    precision: str = "auto") -> dict:
+                    precision: str = "auto", chat_template: str = "auto") -> dict:
     """Merge `src`'s K/V heads into `kv_heads` with calibration, writing a standard checkpoint to `out`; the
     calibration's forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64."""
     start = time.time()
@@ -124,7 +124,8 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[
     opts = replace(options or MergeOptions(groups=kv_heads), groups=kv_heads, seed=seed)
     dev = pick_device(device)
     resolved = resolve_precision(precision, dev)
-    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window)
+    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window,
+                            chat_template=chat_template)
     opts = replace(opts, chunk_windows=chunk_windows(config, int(text.windows.shape[1]), requested=opts.chunk_windows))
     calib_start = time.time()
     with LayerStore(out) as store:
