@@ -20,14 +20,14 @@ from .errors import SurgeryError
 
 __version__ = "0.1.0"
 
-_API = ("check", "convert", "inspect", "push", "run_recipe", "uptrain", "CheckReport", "ConversionResult",
+_API = ("check", "convert", "inspect", "model_card", "push", "run_recipe", "uptrain", "CheckReport", "ConversionResult",
         "InspectReport", "PushResult", "RecipeResult", "UptrainResult")
 
 __all__ = ["SurgeryError", "__version__", *_API]
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ loads them
     from .api import (CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, UptrainResult, check,
-                      convert, inspect, push, run_recipe, uptrain)
+                      convert, inspect, model_card, push, run_recipe, uptrain)
 
 
 def __getattr__(name: str) -> Any:

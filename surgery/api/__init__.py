@@ -1,6 +1,6 @@
 """The Python API: `surgery.convert`, `surgery.check`, `surgery.inspect`, `surgery.uptrain`, `surgery.push` and
 `surgery.run_recipe`, the commands of the same name as functions that take the same options (by field name) and
-return results.
+return results; `surgery.model_card`, the card `push` would upload, without uploading.
 
 - `functions.py` the six functions; each validates its keywords with its command's options model
   (surgery.options.validate_options) and calls the library function the command line and the recipes call.
@@ -11,8 +11,8 @@ return results.
 """
 
 from ..errors import SurgeryError
-from .functions import Source, Text, check, convert, inspect, push, run_recipe, uptrain
+from .functions import Source, Text, check, convert, inspect, model_card, push, run_recipe, uptrain
 from .results import CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, UptrainResult
 
 __all__ = ["CheckReport", "ConversionResult", "InspectReport", "PushResult", "RecipeResult", "Source", "SurgeryError",
-           "Text", "UptrainResult", "check", "convert", "inspect", "push", "run_recipe", "uptrain"]
+           "Text", "UptrainResult", "check", "convert", "inspect", "model_card", "push", "run_recipe", "uptrain"]

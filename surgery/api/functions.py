@@ -191,24 +191,68 @@ def push(folder: PathLike | ConversionResult | UptrainResult, repo_id: str, *,
     Raises:
         SurgeryError: a folder that does not validate, a bad repo id, or a hub refusal.
     """
-    import json
-
     from ..commands.push import PushOptions, push_result
 
     parsed = validate_options(PushOptions, dict(options, repo_id=repo_id))
     with tempfile.TemporaryDirectory(prefix="surgery-reports-") as tmp:
-        paths = []
-        for i, r in enumerate(check_reports):
-            if isinstance(r, CheckReport):
-                path = Path(tmp) / f"check-{i}.json"
-                path.write_text(json.dumps(r.to_dict()))
-                paths.append(path)
-            else:
-                paths.append(Path(r))
+        paths = _report_paths(check_reports, Path(tmp))
         result = push_result(Path(source_spec(folder)), parsed, paths,
                              json_out=Path(json_out) if json_out is not None else None, log=log.info)
     return PushResult(repo_id=parsed.repo_id, repo_url=str(result.repo_url), revision=str(result.revision),
                       commit_url=str(result.commit_url), card_written=bool(result.card_written))
+
+
+def _report_paths(check_reports: Sequence[PathLike | CheckReport], tmp: Path) -> list[Path]:
+    import json
+
+    paths = []
+    for i, r in enumerate(check_reports):
+        if isinstance(r, CheckReport):
+            path = tmp / f"check-{i}.json"
+            path.write_text(json.dumps(r.to_dict()))
+            paths.append(path)
+        else:
+            paths.append(Path(r))
+    return paths
+
+
+def model_card(folder: PathLike | ConversionResult | UptrainResult, repo_id: str, *,
+               check_reports: Sequence[PathLike | CheckReport] = (), bench_report: PathLike | None = None,
+               out: PathLike | None = None) -> str:
+    """The model card `surgery.push` would upload for `folder`, without uploading anything: hub metadata
+    (`base_model`, `datasets`, `model-index` from the check reports, ...) and the body, as one Markdown string.
+
+    Args:
+        folder: The converted (or uptrained) folder, validated as `push` validates it.
+        repo_id: The hub repository the card names (`owner/name`); nothing is created.
+        check_reports: Check reports for the card: `surgery check --json` files or `CheckReport`s.
+        bench_report: A `surgery bench --json` report for the speed table.
+        out: Also write the card to this file (written atomically; never inside `folder` unless asked).
+
+    Returns:
+        The card's text; `huggingface_hub.ModelCard(text)` parses it as the hub does.
+
+    Raises:
+        SurgeryError: a folder that does not validate, a bad repo id or report.
+    """
+    from ..checkpoint.atomic import write_text_atomic
+    from ..commands.push import hub_repo_id
+    from ..publish.card import build_card, load_reports
+    from ..publish.reports import load_bench_report
+    from ..publish.validate import validate_folder
+
+    try:
+        repo_id = hub_repo_id(repo_id)
+    except ValueError as e:
+        raise SurgeryError(str(e)) from None
+    validation = validate_folder(Path(source_spec(folder)))
+    with tempfile.TemporaryDirectory(prefix="surgery-reports-") as tmp:
+        reports = load_reports(_report_paths(check_reports, Path(tmp)))
+    bench = load_bench_report(Path(bench_report)) if bench_report is not None else None
+    card = build_card(validation, repo_id, reports, bench=bench)
+    if out is not None:
+        write_text_atomic(Path(out), card, "model card")
+    return card
 
 
 def run_recipe(recipe: PathLike | Mapping[str, Any], *, output: PathLike | None = None, from_step: str | None = None,

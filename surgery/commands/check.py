@@ -26,6 +26,10 @@ class CheckOptions(PrecisionOptions):
                          "dataset name[:config][@split[@revision]]. Repeat it to check on several texts (e.g. domains) in one "
                          "run, each model loaded once: each text gives its own --tokens tokens and numbers.")
     text_field: str = option("text", "--text-field", "Column holding the text in tabular data.")
+    chat_template: Literal["auto", "on", "off"] = option(
+        "auto", "--chat-template", "How a text's `messages` column (conversations: lists of {role, content}) is read: "
+        "on: rendered with the tokenizer's chat template; off: the contents joined; auto: the template when the "
+        "tokenizer has one.")
     tokens: int = option(16384, "--tokens", "Tokens to compare on (at least 1).")
     seq_len: int = option(1024, "--seq-len", "Window length (capped at the context).")
     batch_size: int = option(4, "--batch-size", "Windows per forward pass.")
@@ -73,6 +77,19 @@ def warn_same_domain(folder: Path, first: str, more: list[str], warn) -> None:
              "flatter the conversion; add a --data of another domain")
 
 
+def chat_format(o: CheckOptions, src, dst):
+    """How conversations in the check's texts are rendered: with the chat template of the tokenizer that encodes
+    the text (the source's unless --tokenizer converted), per --chat-template."""
+    from ..chat import ChatFormat
+    from ..runtime import load_tokenizer
+
+    if o.chat_template == "off":
+        return ChatFormat("off")
+    converted = o.tokenizer == "converted"
+    return ChatFormat(o.chat_template, load_tokenizer(dst if converted else src, trust_remote_code=(
+        o.trust_remote_code if converted else o.trust_source_code)))
+
+
 def check_checkpoints(source: str, converted: str, options: CheckOptions, json_out: Path | None = None,
                       warn=print, show: bool = True) -> dict:
     """Compare, print the report (`show`; the Python API returns it instead), write it as JSON (`json_out`);
@@ -89,8 +106,9 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
     dst = resolve_source(converted, allow_pickle=o.allow_pickle)
     first, *more = o.data
     warn_same_domain(dst.folder, first, more, warn)
-    report = compare_checkpoints(src, dst, load_texts(first, text_field=o.text_field),
-                                 more_texts=[(d, load_texts(d, text_field=o.text_field)) for d in more],
+    chat = chat_format(o, src, dst)
+    report = compare_checkpoints(src, dst, load_texts(first, text_field=o.text_field, chat=chat),
+                                 more_texts=[(d, load_texts(d, text_field=o.text_field, chat=chat)) for d in more],
                                  tokens=o.tokens, seq_len=o.seq_len, batch_size=o.batch_size, device=o.device,
                                  dtype=o.dtype, precision=o.precision, trust_remote_code=o.trust_remote_code,
                                  trust_source_code=o.trust_source_code, allow_pickle=o.allow_pickle,

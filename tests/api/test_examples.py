@@ -44,3 +44,34 @@ def test_recipe_from_python_example(tiny, tmp_path):
     assert report["tokens"] == 256 and lines[-1].startswith(f"check: KL {report['kl']:.4f}")
     record = json.loads((tmp_path / "out" / "01-convert" / "surgery.json").read_text())
     assert record["calibration"]["tokens"] == 512 and record["kind"] == "mqa"
+
+
+def test_chat_notebook_example_converts_checks_uptrains_logs_and_writes_a_card(tmp_path):
+    """SmolLM2-135M-Instruct from a loaded model to one K/V head, calibrated on a Dataset of chat messages rendered
+    with its template, checked on held-out conversations, uptrained on the assistant turns with TensorBoard, and a
+    card the hub's parser reads back with the check's numbers as model-index."""
+    from huggingface_hub import ModelCard
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from surgery.checkpoint.source import resolve_source
+
+    out = tmp_path / "out"
+    result = run_example("chat_gqa_notebook.py", "--model", resolve_source("smollm2").folder, "--fast", "--out", out,
+                         cache=tmp_path / "cache")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert any("(3 -> 1 K/V heads, aligned merge)" in line for line in lines)
+    record = json.loads((out / "gqa-uptrained" / "surgery.json").read_text())["uptraining"]
+    assert record["chat_template"] == "on" and record["loss_on"] == "assistant" and record["loss"] == "kd"
+    # TensorBoard's event files, read back: one training loss per optimizer step
+    events = EventAccumulator(str(next((out / "gqa-uptrained" / "runs").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    losses = [e.value for e in events.Scalars("loss")]
+    assert len(losses) == 2 and all(v > 0 for v in losses)
+    # the card, parsed as the hub parses it: the check's numbers are its model-index
+    check_line = next(line for line in lines if line.startswith("check: KL "))
+    card = ModelCard.load(out / "CARD.md")
+    results = card.data.eval_results
+    kl = next(r.metric_value for r in results if r.metric_type == "kl_divergence")
+    assert check_line.startswith(f"check: KL {kl:.4f}")
+    assert card.data.library_name == "transformers" and "mqa" in card.data.tags
