@@ -66,7 +66,7 @@ class KVMergeOptions(CalibrationOptions, QueryRefitOptions, KVMergeFields):
             raise ValueError(f"{s.flag('device')} is where calibration runs: the {self.merge} merge runs none "
                              f"(use {s.flag('merge')} aligned, or leave {s.flag('device')} out)")
         fields = type(self).model_fields
-        for name in ("calib", "calib_tokens", "calib_window", "calib_chunk", "query_samples", "grouping"):
+        for name in ("calib", "calib_tokens", "calib_window", "calib_chunk", "chat_template", "query_samples", "grouping"):
             if name in self.model_fields_set and getattr(self, name) != fields[name].default:
                 raise ValueError(f"{s.flag(name)} does nothing for the {self.merge} merge, which reads no "
                                  f"calibration text (use {s.flag('merge')} aligned, or leave {s.flag(name)} out)")

@@ -188,3 +188,8 @@ def test_uptrain_loss_on_assistant_trains_on_the_assistant_tokens_only(tiny_chat
     assert abs(first["loss"] - whole) > 20 * 1e-6 * whole
     with pytest.raises(SurgeryError, match="--loss-on assistant reads packed data: not with --data-mode stream"):
         chat_run(tiny_chat, tmp_path / "s", short, data_mode="stream", loss_on="assistant")
+
+
+def test_chat_template_with_a_merge_that_reads_no_text_is_refused(cli, tiny, tmp_path):
+    code, out, err = cli("convert", tiny, "--to", "mqa", "--chat-template", "off", "--out", tmp_path / "o")
+    assert code == 2 and "--chat-template does nothing for the mean merge" in err and not (tmp_path / "o").exists()
