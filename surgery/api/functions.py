@@ -236,19 +236,14 @@ def model_card(folder: PathLike | ConversionResult | UptrainResult, repo_id: str
         SurgeryError: a folder that does not validate, a bad repo id or report.
     """
     from ..checkpoint.atomic import write_text_atomic
-    from ..commands.push import hub_repo_id
-    from ..publish.card import build_card, load_reports
-    from ..publish.reports import load_bench_report
-    from ..publish.validate import validate_folder
+    from ..commands.push import PushOptions
+    from ..publish.card import build_card
+    from ..publish.push import card_inputs
 
-    try:
-        repo_id = hub_repo_id(repo_id)
-    except ValueError as e:
-        raise SurgeryError(str(e)) from None
-    validation = validate_folder(Path(source_spec(folder)))
+    repo_id = validate_options(PushOptions, {"repo_id": repo_id}).repo_id  # refused as `push` refuses it
     with tempfile.TemporaryDirectory(prefix="surgery-reports-") as tmp:
-        reports = load_reports(_report_paths(check_reports, Path(tmp)))
-    bench = load_bench_report(Path(bench_report)) if bench_report is not None else None
+        validation, reports, bench = card_inputs(Path(source_spec(folder)), _report_paths(check_reports, Path(tmp)),
+                                                 Path(bench_report) if bench_report is not None else None)
     card = build_card(validation, repo_id, reports, bench=bench)
     if out is not None:
         write_text_atomic(Path(out), card, "model card")

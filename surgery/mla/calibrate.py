@@ -165,7 +165,7 @@ def _refit_q(stream, spec, layer, index, hidden, calls, weights: MLAWeights, geo
             fit.add(a.x, q_src, k_src, query, key, cos, sin)
             del a, record, q_src, k_src, query, key  # before the next chunk is computed
         q = fit.solve(weights.q_proj.to(stream.device, torch.float32))
-    return q.double().cpu()
+    return q.double()
 
 
 def _refit_o(stream, spec, layer, index, hidden, calls, weights: MLAWeights, geometry: MLAGeometry) -> torch.Tensor:
@@ -180,7 +180,7 @@ def _refit_o(stream, spec, layer, index, hidden, calls, weights: MLAWeights, geo
         del a, z, target  # before the next chunk is computed
     with threads(1):
         o, _ = fit.solve(O_RIDGE)
-    return o.double().cpu()
+    return o.double()
 
 
 @torch.no_grad()
@@ -197,16 +197,15 @@ def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.devi
         with LayerProgress("calibrate + convert", len(stream), progress) as bar:
             for index, _, layer in stream.layers():
                 attention = _modules(spec, layer)[0]
-                # one layer's weights on the stream's device while its passes run (build may hand them back on
-                # the host; the passes multiply them with the device's activations)
+                # one layer's weights on the stream's device while its passes run (they multiply the device's
+                # activations; the refits solve there too), handed to `keep` on the host
                 weights = build(index, _second_moments(_inputs(stream, spec, layer, index, hidden, calls)))
                 weights = weights.to(stream.device)
                 if refit_q is not None:
                     weights.q_proj = _refit_q(stream, spec, layer, index, hidden, calls, weights, geometry, refit_q,
-                                              generator).to(stream.device)
+                                              generator)
                 if refit_o:
-                    weights.o_proj = _refit_o(stream, spec, layer, index, hidden, calls, weights, geometry
-                                              ).to(stream.device)
+                    weights.o_proj = _refit_o(stream, spec, layer, index, hidden, calls, weights, geometry)
                 o_proj = weights.o_proj.to(stream.device, torch.float32)
                 for i, a in enumerate(_inputs(stream, spec, layer, index, hidden, calls)):
                     out = geometry.attend(a.x, weights) @ o_proj.T

@@ -335,8 +335,8 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
                                                         int(text.windows.shape[1]))
 
         def build(i: int, sigma: torch.Tensor) -> MLAWeights:
-            # on the calibration device (float64; priced there by the dry run), kept on the host between passes
-            w = mla_layer(read_layer(i), sigma, kept, spec.rotary_pairs, shape.rank, scaling, LATENT_EPS).to("cpu")
+            # on the calibration device (float64; priced there by the dry run), where the layer's passes use it
+            w = mla_layer(read_layer(i), sigma, kept, spec.rotary_pairs, shape.rank, scaling, LATENT_EPS)
             losses[i] = (w.rope_loss, w.latent_loss)
             return w
 

@@ -87,6 +87,19 @@ def upload_operations(folder: Path, card_text: str | None) -> list:
     return ops
 
 
+def card_inputs(folder: Path, check_reports: list[Path] = (), bench_report: Path | None = None):
+    """What the model card is built from (`build_card`): the folder validated, the check reports and the bench
+    report read (each refused in one line)."""
+    validation = validate_folder(Path(folder))
+    reports = load_reports(list(check_reports))
+    bench = None
+    if bench_report is not None:
+        from .reports import load_bench_report
+
+        bench = load_bench_report(bench_report)
+    return validation, reports, bench
+
+
 def push_folder(folder: Path, repo_id: str, private: bool = False, revision: str | None = None,
                 exist_ok: bool = False, message: str | None = None, check_reports: list[Path] = (),
                 log=print, bench_report: Path | None = None) -> PushResult:
@@ -97,14 +110,7 @@ def push_folder(folder: Path, repo_id: str, private: bool = False, revision: str
         raise SurgeryError(f"repo id {repo_id!r} must be of the form owner/name")
     folder = Path(folder)
     token = _token()  # before validating: hashing a large folder first only to learn there is no token wastes time
-    validation = validate_folder(folder)
-    reports = load_reports(list(check_reports))
-    bench = None
-    if bench_report is not None:
-        from .reports import load_bench_report
-
-        bench = load_bench_report(bench_report)
-
+    validation, reports, bench = card_inputs(folder, check_reports, bench_report)
     card = folder / "README.md"
     card_written = not card.exists() or MARKER in card.read_text(errors="replace")
     card_text = build_card(validation, repo_id, reports, bench=bench) if card_written else None
