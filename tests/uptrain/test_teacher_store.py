@@ -25,6 +25,13 @@ from inprocess import cli_args, uptrain_error
 RUN = FAST | dict(tokens=512 * 3, loss="kd")  # three steps of 8 windows of 64
 
 
+def teacher_args(**kw) -> list[str]:
+    """`surgery teacher`'s flags for RUN's windows (it takes uptrain's data options only)."""
+    from surgery.commands.teacher import TEACHER_OPTIONS
+
+    return cli_args({k: v for k, v in (RUN | kw).items() if k in TEACHER_OPTIONS})
+
+
 def make_store(teacher: Path, out: Path, k: int, **kw) -> TeacherStore:
     o = UptrainOptions(model=str(teacher), out=out, **(RUN | kw))
     teacher_pass(str(teacher), out, o, k, device="cpu", progress=False)
@@ -175,8 +182,9 @@ def test_refusals_are_one_line(tiny, student, store32, tokenizer, monkeypatch, c
     assert "needs --loss kd or mix" in error("--loss", "lm")
     assert "not both" in error("--teacher", tiny)
     assert "--temperature 1.0; the run has --temperature 2.0" in error("--temperature", 2.0)
+    (tmp_path / "empty").mkdir()
     assert "not a teacher store" in uptrain_error(monkeypatch, capsys, student, "--out", tmp_path / "o",
-                                                  "--teacher-logprobs", tmp_path, *cli_args(RUN))
+                                                  "--teacher-logprobs", text.parent / "empty", *cli_args(RUN))
     # another tokenizer: the same vocabulary size, two ids swapped
     other = tmp_path / "other-tok"
     shutil.copytree(student, other)
@@ -188,23 +196,23 @@ def test_refusals_are_one_line(tiny, student, store32, tokenizer, monkeypatch, c
     assert "another tokenizer" in uptrain_error(monkeypatch, capsys, other, *base[1:])
     # streamed: a longer run than the store holds
     streamed = tmp_path / "stream-store"
-    code, _, err = cli("teacher", tiny, "--out", streamed, "--top-k", 4, "--data-mode", "stream", "--device", "cpu",
-                       *cli_args(RUN))
+    code, _, err = cli("teacher", tiny, "--out", streamed, "--top-k", 4, "--device", "cpu",
+                       *teacher_args(data_mode="stream"))
     assert code == 0, err
     assert "the run needs 32" in uptrain_error(monkeypatch, capsys, student, "--out", tmp_path / "o",
                                                "--teacher-logprobs", streamed,
                                                *cli_args(RUN | dict(data_mode="stream", tokens=512 * 4)))
     # the teacher command's own refusals
-    code, _, err = cli("teacher", tiny, "--out", tmp_path / "t", "--top-k", 321, "--device", "cpu", *cli_args(RUN))
+    code, _, err = cli("teacher", tiny, "--out", tmp_path / "t", "--top-k", 321, "--device", "cpu", *teacher_args())
     assert code == 2 and "more than the teacher's 320 logits" in err and not (tmp_path / "t").exists()
-    code, _, err = cli("teacher", tiny, "--out", store32.folder, "--top-k", 4, "--device", "cpu", *cli_args(RUN))
+    code, _, err = cli("teacher", tiny, "--out", store32.folder, "--top-k", 4, "--device", "cpu", *teacher_args())
     assert code == 2 and "already exists" in err
 
 
 def test_a_streamed_store_serves_a_shorter_run_and_checks_each_window(tiny, student, tmp_path, cli):
     store = tmp_path / "s"
-    code, out, err = cli("teacher", tiny, "--out", store, "--top-k", 8, "--data-mode", "stream", "--device", "cpu",
-                         *cli_args(RUN))
+    code, out, err = cli("teacher", tiny, "--out", store, "--top-k", 8, "--device", "cpu",
+                         *teacher_args(data_mode="stream"))
     assert code == 0, err
     assert "50 B/token" in out
     assert len(list(store.glob("shard-*.safetensors"))) == 1
