@@ -29,10 +29,10 @@ RUNNER_OWNED = ("force", "resume", "run_dir")  # a recipe's runner decides these
 # Options that fix the trajectory of a run: a resumed run must repeat them. (micro_batch and the number of
 # processes only change how a step's batch is split, not what the step computes, so they may change on resume.)
 TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_tokens", "eval_tokens", "loss",
-                   "teacher", "teacher_logprobs", "temperature", "kd_weight", "kd_divergence", "hidden_weight", "train", "lr",
+                   "teacher", "temperature", "kd_weight", "kd_divergence", "hidden_weight", "train", "lr",
                    "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
                    "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data", "data_weights",
-                   "data_mode", "txt_unit")
+                   "data_mode", "txt_unit", "teacher_logprobs")
 # Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
 # (TRAJECTORY_DEFAULTS, below the options).
 LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode", "txt_unit",

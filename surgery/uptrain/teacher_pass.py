@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 
 from .. import __version__
 from ..checkpoint.atomic import atomic_output_dir, check_output_path
