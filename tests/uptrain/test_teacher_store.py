@@ -229,3 +229,13 @@ def test_a_streamed_store_serves_a_shorter_run_and_checks_each_window(tiny, stud
         shard["window_hash"] = shard["window_hash"] + 1
         save_file(shard, fake / m["shards"][0]["file"])
         run(student, tmp_path / "o2", teacher_logprobs=str(fake), data_mode="stream", tokens=512 * 2)
+
+
+def test_dry_run_states_the_stores_size_and_no_teacher(student, store32, cli):
+    code, out, err = cli("uptrain", student, "--dry-run", "--teacher-logprobs", store32.folder, *cli_args(RUN))
+    assert code == 0, err
+    assert "stored top-32 (194 B/token" in out and "291.0 KiB for this run's 1,536 tokens" in out
+    assert "teacher: none in memory" in out and "teacher (" not in out
+    code, out, err = cli("uptrain", student, "--dry-run", "--teacher-logprobs", store32.folder / "later",
+                         *cli_args(RUN | dict(tokens=49152, batch_tokens=4096)))
+    assert code == 0 and "9.1 MiB for this run's 49,152 tokens" in out and "not made yet" in out
