@@ -71,8 +71,10 @@ def windows_spec(o, tokenizer, readers: int) -> dict:
     streamed data comes in the order of its readers (processes x data workers), and a run of fewer tokens reads a
     prefix of it."""
     spec = {"data": o.data_spec, "data_weights": [round(w, 12) for w in o.weights] if len(o.data) > 1 else None,
-            "text_field": o.text_field, **o.txt_key(), "streaming": o.streaming, "seq_len": o.seq_len,
+            "text_field": o.text_field, "streaming": o.streaming, "seq_len": o.seq_len,
             "eval_tokens": o.eval_tokens, "seed": o.seed, "eos": tokenizer.eos_token_id}
+    if any(str(d).endswith(".txt") for d in o.data):  # what a .txt file's documents are (not --eval-data's)
+        spec["txt_unit"] = o.txt_unit
     if o.streamed:
         from .stream import fingerprint, resolve_sources
 

@@ -216,8 +216,11 @@ def test_a_streamed_store_serves_a_shorter_run_and_checks_each_window(tiny, stud
     assert code == 0, err
     assert "50 B/token" in out
     assert len(list(store.glob("shard-*.safetensors"))) == 1
-    rec = run(student, tmp_path / "o", teacher_logprobs=str(store), data_mode="stream", tokens=512 * 2)
-    assert rec["steps"] == 2 and rec["teacher_logprobs"]["windows"] == 24
+    other = tmp_path / "other.txt"  # a .txt --eval-data: held out, it changes no training window
+    other.write_text("def f(x):\n    return x + 1\n\n" * 200)
+    rec = run(student, tmp_path / "o", teacher_logprobs=str(store), data_mode="stream", tokens=512 * 2,
+              eval_data=str(other))
+    assert rec["steps"] == 2 and rec["teacher_logprobs"]["windows"] == 24 and rec["final_other_eval_ppl"] > 1
     # a store whose windows were made from other text (its manifest edited to pass the up-front checks)
     m = json.loads((store / "manifest.json").read_text())
     with pytest.raises(SurgeryError, match="not the ones this run trains on"):
