@@ -13,6 +13,7 @@ from surgery import __version__
 from surgery.clickgen import GroupedCommand, click_option, model_options, parse_options
 from surgery.commands.check import CheckOptions
 from surgery.commands.push import PushOptions
+from surgery.commands.teacher import TEACHER_OPTIONS
 from surgery.commands.uptrain import UptrainArgs
 from surgery.dtypes import DTYPE_NAMES
 from surgery.errors import SurgeryError
@@ -285,6 +286,26 @@ def uptrain(model, out, dry_run, **kw):
     if out is None:
         _fail("uptrain needs --out (the output folder) unless --dry-run")
     uptrain_checkpoint(model, out, **kw)
+
+
+@cli.command()
+@click.argument("source")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder of the store (written "
+              "atomically).")
+@click.option("--top-k", type=int, default=32, show_default=True, help="Teacher candidates stored per position.")
+@click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
+@model_options(UptrainArgs, only=TEACHER_OPTIONS)
+def teacher(source, out, top_k, device, **kw):
+    """Store SOURCE's top-K next-token log-probs on the training windows of a run, for `uptrain --teacher-logprobs`.
+
+    Takes the run's data options (--data, --data-weights, --tokens, --seq-len, --batch-tokens, --eval-tokens, --seed,
+    ...): it reads exactly the windows `surgery uptrain` reads with them, in the same order. Writes OUT/manifest.json
+    (the teacher's and tokenizer's identity, the data, the window order, K) and safetensors shards of fp16 log-probs,
+    int32 ids and the remaining mass, 6K+2 bytes per token. Several conversions of one source share one store.
+    """
+    from surgery.commands.teacher import store_teacher_pass
+
+    store_teacher_pass(source, out, parse_options(UptrainArgs, kw), top_k, device=device)
 
 
 @cli.command()

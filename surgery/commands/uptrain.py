@@ -34,12 +34,32 @@ def uptrain_dry_run(model: str, options: UptrainArgs) -> list[str]:
     record = read_record(source.folder)
     teacher_known = bool(options.teacher or (record.get("source") or {}).get("spec") or local_source_folder(record))
     distill = options.loss in ("kd", "mix") or (options.loss == "auto" and teacher_known) or options.hidden_weight > 0
-    teacher = teacher_source(record, options.teacher) if distill else None
+    teacher = teacher_source(record, options.teacher) if distill and not options.teacher_logprobs else None
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
     device = "cuda" if torch.cuda.is_available() and not cpu else "cpu"
     stats = stats_from_folder(source.folder)
     estimate = uptrain_memory_per_process(stats, options, stats_from_folder(teacher.folder) if teacher else None,
                                           processes, device=device)
+    store = [] if not options.teacher_logprobs else stored_teacher_lines(options)
     return [f"{source.spec}: {stats.params:,} parameters" + (f", teacher {teacher.spec}" if teacher else ""),
-            *estimate.lines()]
+            *estimate.lines(), *store]
+
+
+def stored_teacher_lines(options: UptrainArgs) -> list[str]:
+    """--teacher-logprobs in the dry run: the store's size for this run's tokens (from its manifest, or what `surgery
+    teacher` at the default --top-k would write when it is not made yet), and that no teacher is loaded."""
+    from ..uptrain.teacher_store import MANIFEST, bytes_per_token, human_bytes, read_manifest
+
+    folder = Path(options.teacher_logprobs)
+    tokens = -(-options.tokens // options.batch_tokens) * options.batch_tokens
+    if (folder / MANIFEST).is_file():
+        m = read_manifest(folder)
+        k, held = m["top_k"], f"; it holds {m['tokens']:,} tokens ({human_bytes(m['bytes_per_token'] * m['tokens'])})"
+    else:
+        k, held = 32, f"; {folder} is not made yet (`surgery teacher --top-k 32` would write it)"
+    per = bytes_per_token(k)
+    step = options.batch_tokens * per
+    return [f"teacher: stored top-{k} ({per} B/token: fp16 log-probs and int32 ids per candidate, an fp16 tail), "
+            f"{human_bytes(per * tokens)} for this run's {tokens:,} tokens{held}",
+            f"teacher: none in memory (host or GPU); each step reads {human_bytes(step)} of the store"]

@@ -176,6 +176,10 @@ def teacher_dtype(acc, o: UptrainOptions) -> torch.dtype:
 
 
 def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
+    if o.teacher_logprobs:  # the KD term from a stored teacher pass (surgery/uptrain/stored_kd.py)
+        from .stored_kd import objective
+
+        return objective(o)
     teacher_known = bool(o.teacher or (record.get("source") or {}).get("spec") or local_source_folder(record))
     if "align" in o.stages and not teacher_known:
         raise SurgeryError("--stage align needs the source to align to: the input has no surgery.json naming its "
@@ -198,6 +202,8 @@ def input_folders(o: UptrainOptions, source_folder: Path, record: dict) -> list[
         folders.append(("teacher", Path(o.teacher)))
     if local_source_folder(record) is not None:
         folders.append(("teacher", local_source_folder(record)))
+    if o.teacher_logprobs:
+        folders.append(("--teacher-logprobs", Path(o.teacher_logprobs)))
     texts = [("--data", data) for data in o.data] + [("--eval-data", o.eval_data)]
     for name, data in texts:
         if data and Path(data).is_dir():
@@ -422,6 +428,11 @@ class UptrainRecipe:
         model_io.check_seq_len(self.model, o.seq_len, source.spec)
         self.out_dtype = model_io.checkpoint_dtype(source.folder, source.config)
         self.teacher = None
+        self.store = None  # --teacher-logprobs: the stored teacher pass, checked against this run before any text
+        if o.teacher_logprobs:
+            from .stored_kd import open_for_run
+
+            self.store = open_for_run(o, self.model, self.tokenizer, self.world)
         if self.objective.needs_teacher or "align" in o.stages:
             t_src = model_io.teacher_source(self.record, o.teacher)
             teacher = model_io.load_causal_lm(t_src, "teacher", o.trust_teacher_code, dtype=teacher_dtype(acc, o),
@@ -690,6 +701,11 @@ class UptrainRecipe:
             group["lr"] = lr
         batch = self.data.step_batch(o.align_steps + step, o.sequences_per_step, acc.process_index, self.world)
         masks, weights = self._step_masks(step)
+        if self.store is not None:  # the stored teacher pass of these windows, taken by the micro-steps in turn
+            from .stored_kd import first_window
+
+            first = first_window(o, step, acc.process_index, self.world)
+            self.objective.queue(self.store.read(first, batch.shape[0]), o.micro_batch)
         loss_sum = torch.zeros((), device=acc.device)
         parts_sum: dict[str, torch.Tensor] = {}
         for m in range(self.accum):
@@ -860,6 +876,13 @@ def finish(o: UptrainOptions, source, model, full_state: dict, dtype, objective:
     return uptraining
 
 
+def stored_record(o: UptrainOptions) -> dict:
+    from .stored_kd import record
+    from .teacher_store import TeacherStore
+
+    return record(TeacherStore(Path(o.teacher_logprobs)))
+
+
 def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict], trajectory: dict, world: int,
                       state: RunState, align_record: dict | None, lora_targets: list[str] | None) -> dict:
     """The "uptraining" entry of the output's surgery.json, from the options and the run's metrics rows."""
@@ -890,6 +913,7 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
         "kd_weight": o.kd_weight if objective.kind == "mix" else None,
         "kd_divergence": o.kd_divergence if objective.kind in ("kd", "mix") else None,
         "hidden_weight": o.hidden_weight or None,
+        **({"teacher_logprobs": stored_record(o)} if o.teacher_logprobs else {}),
         "teacher": ((public_name(trajectory.get("teacher")) or "surgery.json source")
                     if objective.needs_teacher or "align" in o.stages else None),
         "train": o.train,

@@ -32,11 +32,11 @@ TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_to
                    "teacher", "temperature", "kd_weight", "kd_divergence", "hidden_weight", "train", "lr",
                    "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
                    "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data", "data_weights",
-                   "data_mode", "txt_unit", "chat_template", "loss_on")
+                   "data_mode", "txt_unit", "chat_template", "loss_on", "teacher_logprobs")
 # Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
 # (TRAJECTORY_DEFAULTS, below the options).
 LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode", "txt_unit",
-                         "chat_template", "loss_on")
+                         "chat_template", "loss_on", "teacher_logprobs")
 # --data-epochs is not among them: it changes nothing before a source runs dry, so a run stopped by a dry source
 # resumes with a higher one.
 PACKED_TOKENS = 1 << 22  # --data-mode auto: runs of at most this many training tokens (16 MiB of windows) are packed
@@ -111,6 +111,9 @@ class UptrainArgs(PrecisionOptions):
         "auto", "--loss", "lm: next-token; kd: KL to the teacher's logits; mix: both. auto: kd when a teacher is known.")
     teacher: str | None = option(None, "--teacher", "Teacher checkpoint (default: the source named in "
                                                     "MODEL/surgery.json).")
+    teacher_logprobs: str | None = option(
+        None, "--teacher-logprobs", "[kd/mix] Distill from a stored teacher pass (`surgery teacher`) made for this "
+        "run's data options: no teacher model is loaded.", path="any")
     trust_remote_code: bool = option(False, "--trust-remote-code", "Run modeling code that MODEL's folder ships "
                                      "(auto_map); not needed for this toolkit's own unmodified talking-heads/SwitchHead "
                                      "code.")
@@ -268,8 +271,23 @@ def check_rules(o, s) -> None:
         check_shard_size(o.max_shard_size, s.flag("max_shard_size"))
     except SurgeryError as e:
         raise ValueError(str(e)) from None
+    if o.teacher_logprobs is not None:
+        check_stored_teacher(o, s, stages)
     if o.warmup_steps is not None and o.warmup_steps < 0:
         raise ValueError(f"{s.flag('warmup_steps')} must not be negative, got {o.warmup_steps}")
+
+
+def check_stored_teacher(o, s, stages) -> None:
+    """--teacher-logprobs: the KD term from the store, which holds the teacher's top-K alone (no live teacher)."""
+    flag = s.flag("teacher_logprobs")
+    if o.loss == "lm":
+        raise ValueError(f"{flag} needs {s.flag('loss')} kd or mix (lm uses no teacher)")
+    if o.teacher is not None:
+        raise ValueError(f"{flag} stands for the teacher: give it or {s.flag('teacher')}, not both")
+    if "align" in stages:
+        raise ValueError(f"{flag}: the align stage needs the live teacher's attention outputs; use {s.flag('teacher')}")
+    if o.hidden_weight:
+        raise ValueError(f"{flag}: {s.flag('hidden_weight')} needs the live teacher's hidden states")
 
 
 def stages_of(stage: str) -> tuple[str, ...] | None:
