@@ -35,6 +35,7 @@ from .data import DATA_CACHE, cache_key, pack, pack_held_out, read_cache, write_
 from .heads import OutputHead
 from .losses import identity, Objective
 from .metrics import MetricsLog
+from .onpolicy import OnPolicy, generating_model
 from .options import TRAJECTORY_DEFAULTS, UptrainOptions, resolve_data_workers
 from .params import select_trainable
 from .plot import plot_metrics
@@ -179,8 +180,11 @@ def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
     if o.hidden_weight and not teacher_known:
         raise SurgeryError("--hidden-weight needs a teacher: the input has no surgery.json naming its source; pass "
                            "--teacher")
+    if o.on_policy and kind not in ("kd", "mix"):
+        raise SurgeryError(f"--on-policy needs a teacher to score the student's text (--loss kd or mix): the input has "
+                           "no surgery.json naming its source; pass --teacher")
     return Objective(kind, temperature=o.temperature, kd_weight=o.kd_weight, hidden_weight=o.hidden_weight,
-                     divergence=o.kd_divergence)
+                     divergence=o.kd_divergence, beta=o.kd_beta)
 
 
 def input_folders(o: UptrainOptions, source_folder: Path, record: dict) -> list[tuple[str, Path]]:
@@ -366,6 +370,7 @@ class UptrainRecipe:
         self.record = read_record(self.source.folder)
         check_checkpoint(self.source.folder, self.source.config, self.record)  # before anything is loaded or written
         self.objective = resolve_objective(o, self.record)
+        self.on_policy = OnPolicy.of(o)
         self.acc = make_accelerator(o.precision)
         self.main, self.world = self.acc.is_main_process, self.acc.num_processes
         o.data_workers = resolve_data_workers(o.data_workers, self.acc.device.type,
@@ -665,9 +670,16 @@ class UptrainRecipe:
         batch = self.data.step_batch(o.align_steps + step, o.sequences_per_step, acc.process_index, self.world)
         loss_sum = torch.zeros((), device=acc.device)
         parts_sum: dict[str, torch.Tensor] = {}
+        gen_seconds = 0.0
         for m in range(self.accum):
             ids = batch[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device)
-            loss, parts = self._micro_step(ids, last=m == self.accum - 1)
+            masks = None
+            if self.on_policy is not None and self.on_policy.generates(step * self.accum + m):
+                g = self.on_policy.generator(step, m, acc.process_index, acc.device)
+                ids, masks, seconds = self.on_policy.rollout(generating_model(acc.unwrap_model(self.model)), ids, g,
+                                                             acc.autocast)
+                gen_seconds += seconds
+            loss, parts = self._micro_step(ids, last=m == self.accum - 1, masks=masks)
             loss_sum += loss / self.accum
             for k, v in parts.items():
                 parts_sum[k] = parts_sum.get(k, 0) + v / self.accum
@@ -684,13 +696,15 @@ class UptrainRecipe:
         state.step = step + 1
         seconds = time.perf_counter() - start
         state.elapsed += seconds
+        generation = ({"gen_s": gen_seconds, "gen_share": gen_seconds / seconds} if self.on_policy is not None
+                      else {})  # on-policy distillation: the student's generating, its share of the step
         return dict(step=state.step, tokens=state.step * self.tokens_per_step, loss=logged[0],
                     **{f"{k}_loss": v for k, v in zip(parts_sum, logged[1:])}, lr=lr, grad_norm=grad_norm,
-                    tokens_per_s=self.tokens_per_step / seconds, elapsed=state.elapsed)
+                    tokens_per_s=self.tokens_per_step / seconds, elapsed=state.elapsed, **generation)
 
-    def _micro_step(self, ids: torch.Tensor, last: bool) -> tuple[torch.Tensor, dict]:
+    def _micro_step(self, ids: torch.Tensor, last: bool, masks: dict | None = None) -> tuple[torch.Tensor, dict]:
         """Forward and backward of one micro-batch (gradients synchronised on the step's last one only); returns
-        its detached loss and loss parts."""
+        its detached loss and loss parts. `masks`: the positions a micro-batch the student wrote counts (onpolicy.py)."""
         acc, model, teacher = self.acc, self.model, self.teacher
         sync = contextlib.nullcontext() if last else acc.no_sync(model)
         with sync:
@@ -704,7 +718,8 @@ class UptrainRecipe:
                         t_out = teacher(input_ids=ids, use_cache=False, **states)
                 loss, parts = self.objective(out.logits, ids, t_out.logits if t_out is not None else None,
                                              *self.projections, states=out.hidden_states if states else None,
-                                             teacher_states=t_out.hidden_states if states else None)
+                                             teacher_states=t_out.hidden_states if states else None,
+                                             **(masks or {}))
             acc.backward(loss / self.accum)
         del out, t_out
         return loss.detach(), parts
@@ -835,6 +850,9 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
         "temperature": o.temperature if objective.needs_teacher else None,
         "kd_weight": o.kd_weight if objective.kind == "mix" else None,
         "kd_divergence": o.kd_divergence if objective.kind in ("kd", "mix") else None,
+        **({"kd_beta": o.kd_beta} if objective.kind in ("kd", "mix") and o.kd_divergence == "jsd" else {}),
+        **({"on_policy": {"fraction": o.on_policy, "gen_tokens": o.gen_tokens, "gen_temperature": o.gen_temperature,
+                          "gen_seconds": round(sum(m.get("gen_s", 0.0) for m in rows), 3)}} if o.on_policy else {}),
         "hidden_weight": o.hidden_weight or None,
         "teacher": ((public_name(trajectory.get("teacher")) or "surgery.json source")
                     if objective.needs_teacher or "align" in o.stages else None),
