@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 import transformers as tf
 
+from inprocess import uptrain_error
 from recipe_files import write_recipe
 from surgery.errors import SurgeryError
 from surgery.testing.pydoc_llama import FAST, make_model, metrics, weights
@@ -123,6 +124,17 @@ def test_beta_and_on_policy_options_are_checked():
     refused("--gen-temperature must not be negative", gen_temperature=-1.0)
     refused("--on-policy .*needs --loss kd or mix", on_policy=0.5, loss="lm")
     assert UptrainOptions(model="x", out=Path("o"), tokens=1024, seq_len=64, batch_tokens=512, gen_tokens=64).on_policy == 0
+
+
+def test_the_command_line_refuses_bad_on_policy_options_in_one_line(tiny, tmp_path, monkeypatch, capsys):
+    out = ["--out", tmp_path / "o", "--seq-len", "64", "--batch-tokens", "512", "--tokens", "512"]
+    assert "needs --kd-divergence jsd" in uptrain_error(monkeypatch, capsys, tiny, "--kd-beta", "0.9", *out)
+    assert "--gen-tokens must be below --seq-len 64" in uptrain_error(monkeypatch, capsys, tiny, "--on-policy", "0.5",
+                                                                       "--gen-tokens", "64", *out)
+    # a student without a known source has no teacher to score its text
+    assert "--on-policy needs a teacher" in uptrain_error(monkeypatch, capsys, tiny, "--on-policy", "0.5",
+                                                           "--gen-tokens", "16", *out)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.run").exists()
 
 
 # ---------------------------------------------------------------------------------------------------- generation
