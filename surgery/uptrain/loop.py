@@ -36,6 +36,7 @@ from .data import DATA_CACHE, cache_key, pack, pack_held_out, read_cache, write_
 from .heads import OutputHead
 from .losses import identity, Objective
 from .metrics import MetricsLog
+from .onpolicy import OnPolicy, generating_model
 from .options import TRAJECTORY_DEFAULTS, UptrainOptions, resolve_data_workers
 from .params import select_trainable
 from .plot import plot_metrics
@@ -190,8 +191,11 @@ def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
     if o.hidden_weight and not teacher_known:
         raise SurgeryError("--hidden-weight needs a teacher: the input has no surgery.json naming its source; pass "
                            "--teacher")
+    if o.on_policy and kind not in ("kd", "mix"):
+        raise SurgeryError(f"--on-policy needs a teacher to score the student's text (--loss kd or mix): the input has "
+                           "no surgery.json naming its source; pass --teacher")
     return Objective(kind, temperature=o.temperature, kd_weight=o.kd_weight, hidden_weight=o.hidden_weight,
-                     divergence=o.kd_divergence)
+                     divergence=o.kd_divergence, beta=o.kd_beta)
 
 
 def input_folders(o: UptrainOptions, source_folder: Path, record: dict) -> list[tuple[str, Path]]:
@@ -380,6 +384,7 @@ class UptrainRecipe:
         check_checkpoint(self.source.folder, self.source.config, self.record)  # before anything is loaded or written
         self.objective = resolve_objective(o, self.record)
         require_trackers(o.trackers)  # a tracker's missing package: one line, before anything loads
+        self.on_policy = OnPolicy.of(o)
         self.acc = make_accelerator(o.precision, o.trackers, o.run_dir / TB_DIR)
         self.main, self.world = self.acc.is_main_process, self.acc.num_processes
         o.data_workers = resolve_data_workers(o.data_workers, self.acc.device.type,
@@ -708,11 +713,18 @@ class UptrainRecipe:
             self.objective.queue(self.store.read(first, batch.shape[0]), o.micro_batch)
         loss_sum = torch.zeros((), device=acc.device)
         parts_sum: dict[str, torch.Tensor] = {}
+        gen_seconds = 0.0
         for m in range(self.accum):
             ids = batch[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device)
             mask = masks[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device) if masks is not None else None
             weight = weights[m] if weights is not None else None
-            loss, parts = self._micro_step(ids, last=m == self.accum - 1, weight=weight, mask=mask)
+            generated = None
+            if self.on_policy is not None and self.on_policy.generates(step * self.accum + m):
+                g = self.on_policy.generator(step, m, acc.process_index, acc.device)
+                ids, generated, seconds = self.on_policy.rollout(generating_model(acc.unwrap_model(self.model)), ids,
+                                                                 g, acc.autocast)
+                gen_seconds += seconds
+            loss, parts = self._micro_step(ids, last=m == self.accum - 1, weight=weight, mask=mask, generated=generated)
             loss_sum += loss / self.accum if weight is None else loss * weight
             for k, v in parts.items():
                 parts_sum[k] = parts_sum.get(k, 0) + (v / self.accum if weight is None else v * weight)
@@ -729,9 +741,11 @@ class UptrainRecipe:
         state.step = step + 1
         seconds = time.perf_counter() - start
         state.elapsed += seconds
+        generation = ({"gen_s": gen_seconds, "gen_share": gen_seconds / seconds} if self.on_policy is not None
+                      else {})  # on-policy distillation: the student's generating, its share of the step
         return dict(step=state.step, tokens=state.step * self.tokens_per_step, loss=logged[0],
                     **{f"{k}_loss": v for k, v in zip(parts_sum, logged[1:])}, lr=lr, grad_norm=grad_norm,
-                    tokens_per_s=self.tokens_per_step / seconds, elapsed=state.elapsed)
+                    tokens_per_s=self.tokens_per_step / seconds, elapsed=state.elapsed, **generation)
 
     def _step_masks(self, step: int) -> tuple[torch.Tensor | None, list[float] | None]:
         """--loss-on assistant: this process's token masks of step `step` and each micro-batch's weight, its share of
@@ -750,10 +764,11 @@ class UptrainRecipe:
         return masks, [c * self.world / total for c in counts]
 
     def _micro_step(self, ids: torch.Tensor, last: bool, weight: float | None = None,
-                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                    mask: torch.Tensor | None = None, generated: dict | None = None) -> tuple[torch.Tensor, dict]:
         """Forward and backward of one micro-batch (gradients synchronised on the step's last one only), its loss
         scaled by `weight` (default 1 / accumulation steps); returns its detached loss and loss parts (unscaled).
-        `mask`: the tokens the losses count (--loss-on assistant)."""
+        `mask`: the tokens the losses count (--loss-on assistant). `generated`: the loss masks of a micro-batch the
+        student wrote (onpolicy.py)."""
         acc, model, teacher = self.acc, self.model, self.teacher
         sync = contextlib.nullcontext() if last else acc.no_sync(model)
         with sync:
@@ -768,7 +783,7 @@ class UptrainRecipe:
                 loss, parts = self.objective(out.logits, ids, t_out.logits if t_out is not None else None,
                                              *self.projections, states=out.hidden_states if states else None,
                                              teacher_states=t_out.hidden_states if states else None,
-                                             mask=mask)
+                                             mask=mask, **(generated or {}))
             acc.backward(loss / self.accum if weight is None else loss * weight)
         del out, t_out
         return loss.detach(), parts
@@ -912,6 +927,9 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
         "temperature": o.temperature if objective.needs_teacher else None,
         "kd_weight": o.kd_weight if objective.kind == "mix" else None,
         "kd_divergence": o.kd_divergence if objective.kind in ("kd", "mix") else None,
+        **({"kd_beta": o.kd_beta} if objective.kind in ("kd", "mix") and o.kd_divergence == "jsd" else {}),
+        **({"on_policy": {"fraction": o.on_policy, "gen_tokens": o.gen_tokens, "gen_temperature": o.gen_temperature,
+                          "gen_seconds": round(sum(m.get("gen_s", 0.0) for m in rows), 3)}} if o.on_policy else {}),
         "hidden_weight": o.hidden_weight or None,
         **({"teacher_logprobs": stored_record(o)} if o.teacher_logprobs else {}),
         "teacher": ((public_name(trajectory.get("teacher")) or "surgery.json source")

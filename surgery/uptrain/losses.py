@@ -8,14 +8,13 @@ micro-batches or processes (every packed window has the same number of positions
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .options import DIVERGENCES  # declared with the options (--kd-divergence)
+from .divergence import check as check_divergence, divergence_per_position, divergence_sum
 
 
 # Positions per chunk of the losses: each chunk's softmax temporaries ([chunk, V] floats, a few of them) live only
@@ -47,12 +46,16 @@ def identity(x: torch.Tensor) -> torch.Tensor:
 
 
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = identity,
-            mask: torch.Tensor | None = None) -> torch.Tensor:
+            mask: torch.Tensor | None = None, ignore: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy of logits [B, T, V] for ids [B, T] (T-1 targets per sequence), in chunks of
     positions. The targets are shifted (the last position ignored) rather than the logits sliced, which would copy them.
     `project`: given the final hidden states [B, T, H] instead of logits, the output projection (surgery/uptrain/heads.py).
-    `mask` [B, T] (--loss-on assistant): only targets whose token is marked count."""
-    targets = F.pad(ids[:, 1:] if mask is None else ids[:, 1:].masked_fill(~mask[:, 1:], -100), (0, 1), value=-100).flatten()
+    `mask` [B, T] (--loss-on assistant): only targets whose token is marked count. `ignore` [B, T]: positions whose
+    target is not counted (the student's own generated tokens, onpolicy.py)."""
+    targets = F.pad(ids[:, 1:] if mask is None else ids[:, 1:].masked_fill(~mask[:, 1:], -100), (0, 1), value=-100)
+    if ignore is not None:
+        targets = targets.masked_fill(ignore, -100)
+    targets = targets.flatten()
     counted = (targets != -100).sum().clamp(min=1)
 
     def nll_sum(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -63,28 +66,29 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = ident
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
             project: Projection = identity, project_teacher: Projection = identity, divergence: str = "forward",
-            mask: torch.Tensor | None = None) -> torch.Tensor:
+            mask: torch.Tensor | None = None, beta: float = 0.5, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over positions of T² · D(teacher ‖ student) on softmax(logits / T) (Hinton et al.'s scaling), computed
     in chunks of positions so that no [positions, V] temporary of the whole batch exists besides the inputs.
-    D by `divergence`: forward KL(p_t ‖ p_s) (mass-covering: the student spreads over all the teacher's
-    candidates), reverse KL(p_s ‖ p_t) (mode-seeking: the student concentrates on the teacher's likeliest tokens,
-    MiniLLM), or jsd, the Jensen-Shannon divergence ½ KL(p_t ‖ m) + ½ KL(p_s ‖ m), m = ½ (p_t + p_s), between the
-    two (GKD's β = 0.5). `project` / `project_teacher`: as for `lm_loss`, when hidden states are given instead of
-    logits. `mask` [B, T] (--loss-on assistant): only the positions predicting a marked token count."""
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"unknown divergence {divergence!r}")
+    D by `divergence` (surgery/uptrain/divergence.py): forward KL(p_t ‖ p_s) (mass-covering: the student spreads
+    over all the teacher's candidates), reverse KL(p_s ‖ p_t) (mode-seeking: the student concentrates on the
+    teacher's likeliest tokens, MiniLLM), or jsd, GKD's generalized Jensen-Shannon divergence with `beta`
+    (0.5: the symmetric one, ½ KL(p_t ‖ m) + ½ KL(p_s ‖ m), m = ½ (p_t + p_s)). `project` / `project_teacher`: as
+    for `lm_loss`, when hidden states are given instead of logits. `mask` [B, T] (--loss-on assistant): only the
+    positions predicting a marked token count. `weights` [B, T]: a weighted sum over positions instead of the mean
+    (on-policy distillation counts generated positions only: surgery/uptrain/onpolicy.py)."""
+    check_divergence(divergence, beta)
 
-    def divergence_sum(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    def log_probs(s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         log_s = F.log_softmax(project(s).float() / temperature, dim=-1)
         with torch.no_grad():
             log_t = F.log_softmax(project_teacher(t).float() / temperature, dim=-1)
-        if divergence == "forward":
-            return F.kl_div(log_s, log_t, log_target=True, reduction="sum")
-        if divergence == "reverse":
-            return F.kl_div(log_t, log_s, log_target=True, reduction="sum")
-        log_m = torch.logaddexp(log_s, log_t) - math.log(2)
-        return 0.5 * (F.kl_div(log_m, log_t, log_target=True, reduction="sum")
-                      + F.kl_div(log_m, log_s, log_target=True, reduction="sum"))
+        return log_s, log_t
+
+    def summed(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return divergence_sum(*log_probs(s, t), divergence, beta)
+
+    def weighted(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (divergence_per_position(*log_probs(s, t), divergence, beta) * w).sum()
 
     s, t = student_logits.flatten(0, 1), teacher_logits.flatten(0, 1)
     if mask is not None:
@@ -92,7 +96,9 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
         if not keep.any():  # nothing to distill in this micro-batch: a zero that still reaches every parameter used
             return student_logits.sum() * 0.0
         s, t = s[keep], t[keep]
-    return _chunked_sum(divergence_sum, s, t) / s.shape[0] * (temperature * temperature)
+    if weights is not None:
+        return _chunked_sum(weighted, s, t, weights.flatten().float()) * (temperature * temperature)
+    return _chunked_sum(summed, s, t) / s.shape[0] * (temperature * temperature)
 
 
 def hidden_state_loss(student_states: tuple[torch.Tensor, ...], teacher_states: tuple[torch.Tensor, ...]
@@ -120,7 +126,8 @@ class Objective:
     temperature: float = 1.0
     kd_weight: float = 0.5  # mix: kd_weight * kd + (1 - kd_weight) * lm
     hidden_weight: float = 0.0  # > 0: + hidden_weight * hidden_state_loss (needs the teacher's hidden states)
-    divergence: str = "forward"  # kd_loss's D: forward / reverse KL or Jensen-Shannon
+    divergence: str = "forward"  # kd_loss's D: forward / reverse KL or GKD's generalized Jensen-Shannon
+    beta: float = 0.5  # jsd: GKD's beta (surgery/uptrain/divergence.py)
 
     @property
     def needs_teacher(self) -> bool:
@@ -133,17 +140,19 @@ class Objective:
     def __call__(self, logits: torch.Tensor, ids: torch.Tensor, teacher_logits: torch.Tensor | None = None,
                  project: Projection = identity, project_teacher: Projection = identity,
                  states: tuple[torch.Tensor, ...] | None = None, teacher_states: tuple[torch.Tensor, ...] | None = None,
-                 mask: torch.Tensor | None = None):
+                 mask: torch.Tensor | None = None, kd_weights: torch.Tensor | None = None,
+                 lm_ignore: torch.Tensor | None = None):
         """(loss, parts): the loss to minimise and its terms, detached, for logging. `project` / `project_teacher`:
         the output projections when `logits` / `teacher_logits` are final hidden states (see `lm_loss`).
         `states` / `teacher_states`: both models' hidden states, for the hidden-state term (over every position).
-        `mask` (--loss-on assistant): the LM and KD terms count only the marked tokens' predictions."""
+        `mask` (--loss-on assistant): the LM and KD terms count only the marked tokens' predictions. `kd_weights` /
+        `lm_ignore`: the positions a micro-batch with generated sequences counts (surgery/uptrain/onpolicy.py)."""
         parts: dict[str, torch.Tensor] = {}
         if self.kind in ("lm", "mix"):
-            parts["lm"] = lm_loss(logits, ids, project, mask)
+            parts["lm"] = lm_loss(logits, ids, project, mask=mask, ignore=lm_ignore)
         if self.kind in ("kd", "mix"):
             parts["kd"] = kd_loss(logits, teacher_logits, self.temperature, project, project_teacher,
-                                 self.divergence, mask)
+                                  self.divergence, mask=mask, beta=self.beta, weights=kd_weights)
         if self.kind == "mix":
             loss = self.kd_weight * parts["kd"] + (1 - self.kd_weight) * parts["lm"]
         else:

@@ -29,14 +29,16 @@ RUNNER_OWNED = ("force", "resume", "run_dir")  # a recipe's runner decides these
 # Options that fix the trajectory of a run: a resumed run must repeat them. (micro_batch and the number of
 # processes only change how a step's batch is split, not what the step computes, so they may change on resume.)
 TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_tokens", "eval_tokens", "loss",
-                   "teacher", "temperature", "kd_weight", "kd_divergence", "hidden_weight", "train", "lr",
+                   "teacher", "temperature", "kd_weight", "kd_divergence", "kd_beta", "on_policy", "gen_tokens",
+                   "gen_temperature", "hidden_weight", "train", "lr",
                    "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
                    "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data", "data_weights",
                    "data_mode", "txt_unit", "chat_template", "loss_on", "teacher_logprobs")
 # Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
 # (TRAJECTORY_DEFAULTS, below the options).
 LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode", "txt_unit",
-                         "chat_template", "loss_on", "teacher_logprobs")
+                         "chat_template", "loss_on", "teacher_logprobs", "kd_beta", "on_policy", "gen_tokens",
+                         "gen_temperature")
 # --data-epochs is not among them: it changes nothing before a source runs dry, so a run stopped by a dry source
 # resumes with a higher one.
 PACKED_TOKENS = 1 << 22  # --data-mode auto: runs of at most this many training tokens (16 MiB of windows) are packed
@@ -123,7 +125,17 @@ class UptrainArgs(PrecisionOptions):
     kd_weight: float = option(0.5, "--kd-weight", "[mix] Weight of the KD term.")
     kd_divergence: Literal[DIVERGENCES] = option(
         "forward", "--kd-divergence", "[kd/mix] forward: KL(teacher‖student), covers every token the teacher "
-        "considers; reverse: KL(student‖teacher), seeks the teacher's likeliest tokens; jsd: Jensen-Shannon, between.")
+        "considers; reverse: KL(student‖teacher), seeks the teacher's likeliest tokens; jsd: GKD's generalized "
+        "Jensen-Shannon, between them by --kd-beta.")
+    kd_beta: float = option(0.5, "--kd-beta", "[jsd] GKD's beta: 0 is forward KL, 1 reverse KL, 0.5 the symmetric "
+                            "Jensen-Shannon divergence (TRL's GKDTrainer convention).")
+    on_policy: float = option(0.0, "--on-policy", "[kd/mix] Fraction of micro-batches whose sequences the student "
+                              "writes itself (on-policy distillation, GKD): a window's first --seq-len minus "
+                              "--gen-tokens tokens are the prompt, the student continues it, the teacher scores the "
+                              "continuation; the KD term counts the generated positions. 0: off.", metavar="P")
+    gen_tokens: int = option(64, "--gen-tokens", "[on-policy] Tokens the student generates per sequence.")
+    gen_temperature: float = option(1.0, "--gen-temperature", "[on-policy] Sampling temperature of the student's "
+                                    "generations (0: greedy).")
     hidden_weight: float = option(0.0, "--hidden-weight", "Add this weight times every layer's hidden-state cosine "
                                   "distance to the teacher's (same depth and width) to the loss; 0: off.")
     train: Literal[TRAIN] = option(
@@ -228,7 +240,7 @@ def check_rules(o, s) -> None:
         if getattr(o, name) < 1:
             raise ValueError(f"{s.flag(name)} must be at least 1, got {getattr(o, name)}")
     for name in ("lr", "weight_decay", "max_grad_norm", "temperature", "kd_weight", "hidden_weight", "min_lr_ratio",
-                 "progress_every"):
+                 "progress_every", "kd_beta", "on_policy", "gen_temperature"):
         if not math.isfinite(getattr(o, name)):
             raise ValueError(f"{s.flag(name)} must be a finite number, got {getattr(o, name)}")
     for name in ("eval_tokens", "eval_every", "save_every", "weight_decay", "max_grad_norm", "hidden_weight"):
@@ -249,6 +261,7 @@ def check_rules(o, s) -> None:
         raise ValueError(f"{s.flag('temperature')} must be positive, got {o.temperature}")
     if not 0 <= o.kd_weight <= 1:
         raise ValueError(f"{s.flag('kd_weight')} must lie in [0, 1], got {o.kd_weight}")
+    check_on_policy_rules(o, s)
     stages = stages_of(o.stage)
     if stages is None:
         raise ValueError(f"unknown {s.flag('stage')} {o.stage!r}; choose align, kd or align,kd")
@@ -288,6 +301,32 @@ def check_stored_teacher(o, s, stages) -> None:
         raise ValueError(f"{flag}: the align stage needs the live teacher's attention outputs; use {s.flag('teacher')}")
     if o.hidden_weight:
         raise ValueError(f"{flag}: {s.flag('hidden_weight')} needs the live teacher's hidden states")
+
+
+def check_on_policy_rules(o, s) -> None:
+    """--kd-beta and on-policy distillation's options (surgery/uptrain/onpolicy.py)."""
+    if not 0 <= o.kd_beta <= 1:
+        raise ValueError(f"{s.flag('kd_beta')} must lie in [0, 1], got {o.kd_beta}")
+    if o.kd_beta != 0.5 and o.kd_divergence != "jsd":
+        raise ValueError(f"{s.flag('kd_beta')} is the generalized JSD's: it needs {s.flag('kd_divergence')} jsd")
+    if not 0 <= o.on_policy <= 1:
+        raise ValueError(f"{s.flag('on_policy')} must lie in [0, 1], got {o.on_policy}")
+    if o.gen_temperature < 0:
+        raise ValueError(f"{s.flag('gen_temperature')} must not be negative, got {o.gen_temperature}")
+    if o.gen_tokens < 1:
+        raise ValueError(f"{s.flag('gen_tokens')} must be at least 1, got {o.gen_tokens}")
+    if o.on_policy and o.gen_tokens >= o.seq_len:
+        raise ValueError(f"{s.flag('gen_tokens')} must be below {s.flag('seq_len')} {o.seq_len} (the rest of a "
+                         f"window is the prompt), got {o.gen_tokens}")
+    if o.on_policy and o.loss == "lm":
+        raise ValueError(f"{s.flag('on_policy')} distils the student's own text against the teacher: it needs "
+                         f"{s.flag('loss')} kd or mix")
+    if o.on_policy and o.teacher_logprobs is not None:
+        raise ValueError(f"{s.flag('on_policy')} needs the live teacher to score the student's own text: a stored "
+                         f"pass ({s.flag('teacher_logprobs')}) holds the teacher on the data's text only")
+    if o.on_policy and o.loss_on == "assistant":
+        raise ValueError(f"{s.flag('on_policy')} continues the end of each window, not the assistant turns: not with "
+                         f"{s.flag('loss_on')} assistant (yet)")
 
 
 def stages_of(stage: str) -> tuple[str, ...] | None:

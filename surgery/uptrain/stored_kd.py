@@ -54,10 +54,11 @@ def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
 
 def stored_kd_loss(student_logits: torch.Tensor, targets: StoredTargets, temperature: float = 1.0,
                    project: Projection = identity, divergence: str = "forward",
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
+                   mask: torch.Tensor | None = None, beta: float = 0.5) -> torch.Tensor:
     """Mean over positions of T² · D over the K+1 buckets (module docstring); `student_logits` [B, L, V] (or hidden
     states with `project`), `targets` the stored pass of the same B windows. In chunks of positions, as kd_loss.
-    `mask` [B, L] (--loss-on assistant): only the positions predicting a marked token count, as in kd_loss."""
+    `mask` [B, L] (--loss-on assistant): only the positions predicting a marked token count, as in kd_loss. `beta`:
+    jsd's (GKD's generalized JSD, surgery/uptrain/divergence.py)."""
 
     def divergence_sum(s, ids, lp, tail):
         log_s, log_t = bucket_log_probs(s, ids, lp, tail, temperature, project)
@@ -65,8 +66,12 @@ def stored_kd_loss(student_logits: torch.Tensor, targets: StoredTargets, tempera
             return _kl(log_t, log_s)
         if divergence == "reverse":
             return _kl(log_s, log_t)
-        log_m = torch.logaddexp(log_s, log_t) - math.log(2)
-        return 0.5 * (_kl(log_t, log_m) + _kl(log_s, log_m))
+        if beta == 0:  # GKD's ends, as in surgery/uptrain/divergence.py: forward and reverse KL exactly
+            return _kl(log_t, log_s)
+        if beta == 1:
+            return _kl(log_s, log_t)
+        log_m = torch.logaddexp(log_t + math.log(beta), log_s + math.log1p(-beta))
+        return beta * _kl(log_t, log_m) + (1 - beta) * _kl(log_s, log_m)
 
     s = student_logits.flatten(0, 1)
     t = [targets.ids.flatten(0, 1), targets.logprobs.flatten(0, 1), targets.tail.flatten(0, 1)]
@@ -107,7 +112,7 @@ class StoredObjective(Objective):
             from .losses import lm_loss
 
             parts["lm"] = lm_loss(logits, ids, project, mask)
-        parts["kd"] = stored_kd_loss(logits, targets, self.temperature, project, self.divergence, mask)
+        parts["kd"] = stored_kd_loss(logits, targets, self.temperature, project, self.divergence, mask, self.beta)
         loss = parts["kd"] if self.kind == "kd" else self.kd_weight * parts["kd"] + (1 - self.kd_weight) * parts["lm"]
         return loss, {k: v.detach() for k, v in parts.items()}
 
@@ -115,7 +120,8 @@ class StoredObjective(Objective):
 def objective(o) -> StoredObjective:
     """The objective of a run with --teacher-logprobs (its options' rules refused --loss lm and the rest before)."""
     kind = "kd" if o.loss == "auto" else o.loss
-    return StoredObjective(kind, temperature=o.temperature, kd_weight=o.kd_weight, divergence=o.kd_divergence)
+    return StoredObjective(kind, temperature=o.temperature, kd_weight=o.kd_weight, divergence=o.kd_divergence,
+                           beta=o.kd_beta)
 
 
 def first_window(o, step: int, rank: int, world: int) -> int:

@@ -1,0 +1,87 @@
+"""The distillation options of issue 41 beside each other and beside chat data: the stored teacher pass
+(--teacher-logprobs), on-policy distillation (--on-policy), GKD's --kd-beta and --loss-on assistant / --chat-template.
+Each pair either works and computes what each does alone, or is refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from surgery.errors import SurgeryError
+from surgery.uptrain import UptrainOptions
+from surgery.uptrain.losses import kd_loss
+from surgery.uptrain.stored_kd import stored_kd_loss
+from surgery.uptrain.teacher_pass import top_k_of
+from surgery.uptrain.teacher_store import StoredTargets, spec_difference, windows_spec
+
+
+def logits(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 6, 13, generator=g, dtype=torch.float64),
+            2 * torch.randn(2, 6, 13, generator=g, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_stored_generalized_jsd_is_the_live_one_at_full_vocabulary(beta):
+    """K = V: the store's buckets are the vocabulary, so --kd-divergence jsd --kd-beta B from the store is GKD's
+    generalized JSD of the live teacher, at every beta (0 and 1: forward and reverse KL)."""
+    s, t = logits(1)
+    full = StoredTargets(*top_k_of(t, 13), torch.zeros(2))
+    live = kd_loss(s, t, divergence="jsd", beta=beta)
+    stored = stored_kd_loss(s, full, divergence="jsd", beta=beta)
+    assert stored.item() == pytest.approx(live.item(), rel=1e-6)
+    if beta in (0.0, 1.0):
+        other = stored_kd_loss(s, full, divergence="forward" if beta == 0 else "reverse")
+        assert stored.item() == pytest.approx(other.item(), rel=1e-9)
+
+
+@pytest.mark.parametrize("divergence", ["forward", "reverse", "jsd"])
+def test_stored_kd_counts_only_the_assistant_positions(divergence):
+    """--loss-on assistant with a store: the mean over the positions that predict a marked token, as live KD does."""
+    s, t = logits(2)
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[0, 2:4] = True
+    mask[1, 5] = True
+    targets = StoredTargets(*top_k_of(t, 4), torch.zeros(2))
+    keep = torch.nn.functional.pad(mask[:, 1:], (0, 1), value=False)  # position i predicts token i + 1
+    rows = keep.nonzero(as_tuple=True)
+    alone = StoredTargets(targets.logprobs[rows][None], targets.ids[rows][None], targets.tail[rows][None],
+                          torch.zeros(1))
+    expected = stored_kd_loss(s[rows][None], alone, divergence=divergence)
+    got = stored_kd_loss(s, targets, divergence=divergence, mask=mask)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-9)
+    assert got.item() != pytest.approx(stored_kd_loss(s, targets, divergence=divergence).item(), rel=1e-3)
+    # the live KD term masks the same positions
+    full = StoredTargets(*top_k_of(t, 13), torch.zeros(2))
+    assert stored_kd_loss(s, full, divergence=divergence, mask=mask).item() == pytest.approx(
+        kd_loss(s, t, divergence=divergence, mask=mask).item(), rel=1e-6)
+    none = torch.zeros_like(mask)
+    x = s.clone().requires_grad_()
+    zero = stored_kd_loss(x, targets, divergence=divergence, mask=none)
+    zero.backward()
+    assert zero.item() == 0 and x.grad is not None
+
+
+def test_on_policy_is_refused_beside_a_store_and_beside_assistant_only_loss():
+    def refused(match, **kw):
+        with pytest.raises(SurgeryError, match=match):
+            UptrainOptions(model="x", out=Path("o"), tokens=1024, seq_len=128, batch_tokens=512, loss="kd", **kw)
+
+    refused("--on-policy needs the live teacher .*--teacher-logprobs", on_policy=0.5, teacher_logprobs="store")
+    refused("--on-policy .*not with --loss-on assistant", on_policy=0.5, loss_on="assistant")
+    # each alone is accepted
+    assert UptrainOptions(model="x", out=Path("o"), tokens=1024, seq_len=128, batch_tokens=512, loss="kd",
+                          teacher_logprobs="store", kd_divergence="jsd", kd_beta=0.2).kd_beta == 0.2
+
+
+def test_a_store_names_the_chat_rendering_of_its_windows(tokenizer):
+    """Conversations rendered with or without the template are other windows: a store made with --chat-template off
+    is refused for a run with it on, naming the flag."""
+    o = lambda chat: UptrainOptions(model="x", out=Path("o"), tokens=1024, seq_len=64, batch_tokens=512,
+                                    chat_template=chat)
+    auto, off, on = (windows_spec(o(c), tokenizer, 1) for c in ("auto", "off", "on"))
+    assert "chat_template" not in auto  # stores made before chat data still match their runs
+    assert spec_difference(auto, auto) is None
+    assert spec_difference(off, on) == "--chat-template: store 'off', run 'on'"
