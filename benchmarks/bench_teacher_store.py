@@ -12,6 +12,7 @@ student, SmolLM2-135M the teacher.
    `json.scanner` (`inspect.getsource`), passed as `--eval-data`.
 
     python benchmarks/bench_teacher_store.py [--tokens 8192] [--seq-len 256] [--batch-tokens 1024] [--top-k 32]
+        [--parallel]   # both arms at once, one thread each: equal machine load for the step-time ratio
 
 Prints the ratios stored / live and writes --json.
 """
@@ -40,21 +41,37 @@ def python_source_text(folder: Path) -> Path:
     return path
 
 
-def run_child(args: list[str]) -> tuple[float, int, str]:
-    """Run `surgery ARGS` in a fresh process: (seconds, its peak RSS in bytes from a wrapper's getrusage, stdout)."""
-    wrapper = ("import resource,subprocess,sys;"
-               "p=subprocess.run(sys.argv[1:],capture_output=True,text=True);"
-               "sys.stdout.write(p.stdout);sys.stderr.write(p.stderr);"
-               "print('PEAK', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024);sys.exit(p.returncode)")
-    start = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "surgery.cli", *map(str, args)],
-                       capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+WRAPPER = ("import resource,subprocess,sys;"
+           "p=subprocess.run(sys.argv[1:],capture_output=True,text=True);"
+           "sys.stdout.write(p.stdout);sys.stderr.write(p.stderr);"
+           "print('PEAK', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024);sys.exit(p.returncode)")
+
+
+def start_child(args: list[str], threads: int | None = None) -> tuple[subprocess.Popen, float]:
+    """`surgery ARGS` in a fresh process (through a wrapper that reports its peak RSS); `threads`: its torch threads."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if threads:
+        env |= {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    p = subprocess.Popen([sys.executable, "-c", WRAPPER, sys.executable, "-m", "surgery.cli", *map(str, args)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return p, time.perf_counter()
+
+
+def finish_child(child: tuple[subprocess.Popen, float], args: list[str]) -> tuple[float, int, str]:
+    """(seconds, peak RSS in bytes, stdout) of a started child; exits with its stderr if it failed."""
+    p, start = child
+    out, err = p.communicate()
     seconds = time.perf_counter() - start
     if p.returncode:
-        sys.exit(f"surgery {' '.join(map(str, args[:2]))} failed:\n{p.stderr[-3000:]}")
-    lines = p.stdout.splitlines()
+        sys.exit(f"surgery {' '.join(map(str, args[:2]))} failed:\n{err[-3000:]}")
+    lines = out.splitlines()
     peak = int(next(line for line in reversed(lines) if line.startswith("PEAK")).split()[1])
-    return seconds, peak, p.stdout
+    return seconds, peak, out
+
+
+def run_child(args: list[str]) -> tuple[float, int, str]:
+    """Run `surgery ARGS` in a fresh process: (seconds, its peak RSS in bytes from a wrapper's getrusage, stdout)."""
+    return finish_child(start_child(args), args)
 
 
 def step_seconds(out: Path) -> float:
@@ -74,6 +91,9 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--order", default="stored,live", help="the order the two runs go in")
+    p.add_argument("--parallel", action="store_true",
+                   help="run the two arms at the same time, one torch thread each: both meet the same machine load, "
+                        "so their step times compare on a shared machine")
     p.add_argument("--work", type=Path, help="working folder (default: a temporary one)")
     p.add_argument("--json", type=Path, default=Path("bench_teacher_store.json"))
     a = p.parse_args()
@@ -97,11 +117,16 @@ def main() -> None:
     disk = sum(f.stat().st_size for f in store.iterdir())
     train = [*data, "--loss", "kd", "--lr", a.lr, "--eval-data", other, "--eval-every", 0, "--save-every", 0,
              "--force"]
-    results = {}
+    results, children = {}, {}
     for name in a.order.split(","):
-        out = work / name
         extra = ["--teacher", source.folder] if name == "live" else ["--teacher-logprobs", store]
-        seconds, peak, _ = run_child(["uptrain", mqa, "--out", out, *train, *extra])
+        args = ["uptrain", mqa, "--out", work / name, *train, *extra]
+        children[name] = (start_child(args, threads=1 if a.parallel else None), args)
+        if not a.parallel:
+            children[name] = finish_child(*children[name])
+    for name, child in children.items():
+        seconds, peak, _ = finish_child(*child) if a.parallel else child
+        out = work / name
         record = json.loads((out / "surgery.json").read_text())["uptraining"]
         results[name] = {"wall_seconds": round(seconds, 1), "step_seconds": round(step_seconds(out), 3),
                          "peak_rss_gb": round(peak / 1e9, 3), "initial_pydoc_ppl": record["initial_eval_ppl"],
