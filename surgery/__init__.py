@@ -5,7 +5,7 @@
     result = surgery.convert("smollm2", "smollm2-gqa", to="gqa", kv_heads=1)
     report = surgery.check("smollm2", result, tokens=4096)
 
-The functions (`convert`, `check`, `inspect`, `uptrain`, `push`, `run_recipe`) and their result types live in
+The functions (`convert`, `check`, `inspect`, `uptrain`, `teacher`, `push`, `run_recipe`) and their result types live in
 surgery.api and are loaded on first use: `import surgery` imports neither torch nor transformers.
 """
 
@@ -20,14 +20,14 @@ from .errors import SurgeryError
 
 __version__ = "0.1.0"
 
-_API = ("check", "convert", "inspect", "model_card", "push", "run_recipe", "uptrain", "CheckReport", "ConversionResult",
-        "InspectReport", "PushResult", "RecipeResult", "UptrainResult")
+_API = ("check", "convert", "inspect", "model_card", "push", "run_recipe", "teacher", "uptrain", "CheckReport",
+        "ConversionResult", "InspectReport", "PushResult", "RecipeResult", "TeacherStore", "UptrainResult")
 
 __all__ = ["SurgeryError", "__version__", *_API]
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ loads them
-    from .api import (CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, UptrainResult, check,
-                      convert, inspect, model_card, push, run_recipe, uptrain)
+    from .api import (CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, TeacherStore,
+                      UptrainResult, check, convert, inspect, model_card, push, run_recipe, teacher, uptrain)
 
 
 def __getattr__(name: str) -> Any:

@@ -303,9 +303,9 @@ def teacher(source, out, top_k, device, **kw):
     (the teacher's and tokenizer's identity, the data, the window order, K) and safetensors shards of fp16 log-probs,
     int32 ids and the remaining mass, 6K+2 bytes per token. Several conversions of one source share one store.
     """
-    from surgery.commands.teacher import store_teacher_pass
+    from surgery.api import teacher as store_teacher_pass
 
-    store_teacher_pass(source, out, parse_options(UptrainArgs, kw), top_k, device=device)
+    store_teacher_pass(source, out, top_k=top_k, device=device, **kw)
 
 
 @cli.command()

@@ -1,5 +1,5 @@
 """The Python API: `surgery.convert`, `surgery.check`, `surgery.inspect`, `surgery.uptrain`, `surgery.push` and
-`surgery.run_recipe`, the commands of the same name as functions that take the same options (by field name) and
+`surgery.run_recipe`, `surgery.teacher`, the commands of the same name as functions that take the same options (by field name) and
 return results; `surgery.model_card`, the card `push` would upload, without uploading.
 
 - `functions.py` the six functions; each validates its keywords with its command's options model
@@ -11,8 +11,10 @@ return results; `surgery.model_card`, the card `push` would upload, without uplo
 """
 
 from ..errors import SurgeryError
-from .functions import Source, Text, check, convert, inspect, model_card, push, run_recipe, uptrain
-from .results import CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, UptrainResult
+from .functions import Source, Text, check, convert, inspect, model_card, push, run_recipe, teacher, uptrain
+from .results import (CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, TeacherStore,
+                      UptrainResult)
 
 __all__ = ["CheckReport", "ConversionResult", "InspectReport", "PushResult", "RecipeResult", "Source", "SurgeryError",
-           "Text", "UptrainResult", "check", "convert", "inspect", "model_card", "push", "run_recipe", "uptrain"]
+           "TeacherStore", "Text", "UptrainResult", "check", "convert", "inspect", "model_card", "push", "run_recipe",
+           "teacher", "uptrain"]

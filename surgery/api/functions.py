@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
 
 from ..options import refuse_unknown, validate_options
-from .results import CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, UptrainResult
+from .results import (CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, TeacherStore,
+                      UptrainResult)
 from .sources import source_spec, text_spec, text_specs
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ def uptrain(model: Source, out: PathLike, *, tokenizer: PreTrainedTokenizerBase 
             `teacher=`, `seq_len=`, `batch_tokens=`, `lr=`, `device` comes from accelerate, ...). `data` and
             `eval_data` also take a `datasets.Dataset` / `IterableDataset`, a list of strings (documents) or, for
             `data`, a tuple of several sources (a mixture, with `data_weights=`); `teacher` also takes a loaded
-            model. Token counts, windows and held-out splits apply to them as to files. A data object is first
+            model, `teacher_logprobs` the store `surgery.teacher` returned. Token counts, windows and held-out splits apply to them as to files. A data object is first
             written into the cache as a .jsonl file (up to 32 characters per token the run needs): for a large
             streamed hub dataset, pass its spec (`"name:config@split"`, with `streaming=True`) instead.
 
@@ -167,6 +168,8 @@ def uptrain(model: Source, out: PathLike, *, tokenizer: PreTrainedTokenizerBase 
         values["eval_data"] = text_spec(values["eval_data"], field, need)
     if values.get("teacher") is not None:
         values["teacher"] = source_spec(values["teacher"])
+    if values.get("teacher_logprobs") is not None:  # a folder, or the TeacherStore `teacher` returned
+        values["teacher_logprobs"] = os.fspath(values["teacher_logprobs"])
     parsed = validate_options(UptrainArgs, values)
     uptrain_model(source_spec(model, tokenizer), Path(out), parsed, progress=progress)
     return UptrainResult.read(Path(out))
@@ -286,3 +289,45 @@ def run_recipe(recipe: PathLike | Mapping[str, Any], *, output: PathLike | None 
         error.code = e.code
         raise error from None
     return RecipeResult(output=out, steps=steps)
+
+
+def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "auto",
+            tokenizer: PreTrainedTokenizerBase | None = None, progress: bool = True, **options: Any) -> TeacherStore:
+    """Store a teacher's top-K next-token log-probs on a run's training windows, as `surgery teacher SOURCE --out OUT`
+    does, for `uptrain(..., teacher_logprobs=store.folder)`: distillation with no teacher model loaded. Several
+    conversions of one source, trained with the same data options, share one store.
+
+    Args:
+        source: The teacher: a folder, a hub id, `"smollm2"`, a result or a loaded model (saved as `convert` does).
+        out: The store's folder (written atomically).
+        top_k: Teacher candidates stored per position (6K + 2 bytes per token).
+        device: `auto` (CUDA when present), `cpu`, `cuda`, `cuda:N`.
+        tokenizer: With a loaded model: its tokenizer.
+        progress: Show the progress bar.
+        **options: The data options of the `uptrain` run the store is for, by field name (`tokens=` is required;
+            `data=`, `data_weights=`, `seq_len=`, `batch_tokens=`, `eval_tokens=`, `seed=`, `chat_template=`,
+            `temperature=`, `precision=`, `force=`, ...): the store holds exactly the windows that run reads. `data`
+            takes the same objects as `uptrain`'s. Options of training itself (`lr=`, `loss=`, ...) are refused.
+
+    Returns:
+        The store: its folder and manifest (`bytes_per_token`, `windows`, `tokens`, the teacher's identity).
+
+    Raises:
+        SurgeryError: bad input or options (the line the command line prints).
+    """
+    from ..commands.teacher import TEACHER_OPTIONS, UptrainArgs, store_teacher_pass
+    from ..errors import SurgeryError
+
+    values = dict(options)
+    refuse_unknown(UptrainArgs, values)
+    other = [k for k in values if k not in TEACHER_OPTIONS]
+    if other:
+        raise SurgeryError(f"teacher takes the run's data options only, not {other[0]!r}")
+    tokens = values.get("tokens")
+    need = ((tokens if isinstance(tokens, int) else 0) + (values.get("eval_tokens") or _default(UptrainArgs, "eval_tokens"))
+            ) * (values.get("data_epochs") or 1)
+    if "data" in values:
+        values["data"] = text_specs(values["data"], values.get("text_field") or "text", need)
+    parsed = validate_options(UptrainArgs, values)
+    store_teacher_pass(source_spec(source, tokenizer), Path(out), parsed, top_k, device=device, progress=progress)
+    return TeacherStore.read(Path(out))

@@ -167,3 +167,35 @@ class RecipeResult:
 
     output: Path
     steps: list[tuple[str, str]]
+
+
+@dataclass
+class TeacherStore:
+    """A stored teacher pass (`surgery teacher`), for `uptrain(..., teacher_logprobs=store.folder)`.
+
+    Attributes:
+        folder: The store's folder.
+        manifest: Its manifest.json: the teacher's and tokenizer's identity, the windows' spec, K, the windows.
+    """
+
+    folder: Path
+    manifest: dict[str, Any] = field(repr=False)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.manifest["bytes_per_token"]
+
+    @property
+    def windows(self) -> int:
+        return self.manifest["windows"]
+
+    @property
+    def tokens(self) -> int:
+        return self.manifest["tokens"]
+
+    def __fspath__(self) -> str:
+        return str(self.folder)
+
+    @classmethod
+    def read(cls, folder: Path) -> "TeacherStore":
+        return cls(folder=Path(folder), manifest=json.loads((Path(folder) / "manifest.json").read_text()))

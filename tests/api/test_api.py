@@ -265,3 +265,29 @@ def test_the_api_takes_the_options_the_command_line_lists(command, own):
     assert params == set(model.model_fields)
     with pytest.raises(surgery.SurgeryError, match="^unknown option 'not_an_option'"):
         getattr(surgery, command)("x", "y", not_an_option=1, **({"to": "mqa"} if command == "convert" else {}))
+
+
+def test_teacher_stores_a_runs_windows_and_uptrain_trains_from_it(tiny, tmp_path, monkeypatch):
+    """surgery.teacher writes the store `uptrain(teacher_logprobs=...)` reads, for data given as a list of documents;
+    the command line goes through it; training options are refused in the CLI's words."""
+    from pydoc_data.topics import topics
+
+    import cli
+
+    docs = list(topics.values())
+    run = dict(tokens=1024, seq_len=64, batch_tokens=512, eval_tokens=512)
+    store = surgery.teacher(str(tiny), tmp_path / "store", top_k=8, data=docs, device="cpu", progress=False, **run)
+    assert isinstance(store, surgery.TeacherStore) and store.bytes_per_token == 6 * 8 + 2
+    assert store.windows == 1024 // 64 and os.fspath(store) == str(tmp_path / "store")
+    result = surgery.uptrain(str(tiny), tmp_path / "up", data=docs, loss="kd", teacher_logprobs=store, micro_batch=4,
+                             eval_every=0, save_every=0, progress=False, **run)
+    assert result.uptraining["teacher"] is None and result.uptraining["teacher_logprobs"]["top_k"] == 8
+    with pytest.raises(surgery.SurgeryError, match="teacher takes the run's data options only, not 'lr'"):
+        surgery.teacher(str(tiny), tmp_path / "x", tokens=1024, lr=1e-3)
+    seen = {}
+    monkeypatch.setattr("surgery.api.teacher", lambda *a, **k: seen.update(args=a, kw=k))
+    monkeypatch.setattr(sys, "argv", ["surgery", "teacher", str(tiny), "--out", str(tmp_path / "cli"), "--tokens",
+                                      "1024", "--top-k", "4", "--chat-template", "off"])
+    cli.main()
+    assert seen["args"] == (str(tiny), tmp_path / "cli") and seen["kw"]["top_k"] == 4
+    assert seen["kw"]["tokens"] == 1024 and seen["kw"]["chat_template"] == "off"
