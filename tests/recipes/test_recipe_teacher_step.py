@@ -49,6 +49,9 @@ def test_the_8b_stored_teacher_recipes_dry_run_states_the_store_and_drops_the_te
     teacher_gpu = row(stored, "teacher")["memory_per_process"]["device_main"]
     assert 2 * params < teacher_gpu < 80e9  # the bf16 teacher whole on one GPU, and its forward's logits
 
+    for name in ("teacher", "uptrain"):  # the commands the plan shows are the commands' own
+        parses(row(stored, name)["command"].removeprefix("accelerate launch (8 processes) "))
+
     result = surgery("run", STORED, "--dry-run", "--output", tmp_path / "cli")
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -58,6 +61,17 @@ def test_the_8b_stored_teacher_recipes_dry_run_states_the_store_and_drops_the_te
     assert "--teacher-logprobs " + str(tmp_path / "cli" / "03-teacher") in out.replace("\n", "")
     gpu = float(re.search(r"4\. uptrain:.*?GPU memory: peak ([\d.]+) GB", out, re.S).group(1)) * 1e9
     assert gpu == pytest.approx(per_gpu["stored"], rel=0.01)
+
+
+def parses(command: str) -> None:
+    import shlex
+
+    import click
+
+    from surgery.cli import cli
+
+    name, *args = shlex.split(command)[1:]
+    cli.commands[name].make_context(name, args, parent=click.Context(cli, info_name="surgery"))
 
 
 BASE = {"name": "t", "source": {"id": "smollm2"}, "output": "out",
