@@ -486,7 +486,7 @@ def link_teacher_steps(recipe: Recipe, file: str, lines: dict) -> None:
                     at = ("steps", t, "teacher", option) if option in given else ("steps", r, "uptrain", option)
                     raise _error(file, lines, at, f"{values[option]!r} here, {theirs!r} in uptrain step "
                                  f"{steps[r].name!r} that reads this store: a stored teacher pass serves only the "
-                                 f"windows it was made for (same {', '.join(WINDOW_OPTIONS[:-1])} and temperature); "
+                                 f"windows it was made for (same {', '.join(WINDOW_OPTIONS)}); "
                                  f"leave {option} out of the teacher step to take the uptrain step's")
                 values[option] = theirs
             for option in taken:
