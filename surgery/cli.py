@@ -13,7 +13,7 @@ from surgery import __version__
 from surgery.clickgen import GroupedCommand, click_option, model_options, parse_options
 from surgery.commands.check import CheckOptions
 from surgery.commands.push import PushOptions
-from surgery.commands.teacher import TEACHER_OPTIONS
+from surgery.commands.teacher import TEACHER_OPTIONS, TeacherArgs
 from surgery.commands.uptrain import UptrainArgs
 from surgery.dtypes import DTYPE_NAMES
 from surgery.errors import SurgeryError
@@ -292,10 +292,10 @@ def uptrain(model, out, dry_run, **kw):
 @click.argument("source")
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Output folder of the store (written "
               "atomically).")
-@click.option("--top-k", type=int, default=32, show_default=True, help="Teacher candidates stored per position.")
-@click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
+@click.option("--revision", default=None, help="Hub revision (branch, tag or commit) of a hub SOURCE.")
+@model_options(TeacherArgs)
 @model_options(UptrainArgs, only=TEACHER_OPTIONS)
-def teacher(source, out, top_k, device, **kw):
+def teacher(source, out, top_k, device, revision, **kw):
     """Store SOURCE's top-K next-token log-probs on the training windows of a run, for `uptrain --teacher-logprobs`.
 
     Takes the run's data options (--data, --data-weights, --tokens, --seq-len, --batch-tokens, --eval-tokens, --seed,
@@ -305,7 +305,7 @@ def teacher(source, out, top_k, device, **kw):
     """
     from surgery.api import teacher as store_teacher_pass
 
-    store_teacher_pass(source, out, top_k=top_k, device=device, **kw)
+    store_teacher_pass(source, out, top_k=top_k, device=device, revision=revision, **kw)
 
 
 @cli.command()

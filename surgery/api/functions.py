@@ -291,7 +291,7 @@ def run_recipe(recipe: PathLike | Mapping[str, Any], *, output: PathLike | None 
     return RecipeResult(output=out, steps=steps)
 
 
-def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "auto",
+def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "auto", revision: str | None = None,
             tokenizer: PreTrainedTokenizerBase | None = None, progress: bool = True, **options: Any) -> TeacherStore:
     """Store a teacher's top-K next-token log-probs on a run's training windows, as `surgery teacher SOURCE --out OUT`
     does, for `uptrain(..., teacher_logprobs=store.folder)`: distillation with no teacher model loaded. Several
@@ -302,6 +302,7 @@ def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "au
         out: The store's folder (written atomically).
         top_k: Teacher candidates stored per position (6K + 2 bytes per token).
         device: `auto` (CUDA when present), `cpu`, `cuda`, `cuda:N`.
+        revision: Hub revision (branch, tag or commit) of a hub id.
         tokenizer: With a loaded model: its tokenizer.
         progress: Show the progress bar.
         **options: The data options of the `uptrain` run the store is for, by field name (`tokens=` is required;
@@ -329,5 +330,6 @@ def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "au
     if "data" in values:
         values["data"] = text_specs(values["data"], values.get("text_field") or "text", need)
     parsed = validate_options(UptrainArgs, values)
-    store_teacher_pass(source_spec(source, tokenizer), Path(out), parsed, top_k, device=device, progress=progress)
+    store_teacher_pass(source_spec(source, tokenizer), Path(out), parsed, top_k, device=device, progress=progress,
+                       revision=revision)
     return TeacherStore.read(Path(out))

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import ValidationInfo, field_validator
+
+from ..options import CliModel, option, spelling
 from ..uptrain.options import UptrainArgs
 
 # uptrain's options that fix the training windows, and the teacher's run (its precision, temperature, batch, output)
@@ -13,15 +16,35 @@ TEACHER_OPTIONS = ("data", "data_weights", "data_mode", "data_workers", "data_ep
                    "txt_unit", "streaming", "chat_template", "seq_len", "batch_tokens", "micro_batch", "eval_tokens",
                    "seed", "temperature", "trust_teacher_code", "precision", "force")
 
-__all__ = ["TEACHER_OPTIONS", "UptrainArgs", "store_teacher_pass"]
+# those that fix the windows and their order (the store's windows spec, surgery/uptrain/teacher_store.py) and the
+# temperature it holds the teacher at: a store serves only runs with the same values (a recipe's teacher step takes
+# them from the uptrain steps that read its store)
+WINDOW_OPTIONS = tuple(n for n in TEACHER_OPTIONS if n not in ("micro_batch", "trust_teacher_code", "precision", "force"))
+
+__all__ = ["TEACHER_OPTIONS", "WINDOW_OPTIONS", "TeacherArgs", "UptrainArgs", "store_teacher_pass"]
+
+
+class TeacherArgs(CliModel):
+    """`surgery teacher`'s own options (beside uptrain's data options): what it stores and where it runs."""
+
+    top_k: int = option(32, "--top-k", "Teacher candidates stored per position.")
+    device: str = option("auto", "--device", "auto (CUDA when present), cpu, cuda, cuda:N.")
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int, info: ValidationInfo) -> int:
+        if v < 1:
+            raise ValueError(f"{spelling(info, cls).flag('top_k')} must be at least 1, got {v}")
+        return v
 
 
 def store_teacher_pass(source: str, out: Path, options: UptrainArgs, top_k: int, device: str = "auto",
-                       progress: bool = True) -> dict:
-    """Run the teacher `source` over the windows `options` give a run and store its top-`top_k`; the manifest."""
+                       progress: bool = True, revision: str | None = None) -> dict:
+    """Run the teacher `source` (at hub `revision`) over the windows `options` give a run and store its top-`top_k`;
+    the manifest."""
     from ..uptrain.options import UptrainOptions
     from ..uptrain.teacher_pass import teacher_pass
 
     run = UptrainOptions(model=source, out=Path(out), **options.model_dump())
     return teacher_pass(source, Path(out), run, top_k, device=device, trust_teacher_code=options.trust_teacher_code,
-                        progress=progress)
+                        progress=progress, revision=revision)

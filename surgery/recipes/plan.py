@@ -110,11 +110,24 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
             tokens = o.tokens * len(o.data)  # each text its own --tokens
             row["texts"] = describe_texts(o.data)
             memory = est.check_memory(stats, o) if stats else None
+        elif ps.kind == "teacher":
+            tokens = est.uptrain_tokens(o)  # the windows of the runs that read the store
+            row["texts"] = describe_texts(o.data)
+            row["store"] = store_row(o.top_k, tokens, made=False) | {"writes": True}
+            if src_stats is not None:  # the teacher is the source
+                device = teacher_device(o)
+                per = est.teacher_pass_memory(src_stats, o, device=device)
+                memory = per.device_peak if device == "cuda" else per.host_peak
+                row["memory_per_process"] = {"device": per.device_type, "processes": 1, "host_main": per.host_peak,
+                                             "device_main": per.device_peak, "lines": per.lines()}
         elif ps.kind == "uptrain":
             procs = o.accelerate.num_processes if o.accelerate else 1
             tokens = est.uptrain_tokens(o) + o.eval_tokens
             row["texts"] = describe_texts([*o.data, *([o.eval_data] if o.eval_data else [])])
-            distill = o.loss in ("kd", "mix", "auto") or bool(getattr(o, "hidden_weight", 0))
+            # a stored teacher pass stands for the teacher: no teacher model in memory
+            distill = (o.loss in ("kd", "mix", "auto") or bool(getattr(o, "hidden_weight", 0))) and not o.teacher_logprobs
+            if o.teacher_logprobs:
+                row["store"] = uptrain_store_row(planned, ps, est.uptrain_tokens(o))
             memory = est.uptrain_memory(stats, o, src_stats if distill else None, procs) if stats else None
             if memory is not None and procs > 1:
                 row["per_process"] = True
@@ -125,13 +138,61 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
                                              "host_main": per.host_peak, "device_main": per.device_peak,
                                              "host_other": per.host_peak_other, "device_other": per.device_peak_other,
                                              "lines": per.lines()}
-        row.update(tokens=tokens, memory=memory, size=stats.bytes if (stats and ps.kind in MODEL_STEPS) else None,
+        size = stats.bytes if (stats and ps.kind in MODEL_STEPS) else None
+        row.update(tokens=tokens, memory=memory, size=row["store"]["bytes"] if ps.kind == "teacher" else size,
                    upload=stats.bytes if (stats and ps.kind == "push") else None)
         rows.append(row)
     return {"recipe": recipe.name or str(recipe.path), "source": recipe.source.spec, "revision": recipe.source.revision,
             "source_note": src_note, "source_params": src_stats.params if src_stats else None,
             "source_bytes": src_stats.bytes if src_stats else None, "output": str(output), "steps": rows,
             "hardware": recipe.hardware.model_dump(exclude_none=True) if recipe.hardware else None}
+
+
+def store_row(top_k: int, tokens: int, made: bool, held: int | None = None) -> dict:
+    """A stored teacher pass in the plan: top-K, its bytes per token (surgery/uptrain/teacher_store.py) and its size
+    for `tokens` tokens (`held`: the tokens a store already made holds)."""
+    from ..uptrain.teacher_store import bytes_per_token
+
+    per = bytes_per_token(top_k)
+    return {"top_k": top_k, "bytes_per_token": per, "tokens": tokens, "bytes": per * tokens, "made": made,
+            "held": held}
+
+
+def uptrain_store_row(planned: list, ps, tokens: int) -> dict:
+    """The store an uptrain step reads: its teacher step's (K from the step), else a folder's (K from its manifest;
+    the default --top-k when it is not made yet)."""
+    from ..uptrain.teacher_store import MANIFEST, read_manifest
+
+    if ps.store is not None:
+        step = next(p for p in planned if p.output == ps.store)
+        return store_row(step.step.options.top_k, tokens, made=False) | {"step": step.name}
+    folder = Path(ps.step.options.teacher_logprobs)
+    if (folder / MANIFEST).is_file():
+        m = read_manifest(folder)
+        return store_row(m["top_k"], tokens, made=True, held=m["tokens"]) | {"folder": str(folder)}
+    return store_row(32, tokens, made=False) | {"folder": str(folder)}
+
+
+def teacher_device(options) -> str:
+    """Where a teacher step runs: its --device (auto: CUDA when this machine has it)."""
+    import torch
+
+    device = str(getattr(options, "device", "auto") or "auto")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
+def store_lines(r: dict) -> list[str]:
+    s = r["store"]
+    size = f"{human_bytes(s['bytes'])} for {s['tokens']:,} tokens"
+    if s.get("writes"):  # the teacher step
+        return [f"  writes the store: top-{s['top_k']} at {s['bytes_per_token']} B/token (fp16 log-probs and int32 ids "
+                f"per candidate, an fp16 tail) x {s['tokens']:,} tokens = {human_bytes(s['bytes'])}"]
+    where = f"teacher step {s['step']}'s store" if "step" in s else f"store {s['folder']}"
+    held = f"; it holds {s['held']:,} tokens" if s.get("held") is not None else ""
+    return [f"  reads {where}: top-{s['top_k']} at {s['bytes_per_token']} B/token, {size}{held}",
+            "  teacher: none in memory (the stored pass stands for it)"]
 
 
 def uptrain_device(recipe: Recipe, options) -> str:
@@ -196,9 +257,9 @@ def print_plan(plan: dict) -> None:
     for r in plan["steps"]:
         print(f"  {r['number']}. {r['command']}")
     for r in plan["steps"]:
-        if r.get("memory_per_process"):
+        if r.get("memory_per_process") or r.get("store"):
             print(f"{r['number']}. {r['name']}:")
-            for line in r["memory_per_process"]["lines"]:
+            for line in (store_lines(r) if r.get("store") else []) + r.get("memory_per_process", {}).get("lines", []):
                 print(line)
     if any(r.get("texts") for r in plan["steps"]):
         print("texts read:")

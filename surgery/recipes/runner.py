@@ -1,8 +1,9 @@
 """Run a recipe: each step runs the library function of the command of the same name (surgery/commands), with the
 runner linking outputs to inputs.
 
-Layout under the recipe's output folder: `NN-name/` for a step that writes a model (convert, uptrain),
-`NN-name.json` for a check report or a push record, and `recipe-state.json`, the record of finished steps.
+Layout under the recipe's output folder: `NN-name/` for a step that writes a model (convert, uptrain) or a stored
+teacher pass (teacher: read by the uptrain steps that name it, `teacher_logprobs: STEP`), `NN-name.json` for a check
+report or a push record, and `recipe-state.json`, the record of finished steps.
 
 Resuming: a step's fingerprint is the sha256 of its options that differ from their defaults (so an option added
 to a command in a later version, at its default, leaves finished steps finished) and of the contents of its inputs
@@ -35,6 +36,7 @@ from .schema import Recipe, Step, runner_options
 
 STATE = "recipe-state.json"
 MODEL_STEPS = ("convert", "uptrain")
+FOLDER_STEPS = (*MODEL_STEPS, "teacher")  # steps whose output is a folder
 
 
 class StepFailed(Exception):
@@ -50,6 +52,7 @@ class PlannedStep:
     input: str  # the model this step reads: the source spec for steps before the first conversion
     output: Path
     reports: list[Path] = field(default_factory=list)  # check reports a push publishes
+    store: Path | None = None  # the teacher step's store an uptrain step reads (`teacher_logprobs: STEP`)
 
     @property
     def name(self) -> str:
@@ -61,15 +64,21 @@ class PlannedStep:
 
     def reads(self, outputs: set[Path]) -> bool:
         """Whether this step reads one of `outputs` (earlier steps' outputs): its model or a report it publishes."""
-        return Path(self.input) in outputs or any(r in outputs for r in self.reports)
+        return (Path(self.input) in outputs or any(r in outputs for r in self.reports)
+                or (self.store is not None and self.store in outputs))
 
 
 def plan_steps(recipe: Recipe, output: Path) -> list[PlannedStep]:
-    planned, current, reports = [], recipe.source.spec, []
+    planned, current, reports, stores = [], recipe.source.spec, [], {}
     for i, step in enumerate(recipe.validated_steps(), start=1):
-        suffix = "" if step.kind in MODEL_STEPS else ".json"
+        suffix = "" if step.kind in FOLDER_STEPS else ".json"
         out = output / f"{i:02d}-{step.name}{suffix}"
-        planned.append(PlannedStep(i, step, current, out, list(reports) if step.kind == "push" else []))
+        if step.kind == "teacher":  # the teacher is the source, whatever the steps before made
+            stores[step.name] = out
+            planned.append(PlannedStep(i, step, recipe.source.spec, out))
+            continue
+        store = stores.get(step.options.teacher_logprobs) if step.kind == "uptrain" else None
+        planned.append(PlannedStep(i, step, current, out, list(reports) if step.kind == "push" else [], store))
         if step.kind in MODEL_STEPS:
             current = str(out)
             reports = []  # reports describe the model they checked
@@ -79,21 +88,27 @@ def plan_steps(recipe: Recipe, output: Path) -> list[PlannedStep]:
 
 
 # ---- command lines ---------------------------------------------------------------------------------------
-def _option_args(step: Step) -> list[str]:
-    """The step's options as the command's flags (what `surgery run` shows and an accelerate launch runs)."""
-    return command_args(step.options, exclude=("name", "accelerate"))
+def _option_args(ps: PlannedStep) -> list[str]:
+    """The step's options as the command's flags (what `surgery run` shows and an accelerate launch runs); an uptrain
+    step's `teacher_logprobs: STEP` is the teacher step's output folder."""
+    if ps.store is not None:
+        return [*command_args(ps.step.options, exclude=("name", "accelerate", "teacher_logprobs")),
+                "--teacher-logprobs", str(ps.store)]
+    return command_args(ps.step.options, exclude=("name", "accelerate"))
 
 
 def command_line(recipe: Recipe, ps: PlannedStep, resume: bool = False) -> list[str]:
     """The `surgery ...` arguments this step runs (without the program name)."""
     src = recipe.source
     revision = ["--revision", src.revision] if src.revision else []
-    opts = _option_args(ps.step)
+    opts = _option_args(ps)
     if ps.kind == "convert":
         first = ps.input == src.spec
         return ["convert", ps.input, "--out", str(ps.output), "--force", *(revision if first else []), *opts]
     if ps.kind == "check":  # code from the source or the model runs only if the step's options say so (trust_*)
         return ["check", src.spec, ps.input, "--json", str(ps.output), *revision, *opts]
+    if ps.kind == "teacher":
+        return ["teacher", ps.input, "--out", str(ps.output), "--force", *revision, *opts]
     if ps.kind == "uptrain":
         return ["uptrain", ps.input, "--out", str(ps.output), "--force", *(["--resume"] if resume else []), *opts]
     if ps.kind == "push":
@@ -217,6 +232,10 @@ class Fingerprints:
                 return None
         for r in (ps.reports if scheme >= 2 else self._reports_since_model_step(ps)):
             inputs[r.name] = output_digest(r)
+        if ps.store is not None:  # the stored teacher pass it distils from
+            inputs["teacher_logprobs"] = output_digest(ps.store)
+            if inputs["teacher_logprobs"] is None:
+                return None
         options = ps.step.options.model_dump(mode="json", exclude={"name"}, exclude_defaults=scheme >= 2)
         text = json.dumps({"kind": ps.kind, "options": options, "inputs": inputs}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
@@ -296,7 +315,7 @@ def _invoke(recipe: Recipe, ps: PlannedStep, args: list[str], resume: bool, env_
 def run_step(recipe: Recipe, ps: PlannedStep, resume: bool = False, log=print) -> None:
     """Run one step in this process by calling the command's library function (surgery/commands) with the step's
     options and what the runner links in (the step's input, its output, the source's revision)."""
-    from ..commands import check, convert, push, uptrain
+    from ..commands import check, convert, push, teacher, uptrain
 
     revision = recipe.source.revision
     if ps.kind == "convert":
@@ -307,8 +326,15 @@ def run_step(recipe: Recipe, ps: PlannedStep, resume: bool = False, log=print) -
         options = runner_options("check", ps.step.options, revision=revision)
         check.check_checkpoints(recipe.source.spec, ps.input, options, json_out=ps.output,
                                 warn=lambda line: print(f"surgery: warning: {line}", file=sys.stderr))
+    elif ps.kind == "teacher":
+        o = ps.step.options
+        values = o.model_dump(exclude={"name", "top_k", "device"}, exclude_unset=True)
+        teacher.store_teacher_pass(ps.input, ps.output, teacher.UptrainArgs(**values, force=True), o.top_k,
+                                   device=o.device, revision=revision)
     elif ps.kind == "uptrain":
-        uptrain.uptrain_model(ps.input, ps.output, runner_options("uptrain", ps.step.options, force=True, resume=resume))
+        store = {"teacher_logprobs": str(ps.store)} if ps.store is not None else {}
+        uptrain.uptrain_model(ps.input, ps.output, runner_options("uptrain", ps.step.options, force=True, resume=resume,
+                                                                  **store))
     elif ps.kind == "push":
         log(push.push_checkpoint(Path(ps.input), runner_options("push", ps.step.options), check_reports=ps.reports,
                                  json_out=ps.output, log=log))
@@ -317,10 +343,15 @@ def run_step(recipe: Recipe, ps: PlannedStep, resume: bool = False, log=print) -
 
 
 def recipe_inputs(recipe: Recipe, source_folder: Path | None) -> list[tuple[str, Path]]:
-    """The folders on this machine a recipe reads: its source and the local teachers and texts its steps name."""
+    """The folders on this machine a recipe reads: its source and the local teachers, stored teacher passes (not a
+    teacher step's, which the recipe writes) and texts its steps name."""
     folders = [("source", source_folder)] if source_folder is not None else []
-    for step in recipe.validated_steps():
-        for name in ("teacher", "data", "eval_data", "calib"):
+    steps = recipe.validated_steps()
+    teacher_steps = {s.name for s in steps if s.kind == "teacher"}
+    for step in steps:
+        for name in ("teacher", "teacher_logprobs", "data", "eval_data", "calib"):
+            if name == "teacher_logprobs" and getattr(step.options, name, None) in teacher_steps:
+                continue
             value = getattr(step.options, name, None)
             for v in value if isinstance(value, list) else [value]:
                 if isinstance(v, str) and Path(v).is_dir():

@@ -3,10 +3,11 @@
     name: smollm2-mqa
     source: {id: smollm2}              # or {path: ./folder} or {gguf: file.gguf}; revision: for hub ids
     output: runs/smollm2-mqa           # every step's output goes under this folder
-    steps:                             # in order; each is one of convert / check / uptrain / push
+    steps:                             # in order; each is one of convert / check / teacher / uptrain / push
       - convert: {to: mqa, merge: mean}
       - check: {tokens: 4096, seq_len: 512}
-      - uptrain: {tokens: 65536, loss: kd}
+      - teacher: {top_k: 32}           # optional: the source's top-32 stored once on the uptrain step's windows
+      - uptrain: {tokens: 65536, loss: kd, teacher_logprobs: teacher}   # reads the teacher step's store
       - check: {tokens: 4096, seq_len: 512}
       - push: {repo_id: me/smollm2-135m-mqa, private: true}
 
@@ -14,6 +15,10 @@ A step's options are the options of the command of the same name (`surgery conve
 underscores (`kv_heads`, `seq_len`); the runner fills in what links the steps (source, input model, --out,
 --json). Both come from one options model per command (surgery/commands; a convert step's from the registry of
 kinds, surgery/kinds), so a recipe and the command line cannot drift apart.
+
+A `teacher` step (`surgery teacher`: the source's top-K log-probs on a run's windows) is read by the uptrain steps
+that name it (`teacher_logprobs: STEP`, else a folder): its data options (data, seq_len, tokens, batch_tokens, seed,
+...: WINDOW_OPTIONS) are taken from them, and one it gives that differs from theirs is refused when the recipe loads.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from ..errors import SurgeryError
 from ..loaders import parse_yaml
 from ..options import YAML
 
-STEP_KINDS = ("convert", "check", "uptrain", "push")
+STEP_KINDS = ("convert", "check", "teacher", "uptrain", "push")
 
 
 class Strict(BaseModel):
@@ -145,7 +150,26 @@ def step_models() -> dict[str, type[BaseModel]]:
         if kind == "uptrain":
             fields["accelerate"] = (typing.Optional[Launch], None)
         models[kind] = create_model(f"{kind.capitalize()}Step", __base__=StepBase, __validators__=rules, **fields)
+    models["teacher"] = teacher_step_model()
     return models
+
+
+def teacher_step_model() -> type[BaseModel]:
+    """A teacher step's model: `surgery teacher`'s options (TeacherArgs and uptrain's data options, TEACHER_OPTIONS)
+    with `tokens` optional (taken from the uptrain step that reads the store). Uptrain's rules run on the options
+    once they are linked (`link_teacher_steps`)."""
+    from ..commands.teacher import TEACHER_OPTIONS, TeacherArgs, UptrainArgs
+    from ..uptrain.options import RUNNER_OWNED
+
+    fields = {}
+    for n in TEACHER_OPTIONS:
+        if n in RUNNER_OWNED:
+            continue
+        info = copy.copy(UptrainArgs.model_fields[n])
+        if n == "tokens":
+            info.default = None
+        fields[n] = (typing.Optional[info.annotation] if n == "tokens" else info.annotation, info)
+    return create_model("TeacherStep", __base__=(StepBase, TeacherArgs), **fields)
 
 
 def runner_options(kind: str, options: BaseModel, **runner_values) -> BaseModel:
@@ -392,6 +416,7 @@ def recipe_from_data(data: Any, overrides: list[str] = (), path: Path | None = N
         raise _error(file, lines, ("steps",), f"two steps are named {dup!r}")
     recipe._steps = [Step(kind=k, name=n, options=o) for (k, o), n in zip(steps, names)]
     check_step_order(recipe, file, lines)
+    link_teacher_steps(recipe, file, lines)
     check_launch_files(recipe, file, lines)
     return recipe
 
@@ -419,3 +444,59 @@ def check_launch_files(recipe: Recipe, file: str, lines: dict) -> None:
             if not path.is_file():
                 raise _error(file, lines, ("steps", i, step.kind, "accelerate", "config_file"),
                              f"{path}: no such file")
+
+
+def link_teacher_steps(recipe: Recipe, file: str, lines: dict) -> None:
+    """Each teacher step takes its data options from the uptrain steps that read its store (`teacher_logprobs: STEP`):
+    a store holds the teacher on one run's windows only, so an option the step gives that differs from theirs is
+    refused, as is a reader before the step or a streamed reader in several processes (a streamed run reads a store
+    in one process). The linked options are validated by uptrain's rules."""
+    from ..commands.teacher import TEACHER_OPTIONS, WINDOW_OPTIONS, UptrainArgs
+    from ..uptrain.options import UptrainOptions
+
+    steps = recipe.validated_steps()
+    teachers = {s.name: i for i, s in enumerate(steps) if s.kind == "teacher"}
+    readers: dict[str, list[int]] = {name: [] for name in teachers}
+    for i, step in enumerate(steps):
+        ref = getattr(step.options, "teacher_logprobs", None) if step.kind == "uptrain" else None
+        if ref is None:
+            continue
+        loc = ("steps", i, "uptrain", "teacher_logprobs")
+        if ref in teachers:
+            if teachers[ref] > i:
+                raise _error(file, lines, loc, f"reads the store of teacher step {ref!r}, which comes after it; move "
+                             "the teacher step before it")
+            readers[ref].append(i)
+        launch = step.options.accelerate
+        values = step.options.model_dump(exclude={"name", "accelerate"}, exclude_unset=True)
+        if launch is not None and launch.num_processes > 1 and UptrainOptions(model="-", out=Path("-"), **values).streamed:
+            raise _error(file, lines, loc, f"a streamed run reads a stored teacher pass in one process, and this one "
+                         f"runs {launch.num_processes} (accelerate.num_processes): set data_mode: packed (its windows' "
+                         "order is global)")
+    taken = [n for n in TEACHER_OPTIONS if n not in WINDOW_OPTIONS and n != "force"]
+    for name, t in teachers.items():
+        step = steps[t]
+        given = step.options.model_dump(exclude={"name"}, exclude_unset=True)
+        values = dict(given)
+        for r in readers[name]:
+            reader = steps[r].options
+            for option in WINDOW_OPTIONS:
+                theirs = getattr(reader, option)
+                if option in values and values[option] != theirs:
+                    at = ("steps", t, "teacher", option) if option in given else ("steps", r, "uptrain", option)
+                    raise _error(file, lines, at, f"{values[option]!r} here, {theirs!r} in uptrain step "
+                                 f"{steps[r].name!r} that reads this store: a stored teacher pass serves only the "
+                                 f"windows it was made for (same {', '.join(WINDOW_OPTIONS)}); "
+                                 f"leave {option} out of the teacher step to take the uptrain step's")
+                values[option] = theirs
+            for option in taken:
+                values.setdefault(option, getattr(reader, option))
+        if values.get("tokens") is None:
+            raise _error(file, lines, ("steps", t, "teacher"), "no uptrain step reads this store (teacher_logprobs: "
+                         f"{name}), so the step needs its own tokens")
+        try:
+            UptrainArgs.model_validate({k: v for k, v in values.items() if k in UptrainArgs.model_fields},
+                                       context={"spelling": YAML})
+            step.options = type(step.options).model_validate(values, context={"spelling": YAML})
+        except ValidationError as e:
+            raise _error(file, lines, *_first_error(e, ("steps", t, "teacher"))) from None

@@ -79,14 +79,14 @@ def top_k_of(logits: torch.Tensor, k: int, temperature: float = 1.0):
 
 
 def teacher_pass(src: str, out: Path, o: UptrainOptions, top_k: int, device: str = "auto",
-                 trust_teacher_code: bool = False, progress: bool = True) -> dict:
-    """Run the teacher `src` over the training windows of a run with options `o` and store its top-`top_k`; returns
-    the manifest written into `out`."""
+                 trust_teacher_code: bool = False, progress: bool = True, revision: str | None = None) -> dict:
+    """Run the teacher `src` (at hub `revision`) over the training windows of a run with options `o` and store its
+    top-`top_k`; returns the manifest written into `out`."""
     if top_k < 1:
         raise SurgeryError(f"--top-k must be at least 1, got {top_k}")
     dev = pick_device(device)
     precision = resolve_precision(o.precision, dev)
-    source = resolve_source(src)
+    source = resolve_source(src, revision=revision)
     inputs = [("--data text", Path(d)) for d in o.data if Path(d).is_dir()]
     check_output_path(out, o.force, source=source.folder, inputs=inputs)
     tokenizer = model_io.load_trusted_tokenizer(source, "teacher", trust_teacher_code)

@@ -114,11 +114,11 @@ YAML_CHARS = st.sampled_from(list(":-[]{}&*!|>'\"#%@`,? \n\t") + ["\n  ", "- ", 
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**20, 10**20), st.floats(allow_nan=True), st.text(max_size=12))
 VALUES = st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4),
                                                        st.dictionaries(st.text(max_size=8), inner, max_size=4)), max_leaves=12)
-KINDS = st.sampled_from(["convert", "check", "uptrain", "push"])
+KINDS = st.sampled_from(["convert", "check", "teacher", "uptrain", "push"])
 OPTION_KEYS = st.sampled_from(["to", "kv_heads", "merge", "tokens", "seq_len", "repo_id", "accelerate", "name",
                                "trust_remote_code", "allow_pickle", "batch_size", "loss", "teacher", "heads", "experts",
-                               "topk", "calib_tokens", "private"])
-PLAUSIBLE = st.sampled_from(["mqa", "gqa", "talking-heads", "switchhead", "mean", "aligned", "pydoc", "me/x", "kd",
+                               "topk", "calib_tokens", "private", "teacher_logprobs", "top_k"])
+PLAUSIBLE = st.sampled_from(["mqa", "gqa", "talking-heads", "switchhead", "mean", "aligned", "pydoc", "me/x", "kd", "teacher",
                              "lm", True, False, 0, 1, 2, 3, 512, -1, None, {"num_processes": 2}]) | SCALARS
 STEP = st.builds(lambda kind, options: {kind: options}, KINDS,
                  st.none() | st.dictionaries(OPTION_KEYS, PLAUSIBLE, max_size=4))
