@@ -295,7 +295,7 @@ def uptrain(model, out, dry_run, **kw):
 @click.option("--revision", default=None, help="Hub revision (branch, tag or commit) of a hub SOURCE.")
 @model_options(TeacherArgs)
 @model_options(UptrainArgs, only=TEACHER_OPTIONS)
-def teacher(source, out, top_k, device, revision, **kw):
+def teacher(source, out, top_k, device, processes, revision, **kw):
     """Store SOURCE's top-K next-token log-probs on the training windows of a run, for `uptrain --teacher-logprobs`.
 
     Takes the run's data options (--data, --data-weights, --tokens, --seq-len, --batch-tokens, --eval-tokens, --seed,
@@ -305,7 +305,7 @@ def teacher(source, out, top_k, device, revision, **kw):
     """
     from surgery.api import teacher as store_teacher_pass
 
-    store_teacher_pass(source, out, top_k=top_k, device=device, revision=revision, **kw)
+    store_teacher_pass(source, out, top_k=top_k, device=device, processes=processes, revision=revision, **kw)
 
 
 @cli.command()

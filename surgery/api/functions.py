@@ -291,8 +291,8 @@ def run_recipe(recipe: PathLike | Mapping[str, Any], *, output: PathLike | None 
     return RecipeResult(output=out, steps=steps)
 
 
-def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "auto", revision: str | None = None,
-            tokenizer: PreTrainedTokenizerBase | None = None, progress: bool = True, **options: Any) -> TeacherStore:
+def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "auto", processes: int = 1,
+            revision: str | None = None, tokenizer: PreTrainedTokenizerBase | None = None, progress: bool = True, **options: Any) -> TeacherStore:
     """Store a teacher's top-K next-token log-probs on a run's training windows, as `surgery teacher SOURCE --out OUT`
     does, for `uptrain(..., teacher_logprobs=store.folder)`: distillation with no teacher model loaded. Several
     conversions of one source, trained with the same data options, share one store.
@@ -301,6 +301,8 @@ def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "au
         source: The teacher: a folder, a hub id, `"smollm2"`, a result or a loaded model (saved as `convert` does).
         out: The store's folder (written atomically).
         top_k: Teacher candidates stored per position (6K + 2 bytes per token).
+        processes: The number of processes of the uptrain run the store is for (streamed data: each process streams
+            its own windows, so the store takes them in that order; packed data has one order for any number).
         device: `auto` (CUDA when present), `cpu`, `cuda`, `cuda:N`.
         revision: Hub revision (branch, tag or commit) of a hub id.
         tokenizer: With a loaded model: its tokenizer.
@@ -316,7 +318,7 @@ def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "au
     Raises:
         SurgeryError: bad input or options (the line the command line prints).
     """
-    from ..commands.teacher import TEACHER_OPTIONS, UptrainArgs, store_teacher_pass
+    from ..commands.teacher import TEACHER_OPTIONS, TeacherArgs, UptrainArgs, store_teacher_pass
     from ..errors import SurgeryError
 
     values = dict(options)
@@ -330,6 +332,7 @@ def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "au
     if "data" in values:
         values["data"] = text_specs(values["data"], values.get("text_field") or "text", need)
     parsed = validate_options(UptrainArgs, values)
-    store_teacher_pass(source_spec(source, tokenizer), Path(out), parsed, top_k, device=device, progress=progress,
-                       revision=revision)
+    own = validate_options(TeacherArgs, {"top_k": top_k, "device": device, "processes": processes})
+    store_teacher_pass(source_spec(source, tokenizer), Path(out), parsed, own.top_k, device=own.device,
+                       progress=progress, revision=revision, processes=own.processes)
     return TeacherStore.read(Path(out))

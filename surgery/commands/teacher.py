@@ -29,17 +29,20 @@ class TeacherArgs(CliModel):
 
     top_k: int = option(32, "--top-k", "Teacher candidates stored per position.")
     device: str = option("auto", "--device", "auto (CUDA when present), cpu, cuda, cuda:N.")
+    processes: int = option(1, "--processes", "The number of processes of the uptrain run the store is for (streamed "
+                            "data: each process streams its own windows, so the store takes them in that order; "
+                            "packed data has one order for any number).")
 
-    @field_validator("top_k")
+    @field_validator("top_k", "processes")
     @classmethod
-    def _top_k(cls, v: int, info: ValidationInfo) -> int:
+    def _at_least_one(cls, v: int, info: ValidationInfo) -> int:
         if v < 1:
-            raise ValueError(f"{spelling(info, cls).flag('top_k')} must be at least 1, got {v}")
+            raise ValueError(f"{spelling(info, cls).flag(info.field_name)} must be at least 1, got {v}")
         return v
 
 
 def store_teacher_pass(source: str, out: Path, options: UptrainArgs, top_k: int, device: str = "auto",
-                       progress: bool = True, revision: str | None = None) -> dict:
+                       progress: bool = True, revision: str | None = None, processes: int = 1) -> dict:
     """Run the teacher `source` (at hub `revision`) over the windows `options` give a run and store its top-`top_k`;
     the manifest."""
     from ..uptrain.options import UptrainOptions
@@ -47,4 +50,4 @@ def store_teacher_pass(source: str, out: Path, options: UptrainArgs, top_k: int,
 
     run = UptrainOptions(model=source, out=Path(out), **options.model_dump())
     return teacher_pass(source, Path(out), run, top_k, device=device, trust_teacher_code=options.trust_teacher_code,
-                        progress=progress, revision=revision)
+                        progress=progress, revision=revision, processes=processes)

@@ -328,9 +328,9 @@ def run_step(recipe: Recipe, ps: PlannedStep, resume: bool = False, log=print) -
                                 warn=lambda line: print(f"surgery: warning: {line}", file=sys.stderr))
     elif ps.kind == "teacher":
         o = ps.step.options
-        values = o.model_dump(exclude={"name", "top_k", "device"}, exclude_unset=True)
+        values = o.model_dump(exclude={"name", "top_k", "device", "processes"}, exclude_unset=True)
         teacher.store_teacher_pass(ps.input, ps.output, teacher.UptrainArgs(**values, force=True), o.top_k,
-                                   device=o.device, revision=revision)
+                                   device=o.device, revision=revision, processes=o.processes)
     elif ps.kind == "uptrain":
         store = {"teacher_logprobs": str(ps.store)} if ps.store is not None else {}
         uptrain.uptrain_model(ps.input, ps.output, runner_options("uptrain", ps.step.options, force=True, resume=resume,

@@ -449,10 +449,10 @@ def check_launch_files(recipe: Recipe, file: str, lines: dict) -> None:
 def link_teacher_steps(recipe: Recipe, file: str, lines: dict) -> None:
     """Each teacher step takes its data options from the uptrain steps that read its store (`teacher_logprobs: STEP`):
     a store holds the teacher on one run's windows only, so an option the step gives that differs from theirs is
-    refused, as is a reader before the step or a streamed reader in several processes (a streamed run reads a store
-    in one process). The linked options are validated by uptrain's rules."""
+    refused, as is a reader before the step. The step's `processes` is its readers' number of processes (streamed
+    data is read by each process's own readers: the store takes the windows in that order). The linked options are
+    validated by uptrain's rules."""
     from ..commands.teacher import TEACHER_OPTIONS, WINDOW_OPTIONS, UptrainArgs
-    from ..uptrain.options import UptrainOptions
 
     steps = recipe.validated_steps()
     teachers = {s.name: i for i, s in enumerate(steps) if s.kind == "teacher"}
@@ -467,12 +467,6 @@ def link_teacher_steps(recipe: Recipe, file: str, lines: dict) -> None:
                 raise _error(file, lines, loc, f"reads the store of teacher step {ref!r}, which comes after it; move "
                              "the teacher step before it")
             readers[ref].append(i)
-        launch = step.options.accelerate
-        values = step.options.model_dump(exclude={"name", "accelerate"}, exclude_unset=True)
-        if launch is not None and launch.num_processes > 1 and UptrainOptions(model="-", out=Path("-"), **values).streamed:
-            raise _error(file, lines, loc, f"a streamed run reads a stored teacher pass in one process, and this one "
-                         f"runs {launch.num_processes} (accelerate.num_processes): set data_mode: packed (its windows' "
-                         "order is global)")
     taken = [n for n in TEACHER_OPTIONS if n not in WINDOW_OPTIONS and n != "force"]
     for name, t in teachers.items():
         step = steps[t]
@@ -480,8 +474,9 @@ def link_teacher_steps(recipe: Recipe, file: str, lines: dict) -> None:
         values = dict(given)
         for r in readers[name]:
             reader = steps[r].options
-            for option in WINDOW_OPTIONS:
-                theirs = getattr(reader, option)
+            for option in (*WINDOW_OPTIONS, "processes"):
+                theirs = (getattr(reader, option) if option != "processes" else
+                          reader.accelerate.num_processes if reader.accelerate is not None else 1)
                 if option in values and values[option] != theirs:
                     at = ("steps", t, "teacher", option) if option in given else ("steps", r, "uptrain", option)
                     raise _error(file, lines, at, f"{values[option]!r} here, {theirs!r} in uptrain step "

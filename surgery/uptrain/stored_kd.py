@@ -145,10 +145,7 @@ def open_for_run(o, student, tokenizer, world: int) -> TeacherStore:
     if m["temperature"] != o.temperature:
         raise SurgeryError(f"{flag} holds the teacher at --temperature {m['temperature']}; the run has "
                            f"--temperature {o.temperature}")
-    if o.streamed and world > 1:
-        raise SurgeryError(f"{flag}: a streamed run reads the store in one process (each process streams its own "
-                           f"windows); use one process, or --data-mode packed")
-    diff = spec_difference(m["windows_spec"], windows_spec(o, tokenizer, max(1, o.data_workers)))
+    diff = spec_difference(m["windows_spec"], windows_spec(o, tokenizer, world * max(1, o.data_workers)))
     if diff is not None:
         raise SurgeryError(f"{flag} was made for other training windows ({diff}): make it with the run's data options")
     need = (o.align_steps + o.steps) * o.sequences_per_step

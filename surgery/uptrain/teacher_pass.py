@@ -31,30 +31,40 @@ from .teacher_store import (StoreWriter, bytes_per_token, human_bytes, teacher_i
                             window_hash, windows_spec)
 
 
-def training_windows(o: UptrainOptions, tokenizer, workers: int) -> Iterator[torch.Tensor]:
+def training_windows(o: UptrainOptions, tokenizer, workers: int, processes: int = 1) -> Iterator[torch.Tensor]:
     """The run's training windows in its global order, `o.micro_batch` at a time ([n, seq_len] int64), read by the
-    data path uptrain uses with these options (one process, `workers` data workers)."""
+    data path uptrain uses with these options. Streamed data: as a run of `processes` processes with `workers` data
+    workers each reads it (each process streams its own windows), in the order of the store's windows: at each
+    step, process 0's share of the step, then process 1's, ... (stored_kd.first_window). Packed data has one global
+    order whatever the number of processes."""
     total = o.total_steps * o.sequences_per_step
     if o.streamed:
         from .stream import Plan, StreamedData, check_readers, early_check, hold_out, resolve_sources
 
-        early_check(o.data, o.weights, max(1, workers), text_field=o.text_field, streaming=o.streaming,
+        if o.sequences_per_step % processes:
+            raise SurgeryError(f"--processes {processes} does not divide the {o.sequences_per_step} sequences of a step "
+                               f"(--batch-tokens / --seq-len)")
+        early_check(o.data, o.weights, processes * max(1, workers), text_field=o.text_field, streaming=o.streaming,
                     txt_unit=o.txt_unit)
         if workers:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         sources = resolve_sources(o.data, o.weights)
         args = dict(tokenizer=tokenizer, eos=tokenizer.eos_token_id, seq_len=o.seq_len, seed=o.seed,
-                    readers=max(1, workers), epochs=o.data_epochs, text_field=o.text_field, streaming=o.streaming,
-                    txt_unit=o.txt_unit, chat_template=o.chat_template)
+                    readers=processes * max(1, workers), epochs=o.data_epochs, text_field=o.text_field,
+                    streaming=o.streaming, txt_unit=o.txt_unit, chat_template=o.chat_template)
         eval_windows, held = hold_out(args, sources, o.eval_tokens)
         plan = Plan(sources=tuple(sources), held=held, **args)
         check_readers(plan)
-        data = StreamedData(plan, eval_windows, 0, 1, workers)
+        streams = [StreamedData(plan, eval_windows, rank, processes, workers) for rank in range(processes)]
+        share = o.sequences_per_step // processes
         try:
-            for start in range(0, total, o.micro_batch):
-                yield data.take(min(o.micro_batch, total - start))
+            for _ in range(o.total_steps):
+                for data in streams:  # each process's share of the step, in rank order
+                    for start in range(0, share, o.micro_batch):
+                        yield data.take(min(o.micro_batch, share - start))
         finally:
-            data.close()
+            for data in streams:
+                data.close()
         return
     from ..chat import ChatFormat
     from ..data import load_texts
@@ -79,9 +89,10 @@ def top_k_of(logits: torch.Tensor, k: int, temperature: float = 1.0):
 
 
 def teacher_pass(src: str, out: Path, o: UptrainOptions, top_k: int, device: str = "auto",
-                 trust_teacher_code: bool = False, progress: bool = True, revision: str | None = None) -> dict:
-    """Run the teacher `src` (at hub `revision`) over the training windows of a run with options `o` and store its
-    top-`top_k`; returns the manifest written into `out`."""
+                 trust_teacher_code: bool = False, progress: bool = True, revision: str | None = None,
+                 processes: int = 1) -> dict:
+    """Run the teacher `src` (at hub `revision`) over the training windows of a run with options `o` in `processes`
+    processes and store its top-`top_k`; returns the manifest written into `out`."""
     if top_k < 1:
         raise SurgeryError(f"--top-k must be at least 1, got {top_k}")
     dev = pick_device(device)
@@ -101,7 +112,7 @@ def teacher_pass(src: str, out: Path, o: UptrainOptions, top_k: int, device: str
     model.requires_grad_(False)
     model.eval().to(dev)
     workers = resolve_data_workers(o.data_workers, dev.type)
-    spec = windows_spec(o, tokenizer, max(1, workers))
+    spec = windows_spec(o, tokenizer, processes * max(1, workers))
     total = o.total_steps * o.sequences_per_step
     fields = {"teacher": teacher_identity(public_name(source.spec) or source.spec, source.folder),
               "tokenizer": tokenizer_identity(tokenizer), "vocab": vocab, "windows_spec": spec,
@@ -111,7 +122,7 @@ def teacher_pass(src: str, out: Path, o: UptrainOptions, top_k: int, device: str
     started, done = time.perf_counter(), 0
     with atomic_output_dir(out, force=o.force, source=source.folder) as tmp:
         writer = StoreWriter(tmp, top_k, o.seq_len)
-        for ids in training_windows(o, tokenizer, workers):
+        for ids in training_windows(o, tokenizer, workers, processes):
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
                 logits = model(input_ids=ids.to(dev), use_cache=False).logits
             for i in range(ids.shape[0]):  # one window's [L, V] temporaries at a time

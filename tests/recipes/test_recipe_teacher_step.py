@@ -148,9 +148,9 @@ def test_a_teacher_step_made_for_other_windows_is_refused_in_one_line_before_any
 @pytest.mark.parametrize("edit, fragment", [
     (lambda steps: steps.insert(2, steps.pop(1)), "reads the store of teacher step 'teacher', which comes after it"),
     (lambda steps: steps[2]["uptrain"].pop("teacher_logprobs"), "no uptrain step reads this store"),
-    (lambda steps: steps[2]["uptrain"].update(data_mode="stream", accelerate={
-        "config_file": str(REPO / "recipes" / "accelerate" / "fsdp-cpu.yaml"), "num_processes": 2}),
-     "a streamed run reads a stored teacher pass in one process"),
+    (lambda steps: (steps[1]["teacher"].update(processes=4), steps[2]["uptrain"].update(data_mode="stream", accelerate={
+        "config_file": str(REPO / "recipes" / "accelerate" / "fsdp-cpu.yaml"), "num_processes": 2})),
+     "steps[1].teacher.processes: 4 here, 2 in uptrain step 'uptrain'"),
 ])
 def test_a_store_its_reader_cannot_use_is_refused_when_the_recipe_loads(tmp_path, edit, fragment):
     import yaml
@@ -160,3 +160,17 @@ def test_a_store_its_reader_cannot_use_is_refused_when_the_recipe_loads(tmp_path
     edit(data["steps"])
     with pytest.raises(SurgeryError, match=re.escape(fragment)):
         load_recipe(write_recipe(path, data))
+
+
+def test_a_teacher_step_takes_its_readers_number_of_processes(tmp_path):
+    """A streamed uptrain step in 2 processes: its teacher step stores the windows in the order 2 processes read
+    them (`processes: 2`, `surgery teacher --processes 2` in the plan)."""
+    import yaml
+
+    path = tiny_recipe(tmp_path / "r.yaml", tmp_path / "src", tmp_path / "out")
+    data = yaml.safe_load(path.read_text())
+    data["steps"][2]["uptrain"].update(data_mode="stream", accelerate={
+        "config_file": str(REPO / "recipes" / "accelerate" / "fsdp-cpu.yaml"), "num_processes": 2})
+    recipe = load_recipe(write_recipe(path, data))
+    teacher = next(s for s in recipe.validated_steps() if s.kind == "teacher")
+    assert teacher.options.processes == 2

@@ -114,3 +114,23 @@ def test_fsdp2_on_two_processes_matches_one_process(tiny, tokenizer, store, tmp_
     rec = json.loads((tmp_path / "fsdp" / "surgery.json").read_text())["uptraining"]
     assert kd_losses(tmp_path / "fsdp") == pytest.approx(kd_losses(tmp_path / "one"), rel=2e-3)
     assert rec["final_eval_ppl"] == pytest.approx(one["final_eval_ppl"], rel=1e-2)
+
+
+@pytest.mark.slow  # one accelerate launch of 2 processes (~1 min)
+def test_a_streamed_store_made_for_two_processes_serves_an_fsdp2_run(tiny, tokenizer, tmp_path):
+    """Streamed data in 2 processes: each process streams its own windows; the store made with --processes 2 holds
+    them in that order, and every window each rank trains on matches the hash the store holds for it (else the run
+    stops with the store's refusal)."""
+    from inprocess import FSDP_CPU, cli_args, launch_uptrain
+    from surgery.testing.pydoc_llama import make_model
+
+    streamed = RUN | dict(data_mode="stream")
+    o = UptrainOptions(model=str(tiny), out=tmp_path / "store", **streamed)
+    teacher_pass(str(tiny), tmp_path / "store", o, 16, device="cpu", progress=False, processes=2)
+    student = make_model(tmp_path / "student", tokenizer, seed=2)
+    result = launch_uptrain(FSDP_CPU + ["--main_process_port", "0"],
+                            [student, "--out", tmp_path / "fsdp",
+                             *cli_args(streamed | dict(teacher_logprobs=str(tmp_path / "store")))], OMP_NUM_THREADS="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    kd = kd_losses(tmp_path / "fsdp")
+    assert len(kd) == 2 and kd[1] < kd[0]

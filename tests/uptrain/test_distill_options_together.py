@@ -85,3 +85,41 @@ def test_a_store_names_the_chat_rendering_of_its_windows(tokenizer):
     assert "chat_template" not in auto  # stores made before chat data still match their runs
     assert spec_difference(auto, auto) is None
     assert spec_difference(off, on) == "--chat-template: store 'off', run 'on'"
+
+
+def test_a_streamed_store_for_two_processes_holds_each_process_s_windows_in_step_order(tiny, tokenizer, tmp_path):
+    """`surgery teacher --processes 2` on streamed data: the store's window g = step x B + rank x B/2 + i is the i-th
+    window process `rank` of a 2-process run streams at that step, as stored_kd.first_window reads it; a 1-process
+    run is refused that store (its windows come in another order), naming the readers."""
+    from surgery.uptrain.stored_kd import first_window, open_for_run
+    from surgery.uptrain.stream import Plan, StreamedData, hold_out, resolve_sources
+    from surgery.uptrain.teacher_pass import teacher_pass
+    from surgery.uptrain.teacher_store import TeacherStore, window_hash
+    from surgery.testing.pydoc_llama import FAST
+
+    o = UptrainOptions(model=str(tiny), out=tmp_path / "store", **(FAST | dict(tokens=512 * 2, data_mode="stream")))
+    teacher_pass(str(tiny), tmp_path / "store", o, 4, device="cpu", progress=False, processes=2)
+    store = TeacherStore(tmp_path / "store")
+    sources = resolve_sources(o.data, o.weights)
+    args = dict(tokenizer=tokenizer, eos=tokenizer.eos_token_id, seq_len=o.seq_len, seed=o.seed, readers=2,
+                epochs=o.data_epochs, text_field=o.text_field, streaming=o.streaming, txt_unit=o.txt_unit,
+                chat_template=o.chat_template)
+    held_windows, held = hold_out(args, sources, o.eval_tokens)
+    share = o.sequences_per_step // 2
+    for rank in (0, 1):
+        data = StreamedData(Plan(sources=tuple(sources), held=held, **args), held_windows, rank, 2, 0)
+        for step in range(o.steps):
+            ids = data.step_batch(step, o.sequences_per_step, rank, 2)
+            stored = store.read(first_window(o, step, rank, 2), share)
+            assert torch.equal(stored.hashes, window_hash(ids)), (rank, step)
+        data.close()
+    assert store.manifest["windows_spec"]["readers"] == 2
+
+    import transformers as tf
+
+    student = tf.AutoModelForCausalLM.from_pretrained(tiny)
+    one = UptrainOptions(model=str(tiny), out=tmp_path / "o", teacher_logprobs=str(tmp_path / "store"), loss="kd",
+                         **(FAST | dict(tokens=512 * 2, data_mode="stream", data_workers=0)))  # as the run resolves it
+    with pytest.raises(SurgeryError, match="processes x --data-workers: store 2, run 1"):
+        open_for_run(one, student, tokenizer, world=1)
+    assert open_for_run(one, student, tokenizer, world=2).windows == store.windows
