@@ -105,7 +105,7 @@ def convert_command() -> click.Command:
         if dry_run:
             _print_dry_run(source, options, json_out)
             return
-        click.echo(convert_source(source, _required_out(out), **values).message)
+        convert_source(source, _required_out(out), **values)  # its line ("wrote OUT: ...") is the API's log line
 
     return convert
 
@@ -157,10 +157,9 @@ def check(source, converted, json_out, **values):
     recognised by its sha256; other shipped code runs only with --trust-remote-code (CONVERTED) or
     --trust-source-code (SOURCE).
     """
-    from surgery.commands.check import check_checkpoints
+    from surgery.api import check as check_checkpoints
 
-    check_checkpoints(source, converted, parse_options(CheckOptions, values), json_out=json_out,
-                      warn=lambda line: click.echo(f"surgery: warning: {line}", err=True))
+    check_checkpoints(source, converted, json_out=json_out, show=True, **values)  # warnings: the API's log lines
 
 
 @cli.command()
@@ -323,10 +322,9 @@ def push(folder, check_reports, json_out, **values):
     its first comment line). The token comes from HF_TOKEN or the cached login (`hf auth login`); HF_ENDPOINT
     selects another hub.
     """
-    from surgery.commands.push import push_checkpoint
+    from surgery.api import push as push_folder
 
-    click.echo(push_checkpoint(folder, parse_options(PushOptions, values), check_reports=list(check_reports),
-                               json_out=json_out, log=click.echo))
+    push_folder(folder, values.pop("repo_id"), check_reports=list(check_reports), json_out=json_out, **values)
 
 
 @cli.command()

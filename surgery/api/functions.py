@@ -72,13 +72,15 @@ def convert(source: Source, out: PathLike, *, to: str, tokenizer: PreTrainedToke
     return ConversionResult.read(Path(out), parsed.to, message)
 
 
-def check(source: Source, converted: Source, *, json_out: PathLike | None = None, **options: Any) -> CheckReport:
+def check(source: Source, converted: Source, *, json_out: PathLike | None = None, show: bool = False,
+          **options: Any) -> CheckReport:
     """Compare a converted checkpoint with its source on the same tokens, as `surgery check SOURCE CONVERTED` does.
 
     Args:
         source: The source: a folder, hub id, `.gguf` file, `"smollm2"` or a loaded model (saved as `convert` does).
         converted: The converted checkpoint: a folder, a `ConversionResult` / `UptrainResult`, or a loaded model.
-        json_out: Also write the report as JSON here (what `--json` writes).
+        json_out: Also write the report as JSON here (what `--json` writes; `"-"`: stdout).
+        show: Also print the report's tables on stdout, as `surgery check` does (before `expect` is judged).
         **options: Any option of `surgery check` by its field name (`data=`, `tokens=`, `seq_len=`, `device=`,
             `dtype=`, `expect=`, `generate=`, `layers=`, ...). `data` also takes a `datasets.Dataset` /
             `IterableDataset`, a list of strings (documents) or a tuple of several texts, each checked on its own.
@@ -99,7 +101,7 @@ def check(source: Source, converted: Source, *, json_out: PathLike | None = None
                                     values.get("tokens") or _default(CheckOptions, "tokens"))
     parsed = validate_options(CheckOptions, values)
     report = check_checkpoints(source_spec(source), source_spec(converted), parsed,
-                               json_out=Path(json_out) if json_out is not None else None, warn=log.warning, show=False)
+                               json_out=Path(json_out) if json_out is not None else None, warn=log.warning, show=show)
     return CheckReport(report)
 
 
@@ -184,7 +186,7 @@ def push(folder: PathLike | ConversionResult | UptrainResult, repo_id: str, *,
         folder: The folder (or a `ConversionResult` / `UptrainResult`).
         repo_id: The hub repository, `owner/name`.
         check_reports: Check reports to put in the model card: `surgery check --json` files or `CheckReport`s.
-        json_out: Also write the result as JSON here.
+        json_out: Also write the result as JSON here (`"-"`: stdout).
         **options: Any option of `surgery push` by its field name (`private=`, `revision=`, `exist_ok=`,
             `message=`, `bench_report=`).
 
@@ -194,13 +196,14 @@ def push(folder: PathLike | ConversionResult | UptrainResult, repo_id: str, *,
     Raises:
         SurgeryError: a folder that does not validate, a bad repo id, or a hub refusal.
     """
-    from ..commands.push import PushOptions, push_result
+    from ..commands.push import PushOptions, push_result, pushed_line
 
     parsed = validate_options(PushOptions, dict(options, repo_id=repo_id))
     with tempfile.TemporaryDirectory(prefix="surgery-reports-") as tmp:
         paths = _report_paths(check_reports, Path(tmp))
         result = push_result(Path(source_spec(folder)), parsed, paths,
                              json_out=Path(json_out) if json_out is not None else None, log=log.info)
+    log.info(pushed_line(Path(source_spec(folder)), result))
     return PushResult(repo_id=parsed.repo_id, repo_url=str(result.repo_url), revision=str(result.revision),
                       commit_url=str(result.commit_url), card_written=bool(result.card_written))
 

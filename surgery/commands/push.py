@@ -44,7 +44,11 @@ class PushOptions(CliModel):
 def push_checkpoint(folder: Path, options: PushOptions, check_reports: list[Path] = (), json_out: Path | None = None,
                     log=print) -> str:
     """Upload `folder`; returns the line that says where it went."""
-    result = push_result(folder, options, check_reports, json_out, log)
+    return pushed_line(folder, push_result(folder, options, check_reports, json_out, log))
+
+
+def pushed_line(folder: Path, result) -> str:
+    """The line that says where an upload (push_result's result) went."""
     return f"pushed {folder} to {result.repo_url} ({result.revision}): {result.commit_url}"
 
 
@@ -62,5 +66,6 @@ def push_result(folder: Path, options: PushOptions, check_reports: list[Path] = 
                          bench_report=Path(o.bench_report) if o.bench_report else None)
     if json_out:
         write_json({"repo_id": o.repo_id, "repo_url": result.repo_url, "revision": result.revision,
-                    "commit_url": result.commit_url, "card_written": result.card_written}, json_out, echo=log)
+                    "commit_url": result.commit_url, "card_written": result.card_written}, json_out)  # '-': the
+        # result on stdout, not a log line (shown under -q too)
     return result
