@@ -341,23 +341,18 @@ def run(recipe, dry_run, from_step, until, output, overrides):
     Finished steps are recorded in OUTPUT/recipe-state.json and skipped while their inputs are unchanged;
     an interrupted uptraining resumes from its last checkpoint.
     """
-    from surgery.recipes import load_recipe
-
-    r = load_recipe(recipe, overrides=list(overrides))
-    out = output or Path(r.output)
     if dry_run:
+        from surgery.recipes import load_recipe
         from surgery.recipes.plan import build_plan, print_plan
 
-        print_plan(build_plan(r, out, from_step=from_step, until=until))
+        r = load_recipe(recipe, overrides=list(overrides))
+        print_plan(build_plan(r, output or Path(r.output), from_step=from_step, until=until))
         return
-    from surgery.recipes.runner import StepFailed, run_recipe
+    from surgery.api import run_recipe
 
-    try:
-        steps = run_recipe(r, out, from_step=from_step, until=until, log=click.echo)
-    except StepFailed as e:
-        _fail(str(e), code=e.code)
-    ran = sum(1 for _, how in steps if how == "ran")
-    click.echo(f"recipe done: {ran} step(s) ran, {len(steps) - ran} skipped; outputs in {out}")
+    result = run_recipe(recipe, output=output, from_step=from_step, until=until, overrides=overrides)
+    ran = sum(1 for _, how in result.steps if how == "ran")
+    click.echo(f"recipe done: {ran} step(s) ran, {len(result.steps) - ran} skipped; outputs in {result.output}")
 
 
 @cli.command("compare-merges")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import field_validator
 
+from ..logs import get_logger
 from ..options import CliModel, option
 
 RUNNER_OWNED = ()
@@ -42,7 +43,7 @@ class PushOptions(CliModel):
 
 
 def push_checkpoint(folder: Path, options: PushOptions, check_reports: list[Path] = (), json_out: Path | None = None,
-                    log=print) -> str:
+                    log=get_logger(__name__).info) -> str:
     """Upload `folder`; returns the line that says where it went."""
     return pushed_line(folder, push_result(folder, options, check_reports, json_out, log))
 
@@ -53,7 +54,7 @@ def pushed_line(folder: Path, result) -> str:
 
 
 def push_result(folder: Path, options: PushOptions, check_reports: list[Path] = (), json_out: Path | None = None,
-                log=print):
+                log=get_logger(__name__).info):
     """Upload `folder`; returns the upload's result (surgery.publish.push: repo_url, revision, commit_url,
     card_written), also written as JSON (`json_out`)."""
     from ..checkpoint.atomic import check_output_file, write_json

@@ -1,5 +1,5 @@
-"""The command line is a thin layer over the Python API, not beside it: `surgery convert`, `check`, `uptrain` and
-`push` call surgery.api's function of the same name with the options they parsed (by field name), and what that
+"""The command line is a thin layer over the Python API, not beside it: `surgery convert`, `check`, `uptrain`, `push`
+and `run` call surgery.api's function of the same name with the options they parsed (by field name), and what that
 function logs is what the command prints, once."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import surgery.api
-from surgery.api import CheckReport
+from surgery.api import CheckReport, RecipeResult
 from surgery.commands.check import CheckFailed
 
 
@@ -42,16 +42,24 @@ def recorded(monkeypatch, name: str, returns=None, raises=None) -> list:
               "--json", "p.json"],
      (Path("FOLDER"), "alice/tiny"), {"private": True, "check_reports": [Path("a.json"), Path("b.json")],
                                       "json_out": Path("p.json")}),
+    ("run_recipe", ["run", "r.yaml", "--output", "OUT", "--from", "convert", "--until", "check", "--set",
+                    "uptrain.tokens=64"],
+     (Path("r.yaml"),), {"output": Path("OUT"), "from_step": "convert", "until": "check",
+                         "overrides": ("uptrain.tokens=64",)}),
 ])
 def test_each_command_calls_the_api_function_with_the_options_it_parsed(cli, monkeypatch, name, args, positional,
                                                                         given):
-    calls = recorded(monkeypatch, name)
+    steps = [("convert", "ran"), ("check", "skipped")]
+    calls = recorded(monkeypatch, name, returns=RecipeResult(Path("OUT"), steps) if name == "run_recipe" else None)
     code, out, err = cli(*args)
     assert code == 0, err
     assert len(calls) == 1
     called_args, called = calls[0]
     assert called_args == positional
     assert {k: called[k] for k in given} == given
+    if name == "run_recipe":  # the run's own options are the function's keywords, nothing else
+        assert set(called) == set(given) and out == "recipe done: 1 step(s) ran, 1 skipped; outputs in OUT\n"
+        return
     # everything else the command passes is an option of the command's own model, at its default
     from surgery.commands.check import CheckOptions
     from surgery.commands.convert import options_model
