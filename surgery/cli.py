@@ -273,14 +273,11 @@ def uptrain(model, out, dry_run, **kw):
     OUT.run (--resume continues from the newest).
     """
     from surgery.api import uptrain as uptrain_checkpoint
-    from surgery.commands.uptrain import uptrain_dry_run
 
-    options = parse_options(UptrainArgs, kw)
+    parse_options(UptrainArgs, kw)  # in every process, and before a missing --out is said
     if dry_run:
-        import os
-
         if os.environ.get("RANK", "0") == "0":
-            click.echo("\n".join(uptrain_dry_run(model, options)))
+            click.echo(str(uptrain_checkpoint(model, out, dry_run=True, **kw)))
         return
     if out is None:
         _fail("uptrain needs --out (the output folder) unless --dry-run")
@@ -341,16 +338,12 @@ def run(recipe, dry_run, from_step, until, output, overrides):
     Finished steps are recorded in OUTPUT/recipe-state.json and skipped while their inputs are unchanged;
     an interrupted uptraining resumes from its last checkpoint.
     """
-    if dry_run:
-        from surgery.recipes import load_recipe
-        from surgery.recipes.plan import build_plan, print_plan
-
-        r = load_recipe(recipe, overrides=list(overrides))
-        print_plan(build_plan(r, output or Path(r.output), from_step=from_step, until=until))
-        return
     from surgery.api import run_recipe
 
-    result = run_recipe(recipe, output=output, from_step=from_step, until=until, overrides=overrides)
+    result = run_recipe(recipe, output=output, from_step=from_step, until=until, overrides=overrides, dry_run=dry_run)
+    if dry_run:
+        result.show()
+        return
     ran = sum(1 for _, how in result.steps if how == "ran")
     click.echo(f"recipe done: {ran} step(s) ran, {len(result.steps) - ran} skipped; outputs in {result.output}")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
 
 from ..options import refuse_unknown, validate_options
-from .results import (CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, TeacherStore,
-                      UptrainResult)
+from .results import (CheckReport, ConversionResult, Estimate, InspectReport, PushResult, RecipePlan, RecipeResult,
+                      TeacherStore, UptrainResult)
 from .sources import source_spec, text_spec, text_specs
 
 if TYPE_CHECKING:
@@ -132,15 +132,18 @@ def inspect(*checkpoints: Source, context: int = 4096, allow_pickle: bool = Fals
     return reports
 
 
-def uptrain(model: Source, out: PathLike, *, tokenizer: PreTrainedTokenizerBase | None = None,
-            progress: bool = True, **options: Any) -> UptrainResult:
+def uptrain(model: Source, out: PathLike | None = None, *, tokenizer: PreTrainedTokenizerBase | None = None,
+            progress: bool = True, dry_run: bool = False, **options: Any) -> UptrainResult | Estimate:
     """Continue training a (converted) causal LM, as `surgery uptrain MODEL --out OUT` does.
 
     Args:
         model: The model to train: a folder, a `ConversionResult`, or a loaded model (saved as `convert` does).
-        out: The output folder (written atomically; checkpoints go to `OUT.run`).
+        out: The output folder (written atomically; checkpoints go to `OUT.run`); required unless `dry_run`.
         tokenizer: With a loaded model: its tokenizer.
         progress: Show the progress bar (or progress lines when stderr is not a terminal).
+        dry_run: Train nothing and write nothing: return the memory estimate `surgery uptrain --dry-run` prints
+            (each process's host and GPU memory, by phase and term; read from the checkpoints' headers). Data
+            objects are still copied into the cache, as for a run.
         **options: Any option of `surgery uptrain` by its field name (`tokens=` is required; `data=`, `loss=`,
             `teacher=`, `seq_len=`, `batch_tokens=`, `lr=`, `device` comes from accelerate, ...). `data` and
             `eval_data` also take a `datasets.Dataset` / `IterableDataset`, a list of strings (documents) or, for
@@ -150,12 +153,13 @@ def uptrain(model: Source, out: PathLike, *, tokenizer: PreTrainedTokenizerBase 
             streamed hub dataset, pass its spec (`"name:config@split"`, with `streaming=True`) instead.
 
     Returns:
-        The trained checkpoint: its folder, record, metrics and `.load()`.
+        The trained checkpoint: its folder, record, metrics and `.load()`; with `dry_run`, the `Estimate`.
 
     Raises:
         SurgeryError: bad input or options (the line the command line prints).
     """
-    from ..commands.uptrain import UptrainArgs, uptrain_model
+    from ..commands.uptrain import UptrainArgs, uptrain_dry_run, uptrain_model
+    from ..errors import SurgeryError
 
     values = dict(options)
     refuse_unknown(UptrainArgs, values)
@@ -173,6 +177,10 @@ def uptrain(model: Source, out: PathLike, *, tokenizer: PreTrainedTokenizerBase 
     if values.get("teacher_logprobs") is not None:  # a folder, or the TeacherStore `teacher` returned
         values["teacher_logprobs"] = os.fspath(values["teacher_logprobs"])
     parsed = validate_options(UptrainArgs, values)
+    if dry_run:
+        return Estimate({"lines": uptrain_dry_run(source_spec(model, tokenizer), parsed)})
+    if out is None:
+        raise SurgeryError("uptrain needs out (the output folder) unless dry_run")
     uptrain_model(source_spec(model, tokenizer), Path(out), parsed, progress=progress)
     return UptrainResult.read(Path(out))
 
@@ -257,7 +265,8 @@ def model_card(folder: PathLike | ConversionResult | UptrainResult, repo_id: str
 
 
 def run_recipe(recipe: PathLike | Mapping[str, Any], *, output: PathLike | None = None, from_step: str | None = None,
-               until: str | None = None, overrides: Sequence[str] = ()) -> RecipeResult:
+               until: str | None = None, overrides: Sequence[str] = (), dry_run: bool = False
+               ) -> RecipeResult | RecipePlan:
     """Run a recipe's steps in order, as `surgery run RECIPE` does: finished, unchanged steps are skipped; an
     interrupted uptraining resumes.
 
@@ -268,9 +277,11 @@ def run_recipe(recipe: PathLike | Mapping[str, Any], *, output: PathLike | None 
         from_step: Re-run from this step (its name or number).
         until: Stop after this step.
         overrides: `KEY=VALUE` overrides, as `--set` takes them.
+        dry_run: Run nothing and write nothing: return the plan `surgery run --dry-run` prints (each step's command,
+            whether it runs or is skipped, its tokens, peak memory and output size, the texts it reads).
 
     Returns:
-        The output folder and what happened to each step.
+        The output folder and what happened to each step; with `dry_run`, the `RecipePlan`.
 
     Raises:
         SurgeryError: a recipe that does not validate, or a step's bad input (named by the step).
@@ -283,6 +294,10 @@ def run_recipe(recipe: PathLike | Mapping[str, Any], *, output: PathLike | None 
     else:
         r = load_recipe(Path(recipe), overrides=list(overrides))
     out = Path(output) if output is not None else Path(r.output)
+    if dry_run:
+        from ..recipes.plan import build_plan
+
+        return RecipePlan(build_plan(r, out, from_step=from_step, until=until))
     try:
         steps = run(r, out, from_step=from_step, until=until, log=log.info)
     except StepFailed as e:

@@ -45,7 +45,7 @@ def recorded(monkeypatch, name: str, returns=None, raises=None) -> list:
     ("run_recipe", ["run", "r.yaml", "--output", "OUT", "--from", "convert", "--until", "check", "--set",
                     "uptrain.tokens=64"],
      (Path("r.yaml"),), {"output": Path("OUT"), "from_step": "convert", "until": "check",
-                         "overrides": ("uptrain.tokens=64",)}),
+                         "overrides": ("uptrain.tokens=64",), "dry_run": False}),
 ])
 def test_each_command_calls_the_api_function_with_the_options_it_parsed(cli, monkeypatch, name, args, positional,
                                                                         given):
