@@ -101,9 +101,9 @@ def convert_command() -> click.Command:
     def convert(source, out, dry_run, json_out, **values):
         from surgery.api import convert as convert_source
 
-        options = parse_options(options_model(), values)
+        parse_options(options_model(), values)  # its rules before --out's and --json's
         if dry_run:
-            _print_dry_run(source, options, json_out)
+            _print_dry_run(source, values, json_out)
             return
         convert_source(source, _required_out(out), **values)  # its line ("wrote OUT: ...") is the API's log line
 
@@ -130,15 +130,15 @@ def _required_out(out: Path | None) -> Path:
     return out
 
 
-def _print_dry_run(source: str, options, json_out: Path | None) -> None:
+def _print_dry_run(source: str, values: dict, json_out: Path | None) -> None:
+    from surgery.api import convert as convert_source
     from surgery.checkpoint.atomic import check_output_file, write_json
-    from surgery.commands.convert import dry_run
 
     check_output_file(json_out, "--json")  # before the estimate, not after it
-    report = dry_run(source, options)
-    click.echo("\n".join(report["lines"]))
+    estimate = convert_source(source, dry_run=True, **values)
+    click.echo(str(estimate))
     if json_out:
-        write_json({k: v for k, v in report.items() if k != "lines"}, json_out, echo=click.echo)
+        write_json({k: v for k, v in estimate.items() if k != "lines"}, json_out, echo=click.echo)
 
 
 cli.add_command(convert_command())

@@ -33,8 +33,8 @@ def _default(model, name: str) -> Any:
     return model.model_fields[name].default
 
 
-def convert(source: Source, out: PathLike, *, to: str, tokenizer: PreTrainedTokenizerBase | None = None,
-            **options: Any) -> ConversionResult:
+def convert(source: Source, out: PathLike | None = None, *, to: str, tokenizer: PreTrainedTokenizerBase | None = None,
+            dry_run: bool = False, **options: Any) -> ConversionResult | Estimate:
     """Convert a checkpoint to another attention, as `surgery convert SOURCE --out OUT --to KIND` does.
 
     Args:
@@ -42,9 +42,13 @@ def convert(source: Source, out: PathLike, *, to: str, tokenizer: PreTrainedToke
             embedded SmolLM2-135M), or a loaded `transformers.PreTrainedModel`. A loaded model is saved with
             `save_pretrained` (safetensors) into the toolkit's cache (`~/.cache/surgery/loaded/<sha256>`, with
             `tokenizer`) and converted from there: simple and honest, at the cost of one copy on disk.
-        out: The output folder (written atomically: nothing half-written is left on failure).
+        out: The output folder (written atomically: nothing half-written is left on failure); required unless
+            `dry_run`.
         to: The target attention: `mqa`, `gqa`, `talking-heads`, `switchhead` or `mla`.
         tokenizer: With a loaded model: its tokenizer (default: the one in the folder the model was loaded from).
+        dry_run: Convert nothing and write nothing: return the estimate `surgery convert --dry-run` prints (peak
+            host/device memory and time per layer, from a cost model and a short throughput probe), with the numbers
+            its `--json` writes.
         **options: Any option of `surgery convert`, by its field name: `kv_heads=`, `merge=`, `calib=`,
             `calib_tokens=`, `device=`, `dtype=`, `precision=`, `force=`, `revision=`, ... `calib` also takes a
             `datasets.Dataset` / `IterableDataset` (column `text`), a list of strings (documents) or of dicts (rows),
@@ -52,13 +56,14 @@ def convert(source: Source, out: PathLike, *, to: str, tokenizer: PreTrainedToke
             apply to them as to text read from files.
 
     Returns:
-        The converted checkpoint: its folder, its surgery.json record and `.load()`.
+        The converted checkpoint: its folder, its surgery.json record and `.load()`; with `dry_run`, the `Estimate`.
 
     Raises:
         SurgeryError: bad input, an unknown option (named with the closest one), or a rule the options break; the
             message is the line the command line prints.
     """
-    from ..commands.convert import convert_checkpoint, options_model
+    from ..commands.convert import convert_checkpoint, dry_run as convert_dry_run, options_model
+    from ..errors import SurgeryError
 
     model = options_model()
     values = dict(options, to=to)
@@ -67,6 +72,10 @@ def convert(source: Source, out: PathLike, *, to: str, tokenizer: PreTrainedToke
         tokens = values.get("calib_tokens") or _default(model, "calib_tokens")
         values["calib"] = text_specs(values["calib"], "text", tokens)
     parsed = validate_options(model, values)
+    if dry_run:
+        return Estimate(convert_dry_run(source_spec(source, tokenizer), parsed))
+    if out is None:
+        raise SurgeryError("convert needs out (the output folder) unless dry_run")
     message = convert_checkpoint(source_spec(source, tokenizer), Path(out), parsed)
     log.info(message)
     return ConversionResult.read(Path(out), parsed.to, message)
