@@ -21,13 +21,15 @@ from .errors import SurgeryError
 __version__ = "0.1.0"
 
 _API = ("check", "convert", "inspect", "model_card", "push", "run_recipe", "teacher", "uptrain", "CheckReport",
-        "ConversionResult", "InspectReport", "PushResult", "RecipeResult", "TeacherStore", "UptrainResult")
+        "ConversionResult", "Estimate", "InspectReport", "PushResult", "RecipePlan", "RecipeResult", "TeacherStore",
+        "UptrainResult")
 
 __all__ = ["SurgeryError", "__version__", *_API]
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ loads them
-    from .api import (CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, TeacherStore,
-                      UptrainResult, check, convert, inspect, model_card, push, run_recipe, teacher, uptrain)
+    from .api import (CheckReport, ConversionResult, Estimate, InspectReport, PushResult, RecipePlan, RecipeResult,
+                      TeacherStore, UptrainResult, check, convert, inspect, model_card, push, run_recipe, teacher,
+                      uptrain)
 
 
 def __getattr__(name: str) -> Any:

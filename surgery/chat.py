@@ -16,7 +16,7 @@ the whole (one that moves text around depending on later turns) is refused in on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import SurgeryError
@@ -27,6 +27,18 @@ MESSAGES = "messages"  # the column a conversation is read from
 
 def has_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
+
+
+def template_sha256(tokenizer) -> str | None:
+    """The sha256 of the tokenizer's chat template (its text; several named templates: their JSON), None without."""
+    import hashlib
+    import json
+
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return None
+    text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def check_messages(messages: Any, label: str) -> list[dict]:
@@ -78,6 +90,7 @@ class ChatFormat:
     mode: str = "auto"
     tokenizer: Any = None
     spans: bool = False  # keep the assistant turns' character spans (ChatText), for --loss-on assistant
+    read: dict = field(default_factory=dict, compare=False, repr=False)  # {"conversations": n} rendered so far
 
     def __post_init__(self):
         if self.mode not in CHAT_MODES:
@@ -100,6 +113,7 @@ class ChatFormat:
 
     def render(self, messages: Any, label: str) -> str:
         messages = check_messages(messages, label)
+        self.read["conversations"] = self.read.get("conversations", 0) + 1  # (the dict is mutable, the format not)
         if not self.templated:
             return "\n\n".join(m["content"] for m in messages)
         def render(part: list[dict], prompt: bool) -> str:
@@ -116,6 +130,20 @@ class ChatFormat:
         except Exception as e:  # a template that raises on this conversation (jinja's errors, roles it refuses)
             raise SurgeryError(f"data {label}: the chat template cannot render a conversation "
                                f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def chat_record(chat: ChatFormat | None) -> dict | None:
+    """What a record (surgery.json's "calibration") says about the conversations `chat` rendered: how many, how
+    (the chat template, whose sha256 names it, or their contents joined) and the --chat-template asked for; None
+    when no conversation was read."""
+    count = chat.read.get("conversations", 0) if chat is not None else 0
+    if not count:
+        return None
+    record = {"conversations": count, "rendered": "chat template" if chat.templated else "contents joined",
+              "chat_template": chat.mode}
+    if chat.templated:
+        record["template_sha256"] = template_sha256(chat.tokenizer)
+    return record
 
 
 def describe(chat: ChatFormat | None) -> str | None:

@@ -101,11 +101,11 @@ def convert_command() -> click.Command:
     def convert(source, out, dry_run, json_out, **values):
         from surgery.api import convert as convert_source
 
-        options = parse_options(options_model(), values)
+        parse_options(options_model(), values)  # its rules before --out's and --json's
         if dry_run:
-            _print_dry_run(source, options, json_out)
+            _print_dry_run(source, values, json_out)
             return
-        click.echo(convert_source(source, _required_out(out), **values).message)
+        convert_source(source, _required_out(out), **values)  # its line ("wrote OUT: ...") is the API's log line
 
     return convert
 
@@ -130,15 +130,15 @@ def _required_out(out: Path | None) -> Path:
     return out
 
 
-def _print_dry_run(source: str, options, json_out: Path | None) -> None:
+def _print_dry_run(source: str, values: dict, json_out: Path | None) -> None:
+    from surgery.api import convert as convert_source
     from surgery.checkpoint.atomic import check_output_file, write_json
-    from surgery.commands.convert import dry_run
 
     check_output_file(json_out, "--json")  # before the estimate, not after it
-    report = dry_run(source, options)
-    click.echo("\n".join(report["lines"]))
+    estimate = convert_source(source, dry_run=True, **values)
+    click.echo(str(estimate))
     if json_out:
-        write_json({k: v for k, v in report.items() if k != "lines"}, json_out, echo=click.echo)
+        write_json({k: v for k, v in estimate.items() if k != "lines"}, json_out, echo=click.echo)
 
 
 cli.add_command(convert_command())
@@ -157,10 +157,9 @@ def check(source, converted, json_out, **values):
     recognised by its sha256; other shipped code runs only with --trust-remote-code (CONVERTED) or
     --trust-source-code (SOURCE).
     """
-    from surgery.commands.check import check_checkpoints
+    from surgery.api import check as check_checkpoints
 
-    check_checkpoints(source, converted, parse_options(CheckOptions, values), json_out=json_out,
-                      warn=lambda line: click.echo(f"surgery: warning: {line}", err=True))
+    check_checkpoints(source, converted, json_out=json_out, show=True, **values)  # warnings: the API's log lines
 
 
 @cli.command()
@@ -274,14 +273,11 @@ def uptrain(model, out, dry_run, **kw):
     OUT.run (--resume continues from the newest).
     """
     from surgery.api import uptrain as uptrain_checkpoint
-    from surgery.commands.uptrain import uptrain_dry_run
 
-    options = parse_options(UptrainArgs, kw)
+    parse_options(UptrainArgs, kw)  # in every process, and before a missing --out is said
     if dry_run:
-        import os
-
         if os.environ.get("RANK", "0") == "0":
-            click.echo("\n".join(uptrain_dry_run(model, options)))
+            click.echo(str(uptrain_checkpoint(model, out, dry_run=True, **kw)))
         return
     if out is None:
         _fail("uptrain needs --out (the output folder) unless --dry-run")
@@ -323,10 +319,9 @@ def push(folder, check_reports, json_out, **values):
     its first comment line). The token comes from HF_TOKEN or the cached login (`hf auth login`); HF_ENDPOINT
     selects another hub.
     """
-    from surgery.commands.push import push_checkpoint
+    from surgery.api import push as push_folder
 
-    click.echo(push_checkpoint(folder, parse_options(PushOptions, values), check_reports=list(check_reports),
-                               json_out=json_out, log=click.echo))
+    push_folder(folder, values.pop("repo_id"), check_reports=list(check_reports), json_out=json_out, **values)
 
 
 @cli.command()
@@ -343,23 +338,14 @@ def run(recipe, dry_run, from_step, until, output, overrides):
     Finished steps are recorded in OUTPUT/recipe-state.json and skipped while their inputs are unchanged;
     an interrupted uptraining resumes from its last checkpoint.
     """
-    from surgery.recipes import load_recipe
+    from surgery.api import run_recipe
 
-    r = load_recipe(recipe, overrides=list(overrides))
-    out = output or Path(r.output)
+    result = run_recipe(recipe, output=output, from_step=from_step, until=until, overrides=overrides, dry_run=dry_run)
     if dry_run:
-        from surgery.recipes.plan import build_plan, print_plan
-
-        print_plan(build_plan(r, out, from_step=from_step, until=until))
+        result.show()
         return
-    from surgery.recipes.runner import StepFailed, run_recipe
-
-    try:
-        steps = run_recipe(r, out, from_step=from_step, until=until, log=click.echo)
-    except StepFailed as e:
-        _fail(str(e), code=e.code)
-    ran = sum(1 for _, how in steps if how == "ran")
-    click.echo(f"recipe done: {ran} step(s) ran, {len(steps) - ran} skipped; outputs in {out}")
+    ran = sum(1 for _, how in result.steps if how == "ran")
+    click.echo(f"recipe done: {ran} step(s) ran, {len(result.steps) - ran} skipped; outputs in {result.output}")
 
 
 @cli.command("compare-merges")

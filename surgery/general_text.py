@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .errors import SurgeryError
+from .logs import get_logger
 
 GENERAL = "general"  # the default of --calib and uptrain --data
 OFFLINE_TEXT = "pydoc"  # what `general` reads without the hub
@@ -95,12 +95,12 @@ def describe_texts(specs: Iterable[str]) -> list[str]:
 
 
 def say_fallback(spec: str) -> None:
-    """One line on stderr, the first time a text is read that `general` fell back to (called by the readers in the
-    main process, before any worker starts)."""
+    """One warning (a line on stderr from the command line), the first time a text is read that `general` fell back
+    to (called by the readers in the main process, before any worker starts)."""
     if spec == OFFLINE_TEXT and _FALLBACK.reason and not _FALLBACK.said:
         _FALLBACK.said = True
-        print(f"surgery: {_FALLBACK.reason}: reading the embedded {OFFLINE_TEXT} text instead of {GENERAL_REPO} "
-              "(general web text)", file=sys.stderr, flush=True)
+        get_logger(__name__).warning(f"{_FALLBACK.reason}: reading the embedded {OFFLINE_TEXT} text instead of "
+                                     f"{GENERAL_REPO} (general web text)")
 
 
 def _hub_unavailable() -> str | None:

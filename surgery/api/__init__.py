@@ -7,14 +7,14 @@ return results; `surgery.model_card`, the card `push` would upload, without uplo
 - `sources.py`   what a notebook has (a loaded model, a `datasets.Dataset`, a list of documents) written into the
   cache as a checkpoint folder or a .jsonl file, named by its sha256.
 - `results.py`   what the functions return: ConversionResult, CheckReport, InspectReport, UptrainResult, PushResult,
-  RecipeResult.
+  RecipeResult; Estimate and RecipePlan for a dry run.
 """
 
 from ..errors import SurgeryError
 from .functions import Source, Text, check, convert, inspect, model_card, push, run_recipe, teacher, uptrain
-from .results import (CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, TeacherStore,
-                      UptrainResult)
+from .results import (CheckReport, ConversionResult, Estimate, InspectReport, PushResult, RecipePlan, RecipeResult,
+                      TeacherStore, UptrainResult)
 
-__all__ = ["CheckReport", "ConversionResult", "InspectReport", "PushResult", "RecipeResult", "Source", "SurgeryError",
-           "TeacherStore", "Text", "UptrainResult", "check", "convert", "inspect", "model_card", "push", "run_recipe",
-           "teacher", "uptrain"]
+__all__ = ["CheckReport", "ConversionResult", "Estimate", "InspectReport", "PushResult", "RecipePlan", "RecipeResult",
+           "Source", "SurgeryError", "TeacherStore", "Text", "UptrainResult", "check", "convert", "inspect",
+           "model_card", "push", "run_recipe", "teacher", "uptrain"]

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
 
 from ..options import refuse_unknown, validate_options
-from .results import (CheckReport, ConversionResult, InspectReport, PushResult, RecipeResult, TeacherStore,
-                      UptrainResult)
+from .results import (CheckReport, ConversionResult, Estimate, InspectReport, PushResult, RecipePlan, RecipeResult,
+                      TeacherStore, UptrainResult)
 from .sources import source_spec, text_spec, text_specs
 
 if TYPE_CHECKING:
@@ -33,8 +33,8 @@ def _default(model, name: str) -> Any:
     return model.model_fields[name].default
 
 
-def convert(source: Source, out: PathLike, *, to: str, tokenizer: PreTrainedTokenizerBase | None = None,
-            **options: Any) -> ConversionResult:
+def convert(source: Source, out: PathLike | None = None, *, to: str, tokenizer: PreTrainedTokenizerBase | None = None,
+            dry_run: bool = False, **options: Any) -> ConversionResult | Estimate:
     """Convert a checkpoint to another attention, as `surgery convert SOURCE --out OUT --to KIND` does.
 
     Args:
@@ -42,9 +42,13 @@ def convert(source: Source, out: PathLike, *, to: str, tokenizer: PreTrainedToke
             embedded SmolLM2-135M), or a loaded `transformers.PreTrainedModel`. A loaded model is saved with
             `save_pretrained` (safetensors) into the toolkit's cache (`~/.cache/surgery/loaded/<sha256>`, with
             `tokenizer`) and converted from there: simple and honest, at the cost of one copy on disk.
-        out: The output folder (written atomically: nothing half-written is left on failure).
+        out: The output folder (written atomically: nothing half-written is left on failure); required unless
+            `dry_run`.
         to: The target attention: `mqa`, `gqa`, `talking-heads`, `switchhead` or `mla`.
         tokenizer: With a loaded model: its tokenizer (default: the one in the folder the model was loaded from).
+        dry_run: Convert nothing and write nothing: return the estimate `surgery convert --dry-run` prints (peak
+            host/device memory and time per layer, from a cost model and a short throughput probe), with the numbers
+            its `--json` writes.
         **options: Any option of `surgery convert`, by its field name: `kv_heads=`, `merge=`, `calib=`,
             `calib_tokens=`, `device=`, `dtype=`, `precision=`, `force=`, `revision=`, ... `calib` also takes a
             `datasets.Dataset` / `IterableDataset` (column `text`), a list of strings (documents) or of dicts (rows),
@@ -52,13 +56,14 @@ def convert(source: Source, out: PathLike, *, to: str, tokenizer: PreTrainedToke
             apply to them as to text read from files.
 
     Returns:
-        The converted checkpoint: its folder, its surgery.json record and `.load()`.
+        The converted checkpoint: its folder, its surgery.json record and `.load()`; with `dry_run`, the `Estimate`.
 
     Raises:
         SurgeryError: bad input, an unknown option (named with the closest one), or a rule the options break; the
             message is the line the command line prints.
     """
-    from ..commands.convert import convert_checkpoint, options_model
+    from ..commands.convert import convert_checkpoint, dry_run as convert_dry_run, options_model
+    from ..errors import SurgeryError
 
     model = options_model()
     values = dict(options, to=to)
@@ -67,18 +72,24 @@ def convert(source: Source, out: PathLike, *, to: str, tokenizer: PreTrainedToke
         tokens = values.get("calib_tokens") or _default(model, "calib_tokens")
         values["calib"] = text_specs(values["calib"], "text", tokens)
     parsed = validate_options(model, values)
+    if dry_run:
+        return Estimate(convert_dry_run(source_spec(source, tokenizer), parsed))
+    if out is None:
+        raise SurgeryError("convert needs out (the output folder) unless dry_run")
     message = convert_checkpoint(source_spec(source, tokenizer), Path(out), parsed)
     log.info(message)
     return ConversionResult.read(Path(out), parsed.to, message)
 
 
-def check(source: Source, converted: Source, *, json_out: PathLike | None = None, **options: Any) -> CheckReport:
+def check(source: Source, converted: Source, *, json_out: PathLike | None = None, show: bool = False,
+          **options: Any) -> CheckReport:
     """Compare a converted checkpoint with its source on the same tokens, as `surgery check SOURCE CONVERTED` does.
 
     Args:
         source: The source: a folder, hub id, `.gguf` file, `"smollm2"` or a loaded model (saved as `convert` does).
         converted: The converted checkpoint: a folder, a `ConversionResult` / `UptrainResult`, or a loaded model.
-        json_out: Also write the report as JSON here (what `--json` writes).
+        json_out: Also write the report as JSON here (what `--json` writes; `"-"`: stdout).
+        show: Also print the report's tables on stdout, as `surgery check` does (before `expect` is judged).
         **options: Any option of `surgery check` by its field name (`data=`, `tokens=`, `seq_len=`, `device=`,
             `dtype=`, `expect=`, `generate=`, `layers=`, ...). `data` also takes a `datasets.Dataset` /
             `IterableDataset`, a list of strings (documents) or a tuple of several texts, each checked on its own.
@@ -99,7 +110,7 @@ def check(source: Source, converted: Source, *, json_out: PathLike | None = None
                                     values.get("tokens") or _default(CheckOptions, "tokens"))
     parsed = validate_options(CheckOptions, values)
     report = check_checkpoints(source_spec(source), source_spec(converted), parsed,
-                               json_out=Path(json_out) if json_out is not None else None, warn=log.warning, show=False)
+                               json_out=Path(json_out) if json_out is not None else None, warn=log.warning, show=show)
     return CheckReport(report)
 
 
@@ -130,15 +141,18 @@ def inspect(*checkpoints: Source, context: int = 4096, allow_pickle: bool = Fals
     return reports
 
 
-def uptrain(model: Source, out: PathLike, *, tokenizer: PreTrainedTokenizerBase | None = None,
-            progress: bool = True, **options: Any) -> UptrainResult:
+def uptrain(model: Source, out: PathLike | None = None, *, tokenizer: PreTrainedTokenizerBase | None = None,
+            progress: bool = True, dry_run: bool = False, **options: Any) -> UptrainResult | Estimate:
     """Continue training a (converted) causal LM, as `surgery uptrain MODEL --out OUT` does.
 
     Args:
         model: The model to train: a folder, a `ConversionResult`, or a loaded model (saved as `convert` does).
-        out: The output folder (written atomically; checkpoints go to `OUT.run`).
+        out: The output folder (written atomically; checkpoints go to `OUT.run`); required unless `dry_run`.
         tokenizer: With a loaded model: its tokenizer.
         progress: Show the progress bar (or progress lines when stderr is not a terminal).
+        dry_run: Train nothing and write nothing: return the memory estimate `surgery uptrain --dry-run` prints
+            (each process's host and GPU memory, by phase and term; read from the checkpoints' headers). Data
+            objects are still copied into the cache, as for a run.
         **options: Any option of `surgery uptrain` by its field name (`tokens=` is required; `data=`, `loss=`,
             `teacher=`, `seq_len=`, `batch_tokens=`, `lr=`, `device` comes from accelerate, ...). `data` and
             `eval_data` also take a `datasets.Dataset` / `IterableDataset`, a list of strings (documents) or, for
@@ -148,12 +162,13 @@ def uptrain(model: Source, out: PathLike, *, tokenizer: PreTrainedTokenizerBase 
             streamed hub dataset, pass its spec (`"name:config@split"`, with `streaming=True`) instead.
 
     Returns:
-        The trained checkpoint: its folder, record, metrics and `.load()`.
+        The trained checkpoint: its folder, record, metrics and `.load()`; with `dry_run`, the `Estimate`.
 
     Raises:
         SurgeryError: bad input or options (the line the command line prints).
     """
-    from ..commands.uptrain import UptrainArgs, uptrain_model
+    from ..commands.uptrain import UptrainArgs, uptrain_dry_run, uptrain_model
+    from ..errors import SurgeryError
 
     values = dict(options)
     refuse_unknown(UptrainArgs, values)
@@ -171,6 +186,10 @@ def uptrain(model: Source, out: PathLike, *, tokenizer: PreTrainedTokenizerBase 
     if values.get("teacher_logprobs") is not None:  # a folder, or the TeacherStore `teacher` returned
         values["teacher_logprobs"] = os.fspath(values["teacher_logprobs"])
     parsed = validate_options(UptrainArgs, values)
+    if dry_run:
+        return Estimate({"lines": uptrain_dry_run(source_spec(model, tokenizer), parsed)})
+    if out is None:
+        raise SurgeryError("uptrain needs out (the output folder) unless dry_run")
     uptrain_model(source_spec(model, tokenizer), Path(out), parsed, progress=progress)
     return UptrainResult.read(Path(out))
 
@@ -184,7 +203,7 @@ def push(folder: PathLike | ConversionResult | UptrainResult, repo_id: str, *,
         folder: The folder (or a `ConversionResult` / `UptrainResult`).
         repo_id: The hub repository, `owner/name`.
         check_reports: Check reports to put in the model card: `surgery check --json` files or `CheckReport`s.
-        json_out: Also write the result as JSON here.
+        json_out: Also write the result as JSON here (`"-"`: stdout).
         **options: Any option of `surgery push` by its field name (`private=`, `revision=`, `exist_ok=`,
             `message=`, `bench_report=`).
 
@@ -194,13 +213,14 @@ def push(folder: PathLike | ConversionResult | UptrainResult, repo_id: str, *,
     Raises:
         SurgeryError: a folder that does not validate, a bad repo id, or a hub refusal.
     """
-    from ..commands.push import PushOptions, push_result
+    from ..commands.push import PushOptions, push_result, pushed_line
 
     parsed = validate_options(PushOptions, dict(options, repo_id=repo_id))
     with tempfile.TemporaryDirectory(prefix="surgery-reports-") as tmp:
         paths = _report_paths(check_reports, Path(tmp))
         result = push_result(Path(source_spec(folder)), parsed, paths,
                              json_out=Path(json_out) if json_out is not None else None, log=log.info)
+    log.info(pushed_line(Path(source_spec(folder)), result))
     return PushResult(repo_id=parsed.repo_id, repo_url=str(result.repo_url), revision=str(result.revision),
                       commit_url=str(result.commit_url), card_written=bool(result.card_written))
 
@@ -254,7 +274,8 @@ def model_card(folder: PathLike | ConversionResult | UptrainResult, repo_id: str
 
 
 def run_recipe(recipe: PathLike | Mapping[str, Any], *, output: PathLike | None = None, from_step: str | None = None,
-               until: str | None = None, overrides: Sequence[str] = ()) -> RecipeResult:
+               until: str | None = None, overrides: Sequence[str] = (), dry_run: bool = False
+               ) -> RecipeResult | RecipePlan:
     """Run a recipe's steps in order, as `surgery run RECIPE` does: finished, unchanged steps are skipped; an
     interrupted uptraining resumes.
 
@@ -265,9 +286,11 @@ def run_recipe(recipe: PathLike | Mapping[str, Any], *, output: PathLike | None 
         from_step: Re-run from this step (its name or number).
         until: Stop after this step.
         overrides: `KEY=VALUE` overrides, as `--set` takes them.
+        dry_run: Run nothing and write nothing: return the plan `surgery run --dry-run` prints (each step's command,
+            whether it runs or is skipped, its tokens, peak memory and output size, the texts it reads).
 
     Returns:
-        The output folder and what happened to each step.
+        The output folder and what happened to each step; with `dry_run`, the `RecipePlan`.
 
     Raises:
         SurgeryError: a recipe that does not validate, or a step's bad input (named by the step).
@@ -280,6 +303,10 @@ def run_recipe(recipe: PathLike | Mapping[str, Any], *, output: PathLike | None 
     else:
         r = load_recipe(Path(recipe), overrides=list(overrides))
     out = Path(output) if output is not None else Path(r.output)
+    if dry_run:
+        from ..recipes.plan import build_plan
+
+        return RecipePlan(build_plan(r, out, from_step=from_step, until=until))
     try:
         steps = run(r, out, from_step=from_step, until=until, log=log.info)
     except StepFailed as e:

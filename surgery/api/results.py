@@ -50,6 +50,26 @@ class CheckReport(Report):
         return bool(self._data.get("exact"))
 
 
+class Estimate(Report):
+    """What a dry run (`dry_run=True`) estimates, nothing run or written: `lines`, the lines the command's
+    `--dry-run` prints (also `str(estimate)`), and, for `convert`, the numbers its `--json` writes."""
+
+    def __str__(self) -> str:
+        return "\n".join(self._data["lines"])
+
+
+class RecipePlan(Report):
+    """The plan `surgery run --dry-run` prints, nothing run or written: `recipe`, `source`, `output`, `hardware`
+    and `steps` (each step's number, name, command, status, tokens, peak memory, size, texts read); `.show()` prints
+    it as the command does."""
+
+    def show(self) -> None:
+        """Print the plan's tables on stdout, as `surgery run --dry-run` does."""
+        from ..recipes.plan import print_plan
+
+        print_plan(self._data)
+
+
 class InspectReport(Report):
     """The numbers `surgery inspect --json` prints for one checkpoint: heads, K/V heads, parameters, KV-cache bytes
     per token and at the context, attention MACs."""

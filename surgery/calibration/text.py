@@ -36,6 +36,7 @@ class CalibrationText:
     documents_sha256: list[str]
     mixture: list[dict] | None = None  # several texts: each one's share ({"data", "tokens", "windows"})
     data_commits: dict[str, str | None] | None = None  # each hub dataset's resolved commit (surgery/data.py)
+    chat: dict | None = None  # the conversations read from a messages column, and how (surgery.chat.chat_record)
 
     @property
     def tokens(self) -> int:
@@ -46,7 +47,8 @@ class CalibrationText:
         record = {"data": self.data, "split": self.split, "tokens": self.tokens, "windows": int(self.windows.shape[0]),
                   "window_length": int(self.windows.shape[1]), "documents_sha256": self.documents_sha256}
         return (record | ({"mixture": self.mixture} if self.mixture else {})
-                | ({"data_commits": self.data_commits} if self.data_commits else {}))
+                | ({"data_commits": self.data_commits} if self.data_commits else {})
+                | ({"chat": self.chat} if self.chat else {}))
 
 
 def calibration_texts(spec: str, text_field: str = "text", chat=None):
@@ -71,7 +73,7 @@ def calibration_text(spec: str | Sequence[str], tokenizer, tokens: int, context:
     Several specs mix domains: each gives an equal share of the N windows (the first ones one more when N does not
     divide), read as that spec alone would be (pydoc from its last document, anything else from its start).
     A `messages` column is read per `chat_template` (surgery/chat.py)."""
-    from ..chat import ChatFormat
+    from ..chat import ChatFormat, chat_record
 
     chat = ChatFormat(chat_template, tokenizer)
     specs = resolve_texts([spec] if isinstance(spec, str) else spec)  # `general`: C4 from the hub, or pydoc
@@ -83,7 +85,9 @@ def calibration_text(spec: str | Sequence[str], tokenizer, tokens: int, context:
         raise SurgeryError(f"--calib-window must be at least 2, got {window}")
     length = min(window, context or window, tokens)
     if len(specs) == 1:
-        return _windows(specs[0], tokenizer, tokens, length, text_field, chat)
+        text = _windows(specs[0], tokenizer, tokens, length, text_field, chat)
+        text.chat = chat_record(chat)
+        return text
     n = tokens // length
     if n < len(specs):
         raise SurgeryError(f"--calib-tokens {tokens} makes fewer windows of {length} than the {len(specs)} "
@@ -97,7 +101,7 @@ def calibration_text(spec: str | Sequence[str], tokenizer, tokens: int, context:
     return CalibrationText(torch.cat([p.windows for p in parts]), " + ".join(specs), "mixture: " + "; ".join(
         f"{p.data}: {p.split}" for p in parts), [h for p in parts for h in p.documents_sha256],
         [{"data": p.data, "tokens": p.tokens, "windows": int(p.windows.shape[0])} for p in parts],
-        {k: v for p in parts for k, v in (p.data_commits or {}).items()} or None)
+        {k: v for p in parts for k, v in (p.data_commits or {}).items()} or None, chat_record(chat))
 
 
 def _windows(spec: str, tokenizer, tokens: int, length: int, text_field: str, chat=None) -> CalibrationText:

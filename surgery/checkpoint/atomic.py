@@ -185,7 +185,8 @@ def _write_failure(out: Path, e: OSError) -> str:
 
 
 def write_json(value, path: Path, echo=print) -> None:
-    """JSON to stdout ('-') or to a file, written beside it and renamed into place (never half-written)."""
+    """JSON to stdout ('-') or to a file, written beside it and renamed into place (never half-written). On stdout
+    it is printed, not logged: a document asked for is the command's result (-q keeps it)."""
     import json
 
     text = json.dumps(value, indent=2)

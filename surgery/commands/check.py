@@ -9,6 +9,7 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..dtypes import DTYPE_NAMES
 from ..errors import SurgeryError
+from ..logs import get_logger
 from ..options import Texts, option, spelling, texts_rule
 from ..precision import PrecisionOptions, check_dtype
 
@@ -91,7 +92,7 @@ def chat_format(o: CheckOptions, src, dst):
 
 
 def check_checkpoints(source: str, converted: str, options: CheckOptions, json_out: Path | None = None,
-                      warn=print, show: bool = True) -> dict:
+                      warn=get_logger(__name__).warning, show: bool = True) -> dict:
     """Compare, print the report (`show`; the Python API returns it instead), write it as JSON (`json_out`);
     CheckFailed when --expect exact is not met."""
     from ..checkpoint.atomic import write_json

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import field_validator
 
+from ..logs import get_logger
 from ..options import CliModel, option
 
 RUNNER_OWNED = ()
@@ -42,14 +43,18 @@ class PushOptions(CliModel):
 
 
 def push_checkpoint(folder: Path, options: PushOptions, check_reports: list[Path] = (), json_out: Path | None = None,
-                    log=print) -> str:
+                    log=get_logger(__name__).info) -> str:
     """Upload `folder`; returns the line that says where it went."""
-    result = push_result(folder, options, check_reports, json_out, log)
+    return pushed_line(folder, push_result(folder, options, check_reports, json_out, log))
+
+
+def pushed_line(folder: Path, result) -> str:
+    """The line that says where an upload (push_result's result) went."""
     return f"pushed {folder} to {result.repo_url} ({result.revision}): {result.commit_url}"
 
 
 def push_result(folder: Path, options: PushOptions, check_reports: list[Path] = (), json_out: Path | None = None,
-                log=print):
+                log=get_logger(__name__).info):
     """Upload `folder`; returns the upload's result (surgery.publish.push: repo_url, revision, commit_url,
     card_written), also written as JSON (`json_out`)."""
     from ..checkpoint.atomic import check_output_file, write_json
@@ -62,5 +67,6 @@ def push_result(folder: Path, options: PushOptions, check_reports: list[Path] = 
                          bench_report=Path(o.bench_report) if o.bench_report else None)
     if json_out:
         write_json({"repo_id": o.repo_id, "repo_url": result.repo_url, "revision": result.revision,
-                    "commit_url": result.commit_url, "card_written": result.card_written}, json_out, echo=log)
+                    "commit_url": result.commit_url, "card_written": result.card_written}, json_out)  # '-': the
+        # result on stdout, not a log line (shown under -q too)
     return result

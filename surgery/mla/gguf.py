@@ -73,6 +73,7 @@ def complete_for_llama_cpp(path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m surgery.mla.gguf FILE`, a command of its own (no logging set up): its result and errors printed."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         print("usage: python -m surgery.mla.gguf FILE.gguf", file=sys.stderr)

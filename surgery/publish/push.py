@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SurgeryError
+from ..logs import get_logger
 from ..checkpoint.record import RECORD_FILE, public_record, read_record
 from .card import MARKER, build_card, load_reports
 from .validate import validate_folder
@@ -102,7 +103,7 @@ def card_inputs(folder: Path, check_reports: list[Path] = (), bench_report: Path
 
 def push_folder(folder: Path, repo_id: str, private: bool = False, revision: str | None = None,
                 exist_ok: bool = False, message: str | None = None, check_reports: list[Path] = (),
-                log=print, bench_report: Path | None = None) -> PushResult:
+                log=get_logger(__name__).info, bench_report: Path | None = None) -> PushResult:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 

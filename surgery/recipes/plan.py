@@ -231,6 +231,7 @@ def _seconds_per_layer(stats: est.ModelStats, options, probes: dict) -> float | 
 
 
 def print_plan(plan: dict) -> None:
+    """The plan `surgery run --dry-run` asked for: the command's result, on stdout (printed, not logged: -q keeps it)."""
     from rich.console import Console
     from rich.table import Table
 

@@ -31,8 +31,11 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ..errors import SurgeryError
+from ..logs import get_logger
 from ..options import command_args
 from .schema import Recipe, Step, runner_options
+
+logger = get_logger(__name__)
 
 STATE = "recipe-state.json"
 MODEL_STEPS = ("convert", "uptrain")
@@ -289,7 +292,7 @@ def resolve_source_folder(recipe: Recipe) -> Path:
     return resolve_source(recipe.source.spec, revision=recipe.source.revision).folder
 
 
-def _invoke(recipe: Recipe, ps: PlannedStep, args: list[str], resume: bool, env_note=print) -> None:
+def _invoke(recipe: Recipe, ps: PlannedStep, args: list[str], resume: bool, env_note=logger.info) -> None:
     prefix = launch_prefix(recipe, ps)
     env_note(f"$ surgery {shlex.join(args)}" if prefix is None else f"$ accelerate launch ... -m surgery.cli {shlex.join(args)}")
     if prefix is not None:
@@ -302,7 +305,7 @@ def _invoke(recipe: Recipe, ps: PlannedStep, args: list[str], resume: bool, env_
     except SurgeryError as e:
         code = getattr(e, "code", 2)
         if code != 2:  # a command's own failure (check --expect exact: exit 1), said as the command says it
-            print(f"surgery: error: {e}", file=sys.stderr)
+            logger.error(str(e))
             raise StepFailed(ps.name, code) from None
         raise SurgeryError(f"step {ps.name}: {e}") from None
     except ModuleNotFoundError as e:  # a conversion this installation does not have yet
@@ -312,7 +315,7 @@ def _invoke(recipe: Recipe, ps: PlannedStep, args: list[str], resume: bool, env_
                            f"so `surgery {shlex.join(args[:1])}` cannot do this step") from None
 
 
-def run_step(recipe: Recipe, ps: PlannedStep, resume: bool = False, log=print) -> None:
+def run_step(recipe: Recipe, ps: PlannedStep, resume: bool = False, log=logger.info) -> None:
     """Run one step in this process by calling the command's library function (surgery/commands) with the step's
     options and what the runner links in (the step's input, its output, the source's revision)."""
     from ..commands import check, convert, push, teacher, uptrain
@@ -325,7 +328,7 @@ def run_step(recipe: Recipe, ps: PlannedStep, resume: bool = False, log=print) -
     elif ps.kind == "check":
         options = runner_options("check", ps.step.options, revision=revision)
         check.check_checkpoints(recipe.source.spec, ps.input, options, json_out=ps.output,
-                                warn=lambda line: print(f"surgery: warning: {line}", file=sys.stderr))
+                                warn=logger.warning)
     elif ps.kind == "teacher":
         o = ps.step.options
         values = o.model_dump(exclude={"name", "top_k", "device", "processes"}, exclude_unset=True)
@@ -369,7 +372,7 @@ def check_recipe_output(recipe: Recipe, output: Path, source_folder: Path | None
 
 
 def run_recipe(recipe: Recipe, output: Path, from_step: str | None = None, until: str | None = None,
-               log=print) -> list[tuple[str, str]]:
+               log=logger.info) -> list[tuple[str, str]]:
     """Run the recipe's steps in order; returns (step, 'ran'|'skipped') for each step considered."""
     output = Path(output).absolute()
     planned = plan_steps(recipe, output)

@@ -23,6 +23,7 @@ from ..checkpoint.atomic import atomic_output_dir, check_output_path
 from ..checkpoint.record import now, public_name
 from ..checkpoint.source import resolve_source
 from ..errors import SurgeryError
+from ..logs import get_logger
 from ..precision import resolve_precision
 from ..runtime import pick_device
 from . import model_io
@@ -135,7 +136,8 @@ def teacher_pass(src: str, out: Path, o: UptrainOptions, top_k: int, device: str
         manifest = writer.finish(fields | {"seconds": round(time.perf_counter() - started, 3)})
     if progress:
         print(file=sys.stderr)
-    print(f"wrote {out}: top-{top_k} of {source.spec} on {manifest['tokens']:,} tokens ({manifest['windows']} windows "
-          f"of {o.seq_len}), {bytes_per_token(top_k)} B/token, {human_bytes(bytes_per_token(top_k) * manifest['tokens'])}"
-          f" in {len(manifest['shards'])} shard(s)", flush=True)
+    get_logger(__name__).info(
+        f"wrote {out}: top-{top_k} of {source.spec} on {manifest['tokens']:,} tokens ({manifest['windows']} windows "
+        f"of {o.seq_len}), {bytes_per_token(top_k)} B/token, {human_bytes(bytes_per_token(top_k) * manifest['tokens'])}"
+        f" in {len(manifest['shards'])} shard(s)")
     return manifest

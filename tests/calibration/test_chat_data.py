@@ -193,3 +193,35 @@ def test_uptrain_loss_on_assistant_trains_on_the_assistant_tokens_only(tiny_chat
 def test_chat_template_with_a_merge_that_reads_no_text_is_refused(cli, tiny, tmp_path):
     code, out, err = cli("convert", tiny, "--to", "mqa", "--chat-template", "off", "--out", tmp_path / "o")
     assert code == 2 and "--chat-template does nothing for the mean merge" in err and not (tmp_path / "o").exists()
+
+
+def test_the_calibration_record_says_how_many_conversations_were_rendered_and_with_which_template(
+        tiny_chat, tmp_path):
+    import hashlib
+
+    import surgery
+
+    def calibrated(out, **kw):
+        result = surgery.convert(tiny_chat, tmp_path / out, to="mqa", merge="aligned", calib_tokens=512, device="cpu",
+                                 **kw)
+        return result.record["calibration"]
+
+    rows = [{"messages": [{"role": m["role"], "content": m["content"][:300]} for m in row["messages"]]}
+            for row in conversations()]  # short ones: several fill the calibration tokens
+    chat_jsonl = tmp_path / "short.jsonl"
+    chat_jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    tok = tf.AutoTokenizer.from_pretrained(tiny_chat)
+    rendered = [tok.apply_chat_template(row["messages"], tokenize=False) for row in rows]
+    on = calibrated("on", calib=str(chat_jsonl))
+    n = on["chat"]["conversations"]
+    assert on["chat"] == {"conversations": n, "rendered": "chat template", "chat_template": "auto",
+                          "template_sha256": hashlib.sha256(TEMPLATE.encode()).hexdigest()}
+    # the conversations counted are the documents read: each one's sha256 is that of its rendering
+    assert 1 < n < len(rendered) and on["documents_sha256"] == [hashlib.sha256(t.encode()).hexdigest()
+                                                               for t in rendered[:n]]
+    off = calibrated("off", calib=str(chat_jsonl), chat_template="off")
+    assert off["chat"] == {"conversations": len(off["documents_sha256"]), "rendered": "contents joined",
+                           "chat_template": "off"}
+    mixed = calibrated("mixed", calib=("pydoc", str(chat_jsonl)))  # only the chat half has conversations
+    assert 0 < mixed["chat"]["conversations"] < n and mixed["chat"]["rendered"] == "chat template"
+    assert "chat" not in calibrated("plain", calib="pydoc")

@@ -92,7 +92,7 @@ def test_offline_reads_pydoc_says_so_once_and_sends_nothing(hub, tmp_path):
                   "--out", tmp_path / "out", env=env_for(hub, tmp_path, offline=True))
     assert run.returncode == 0, run.stderr
     lines = [line for line in run.stderr.splitlines() if "pydoc" in line]
-    assert lines == ["surgery: HF_HUB_OFFLINE is set: reading the embedded pydoc text instead of allenai/c4 "
+    assert lines == ["surgery: warning: HF_HUB_OFFLINE is set: reading the embedded pydoc text instead of allenai/c4 "
                      "(general web text)"]
     assert json.loads((tmp_path / "out" / "surgery.json").read_text())["calibration"]["data"] == "pydoc"
     assert hub.requests == []  # nothing reached the (loopback) network
@@ -104,23 +104,28 @@ def test_offline_reads_pydoc_says_so_once_and_sends_nothing(hub, tmp_path):
     assert "Calibrated on 256 tokens of pydoc." in card
 
 
-def test_an_unreachable_hub_reads_pydoc_with_one_line_when_read(tmp_path, monkeypatch, capsys):
+def test_an_unreachable_hub_reads_pydoc_with_one_line_when_read(tmp_path, monkeypatch, caplog):
+    import logging
+
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     g.resolve_general.cache_clear()
+    caplog.set_level(logging.INFO, logger="surgery")
     try:
         assert g.resolve_text("general") == g.resolve_text("general") == "pydoc"
-        assert capsys.readouterr().err == ""  # decided, not yet read: a refusal now would print its line alone
+        assert caplog.records == []  # decided, not yet read: a refusal now would print its line alone
         from surgery.data import load_texts
 
         assert list(load_texts("general")) == list(load_texts("general")) == list(load_texts("pydoc"))
     finally:
         g.resolve_general.cache_clear()
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith("surgery: cannot read allenai/c4@1588ec45 from the hub (")
+    said = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]  # the command line: a warning line
+    assert len(said) == 1 and said[0][:2] == ("surgery.general_text", "WARNING")
+    assert said[0][2].startswith("cannot read allenai/c4@1588ec45 from the hub (")
+    assert said[0][2].endswith(": reading the embedded pydoc text instead of allenai/c4 (general web text)")
 
 
 def test_dry_run_names_the_text_and_an_explicit_pydoc_is_kept(hub, tmp_path):
