@@ -77,6 +77,7 @@ def test_a_switchhead_conversion_distils_from_the_store_and_on_policy(switchhead
     assert on["on_policy"]["fraction"] == 1.0 and len(kd) == 2 and kd[1] < kd[0]
 
 
+@pytest.mark.slow  # two LoRA runs (~20 s idle); the default suite keeps the SwitchHead test above
 def test_lora_on_a_talking_heads_conversion_with_the_store_and_on_policy(talking_heads, tiny, store, tmp_path):
     """LoRA adapters on talking-heads: from the store (no teacher), and on-policy (the base model under peft's wrapper
     generates with its adapters active); only the adapted projections change in the merged output."""
