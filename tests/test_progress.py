@@ -56,3 +56,28 @@ def test_only_the_main_process_reports(monkeypatch):
     with Progress(10, "check source", every=0, stream=out) as p:
         p.update(10)
     assert out.getvalue().startswith("check source: 10/10 tokens (100%)")
+
+
+def test_layer_and_teacher_progress_are_the_same_implementation(monkeypatch, capsys):
+    """Calibration's per-layer progress and `surgery teacher`'s window count are surgery.progress.Progress: a line per
+    layer when stderr is not a terminal (with the caller's note), a tqdm bar on a terminal, nothing outside rank 0."""
+    import inspect
+
+    from surgery.calibration.stream import LayerProgress
+    from surgery.uptrain import teacher_pass
+
+    assert issubclass(LayerProgress, Progress) and "Progress(total" in inspect.getsource(teacher_pass.teacher_pass)
+    monkeypatch.delenv("RANK", raising=False)
+    with LayerProgress("calibrate + merge", 2) as bar:
+        bar.update()
+        bar.update(" (query refit 0.01)")
+    lines = capsys.readouterr().err.splitlines()
+    assert [l.split(" (")[0] for l in lines] == ["calibrate + merge: layer 1/2", "calibrate + merge: layer 2/2"]
+    assert lines[1].endswith(" s) (query refit 0.01)")
+    monkeypatch.setattr("sys.stderr", Terminal())
+    with LayerProgress("calibrate", 3) as bar:
+        assert isinstance(bar.bar, tqdm.tqdm)
+    monkeypatch.setenv("RANK", "1")
+    with LayerProgress("calibrate", 3) as bar:
+        bar.update()
+        assert bar.bar is None and not bar.plain

@@ -16,7 +16,6 @@ in the device's free memory (`offload`).
 from __future__ import annotations
 
 import re
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from torch import nn
 from ..errors import SurgeryError
 from ..checkpoint.tensors import CheckpointReader, dtype_size
 from ..precision import calibration_autocast
+from ..progress import Progress
 from .chunks import EAGER_WINDOWS, chunk_terms_per_token, chunk_tokens, windows_within
 from .layout import memory_layout
 from .residual import ResidualChunks, SpillPolicy, default_budget
@@ -338,36 +338,20 @@ def resident_stream(model: nn.Module, device: torch.device | str = "cpu") -> Lay
 
 
 # --- progress ----------------------------------------------------------------------------------------------
-class LayerProgress:
-    """A bar per layer on a terminal; one plain line per layer (on stderr) when not; nothing when disabled."""
+class LayerProgress(Progress):
+    """The toolkit's progress (surgery/progress.py) counted in layers: a bar on a terminal; when not, one plain line
+    per layer (on stderr) with the seconds so far and the caller's note; nothing when disabled."""
 
     def __init__(self, desc: str, total: int, enabled: bool = True):
-        self.desc, self.total, self.enabled = desc, total, enabled
-        self.tty = enabled and sys.stderr.isatty()
-        self.bar = None
-        self.done, self.start = 0, time.time()
-        if self.tty:
-            from tqdm import tqdm
+        super().__init__(total, desc, unit="layer", enabled=enabled, every=0)
+        self.note = ""
 
-            self.bar = tqdm(total=total, unit="layer", desc=desc, leave=False)
+    def update(self, note: str = "") -> None:  # one layer done
+        self.note = note
+        super().update(1)
 
-    def update(self, note: str = "") -> None:
-        self.done += 1
-        if self.bar is not None:
-            self.bar.update(1)
-        elif self.enabled:
-            print(f"{self.desc}: layer {self.done}/{self.total} ({time.time() - self.start:.1f} s){note}",
-                  file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-    def __enter__(self) -> "LayerProgress":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def line(self, now: float | None = None) -> str:
+        return f"{self.desc}: layer {self.done}/{self.total} ({time.monotonic() - self.start:.1f} s){self.note}"
 
 
 # --- the memory model ----------------------------------------------------------------------------------------

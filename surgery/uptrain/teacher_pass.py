@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -25,6 +24,7 @@ from ..checkpoint.source import resolve_source
 from ..errors import SurgeryError
 from ..logs import get_logger
 from ..precision import resolve_precision
+from ..progress import Progress
 from ..runtime import pick_device
 from . import model_io
 from .options import UptrainOptions, resolve_data_workers
@@ -120,8 +120,9 @@ def teacher_pass(src: str, out: Path, o: UptrainOptions, top_k: int, device: str
               "temperature": o.temperature, "precision": precision, "toolkit": {"name": "surgery",
                                                                                 "version": __version__},
               "created": now()}
-    started, done = time.perf_counter(), 0
-    with atomic_output_dir(out, force=o.force, source=source.folder) as tmp:
+    started = time.perf_counter()
+    with atomic_output_dir(out, force=o.force, source=source.folder) as tmp, \
+            Progress(total, "teacher", unit="windows", enabled=progress) as bar:
         writer = StoreWriter(tmp, top_k, o.seq_len)
         for ids in training_windows(o, tokenizer, workers, processes):
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
@@ -130,12 +131,8 @@ def teacher_pass(src: str, out: Path, o: UptrainOptions, top_k: int, device: str
                 lp, top_ids, tail = top_k_of(logits[i], top_k, o.temperature)
                 writer.add(lp[None], top_ids[None], tail[None], window_hash(ids[i:i + 1]))
             del logits
-            done += ids.shape[0]
-            if progress:
-                print(f"\rteacher: {done}/{total} windows", end="", file=sys.stderr, flush=True)
+            bar.update(ids.shape[0])
         manifest = writer.finish(fields | {"seconds": round(time.perf_counter() - started, 3)})
-    if progress:
-        print(file=sys.stderr)
     get_logger(__name__).info(
         f"wrote {out}: top-{top_k} of {source.spec} on {manifest['tokens']:,} tokens ({manifest['windows']} windows "
         f"of {o.seq_len}), {bytes_per_token(top_k)} B/token, {human_bytes(bytes_per_token(top_k) * manifest['tokens'])}"
