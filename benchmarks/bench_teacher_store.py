@@ -81,6 +81,19 @@ def step_seconds(out: Path) -> float:
     return sum(times) / len(times)
 
 
+def elapsed(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "uptrain_metrics.jsonl").read_text().splitlines()]
+    return [r["elapsed"] for r in rows if "elapsed" in r]
+
+
+def shared_time_ratio(work: Path) -> float:
+    """--parallel: steps the stored arm made / steps the live arm made while both ran (up to the end of the one that
+    finished first), i.e. live / stored step time under the same load: after one arm ends, the other runs alone."""
+    stored, live = elapsed(work / "stored"), elapsed(work / "live")
+    end = min(stored[-1], live[-1])
+    return sum(e <= end for e in stored) / max(1, sum(e <= end for e in live))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=8192)
@@ -139,6 +152,7 @@ def main() -> None:
         "store_bytes_on_disk_per_token": round(disk / manifest["tokens"], 1), "teacher_pass_seconds": round(t_seconds, 1),
         "teacher_pass_peak_rss_gb": round(t_peak / 1e9, 3),
         "step_time_live_over_stored": round(live["step_seconds"] / stored["step_seconds"], 3),
+        **({"steps_stored_over_live_while_both_ran": round(shared_time_ratio(work), 3)} if a.parallel else {}),
         "peak_rss_stored_over_live": round(stored["peak_rss_gb"] / live["peak_rss_gb"], 3),
         "pydoc_ppl_stored_over_live": round(stored["pydoc_ppl"] / live["pydoc_ppl"], 4),
         "json_source_ppl_stored_over_live": round(stored["json_source_ppl"] / live["json_source_ppl"], 4),
