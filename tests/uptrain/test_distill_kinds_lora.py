@@ -135,3 +135,17 @@ def test_a_streamed_store_made_for_two_processes_serves_an_fsdp2_run(tiny, token
     assert result.returncode == 0, result.stderr[-3000:]
     kd = kd_losses(tmp_path / "fsdp")
     assert len(kd) == 2 and kd[1] < kd[0]
+
+
+def test_an_mla_conversion_distils_from_the_store_and_on_policy(other, tiny, store, tmp_path):
+    """MLA (a deepseek_v3 checkpoint, trained in its latent-scaled training form): from the store with no teacher,
+    and on-policy (the training form generates with its own latent KV cache)."""
+    from surgery.mla.convert import convert_to_mla
+
+    mla = tmp_path / "mla"
+    convert_to_mla(resolve_source(str(other)), mla, kv_rank=8, calib_tokens=512, progress=False, device="cpu")
+    stored = run(mla, tmp_path / "stored", teacher_logprobs=str(store))
+    assert stored["teacher"] is None and len(kd := kd_losses(tmp_path / "stored")) == 2 and kd[1] < kd[0]
+    on = run(mla, tmp_path / "on", on_policy=1.0, gen_tokens=8, gen_temperature=0.0, teacher=str(tiny))
+    assert on["on_policy"]["gen_seconds"] > 0 and len(kd := kd_losses(tmp_path / "on")) == 2 and kd[1] < kd[0]
+    assert json.loads((tmp_path / "on" / "config.json").read_text())["model_type"] == "deepseek_v3"
