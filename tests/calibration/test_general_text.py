@@ -128,6 +128,7 @@ def test_an_unreachable_hub_reads_pydoc_with_one_line_when_read(tmp_path, monkey
     assert said[0][2].endswith(": reading the embedded pydoc text instead of allenai/c4 (general web text)")
 
 
+@pytest.mark.slow  # 10-30 s: keeps the default suite under 25 minutes on 2 cores
 def test_dry_run_names_the_text_and_an_explicit_pydoc_is_kept(hub, tmp_path):
     src = tiny("llama", tmp_path / "src")
     env = env_for(hub, tmp_path, offline=False)
@@ -143,6 +144,7 @@ def test_dry_run_names_the_text_and_an_explicit_pydoc_is_kept(hub, tmp_path):
     assert "calibration text: pydoc" in run.stdout.splitlines()
 
 
+@pytest.mark.slow  # 10-30 s: keeps the default suite under 25 minutes on 2 cores
 def test_check_warns_when_its_only_text_is_what_the_model_was_fitted_to(tmp_path):
     src = tiny("llama", tmp_path / "src")
     env = env_for(None, tmp_path, offline=True)

@@ -113,6 +113,7 @@ def expected_scores(folder: Path) -> dict[str, dict[str, float]]:
                            "perplexity": math.exp(-sum(ll for ll, _ in cloze) / len(cloze))}}
 
 
+@pytest.mark.slow  # 10-30 s: keeps the default suite under 25 minutes on 2 cores
 def test_task_scores_are_each_models_own(pair):
     report = compare_checkpoints(resolve_source(str(pair["src"])), resolve_source(str(pair["mqa"])), pydoc_texts(),
                                  tokens=256, seq_len=64, batch_size=2, device="cpu", progress=False,

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import transformers as tf
 
@@ -21,6 +22,7 @@ PEAK = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).ret
         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, rc)")
 
 
+@pytest.mark.slow  # 10-30 s: keeps the default suite under 25 minutes on 2 cores
 def test_the_teacher_pass_estimate_is_within_20_percent_of_its_measured_peak(tmp_path):
     """A 35M-parameter Llama (vocabulary 8,192, 8 layers of 512) over 8 windows of 512 tokens in one forward on CPU
     (~25 s): fp32 weights, the micro-batch's logits, one layer's activations and one window's top-K temporaries."""

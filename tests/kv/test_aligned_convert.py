@@ -193,6 +193,7 @@ def test_calib_window_cuts_the_calibration_text_into_windows_of_that_length(tmp_
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow  # 10-30 s: keeps the default suite under 25 minutes on 2 cores
 def test_compare_merges_table(tmp_path):
     src = tiny("llama", tmp_path / "src")
     res = surgery("compare-merges", src, "--to", "gqa", "--kv-heads", "2", "--tokens", "1024", "--seq-len", "128",

@@ -61,6 +61,7 @@ def test_convert_refuses_a_side_file_linking_outside_the_source(name, secret, tm
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
+@pytest.mark.slow  # 10-30 s: keeps the default suite under 25 minutes on 2 cores
 def test_side_files_inside_the_source_are_copied_and_others_refused_in_one_line(secret, tmp_path):
     src = source(tmp_path / "src")
     (src / "legal").mkdir()

@@ -84,6 +84,7 @@ def _get(state, field):
     return target
 
 
+@pytest.mark.slow  # 10-30 s: keeps the default suite under 25 minutes on 2 cores
 @settings(max_examples=25, **SETTINGS)
 @given(k=st.integers(0, 60))
 def test_an_honest_position_resumes_to_the_same_windows(plan, k):

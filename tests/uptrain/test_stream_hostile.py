@@ -113,6 +113,7 @@ def test_a_recipe_s_scalar_data_weights_is_told_what_the_option_takes(tmp_path, 
     assert "valid string" not in str(e.value)
 
 
+@pytest.mark.slow  # 10-30 s: keeps the default suite under 25 minutes on 2 cores
 def test_library_log_lines_stay_off_stderr_unless_verbose(tiny, tmp_path):
     """datasets logs a bad JSON row before raising; the one line says it (`surgery -v` shows the library's too)."""
     import subprocess

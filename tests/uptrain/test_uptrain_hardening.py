@@ -136,6 +136,7 @@ def test_damaged_optimizer_without_an_older_checkpoint_is_one_line(tiny, finishe
     assert not out.exists()
 
 
+@pytest.mark.slow  # 10-30 s: keeps the default suite under 25 minutes on 2 cores
 def test_corrupt_run_json_is_one_line_naming_it(tiny, finished_run, tmp_path):
     out, run_dir = copy_run(finished_run, tmp_path)
     for text in (b"{not json", b"[1, 2]", b"\x00\xff"):
