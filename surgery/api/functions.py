@@ -33,6 +33,19 @@ def _default(model, name: str) -> Any:
     return model.model_fields[name].default
 
 
+def _run_texts(values: dict[str, Any], model) -> None:
+    """An uptraining run's `data` / `eval_data` given as objects, written as text specs (in place), each read up to
+    the tokens the run needs: its training and held-out tokens, times its data epochs."""
+    tokens = values.get("tokens")
+    need = (tokens if isinstance(tokens, int) else 0) + (values.get("eval_tokens") or _default(model, "eval_tokens"))
+    need *= values.get("data_epochs") or 1
+    field = values.get("text_field") or "text"
+    if "data" in values:
+        values["data"] = text_specs(values["data"], field, need)
+    if "eval_data" in values:
+        values["eval_data"] = text_spec(values["eval_data"], field, need)
+
+
 def convert(source: Source, out: PathLike | None = None, *, to: str, tokenizer: PreTrainedTokenizerBase | None = None,
             dry_run: bool = False, **options: Any) -> ConversionResult | Estimate:
     """Convert a checkpoint to another attention, as `surgery convert SOURCE --out OUT --to KIND` does.
@@ -172,15 +185,7 @@ def uptrain(model: Source, out: PathLike | None = None, *, tokenizer: PreTrained
 
     values = dict(options)
     refuse_unknown(UptrainArgs, values)
-    tokens = values.get("tokens")
-    held_out = values.get("eval_tokens") or _default(UptrainArgs, "eval_tokens")
-    need = (tokens if isinstance(tokens, int) else 0) + held_out
-    need *= values.get("data_epochs") or 1
-    field = values.get("text_field") or "text"
-    if "data" in values:
-        values["data"] = text_specs(values["data"], field, need)
-    if "eval_data" in values:
-        values["eval_data"] = text_spec(values["eval_data"], field, need)
+    _run_texts(values, UptrainArgs)
     if values.get("teacher") is not None:
         values["teacher"] = source_spec(values["teacher"])
     if values.get("teacher_logprobs") is not None:  # a folder, or the TeacherStore `teacher` returned
@@ -353,11 +358,7 @@ def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "au
     other = [k for k in values if k not in TEACHER_OPTIONS]
     if other:
         raise SurgeryError(f"teacher takes the run's data options only, not {other[0]!r}")
-    tokens = values.get("tokens")
-    need = ((tokens if isinstance(tokens, int) else 0) + (values.get("eval_tokens") or _default(UptrainArgs, "eval_tokens"))
-            ) * (values.get("data_epochs") or 1)
-    if "data" in values:
-        values["data"] = text_specs(values["data"], values.get("text_field") or "text", need)
+    _run_texts(values, UptrainArgs)
     parsed = validate_options(UptrainArgs, values)
     own = validate_options(TeacherArgs, {"top_k": top_k, "device": device, "processes": processes})
     store_teacher_pass(source_spec(source, tokenizer), Path(out), parsed, own.top_k, device=own.device,
