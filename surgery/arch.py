@@ -53,6 +53,8 @@ class Feature(str, Enum):
     WHOLE_QK_NORM = "a q/k norm over the whole projection"
     NORM_MODULE_PER_HEAD = "per-head q/k norms stored as one norm module per head"
     PER_HEAD_QK_NORM = "per-head q/k norms, each head its own weight"
+    QKV_BIAS = "biases on the q/k/v projections"
+    SHARED_QK_NORM = "per-head q/k norms with one weight shared by all heads"
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,9 @@ class Trait:
 # support label (a column of `surgery convert --list`) -> the features it refuses -> its one-line reason, a template
 # over the family's words ("{detail}"). Filled by surgery.kinds.register: the kinds own their refusals.
 REFUSALS: dict[str, dict[Feature, str]] = {}
+# support label -> the features it carries over only approximately (calibrated, error measured) -> why. A label
+# listed here answers "exact" / "approximate: ..." / "refused: ..." in `--list` instead of "yes" / "no: ...".
+APPROXIMATIONS: dict[str, dict[Feature, str]] = {}
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra")
 _WHOLE_NORM = "q/k norms over the whole projection couple all heads (one RMS over every K head)"
 
@@ -239,6 +244,8 @@ class ArchSpec:
             implied.append(Trait(Feature.WHOLE_QK_NORM, _WHOLE_NORM, self.qk_norm_switch))
         elif self.qk_norm == QKNorm.PER_HEAD:
             implied.append(Trait(Feature.PER_HEAD_QK_NORM, self.qk_norm_switch or self.name, self.qk_norm_switch))
+        elif self.qk_norm == QKNorm.HEAD_DIM:
+            implied.append(Trait(Feature.SHARED_QK_NORM, "per-head q/k RMSNorms", self.qk_norm_switch))
         order = list(Feature)
         return tuple(sorted((*implied, *self.traits), key=lambda t: order.index(t.feature)))
 
@@ -251,6 +258,25 @@ class ArchSpec:
             if trait.feature in refuses and trait.on(config):
                 return trait, refuses[trait.feature].format(detail=trait.detail)
         return None
+
+    def approximation(self, kind: str, config: dict | None = None) -> str | None:
+        """What `kind` (a support label) carries over only approximately for this family, in one line (the reasons
+        of every such feature that is on, joined); None when nothing is approximate."""
+        table = APPROXIMATIONS.get(kind, {})
+        reasons = [table[t.feature].format(detail=t.detail) for t in self.features
+                   if t.feature in table and t.on(config)]
+        return "; ".join(dict.fromkeys(reasons)) or None
+
+    def verdict(self, kind: str, config: dict | None = None) -> str:
+        """The `--list` cell of this family for `kind`: "yes" / "no: why", or, for a label with approximations,
+        "exact" / "approximate: what" / "refused: why"."""
+        refused = self.refusal(kind, config)
+        if kind not in APPROXIMATIONS:
+            return "no: " + refused if refused else "yes"
+        if refused:
+            return "refused: " + refused
+        approximate = self.approximation(kind, config)
+        return "approximate: " + approximate if approximate else "exact"
 
     def refusal(self, kind: str, config: dict | None = None, refuses: dict[Feature, str] | None = None) -> str | None:
         """Why `kind` (a support label) cannot convert this family (with this config), in one line; None when it
@@ -278,10 +304,9 @@ SPECS: list[ArchSpec] = [
     ArchSpec("ministral"),
     ArchSpec("mixtral", body="sparse-MoE MLP with its own router (not DeepSeek's)",
              notes="MoE MLP; attention as Llama"),
-    ArchSpec("qwen2", body="q/k/v biases (DeepSeek-V3's q_proj has none)", notes="q/k/v biases"),
+    ArchSpec("qwen2", traits=(Trait(Feature.QKV_BIAS, "Qwen2's q/k/v biases"),), notes="q/k/v biases"),
     ArchSpec("qwen2_moe", body="q/k/v biases and a sparse-MoE MLP", notes="q/k/v biases, MoE MLP"),
-    ArchSpec("qwen3", body="per-head q/k norms (DeepSeek-V3 has none)",
-             qk_norm=QKNorm.HEAD_DIM, notes="q/k norms act per head_dim and are shared by all heads, "
+    ArchSpec("qwen3", qk_norm=QKNorm.HEAD_DIM, notes="q/k norms act per head_dim and are shared by all heads, "
              "so they carry over unchanged"),
     ArchSpec("qwen3_moe", body="per-head q/k norms and a sparse-MoE MLP", qk_norm=QKNorm.HEAD_DIM),
     ArchSpec("gemma", body="(1 + w) RMSNorms and an embedding multiplier"),
@@ -419,14 +444,14 @@ def _layout_text(spec: ArchSpec) -> str:
 
 def support_table(columns: tuple[str, ...]) -> list[dict[str, str]]:
     """One row per model_type: its layout, q/k norm, and for every kind's column (`columns`: the kinds' support
-    labels, surgery.kinds.support_labels) "yes" or the one-line reason it is refused (with the family's default
-    config; refusals that depend on a config key are listed by `conditional_refusals`)."""
+    labels, surgery.kinds.support_labels) its `ArchSpec.verdict` (with the family's default config; refusals that
+    depend on a config key are listed by `conditional_refusals`)."""
     rows = []
     for spec in sorted(SPECS, key=lambda s: s.name):
         for model_type in spec.model_types:
             norm = spec.qk_norm.value + (f" (when {spec.qk_norm_switch})" if spec.qk_norm_switch else "")
             rows.append({"model_type": model_type, "attention": _layout_text(spec), "q/k norm": norm}
-                        | {kind: spec.refusal(kind) or "yes" for kind in columns})
+                        | {kind: spec.verdict(kind) for kind in columns})
     return rows
 
 
@@ -448,9 +473,9 @@ def support_markdown(kinds: tuple[str, ...]) -> str:
     columns = list(rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        cells = [v if v == "yes" or c not in kinds else "no: " + v for c, v in row.items()]
-        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
-    counts = ", ".join(f"{kind} {sum(row[kind] == 'yes' for row in rows)}" for kind in kinds)
+        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in row.values()) + " |")
+    counts = ", ".join(f"{kind} {sum(not row[kind].startswith(('no:', 'refused:')) for row in rows)}"
+                       for kind in kinds)
     lines += ["", f"model_types supported: {counts}."]
     lines += [""] + [f"- {line}" for line in conditional_refusals()]
     return "\n".join(lines) + "\n"

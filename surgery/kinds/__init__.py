@@ -53,6 +53,9 @@ def _hand_refusals_to_arch() -> None:
     (kinds sharing a label, like mqa and gqa, declare it alike)."""
     arch.REFUSALS.clear()
     arch.REFUSALS.update({label: table for k in _KINDS.values() for label, table in k.refusals().items()})
+    arch.APPROXIMATIONS.clear()
+    arch.APPROXIMATIONS.update({label: k.approximates for k in _KINDS.values() if k.approximates
+                                for label in k.refusals()})
 
 
 for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD, MLA_KIND):

@@ -185,6 +185,9 @@ class Kind:
     # template over the family's own words for the feature ("{detail}"); a kind whose columns differ overrides
     # `refusals`
     refuses: dict[Feature, str] = field(default_factory=dict)
+    # the family features it carries over only approximately (calibrated, the error measured), each with its
+    # one-line reason; a kind that declares any answers exact / approximate / refused in `convert --list`
+    approximates: dict[Feature, str] = field(default_factory=dict)
     tags: list[str] = field(default_factory=list)  # the model card's hub tags
     ships_code: bool = False  # the output carries its own modeling code (load with trust_remote_code=True)
     # options that convert a Llama-like model of 8 heads and 4 K/V heads (tests/kinds/test_kind_contract.py runs them)

@@ -11,7 +11,7 @@ from pydantic import ValidationInfo, model_validator
 
 from ..options import option, spelling
 from .base import AttentionShape, CalibrationOptions, Kind, QueryRefitOptions, WriteOptions
-from ..mla.refusals import REFUSES
+from ..mla.refusals import APPROXIMATES, REFUSES
 
 
 class MLAFields(WriteOptions):
@@ -98,11 +98,23 @@ class MLA(Kind):
         return [f"Latent rank {m['kv_lora_rank']} (of {m['full_rank']}), rope key {m['qk_rope_head_dim']} dims "
                 f"(source frequencies {m['rope_frequencies']}).",
                 "K-nope and V factored jointly through the latent, weighted by the calibration activations; one "
-                "shared rope key per layer (the K/V heads' principal direction per frequency)."]
+                "shared rope key per layer (the K/V heads' principal direction per frequency)."] + _approximated(m)
+
+
+def _approximated(m: dict) -> list[str]:
+    """The card's line on what DeepSeek-V3 cannot hold (the source's biases, q/k norms) and the error left."""
+    a = m.get("approximated")
+    if not a:
+        return []
+    e = a["attention_error"]
+    return [f"Approximate: the source's {' and '.join(a['terms'])} have no place in DeepSeek-V3's layer; "
+            f"{a['method']}. Remaining attention-output error on the calibration text (relative squared): mean "
+            f"{e['mean']}, max {e['max']} per layer. transformers, vLLM and llama.cpp all compute the same "
+            "bias-free, norm-free layer (no config field that only some runtimes honour is written)."]
 
 
 MLA_KIND = MLA("mla", MLAOptions, title="multi-head latent attention (DeepSeek-V3 MLA)", tags=["mla", "deepseek_v3"],
                config_key="kv_lora_rank", example_options={"kv_rank": 32, "calib_tokens": 512},
-               refuses=REFUSES,
+               refuses=REFUSES, approximates=APPROXIMATES,
                help="mla writes a plain deepseek_v3 checkpoint (a low-rank latent K/V and one shared rope key, fitted "
                     "layer by layer on calibration text) that transformers, vLLM and llama.cpp load as they are.")

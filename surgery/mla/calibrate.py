@@ -187,9 +187,10 @@ def _refit_o(stream, spec, layer, index, hidden, calls, weights: MLAWeights, geo
 def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.device,
                  build: Callable[[int, torch.Tensor], MLAWeights], geometry: MLAGeometry, keep: Callable,
                  refit_q: QueryRefit | None = None, refit_o: bool = True, seed: int = 0,
-                 chunk_windows: int = MAX_WINDOWS, progress: bool = True, store=None) -> None:
+                 chunk_windows: int = MAX_WINDOWS, progress: bool = True, store=None, measure: bool = False) -> None:
     """Convert every layer on the converted stream: `build(index, sigma)` gives the layer's MLA weights,
-    `keep(index, weights)` receives the final weights. Each step is a pass over the chunks (second moments, query
+    `keep(index, weights, error)` receives the final weights and (`measure`) the converted attention's relative
+    squared error against the source attention's output on the calibration text (else None). Each step is a pass over the chunks (second moments, query
     refit, output refit, converted pass): past the residual stream, memory is one chunk."""
     generator = torch.Generator().manual_seed(seed)  # the query refit's sampled positions
     with threads(torch.get_num_threads()):
@@ -207,10 +208,16 @@ def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.devi
                 if refit_o:
                     weights.o_proj = _refit_o(stream, spec, layer, index, hidden, calls, weights, geometry)
                 o_proj = weights.o_proj.to(stream.device, torch.float32)
+                miss = total = 0.0
                 for i, a in enumerate(_inputs(stream, spec, layer, index, hidden, calls)):
                     out = geometry.attend(a.x, weights) @ o_proj.T
+                    if measure:  # the source attention's output on the same input: the layer's remaining error
+                        target = capture.run_attention(attention, _modules(spec, layer)[2], a).output
+                        miss += float((out - target).double().pow(2).sum())
+                        total += float(target.double().pow(2).sum())
+                        del target
                     hidden[i] = stream.stash(capture.run_layer_with_attention_output(
                         layer, attention, stream.fetch(hidden[i]), calls[i][index], out))
                     del a, out  # before the next chunk is computed
-                keep(index, weights.to("cpu"))
+                keep(index, weights.to("cpu"), (miss / total) if measure and total > 0 else None)
                 bar.update()

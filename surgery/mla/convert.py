@@ -28,6 +28,7 @@ from ..runtime import load_tokenizer, pick_device
 from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, PlannedTensor
 from ..kv.aligned.refit import QueryRefit
+from .absorb import ExtrasReader, absorbed_record, linearise
 from .calibrate import MLAGeometry, convert_pass, frequency_scores_pass
 from .factor import MLAWeights, SourceAttention, mla_layer
 from .refusals import KIND, REFUSES
@@ -189,8 +190,10 @@ def target_config(config: dict, shape: Shape, theta: float, dtype: str | None) -
 class Planner:
     """Every output tensor: the attention's five from `layer_weights`, the rest copied from the source."""
 
-    def __init__(self, reader: CheckpointReader, spec, shape: Shape, layer_weights, dtype: torch.dtype | None):
+    def __init__(self, reader: CheckpointReader, spec, shape: Shape, layer_weights, dtype: torch.dtype | None,
+                 skips=lambda name: False):
         self.reader, self.spec, self.shape, self.layer_weights, self.dtype = reader, spec, shape, layer_weights, dtype
+        self.skips = skips  # source tensors DeepSeek-V3 has no place for (q/k norms: absorbed)
         self._cache: tuple[int, MLAWeights] | None = None
 
     def _weights(self, layer: int) -> MLAWeights:
@@ -225,7 +228,7 @@ class Planner:
                     done.add(layer)
                     planned += self._attention(module, layer, self.dtype or info.dtype)
                 continue
-            if name.endswith("rotary_emb.inv_freq"):
+            if name.endswith("rotary_emb.inv_freq") or self.skips(name):
                 continue
             planned.append(_copy(self.reader, name, name, dtype))
         if "lm_head.weight" not in names:  # tied in the source: DeepSeek-V3 reads its own lm_head
@@ -246,11 +249,9 @@ def _projection_names(reader: CheckpointReader, spec, layers: int) -> dict[tuple
     found: dict[tuple[int, str], str] = {}
     for name in reader.names():
         hit = spec.match(name)
-        if hit is None:
+        if hit is None or hit[2] == "bias":  # biases: surgery/mla/absorb.py (approximated or refused)
             continue
-        layer, proj, param = hit
-        if param == "bias":
-            raise SurgeryError(f"mla cannot convert attention biases ({name}): DeepSeek-V3's projections have none")
+        layer, proj, _ = hit
         found[(layer, proj)] = name
     for layer in range(layers):
         for proj in (spec.q, spec.k, spec.v, spec.o):
@@ -292,11 +293,13 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
                    calib_chunk: int | None = None, force: bool = False, dtype: str | None = None,
                    max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
                    progress: bool = True, device: str = "auto", query_samples: int = QUERY_SAMPLES,
-                   precision: str = "auto", chat_template: str = "auto") -> dict:
+                   precision: str = "auto", chat_template: str = "auto", absorb: bool = True) -> dict:
     """Convert `src` into a DeepSeek-V3 (MLA) checkpoint at `out` with latent rank `kv_rank` and `rope_dim` rotary
     dims per head (default: head_dim), calibrating in chunks of `calib_chunk` windows (default: the rule of
     surgery/calibration/chunks.py); `query_samples` positions per window for the query refit (0: none); the
-    calibration's forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64."""
+    calibration's forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64.
+    A family with biases or q/k norms (surgery/mla/absorb.py) has them absorbed by calibration; `absorb=False`
+    drops them instead and skips the refits (the no-absorption baseline the tests and benchmarks measure against)."""
     start = time.time()
     config = src.config
     spec = spec_for(config, KIND, REFUSES)
@@ -307,6 +310,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     resolved = resolve_precision(precision, dev)
     reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
     names = _projection_names(reader, spec, shape.layers)
+    extras = ExtrasReader(reader, spec, config)
     written = dtype or str(reader.tensors[names[(0, spec.q)]].dtype).removeprefix("torch.")
     if written == "float16":
         raise SurgeryError("mla keeps kv_a_layernorm linear with a latent ~1e-5 (weights ~1e-7), below float16's "
@@ -336,29 +340,44 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
 
         def build(i: int, sigma: torch.Tensor) -> MLAWeights:
             # on the calibration device (float64; priced there by the dry run), where the layer's passes use it
-            w = mla_layer(read_layer(i), sigma, kept, spec.rotary_pairs, shape.rank, scaling, LATENT_EPS)
+            source = linearise(read_layer(i), extras.layer(i, dev), sigma if absorb else None)
+            w = mla_layer(source, sigma, kept, spec.rotary_pairs, shape.rank, scaling, LATENT_EPS)
             losses[i] = (w.rope_loss, w.latent_loss)
             return w
 
-        def keep(i: int, w: MLAWeights) -> None:
+        errors: dict[int, float] = {}
+
+        def keep(i: int, w: MLAWeights, error: float | None) -> None:
             store.put(i, {f: getattr(w, f).float() for f in fields})
+            if error is not None:
+                errors[i] = error
 
         geometry = MLAGeometry(shape.heads, shape.head_dim, shape.rope_dim, shape.head_dim, theta, LATENT_EPS)
         convert_pass(src.folder, reader, spec, text.windows, dev, build, geometry, keep, chunk_windows=chunk,
-                     refit_q=QueryRefit(samples=query_samples) if query_samples else None, seed=seed,
-                     progress=progress, store=store)
+                     refit_q=QueryRefit(samples=query_samples) if query_samples and absorb else None,
+                     refit_o=absorb, seed=seed, progress=progress, store=store, measure=extras.any)
         calib_seconds = time.time() - calib_start
 
         def layer_weights(i: int) -> MLAWeights:
             t = store.get(i)
             return MLAWeights(*(t[f].double() for f in fields), 0.0, 0.0)
 
-        planner = Planner(reader, spec, shape, layer_weights, out_dtype)
+        planner = Planner(reader, spec, shape, layer_weights, out_dtype, extras.skips)
         new_config = target_config(config, shape, theta, dtype)
 
         def record_fields(output_files: list[str]) -> dict:
             mla = _mla_record(shape, kept, stride, theta, share, losses, query_samples)
             mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
+            if not absorb:
+                mla["query_refit"] = mla["output_refit"] = False
+            approximated = absorbed_record(extras, absorb)
+            if approximated is not None:  # what DeepSeek-V3 cannot hold, and the error it leaves on calibration
+                approximated["attention_error"] = {
+                    "measure": "relative squared error of each layer's attention output vs the source's, on the "
+                               "calibration text (converted stream)",
+                    "mean": round(sum(errors.values()) / max(len(errors), 1), 6),
+                    "max": round(max(errors.values(), default=0.0), 6)}
+                mla["approximated"] = approximated
             record = _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds, time.time() - start,
                              resolved)
             record["calibration"]["chunk_windows"] = chunk
