@@ -153,10 +153,12 @@ def test_sliding_window_is_refused(tmp_path, family, kw):
 
 
 def _mla_families() -> list[str]:
+    """The families `--list` marks exact for mla (the approximate ones: tests/mla/test_mla_families.py)."""
     from surgery.arch import find_spec
+    from surgery.kinds import support_labels  # noqa: F401  (registers the kinds' tables)
 
     return [a for a in tm.ARCHS if (spec := find_spec(tm.ARCHS[a]().model_type)) is not None
-            and spec.refusal("mla", tm.ARCHS[a]().to_dict()) is None]
+            and spec.verdict("mla", tm.ARCHS[a]().to_dict()) == "exact"]
 
 
 @pytest.mark.parametrize("arch", _mla_families())
