@@ -28,6 +28,7 @@ from ..runtime import load_tokenizer, pick_device
 from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, PlannedTensor
 from ..kv.aligned.refit import QueryRefit
+from .body import BodyRewrite
 from .absorb import ExtrasReader, absorbed_record, linearise
 from .calibrate import MLAGeometry, convert_pass, frequency_scores_pass
 from .factor import MLAWeights, SourceAttention, mla_layer
@@ -191,8 +192,9 @@ class Planner:
     """Every output tensor: the attention's five from `layer_weights`, the rest copied from the source."""
 
     def __init__(self, reader: CheckpointReader, spec, shape: Shape, layer_weights, dtype: torch.dtype | None,
-                 skips=lambda name: False):
+                 skips=lambda name: False, body: BodyRewrite | None = None):
         self.reader, self.spec, self.shape, self.layer_weights, self.dtype = reader, spec, shape, layer_weights, dtype
+        self.body = body  # the family's folds and splits into Llama's body (surgery/mla/body.py)
         self.skips = skips  # source tensors DeepSeek-V3 has no place for (q/k norms: absorbed)
         self._cache: tuple[int, MLAWeights] | None = None
 
@@ -230,12 +232,16 @@ class Planner:
                 continue
             if name.endswith("rotary_emb.inv_freq") or self.skips(name):
                 continue
+            parts = self.body.split(name) if self.body else None
+            if parts:
+                planned += [_part(self.reader, name, out_name, i, n, dtype) for out_name, i, n in parts]
+                continue
             planned.append(_copy(self.reader, name, name, dtype))
         if "lm_head.weight" not in names:  # tied in the source: DeepSeek-V3 reads its own lm_head
             embed = next(n for n in names if n.endswith("embed_tokens.weight"))
             planned.append(_copy(self.reader, embed, "lm_head.weight",
                                  self.dtype or self.reader.tensors[embed].dtype))
-        return planned
+        return [self.body.folded(p) for p in planned] if self.body else planned
 
 
 def _copy(reader: CheckpointReader, name: str, out_name: str, dtype: torch.dtype) -> PlannedTensor:
@@ -243,6 +249,14 @@ def _copy(reader: CheckpointReader, name: str, out_name: str, dtype: torch.dtype
     if dtype == info.dtype and not reader.is_pickle:
         return PlannedTensor(out_name, dtype, info.shape, raw_source=(reader, name))
     return PlannedTensor(out_name, dtype, info.shape, produce=lambda: reader.load(name).to(dtype).contiguous())
+
+
+def _part(reader: CheckpointReader, name: str, out_name: str, i: int, n: int, dtype: torch.dtype) -> PlannedTensor:
+    """Rows i/n of a fused tensor (Phi-3's gate_up_proj: gate, then up)."""
+    info = reader.tensors[name]
+    rows = info.shape[0] // n
+    return PlannedTensor(out_name, dtype, (rows, *info.shape[1:]),
+                         produce=lambda: reader.load(name)[i * rows:(i + 1) * rows].to(dtype).contiguous())
 
 
 def _projection_names(reader: CheckpointReader, spec, layers: int) -> dict[tuple[int, str], str]:
@@ -254,7 +268,7 @@ def _projection_names(reader: CheckpointReader, spec, layers: int) -> dict[tuple
         layer, proj, _ = hit
         found[(layer, proj)] = name
     for layer in range(layers):
-        for proj in (spec.q, spec.k, spec.v, spec.o):
+        for proj in spec.projections:
             if (layer, proj) not in found:
                 raise SurgeryError(f"the checkpoint has no {proj} weight for layer {layer}")
     return found
@@ -311,14 +325,20 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
     names = _projection_names(reader, spec, shape.layers)
     extras = ExtrasReader(reader, spec, config)
-    written = dtype or str(reader.tensors[names[(0, spec.q)]].dtype).removeprefix("torch.")
+    written = dtype or str(reader.tensors[names[(0, spec.query_projection)]].dtype).removeprefix("torch.")
     if written == "float16":
         raise SurgeryError("mla keeps kv_a_layernorm linear with a latent ~1e-5 (weights ~1e-7), below float16's "
                            "normal range: write --dtype bfloat16 or float32")
-    scaling = shape.head_dim ** -0.5
+    body = BodyRewrite(spec, config, LATENT_EPS)
+    scaling = body.source_scaling(shape.head_dim)
 
     def read_layer(i: int) -> SourceAttention:
-        q, k, v, o = (reader.load(names[(i, p)]).to(dev, torch.float64) for p in (spec.q, spec.k, spec.v, spec.o))
+        if spec.fused:  # rows [q heads | k heads | v heads] (the only fused layout a Llama-like body has)
+            qkv = reader.load(names[(i, spec.qkv)]).to(dev, torch.float64)
+            q, k, v = qkv.split([shape.heads * shape.head_dim] + [shape.kv_heads * shape.head_dim] * 2)
+            o = reader.load(names[(i, spec.o)]).to(dev, torch.float64)
+        else:
+            q, k, v, o = (reader.load(names[(i, p)]).to(dev, torch.float64) for p in (spec.q, spec.k, spec.v, spec.o))
         return SourceAttention(q, k, v, o, shape.heads, shape.kv_heads, shape.head_dim)
 
     inv_freq = source_frequencies(src.folder, shape.head_dim)
@@ -341,7 +361,8 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         def build(i: int, sigma: torch.Tensor) -> MLAWeights:
             # on the calibration device (float64; priced there by the dry run), where the layer's passes use it
             source = linearise(read_layer(i), extras.layer(i, dev), sigma if absorb else None)
-            w = mla_layer(source, sigma, kept, spec.rotary_pairs, shape.rank, scaling, LATENT_EPS)
+            w = mla_layer(source, sigma, kept if body.rotates(i) else [], spec.rotary_pairs, shape.rank, scaling,
+                          LATENT_EPS, rope_dim=shape.rope_dim)
             losses[i] = (w.rope_loss, w.latent_loss)
             return w
 
@@ -362,7 +383,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
             t = store.get(i)
             return MLAWeights(*(t[f].double() for f in fields), 0.0, 0.0)
 
-        planner = Planner(reader, spec, shape, layer_weights, out_dtype, extras.skips)
+        planner = Planner(reader, spec, shape, layer_weights, out_dtype, extras.skips, body)
         new_config = target_config(config, shape, theta, dtype)
 
         def record_fields(output_files: list[str]) -> dict:

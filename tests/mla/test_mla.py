@@ -126,8 +126,8 @@ def test_cli_convert_and_one_line_errors(tmp_path, capsys):
                              "--out", tmp_path / "out")
     assert code == 0, err
     assert "mla (latent rank 32 + rope key 16 per layer)" in out
-    gemma = tmp_path / "gemma"
-    tm.make_tiny("gemma", gemma)
+    gemma = tmp_path / "gemma2"  # logit softcaps: refused
+    tm.make_tiny("gemma2", gemma)
     for args, fragment in (
         ([src, "--kv-rank", 0], "--kv-rank must be positive"),
         ([src, "--kv-rank", 65], "--kv-rank must be between 1 and 64"),
