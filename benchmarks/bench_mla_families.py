@@ -82,7 +82,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--minutes", type=float, default=4.0)
-    p.add_argument("--ranks", default="128,64")
+    p.add_argument("--ranks", default="128,32")
     p.add_argument("--calib-tokens", type=int, default=8192)
     p.add_argument("--families", default="qwen2,qwen3")
     args = p.parse_args()
@@ -102,7 +102,8 @@ def main() -> None:
                 record = convert_to_mla(resolve_source(str(src)), out, kv_rank=rank, calib_tokens=args.calib_tokens,
                                         progress=False, force=True, absorb=absorb)
                 row[name] = measure(src, out, ids, reference) | {
-                    "calib_attention_error": record["mla"]["approximated"]["attention_error"]["mean"]}
+                    "calib_attention_error": record["mla"]["approximated"]["attention_error"]["mean"],
+                    "latent_loss": record["mla"]["latent_loss"], "rope_loss": record["mla"]["rope_loss"]}
                 print(family, name, row[name], flush=True)
         results[family] = row
     print(json.dumps(results, indent=1))
