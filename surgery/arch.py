@@ -504,10 +504,14 @@ def conditional_refusals() -> list[str]:
     those a key turns on."""
     lines = []
     for spec in sorted(SPECS, key=lambda s: s.name):
+        switched = {t.switch: True for t in spec.features if t.switch}
         for kind in REFUSALS:
-            refused = spec.refused_trait(kind, {t.switch: True for t in spec.features if t.switch})
+            refused = spec.refused_trait(kind, switched)
             if refused and refused[0].switch:
                 lines.append(f"{spec.name}: {kind} refused when `{refused[0].switch}` is set ({refused[1]})")
+            elif not refused and spec.approximation(kind) is None and spec.approximation(kind, switched):
+                keys = ", ".join(f"`{k}`" for k in switched)
+                lines.append(f"{spec.name}: {kind} approximate when {keys} is set ({spec.approximation(kind, switched)})")
     return lines
 
 
