@@ -143,7 +143,7 @@ def inspect(*checkpoints: Source, context: int = 4096, allow_pickle: bool = Fals
         SurgeryError: a checkpoint that cannot be read, or a context below 1.
     """
     from ..checkpoint.source import resolve_source
-    from ..inspect import inspect_checkpoint
+    from ..inspection import inspect_checkpoint
 
     reports = []
     for c in checkpoints:

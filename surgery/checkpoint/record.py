@@ -116,7 +116,7 @@ def public_name(spec: str | None) -> str | None:
 def new_record(kind: str, source, shard_hashes: dict[str, str]) -> dict:
     """The header of a conversion's record; `source` a surgery.checkpoint.source.Source, `shard_hashes` {file name: sha256}
     of its weight files."""
-    from .. import __version__
+    from ..version import __version__
 
     return {
         "toolkit": "surgery",

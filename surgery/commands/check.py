@@ -69,7 +69,7 @@ class CheckOptions(PrecisionOptions):
 def warn_same_domain(folder: Path, first: str, more: list[str], warn) -> None:
     """One line when the check's only text is a source the converted model was calibrated or trained on: its numbers
     then measure the fit to that domain, not the recovery of the source model."""
-    from ..check.overlap import shared_source
+    from ..checking.overlap import shared_source
     from ..general_text import resolve_text
 
     why = None if more else shared_source(folder, resolve_text(first))
@@ -96,7 +96,7 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
     """Compare, print the report (`show`; the Python API returns it instead), write it as JSON (`json_out`);
     CheckFailed when --expect exact is not met."""
     from ..checkpoint.atomic import write_json
-    from ..check.compare import check_counts, check_json_path, compare_checkpoints, precision_tolerance, print_report
+    from ..checking.compare import check_counts, check_json_path, compare_checkpoints, precision_tolerance, print_report
     from ..data import load_texts
     from ..checkpoint.source import resolve_source
 

@@ -160,7 +160,7 @@ class QueryRefitOptions(CliModel):
 
 @dataclass
 class AttentionShape:
-    """Per-layer attention sizes as surgery/inspect.py reads them (L layers, h heads, kv K/V heads, d head_dim,
+    """Per-layer attention sizes as surgery/inspection.py reads them (L layers, h heads, kv K/V heads, d head_dim,
     H hidden)."""
 
     layers: int

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import SurgeryError
-from ..inspect import inspect_checkpoint
+from ..inspection import inspect_checkpoint
 from ..units import si_number
 from ..kinds import find_kind
 from ..checkpoint.record import local_source_folder, public_data, public_record
@@ -163,7 +163,7 @@ def eval_results(reports: list[tuple[str, dict]]):
     model's perplexity, its KL from the source and its top-1 agreement; per lm-eval task, the converted score."""
     from huggingface_hub import EvalResult
 
-    from ..check.tasks import rows as task_rows
+    from ..checking.tasks import rows as task_rows
     from ..checkpoint.record import public_data
     from ..data import hub_dataset_id
 
@@ -313,8 +313,8 @@ def positions_section(reports: list[tuple[str, dict]]) -> list[str]:
 
 def generation_section(reports: list[tuple[str, dict]]) -> list[str]:
     """Greedy continuations of reports made with `check --generate`: agreement, and forced agreement by the source's
-    margin (surgery/check/generate.py)."""
-    from ..check import generate as gen
+    margin (surgery/checking/generate.py)."""
+    from ..checking import generate as gen
 
     made = [(name, r["generation"]) for name, r in reports if isinstance(r.get("generation"), dict)]
     if not made:
@@ -350,7 +350,7 @@ def samples_section(made: list[tuple[str, dict]]) -> list[str]:
 
 def tasks_section(reports: list[tuple[str, dict]]) -> list[str]:
     """The lm-eval scores of reports made with `check --tasks`."""
-    from ..check.tasks import rows
+    from ..checking.tasks import rows
 
     scored = [(name, r) for name, r in reports if isinstance(r.get("tasks"), dict) and r["tasks"]]
     if not scored:

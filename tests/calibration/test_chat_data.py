@@ -16,7 +16,7 @@ from surgery.chat import ChatFormat
 from surgery.data import load_texts
 from surgery.errors import SurgeryError
 from surgery.testing.pydoc_llama import FAST
-from surgery.uptrain import UptrainOptions, uptrain
+from surgery.training import UptrainOptions, uptrain
 
 TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n\n{% endfor %}"
             "{% if add_generation_prompt %}### assistant:\n{% endif %}")
@@ -132,7 +132,7 @@ def test_uptrain_streams_rendered_conversations(tiny, tiny_chat, chat_jsonl, tmp
 def test_masked_losses_count_only_the_marked_targets():
     import torch.nn.functional as F
 
-    from surgery.uptrain.losses import kd_loss, lm_loss
+    from surgery.training.losses import kd_loss, lm_loss
 
     g = torch.Generator().manual_seed(0)
     logits, teacher = torch.randn(2, 6, 9, generator=g), torch.randn(2, 6, 9, generator=g)
@@ -161,8 +161,8 @@ def test_assistant_spans_cover_the_answers_and_their_end_of_turn(smol_tokenizer)
 
 
 def test_uptrain_loss_on_assistant_trains_on_the_assistant_tokens_only(tiny_chat, tmp_path):
-    from surgery.uptrain.data import PackedData
-    from surgery.uptrain.losses import lm_loss
+    from surgery.training.data import PackedData
+    from surgery.training.losses import lm_loss
 
     short = tmp_path / "short.jsonl"  # answers of ~50 tokens: every window holds turns of both roles
     short.write_text("".join(json.dumps({"messages": [m | {"content": m["content"][:200]} for m in c["messages"]]})

@@ -1,5 +1,5 @@
-"""The stored teacher pass (`surgery teacher`, surgery/uptrain/teacher_pass.py) and distillation from it
-(`surgery uptrain --teacher-logprobs`, surgery/uptrain/stored_kd.py) on the tiny pydoc Llama (320 ids)."""
+"""The stored teacher pass (`surgery teacher`, surgery/training/teacher_pass.py) and distillation from it
+(`surgery uptrain --teacher-logprobs`, surgery/training/stored_kd.py) on the tiny pydoc Llama (320 ids)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import torch.nn.functional as F
 
 from surgery.errors import SurgeryError
 from surgery.testing.pydoc_llama import FAST, make_model, metrics, weights
-from surgery.uptrain import UptrainOptions, uptrain
-from surgery.uptrain.losses import kd_loss
-from surgery.uptrain.stored_kd import stored_kd_loss
-from surgery.uptrain.teacher_pass import teacher_pass
-from surgery.uptrain.teacher_store import StoredTargets, TeacherStore, bytes_per_token
+from surgery.training import UptrainOptions, uptrain
+from surgery.training.losses import kd_loss
+from surgery.training.stored_kd import stored_kd_loss
+from surgery.training.teacher_pass import teacher_pass
+from surgery.training.teacher_store import StoredTargets, TeacherStore, bytes_per_token
 
 from inprocess import cli_args, uptrain_error
 
@@ -56,7 +56,7 @@ def store32(tiny, tmp_path_factory):
 def run_windows(teacher: Path, tokenizer, **kw) -> torch.Tensor:
     """The windows `uptrain` trains on with RUN's options, in its order, as its packed data path yields them."""
     from surgery.data import load_texts
-    from surgery.uptrain.data import pack
+    from surgery.training.data import pack
 
     o = UptrainOptions(model=str(teacher), out=Path("unused"), **(RUN | kw))
     data = pack(load_texts(o.data[0]), tokenizer, o.seq_len, o.eval_tokens,
@@ -67,7 +67,7 @@ def run_windows(teacher: Path, tokenizer, **kw) -> torch.Tensor:
 def test_store_holds_the_live_teachers_top_k_on_the_runs_windows(tiny, tokenizer, store32):
     import transformers as tf
 
-    from surgery.uptrain.teacher_store import window_hash
+    from surgery.training.teacher_store import window_hash
 
     m = store32.manifest
     assert m["top_k"] == 32 and m["windows"] == 24 and m["bytes_per_token"] == bytes_per_token(32) == 194
@@ -92,7 +92,7 @@ def test_store_holds_the_live_teachers_top_k_on_the_runs_windows(tiny, tokenizer
 
 
 def test_stored_loss_is_the_divergence_over_the_top_k_buckets_and_live_kd_at_full_vocabulary():
-    from surgery.uptrain.teacher_pass import top_k_of
+    from surgery.training.teacher_pass import top_k_of
 
     g = torch.Generator().manual_seed(0)
     s, t = torch.randn(2, 5, 11, generator=g, dtype=torch.float64), 2 * torch.randn(2, 5, 11, generator=g, dtype=torch.float64)

@@ -10,8 +10,8 @@ import pytest
 
 from surgery.errors import SurgeryError
 from surgery.testing.pydoc_llama import FAST, metrics
-from surgery.uptrain import UptrainOptions, uptrain
-from surgery.uptrain.trackers import flat_config, parse_report_to, require_trackers
+from surgery.training import UptrainOptions, uptrain
+from surgery.training.trackers import flat_config, parse_report_to, require_trackers
 
 
 def run(model, out, **kw) -> dict:

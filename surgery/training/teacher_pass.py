@@ -1,5 +1,5 @@
 """`surgery teacher SRC --data ... --tokens N --top-k K --out DIR`: one teacher pass over the training windows of a run,
-stored (surgery/uptrain/teacher_store.py) for `surgery uptrain --teacher-logprobs DIR`.
+stored (surgery/training/teacher_store.py) for `surgery uptrain --teacher-logprobs DIR`.
 
 The windows are the run's own: the options are uptrain's data options (UptrainArgs), and the windows come from the
 same data path (data.py packed, stream.py streamed) in the order a one-process run reads them (a packed store serves
@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from .. import __version__
+from ..version import __version__
 from ..checkpoint.atomic import atomic_output_dir, check_output_path
 from ..checkpoint.record import now, public_name
 from ..checkpoint.source import resolve_source

@@ -76,7 +76,7 @@ def make_accelerator(precision: str = "auto", log_with: list[str] | None = None,
     `accelerate launch --multi_gpu --num_processes N` (torchrun) or `torchrun` run DDP on CPU over gloo, and
     an FSDP config (`accelerate launch --config_file fsdp.yaml`) run FSDP on CPU over gloo (see `use_fsdp_on_cpu`);
     under FSDP, `use_fsdp2` sets the mixed precision policy. `log_with`: the experiment trackers (--report-to),
-    `project_dir`: where TensorBoard writes (surgery/uptrain/trackers.py)."""
+    `project_dir`: where TensorBoard writes (surgery/training/trackers.py)."""
     import os
 
     from accelerate import Accelerator
@@ -177,7 +177,7 @@ def teacher_dtype(acc, o: UptrainOptions) -> torch.dtype:
 
 
 def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
-    if o.teacher_logprobs:  # the KD term from a stored teacher pass (surgery/uptrain/stored_kd.py)
+    if o.teacher_logprobs:  # the KD term from a stored teacher pass (surgery/training/stored_kd.py)
         from .stored_kd import objective
 
         return objective(o)

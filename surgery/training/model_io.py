@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
+from ..version import __version__
 from .. import runtime
 from ..runtime import context_length, is_causal_lm
 from ..errors import SurgeryError

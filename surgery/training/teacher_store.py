@@ -1,6 +1,6 @@
 """A stored teacher pass: the teacher's top-K next-token log-probabilities on the training windows of a run, written
-once (`surgery teacher`, surgery/uptrain/teacher_pass.py) and read by any number of runs (`surgery uptrain
---teacher-logprobs DIR`, surgery/uptrain/stored_kd.py) instead of a live teacher.
+once (`surgery teacher`, surgery/training/teacher_pass.py) and read by any number of runs (`surgery uptrain
+--teacher-logprobs DIR`, surgery/training/stored_kd.py) instead of a live teacher.
 
 Layout of DIR:
 
