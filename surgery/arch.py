@@ -53,6 +53,8 @@ class Feature(str, Enum):
     WHOLE_QK_NORM = "a q/k norm over the whole projection"
     NORM_MODULE_PER_HEAD = "per-head q/k norms stored as one norm module per head"
     PER_HEAD_QK_NORM = "per-head q/k norms, each head its own weight"
+    NO_LAYER_TYPES = "no per-layer attention types (layer_types) in its transformers class or a sibling's"
+    POSITIONS_BY_LAYER_TYPE = "positions that depend on a layer's attention type"
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,11 @@ class ArchSpec:
         implied = [Trait(Feature.BODY, self.body)] if self.body else []
         if self.encoder:
             implied.append(Trait(Feature.ENCODER, "an encoder"))
+        if self.name not in SLIDING_WINDOW_TARGETS | POSITIONS_BY_LAYER_TYPE and not self.encoder:
+            implied.append(Trait(Feature.NO_LAYER_TYPES, f"transformers' {self.name} has no per-layer attention types "
+                                 "(layer_types)"))
+        if self.name in POSITIONS_BY_LAYER_TYPE:
+            implied.append(Trait(Feature.POSITIONS_BY_LAYER_TYPE, POSITIONS_BY_LAYER_TYPE[self.name]))
         if self.qk_norm == QKNorm.WHOLE:
             implied.append(Trait(Feature.WHOLE_QK_NORM, _WHOLE_NORM, self.qk_norm_switch))
         elif self.qk_norm == QKNorm.PER_HEAD:
@@ -383,6 +390,19 @@ def find_spec(model_type: str | None) -> ArchSpec | None:
         if model_type in spec.model_types:
             return spec
     return None
+
+
+# Sliding-window layers as a standard checkpoint (`--to swa`): the model_type that writes per-layer attention types
+# (`layer_types` with `sliding_window`) for each family whose layers it can hold unchanged. Llama's body is
+# Ministral's (no biases); Qwen2/Qwen3/SmolLM3 also need `use_sliding_window`; Gemma 2 uses one RoPE for both types.
+SLIDING_WINDOW_TARGETS = {"llama": "ministral", "mistral": "ministral", "ministral": "ministral", "qwen2": "qwen2",
+                          "qwen3": "qwen3", "smollm3": "smollm3", "gemma2": "gemma2"}
+# Families with layer_types whose layers of the two types differ in more than the mask: retyping a layer changes it.
+POSITIONS_BY_LAYER_TYPE = {
+    "gemma3_text": "Gemma 3's sliding and global layers use different RoPE bases",
+    "cohere2": "Cohere 2's global layers have no RoPE",
+    "exaone4": "EXAONE 4's global layers have no RoPE when sliding windows are used",
+}
 
 
 def spec_for(config: dict, kind: str | None = None, refuses: dict[Feature, str] | None = None) -> ArchSpec:

@@ -67,7 +67,7 @@ class MLA(Kind):
         return (f"mla (latent rank {m['kv_lora_rank']} + rope key {m['qk_rope_head_dim']} per layer) "
                 f"in {record['seconds']:.1f}s")
 
-    def kv_cache_values(self, shape: AttentionShape, config: dict) -> dict[str, int]:
+    def kv_cache_values(self, shape: AttentionShape, config: dict, context: int | None = None) -> dict[str, int]:
         """vLLM and llama.cpp cache the latent and the rope key; transformers' DeepseekV3Attention (5.x) caches them
         too (after kv_a_layernorm and the rotation, before kv_b_proj expands them)."""
         n = shape.layers * (int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"]))
