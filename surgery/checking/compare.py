@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from . import generate as gen
 from . import layers as layer_errors
+from . import retrieval as retrieval_runs
 from . import tasks as task_runs
 from .positions import PositionBuckets, window_positions
 from .positions import print_table as print_position_table
@@ -277,6 +278,7 @@ class CheckPlan:
     layer_windows: int  # 0: no --layers
     layer_bytes: int
     tasks: object = None  # check.tasks.TaskSet of --tasks, loaded before any model
+    retrieval: object = None  # checking.retrieval.RetrievalPlan of --retrieval: its examples, built before any model
     precision: str = "fp32"  # what the models compute in: bf16 (autocast or bf16 weights), fp16 or fp32
 
     @property
@@ -318,6 +320,10 @@ class CheckRequest:
     data: str = "text"  # what the text is called in the report
     tasks: str | None = None
     tasks_limit: int | None = None
+    retrieval: str | None = None  # task names, or "all"
+    retrieval_lengths: tuple[int, ...] | None = None  # None: 512, 1024, ... up to the window length
+    retrieval_samples: int = 4
+    retrieval_haystack: str = "noise"
 
 
 def plan_check(source: Source, converted: Source, texts: Iterable[str], r: CheckRequest, warn,
@@ -391,10 +397,20 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
     # report measures the surgery and not the source's own sdpa-vs-eager rounding (~1e-4 on SmolLM2's logits).
     source_attention = _source_attention(converted)
     task_set = task_runs.load_tasks(r.tasks, r.tasks_limit) if r.tasks else None  # a task's data that cannot be had: before any model
+    retrieval = None
+    if r.retrieval:
+        if not causal:
+            raise SurgeryError("--retrieval needs a causal LM")
+        retrieval = retrieval_runs.plan_retrieval(r.retrieval, list(r.retrieval_lengths or ()), r.retrieval_samples,
+                                                  r.retrieval_haystack, tok, ctx, min(r.seq_len, ctx or r.seq_len),
+                                                  ids)
+    elif r.retrieval_lengths or r.retrieval_haystack != "noise" or r.retrieval_samples != 4:
+        raise SurgeryError("--retrieval-lengths, --retrieval-samples and --retrieval-haystack need --retrieval TASKS")
     return CheckPlan(source, converted, dev, r.dtype, (trust_a, trust_b), causal,
                      vocab_size(config_a) if causal else hidden_size(config_a), source_attention, tok, tokenizer_note,
                      checked, r.batch_size, prompts, r.generate, n_layer_windows,
-                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), task_set, precision)
+                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), task_set, retrieval,
+                     precision)
 
 
 def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str], progress: bool = True,
@@ -429,6 +445,7 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         source_forced = forced(model, p, source_continuations)  # the source's margins along its own continuations
         source_layers = layer_errors.record_layers(model, p.layer_batches(), layer_store) if p.layer_windows else 0
         source_scores = task_scores(model, p)
+        source_retrieval = retrieval_scores(model, p, progress, "retrieval source")
         del model
         free(p.device)
         seconds["source"] = round(time.time() - start, 2)
@@ -452,6 +469,9 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         if p.tasks is not None:
             report["tasks"] = task_runs.compare(source_scores, task_scores(model, p))
             report["tasks_limit"] = p.tasks.limit
+        if p.retrieval is not None:
+            report["retrieval"] = retrieval_runs.compare(
+                p.retrieval, source_retrieval, retrieval_scores(model, p, progress, "retrieval converted"))
         del model
         free(p.device)
         seconds["converted"] = round(time.time() - start, 2)
@@ -471,6 +491,13 @@ def task_scores(model, plan: CheckPlan) -> dict:
     if plan.tasks is None:
         return {}
     return task_runs.score(model, plan.tokenizer, plan.tasks, plan.batch_size, plan.device)
+
+
+def retrieval_scores(model, plan: CheckPlan, progress: bool, desc: str) -> list[dict] | None:
+    """--retrieval: each example's score for the loaded model (None without --retrieval)."""
+    if plan.retrieval is None:
+        return None
+    return retrieval_runs.score(model, plan.retrieval, plan.device, progress, desc)
 
 
 def continuations(model, plan: CheckPlan, progress: bool, desc: str) -> list[list[int]] | None:
@@ -619,6 +646,8 @@ def print_report(report: dict, title: str = "") -> None:
         for task, metric, a, b in task_runs.rows(report["tasks"]):
             tasks.add_row(task, metric, f"{a:.4g}", f"{b:.4g}")
         console.print(tasks)
+    if report.get("retrieval"):
+        retrieval_runs.print_table(report["retrieval"], console)
     if report.get("generation", {}).get("samples"):
         samples = Table(title="greedy continuations, side by side", show_lines=True)
         for col in ("prompt", "source", "converted"):

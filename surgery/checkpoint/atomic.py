@@ -198,14 +198,19 @@ def write_json(value, path: Path, echo=print) -> None:
 
 def write_text_atomic(path: Path, text: str, what: str = "output") -> None:
     """`text` into the file `path`, written beside it and renamed into place (never half-written)."""
+    write_bytes_atomic(path, text.encode(), what)
+
+
+def write_bytes_atomic(path: Path, data: bytes, what: str = "output") -> None:
+    """`data` into the file `path`, written beside it and renamed into place (never half-written)."""
     check_output_file(path, what)
     try:
         fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path, "tmp"), dir=path.absolute().parent)
     except OSError as e:
         raise SurgeryError(_write_failure(path, e)) from None
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except OSError as e:  # a full disk: one line, nothing left beside
