@@ -148,32 +148,40 @@ def print_table(report: dict, console) -> None:
 
 
 def plot(report: dict, title: str = "") -> bytes:
-    """Accuracy against length, one line per task and model (source solid, converted dashed): PNG bytes."""
+    """Accuracy against length, one panel per task and one for the mean, source solid and converted dashed: PNG
+    bytes."""
     import io
+    import math
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    panels = report["tasks"] + ["mean"]
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False, sharey=True)
     lengths = report["lengths"]
-    for i, task in enumerate(report["tasks"] + ["mean"]):
+    for ax, task in zip(axes.flat, panels):
         cells = report["mean"] if task == "mean" else report["accuracy"][task]
-        color = "black" if task == "mean" else f"C{i}"
-        width = 2.2 if task == "mean" else 1.2
-        for model, style in (("source", "-"), ("converted", "--")):
-            ax.plot(lengths, [100 * cells[str(n)][model] for n in lengths], style, color=color, linewidth=width,
-                    marker="o", markersize=3, label=f"{task} ({model})")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(lengths, [str(n) for n in lengths])
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("accuracy (%)")
-    ax.set_ylim(-3, 103)
-    ax.set_title(title or "retrieval accuracy by length (solid: source, dashed: converted)", fontsize=9)
-    ax.legend(fontsize=6, ncol=2, loc="lower left")
+        for model, style, color in (("source", "-", "C0"), ("converted", "--", "C3")):
+            ax.plot(lengths, [100 * cells[str(n)][model] for n in lengths], style, color=color, marker="o",
+                    markersize=3, label=model)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n) for n in lengths],
+                      fontsize=7)
+        ax.set_ylim(-5, 105)
+        ax.set_title(task, fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("accuracy (%)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title or "retrieval accuracy by context length", fontsize=10)
+    fig.supxlabel("context length (tokens)", fontsize=9)
     fig.tight_layout()
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=120)
+    fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
     return buffer.getvalue()
