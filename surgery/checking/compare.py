@@ -30,6 +30,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import documents
 from . import generate as gen
 from . import layers as layer_errors
 from . import tasks as task_runs
@@ -230,6 +231,7 @@ class CheckedText:
     data: str
     batches: torch.Tensor  # (windows, seq_len) token ids
     overlap: dict | None = None  # check.overlap.calibration_overlap
+    documents: dict | None = None  # which documents the windows hold (checking/documents.py)
 
     @property
     def label(self) -> str:
@@ -238,7 +240,8 @@ class CheckedText:
     def describe(self) -> dict:
         """The report's keys that say which tokens were compared."""
         return {"data": self.data, "text": self.label, "tokens": self.batches.numel(), "windows": self.batches.shape[0],
-                "seq_len": self.batches.shape[1]} | ({"calibration_overlap": self.overlap} if self.overlap else {})
+                "seq_len": self.batches.shape[1]} | ({"calibration_overlap": self.overlap} if self.overlap else {}) | (
+                    {"documents": self.documents} if self.documents else {})
 
 
 @dataclass
@@ -303,6 +306,7 @@ class CheckRequest:
     data: str = "text"  # what the text is called in the report
     tasks: str | None = None
     tasks_limit: int | None = None
+    documents: str = "joined"  # "whole": each window cut from one document (checking/documents.py)
 
 
 def plan_check(source: Source, converted: Source, texts: Iterable[str], r: CheckRequest, warn,
@@ -310,6 +314,8 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
     """Check every input (options, trust, weights, tokenizers, prompts) and tokenize the texts (`texts`, called
     `r.data`, then each (name, texts) of `more_texts`); loads no model."""
     check_counts(r.tokens, r.seq_len, r.batch_size, r.generate)
+    if r.documents not in documents.MODES:
+        raise SurgeryError(f"--documents must be one of {', '.join(documents.MODES)} (got {r.documents!r})")
     if r.prompts_file is not None and not r.generate:
         raise SurgeryError("--prompts needs --generate N (the number of tokens to generate)")
     if r.prompt_len < 1:
@@ -351,9 +357,17 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
 
     def tokenized(name: str, text: Iterable[str]) -> tuple[CheckedText, torch.Tensor]:
         hashed = HashedTexts(text)
-        ids = token_stream(hashed, tok, r.tokens)
-        checked = CheckedText(name, windows(ids, seq_len, f"the text {name}" if more_texts else "the data"),
-                              calibration_overlap(converted.folder, hashed.hashes))
+        what = f"the text {name}" if more_texts else "the data"
+        if r.documents == "whole":
+            whole = documents.whole_document_windows(hashed, tok, seq_len, r.tokens, name, warn)
+            checked = CheckedText(name, whole.batches, documents=whole.describe())
+            ids = whole.batches.reshape(-1)
+        else:
+            ids = token_stream(hashed, tok, r.tokens)
+            checked = CheckedText(name, windows(ids, seq_len, what))
+            straddling = documents.warn_straddling(checked.batches, tok, name, warn)
+            checked.documents = {"mode": "joined", "straddling_windows": straddling}
+        checked.overlap = calibration_overlap(converted.folder, hashed.hashes)
         if checked.overlap:
             o = checked.overlap
             warn(f"{o['documents']} of the {o['of']} documents checked on{f' in {name}' if more_texts else ''} were "
@@ -555,6 +569,8 @@ def print_report(report: dict, title: str = "") -> None:
     console.print(table)
     if report.get("texts"):
         print_texts_table(report["texts"], console)
+    if report.get("documents", {}).get("mode") == "whole":
+        documents.print_table(report["documents"], console)
     if report.get("by_position"):
         print_position_table(report["by_position"], console)
     if report.get("layers"):
