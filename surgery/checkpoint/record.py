@@ -266,7 +266,7 @@ MIXTURE = "mixture: "  # calibration "split" of several texts: "mixture: SPEC: s
 def is_local_data(spec: str) -> bool:
     """A data spec naming files of this machine (a path, a glob, a file with a data suffix), not `pydoc` or a hub
     dataset `name[:config][@split[@revision]]`; judged by its form, so it holds on a machine where the file is gone."""
-    if spec in ("pydoc", "general") or spec.startswith("hf://"):
+    if spec in ("pydoc", "stdlib", "general") or spec.startswith("hf://"):
         return False
     return (spec.startswith(("/", ".", "~")) or any(c in spec for c in "*?[") or spec.count("/") > 1
             or Path(spec).suffix in LOCAL_DATA_SUFFIXES or Path(spec).expanduser().exists())

@@ -23,7 +23,8 @@ class CheckFailed(SurgeryError):
 
 
 class CheckOptions(PrecisionOptions):
-    data: Texts = option(["pydoc"], "--data", "Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub "
+    data: Texts = option(["pydoc"], "--data", "Text: pydoc, stdlib (the standard library's modules, one document "
+                         "each), local .txt/.jsonl/.parquet files or globs, or a hub "
                          "dataset name[:config][@split[@revision]]. Repeat it to check on several texts (e.g. domains) in one "
                          "run, each model loaded once: each text gives its own --tokens tokens and numbers.")
     text_field: str = option("text", "--text-field", "Column holding the text in tabular data.")
@@ -33,6 +34,10 @@ class CheckOptions(PrecisionOptions):
         "tokenizer has one.")
     tokens: int = option(16384, "--tokens", "Tokens to compare on (at least 1).")
     seq_len: int = option(1024, "--seq-len", "Window length (capped at the context).")
+    documents: Literal["joined", "whole"] = option(
+        "joined", "--documents", "joined: the documents tokenized one after another, cut into windows; whole: each "
+        "window cut from one document at least --seq-len tokens long (long-context numbers; --data stdlib has long "
+        "documents), the report names them; none that long: an error.")
     batch_size: int = option(4, "--batch-size", "Windows per forward pass.")
     device: str = option("auto", "--device", "auto (CUDA when present), cpu, cuda, cuda:N.")
     dtype: Literal[DTYPE_NAMES] = option("float32", "--dtype", "The dtype both models are loaded in; --precision bf16 "
@@ -145,7 +150,8 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
                                  prompts_file=Path(o.prompts) if o.prompts else None, layers=o.layers, data=first,
                                  tasks=o.tasks, tasks_limit=o.tasks_limit, retrieval=o.retrieval,
                                  retrieval_lengths=retrieval_lengths(o), retrieval_samples=o.retrieval_samples,
-                                 retrieval_haystack=o.retrieval_haystack, warn=warn)
+                                 retrieval_haystack=o.retrieval_haystack, documents=o.documents,
+                                 warn=warn)
     tol = o.atol if o.atol is not None else precision_tolerance(report["precision"])
     worst = max(t["max_abs_diff"] for t in report.get("texts", [report]))
     report["tolerance"] = tol

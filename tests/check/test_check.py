@@ -93,6 +93,7 @@ def reference_metrics(source: Path, converted: Path, tokens: int, seq_len: int) 
 def test_sequential_check_gives_the_numbers_of_both_models_at_once(models, spill_bytes):
     report = check(models["other"], models["lossy"], spill_bytes=spill_bytes)
     assert report["scratch"] == ("disk" if spill_bytes == 0 else "memory")
+    assert report["logits"] == "sliced"  # neither model returned whole logits
     assert report["tokens"] == 1024 and report["windows"] == 16 and report["seq_len"] == 64
     expected = reference_metrics(models["other"], models["lossy"], 1024, 64)
     cpu = torch.device("cpu")  # the old check: both models loaded as check loads them, compared at once
