@@ -52,7 +52,9 @@ def measure(name: str, a) -> None:
     out = folder(name, a)
     work = a.work / name
     if not (work / "inspect.json").exists():
-        surgery("inspect", a.source, str(out), "--context", str(a.context), "--json", str(work / "inspect.json"))
+        result = subprocess.run(["surgery", "inspect", a.source, str(out), "--context", str(a.context), "--json"],
+                                check=True, capture_output=True, text=True)
+        (work / "inspect.json").write_text(result.stdout)
     if not (work / "check.json").exists():
         lengths = ",".join(str(a.context >> k) for k in range(3, -1, -1))
         surgery("check", a.source, str(out), "--seq-len", str(a.context), "--retrieval", "all",

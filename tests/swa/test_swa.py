@@ -140,3 +140,19 @@ def test_bad_input_is_one_line_and_nothing_written(args, arch, message, tmp_path
     code, _, err = cli("convert", src, "--to", "swa", *args, "--out", tmp_path / "o")
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_swa_output_distils_from_its_source_and_stays_swa(tiny, tmp_path, cli):
+    """A standard model: uptraining (KD from the source named in surgery.json) runs on it unchanged, moves it
+    towards the source, and writes it back with its layer types."""
+    from surgery.testing.pydoc_llama import FAST, metrics
+    from surgery.training import UptrainOptions, uptrain
+
+    code, _, err = cli("convert", tiny, "--to", "swa", "--window", "4", "--global-layers", "1", "--out",
+                       tmp_path / "swa")
+    assert code == 0, err
+    uptrain(UptrainOptions(model=str(tmp_path / "swa"), out=tmp_path / "up", **(FAST | dict(tokens=1024, loss="kd", lr=3e-4))))
+    kd = [m["kd_loss"] for m in metrics(tmp_path / "up") if "kd_loss" in m]
+    assert len(kd) == 2 and kd[1] < kd[0]
+    assert _config(tmp_path / "up")["layer_types"] == _config(tmp_path / "swa")["layer_types"]
+    assert _load(tmp_path / "up").config.sliding_window == 4
