@@ -93,12 +93,16 @@ STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "
 
 
 def stdlib_files() -> list[Path]:
-    """The standard library's .py files (its test suites and installed packages left out), sorted by path."""
+    """The standard library's .py files (its test suites and installed packages left out: not even walked), sorted
+    by path."""
     import sysconfig
 
     root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted((p for p in root.rglob("*.py") if not STDLIB_SKIP & set(p.relative_to(root).parts[:-1])),
-                  key=lambda p: p.relative_to(root).as_posix())
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in STDLIB_SKIP]
+        files += [Path(folder) / n for n in names if n.endswith(".py")]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
 def stdlib_texts() -> Iterator[Document]:

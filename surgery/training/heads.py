@@ -59,9 +59,9 @@ class OutputHead:
                 logits = forward(model, input_ids=ids, use_cache=False).logits
                 with head.returning_hidden():
                     hidden = forward(model, input_ids=ids, use_cache=False).logits
-            if hidden.shape[-1] != module.weight.shape[1]:
-                return None
-            same = torch.allclose(head.project(hidden).float(), logits.float(), rtol=1e-4, atol=1e-4)
+                if hidden.shape[-1] != module.weight.shape[1]:
+                    return None
+                same = torch.allclose(head.project(hidden).float(), logits.float(), rtol=1e-4, atol=1e-4)
         except Exception:  # any model whose forward does not take it: whole logits
             return None
         finally:
