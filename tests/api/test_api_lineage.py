@@ -1,5 +1,5 @@
 """A loaded model's lineage (what `surgery.json` and the model card say it was converted from) and the API's
-output folders (missing parents made, every check of `out` before any work) — on the tiny pydoc Llama."""
+output folders (missing parents made, every check of `out` before any work) — on a tiny random Llama."""
 
 from __future__ import annotations
 
@@ -14,6 +14,17 @@ import pytest
 import surgery
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama with a character tokenizer (made in a second; nothing here trains it)."""
+    from surgery.testing import tiny_models as tm
+
+    folder = tmp_path_factory.mktemp("lineage") / "tiny"
+    tm.make_tiny("llama", folder)
+    tm.char_tokenizer(folder)
+    return folder
 
 
 @pytest.fixture(autouse=True)
@@ -72,10 +83,44 @@ def test_missing_parents_are_made_and_a_failed_run_leaves_none(tiny, tmp_path, c
     assert not (cache / "loaded").exists()
 
 
+def test_a_model_loaded_by_hub_id_records_the_cached_commit_holding_its_weights(tiny, tmp_path, monkeypatch):
+    """In process: a model loaded from huggingface_hub's cache (its layout written here) is recorded by hub id and
+    the commit whose snapshot holds its weights; a snapshot of other weights is not taken for it."""
+    import shutil
+
+    import huggingface_hub.constants as constants
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    repo = tmp_path / "hub" / "models--alice--tiny"
+    good, other = "a" * 40, "b" * 40
+    shutil.copytree(tiny, repo / "snapshots" / good)
+    shutil.copytree(tiny, repo / "snapshots" / other)
+    weights = repo / "snapshots" / other / "model.safetensors"
+    tensors = load_file(weights)
+    first = sorted(tensors)[0]
+    tensors[first] = tensors[first] + 1
+    save_file(tensors, weights)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    model = AutoModelForCausalLM.from_pretrained(repo / "snapshots" / good)
+    model.name_or_path = "alice/tiny"  # what from_pretrained("alice/tiny") sets
+    record = surgery.convert(model, tmp_path / "mqa", to="mqa").record
+    assert {k: record["source"][k] for k in ("spec", "loaded", "commit", "revision")} == {
+        "spec": "alice/tiny", "loaded": "hub", "commit": good, "revision": good}
+    assert "base_model: alice/tiny" in surgery.model_card(tmp_path / "mqa", "me/x")
+    with torch.no_grad():
+        next(model.parameters()).add_(1)  # trained in the notebook: no cached snapshot holds these weights
+    record = surgery.convert(model, tmp_path / "mqa2", to="mqa").record
+    assert record["source"]["spec"] == "alice/tiny" and record["source"]["commit"] is None
+
+
+@pytest.mark.slow
 def test_a_model_loaded_by_hub_id_pushes_a_card_whose_base_model_is_that_id(tiny, tmp_path):
     """A notebook on the loopback hub: from_pretrained("alice/tiny"), convert, push; the card's base_model is
     alice/tiny and surgery.json records the commit transformers loaded (transformers 5 keeps it nowhere on the
-    model: found as the cached snapshot holding its weights)."""
+    model: found as the cached snapshot holding its weights). Slow (17 s: a fresh process, upload and download);
+    the in-process test above covers the same path without the hub."""
     from hub_server import TOKEN, USER, LocalHub, download, hub_env
 
     script = tmp_path / "notebook.py"
@@ -106,3 +151,42 @@ def test_a_model_loaded_by_hub_id_pushes_a_card_whose_base_model_is_that_id(tiny
     assert f"revision `{out['commit']}`" in card
     assert str(tmp_path) not in card and str(tmp_path) not in json.dumps({k: v for k, v in out["record"].items()
                                                                           if k != "local"})
+
+
+def _api_calls(tiny, root, afile):
+    """(name, call, the message's fragment): bad arguments of the API's own (not a command's options)."""
+    c, u, t, card = surgery.convert, surgery.uptrain, surgery.teacher, surgery.model_card
+    return [
+        ("convert out=123", lambda: c(tiny, 123, to="mqa"), "out is a path"),
+        ("convert out=''", lambda: c(tiny, "", to="mqa"), "out is a path"),
+        ("convert out inside a file", lambda: c(tiny, afile / "x", to="mqa"), "is not a folder"),
+        ("convert dry_run='yes'", lambda: c(tiny, root / "o", to="mqa", dry_run="yes"), "dry_run is True or False"),
+        ("convert tokenizer with a folder", lambda: c(tiny, root / "o", to="mqa", tokenizer="x"),
+         "tokenizer goes with a loaded model"),
+        ("convert calib rows without text", lambda: c(tiny, root / "o", to="mqa", merge="aligned", calib=[{}]),
+         "has no 'text'"),
+        ("check json_out=123", lambda: surgery.check(tiny, tiny, json_out=123), "json_out is a path"),
+        ("check show='x'", lambda: surgery.check(tiny, tiny, show="x"), "show is True or False"),
+        ("inspect context='a'", lambda: surgery.inspect(tiny, context="a"), "context is an integer"),
+        ("inspect allow_pickle='x'", lambda: surgery.inspect(tiny, allow_pickle="x"), "allow_pickle is True or False"),
+        ("uptrain teacher_logprobs=5", lambda: u(tiny, root / "u", tokens=256, teacher_logprobs=5),
+         "teacher_logprobs is a path"),
+        ("uptrain progress='x'", lambda: u(tiny, root / "u", tokens=256, progress="x"), "progress is True or False"),
+        ("teacher revision=5", lambda: t(tiny, root / "t", tokens=256, revision=5), "revision is a branch"),
+        ("model_card check_reports=[5]", lambda: card(tiny, "a/b", check_reports=[5]), "check_reports[0] is a path"),
+        ("model_card one report, not a list", lambda: card(tiny, "a/b", check_reports="r.json"), "r.json cannot"),
+        ("model_card bench_report=5", lambda: card(tiny, "a/b", bench_report=5), "bench_report is a path"),
+        ("run_recipe None", lambda: surgery.run_recipe(None), "recipe is a path"),
+        ("run_recipe from_step=[]", lambda: surgery.run_recipe({}, from_step=[]), "from_step is a step's name"),
+    ]
+
+
+def test_the_api_s_own_bad_arguments_are_one_line_before_any_work(tiny, tmp_path, cache):
+    """Each was a TypeError from inside, a string read letter by letter, or a silent ignore."""
+    afile = tmp_path / "afile.txt"
+    afile.write_text("x")
+    for name, call, fragment in _api_calls(tiny, tmp_path, afile):
+        with pytest.raises(surgery.SurgeryError) as e:
+            call()
+        assert fragment in str(e.value) and "\n" not in str(e.value), name
+    assert {p.name for p in tmp_path.iterdir()} <= {"afile.txt", "cache"}  # no output, nothing half-written
