@@ -68,8 +68,11 @@ def convert(source: Source, out: PathLike | None = None, *, to: str, tokenizer: 
         source: A checkpoint folder, a hub id (`owner/name`, with `revision=`), a `.gguf` file, `"smollm2"` (the
             embedded SmolLM2-135M), or a loaded `transformers.PreTrainedModel`. A loaded model is saved with
             `save_pretrained` (safetensors) into the toolkit's cache (`~/.cache/surgery/loaded/<sha256>`, with
-            `tokenizer`) and converted from there: simple and honest, at the cost of one copy on disk.
-        out: The output folder (written atomically: nothing half-written is left on failure); required unless
+            `tokenizer`) and converted from there: simple and honest, at the cost of one copy on disk. Its lineage
+            (a hub id and commit, a local folder's name, or built in memory) is what surgery.json and the card
+            record as the source, never the cache folder.
+        out: The output folder (written atomically: nothing half-written is left on failure; missing parent
+            folders are made, and removed again if the conversion fails); checked before any work. Required unless
             `dry_run`.
         to: The target attention: `mqa`, `gqa`, `talking-heads`, `switchhead` or `mla`.
         tokenizer: With a loaded model: its tokenizer (default: the one in the folder the model was loaded from).
