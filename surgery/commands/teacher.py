@@ -48,6 +48,9 @@ def store_teacher_pass(source: str, out: Path, options: UptrainArgs, top_k: int,
     from ..training.options import UptrainOptions
     from ..training.teacher_pass import teacher_pass
 
+    from ..checkpoint.atomic import output_parents
+
     run = UptrainOptions(model=source, out=Path(out), **options.model_dump())
-    return teacher_pass(source, Path(out), run, top_k, device=device, trust_teacher_code=options.trust_teacher_code,
-                        progress=progress, revision=revision, processes=processes)
+    with output_parents(out):
+        return teacher_pass(source, Path(out), run, top_k, device=device, trust_teacher_code=options.trust_teacher_code,
+                            progress=progress, revision=revision, processes=processes)

@@ -12,9 +12,11 @@ __all__ = ["RUNNER_OWNED", "UptrainArgs", "uptrain_dry_run", "uptrain_model"]
 
 def uptrain_model(model: str, out: Path, options: UptrainArgs, progress: bool = True) -> dict:
     """Train; returns the uptraining record written into OUT/surgery.json (`progress`: the progress display)."""
+    from ..checkpoint.atomic import output_parents
     from ..training import UptrainOptions, uptrain
 
-    return uptrain(UptrainOptions(model=model, out=Path(out), progress=progress, **options.model_dump()))
+    with output_parents(out):  # missing folders above OUT (and OUT.run) made, removed again if left empty
+        return uptrain(UptrainOptions(model=model, out=Path(out), progress=progress, **options.model_dump()))
 
 
 def uptrain_dry_run(model: str, options: UptrainArgs) -> list[str]:
