@@ -72,8 +72,12 @@ class Trait:
 
 
 # support label (a column of `surgery convert --list`) -> the features it refuses -> its one-line reason, a template
-# over the family's words ("{detail}"). Filled by surgery.kinds.register: the kinds own their refusals.
-REFUSALS: dict[str, dict[Feature, str]] = {}
+# over the family's words ("{detail}"), or a function (spec, trait) -> reason, None where that family's feature is
+# carried over. Filled by surgery.kinds.register: the kinds own their refusals.
+REFUSALS: dict[str, dict[Feature, object]] = {}
+# support label -> what its `convert --list` cell says of a family it converts (default "yes"), e.g. MLA's "exact" or
+# "approximate: ...". Filled by surgery.kinds.register.
+VERDICTS: dict[str, object] = {}
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra")
 _WHOLE_NORM = "q/k norms over the whole projection couple all heads (one RMS over every K head)"
 
@@ -256,7 +260,10 @@ class ArchSpec:
         refuses = refusals_of(kind) if refuses is None else refuses
         for trait in self.features:
             if trait.feature in refuses and trait.on(config):
-                return trait, refuses[trait.feature].format(detail=trait.detail)
+                rule = refuses[trait.feature]
+                reason = rule(self, trait) if callable(rule) else rule.format(detail=trait.detail)
+                if reason is not None:
+                    return trait, reason
         return None
 
     def refusal(self, kind: str, config: dict | None = None, refuses: dict[Feature, str] | None = None) -> str | None:
@@ -446,8 +453,17 @@ def support_table(columns: tuple[str, ...]) -> list[dict[str, str]]:
         for model_type in spec.model_types:
             norm = spec.qk_norm.value + (f" (when {spec.qk_norm_switch})" if spec.qk_norm_switch else "")
             rows.append({"model_type": model_type, "attention": _layout_text(spec), "q/k norm": norm}
-                        | {kind: spec.refusal(kind) or "yes" for kind in columns})
+                        | {kind: _cell(spec, kind)[1] for kind in columns})
     return rows
+
+
+def _cell(spec: ArchSpec, kind: str) -> tuple[bool, str]:
+    """(converts, what the support table says): the refusal, or "yes" / the kind's verdict (`VERDICTS`)."""
+    reason = spec.refusal(kind)
+    if reason is not None:
+        return False, reason
+    verdict = VERDICTS.get(kind)
+    return True, verdict(spec) if verdict else "yes"
 
 
 def conditional_refusals() -> list[str]:
@@ -465,12 +481,13 @@ def conditional_refusals() -> list[str]:
 def support_markdown(kinds: tuple[str, ...]) -> str:
     """The families x kinds table, as `surgery convert --list` prints it and docs/tasks/convert.md shows it."""
     rows = support_table(kinds)
+    specs = [spec for spec in sorted(SPECS, key=lambda s: s.name) for _ in spec.model_types]
     columns = list(rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        cells = [v if v == "yes" or c not in kinds else "no: " + v for c, v in row.items()]
+    for spec, row in zip(specs, rows):
+        cells = [v if c not in kinds or _cell(spec, c)[0] else "no: " + v for c, v in row.items()]
         lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
-    counts = ", ".join(f"{kind} {sum(row[kind] == 'yes' for row in rows)}" for kind in kinds)
+    counts = ", ".join(f"{kind} {sum(_cell(spec, kind)[0] for spec in specs)}" for kind in kinds)
     lines += ["", f"model_types supported: {counts}."]
     lines += [""] + [f"- {line}" for line in conditional_refusals()]
     return "\n".join(lines) + "\n"

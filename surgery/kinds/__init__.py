@@ -54,6 +54,8 @@ def _hand_refusals_to_arch() -> None:
     (kinds sharing a label, like mqa and gqa, declare it alike)."""
     arch.REFUSALS.clear()
     arch.REFUSALS.update({label: table for k in _KINDS.values() for label, table in k.refusals().items()})
+    arch.VERDICTS.clear()
+    arch.VERDICTS.update({label: k.verdict for k in _KINDS.values() if k.verdict for label in k.refusals()})
 
 
 for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD, MLA_KIND, SWA_KIND):

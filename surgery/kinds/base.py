@@ -221,6 +221,8 @@ class Kind:
     # template over the family's own words for the feature ("{detail}"); a kind whose columns differ overrides
     # `refusals`
     refuses: dict[Feature, str] = field(default_factory=dict)
+    # what `convert --list` says of a family the kind converts: a function spec -> text (None: "yes")
+    verdict: Any = None
     tags: list[str] = field(default_factory=list)  # the model card's hub tags
     ships_code: bool = False  # the output carries its own modeling code (load with trust_remote_code=True)
     # options that convert a Llama-like model of 8 heads and 4 K/V heads (tests/kinds/test_kind_contract.py runs them)

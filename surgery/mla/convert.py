@@ -11,6 +11,7 @@ when the source ties it.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -28,8 +29,10 @@ from ..runtime import load_tokenizer, pick_device
 from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, PlannedTensor
 from ..kv.aligned.refit import QueryRefit
+from .absorb import AbsorptionMoments, SourceProjections
 from .calibrate import MLAGeometry, convert_pass, frequency_scores_pass
 from .factor import MLAWeights, SourceAttention, mla_layer
+from .families import MLAFamily, mla_family
 from .refusals import KIND, REFUSES
 
 QUERY_SAMPLES = QueryRefit().samples  # the aligned merge's default (`--query-samples`)
@@ -59,9 +62,12 @@ class Shape:
         return 2 * self.kv_heads * self.head_dim
 
 
-def refuse_config(config: dict) -> None:
-    """What a Llama-like config can set that DeepSeek-V3 (as transformers, vLLM and llama.cpp read it) cannot."""
+def refuse_config(config: dict, family: MLAFamily | None = None) -> None:
+    """What a Llama-like config can set that DeepSeek-V3 (as transformers, vLLM and llama.cpp read it) cannot (a
+    family whose biases are absorbed (surgery/mla/families.py) keeps its attention_bias)."""
     for key in ("attention_bias", "mlp_bias"):
+        if key == "attention_bias" and family is not None and family.biases:
+            continue
         if config.get(key):
             raise SurgeryError(f"mla cannot convert {key}: DeepSeek-V3's projections have no biases")
     if config.get("sliding_window") and config.get("use_sliding_window", True):
@@ -189,8 +195,10 @@ def target_config(config: dict, shape: Shape, theta: float, dtype: str | None) -
 class Planner:
     """Every output tensor: the attention's five from `layer_weights`, the rest copied from the source."""
 
-    def __init__(self, reader: CheckpointReader, spec, shape: Shape, layer_weights, dtype: torch.dtype | None):
+    def __init__(self, reader: CheckpointReader, spec, shape: Shape, layer_weights, dtype: torch.dtype | None,
+                 config: dict | None = None):
         self.reader, self.spec, self.shape, self.layer_weights, self.dtype = reader, spec, shape, layer_weights, dtype
+        self.config = config or {}
         self._cache: tuple[int, MLAWeights] | None = None
 
     def _weights(self, layer: int) -> MLAWeights:
@@ -212,6 +220,10 @@ class Planner:
         return [PlannedTensor(f"{module}.{name}.weight", dtype, shapes[name], produce=producer(fields[name]))
                 for name in ATTENTION]
 
+    def _is_qk_norm(self, name: str) -> bool:
+        return self.spec.has_qk_norm(self.config) and any(
+            re.search(self.spec.norm_pattern(which), name) for which in ("q", "k"))
+
     def plan(self) -> list[PlannedTensor]:
         planned, done = [], set()
         names = self.reader.names()
@@ -225,8 +237,8 @@ class Planner:
                     done.add(layer)
                     planned += self._attention(module, layer, self.dtype or info.dtype)
                 continue
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
+            if name.endswith("rotary_emb.inv_freq") or self._is_qk_norm(name):
+                continue  # q/k norms: absorbed into q_proj and the latent (surgery/mla/absorb.py)
             planned.append(_copy(self.reader, name, name, dtype))
         if "lm_head.weight" not in names:  # tied in the source: DeepSeek-V3 reads its own lm_head
             embed = next(n for n in names if n.endswith("embed_tokens.weight"))
@@ -242,7 +254,9 @@ def _copy(reader: CheckpointReader, name: str, out_name: str, dtype: torch.dtype
     return PlannedTensor(out_name, dtype, info.shape, produce=lambda: reader.load(name).to(dtype).contiguous())
 
 
-def _projection_names(reader: CheckpointReader, spec, layers: int) -> dict[tuple[int, str], str]:
+def _projection_names(reader: CheckpointReader, spec, layers: int, family: MLAFamily | None = None,
+                      biases: dict[tuple[int, str], str] | None = None) -> dict[tuple[int, str], str]:
+    """(layer, projection) -> weight name; the q/k/v biases of a family that absorbs them go into `biases`."""
     found: dict[tuple[int, str], str] = {}
     for name in reader.names():
         hit = spec.match(name)
@@ -250,13 +264,56 @@ def _projection_names(reader: CheckpointReader, spec, layers: int) -> dict[tuple
             continue
         layer, proj, param = hit
         if param == "bias":
-            raise SurgeryError(f"mla cannot convert attention biases ({name}): DeepSeek-V3's projections have none")
+            if family is None or not family.biases or proj == spec.o or biases is None:
+                raise SurgeryError(f"mla cannot convert attention biases ({name}): DeepSeek-V3's projections have "
+                                   "none")
+            biases[(layer, proj)] = name
+            continue
         found[(layer, proj)] = name
     for layer in range(layers):
         for proj in (spec.q, spec.k, spec.v, spec.o):
             if (layer, proj) not in found:
                 raise SurgeryError(f"the checkpoint has no {proj} weight for layer {layer}")
     return found
+
+
+def _qk_norm_names(reader: CheckpointReader, spec, config: dict) -> dict[tuple[int, str], str]:
+    """(layer, "q"|"k") -> the per-head q/k norm's weight (a norm with a bias has no RMSNorm form: refused)."""
+    if not spec.has_qk_norm(config):
+        return {}
+    found = {}
+    for which in ("q", "k"):
+        pattern = re.compile(spec.norm_pattern(which))
+        for name in reader.names():
+            m = pattern.search(name)
+            if m is None:
+                continue
+            if m.group("param") != "weight":
+                raise SurgeryError(f"mla cannot absorb a q/k norm with a bias ({name})")
+            if reader.tensors[name].shape[-1:] != (spec.head_dim(config),) or len(reader.tensors[name].shape) != 1:
+                raise SurgeryError(f"mla absorbs per-head q/k norms of head_dim weights; {name} has shape "
+                                   f"{tuple(reader.tensors[name].shape)}")
+            found[(int(m.group("layer")), which)] = name
+    return found
+
+
+def _family_record(family: MLAFamily | None, absorbing: bool, absorb: bool,
+                   residuals: dict[int, dict[str, tuple[float, float]]]) -> dict:
+    """surgery.json's `mla.family` (verdict and why) and, for an approximate family, `mla.absorption`: per projection
+    the mean relative residual over layers of the linear fit and of dropping the term (surgery/mla/absorb.py)."""
+    out = {"family": {"verdict": family.verdict, "reason": family.reason} if family else {"verdict": "exact"}}
+    if absorbing:
+        n = max(len(residuals), 1)
+        mean = {p: [round(sum(r[p][j] for r in residuals.values()) / n, 6) for j in (0, 1)] for p in "qkv"}
+        out["absorption"] = {
+            "method": "least-squares linear fit on the calibration activations" if absorb else
+                      "none (dropped: a measurement baseline)",
+            "terms": [t for t, on in (("q/k/v biases", family.biases), ("q/k norms", family.qk_norm)) if on],
+            "relative_residual": {p: mean[p][0 if absorb else 1] for p in "qkv"},
+            "relative_residual_dropped": {p: mean[p][1] for p in "qkv"},
+            "runtimes": "transformers, vLLM and llama.cpp compute the same plain projections (no bias, no q/k norm "
+                        "is written)"}
+    return out
 
 
 def _mla_record(shape: Shape, kept: list[int], stride: int, theta: float, share: float,
@@ -292,21 +349,26 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
                    calib_chunk: int | None = None, force: bool = False, dtype: str | None = None,
                    max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
                    progress: bool = True, device: str = "auto", query_samples: int = QUERY_SAMPLES,
-                   precision: str = "auto", chat_template: str = "auto") -> dict:
+                   precision: str = "auto", chat_template: str = "auto", absorb: bool = True) -> dict:
     """Convert `src` into a DeepSeek-V3 (MLA) checkpoint at `out` with latent rank `kv_rank` and `rope_dim` rotary
     dims per head (default: head_dim), calibrating in chunks of `calib_chunk` windows (default: the rule of
     surgery/calibration/chunks.py); `query_samples` positions per window for the query refit (0: none); the
-    calibration's forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64."""
+    calibration's forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64.
+    `absorb` False (a measurement baseline): an approximate family's biases and q/k norms are dropped instead of
+    absorbed (surgery/mla/absorb.py); the refits still fit the source's own logits and outputs."""
     start = time.time()
     config = src.config
     spec = spec_for(config, KIND, REFUSES)
-    refuse_config(config)
+    family = mla_family(spec.name)
+    refuse_config(config, family)
     shape = Shape(spec, config, kv_rank, rope_dim)
     check_output_path(out, force, source=src.folder)
     dev = pick_device(device)
     resolved = resolve_precision(precision, dev)
     reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
-    names = _projection_names(reader, spec, shape.layers)
+    bias_names: dict[tuple[int, str], str] = {}
+    names = _projection_names(reader, spec, shape.layers, family, bias_names)
+    norm_names = _qk_norm_names(reader, spec, config) if family is not None and family.qk_norm else {}
     written = dtype or str(reader.tensors[names[(0, spec.q)]].dtype).removeprefix("torch.")
     if written == "float16":
         raise SurgeryError("mla keeps kv_a_layernorm linear with a latent ~1e-5 (weights ~1e-7), below float16's "
@@ -316,6 +378,26 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     def read_layer(i: int) -> SourceAttention:
         q, k, v, o = (reader.load(names[(i, p)]).to(dev, torch.float64) for p in (spec.q, spec.k, spec.v, spec.o))
         return SourceAttention(q, k, v, o, shape.heads, shape.kv_heads, shape.head_dim)
+
+    def read_projections(i: int) -> SourceProjections:
+        def load(name):
+            return None if name is None else reader.load(name).to(dev, torch.float64)
+
+        parts = dict(zip("qkv", (spec.q, spec.k, spec.v)))
+        return SourceProjections({p: load(names[(i, proj)]) for p, proj in parts.items()},
+                                 {p: load(bias_names.get((i, proj))) for p, proj in parts.items()},
+                                 {p: load(norm_names.get((i, p))) for p in "qk"},
+                                 float(config.get("rms_norm_eps") or 1e-6), shape.head_dim)
+
+    absorbing = family is not None and family.absorbs and bool(bias_names or norm_names)
+    moments: dict[int, AbsorptionMoments] = {}
+    residuals: dict[int, dict[str, tuple[float, float]]] = {}
+
+    def observer(i: int):
+        if not absorbing:
+            return None
+        moments[i] = AbsorptionMoments(read_projections(i))
+        return moments[i]
 
     inv_freq = source_frequencies(src.folder, shape.head_dim)
     strides = rope_strides(inv_freq, shape.rope_dim, source_theta(config))
@@ -336,7 +418,12 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
 
         def build(i: int, sigma: torch.Tensor) -> MLAWeights:
             # on the calibration device (float64; priced there by the dry run), where the layer's passes use it
-            w = mla_layer(read_layer(i), sigma, kept, spec.rotary_pairs, shape.rank, scaling, LATENT_EPS)
+            source = read_layer(i)
+            if i in moments:
+                fitted, residuals[i] = moments.pop(i).fit()
+                if absorb:
+                    source.q, source.k, source.v = fitted["q"], fitted["k"], fitted["v"]
+            w = mla_layer(source, sigma, kept, spec.rotary_pairs, shape.rank, scaling, LATENT_EPS)
             losses[i] = (w.rope_loss, w.latent_loss)
             return w
 
@@ -346,19 +433,20 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         geometry = MLAGeometry(shape.heads, shape.head_dim, shape.rope_dim, shape.head_dim, theta, LATENT_EPS)
         convert_pass(src.folder, reader, spec, text.windows, dev, build, geometry, keep, chunk_windows=chunk,
                      refit_q=QueryRefit(samples=query_samples) if query_samples else None, seed=seed,
-                     progress=progress, store=store)
+                     progress=progress, store=store, observer=observer)
         calib_seconds = time.time() - calib_start
 
         def layer_weights(i: int) -> MLAWeights:
             t = store.get(i)
             return MLAWeights(*(t[f].double() for f in fields), 0.0, 0.0)
 
-        planner = Planner(reader, spec, shape, layer_weights, out_dtype)
+        planner = Planner(reader, spec, shape, layer_weights, out_dtype, config)
         new_config = target_config(config, shape, theta, dtype)
 
         def record_fields(output_files: list[str]) -> dict:
             mla = _mla_record(shape, kept, stride, theta, share, losses, query_samples)
             mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
+            mla |= _family_record(family, absorbing, absorb, residuals)
             record = _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds, time.time() - start,
                              resolved)
             record["calibration"]["chunk_windows"] = chunk

@@ -1,0 +1,66 @@
+"""Which families the MLA conversion writes as a plain `deepseek_v3` checkpoint, and how faithfully (torch-free: the
+kind's `convert --list` column and the converter both read it).
+
+- exact: the family's layer is DeepSeek-V3's outside attention (RMSNorm w * x / rms, gated MLP, plain embedding,
+  untied or tied head), so the output computes the source's function up to the latent's documented error (full
+  rank, MQA: the kv_a_layernorm's linear regime; tests/mla/test_mla_families.py checks every one at full rank).
+- approximate: the family computes something DeepSeek-V3's attention cannot hold and that runtimes would drop
+  (vLLM's MLA has no projection biases, DeepSeek has no per-head q/k norms): Qwen2's q/k/v biases, Qwen3's q/k
+  norms. Their projections are replaced by their best linear fit on the calibration activations
+  (E[t x^T] E[x x^T]^-1 for the source's pre-RoPE queries, keys and values t, biases and norms included), then the
+  query refit and the output refit fit the source's own logits and attention outputs (which carry the biases and
+  norms); what remains is measured (surgery.json's `mla.absorption`, `surgery check`, BENCHMARKS.md).
+- refused: every other family, in its own words (surgery/arch.py's `body`).
+
+Nothing is written that one runtime honours and another drops: no `attention_bias`, no q/k norm tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXACT, APPROXIMATE = "exact", "approximate"
+
+
+@dataclass(frozen=True)
+class MLAFamily:
+    """How one family converts: its verdict, why, and what the calibration absorbs (`biases`: q/k/v projection
+    biases; `qk_norm`: per-head q/k RMSNorms)."""
+
+    verdict: str
+    reason: str
+    biases: bool = False
+    qk_norm: bool = False
+
+    @property
+    def absorbs(self) -> bool:
+        return self.biases or self.qk_norm
+
+
+_LLAMA = "Llama's layer is DeepSeek-V3's outside attention"
+FAMILIES: dict[str, MLAFamily] = {
+    "llama": MLAFamily(EXACT, _LLAMA),
+    "mistral": MLAFamily(EXACT, _LLAMA + " (without sliding windows)"),
+    "ministral": MLAFamily(EXACT, _LLAMA + " (without sliding windows)"),
+    "helium": MLAFamily(EXACT, _LLAMA + " (float32 RMSNorm, gated MLP)"),
+    "qwen2": MLAFamily(APPROXIMATE, "q/k/v biases absorbed by calibration (DeepSeek-V3 and vLLM's MLA have no "
+                       "projection biases; a key bias is not softmax-invariant under RoPE: q.R(t-s)b_k depends on "
+                       "the key's position); error measured", biases=True),
+    "qwen3": MLAFamily(APPROXIMATE, "per-head q/k RMSNorms absorbed by calibration (DeepSeek-V3 has none); error "
+                       "measured", qk_norm=True),
+}
+
+
+def mla_family(name: str) -> MLAFamily | None:
+    return FAMILIES.get(name)
+
+
+def verdict_text(spec) -> str:
+    """The `convert --list` cell of a family the MLA conversion accepts."""
+    family = FAMILIES.get(spec.name)
+    return f"{family.verdict}: {family.reason}" if family else "exact"
+
+
+def body_refusal(spec, trait) -> str | None:
+    """Feature.BODY: refused in the family's own words unless the family is in `FAMILIES`."""
+    return None if spec.name in FAMILIES else trait.detail
