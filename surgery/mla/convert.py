@@ -70,7 +70,9 @@ def refuse_config(config: dict, family: MLAFamily | None = None) -> None:
             continue
         if config.get(key):
             raise SurgeryError(f"mla cannot convert {key}: DeepSeek-V3's projections have no biases")
-    if config.get("sliding_window") and config.get("use_sliding_window", True):
+    window, context = config.get("sliding_window"), config.get("max_position_embeddings")
+    binds = not (window and context and int(window) >= int(context))  # a window over the whole context is none
+    if window and config.get("use_sliding_window", True) and binds:
         raise SurgeryError("mla cannot convert sliding-window attention: DeepSeek-V3 attends over the whole context")
     if config.get("hidden_act") is None:
         raise SurgeryError("config.json has no hidden_act")

@@ -1,0 +1,134 @@
+"""--to mla per family (surgery/mla/families.py): every exact family is its source at full rank; every approximate
+family's absorbed terms beat dropping them on held-out text; every output is a plain deepseek_v3 checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers as tf
+from safetensors.torch import load_file
+
+from inprocess import run_cli
+from mla_sources import convert, tiny_llama
+
+from surgery.arch import find_spec
+from surgery.kinds.mla import MLA_KIND
+from surgery.mla.families import APPROXIMATE, EXACT, FAMILIES
+from surgery.testing import tiny_models as tm
+
+# Ministral always builds its sliding-window mask: a window over the whole context (128 positions) is none
+WHOLE_WINDOW = {"sliding_window": 128, "layer_types": ["sliding_attention"] * 2}
+EXACT_CONFIGS = {"mistral": ("MistralConfig", {"sliding_window": None}),
+                 "ministral": ("MinistralConfig", WHOLE_WINDOW),
+                 "helium": ("HeliumConfig", {"rms_norm_eps": 1e-6})}  # its default 1e-8: see the docstring
+
+
+def test_every_exact_family_but_llama_has_an_equivalence_test():
+    """llama's is tests/mla/test_mla.py's; a family listed exact must be tested exact."""
+    exact = {name for name, family in FAMILIES.items() if family.verdict == EXACT}
+    assert exact == set(EXACT_CONFIGS) | {"llama"}
+
+
+@pytest.mark.parametrize("family", sorted(EXACT_CONFIGS))
+def test_exact_family_at_full_rank_is_the_source(tmp_path, family):
+    """One K/V head, full rank, every rotary dim: the source's logits within test_mla.py's tolerance (2e-4 of the
+    logits' scale: kv_a_layernorm's linear regime); transformers loads it as DeepseekV3ForCausalLM. Helium's
+    default rms_norm_eps is 1e-8 and the output's 1e-6 (kv_a_layernorm's, which vLLM and llama.cpp read from it):
+    on a tiny random model (hidden mean square ~4e-4) that alone moves the logits 2%, on a trained one (mean squares
+    ~1) nothing measurable, so the tiny Helium is built with 1e-6 to test the rest exactly."""
+    config_class, kw = EXACT_CONFIGS[family]
+    src = tiny_llama(tmp_path / "src", kv_heads=1, family=config_class, **kw)
+    assert json.loads((src / "config.json").read_text())["model_type"] == family
+    record = convert(src, tmp_path / "out", rank=32)
+    ids = tm.sample_ids(length=64)
+    out = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert type(out).__name__ == "DeepseekV3ForCausalLM"
+    a, b = tm.logits(tm.load(src), ids), tm.logits(out, ids)
+    assert float((a - b).abs().max()) <= 2e-4 * float(a.abs().max())
+    assert record["mla"]["family"]["verdict"] == EXACT and "absorption" not in record["mla"]
+
+
+def _held_out_kl(src, out, ids) -> float:
+    reference = tm.logits(tm.load(src), ids).log_softmax(-1)
+    model = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    return float(torch.nn.functional.kl_div(tm.logits(model, ids).log_softmax(-1), reference, log_target=True,
+                                            reduction="batchmean"))
+
+
+def _qwen(folder, family: str):
+    """A tiny Qwen2 with biases of real size (N(0, 0.3): the random init leaves them zero or small), or a tiny
+    Qwen3 (its q/k norm weights moved off one by tiny_llama)."""
+    src = tiny_llama(folder, kv_heads=1, family="Qwen2Config" if family == "qwen2" else "Qwen3Config")
+    if family == "qwen2":
+        model = tm.load(src)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+        model.save_pretrained(src)
+    return src
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_approximate_family_beats_dropping_its_terms(tmp_path, family):
+    """Full rank, MQA (so the latent and the rope key are exact): what is left is the biases (Qwen2) or q/k norms
+    (Qwen3) that DeepSeek-V3 cannot hold. Absorbed by calibration, the KL to the source on pydoc text calibration
+    never read (its first documents; calibration reads the last) is under half that of dropping them (measured:
+    about a tenth for Qwen2, a twentieth for Qwen3); the output holds no bias or q/k norm tensor, and the record and
+    the card name the verdict and the residuals."""
+    from pydoc_data.topics import topics
+
+    src = _qwen(tmp_path / "src", family)
+    text = "".join(topics[k] for k in sorted(topics)[:3])
+    ids = torch.tensor(tf.AutoTokenizer.from_pretrained(src)(text)["input_ids"][:512]).view(4, 128)
+    kl = {}
+    for absorb in (True, False):
+        out = tmp_path / f"absorb{absorb}"
+        record = convert(src, out, rank=32, absorb=absorb, query_samples=0)
+        kl[absorb] = _held_out_kl(src, out, ids)
+        mla = record["mla"]
+        assert mla["family"]["verdict"] == APPROXIMATE
+        residual, dropped = mla["absorption"]["relative_residual"], mla["absorption"]["relative_residual_dropped"]
+        if absorb:
+            assert residual["q"] < 0.1 * dropped["q"] and residual["k"] < 0.1 * dropped["k"], mla["absorption"]
+        names = load_file(out / "model.safetensors")
+        assert not any(n.endswith(("q_norm.weight", "k_norm.weight")) or ".bias" in n for n in names)
+        assert "attention_bias" not in json.loads((out / "config.json").read_text()) or \
+            json.loads((out / "config.json").read_text())["attention_bias"] is False
+    assert kl[True] < 0.5 * kl[False], kl
+    card = "\n".join(MLA_KIND.card_lines(json.loads((tmp_path / "absorbTrue" / "surgery.json").read_text())))
+    assert "approximate" in card and "relative residual" in card  # the model card's lines (`surgery push`)
+
+
+def test_list_says_exact_approximate_or_refused_for_every_family(tmp_path, capsys):
+    code, out, err = run_cli(capsys, "convert", "--list")
+    assert code == 0, err
+    header = [c.strip() for c in out.splitlines()[0].strip("|").split("|")]
+    column = header.index("mla")
+    cells = {}
+    for line in out.splitlines()[2:]:
+        if not line.startswith("| "):
+            break
+        row = [c.strip() for c in line.strip("|").split("|")]
+        cells[row[0]] = row[column]
+    assert all(c.startswith(("exact", "approximate", "no: ")) for c in cells.values()), cells
+    for name, family in FAMILIES.items():
+        assert cells[name].startswith(family.verdict), (name, cells[name])
+        assert find_spec(name) is not None
+    assert cells["qwen2"].startswith("approximate") and cells["qwen3"].startswith("approximate")
+    assert cells["gemma2"].startswith("no: ")
+
+
+def test_refused_families_and_biases_stay_one_line(tmp_path, capsys):
+    """A MoE Qwen and a Llama with attention biases (llama's verdict is exact: it absorbs nothing) are refused in one
+    line, exit 2, nothing written."""
+    moe = tmp_path / "moe"
+    tm.make_tiny("qwen2_moe", moe)
+    biased = tiny_llama(tmp_path / "biased", kv_heads=1, attention_bias=True)
+    for src, fragment in ((moe, "sparse-MoE"), (biased, "attention_bias")):
+        code, out, err = run_cli(capsys, "convert", src, "--to", "mla", "--kv-rank", 8, "--calib-tokens", 512,
+                                 "--out", tmp_path / "bad")
+        assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
+        assert not (tmp_path / "bad").exists()
