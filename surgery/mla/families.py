@@ -37,17 +37,15 @@ class MLAFamily:
         return self.biases or self.qk_norm
 
 
-_LLAMA = "Llama's layer is DeepSeek-V3's outside attention"
 FAMILIES: dict[str, MLAFamily] = {
-    "llama": MLAFamily(EXACT, _LLAMA),
-    "mistral": MLAFamily(EXACT, _LLAMA + " (without sliding windows)"),
-    "ministral": MLAFamily(EXACT, _LLAMA + " (without sliding windows)"),
-    "helium": MLAFamily(EXACT, _LLAMA + " (float32 RMSNorm, gated MLP)"),
-    "qwen2": MLAFamily(APPROXIMATE, "q/k/v biases absorbed by calibration (DeepSeek-V3 and vLLM's MLA have no "
-                       "projection biases; a key bias is not softmax-invariant under RoPE: q.R(t-s)b_k depends on "
-                       "the key's position); error measured", biases=True),
-    "qwen3": MLAFamily(APPROXIMATE, "per-head q/k RMSNorms absorbed by calibration (DeepSeek-V3 has none); error "
-                       "measured", qk_norm=True),
+    "llama": MLAFamily(EXACT, "Llama's layer is DeepSeek-V3's outside attention"),
+    "mistral": MLAFamily(EXACT, "Llama's layer; a sliding window shorter than the context is refused"),
+    "ministral": MLAFamily(EXACT, "Llama's layer; a sliding window shorter than the context is refused"),
+    "helium": MLAFamily(EXACT, "Llama's layer with interleaved rotary pairs"),
+    "qwen2": MLAFamily(APPROXIMATE, "q/k/v biases absorbed by calibration, error measured (DeepSeek-V3 has no "
+                       "projection biases; under RoPE a key bias is not softmax-invariant)", biases=True),
+    "qwen3": MLAFamily(APPROXIMATE, "per-head q/k norms absorbed by calibration, error measured (DeepSeek-V3 has "
+                       "none)", qk_norm=True),
 }
 
 
