@@ -11,6 +11,7 @@ when the source ties it.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, PlannedTensor
 from ..kv.aligned.refit import QueryRefit
 from .absorb import AbsorptionMoments, SourceProjections
+from .body import BodyFold
 from .calibrate import MLAGeometry, convert_pass, frequency_scores_pass
 from .factor import MLAWeights, SourceAttention, mla_layer
 from .families import MLAFamily, mla_family
@@ -198,9 +200,9 @@ class Planner:
     """Every output tensor: the attention's five from `layer_weights`, the rest copied from the source."""
 
     def __init__(self, reader: CheckpointReader, spec, shape: Shape, layer_weights, dtype: torch.dtype | None,
-                 config: dict | None = None):
+                 config: dict | None = None, fold: BodyFold | None = None):
         self.reader, self.spec, self.shape, self.layer_weights, self.dtype = reader, spec, shape, layer_weights, dtype
-        self.config = config or {}
+        self.config, self.fold = config or {}, fold or BodyFold()
         self._cache: tuple[int, MLAWeights] | None = None
 
     def _weights(self, layer: int) -> MLAWeights:
@@ -217,6 +219,8 @@ class Planner:
                   "kv_b_proj": "kv_b", "o_proj": "o_proj"}
 
         def producer(field: str):
+            if field == "o_proj" and self.fold.residual != 1.0:  # the residual multiplier ends the branch here
+                return lambda: (self._weights(layer).o_proj * self.fold.residual).to(dtype).contiguous()
             return lambda: getattr(self._weights(layer), field).to(dtype).contiguous()
 
         return [PlannedTensor(f"{module}.{name}.weight", dtype, shapes[name], produce=producer(fields[name]))
@@ -241,18 +245,24 @@ class Planner:
                 continue
             if name.endswith("rotary_emb.inv_freq") or self._is_qk_norm(name):
                 continue  # q/k norms: absorbed into q_proj and the latent (surgery/mla/absorb.py)
-            planned.append(_copy(self.reader, name, name, dtype))
+            planned.append(_copy(self.reader, name, name, dtype, self.fold))
         if "lm_head.weight" not in names:  # tied in the source: DeepSeek-V3 reads its own lm_head
             embed = next(n for n in names if n.endswith("embed_tokens.weight"))
             planned.append(_copy(self.reader, embed, "lm_head.weight",
-                                 self.dtype or self.reader.tensors[embed].dtype))
+                                 self.dtype or self.reader.tensors[embed].dtype, self.fold))
         return planned
 
 
-def _copy(reader: CheckpointReader, name: str, out_name: str, dtype: torch.dtype) -> PlannedTensor:
+def _copy(reader: CheckpointReader, name: str, out_name: str, dtype: torch.dtype,
+          fold: BodyFold | None = None) -> PlannedTensor:
+    """`name` written as `out_name`, with the family's constant folded in (`fold`, surgery/mla/body.py)."""
     info = reader.tensors[name]
-    if dtype == info.dtype and not reader.is_pickle:
+    changed = fold is not None and fold.factor(out_name) != (1.0, 0.0)
+    if dtype == info.dtype and not reader.is_pickle and not changed:
         return PlannedTensor(out_name, dtype, info.shape, raw_source=(reader, name))
+    if changed:
+        return PlannedTensor(out_name, dtype, info.shape,
+                             produce=lambda: fold.apply(out_name, reader.load(name)).to(dtype).contiguous())
     return PlannedTensor(out_name, dtype, info.shape, produce=lambda: reader.load(name).to(dtype).contiguous())
 
 
@@ -375,7 +385,8 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     if written == "float16":
         raise SurgeryError("mla keeps kv_a_layernorm linear with a latent ~1e-5 (weights ~1e-7), below float16's "
                            "normal range: write --dtype bfloat16 or float32")
-    scaling = shape.head_dim ** -0.5
+    fold = BodyFold.of(family, config, reader.tensors[names[(0, spec.q)]].dtype)
+    scaling = fold.attention_scale or shape.head_dim ** -0.5  # Granite's attention_multiplier is its softmax scale
 
     def read_layer(i: int) -> SourceAttention:
         q, k, v, o = (reader.load(names[(i, p)]).to(dev, torch.float64) for p in (spec.q, spec.k, spec.v, spec.o))
@@ -442,13 +453,15 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
             t = store.get(i)
             return MLAWeights(*(t[f].double() for f in fields), 0.0, 0.0)
 
-        planner = Planner(reader, spec, shape, layer_weights, out_dtype, config)
+        planner = Planner(reader, spec, shape, layer_weights, out_dtype, config, fold)
         new_config = target_config(config, shape, theta, dtype)
 
         def record_fields(output_files: list[str]) -> dict:
             mla = _mla_record(shape, kept, stride, theta, share, losses, query_samples)
             mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
             mla |= _family_record(family, absorbing, absorb, residuals)
+            if fold != BodyFold():
+                mla["folded"] = dataclasses.asdict(fold)  # the family's constants, in the weights they scale
             record = _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds, time.time() - start,
                              resolved)
             record["calibration"]["chunk_windows"] = chunk

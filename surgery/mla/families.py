@@ -31,6 +31,13 @@ class MLAFamily:
     reason: str
     biases: bool = False
     qk_norm: bool = False
+    # multipliers outside attention folded into the weights they scale (surgery/mla/body.py): config keys, or
+    # "sqrt(hidden_size)" for Gemma's embedding normaliser
+    embedding_multiplier: str | None = None
+    residual_multiplier: str | None = None  # scales attention's and the MLP's outputs: o_proj and down_proj
+    logits_divisor: str | None = None  # divides the logits: lm_head
+    attention_multiplier: str | None = None  # the softmax scale, instead of head_dim^-0.5
+    norm_offset: float = 0.0  # RMSNorm weights act as (offset + w) (Gemma: 1)
 
     @property
     def absorbs(self) -> bool:
@@ -42,6 +49,11 @@ FAMILIES: dict[str, MLAFamily] = {
     "mistral": MLAFamily(EXACT, "Llama's layer; a sliding window shorter than the context is refused"),
     "ministral": MLAFamily(EXACT, "Llama's layer; a sliding window shorter than the context is refused"),
     "helium": MLAFamily(EXACT, "Llama's layer with interleaved rotary pairs"),
+    "granite": MLAFamily(EXACT, "embedding, attention, residual and logit multipliers folded into the weights they "
+                         "scale", embedding_multiplier="embedding_multiplier", residual_multiplier="residual_multiplier",
+                         logits_divisor="logits_scaling", attention_multiplier="attention_multiplier"),
+    "gemma": MLAFamily(EXACT, "(1 + w) RMSNorm weights and the embedding normaliser folded (the untied lm_head keeps "
+                       "the unscaled embedding)", embedding_multiplier="sqrt(hidden_size)", norm_offset=1.0),
     "qwen2": MLAFamily(APPROXIMATE, "q/k/v biases absorbed by calibration, error measured (DeepSeek-V3 has no "
                        "projection biases; under RoPE a key bias is not softmax-invariant)", biases=True),
     "qwen3": MLAFamily(APPROXIMATE, "per-head q/k norms absorbed by calibration, error measured (DeepSeek-V3 has "

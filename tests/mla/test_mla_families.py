@@ -22,7 +22,11 @@ from surgery.testing import tiny_models as tm
 WHOLE_WINDOW = {"sliding_window": 128, "layer_types": ["sliding_attention"] * 2}
 EXACT_CONFIGS = {"mistral": ("MistralConfig", {"sliding_window": None}),
                  "ministral": ("MinistralConfig", WHOLE_WINDOW),
-                 "helium": ("HeliumConfig", {"rms_norm_eps": 1e-6})}  # its default 1e-8: see the docstring
+                 "helium": ("HeliumConfig", {"rms_norm_eps": 1e-6}),
+                 "granite": ("GraniteConfig", {"attention_multiplier": 0.2, "embedding_multiplier": 2.0,
+                                               "residual_multiplier": 0.5, "logits_scaling": 2.0,
+                                               "tie_word_embeddings": True}),
+                 "gemma": ("GemmaConfig", {})}  # its default 1e-8: see the docstring
 
 
 def test_every_exact_family_but_llama_has_an_equivalence_test():
@@ -48,6 +52,7 @@ def test_exact_family_at_full_rank_is_the_source(tmp_path, family):
     a, b = tm.logits(tm.load(src), ids), tm.logits(out, ids)
     assert float((a - b).abs().max()) <= 2e-4 * float(a.abs().max())
     assert record["mla"]["family"]["verdict"] == EXACT and "absorption" not in record["mla"]
+    assert ("folded" in record["mla"]) == (family in ("granite", "gemma"))
 
 
 def _held_out_kl(src, out, ids) -> float:
