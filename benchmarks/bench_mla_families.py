@@ -5,11 +5,12 @@ tokenizer of the tests: 96 ids) are trained from scratch for `--seconds` each on
 lr 3e-3, batches of 16 x 128 characters), so that Qwen2's q/k/v biases and Qwen3's q/k norm weights carry trained
 statistics rather than their initial values. Each is then converted with `--to mla` at full rank (2 x 2 x 32 = 128,
 every rotary dim: what is left is the shared rope key's GQA loss and what DeepSeek-V3 cannot hold) and at half
-rank, with the biases/norms absorbed (the default) and dropped (`absorb=False`, the baseline), calibrating on
+rank (`--kv-heads 1`: MQA models, full rank 64, where only what DeepSeek-V3 cannot hold is left), with the biases/norms absorbed (the default) and dropped (`absorb=False`, the baseline), calibrating on
 pydoc's last documents (the conversion's own default) and measured on pydoc's first documents (read by neither the
 training nor the calibration): KL(source || converted) per token and the perplexity ratio.
 
     OMP_NUM_THREADS=1 timeout 900 python benchmarks/bench_mla_families.py --seconds 150
+    OMP_NUM_THREADS=1 timeout 900 python benchmarks/bench_mla_families.py --seconds 150 --kv-heads 1 --ranks 64 32
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def windows(ids: torch.Tensor, n: int | None = None) -> torch.Tensor:
     return ids[: count * CONTEXT].view(count, CONTEXT)
 
 
-def train(family: str, folder: Path, data: torch.Tensor, seconds: float, seed: int = 0) -> dict:
+def train(family: str, folder: Path, data: torch.Tensor, seconds: float, kv_heads: int, seed: int = 0) -> dict:
     torch.manual_seed(seed)
-    config = getattr(tf, FAMILIES[family])(**(SHAPE | TOKENS))
+    config = getattr(tf, FAMILIES[family])(**(SHAPE | TOKENS | {"num_key_value_heads": kv_heads}))
     model = tf.AutoModelForCausalLM.from_config(config).train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)
@@ -88,17 +89,20 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=150)
     ap.add_argument("--calib-tokens", type=int, default=8192)
     ap.add_argument("--eval-windows", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=2, help="1: MQA, where the shared rope key is exact and full "
+                    "rank (64) leaves only what DeepSeek-V3 cannot hold")
     ap.add_argument("--ranks", type=int, nargs="+", default=[128, 64])
     args = ap.parse_args()
     docs = pydoc_texts()
     third = len(docs) // 3
     held_out = windows(encode(docs[:third]), args.eval_windows)  # `surgery check`'s text: pydoc from its start
     training = windows(encode(docs[third: 2 * third]))  # calibration reads from the last document backwards
-    results = {"training_windows": len(training), "eval_tokens": held_out.numel(), "models": {}}
+    results = {"training_windows": len(training), "eval_tokens": held_out.numel(), "kv_heads": args.kv_heads,
+               "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for family in FAMILIES:
             src = Path(tmp) / family
-            info = train(family, src, training, args.seconds)
+            info = train(family, src, training, args.seconds, args.kv_heads)
             rows = {}
             for rank in args.ranks:
                 for absorb in (True, False):
