@@ -34,7 +34,7 @@ from .absorb import AbsorptionMoments, SourceProjections
 from .body import BodyFold
 from .calibrate import MLAGeometry, convert_pass, frequency_scores_pass
 from .factor import MLAWeights, SourceAttention, mla_layer
-from .families import MLAFamily, mla_family
+from .families import MLAFamily, mla_family, rotating_layers
 from .refusals import KIND, REFUSES
 
 QUERY_SAMPLES = QueryRefit().samples  # the aligned merge's default (`--query-samples`)
@@ -412,6 +412,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         moments[i] = AbsorptionMoments(read_projections(i))
         return moments[i]
 
+    rotates = rotating_layers(family, config, shape.layers)
     inv_freq = source_frequencies(src.folder, shape.head_dim)
     strides = rope_strides(inv_freq, shape.rope_dim, source_theta(config))
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window,
@@ -426,6 +427,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         if len(strides) > 1:  # a choice to make: score the frequencies on the source's own stream
             scores = frequency_scores_pass(src.folder, reader, spec, text.windows, dev, read_layer,
                                            spec.rotary_pairs, chunk_windows=chunk, progress=progress, store=store)
+            scores = [s for i, s in enumerate(scores) if rotates[i]] or None  # layers without RoPE choose nothing
         kept, stride, theta, share = choose_frequencies(scores, strides, shape.rope_dim, inv_freq,
                                                         int(text.windows.shape[1]))
 
@@ -436,7 +438,8 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
                 fitted, residuals[i] = moments.pop(i).fit()
                 if absorb:
                     source.q, source.k, source.v = fitted["q"], fitted["k"], fitted["v"]
-            w = mla_layer(source, sigma, kept, spec.rotary_pairs, shape.rank, scaling, LATENT_EPS)
+            w = mla_layer(source, sigma, kept if rotates[i] else [], spec.rotary_pairs, shape.rank, scaling,
+                          LATENT_EPS, rope_dim=shape.rope_dim)
             losses[i] = (w.rope_loss, w.latent_loss)
             return w
 
@@ -460,6 +463,8 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
             mla = _mla_record(shape, kept, stride, theta, share, losses, query_samples)
             mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
             mla |= _family_record(family, absorbing, absorb, residuals)
+            if not all(rotates):
+                mla["layers_without_rope"] = [i for i, r in enumerate(rotates) if not r]
             if fold != BodyFold():
                 mla["folded"] = dataclasses.asdict(fold)  # the family's constants, in the weights they scale
             record = _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds, time.time() - start,

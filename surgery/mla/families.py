@@ -38,6 +38,7 @@ class MLAFamily:
     logits_divisor: str | None = None  # divides the logits: lm_head
     attention_multiplier: str | None = None  # the softmax scale, instead of head_dim^-0.5
     norm_offset: float = 0.0  # RMSNorm weights act as (offset + w) (Gemma: 1)
+    rope_layers: str | None = None  # config key: per layer 1 (rotates) or 0 (no RoPE: queries' rope part zero)
 
     @property
     def absorbs(self) -> bool:
@@ -54,6 +55,8 @@ FAMILIES: dict[str, MLAFamily] = {
                          logits_divisor="logits_scaling", attention_multiplier="attention_multiplier"),
     "gemma": MLAFamily(EXACT, "(1 + w) RMSNorm weights and the embedding normaliser folded (the untied lm_head keeps "
                        "the unscaled embedding)", embedding_multiplier="sqrt(hidden_size)", norm_offset=1.0),
+    "smollm3": MLAFamily(EXACT, "layers without RoPE keep no rope frequency: every key dimension through the "
+                         "latent, the rope query and key zero", rope_layers="no_rope_layers"),
     "qwen2": MLAFamily(APPROXIMATE, "q/k/v biases absorbed by calibration, error measured (DeepSeek-V3 has no "
                        "projection biases; under RoPE a key bias is not softmax-invariant)", biases=True),
     "qwen3": MLAFamily(APPROXIMATE, "per-head q/k norms absorbed by calibration, error measured (DeepSeek-V3 has "
@@ -63,6 +66,19 @@ FAMILIES: dict[str, MLAFamily] = {
 
 def mla_family(name: str) -> MLAFamily | None:
     return FAMILIES.get(name)
+
+
+def rotating_layers(family: MLAFamily | None, config: dict, layers: int) -> list[bool]:
+    """Per layer, whether its queries and keys rotate (all, unless the family lists layers without RoPE; SmolLM3's
+    config.json may leave the list out: then every `no_rope_layer_interval`-th layer (default 4) has none, as
+    transformers computes it)."""
+    if family is None or family.rope_layers is None:
+        return [True] * layers
+    flags = config.get(family.rope_layers)
+    if flags is None:
+        interval = int(config.get("no_rope_layer_interval") or 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    return [bool(f) for f in flags[:layers]]
 
 
 def verdict_text(spec) -> str:

@@ -26,7 +26,8 @@ EXACT_CONFIGS = {"mistral": ("MistralConfig", {"sliding_window": None}),
                  "granite": ("GraniteConfig", {"attention_multiplier": 0.2, "embedding_multiplier": 2.0,
                                                "residual_multiplier": 0.5, "logits_scaling": 2.0,
                                                "tie_word_embeddings": True}),
-                 "gemma": ("GemmaConfig", {})}  # its default 1e-8: see the docstring
+                 "gemma": ("GemmaConfig", {}),
+                 "smollm3": ("SmolLM3Config", {"no_rope_layers": [1, 0]})}  # its default 1e-8: see the docstring
 
 
 def test_every_exact_family_but_llama_has_an_equivalence_test():
@@ -53,6 +54,7 @@ def test_exact_family_at_full_rank_is_the_source(tmp_path, family):
     assert float((a - b).abs().max()) <= 2e-4 * float(a.abs().max())
     assert record["mla"]["family"]["verdict"] == EXACT and "absorption" not in record["mla"]
     assert ("folded" in record["mla"]) == (family in ("granite", "gemma"))
+    assert record["mla"].get("layers_without_rope") == ([1] if family == "smollm3" else None)
 
 
 def _held_out_kl(src, out, ids) -> float:
