@@ -101,7 +101,7 @@ def _stream(folder, reader, device, windows, chunk_windows, store=None):
 
 def _modules(spec, layer):
     attention = layer.get_submodule(spec.attention)
-    return attention, attention.get_submodule(spec.q), attention.get_submodule(spec.o)
+    return attention, attention.get_submodule(spec.query_projection), attention.get_submodule(spec.o)
 
 
 def _inputs(stream, spec, layer, index, hidden, calls):

@@ -219,8 +219,8 @@ class Planner:
                   "kv_b_proj": "kv_b", "o_proj": "o_proj"}
 
         def producer(field: str):
-            if field == "o_proj" and self.fold.residual != 1.0:  # the residual multiplier ends the branch here
-                return lambda: (self._weights(layer).o_proj * self.fold.residual).to(dtype).contiguous()
+            if field == "o_proj" and self.fold.branch != 1.0:  # the residual multiplier ends the branch here
+                return lambda: (self._weights(layer).o_proj * self.fold.branch).to(dtype).contiguous()
             return lambda: getattr(self._weights(layer), field).to(dtype).contiguous()
 
         return [PlannedTensor(f"{module}.{name}.weight", dtype, shapes[name], produce=producer(fields[name]))
@@ -245,7 +245,8 @@ class Planner:
                 continue
             if name.endswith("rotary_emb.inv_freq") or self._is_qk_norm(name):
                 continue  # q/k norms: absorbed into q_proj and the latent (surgery/mla/absorb.py)
-            planned.append(_copy(self.reader, name, name, dtype, self.fold))
+            for out_name, rows in self.fold.mlp_tensors(name, info.shape[0]):
+                planned.append(_copy(self.reader, name, out_name, dtype, self.fold, rows))
         if "lm_head.weight" not in names:  # tied in the source: DeepSeek-V3 reads its own lm_head
             embed = next(n for n in names if n.endswith("embed_tokens.weight"))
             planned.append(_copy(self.reader, embed, "lm_head.weight",
@@ -254,10 +255,16 @@ class Planner:
 
 
 def _copy(reader: CheckpointReader, name: str, out_name: str, dtype: torch.dtype,
-          fold: BodyFold | None = None) -> PlannedTensor:
-    """`name` written as `out_name`, with the family's constant folded in (`fold`, surgery/mla/body.py)."""
+          fold: BodyFold | None = None, rows: slice | None = None) -> PlannedTensor:
+    """`name` (its `rows`: one half of a fused gate/up) written as `out_name`, with the family's constant folded in
+    (`fold`, surgery/mla/body.py)."""
     info = reader.tensors[name]
     changed = fold is not None and fold.factor(out_name) != (1.0, 0.0)
+    if rows is not None:
+        shape = (len(range(info.shape[0])[rows]), *info.shape[1:])
+        fold = fold or BodyFold()
+        return PlannedTensor(out_name, dtype, shape,
+                             produce=lambda: fold.apply(out_name, reader.load(name)[rows]).to(dtype).contiguous())
     if dtype == info.dtype and not reader.is_pickle and not changed:
         return PlannedTensor(out_name, dtype, info.shape, raw_source=(reader, name))
     if changed:
@@ -283,7 +290,7 @@ def _projection_names(reader: CheckpointReader, spec, layers: int, family: MLAFa
             continue
         found[(layer, proj)] = name
     for layer in range(layers):
-        for proj in (spec.q, spec.k, spec.v, spec.o):
+        for proj in spec.projections:
             if (layer, proj) not in found:
                 raise SurgeryError(f"the checkpoint has no {proj} weight for layer {layer}")
     return found
@@ -373,6 +380,8 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     spec = spec_for(config, KIND, REFUSES)
     family = mla_family(spec.name)
     refuse_config(config, family)
+    if spec.fused and spec.qkv_layout(config).value != "fused":
+        raise SurgeryError(f"mla reads fused q/k/v rows [q | k | v] only, not {spec.qkv_layout(config).value}")
     shape = Shape(spec, config, kv_rank, rope_dim)
     check_output_path(out, force, source=src.folder)
     dev = pick_device(device)
@@ -381,14 +390,19 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     bias_names: dict[tuple[int, str], str] = {}
     names = _projection_names(reader, spec, shape.layers, family, bias_names)
     norm_names = _qk_norm_names(reader, spec, config) if family is not None and family.qk_norm else {}
-    written = dtype or str(reader.tensors[names[(0, spec.q)]].dtype).removeprefix("torch.")
+    written = dtype or str(reader.tensors[names[(0, spec.query_projection)]].dtype).removeprefix("torch.")
     if written == "float16":
         raise SurgeryError("mla keeps kv_a_layernorm linear with a latent ~1e-5 (weights ~1e-7), below float16's "
                            "normal range: write --dtype bfloat16 or float32")
-    fold = BodyFold.of(family, config, reader.tensors[names[(0, spec.q)]].dtype)
+    fold = BodyFold.of(family, config, reader.tensors[names[(0, spec.query_projection)]].dtype, LATENT_EPS)
     scaling = fold.attention_scale or shape.head_dim ** -0.5  # Granite's attention_multiplier is its softmax scale
 
     def read_layer(i: int) -> SourceAttention:
+        if spec.fused:  # rows [q heads | k heads | v heads] (Phi-3's qkv_proj)
+            qkv = reader.load(names[(i, spec.qkv)]).to(dev, torch.float64)
+            q, k, v = qkv.split([shape.heads * shape.head_dim] + [shape.kv_heads * shape.head_dim] * 2)
+            o = reader.load(names[(i, spec.o)]).to(dev, torch.float64)
+            return SourceAttention(q, k, v, o, shape.heads, shape.kv_heads, shape.head_dim)
         q, k, v, o = (reader.load(names[(i, p)]).to(dev, torch.float64) for p in (spec.q, spec.k, spec.v, spec.o))
         return SourceAttention(q, k, v, o, shape.heads, shape.kv_heads, shape.head_dim)
 
@@ -458,6 +472,8 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
 
         planner = Planner(reader, spec, shape, layer_weights, out_dtype, config, fold)
         new_config = target_config(config, shape, theta, dtype)
+        if fold.hidden_act:  # the MLP rewritten as a gated one (Arcee's relu^2 = relu(up x) * (up x))
+            new_config["hidden_act"] = fold.hidden_act
 
         def record_fields(output_files: list[str]) -> dict:
             mla = _mla_record(shape, kept, stride, theta, share, losses, query_samples)

@@ -39,6 +39,9 @@ class MLAFamily:
     attention_multiplier: str | None = None  # the softmax scale, instead of head_dim^-0.5
     norm_offset: float = 0.0  # RMSNorm weights act as (offset + w) (Gemma: 1)
     rope_layers: str | None = None  # config key: per layer 1 (rotates) or 0 (no RoPE: queries' rope part zero)
+    # the MLP as DeepSeek's gated one: "gated" (as it is), "fused_gate_up" (Phi-3's gate_up_proj: rows [gate | up],
+    # split), "relu2" (Arcee's down(relu(up x)^2) = down(relu(up x) * up x): gate_proj = up_proj, hidden_act relu)
+    mlp: str = "gated"
 
     @property
     def absorbs(self) -> bool:
@@ -57,6 +60,10 @@ FAMILIES: dict[str, MLAFamily] = {
                        "the unscaled embedding)", embedding_multiplier="sqrt(hidden_size)", norm_offset=1.0),
     "smollm3": MLAFamily(EXACT, "layers without RoPE keep no rope frequency: every key dimension through the "
                          "latent, the rope query and key zero", rope_layers="no_rope_layers"),
+    "phi3": MLAFamily(EXACT, "fused q/k/v rows and fused gate/up rows split into DeepSeek's tensors (LongRoPE, "
+                      "whose scale changes with the context, is refused)", mlp="fused_gate_up"),
+    "arcee": MLAFamily(EXACT, "the ungated ReLU^2 MLP written gated: relu(u) * u = relu(u)^2 with gate_proj = up_proj "
+                       "(the MLP's first projection computed twice)", mlp="relu2"),
     "qwen2": MLAFamily(APPROXIMATE, "q/k/v biases absorbed by calibration, error measured (DeepSeek-V3 has no "
                        "projection biases; under RoPE a key bias is not softmax-invariant)", biases=True),
     "qwen3": MLAFamily(APPROXIMATE, "per-head q/k norms absorbed by calibration, error measured (DeepSeek-V3 has "

@@ -22,12 +22,14 @@ from surgery.testing import tiny_models as tm
 WHOLE_WINDOW = {"sliding_window": 128, "layer_types": ["sliding_attention"] * 2}
 EXACT_CONFIGS = {"mistral": ("MistralConfig", {"sliding_window": None}),
                  "ministral": ("MinistralConfig", WHOLE_WINDOW),
-                 "helium": ("HeliumConfig", {"rms_norm_eps": 1e-6}),
+                 "helium": ("HeliumConfig", {}),
                  "granite": ("GraniteConfig", {"attention_multiplier": 0.2, "embedding_multiplier": 2.0,
                                                "residual_multiplier": 0.5, "logits_scaling": 2.0,
                                                "tie_word_embeddings": True}),
                  "gemma": ("GemmaConfig", {}),
-                 "smollm3": ("SmolLM3Config", {"no_rope_layers": [1, 0]})}  # its default 1e-8: see the docstring
+                 "smollm3": ("SmolLM3Config", {"no_rope_layers": [1, 0]}),
+                 "phi3": ("Phi3Config", {}),
+                 "arcee": ("ArceeConfig", {})}
 
 
 def test_every_exact_family_but_llama_has_an_equivalence_test():
@@ -39,10 +41,10 @@ def test_every_exact_family_but_llama_has_an_equivalence_test():
 @pytest.mark.parametrize("family", sorted(EXACT_CONFIGS))
 def test_exact_family_at_full_rank_is_the_source(tmp_path, family):
     """One K/V head, full rank, every rotary dim: the source's logits within test_mla.py's tolerance (2e-4 of the
-    logits' scale: kv_a_layernorm's linear regime); transformers loads it as DeepseekV3ForCausalLM. Helium's
-    default rms_norm_eps is 1e-8 and the output's 1e-6 (kv_a_layernorm's, which vLLM and llama.cpp read from it):
-    on a tiny random model (hidden mean square ~4e-4) that alone moves the logits 2%, on a trained one (mean squares
-    ~1) nothing measurable, so the tiny Helium is built with 1e-6 to test the rest exactly."""
+    logits' scale: kv_a_layernorm's linear regime); transformers loads it as DeepseekV3ForCausalLM. The sources keep
+    their families' rms_norm_eps (Helium 1e-8, Phi-3 and Arcee 1e-5) and the output's is 1e-6 (kv_a_layernorm's):
+    the residual stream scaled by sqrt(1e-6 / eps) makes the body's norms the source's (on these tiny models, whose
+    hidden mean squares are ~4e-4, the epsilon alone would otherwise move the logits 2%)."""
     config_class, kw = EXACT_CONFIGS[family]
     src = tiny_llama(tmp_path / "src", kv_heads=1, family=config_class, **kw)
     assert json.loads((src / "config.json").read_text())["model_type"] == family
@@ -53,7 +55,11 @@ def test_exact_family_at_full_rank_is_the_source(tmp_path, family):
     a, b = tm.logits(tm.load(src), ids), tm.logits(out, ids)
     assert float((a - b).abs().max()) <= 2e-4 * float(a.abs().max())
     assert record["mla"]["family"]["verdict"] == EXACT and "absorption" not in record["mla"]
-    assert ("folded" in record["mla"]) == (family in ("granite", "gemma"))
+    folded = record["mla"].get("folded", {})
+    source_eps = json.loads((src / "config.json").read_text())["rms_norm_eps"]
+    assert folded.get("stream", 1.0) == pytest.approx((1e-6 / source_eps) ** 0.5)
+    assert folded.get("residual", 1.0) == (0.5 if family == "granite" else 1.0)
+    assert folded.get("norm_offset", 0.0) == (1.0 if family == "gemma" else 0.0)
     assert record["mla"].get("layers_without_rope") == ([1] if family == "smollm3" else None)
 
 
