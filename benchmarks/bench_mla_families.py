@@ -92,6 +92,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2, help="1: MQA, where the shared rope key is exact and full "
                     "rank (64) leaves only what DeepSeek-V3 cannot hold")
     ap.add_argument("--ranks", type=int, nargs="+", default=[128, 64])
+    ap.add_argument("--keep", type=Path, default=None, help="keep the trained sources here (reused when present)")
     args = ap.parse_args()
     docs = pydoc_texts()
     third = len(docs) // 3
@@ -101,8 +102,12 @@ def main() -> None:
                "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for family in FAMILIES:
-            src = Path(tmp) / family
-            info = train(family, src, training, args.seconds, args.kv_heads)
+            src = (args.keep or Path(tmp)) / family
+            if (src / "train.json").exists():
+                info = json.loads((src / "train.json").read_text())
+            else:
+                info = train(family, src, training, args.seconds, args.kv_heads)
+                (src / "train.json").write_text(json.dumps(info))
             rows = {}
             for rank in args.ranks:
                 for absorb in (True, False):

@@ -325,7 +325,7 @@ def _family_record(family: MLAFamily | None, absorbing: bool, absorb: bool,
         n = max(len(residuals), 1)
         mean = {p: [round(sum(r[p][j] for r in residuals.values()) / n, 6) for j in (0, 1)] for p in "qkv"}
         out["absorption"] = {
-            "method": "least-squares linear fit on the calibration activations" if absorb else
+            "method": "least-squares linear fit on the calibration activations, its ridge chosen on rows it did not read" if absorb else
                       "none (dropped: a measurement baseline)",
             "terms": [t for t, on in (("q/k/v biases", family.biases), ("q/k norms", family.qk_norm)) if on],
             "relative_residual": {p: mean[p][0 if absorb else 1] for p in "qkv"},
@@ -419,6 +419,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     absorbing = family is not None and family.absorbs and bool(bias_names or norm_names)
     moments: dict[int, AbsorptionMoments] = {}
     residuals: dict[int, dict[str, tuple[float, float]]] = {}
+    ridges: dict[int, dict[str, float | None]] = {}
 
     def observer(i: int):
         if not absorbing:
@@ -449,7 +450,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
             # on the calibration device (float64; priced there by the dry run), where the layer's passes use it
             source = read_layer(i)
             if i in moments:
-                fitted, residuals[i] = moments.pop(i).fit()
+                fitted, residuals[i], ridges[i] = moments.pop(i).fit()
                 if absorb:
                     source.q, source.k, source.v = fitted["q"], fitted["k"], fitted["v"]
             w = mla_layer(source, sigma, kept if rotates[i] else [], spec.rotary_pairs, shape.rank, scaling,
@@ -479,6 +480,8 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
             mla = _mla_record(shape, kept, stride, theta, share, losses, query_samples)
             mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
             mla |= _family_record(family, absorbing, absorb, residuals)
+            if absorbing and absorb:  # per projection, each layer's ridge (null: the plain fold won on held-out rows)
+                mla["absorption"]["ridges"] = {p: [ridges[i][p] for i in sorted(ridges)] for p in "qkv"}
             if not all(rotates):
                 mla["layers_without_rope"] = [i for i, r in enumerate(rotates) if not r]
             if fold != BodyFold():
