@@ -33,6 +33,7 @@ class BodyFold:
     attention_scale: float | None = None  # None: head_dim^-0.5
     mlp: str = "gated"  # surgery/mla/families.py's MLAFamily.mlp
     stream: float = 1.0  # the residual stream's scale: sqrt(output eps / source eps) (see `of`)
+    center: bool = False  # keep the residual stream mean-zero (weightless LayerNorm -> RMSNorm of weight 1)
 
     @classmethod
     def of(cls, family: MLAFamily | None, config: dict, dtype: torch.dtype = torch.float32,
@@ -42,7 +43,7 @@ class BodyFold:
         down_proj, where everything the stream holds comes from): every norm reads c x, and
         RMSNorm_eps(c x) = RMSNorm_e(x) exactly, so the body's norms compute the source's at the output's epsilon
         (which kv_a_layernorm fixes); the logits read the final norm's output and do not change."""
-        source_eps = config.get("rms_norm_eps")
+        source_eps = config.get("rms_norm_eps") or (family.norm_eps if family else None)
         stream = (eps / float(source_eps)) ** 0.5 if eps and source_eps else 1.0
         if family is None:
             return cls(stream=stream)
@@ -56,7 +57,8 @@ class BodyFold:
 
         scale = value(family.attention_multiplier, 0.0)
         return cls(value(family.embedding_multiplier), value(family.residual_multiplier),
-                   1.0 / value(family.logits_divisor), family.norm_offset, scale or None, family.mlp, stream)
+                   1.0 / value(family.logits_divisor), family.norm_offset, scale or None, family.mlp, stream,
+                   family.layer_norm)
 
     @property
     def branch(self) -> float:
@@ -87,14 +89,37 @@ class BodyFold:
             return self.embedding * self.stream, 0.0
         if name == "lm_head.weight":
             return self.logits, 0.0
-        if name.endswith("mlp.down_proj.weight"):
+        if name.endswith(("mlp.down_proj.weight", "self_attn.o_proj.weight")):
             return self.branch, 0.0
         if name.endswith(NORMS) or (name.endswith("norm.weight") and ".layers." not in name):
             return 1.0, self.norm_offset
         return 1.0, 0.0
 
+    def centred(self, name: str) -> int | None:
+        """The dim over which a tensor's hidden-size outputs are centred (None: not centred)."""
+        if not self.center:
+            return None
+        if name.endswith("embed_tokens.weight"):
+            return 1  # [vocab, hidden]: each token's row
+        if name.endswith(("mlp.down_proj.weight", "self_attn.o_proj.weight")):
+            return 0  # [hidden, in]: each input's column
+        return None
+
+    def changes(self, name: str) -> bool:
+        return self.factor(name) != (1.0, 0.0) or self.centred(name) is not None
+
     def apply(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        scale, offset = self.factor(name)
-        if scale == 1.0 and offset == 0.0:
+        if not self.changes(name):
             return tensor
-        return tensor.double() * scale + offset
+        scale, offset = self.factor(name)
+        out = tensor.double()
+        dim = self.centred(name)
+        if dim is not None:  # P = I - 11^T/H on the outputs: the residual stream gains no mean
+            out = out - out.mean(dim, keepdim=True)
+        return out * scale + offset
+
+    def added_norms(self, layers: int, prefix: str = "model.") -> list[str]:
+        """The norm weights DeepSeek reads that a weightless-LayerNorm source lacks (written as ones)."""
+        if not self.center:
+            return []
+        return [f"{prefix}layers.{i}.{n}" for i in range(layers) for n in NORMS] + [f"{prefix}norm.weight"]

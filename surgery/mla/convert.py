@@ -219,8 +219,9 @@ class Planner:
                   "kv_b_proj": "kv_b", "o_proj": "o_proj"}
 
         def producer(field: str):
-            if field == "o_proj" and self.fold.branch != 1.0:  # the residual multiplier ends the branch here
-                return lambda: (self._weights(layer).o_proj * self.fold.branch).to(dtype).contiguous()
+            if field == "o_proj" and self.fold.changes("self_attn.o_proj.weight"):  # the residual branch ends here
+                return lambda: self.fold.apply("self_attn.o_proj.weight",
+                                               self._weights(layer).o_proj).to(dtype).contiguous()
             return lambda: getattr(self._weights(layer), field).to(dtype).contiguous()
 
         return [PlannedTensor(f"{module}.{name}.weight", dtype, shapes[name], produce=producer(fields[name]))
@@ -247,6 +248,10 @@ class Planner:
                 continue  # q/k norms: absorbed into q_proj and the latent (surgery/mla/absorb.py)
             for out_name, rows in self.fold.mlp_tensors(name, info.shape[0]):
                 planned.append(_copy(self.reader, name, out_name, dtype, self.fold, rows))
+        hidden = self.shape.hidden
+        for norm in self.fold.added_norms(self.shape.layers):  # weightless LayerNorms: RMSNorm weights of one
+            planned.append(PlannedTensor(norm, self.dtype or torch.float32, (hidden,),
+                                         produce=lambda d=self.dtype or torch.float32: torch.ones(hidden, dtype=d)))
         if "lm_head.weight" not in names:  # tied in the source: DeepSeek-V3 reads its own lm_head
             embed = next(n for n in names if n.endswith("embed_tokens.weight"))
             planned.append(_copy(self.reader, embed, "lm_head.weight",
@@ -259,7 +264,7 @@ def _copy(reader: CheckpointReader, name: str, out_name: str, dtype: torch.dtype
     """`name` (its `rows`: one half of a fused gate/up) written as `out_name`, with the family's constant folded in
     (`fold`, surgery/mla/body.py)."""
     info = reader.tensors[name]
-    changed = fold is not None and fold.factor(out_name) != (1.0, 0.0)
+    changed = fold is not None and fold.changes(out_name)
     if rows is not None:
         shape = (len(range(info.shape[0])[rows]), *info.shape[1:])
         fold = fold or BodyFold()

@@ -42,6 +42,10 @@ class MLAFamily:
     # the MLP as DeepSeek's gated one: "gated" (as it is), "fused_gate_up" (Phi-3's gate_up_proj: rows [gate | up],
     # split), "relu2" (Arcee's down(relu(up x)^2) = down(relu(up x) * up x): gate_proj = up_proj, hidden_act relu)
     mlp: str = "gated"
+    # LayerNorm without weights (OLMo): the residual stream kept mean-zero (the embedding rows, o_proj and down_proj
+    # centred), where LayerNorm is RMSNorm with weight 1 (written: the source has no norm tensors), at `norm_eps`
+    layer_norm: bool = False
+    norm_eps: float | None = None  # the source norms' epsilon when config.json has no rms_norm_eps
 
     @property
     def absorbs(self) -> bool:
@@ -64,6 +68,8 @@ FAMILIES: dict[str, MLAFamily] = {
                       "whose scale changes with the context, is refused)", mlp="fused_gate_up"),
     "arcee": MLAFamily(EXACT, "the ungated ReLU^2 MLP written gated: relu(u) * u = relu(u)^2 with gate_proj = up_proj "
                        "(the MLP's first projection computed twice)", mlp="relu2"),
+    "olmo": MLAFamily(EXACT, "weightless LayerNorm as RMSNorm on a mean-zero residual stream (embedding, o_proj and "
+                      "down_proj centred); clip_qkv is refused", layer_norm=True, norm_eps=1e-5),
     "qwen2": MLAFamily(APPROXIMATE, "q/k/v biases absorbed by calibration, error measured (DeepSeek-V3 has no "
                        "projection biases; under RoPE a key bias is not softmax-invariant)", biases=True),
     "qwen3": MLAFamily(APPROXIMATE, "per-head q/k norms absorbed by calibration, error measured (DeepSeek-V3 has "

@@ -8,4 +8,5 @@ from ..talking_heads.refusals import ENCODERS_NEED_CODE
 from .families import body_refusal
 
 KIND = "mla"
-REFUSES = {Feature.BODY: body_refusal, Feature.ENCODER: ENCODERS_NEED_CODE}
+REFUSES = {Feature.BODY: body_refusal, Feature.ENCODER: ENCODERS_NEED_CODE,
+           Feature.CLIP_QKV: "{detail}, which DeepSeek-V3's projections cannot"}

@@ -29,7 +29,8 @@ EXACT_CONFIGS = {"mistral": ("MistralConfig", {"sliding_window": None}),
                  "gemma": ("GemmaConfig", {}),
                  "smollm3": ("SmolLM3Config", {"no_rope_layers": [1, 0]}),
                  "phi3": ("Phi3Config", {}),
-                 "arcee": ("ArceeConfig", {})}
+                 "arcee": ("ArceeConfig", {}),
+                 "olmo": ("OlmoConfig", {})}
 
 
 def test_every_exact_family_but_llama_has_an_equivalence_test():
@@ -56,7 +57,7 @@ def test_exact_family_at_full_rank_is_the_source(tmp_path, family):
     assert float((a - b).abs().max()) <= 2e-4 * float(a.abs().max())
     assert record["mla"]["family"]["verdict"] == EXACT and "absorption" not in record["mla"]
     folded = record["mla"].get("folded", {})
-    source_eps = json.loads((src / "config.json").read_text())["rms_norm_eps"]
+    source_eps = json.loads((src / "config.json").read_text()).get("rms_norm_eps") or FAMILIES[family].norm_eps
     assert folded.get("stream", 1.0) == pytest.approx((1e-6 / source_eps) ** 0.5)
     assert folded.get("residual", 1.0) == (0.5 if family == "granite" else 1.0)
     assert folded.get("norm_offset", 0.0) == (1.0 if family == "gemma" else 0.0)
@@ -135,12 +136,13 @@ def test_list_says_exact_approximate_or_refused_for_every_family(tmp_path, capsy
 
 
 def test_refused_families_and_biases_stay_one_line(tmp_path, capsys):
-    """A MoE Qwen and a Llama with attention biases (llama's verdict is exact: it absorbs nothing) are refused in one
-    line, exit 2, nothing written."""
+    """A MoE Qwen, a Llama with attention biases (llama's verdict is exact: it absorbs nothing) and an OLMo that
+    clamps its projections are refused in one line, exit 2, nothing written."""
     moe = tmp_path / "moe"
     tm.make_tiny("qwen2_moe", moe)
     biased = tiny_llama(tmp_path / "biased", kv_heads=1, attention_bias=True)
-    for src, fragment in ((moe, "sparse-MoE"), (biased, "attention_bias")):
+    clipped = tiny_llama(tmp_path / "clipped", kv_heads=1, family="OlmoConfig", clip_qkv=8.0)
+    for src, fragment in ((moe, "sparse-MoE"), (biased, "attention_bias"), (clipped, "clip_qkv")):
         code, out, err = run_cli(capsys, "convert", src, "--to", "mla", "--kv-rank", 8, "--calib-tokens", 512,
                                  "--out", tmp_path / "bad")
         assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
