@@ -204,10 +204,11 @@ def mla_cost(config: dict, rank: int, rope_dim: int | None, query_samples: int =
     after the checks the conversion makes first (family, config, sizes: the dry run refuses what it would)."""
     from ..arch import spec_for
     from .convert import Shape, refuse_config
+    from .families import mla_family
     from .refusals import KIND, REFUSES
 
     spec = spec_for(config, KIND, REFUSES)
-    refuse_config(config)
+    refuse_config(config, mla_family(spec.name))
     shape = Shape(spec, config, rank, rope_dim)
     rope = shape.rope_dim
     scored = frequency_pass(config, shape.head_dim, rope)
