@@ -89,9 +89,8 @@ def _qwen(folder, family: str):
 def test_approximate_family_beats_dropping_its_terms(tmp_path, family):
     """Full rank, MQA (so the latent and the rope key are exact): what is left is the biases (Qwen2) or q/k norms
     (Qwen3) that DeepSeek-V3 cannot hold. Absorbed by calibration, the KL to the source on pydoc text calibration
-    never read (its first documents; calibration reads the last) is under half that of dropping them (measured:
-    about a tenth for Qwen2, a twentieth for Qwen3); the output holds no bias or q/k norm tensor, and the record and
-    the card name the verdict and the residuals."""
+    never read (its first documents; calibration reads the last) is under half that of dropping them; the output
+    holds no bias or q/k norm tensor, and the record and the card name the verdict and the residuals."""
     from pydoc_data.topics import topics
 
     src = _qwen(tmp_path / "src", family)
@@ -106,7 +105,8 @@ def test_approximate_family_beats_dropping_its_terms(tmp_path, family):
         assert mla["family"]["verdict"] == APPROXIMATE
         residual, dropped = mla["absorption"]["relative_residual"], mla["absorption"]["relative_residual_dropped"]
         if absorb:
-            assert residual["q"] < 0.1 * dropped["q"] and residual["k"] < 0.1 * dropped["k"], mla["absorption"]
+            assert all(residual[p] <= 0.1 * dropped[p] for p in "qkv"), mla["absorption"]
+            assert dropped["q"] > 0.1  # the terms are there to absorb (Qwen2's key bias is dropped by design)
         names = load_file(out / "model.safetensors")
         assert not any(n.endswith(("q_norm.weight", "k_norm.weight")) or ".bias" in n for n in names)
         assert "attention_bias" not in json.loads((out / "config.json").read_text()) or \
