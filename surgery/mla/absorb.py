@@ -23,8 +23,8 @@ import torch
 
 # ridges relative to the mean diagonal of E[x x^T], pulling the fit toward the plain fold (`SourceProjections.fold`),
 # and None (the plain fold itself): the one with the least residual on calibration rows the fit did not read wins
-# (measured on a Qwen2 trained here, whose biases are small: a fixed 1e-3 with the key bias fitted made held-out KL
-# 7x that of dropping the biases); MEAN: the correction read from the mean direction of x alone
+# (measured on a Qwen2 trained here, whose biases are small: fitting them at a fixed small ridge made held-out KL up
+# to 10x that of dropping them); MEAN: the correction read from the mean direction of x alone
 MEAN = "mean direction"
 RIDGES = (1e-3, 1e-2, 1e-1, 1.0, MEAN, None)
 PARTS = ("q", "k", "v")
@@ -56,8 +56,8 @@ class SourceProjections:
         """What the fit of `part` ("q", "k" or "v") aims at on rows x [N, H] (float64): the source's pre-RoPE
         projection, except the key bias, which is dropped: its logit term q_s.R(t-s)b_k is constant over keys at
         the frequencies that barely turn over the context (softmax-invariant there), and a linear fit turns that
-        constant into a token-dependent error (measured on a Qwen2 trained here: fitting it made held-out KL 1.7x
-        that of dropping every bias; not fitting it, 0.54x)."""
+        constant into a token-dependent error (measured on a Qwen2 trained here: fitting it made held-out KL 1.1x to
+        10x that of dropping every bias, by ridge; not fitting it, 0.54x; BENCHMARKS.md)."""
         t = x @ self.weights[part].T
         if self.biases.get(part) is not None and part != "k":
             t = t + self.biases[part]
