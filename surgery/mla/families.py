@@ -7,7 +7,8 @@ kind's `convert --list` column and the converter both read it).
 - approximate: the family computes something DeepSeek-V3's attention cannot hold and that runtimes would drop
   (vLLM's MLA has no projection biases, DeepSeek has no per-head q/k norms): Qwen2's q/k/v biases, Qwen3's q/k
   norms. Their projections are replaced by their best linear fit on the calibration activations
-  (E[t x^T] E[x x^T]^-1 for the source's pre-RoPE queries, keys and values t, biases and norms included), then the
+  (E[t x^T] E[x x^T]^-1 for the source's pre-RoPE queries, keys and values t, biases and norms included, except the
+  key bias, dropped: surgery/mla/absorb.py), then the
   query refit and the output refit fit the source's own logits and attention outputs (which carry the biases and
   norms); what remains is measured (surgery.json's `mla.absorption`, `surgery check`, BENCHMARKS.md).
 - refused: every other family, in its own words (surgery/arch.py's `body`).
@@ -70,8 +71,8 @@ FAMILIES: dict[str, MLAFamily] = {
                        "(the MLP's first projection computed twice)", mlp="relu2"),
     "olmo": MLAFamily(EXACT, "weightless LayerNorm as RMSNorm on a mean-zero residual stream (embedding, o_proj and "
                       "down_proj centred); clip_qkv is refused", layer_norm=True, norm_eps=1e-5),
-    "qwen2": MLAFamily(APPROXIMATE, "q/k/v biases absorbed by calibration, error measured (DeepSeek-V3 has no "
-                       "projection biases; under RoPE a key bias is not softmax-invariant)", biases=True),
+    "qwen2": MLAFamily(APPROXIMATE, "q/v biases absorbed by calibration, the key bias dropped (nearly "
+                       "softmax-invariant), error measured (DeepSeek-V3 has no projection biases)", biases=True),
     "qwen3": MLAFamily(APPROXIMATE, "per-head q/k norms absorbed by calibration, error measured (DeepSeek-V3 has "
                        "none)", qk_norm=True),
 }
