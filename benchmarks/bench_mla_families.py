@@ -3,11 +3,13 @@
 A Qwen2-shaped and a Qwen3-shaped model (4 layers, hidden 128, 4 heads of 32, 2 K/V heads, the character
 tokenizer of the tests: 96 ids) are trained from scratch for `--seconds` each on pydoc's middle documents (AdamW,
 lr 3e-3, batches of 16 x 128 characters), so that Qwen2's q/k/v biases and Qwen3's q/k norm weights carry trained
-statistics rather than their initial values. Each is then converted with `--to mla` at full rank (2 x 2 x 32 = 128,
-every rotary dim: what is left is the shared rope key's GQA loss and what DeepSeek-V3 cannot hold) and at half
-rank (`--kv-heads 1`: MQA models, full rank 64, where only what DeepSeek-V3 cannot hold is left), with the biases/norms absorbed (the default) and dropped (`absorb=False`, the baseline), calibrating on
-pydoc's last documents (the conversion's own default) and measured on pydoc's first documents (read by neither the
-training nor the calibration): KL(source || converted) per token and the perplexity ratio.
+statistics rather than their initial values. Each is then converted with `--to mla` at full rank (2 x 2 x 32 =
+128, every rotary dim: what is left is the shared rope key's GQA loss and what DeepSeek-V3 cannot hold) and at half
+rank (`--kv-heads 1`: MQA models, full rank 64, where only what DeepSeek-V3 cannot hold is left), with the
+biases/norms absorbed (the default) and dropped (`absorb=False`, the baseline), calibrating on pydoc's last
+documents (the conversion's own default) and measured on pydoc's first documents (read by neither the training nor
+the calibration): KL(source || converted) per token and the perplexity ratio. `--keep DIR` keeps the trained
+sources (and reuses them).
 
     OMP_NUM_THREADS=1 timeout 900 python benchmarks/bench_mla_families.py --seconds 150
     OMP_NUM_THREADS=1 timeout 900 python benchmarks/bench_mla_families.py --seconds 150 --kv-heads 1 --ranks 64 32

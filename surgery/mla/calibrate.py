@@ -194,8 +194,9 @@ def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.devi
                  observer: Callable[[int], object] | None = None) -> None:
     """Convert every layer on the converted stream: `build(index, sigma)` gives the layer's MLA weights,
     `keep(index, weights)` receives the final weights; `observer(index)` (None: nothing) is handed the layer's
-    attention input rows while sigma is summed (surgery/mla/absorb.py's moments). Each step is a pass over the chunks (second moments, query
-    refit, output refit, converted pass): past the residual stream, memory is one chunk."""
+    attention input rows while sigma is summed (surgery/mla/absorb.py's moments). Each step is a pass over the
+    chunks (second moments, query refit, output refit, converted pass): past the residual stream, memory is one
+    chunk."""
     generator = torch.Generator().manual_seed(seed)  # the query refit's sampled positions
     with threads(torch.get_num_threads()):
         stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows, store)

@@ -330,7 +330,8 @@ def _family_record(family: MLAFamily | None, absorbing: bool, absorb: bool,
         n = max(len(residuals), 1)
         mean = {p: [round(sum(r[p][j] for r in residuals.values()) / n, 6) for j in (0, 1)] for p in "qkv"}
         out["absorption"] = {
-            "method": "least-squares linear fit on the calibration activations, its ridge chosen on rows it did not read" if absorb else
+            "method": ("least-squares linear fit on the calibration activations, its ridge chosen on rows it did not "
+                       "read") if absorb else
                       "none (dropped: a measurement baseline)",
             "terms": [t for t, on in (("q/k/v biases", family.biases), ("q/k norms", family.qk_norm)) if on],
             "relative_residual": {p: mean[p][0 if absorb else 1] for p in "qkv"},

@@ -59,7 +59,8 @@ FAMILIES: dict[str, MLAFamily] = {
     "ministral": MLAFamily(EXACT, "Llama's layer; a sliding window shorter than the context is refused"),
     "helium": MLAFamily(EXACT, "Llama's layer with interleaved rotary pairs"),
     "granite": MLAFamily(EXACT, "embedding, attention, residual and logit multipliers folded into the weights they "
-                         "scale", embedding_multiplier="embedding_multiplier", residual_multiplier="residual_multiplier",
+                         "scale", embedding_multiplier="embedding_multiplier",
+                         residual_multiplier="residual_multiplier",
                          logits_divisor="logits_scaling", attention_multiplier="attention_multiplier"),
     "gemma": MLAFamily(EXACT, "(1 + w) RMSNorm weights and the embedding normaliser folded (the untied lm_head keeps "
                        "the unscaled embedding)", embedding_multiplier="sqrt(hidden_size)", norm_offset=1.0),
