@@ -242,8 +242,8 @@ class ArchSpec:
         if self.encoder:
             implied.append(Trait(Feature.ENCODER, "an encoder"))
         if self.name not in SLIDING_WINDOW_TARGETS | POSITIONS_BY_LAYER_TYPE and not self.encoder:
-            implied.append(Trait(Feature.NO_LAYER_TYPES, f"transformers' {self.name} has no per-layer attention types "
-                                 "(layer_types)"))
+            implied.append(Trait(Feature.NO_LAYER_TYPES, f"transformers' {self.name} has no per-layer "
+                                 "attention types (layer_types)"))
         if self.name in POSITIONS_BY_LAYER_TYPE:
             implied.append(Trait(Feature.POSITIONS_BY_LAYER_TYPE, POSITIONS_BY_LAYER_TYPE[self.name]))
         if self.qk_norm == QKNorm.WHOLE:

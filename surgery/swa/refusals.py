@@ -7,6 +7,6 @@ from ..talking_heads.refusals import ENCODERS_NEED_CODE
 KIND = "swa"
 REFUSES = {
     Feature.ENCODER: ENCODERS_NEED_CODE,
-    Feature.NO_LAYER_TYPES: "{detail}: no standard checkpoint of this family can mark layers sliding",
+    Feature.NO_LAYER_TYPES: "{detail}",
     Feature.POSITIONS_BY_LAYER_TYPE: "{detail}: retyping a layer would change what it computes",
 }
