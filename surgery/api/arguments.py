@@ -37,10 +37,11 @@ def flag_argument(value: Any, name: str, function: str) -> bool:
     return value
 
 
-def int_argument(value: Any, name: str, function: str, minimum: int) -> int:
+def int_argument(value: Any, name: str, function: str, minimum: int | None = None) -> int:
+    """`value` when it is an int (not a bool, not text), at least `minimum` when given."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise SurgeryError(f"{function}: {name} is an integer, not {describe(value)}")
-    if value < minimum:
+    if minimum is not None and value < minimum:
         raise SurgeryError(f"{function}: {name} must be at least {minimum}, got {value}")
     return value
 

@@ -165,7 +165,7 @@ def inspect(*checkpoints: Source, context: int = 4096, allow_pickle: bool = Fals
     from ..checkpoint.source import resolve_source
     from ..inspection import inspect_checkpoint
 
-    context = int_argument(context, "context", "inspect", 1)
+    context = int_argument(context, "context", "inspect")  # its range: the line `surgery inspect --context` prints
     allow_pickle = flag_argument(allow_pickle, "allow_pickle", "inspect")
     reports = []
     for c in checkpoints:
