@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 COMMIT = re.compile(r"[0-9a-f]{40}")
-COMPARED_TENSORS = 3  # tensors compared with a cached snapshot's to tell which commit a model was loaded at
+COMPARED_BYTES = 64 << 20  # of a cached snapshot's smallest tensors compared with the model's to tell its commit
 
 
 def model_lineage(model: Any) -> dict:
@@ -37,7 +37,7 @@ def model_lineage(model: Any) -> dict:
 def hub_commit(model: Any, repo_id: str) -> str | None:
     """The commit of `repo_id` the model's weights were loaded at: `config._commit_hash` where transformers keeps
     it (4.x); else (transformers 5 resolves the revision without keeping it) the one snapshot of the repo in
-    huggingface_hub's cache whose weights are the model's (a few tensors compared, read one at a time). None when
+    huggingface_hub's cache whose weights are the model's (its smallest tensors compared, up to COMPARED_BYTES). None when
     no snapshot, or several, match: no commit is guessed."""
     commit = getattr(getattr(model, "config", None), "_commit_hash", None)
     if isinstance(commit, str) and COMMIT.fullmatch(commit):
@@ -53,24 +53,30 @@ def hub_commit(model: Any, repo_id: str) -> str | None:
 
 
 def _same_weights(folder: Path, state: dict) -> bool:
-    """The first COMPARED_TENSORS tensors of `folder`'s safetensors files that the model has equal the model's (cast
-    to its dtype, as from_pretrained casts them); False when none can be compared."""
+    """The tensors of `folder`'s safetensors files that the model has, smallest first (norms, biases, then small
+    matrices) up to COMPARED_BYTES read, equal the model's (cast to its dtype, as from_pretrained casts them): a
+    commit that changed any of them is told apart without reading a large checkpoint whole. False when none can be
+    compared."""
     import torch
     from safetensors import safe_open
 
-    compared = 0
-    for path in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
-                    if name not in state:
-                        continue
-                    mine = state[name].detach()
-                    if not torch.equal(f.get_tensor(name).to(mine.dtype), mine.cpu()):
-                        return False
-                    compared += 1
-                    if compared >= COMPARED_TENSORS:
-                        return True
-        except (OSError, ValueError, RuntimeError):  # an incomplete or odd file: not a match
-            return False
-    return compared > 0
+    try:
+        handles = [safe_open(str(path), framework="pt") for path in sorted(folder.glob("*.safetensors"))]
+        sizes = []
+        for h in handles:
+            for name in h.keys():
+                if name in state:
+                    shape = h.get_slice(name).get_shape()
+                    sizes.append((int(torch.tensor(shape).prod().item()) if shape else 1, name, h))
+        sizes.sort(key=lambda t: (t[0], t[1]))
+        read = 0
+        for count, name, h in sizes:
+            mine = state[name].detach()
+            if read and read + count * mine.element_size() > COMPARED_BYTES:
+                break
+            if not torch.equal(h.get_tensor(name).to(mine.dtype), mine.cpu()):
+                return False
+            read += count * mine.element_size()
+        return read > 0
+    except (OSError, ValueError, RuntimeError):  # an incomplete or odd file: not a match
+        return False
