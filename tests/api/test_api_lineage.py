@@ -190,3 +190,17 @@ def test_the_api_s_own_bad_arguments_are_one_line_before_any_work(tiny, tmp_path
             call()
         assert fragment in str(e.value) and "\n" not in str(e.value), name
     assert {p.name for p in tmp_path.iterdir()} <= {"afile.txt", "cache"}  # no output, nothing half-written
+
+
+def test_a_recipe_whose_first_step_fails_leaves_no_output_folder(tiny, tmp_path):
+    """Its output folder (and the folders above it) were left holding only the recipe's state; a step that ran
+    keeps its output, for the next run to skip."""
+    recipe = {"source": {"path": str(tiny)}, "output": str(tmp_path / "runs" / "r"),
+              "steps": [{"uptrain": {"tokens": 256, "seq_len": 32, "teacher_logprobs": "nowhere"}}]}
+    with pytest.raises(surgery.SurgeryError, match="not a teacher store"):
+        surgery.run_recipe(recipe)
+    assert not (tmp_path / "runs").exists()
+    recipe["steps"].insert(0, {"convert": {"to": "mqa"}})
+    with pytest.raises(surgery.SurgeryError, match="not a teacher store"):
+        surgery.run_recipe(recipe)
+    assert (tmp_path / "runs" / "r" / "recipe-state.json").is_file() and len(list((tmp_path / "runs" / "r").iterdir())) > 1
