@@ -194,8 +194,10 @@ def frequency_pass(config: dict, head_dim: int, rope: int) -> bool:
 
     from .convert import config_frequencies, rope_strides
 
+    layers = config.get("num_hidden_layers")
+    per_layer = {k: v[:1] for k, v in config.items() if isinstance(v, list) and len(v) == layers}  # layer_types, ...
     one_layer = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
-                                     | {"num_hidden_layers": 1})  # the rotary module is all that is read
+                                     | per_layer | {"num_hidden_layers": 1})  # the rotary module is all that is read
     return len(rope_strides(config_frequencies(one_layer, head_dim), rope)) > 1
 
 

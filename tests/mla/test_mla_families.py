@@ -147,3 +147,14 @@ def test_refused_families_and_biases_stay_one_line(tmp_path, capsys):
                                  "--out", tmp_path / "bad")
         assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, err
         assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "smollm3"])
+def test_dry_run_of_families_with_per_layer_config_lists(tmp_path, capsys, arch):
+    """The dry run builds a one-layer config to read the rotary frequencies: per-layer lists (layer_types,
+    no_rope_layers) are cut to that layer instead of failing transformers' validation."""
+    src = tm.tiny(arch, tmp_path / "src")
+    code, out, err = run_cli(capsys, "convert", src, "--to", "mla", "--kv-rank", 16, "--rope-dim", 8,
+                             "--calib-tokens", 512, "--out", tmp_path / "out", "--dry-run")
+    assert code == 0 and "memory terms" in out, err
+    assert not (tmp_path / "out").exists()
