@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from surgery.chat import ChatFormat
-from surgery.check.compare import compare_models
+from surgery.checking.compare import compare_models
 from surgery.checkpoint.source import resolve_source
 from surgery.data import load_texts, token_stream
 from surgery.kv.aligned import convert_aligned

@@ -29,7 +29,7 @@ METRICS = ("max_abs_diff", "mean_abs_diff", "kl", "top1_agreement", "ppl_source"
 
 
 def child(mode: str, converted: str, tokens: int, seq_len: int, batch_size: int, device: str) -> dict:
-    from surgery.check.compare import compare_checkpoints, compare_models
+    from surgery.checking.compare import compare_checkpoints, compare_models
     from surgery.runtime import load_model, load_tokenizer, pick_device
     from surgery.data import pydoc_texts, token_stream
     from surgery.checkpoint.source import resolve_source

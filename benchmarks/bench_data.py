@@ -1,4 +1,4 @@
-"""The streamed uptraining data path (surgery/uptrain/stream.py): its rate alone, next to what training consumes,
+"""The streamed uptraining data path (surgery/training/stream.py): its rate alone, next to what training consumes,
 and a billion-token run's start (time to the first optimizer step, peak RSS, largest run-folder file).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_data.py rate            # tokens/s of the data path, 0/1/2 workers
@@ -48,7 +48,7 @@ def rate_worker(spec: str, workers: int, seq_len: int, seconds: float) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from surgery.uptrain.stream import Plan, StreamedData, hold_out, resolve_sources
+    from surgery.training.stream import Plan, StreamedData, hold_out, resolve_sources
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
     if workers:
@@ -161,7 +161,7 @@ def cmd_curve(a) -> None:
     on (surgery.testing.pydoc_llama; LM loss on pydoc, the same held-out windows), with the tests' short-run
     options: the loss curve and held-out perplexity of each."""
     from surgery.testing.pydoc_llama import FAST, make_model, make_tokenizer, metrics
-    from surgery.uptrain import UptrainOptions, stream, uptrain
+    from surgery.training import UptrainOptions, stream, uptrain
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "tiny", make_tokenizer())

@@ -2,7 +2,7 @@
 
 Two processes over gloo on CPU (the FSDP path of `recipes/accelerate/fsdp-cpu.yaml`), a random Llama sharded with
 FSDP2 (one unit per decoder layer) after one AdamW step, so that the optimizer holds both moments. Each layout of
-surgery/uptrain/state.py `Checkpoints` saves the same state, then resumes from it into a fresh model and optimizer:
+surgery/training/state.py `Checkpoints` saves the same state, then resumes from it into a fresh model and optimizer:
 seconds, bytes each process writes and reads, and each process's peak RSS above its level before the save (VmHWM
 after resetting it, /proc/self/clear_refs), per process.
 
@@ -60,8 +60,8 @@ def worker(rank: int, args, folder: str, port: int, results) -> None:
     import torch
     from accelerate import Accelerator
 
-    from surgery.uptrain.loop import use_fsdp_on_cpu
-    from surgery.uptrain.state import Checkpoints, RunState
+    from surgery.training.loop import use_fsdp_on_cpu
+    from surgery.training.state import Checkpoints, RunState
 
     acc = Accelerator(cpu=True)
     use_fsdp_on_cpu(acc)
@@ -82,7 +82,7 @@ def worker(rank: int, args, folder: str, port: int, results) -> None:
         save_s = time.perf_counter() - start
         save_peak = peak_rss() - base
         manifest = json.loads((path / "manifest.json").read_text())
-        from surgery.uptrain.state import owner
+        from surgery.training.state import owner
 
         written = sum(e["size"] for name, e in manifest["files"].items()
                       if owner(name) == rank or (owner(name) is None and rank == 0 and name != "run-state.json")

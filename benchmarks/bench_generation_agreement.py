@@ -10,7 +10,7 @@ Prompts: `--prompts` windows of `--prompt-len` tokens (32), evenly spaced over p
 bench_uptrain_recovery.py, which holds out only pydoc's first 4,096 tokens). One model in memory at a time.
 
 Each model is also fed the source's float32 continuations and asked for its argmax at every step (forced
-agreement, by the source's margin between its two most probable tokens: surgery/check/generate.py), the per-step
+agreement, by the source's margin between its two most probable tokens: surgery/checking/generate.py), the per-step
 quantity that greedy agreement compounds; and fed the text's own continuation of each prompt, where its argmax is
 compared with the source's (top-1 agreement off the source's path: an exposure-bias gap would show as a lower
 forced agreement than this).
@@ -29,7 +29,7 @@ import torch
 
 
 from surgery.runtime import load_model, load_tokenizer  # noqa: E402
-from surgery.check import generate as gen  # noqa: E402
+from surgery.checking import generate as gen  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
 from surgery.checkpoint.source import resolve_source  # noqa: E402
 from surgery.trust import resolve_trust  # noqa: E402

@@ -28,7 +28,7 @@ import torch
 
 
 from surgery.kinds.kv import METHODS  # noqa: E402
-from surgery.check.compare import compare_models  # noqa: E402
+from surgery.checking.compare import compare_models  # noqa: E402
 from surgery.kv.convert import KVOptions, convert_to_kv_heads  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
 from surgery.kv.aligned import convert_aligned  # noqa: E402
@@ -131,7 +131,7 @@ def main() -> None:
         results["same_kv_heads_max_abs_diff"] = same["max_abs_diff"]
         print(f"3 -> 3 aligned: max |dlogits| {same['max_abs_diff']:.3g} ({exact['wall_s']:.1f}s)")
         if args.uptrain_tokens:
-            from surgery.uptrain import UptrainOptions, uptrain
+            from surgery.training import UptrainOptions, uptrain
 
             for method in ("aligned", "mean"):
                 if method not in results["methods"]:

@@ -28,7 +28,7 @@ import torch
 from surgery.arch import spec_for  # noqa: E402
 from surgery.calibration.stream import resident_stream  # noqa: E402
 from surgery.calibration.text import calibration_text, context_of, pydoc_documents_used  # noqa: E402
-from surgery.check.compare import compare_models  # noqa: E402
+from surgery.checking.compare import compare_models  # noqa: E402
 from surgery.runtime import load_tokenizer  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
 from surgery.kv.aligned import capture  # noqa: E402

@@ -1,14 +1,18 @@
-"""--to mla on the approximate families (Qwen2's q/k/v biases, Qwen3's per-head q/k norms): the converted error vs
-the no-absorption baseline (the biases / norms dropped, no refits), on models whose biases and norms carry real
-statistics.
+"""MLA from Qwen2 and Qwen3: absorbed biases / q/k norms vs dropping them, on small models trained here on pydoc.
 
-Each family: a small model of its shape (hidden 128, 4 layers, 4 heads, 2 K/V heads, head_dim 32, character
-tokenizer) trained from scratch with AdamW on pydoc's documents 8.. (the standard library's `pydoc_data.topics`)
-for `--minutes`, then converted at `--ranks` with calibration on `pydoc` (read from its last document backwards),
-with and without absorption. Measured on pydoc's first 8 documents (never trained on, never read by calibration):
-KL(source || converted) per token and the perplexity ratio converted / source.
+A Qwen2-shaped and a Qwen3-shaped model (4 layers, hidden 128, 4 heads of 32, 2 K/V heads, the character
+tokenizer of the tests: 96 ids) are trained from scratch for `--seconds` each on pydoc's middle documents (AdamW,
+lr 3e-3, batches of 16 x 128 characters), so that Qwen2's q/k/v biases and Qwen3's q/k norm weights carry trained
+statistics rather than their initial values. Each is then converted with `--to mla` at full rank (2 x 2 x 32 =
+128, every rotary dim: what is left is the shared rope key's GQA loss and what DeepSeek-V3 cannot hold) and at half
+rank (`--kv-heads 1`: MQA models, full rank 64, where only what DeepSeek-V3 cannot hold is left), with the
+biases/norms absorbed (the default) and dropped (`absorb=False`, the baseline), calibrating on pydoc's last
+documents (the conversion's own default) and measured on pydoc's first documents (read by neither the training nor
+the calibration): KL(source || converted) per token and the perplexity ratio. `--keep DIR` keeps the trained
+sources (and reuses them).
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_mla_families.py --work /tmp/bench_mla --minutes 4
+    OMP_NUM_THREADS=1 timeout 900 python benchmarks/bench_mla_families.py --seconds 150
+    OMP_NUM_THREADS=1 timeout 900 python benchmarks/bench_mla_families.py --seconds 150 --kv-heads 1 --ranks 64 32
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,89 +30,100 @@ import transformers as tf
 from surgery.checkpoint.source import resolve_source
 from surgery.data import pydoc_texts
 from surgery.mla import convert_to_mla
-from surgery.testing.tiny_models import char_tokenizer
+from surgery.testing.tiny_models import TOKENS, char_tokenizer
 
+CONTEXT = 128
 SHAPE = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=32, max_position_embeddings=512, pad_token_id=0, bos_token_id=0,
-             eos_token_id=0, tie_word_embeddings=True)
+             num_key_value_heads=2, head_dim=32, max_position_embeddings=CONTEXT, rope_theta=10000.0,
+             tie_word_embeddings=True)
 FAMILIES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
-HELD_OUT = 8  # pydoc's first documents: evaluation only
-LENGTH = 256
 
 
-def ids_of(tok, texts: list[str], length: int) -> torch.Tensor:
-    ids = tok("\n\n".join(texts))["input_ids"]
-    n = len(ids) // length
-    return torch.tensor(ids[: n * length]).view(n, length)
+def encode(texts: list[str]) -> torch.Tensor:
+    """Characters -> the character tokenizer's ids (printable ASCII 1..95, anything else 0)."""
+    ids = [ord(c) - 31 if 32 <= ord(c) < 127 else 0 for c in "\n".join(texts)]
+    return torch.tensor(ids)
 
 
-def train(family: str, folder: Path, minutes: float, seed: int) -> dict:
+def windows(ids: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    count = ids.numel() // CONTEXT if n is None else n
+    return ids[: count * CONTEXT].view(count, CONTEXT)
+
+
+def train(family: str, folder: Path, data: torch.Tensor, seconds: float, kv_heads: int, seed: int = 0) -> dict:
     torch.manual_seed(seed)
-    config = getattr(tf, FAMILIES[family])(**SHAPE)
-    model = tf.AutoModelForCausalLM.from_config(config)
-    char_tokenizer(folder)
-    tok = tf.AutoTokenizer.from_pretrained(folder)
-    data = ids_of(tok, pydoc_texts()[HELD_OUT:], LENGTH)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
-    start, step, loss = time.time(), 0, float("nan")
-    model.train()
-    while time.time() - start < minutes * 60:
-        batch = data[torch.randint(0, len(data), (16,))]
+    config = getattr(tf, FAMILIES[family])(**(SHAPE | TOKENS | {"num_key_value_heads": kv_heads}))
+    model = tf.AutoModelForCausalLM.from_config(config).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed)
+    start, steps, loss = time.time(), 0, float("nan")
+    while time.time() - start < seconds:
+        batch = data[torch.randint(len(data), (16,), generator=g)]
         out = model(input_ids=batch, labels=batch)
         opt.zero_grad()
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        step, loss = step + 1, float(out.loss.detach())
+        steps, loss = steps + 1, float(out.loss)
     model.eval().save_pretrained(folder)
-    return {"steps": step, "batch": f"16 x {LENGTH} tokens", "final_train_loss": round(loss, 4),
-            "seconds": round(time.time() - start, 1)}
+    char_tokenizer(folder)
+    return {"steps": steps, "train_loss": round(loss, 4), "seconds": round(time.time() - start, 1)}
 
 
 @torch.no_grad()
-def log_probs(model, ids: torch.Tensor) -> torch.Tensor:
-    return torch.cat([model(input_ids=b[None]).logits.float().log_softmax(-1) for b in ids])
-
-
-def measure(src: Path, out: Path, ids: torch.Tensor, reference: torch.Tensor) -> dict:
-    model = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    assert type(model).__name__ == "DeepseekV3ForCausalLM"
-    lp = log_probs(model, ids)
-    kl = float((reference.exp() * (reference - lp)).sum(-1).mean())
-    nll = lambda p: float(-p[:, :-1].gather(-1, ids[:, 1:, None]).mean())  # noqa: E731
-    return {"kl": round(kl, 5), "ppl_ratio": round(math.exp(nll(lp) - nll(reference)), 4)}
+def evaluate(src: Path, out: Path, ids: torch.Tensor) -> dict:
+    a = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    b = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    kl = nll_a = nll_b = 0.0
+    for batch in ids.split(8):
+        la, lb = a(input_ids=batch).logits.log_softmax(-1), b(input_ids=batch).logits.log_softmax(-1)
+        kl += float((la.exp() * (la - lb)).sum())
+        target = batch[:, 1:, None]
+        nll_a -= float(la[:, :-1].gather(-1, target).sum())
+        nll_b -= float(lb[:, :-1].gather(-1, target).sum())
+    tokens, predicted = ids.numel(), ids.shape[0] * (ids.shape[1] - 1)
+    return {"kl_per_token": kl / tokens, "ppl_source": math.exp(nll_a / predicted),
+            "ppl_converted": math.exp(nll_b / predicted), "ppl_ratio": math.exp((nll_b - nll_a) / predicted)}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--work", type=Path, required=True)
-    p.add_argument("--minutes", type=float, default=4.0)
-    p.add_argument("--ranks", default="128,32")
-    p.add_argument("--calib-tokens", type=int, default=8192)
-    p.add_argument("--families", default="qwen2,qwen3")
-    args = p.parse_args()
-    results = {}
-    for family in args.families.split(","):
-        src = args.work / family / "source"
-        training = train(family, src, args.minutes, seed=0)
-        source = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-        ids = ids_of(tf.AutoTokenizer.from_pretrained(src), pydoc_texts()[:HELD_OUT], LENGTH)[:16]
-        reference = log_probs(source, ids)
-        nll = float(-reference[:, :-1].gather(-1, ids[:, 1:, None]).mean())
-        row = {"training": training, "source_ppl": round(math.exp(nll), 4), "eval_tokens": ids.numel()}
-        for rank in map(int, args.ranks.split(",")):
-            for absorb in (False, True):
-                name = f"r{rank}-{'absorbed' if absorb else 'baseline'}"
-                out = args.work / family / name
-                record = convert_to_mla(resolve_source(str(src)), out, kv_rank=rank, calib_tokens=args.calib_tokens,
-                                        progress=False, force=True, absorb=absorb)
-                row[name] = measure(src, out, ids, reference) | {
-                    "calib_attention_error": record["mla"]["approximated"]["attention_error"]["mean"],
-                    "latent_loss": record["mla"]["latent_loss"], "rope_loss": record["mla"]["rope_loss"]}
-                print(family, name, row[name], flush=True)
-        results[family] = row
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=150)
+    ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--eval-windows", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=2, help="1: MQA, where the shared rope key is exact and full "
+                    "rank (64) leaves only what DeepSeek-V3 cannot hold")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[128, 64])
+    ap.add_argument("--keep", type=Path, default=None, help="keep the trained sources here (reused when present)")
+    args = ap.parse_args()
+    docs = pydoc_texts()
+    third = len(docs) // 3
+    held_out = windows(encode(docs[:third]), args.eval_windows)  # `surgery check`'s text: pydoc from its start
+    training = windows(encode(docs[third: 2 * third]))  # calibration reads from the last document backwards
+    results = {"training_windows": len(training), "eval_tokens": held_out.numel(), "kv_heads": args.kv_heads,
+               "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in FAMILIES:
+            src = (args.keep or Path(tmp)) / family
+            if (src / "train.json").exists():
+                info = json.loads((src / "train.json").read_text())
+            else:
+                info = train(family, src, training, args.seconds, args.kv_heads)
+                (src / "train.json").write_text(json.dumps(info))
+            rows = {}
+            for rank in args.ranks:
+                for absorb in (True, False):
+                    out = Path(tmp) / f"{family}-{rank}-{absorb}"
+                    record = convert_to_mla(resolve_source(str(src)), out, kv_rank=rank, calib="pydoc",
+                                            calib_tokens=args.calib_tokens, progress=False, absorb=absorb)
+                    row = evaluate(src, out, held_out)
+                    row["absorption"] = record["mla"]["absorption"]["relative_residual"]
+                    rows[f"rank {rank}, {'absorbed' if absorb else 'dropped'}"] = row
+                    print(family, rank, "absorbed" if absorb else "dropped",
+                          json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in row.items()}),
+                          flush=True)
+            results["models"][family] = info | {"conversions": rows}
     print(json.dumps(results, indent=1))
-    (args.work / "results.json").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def generation_seconds(folder: Path, micro_batch: int, seq_len: int, gen_tokens:
     """The student's time to continue one micro-batch of prompts (median of 3), as the loop generates."""
     import transformers as tf
 
-    from surgery.uptrain.onpolicy import OnPolicy
+    from surgery.training.onpolicy import OnPolicy
 
     model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     prompts = torch.randint(0, model.config.vocab_size, (micro_batch, seq_len), generator=torch.Generator().manual_seed(0))
@@ -73,7 +73,7 @@ def micro_step_seconds(folder: Path, micro_batch: int, seq_len: int) -> float:
     import transformers as tf
 
     from surgery.checkpoint.source import resolve_source
-    from surgery.uptrain.losses import kd_loss
+    from surgery.training.losses import kd_loss
 
     model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     teacher = tf.AutoModelForCausalLM.from_pretrained(resolve_source("smollm2").folder, dtype=torch.float32).eval()
@@ -90,7 +90,7 @@ def micro_step_seconds(folder: Path, micro_batch: int, seq_len: int) -> float:
 
 
 def options(folder: Path, out: Path, eval_data: Path, args, steps: int, on_policy: float):
-    from surgery.uptrain import UptrainOptions
+    from surgery.training import UptrainOptions
 
     return UptrainOptions(model=str(folder), out=out, data="pydoc", eval_data=str(eval_data), txt_unit="file",
                        tokens=steps * args.batch_tokens, seq_len=args.seq_len, batch_tokens=args.batch_tokens,
@@ -101,7 +101,7 @@ def options(folder: Path, out: Path, eval_data: Path, args, steps: int, on_polic
 
 
 def train(folder: Path, out: Path, eval_data: Path, args, steps: int, on_policy: float) -> dict:
-    from surgery.uptrain import uptrain
+    from surgery.training import uptrain
 
     return uptrain(options(folder, out, eval_data, args, steps, on_policy))
 
@@ -114,7 +114,7 @@ def train_both(folder: Path, work: Path, eval_data: Path, args, off_steps: int, 
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     code = ("import sys, json; from pathlib import Path; sys.path.insert(0, {here!r}); import bench_onpolicy as b; "
-            "from surgery.uptrain import uptrain; import argparse; a = argparse.Namespace(**json.loads(sys.argv[1])); "
+            "from surgery.training import uptrain; import argparse; a = argparse.Namespace(**json.loads(sys.argv[1])); "
             "print(json.dumps(uptrain(b.options(Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), a, "
             "int(sys.argv[5]), float(sys.argv[6]))), default=str))").format(here=str(Path(__file__).parent))
     plain = json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})

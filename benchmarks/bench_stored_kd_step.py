@@ -50,10 +50,10 @@ def main() -> None:
     from surgery.checkpoint.source import resolve_source
     from surgery.data import pydoc_texts
     from surgery.kv.convert import KVOptions, convert_to_kv_heads
-    from surgery.uptrain.losses import kd_loss, lm_loss
-    from surgery.uptrain.stored_kd import stored_kd_loss
-    from surgery.uptrain.teacher_pass import top_k_of
-    from surgery.uptrain.teacher_store import StoredTargets, window_hash
+    from surgery.training.losses import kd_loss, lm_loss
+    from surgery.training.stored_kd import stored_kd_loss
+    from surgery.training.teacher_pass import top_k_of
+    from surgery.training.teacher_store import StoredTargets, window_hash
 
     work = a.work or Path(tempfile.mkdtemp(prefix="bench-stored-kd-step-"))
     source = resolve_source("smollm2")

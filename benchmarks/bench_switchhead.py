@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 
-from surgery.inspect import inspect_checkpoint  # noqa: E402
+from surgery.inspection import inspect_checkpoint  # noqa: E402
 from surgery.runtime import cache_keyword, returned_cache  # noqa: E402
 from surgery.checkpoint.source import resolve_source  # noqa: E402
 

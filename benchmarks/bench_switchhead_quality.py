@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 
-from surgery.check.compare import compare_checkpoints  # noqa: E402
+from surgery.checking.compare import compare_checkpoints  # noqa: E402
 from surgery.data import pydoc_texts  # noqa: E402
 from surgery.checkpoint.source import resolve_source  # noqa: E402
 from surgery.switchhead import convert_to_switchhead  # noqa: E402

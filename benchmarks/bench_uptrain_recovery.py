@@ -106,9 +106,9 @@ def main() -> None:
         sys.exit("--converted takes KIND=DIR")
 
     from surgery.checkpoint.source import resolve_source
-    from surgery.uptrain import UptrainOptions, uptrain
-    from surgery.uptrain.metrics import read_metrics
-    from surgery.uptrain.plot import plot_runs
+    from surgery.training import UptrainOptions, uptrain
+    from surgery.training.metrics import read_metrics
+    from surgery.training.plot import plot_runs
 
     runs = [tuple(r.split(":")) for r in a.runs.split(",") if r]
     if any(len(r) != 2 for r in runs):

@@ -35,15 +35,15 @@ def windows_in_uptrain_order(folder: Path, seq_len: int, tokens: int):
     from transformers import AutoTokenizer
 
     from surgery.data import pydoc_texts
-    from surgery.uptrain.data import pack
+    from surgery.training.data import pack
 
     data = pack(pydoc_texts(), AutoTokenizer.from_pretrained(folder), seq_len, eval_tokens=0, train_tokens=tokens, seed=0)
     return data.train[data.window_indices(0, tokens // seq_len)].long()
 
 
 def worker_surgery(a) -> dict:
-    from surgery.uptrain import UptrainOptions, uptrain
-    from surgery.uptrain.metrics import read_metrics
+    from surgery.training import UptrainOptions, uptrain
+    from surgery.training.metrics import read_metrics
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "out"
@@ -164,7 +164,7 @@ def main() -> None:
     print(f"median tokens/s: surgery uptrain {ours:.2f}, transformers.Trainer {theirs:.2f}; "
           f"median of the per-round ratios {statistics.median(ratios):.3f}x")
     if torch.cuda.is_available():
-        from surgery.inspect import inspect_checkpoint
+        from surgery.inspection import inspect_checkpoint
 
         params = inspect_checkpoint(Path(a.model))["parameters"]
         peak = next((v for k, v in PEAK_BF16.items() if k in torch.cuda.get_device_name()), None)

@@ -5,7 +5,7 @@
   (`benchmarks/results/*.png`) resolve there too.
 - The API reference lists what `surgery` exports: the marker in reference/api.md becomes one mkdocstrings block per
   name of `surgery.__all__`, addressed where the object is defined (`surgery.check` the function is not the
-  `surgery/check/` package a static reading of the source would find under that name).
+  `surgery/checking/` package a static reading of the source would find under that name).
 """
 
 from __future__ import annotations

@@ -53,8 +53,8 @@ class Feature(str, Enum):
     WHOLE_QK_NORM = "a q/k norm over the whole projection"
     NORM_MODULE_PER_HEAD = "per-head q/k norms stored as one norm module per head"
     PER_HEAD_QK_NORM = "per-head q/k norms, each head its own weight"
-    QKV_BIAS = "biases on the q/k/v projections"
-    SHARED_QK_NORM = "per-head q/k norms with one weight shared by all heads"
+    NO_LAYER_TYPES = "no per-layer attention types (layer_types) in its transformers class or a sibling's"
+    POSITIONS_BY_LAYER_TYPE = "positions that depend on a layer's attention type"
 
 
 @dataclass(frozen=True)
@@ -72,42 +72,14 @@ class Trait:
 
 
 # support label (a column of `surgery convert --list`) -> the features it refuses -> its one-line reason, a template
-# over the family's words ("{detail}"). Filled by surgery.kinds.register: the kinds own their refusals.
-REFUSALS: dict[str, dict[Feature, str]] = {}
-# support label -> the features it carries over only approximately (calibrated, error measured) -> why. A label
-# listed here answers "exact" / "approximate: ..." / "refused: ..." in `--list` instead of "yes" / "no: ...".
-APPROXIMATIONS: dict[str, dict[Feature, str]] = {}
+# over the family's words ("{detail}"), or a function (spec, trait) -> reason, None where that family's feature is
+# carried over. Filled by surgery.kinds.register: the kinds own their refusals.
+REFUSALS: dict[str, dict[Feature, object]] = {}
+# support label -> what its `convert --list` cell says of a family it converts (default "yes"), e.g. MLA's "exact" or
+# "approximate: ...". Filled by surgery.kinds.register.
+VERDICTS: dict[str, object] = {}
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra")
 _WHOLE_NORM = "q/k norms over the whole projection couple all heads (one RMS over every K head)"
-
-
-@dataclass(frozen=True)
-class Fold:
-    """A body weight that is Llama's up to a fixed affine map: every tensor whose (Llama-named) name matches
-    `pattern` is w * scale + shift, scale the product of config values (`scale`: "key", "1/key" or "sqrt:key").
-    E.g. Gemma's (1 + w) RMSNorm weight is shift 1; Granite's residual multiplier scales o_proj and down_proj."""
-
-    pattern: str
-    scale: tuple[str, ...] = ()
-    shift: float = 0.0
-
-    def factor(self, config: dict) -> float:
-        out = 1.0
-        for term in self.scale:
-            op, _, key = term.rpartition(":") if ":" in term else ("", "", term.removeprefix("1/"))
-            value = float(ArchSpec.count(config, key) if config.get(key) is None else config[key])
-            out *= value ** 0.5 if op == "sqrt" else (1 / value if term.startswith("1/") else value)
-        return out
-
-
-@dataclass(frozen=True)
-class Split:
-    """A fused body tensor stored as Llama's separate ones: rows of `pattern`'s match cut into equal parts, the
-    name's `fused` part replaced by each of `parts` (Phi-3's gate_up_proj: gate rows first, then up)."""
-
-    pattern: str
-    fused: str
-    parts: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -154,13 +126,6 @@ class ArchSpec:
     # down(act(gate) * up), plain embedding and untied-or-tied head); None: they are, and a kind that rebuilds them
     # (Feature.BODY) may
     body: str | None = None
-    # how the body, where it is not Llama's, is Llama's up to folds a kind rebuilding it applies exactly: weights
-    # scaled or shifted by config values (`folds`), fused tensors split (`splits`), the softmax scale a config key
-    # (`softmax_scale_key`; None: head_dim^-0.5) and layers without RoPE (`no_rope_key`: a config list, 0 = none)
-    folds: tuple[Fold, ...] = ()
-    splits: tuple[Split, ...] = ()
-    softmax_scale_key: str | None = None
-    no_rope_key: str | None = None
     notes: str = ""
 
     def __post_init__(self):
@@ -276,12 +241,15 @@ class ArchSpec:
         implied = [Trait(Feature.BODY, self.body)] if self.body else []
         if self.encoder:
             implied.append(Trait(Feature.ENCODER, "an encoder"))
+        if self.name not in SLIDING_WINDOW_TARGETS | POSITIONS_BY_LAYER_TYPE and not self.encoder:
+            implied.append(Trait(Feature.NO_LAYER_TYPES, f"transformers' {self.name} has no per-layer "
+                                 "attention types (layer_types)"))
+        if self.name in POSITIONS_BY_LAYER_TYPE:
+            implied.append(Trait(Feature.POSITIONS_BY_LAYER_TYPE, POSITIONS_BY_LAYER_TYPE[self.name]))
         if self.qk_norm == QKNorm.WHOLE:
             implied.append(Trait(Feature.WHOLE_QK_NORM, _WHOLE_NORM, self.qk_norm_switch))
         elif self.qk_norm == QKNorm.PER_HEAD:
             implied.append(Trait(Feature.PER_HEAD_QK_NORM, self.qk_norm_switch or self.name, self.qk_norm_switch))
-        elif self.qk_norm == QKNorm.HEAD_DIM:
-            implied.append(Trait(Feature.SHARED_QK_NORM, "per-head q/k RMSNorms", self.qk_norm_switch))
         order = list(Feature)
         return tuple(sorted((*implied, *self.traits), key=lambda t: order.index(t.feature)))
 
@@ -292,27 +260,11 @@ class ArchSpec:
         refuses = refusals_of(kind) if refuses is None else refuses
         for trait in self.features:
             if trait.feature in refuses and trait.on(config):
-                return trait, refuses[trait.feature].format(detail=trait.detail)
+                rule = refuses[trait.feature]
+                reason = rule(self, trait) if callable(rule) else rule.format(detail=trait.detail)
+                if reason is not None:
+                    return trait, reason
         return None
-
-    def approximation(self, kind: str, config: dict | None = None) -> str | None:
-        """What `kind` (a support label) carries over only approximately for this family, in one line (the reasons
-        of every such feature that is on, joined); None when nothing is approximate."""
-        table = APPROXIMATIONS.get(kind, {})
-        reasons = [table[t.feature].format(detail=t.detail) for t in self.features
-                   if t.feature in table and t.on(config)]
-        return "; ".join(dict.fromkeys(reasons)) or None
-
-    def verdict(self, kind: str, config: dict | None = None) -> str:
-        """The `--list` cell of this family for `kind`: "yes" / "no: why", or, for a label with approximations,
-        "exact" / "approximate: what" / "refused: why"."""
-        refused = self.refusal(kind, config)
-        if kind not in APPROXIMATIONS:
-            return "no: " + refused if refused else "yes"
-        if refused:
-            return "refused: " + refused
-        approximate = self.approximation(kind, config)
-        return "approximate: " + approximate if approximate else "exact"
 
     def refusal(self, kind: str, config: dict | None = None, refuses: dict[Feature, str] | None = None) -> str | None:
         """Why `kind` (a support label) cannot convert this family (with this config), in one line; None when it
@@ -340,15 +292,13 @@ SPECS: list[ArchSpec] = [
     ArchSpec("ministral"),
     ArchSpec("mixtral", body="sparse-MoE MLP with its own router (not DeepSeek's)",
              notes="MoE MLP; attention as Llama"),
-    ArchSpec("qwen2", traits=(Trait(Feature.QKV_BIAS, "Qwen2's q/k/v biases"),), notes="q/k/v biases"),
+    ArchSpec("qwen2", body="q/k/v biases (DeepSeek-V3's q_proj has none)", notes="q/k/v biases"),
     ArchSpec("qwen2_moe", body="q/k/v biases and a sparse-MoE MLP", notes="q/k/v biases, MoE MLP"),
-    ArchSpec("qwen3", qk_norm=QKNorm.HEAD_DIM, notes="q/k norms act per head_dim and are shared by all heads, "
+    ArchSpec("qwen3", body="per-head q/k norms (DeepSeek-V3 has none)",
+             qk_norm=QKNorm.HEAD_DIM, notes="q/k norms act per head_dim and are shared by all heads, "
              "so they carry over unchanged"),
     ArchSpec("qwen3_moe", body="per-head q/k norms and a sparse-MoE MLP", qk_norm=QKNorm.HEAD_DIM),
-    ArchSpec("gemma", folds=(Fold(r"(?:^|\.)(?:input_layernorm|post_attention_layernorm|norm)\.weight$", shift=1.0),
-                             Fold(r"embed_tokens\.weight$", ("sqrt:hidden_size",))),
-             notes="(1 + w) RMSNorms and an embedding multiplier sqrt(hidden_size) (the tied head reads the "
-             "unscaled embedding)"),
+    ArchSpec("gemma", body="(1 + w) RMSNorms and an embedding multiplier"),
     ArchSpec("gemma2", body="(1 + w) RMSNorms, post-norms, an embedding multiplier and logit softcaps",
              notes="logit softcap, sliding-window layers"),
     ArchSpec("gemma3_text", body="(1 + w) RMSNorms, post-norms and an embedding multiplier",
@@ -359,7 +309,7 @@ SPECS: list[ArchSpec] = [
              notes="q/k norms over the whole projection: mean pooling averages the K norm's weight over each group"),
     ArchSpec("olmoe", body="q/k norms and a sparse-MoE MLP",
              qk_norm=QKNorm.WHOLE),
-    ArchSpec("smollm3", no_rope_key="no_rope_layers", notes="some layers without RoPE (no_rope_layers)"),
+    ArchSpec("smollm3", body="layers without RoPE (no_rope_layers)", notes="some layers without RoPE (no_rope_layers)"),
     ArchSpec("phi", body="LayerNorm and a parallel, ungated MLP",
              o="dense", qk_norm=QKNorm.HEAD_DIM, qk_norm_names=("q_layernorm", "k_layernorm"),
              qk_norm_switch="qk_layernorm", notes="partial rotary, biases, output projection `dense`"),
@@ -368,12 +318,7 @@ SPECS: list[ArchSpec] = [
              traits=(Trait(Feature.NORM_MODULE_PER_HEAD, "StableLM qk_layernorm", "qk_layernorm"),),
              notes="partial rotary"),
     ArchSpec("starcoder2", body="LayerNorm and an ungated MLP", notes="biases on q/k/v/o"),
-    ArchSpec("granite", body="embedding, residual and logit multipliers (folded below, but not yet verified "
-             "exact: a tiny Granite with neutral multipliers still converts 1.7% off its logits)",
-             softmax_scale_key="attention_multiplier",
-             folds=(Fold(r"embed_tokens\.weight$", ("embedding_multiplier",)),
-                    Fold(r"(?:self_attn\.o_proj|mlp\.down_proj)\.weight$", ("residual_multiplier",)),
-                    Fold(r"^lm_head\.weight$", ("1/logits_scaling",))),
+    ArchSpec("granite", body="embedding, residual and logit multipliers",
              notes="attention_multiplier is the softmax scale; embedding/residual/logit multipliers "
              "sit outside attention"),
     ArchSpec("cohere", body="LayerNorm, a parallel block and a logit scale",
@@ -382,14 +327,15 @@ SPECS: list[ArchSpec] = [
              "aligned merge groups heads by similarity and reorders query heads, which per-head norms cannot follow)"),
     ArchSpec("cohere2", body="LayerNorm, a parallel block and sliding-window layers",
              rotary_pairs="interleaved", notes="RoPE only on sliding-window layers"),
-    ArchSpec("helium", rotary_pairs="interleaved", notes="interleaved rotary (pairs (2i, 2i + 1))"),
-    ArchSpec("glm", splits=(Split(r"mlp\.gate_up_proj\.weight$", "gate_up_proj", ("gate_proj", "up_proj")),),
-             traits=(Trait(Feature.QKV_BIAS, "GLM's q/k/v biases", "attention_bias"),), rotary_pairs="interleaved", notes="partial, interleaved rotary"),
+    ArchSpec("helium", body="not verified against DeepSeek-V3's layer", rotary_pairs="interleaved",
+             notes="interleaved rotary (its apply_rotary_pos_emb pairs (2i, 2i+1))"),
+    ArchSpec("glm", body="partial rotary and a fused gate/up MLP",
+             rotary_pairs="interleaved", notes="partial, interleaved rotary"),
     ArchSpec("exaone4", body="norms after attention and MLP, and q/k norms",
              qk_norm=QKNorm.HEAD_DIM, notes="global layers without RoPE when sliding windows are used"),
     ArchSpec("arcee", body="an ungated ReLU^2 MLP"),
     ArchSpec("apertus", body="an ungated xIELU MLP and q/k norms", qk_norm=QKNorm.HEAD_DIM),
-    ArchSpec("phi3", splits=(Split(r"mlp\.gate_up_proj\.weight$", "gate_up_proj", ("gate_proj", "up_proj")),),
+    ArchSpec("phi3", body="a fused gate/up MLP and a fused q/k/v projection",
              layout=QKVLayout.FUSED, notes="qkv_proj rows are [q heads | k heads | v heads]"),
     ArchSpec("gpt_neox", body="LayerNorm and a parallel, ungated MLP",
              layout=QKVLayout.INTERLEAVED, attention="attention", qkv="query_key_value", o="dense",
@@ -454,6 +400,19 @@ def find_spec(model_type: str | None) -> ArchSpec | None:
     return None
 
 
+# Sliding-window layers as a standard checkpoint (`--to swa`): the model_type that writes per-layer attention types
+# (`layer_types` with `sliding_window`) for each family whose layers it can hold unchanged. Llama's body is
+# Ministral's (no biases); Qwen2/Qwen3/SmolLM3 also need `use_sliding_window`; Gemma 2 uses one RoPE for both types.
+SLIDING_WINDOW_TARGETS = {"llama": "ministral", "mistral": "ministral", "ministral": "ministral", "qwen2": "qwen2",
+                          "qwen3": "qwen3", "smollm3": "smollm3", "gemma2": "gemma2"}
+# Families with layer_types whose layers of the two types differ in more than the mask: retyping a layer changes it.
+POSITIONS_BY_LAYER_TYPE = {
+    "gemma3_text": "Gemma 3's sliding and global layers use different RoPE bases",
+    "cohere2": "Cohere 2's global layers have no RoPE",
+    "exaone4": "EXAONE 4's global layers have no RoPE when sliding windows are used",
+}
+
+
 def spec_for(config: dict, kind: str | None = None, refuses: dict[Feature, str] | None = None) -> ArchSpec:
     """The family of `config`, refusing in one line when `kind` (a support label, as the kind's converter names
     itself) cannot convert it; None: any family surgery knows. A converter passes its kind's table (`refuses`,
@@ -488,15 +447,24 @@ def _layout_text(spec: ArchSpec) -> str:
 
 def support_table(columns: tuple[str, ...]) -> list[dict[str, str]]:
     """One row per model_type: its layout, q/k norm, and for every kind's column (`columns`: the kinds' support
-    labels, surgery.kinds.support_labels) its `ArchSpec.verdict` (with the family's default config; refusals that
-    depend on a config key are listed by `conditional_refusals`)."""
+    labels, surgery.kinds.support_labels) "yes" or the one-line reason it is refused (with the family's default
+    config; refusals that depend on a config key are listed by `conditional_refusals`)."""
     rows = []
     for spec in sorted(SPECS, key=lambda s: s.name):
         for model_type in spec.model_types:
             norm = spec.qk_norm.value + (f" (when {spec.qk_norm_switch})" if spec.qk_norm_switch else "")
             rows.append({"model_type": model_type, "attention": _layout_text(spec), "q/k norm": norm}
-                        | {kind: spec.verdict(kind) for kind in columns})
+                        | {kind: _cell(spec, kind)[1] for kind in columns})
     return rows
+
+
+def _cell(spec: ArchSpec, kind: str) -> tuple[bool, str]:
+    """(converts, what the support table says): the refusal, or "yes" / the kind's verdict (`VERDICTS`)."""
+    reason = spec.refusal(kind)
+    if reason is not None:
+        return False, reason
+    verdict = VERDICTS.get(kind)
+    return True, verdict(spec) if verdict else "yes"
 
 
 def conditional_refusals() -> list[str]:
@@ -504,26 +472,23 @@ def conditional_refusals() -> list[str]:
     those a key turns on."""
     lines = []
     for spec in sorted(SPECS, key=lambda s: s.name):
-        switched = {t.switch: True for t in spec.features if t.switch}
         for kind in REFUSALS:
-            refused = spec.refused_trait(kind, switched)
+            refused = spec.refused_trait(kind, {t.switch: True for t in spec.features if t.switch})
             if refused and refused[0].switch:
                 lines.append(f"{spec.name}: {kind} refused when `{refused[0].switch}` is set ({refused[1]})")
-            elif not refused and spec.approximation(kind) is None and spec.approximation(kind, switched):
-                keys = ", ".join(f"`{k}`" for k in switched)
-                lines.append(f"{spec.name}: {kind} approximate when {keys} is set ({spec.approximation(kind, switched)})")
     return lines
 
 
 def support_markdown(kinds: tuple[str, ...]) -> str:
     """The families x kinds table, as `surgery convert --list` prints it and docs/tasks/convert.md shows it."""
     rows = support_table(kinds)
+    specs = [spec for spec in sorted(SPECS, key=lambda s: s.name) for _ in spec.model_types]
     columns = list(rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    for row in rows:
-        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in row.values()) + " |")
-    counts = ", ".join(f"{kind} {sum(not row[kind].startswith(('no:', 'refused:')) for row in rows)}"
-                       for kind in kinds)
+    for spec, row in zip(specs, rows):
+        cells = [v if c not in kinds or _cell(spec, c)[0] else "no: " + v for c, v in row.items()]
+        lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
+    counts = ", ".join(f"{kind} {sum(_cell(spec, kind)[0] for spec in specs)}" for kind in kinds)
     lines += ["", f"model_types supported: {counts}."]
     lines += [""] + [f"- {line}" for line in conditional_refusals()]
     return "\n".join(lines) + "\n"

@@ -235,7 +235,7 @@ def kv_bytes_from_config(config: dict, tokens: int, element_size: int, engine: s
     text = config.get("text_config") or config
     s = attention_shape(text)
     shape = AttentionShape(s["layers"], s["heads"], s["kv_heads"], s["head_dim"], s["hidden"])
-    return kv_cache_values(shape, text, record)[engine] * tokens * element_size
+    return kv_cache_values(shape, text, record, context=tokens)[engine] * tokens * element_size
 
 
 def plain_kv_values(layers: int, kv_heads: int, head_dim: int) -> int:

@@ -23,6 +23,7 @@ from .errors import SurgeryError
 
 CHAT_MODES = ("auto", "on", "off")
 MESSAGES = "messages"  # the column a conversation is read from
+ROLES = ("system", "user", "assistant", "tool", "developer", "ipython", "function")  # roles chat templates know
 
 
 def has_template(tokenizer) -> bool:
@@ -49,7 +50,26 @@ def check_messages(messages: Any, label: str) -> list[dict]:
     if not ok:
         raise SurgeryError(f"data {label}: a {MESSAGES!r} row must be a non-empty list of {{role, content}} texts, "
                            f"got {str(messages)[:80]!r}")
+    unknown = sorted({m["role"] for m in messages} - set(ROLES))
+    if unknown:
+        raise SurgeryError(f"data {label}: a conversation has the role {unknown[0]!r}; roles are "
+                           f"{', '.join(ROLES)}")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def plain_conversation(messages: list[dict], spans: bool) -> str:
+    """A conversation without a chat template: its turns' contents, one paragraph each; with `spans`, a ChatText
+    whose spans are the assistant turns' contents (--loss-on assistant counts them, not the other turns)."""
+    text = "\n\n".join(m["content"] for m in messages)
+    if not spans:
+        return text
+    out, found, at = ChatText(text), [], 0
+    for m in messages:
+        if m["role"] == "assistant":
+            found.append((at, at + len(m["content"])))
+        at += len(m["content"]) + 2
+    out.assistant_spans = tuple(found)
+    return out
 
 
 class ChatText(str):
@@ -115,7 +135,7 @@ class ChatFormat:
         messages = check_messages(messages, label)
         self.read["conversations"] = self.read.get("conversations", 0) + 1  # (the dict is mutable, the format not)
         if not self.templated:
-            return "\n\n".join(m["content"] for m in messages)
+            return plain_conversation(messages, self.spans)
         def render(part: list[dict], prompt: bool) -> str:
             return self.tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=prompt)
         try:

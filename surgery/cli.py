@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from surgery import __version__
+from surgery.version import __version__
 from surgery.clickgen import GroupedCommand, click_option, model_options, parse_options
 from surgery.commands.check import CheckOptions
 from surgery.commands.push import PushOptions
@@ -173,7 +173,7 @@ def inspect(checkpoints, context, as_json, allow_pickle):
     With several, ratios against the first are shown.
     """
     from surgery.api import inspect as inspect_checkpoints
-    from surgery.inspect import print_inspection
+    from surgery.inspection import print_inspection
 
     stats = [dict(r) for r in inspect_checkpoints(*checkpoints, context=context, allow_pickle=allow_pickle)]
     if as_json:

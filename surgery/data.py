@@ -1,6 +1,8 @@
 """Text sources for checks, calibration and training, all read through `datasets` except the embedded default.
 
 `pydoc`: the standard library's pydoc_data.topics (about 100k tokens of English, no download).
+`stdlib`: the standard library's own Python source, one module file a document (long documents for long-context
+checks, no download; which modules depends on the Python version: the report names the ones it used).
 `general` (the default of --calib and uptrain --data) and `hf://datasets/REPO@REVISION/FILE`: surgery/general_text.py.
 Local files or globs: .txt (one document per file; uptrain: per paragraph, line or file, read lazily), .jsonl/.json, .parquet, .csv (column --text-field,
 or a `messages` column of conversations: surgery/chat.py).
@@ -75,6 +77,43 @@ def encode_pieces(tokenizer, text: str) -> Iterator[list[int]]:
         yield tokenizer(piece, add_special_tokens=False)["input_ids"]
 
 
+class Document(str):
+    """A document's text that also says what it is (`name`: a file name, a module path), for reports that list the
+    documents they used; anything that takes a str takes it."""
+
+    name: str
+
+    def __new__(cls, text: str, name: str) -> "Document":
+        doc = super().__new__(cls, text)
+        doc.name = name
+        return doc
+
+
+STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files (its test suites and installed packages left out: not even walked), sorted
+    by path."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in STDLIB_SKIP]
+        files += [Path(folder) / n for n in names if n.endswith(".py")]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def stdlib_texts() -> Iterator[Document]:
+    """`stdlib`: each standard-library module's source, one document, named by its path (read lazily)."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in stdlib_files():
+        yield Document(path.read_text(encoding="utf-8", errors="replace"), path.relative_to(root).as_posix())
+
+
 def pydoc_texts() -> list[str]:
     from pydoc_data.topics import topics
 
@@ -128,7 +167,7 @@ def hub_dataset_id(spec: str) -> str | None:
     if spec.startswith(HUB_FILE):
         parts = spec[len(HUB_FILE):].split("/", 2)
         return f"{parts[0]}/{parts[1].partition('@')[0]}" if len(parts) >= 2 and parts[0] else None
-    if spec in ("pydoc", "general") or is_local_data(spec):
+    if spec in ("pydoc", "stdlib", "general") or is_local_data(spec):
         return None
     return parse_hub_spec(spec)[0] or None
 
@@ -178,6 +217,8 @@ def load_texts(spec: str, text_field: str = "text", streaming: bool = False,
         return hub_file_texts(spec, text_field)
     if spec == "pydoc":
         return pydoc_texts()
+    if spec == "stdlib":
+        return stdlib_texts()
     pattern = any(c in spec for c in "*?[")  # a hub dataset's name has none of these: a local glob, never online
     files = local_files(spec)
     if files:
@@ -198,7 +239,7 @@ def _local_texts(files: list[str], text_field: str, streaming: bool, txt_unit: s
     if suffix == ".txt":
         if txt_unit is not None:  # read lazily, document by document
             return (doc for f in files for doc in txt_documents(f, txt_unit))
-        return [Path(f).read_text(errors="replace") for f in files]
+        return [Document(Path(f).read_text(errors="replace"), Path(f).name) for f in files]
     import datasets
 
     try:

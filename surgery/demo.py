@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .check.compare import compare_checkpoints, print_report, tolerance
+from .checking.compare import compare_checkpoints, print_report, tolerance
 from .kv.convert import KVOptions, convert_to_kv_heads
 from .data import pydoc_texts
 from .errors import SurgeryError
-from .inspect import inspect_checkpoint, print_inspection
+from .inspection import inspect_checkpoint, print_inspection
 from .checkpoint.record import read_record
 from .checkpoint.source import CACHE_DIR, resolve_source
 from .kinds import find_kind

@@ -16,7 +16,7 @@ length, n = m s tokens per forward pass:
   gradient checkpointing n L H x 4 plus one block's). Within one optimizer step the gradients grow as the
   activations are freed, so the two overlap only with gradient accumulation (m < the sequences per step): the
   step needs max(activations, 4T), or their sum when accumulating. The losses take the final hidden states and
-  project 256 positions at a time (surgery/uptrain/heads.py), ~6 x 4 x 256 V of temporaries; under FSDP, which
+  project 256 positions at a time (surgery/training/heads.py), ~6 x 4 x 256 V of temporaries; under FSDP, which
   keeps the whole logits, and for a model whose logits are not its output projection's (soft-capping:
   `chunked_head`), the whole fp32 logits, their gradient and the softmax's temporaries, 3 x 4 x n V. Weights, moments and gradients are divided by the processes under FSDP.
   With --hidden-weight the teacher's hidden states, n (L + 1) H x 4, wait for the loss (the student's are among
@@ -41,7 +41,7 @@ from .dtypes import DTYPE_BYTES
 MB = 1 << 20
 # Peak RSS of each command with a negligible model (interpreter, libraries, tokenizer, data, allocator caches).
 RUNTIME = {"convert": 300 * MB, "check": 600 * MB, "uptrain": 600 * MB, "teacher": 470 * MB}
-LOSS_CHUNK = 256  # positions per chunk of the uptraining losses (surgery/uptrain/losses.py CHUNK_POSITIONS)
+LOSS_CHUNK = 256  # positions per chunk of the uptraining losses (surgery/training/losses.py CHUNK_POSITIONS)
 
 
 @dataclass
@@ -153,14 +153,14 @@ def trainable_params(stats: ModelStats, train: str) -> int:
     return stats.params
 
 
-# config.json keys of a non-linear step after the output projection (Gemma 2/3's soft-capping): surgery/uptrain/
+# config.json keys of a non-linear step after the output projection (Gemma 2/3's soft-capping): surgery/training/
 # heads.py's OutputHead.of then finds the logits are not the projection of what it feeds it and keeps whole logits
 # (a scaling, Cohere's or Granite's, is linear: it scales the hidden states the head is fed, and the head stays)
 AFTER_PROJECTION = {"final_logit_softcapping": None}
 
 
 def chunked_head(config: dict | None) -> bool:
-    """Whether uptraining can move this model's output projection into its losses (surgery/uptrain/heads.py): no
+    """Whether uptraining can move this model's output projection into its losses (surgery/training/heads.py): no
     step after the projection. Unknown (no config): assumed so."""
     return not any((config or {}).get(key, neutral) not in (None, neutral) for key, neutral in AFTER_PROJECTION.items())
 
@@ -179,7 +179,7 @@ def uptrain_memory(stats: ModelStats, options, teacher: ModelStats | None, proce
     accumulating = options.micro_batch * procs < sequences
     step = activations + gradients if accumulating else max(activations, gradients)
     if procs > 1 or not chunked_head(stats.config):
-        # FSDP keeps the whole logits (surgery/uptrain/loop.py), DDP the projection chunks: size for FSDP; a model
+        # FSDP keeps the whole logits (surgery/training/loop.py), DDP the projection chunks: size for FSDP; a model
         # with a step after its projection keeps them too: the fp32 logits, their gradient, the softmax's temporaries
         logits = 3 * 4 * tokens * stats.vocab
     else:
@@ -193,7 +193,7 @@ def uptrain_memory(stats: ModelStats, options, teacher: ModelStats | None, proce
 
 def teacher_memory(teacher: ModelStats, processes: int) -> int:
     """The frozen KD teacher's fp32 weights on one process: whole on one process; under FSDP (several processes,
-    surgery/uptrain/loop.py shards the teacher per decoder layer like the student) its shard plus the one layer
+    surgery/training/loop.py shards the teacher per decoder layer like the student) its shard plus the one layer
     gathered for the forward."""
     whole = 4 * teacher.params
     if processes <= 1:
@@ -284,13 +284,13 @@ def _tied(stats: ModelStats) -> bool:
 
 def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats | None, processes: int,
                                device: str = "cuda", out_bytes: int | None = None) -> ProcessMemory:
-    """Host and device memory of each uptraining process (surgery/uptrain/loop.py, state.py), by phase and term.
+    """Host and device memory of each uptraining process (surgery/training/loop.py, state.py), by phase and term.
 
     P parameters (T trainable), W processes (FSDP when W > 1: parameters, gradients and AdamW states sharded, the
     teacher too), c bytes of the compute dtype (2 under bf16 on CUDA, 4 on CPU), n = micro-batch x sequence length.
     - loading: under FSDP the main process alone reads the whole student in fp32 (4P) and the teacher in the
       compute dtype, plus the pages of the safetensors file being read (mapped, counted in RSS); the others build
-      the models without weights (untouched memory) and receive their shards (surgery/uptrain/loop.py
+      the models without weights (untouched memory) and receive their shards (surgery/training/loop.py
       `rank_zero_loads`). With the align stage (and for a kind with a training form, which this estimate does not
       see) every process reads the whole models, as one process does;
     - a training step: the fp32 master weights 4P/W, gradients 4T/W, AdamW's moments 8T/W, the teacher's shard
@@ -299,7 +299,7 @@ def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats |
       from its first forward on) and its unsharded gradients before their reduce-scatter, plus two decoder layers
       (the one running and the one prefetched); the micro-batch's activations and logits (`uptrain_memory`'s count;
       under FSDP the whole [n, V] logits, their gradients and the teacher's logits);
-    - a checkpoint: this process's shards (per-process checkpoints, surgery/uptrain/state.py), written from the
+    - a checkpoint: this process's shards (per-process checkpoints, surgery/training/state.py), written from the
       tensors' memory by safetensors (>= 0.8; older versions build each file's bytes first), from a GPU through a
       host copy of the larger file's tensors (AdamW's shard, 8T/W);
     - the final save (main process): the whole model gathered to the host in fp32 (4P) and its copy in the output
@@ -320,7 +320,7 @@ def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats |
     sequences = max(options.batch_tokens // options.seq_len, 1)
     accumulating = options.micro_batch * W < sequences
     gradients = 4 * T // W
-    chunked = W == 1  # surgery/uptrain/loop.py _setup_heads: the chunked output head is off under FSDP
+    chunked = W == 1  # surgery/training/loop.py _setup_heads: the chunked output head is off under FSDP
     logits = 6 * 4 * min(n, LOSS_CHUNK) * stats.vocab if chunked else 3 * 4 * n * stats.vocab
     step = {"weights (fp32 shard)": 4 * P // W, "AdamW moments (shard)": 8 * T // W}
     if accumulating:  # gradients and activations alive together
@@ -371,7 +371,7 @@ def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats |
 
 
 def teacher_pass_memory(stats: ModelStats, options, device: str = "cuda") -> ProcessMemory:
-    """Host and device memory of `surgery teacher` (surgery/uptrain/teacher_pass.py, one process, no gradients): the
+    """Host and device memory of `surgery teacher` (surgery/training/teacher_pass.py, one process, no gradients): the
     teacher loaded whole on the host in the compute dtype (c bytes: 2 under bf16, 4 in fp32) from its mapped file,
     then moved to the device; a forward of m windows of s tokens (n = m s): the logits [n, V] in the compute dtype,
     one layer's activations n (4H + 3I) c (freed layer by layer: no gradients), and one window's top-K temporaries

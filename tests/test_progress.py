@@ -6,7 +6,7 @@ import io
 import tqdm
 
 from surgery.progress import Progress
-from surgery.uptrain.progress import Progress as UptrainProgress
+from surgery.training.progress import Progress as UptrainProgress
 
 
 class Terminal(io.StringIO):
@@ -64,7 +64,7 @@ def test_layer_and_teacher_progress_are_the_same_implementation(monkeypatch, cap
     import inspect
 
     from surgery.calibration.stream import LayerProgress
-    from surgery.uptrain import teacher_pass
+    from surgery.training import teacher_pass
 
     assert issubclass(LayerProgress, Progress) and "Progress(total" in inspect.getsource(teacher_pass.teacher_pass)
     monkeypatch.delenv("RANK", raising=False)

@@ -27,7 +27,7 @@ PACKAGE = REPO / "surgery"
 # (test_no_import_circles_between_folders).
 # Data flows: checkpoint in -> architecture spec -> kind -> checkpoint out -> check / uptrain -> hub.
 LAYERS = [
-    ("foundation", ["surgery", "surgery.errors", "surgery.options", "surgery.progress", "surgery.solve",
+    ("foundation", ["surgery", "surgery.version", "surgery.errors", "surgery.options", "surgery.progress", "surgery.solve",
                     "surgery.units", "surgery.dtypes", "surgery.model_types", "surgery.precision", "surgery.threads",
                     "surgery.logs"]),
     ("checkpoint I/O", ["surgery.checkpoint", "surgery.trust", "surgery.data", "surgery.chat"]),
@@ -36,8 +36,8 @@ LAYERS = [
     ("conversions", ["surgery.calibration", "surgery.kv", "surgery.switchhead", "surgery.talking_heads",
                      "surgery.mla", "surgery.estimate"]),
     ("kinds", ["surgery.kinds"]),
-    ("checkpoint users", ["surgery.check", "surgery.inspect", "surgery.bench",
-                          "surgery.dry_run", "surgery.demo", "surgery.publish", "surgery.uptrain",
+    ("checkpoint users", ["surgery.checking", "surgery.inspection", "surgery.bench",
+                          "surgery.dry_run", "surgery.demo", "surgery.publish", "surgery.training",
                           "surgery.memory_estimate"]),
     ("commands", ["surgery.commands"]),
     ("recipes", ["surgery.recipes"]),
@@ -431,7 +431,7 @@ def test_uptrain_s_options_are_declared_once_and_worded_per_front_end():
     from surgery.commands.uptrain import UptrainArgs
     from surgery.errors import SurgeryError
     from surgery.options import YAML
-    from surgery.uptrain import UptrainOptions
+    from surgery.training import UptrainOptions
 
     assert issubclass(UptrainOptions, UptrainArgs)
     assert set(UptrainOptions.model_fields) - set(UptrainArgs.model_fields) == {"model", "out", "progress"}

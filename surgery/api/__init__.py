@@ -4,6 +4,7 @@ return results; `surgery.model_card`, the card `push` would upload, without uplo
 
 - `functions.py` the six functions; each validates its keywords with its command's options model
   (surgery.options.validate_options) and calls the library function the command line and the recipes call.
+- `lineage.py`   where a loaded model came from (a hub id and its commit, a folder's name, or memory), for the record.
 - `sources.py`   what a notebook has (a loaded model, a `datasets.Dataset`, a list of documents) written into the
   cache as a checkpoint folder or a .jsonl file, named by its sha256.
 - `results.py`   what the functions return: ConversionResult, CheckReport, InspectReport, UptrainResult, PushResult,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
 
 from ..options import refuse_unknown, validate_options
+from .arguments import flag_argument, int_argument, list_argument, path_argument, tokenizer_argument
 from .results import (CheckReport, ConversionResult, Estimate, InspectReport, PushResult, RecipePlan, RecipeResult,
                       TeacherStore, UptrainResult)
 from .sources import source_spec, text_spec, text_specs
@@ -46,6 +47,19 @@ def _run_texts(values: dict[str, Any], model) -> None:
         values["eval_data"] = text_spec(values["eval_data"], field, need)
 
 
+def _output_folder(out: Any, function: str, force: bool) -> Path:
+    """`out` as a Path, checked as the command checks its --out (it may not exist unless `force`; its missing parent
+    folders can be made) before any work: before a loaded model is saved into the cache, before any data is read."""
+    from ..checkpoint.atomic import check_output_path
+    from ..errors import SurgeryError
+
+    if out is None:
+        raise SurgeryError(f"{function} needs out (the output folder) unless dry_run")
+    out = path_argument(out, "out", function)
+    check_output_path(out, force)
+    return out
+
+
 def convert(source: Source, out: PathLike | None = None, *, to: str, tokenizer: PreTrainedTokenizerBase | None = None,
             dry_run: bool = False, **options: Any) -> ConversionResult | Estimate:
     """Convert a checkpoint to another attention, as `surgery convert SOURCE --out OUT --to KIND` does.
@@ -54,8 +68,11 @@ def convert(source: Source, out: PathLike | None = None, *, to: str, tokenizer: 
         source: A checkpoint folder, a hub id (`owner/name`, with `revision=`), a `.gguf` file, `"smollm2"` (the
             embedded SmolLM2-135M), or a loaded `transformers.PreTrainedModel`. A loaded model is saved with
             `save_pretrained` (safetensors) into the toolkit's cache (`~/.cache/surgery/loaded/<sha256>`, with
-            `tokenizer`) and converted from there: simple and honest, at the cost of one copy on disk.
-        out: The output folder (written atomically: nothing half-written is left on failure); required unless
+            `tokenizer`) and converted from there: simple and honest, at the cost of one copy on disk. Its lineage
+            (a hub id and commit, a local folder's name, or built in memory) is what surgery.json and the card
+            record as the source, never the cache folder.
+        out: The output folder (written atomically: nothing half-written is left on failure; missing parent
+            folders are made, and removed again if the conversion fails); checked before any work. Required unless
             `dry_run`.
         to: The target attention: `mqa`, `gqa`, `talking-heads`, `switchhead` or `mla`.
         tokenizer: With a loaded model: its tokenizer (default: the one in the folder the model was loaded from).
@@ -78,6 +95,8 @@ def convert(source: Source, out: PathLike | None = None, *, to: str, tokenizer: 
     from ..commands.convert import convert_checkpoint, dry_run as convert_dry_run, options_model
     from ..errors import SurgeryError
 
+    dry_run = flag_argument(dry_run, "dry_run", "convert")
+    tokenizer_argument(tokenizer, source, "convert")
     model = options_model()
     values = dict(options, to=to)
     refuse_unknown(model, values)  # before any data object is written
@@ -87,9 +106,8 @@ def convert(source: Source, out: PathLike | None = None, *, to: str, tokenizer: 
     parsed = validate_options(model, values)
     if dry_run:
         return Estimate(convert_dry_run(source_spec(source, tokenizer), parsed))
-    if out is None:
-        raise SurgeryError("convert needs out (the output folder) unless dry_run")
-    message = convert_checkpoint(source_spec(source, tokenizer), Path(out), parsed)
+    out = _output_folder(out, "convert", parsed.force)
+    message = convert_checkpoint(source_spec(source, tokenizer), out, parsed)
     log.info(message)
     return ConversionResult.read(Path(out), parsed.to, message)
 
@@ -116,6 +134,8 @@ def check(source: Source, converted: Source, *, json_out: PathLike | None = None
     """
     from ..commands.check import CheckOptions, check_checkpoints
 
+    json_out = path_argument(json_out, "json_out", "check", optional=True)
+    show = flag_argument(show, "show", "check")
     values = dict(options)
     refuse_unknown(CheckOptions, values)
     if "data" in values:
@@ -123,7 +143,7 @@ def check(source: Source, converted: Source, *, json_out: PathLike | None = None
                                     values.get("tokens") or _default(CheckOptions, "tokens"))
     parsed = validate_options(CheckOptions, values)
     report = check_checkpoints(source_spec(source), source_spec(converted), parsed,
-                               json_out=Path(json_out) if json_out is not None else None, warn=log.warning, show=show)
+                               json_out=json_out, warn=log.warning, show=show)
     return CheckReport(report)
 
 
@@ -143,8 +163,10 @@ def inspect(*checkpoints: Source, context: int = 4096, allow_pickle: bool = Fals
         SurgeryError: a checkpoint that cannot be read, or a context below 1.
     """
     from ..checkpoint.source import resolve_source
-    from ..inspect import inspect_checkpoint
+    from ..inspection import inspect_checkpoint
 
+    context = int_argument(context, "context", "inspect")  # its range: the line `surgery inspect --context` prints
+    allow_pickle = flag_argument(allow_pickle, "allow_pickle", "inspect")
     reports = []
     for c in checkpoints:
         spec = source_spec(c)
@@ -183,19 +205,21 @@ def uptrain(model: Source, out: PathLike | None = None, *, tokenizer: PreTrained
     from ..commands.uptrain import UptrainArgs, uptrain_dry_run, uptrain_model
     from ..errors import SurgeryError
 
+    dry_run = flag_argument(dry_run, "dry_run", "uptrain")
+    progress = flag_argument(progress, "progress", "uptrain")
+    tokenizer_argument(tokenizer, model, "uptrain")
     values = dict(options)
     refuse_unknown(UptrainArgs, values)
     _run_texts(values, UptrainArgs)
     if values.get("teacher") is not None:
         values["teacher"] = source_spec(values["teacher"])
     if values.get("teacher_logprobs") is not None:  # a folder, or the TeacherStore `teacher` returned
-        values["teacher_logprobs"] = os.fspath(values["teacher_logprobs"])
+        values["teacher_logprobs"] = str(path_argument(values["teacher_logprobs"], "teacher_logprobs", "uptrain"))
     parsed = validate_options(UptrainArgs, values)
     if dry_run:
         return Estimate({"lines": uptrain_dry_run(source_spec(model, tokenizer), parsed)})
-    if out is None:
-        raise SurgeryError("uptrain needs out (the output folder) unless dry_run")
-    uptrain_model(source_spec(model, tokenizer), Path(out), parsed, progress=progress)
+    out = _output_folder(out, "uptrain", parsed.force)
+    uptrain_model(source_spec(model, tokenizer), out, parsed, progress=progress)
     return UptrainResult.read(Path(out))
 
 
@@ -220,27 +244,30 @@ def push(folder: PathLike | ConversionResult | UptrainResult, repo_id: str, *,
     """
     from ..commands.push import PushOptions, push_result, pushed_line
 
+    json_out = path_argument(json_out, "json_out", "push", optional=True)
     parsed = validate_options(PushOptions, dict(options, repo_id=repo_id))
     with tempfile.TemporaryDirectory(prefix="surgery-reports-") as tmp:
-        paths = _report_paths(check_reports, Path(tmp))
+        paths = _report_paths(check_reports, Path(tmp), "push")
         result = push_result(Path(source_spec(folder)), parsed, paths,
-                             json_out=Path(json_out) if json_out is not None else None, log=log.info)
+                             json_out=json_out, log=log.info)
     log.info(pushed_line(Path(source_spec(folder)), result))
     return PushResult(repo_id=parsed.repo_id, repo_url=str(result.repo_url), revision=str(result.revision),
                       commit_url=str(result.commit_url), card_written=bool(result.card_written))
 
 
-def _report_paths(check_reports: Sequence[PathLike | CheckReport], tmp: Path) -> list[Path]:
+def _report_paths(check_reports: Any, tmp: Path, function: str) -> list[Path]:
+    """The check reports as files: a path as it is, a CheckReport written into `tmp`; one report alone (not in a
+    list) is one report, never its path's letters."""
     import json
 
     paths = []
-    for i, r in enumerate(check_reports):
+    for i, r in enumerate(list_argument(check_reports, "check_reports", function)):
         if isinstance(r, CheckReport):
             path = tmp / f"check-{i}.json"
             path.write_text(json.dumps(r.to_dict()))
             paths.append(path)
         else:
-            paths.append(Path(r))
+            paths.append(path_argument(r, f"check_reports[{i}]", function))
     return paths
 
 
@@ -269,12 +296,14 @@ def model_card(folder: PathLike | ConversionResult | UptrainResult, repo_id: str
     from ..publish.push import card_inputs
 
     repo_id = validate_options(PushOptions, {"repo_id": repo_id}).repo_id  # refused as `push` refuses it
+    bench_report = path_argument(bench_report, "bench_report", "model_card", optional=True)
+    out = path_argument(out, "out", "model_card", optional=True)
     with tempfile.TemporaryDirectory(prefix="surgery-reports-") as tmp:
-        validation, reports, bench = card_inputs(Path(source_spec(folder)), _report_paths(check_reports, Path(tmp)),
-                                                 Path(bench_report) if bench_report is not None else None)
+        validation, reports, bench = card_inputs(Path(source_spec(folder)),
+                                                 _report_paths(check_reports, Path(tmp), "model_card"), bench_report)
     card = build_card(validation, repo_id, reports, bench=bench)
     if out is not None:
-        write_text_atomic(Path(out), card, "model card")
+        write_text_atomic(out, card, "model card")
     return card
 
 
@@ -303,11 +332,15 @@ def run_recipe(recipe: PathLike | Mapping[str, Any], *, output: PathLike | None 
     from ..recipes import load_recipe, recipe_from_data
     from ..recipes.runner import StepFailed, run_recipe as run
 
+    overrides = list_argument(overrides, "overrides", "run_recipe")
+    dry_run = flag_argument(dry_run, "dry_run", "run_recipe")
+    output = path_argument(output, "output", "run_recipe", optional=True)
+    from_step, until = _step_argument(from_step, "from_step"), _step_argument(until, "until")
     if isinstance(recipe, Mapping):
-        r = recipe_from_data(dict(recipe), list(overrides))
+        r = recipe_from_data(dict(recipe), overrides)
     else:
-        r = load_recipe(Path(recipe), overrides=list(overrides))
-    out = Path(output) if output is not None else Path(r.output)
+        r = load_recipe(path_argument(recipe, "recipe", "run_recipe"), overrides=overrides)
+    out = output if output is not None else Path(r.output)
     if dry_run:
         from ..recipes.plan import build_plan
 
@@ -321,6 +354,17 @@ def run_recipe(recipe: PathLike | Mapping[str, Any], *, output: PathLike | None 
         error.code = e.code
         raise error from None
     return RecipeResult(output=out, steps=steps)
+
+
+def _step_argument(step: Any, name: str) -> str | None:
+    """A recipe step named by its name or number (as --from and --until take it)."""
+    from ..errors import SurgeryError
+
+    if step is None:
+        return None
+    if isinstance(step, bool) or not isinstance(step, (str, int)):
+        raise SurgeryError(f"run_recipe: {name} is a step's name or number, not {type(step).__name__}")
+    return str(step)
 
 
 def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "auto", processes: int = 1,
@@ -353,6 +397,10 @@ def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "au
     from ..commands.teacher import TEACHER_OPTIONS, TeacherArgs, UptrainArgs, store_teacher_pass
     from ..errors import SurgeryError
 
+    progress = flag_argument(progress, "progress", "teacher")
+    tokenizer_argument(tokenizer, source, "teacher")
+    if revision is not None and not isinstance(revision, str):
+        raise SurgeryError(f"teacher: revision is a branch, tag or commit (a str), not {type(revision).__name__}")
     values = dict(options)
     refuse_unknown(UptrainArgs, values)
     other = [k for k in values if k not in TEACHER_OPTIONS]
@@ -361,6 +409,7 @@ def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "au
     _run_texts(values, UptrainArgs)
     parsed = validate_options(UptrainArgs, values)
     own = validate_options(TeacherArgs, {"top_k": top_k, "device": device, "processes": processes})
-    store_teacher_pass(source_spec(source, tokenizer), Path(out), parsed, own.top_k, device=own.device,
+    out = _output_folder(out, "teacher", parsed.force)
+    store_teacher_pass(source_spec(source, tokenizer), out, parsed, own.top_k, device=own.device,
                        progress=progress, revision=revision, processes=own.processes)
     return TeacherStore.read(Path(out))

@@ -14,7 +14,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from ..checkpoint.source import LINEAGE_FILE
 from ..errors import SurgeryError
+from .lineage import model_lineage
 
 CHARS_PER_TOKEN = 32  # a dataset object is written up to this many characters per token needed: no tokenizer's
 # tokens average that many characters on text (English averages about 4), so the token limits are what cut it
@@ -43,9 +45,9 @@ def is_model(obj: Any) -> bool:
 
 
 def model_folder(model: Any, tokenizer: Any = None) -> str:
-    """`model` (and `tokenizer`) saved with `save_pretrained` (safetensors) into the cache, under the sha256 of the
-    files written; the folder's path. Without a tokenizer, the one of the folder the model was loaded from, when
-    that is a local folder that has one."""
+    """`model` (and `tokenizer`) saved with `save_pretrained` (safetensors) into the cache, with its lineage
+    (LINEAGE_FILE), under the sha256 of the files written; the folder's path. Without a tokenizer, the one of the
+    folder the model was loaded from, when that is a local folder that has one."""
     root = cache_dir() / "loaded"
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".saving-", dir=root))
@@ -55,6 +57,7 @@ def model_folder(model: Any, tokenizer: Any = None) -> str:
             tokenizer = _tokenizer_beside(model)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        (tmp / LINEAGE_FILE).write_text(json.dumps(model_lineage(model)) + "\n")
         final = root / _digest_folder(tmp)[:16]
         if final.is_dir():
             shutil.rmtree(tmp)  # the same model was saved before
@@ -128,6 +131,9 @@ def _rows(value: Any, text_field: str) -> Iterator[dict]:
             if isinstance(row, str):
                 yield {text_field: row}
             elif isinstance(row, dict):
+                if text_field not in row and CHAT_COLUMN not in row:
+                    raise SurgeryError(f"data: row {i} of the list has no {text_field!r} (a document) nor "
+                                       f"{CHAT_COLUMN!r} (a chat); its keys: {', '.join(map(str, row)) or 'none'}")
                 yield row
             else:
                 raise SurgeryError(f"data: item {i} of the list is a {type(row).__name__}, not a string (a document) "

@@ -65,7 +65,7 @@ def check_output_path(out: Path, force: bool, source: Path | None = None, inputs
         raise SurgeryError(f"output {out} already exists (use --force to replace it)")
     if out.exists() and not out.is_dir():
         raise SurgeryError(f"output {out} exists and is not a folder; --force replaces only folders")
-    check_writable_parent(out, str(out))
+    check_parent_can_be_made(out, str(out))
 
 
 def check_output_file(path: Path | None, option: str) -> None:
@@ -87,6 +87,54 @@ def check_writable_parent(path: Path, what: str) -> None:
         raise SurgeryError(f"cannot write {what}: folder {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise SurgeryError(f"cannot write {what}: folder {parent} is not writable")
+
+
+def missing_parents(path: Path) -> list[Path]:
+    """The folders above `path` that do not exist yet, the deepest first."""
+    missing = []
+    folder = Path(path).absolute().parent
+    while not (folder.exists() or folder.is_symlink()) and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def check_parent_can_be_made(path: Path, what: str) -> None:
+    """The folder an output folder goes into exists and can be written, or its missing folders can be made (as
+    `save_pretrained` makes them): the nearest one that exists is a writable folder."""
+    missing = missing_parents(path)
+    nearest = (missing[-1] if missing else Path(path).absolute()).parent
+    if not nearest.is_dir():
+        raise SurgeryError(f"cannot write {what}: {nearest} is not a folder")
+    if not os.access(nearest, os.W_OK):
+        raise SurgeryError(f"cannot write {what}: folder {nearest} is not writable")
+
+
+@contextlib.contextmanager
+def output_parents(out: Path) -> Iterator[None]:
+    """Make the missing folders above the output `out` for the block; when the block fails (Ctrl-C included),
+    remove again those it made and left empty: a refused or failed run leaves no folders behind."""
+    made = missing_parents(out)
+    try:
+        for folder in reversed(made):
+            folder.mkdir()
+    except OSError as e:
+        remove_empty(made)
+        raise write_failure(out, e) from None
+    try:
+        yield
+    except BaseException:
+        remove_empty(made)
+        raise
+
+
+def remove_empty(folders: list[Path]) -> None:
+    for folder in folders:  # deepest first; one that holds something (a kept run folder) stops it
+        try:
+            folder.rmdir()
+        except OSError:
+            if folder.exists():
+                return
 
 
 def _pid_alive(pid: int) -> bool:
@@ -150,7 +198,12 @@ def atomic_output_dir(out: Path, force: bool = False, source: Path | None = None
     """
     out = Path(out)
     check_output_path(out, force, source)
-    clean_stale_siblings(out)
+    with output_parents(out):
+        clean_stale_siblings(out)
+        yield from _atomic_output_dir(out, recovery)
+
+
+def _atomic_output_dir(out: Path, recovery: str | None) -> Iterator[Path]:
     parent = out.absolute().parent
     tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out, "tmp"), dir=parent))
     umask = os.umask(0)
@@ -198,14 +251,19 @@ def write_json(value, path: Path, echo=print) -> None:
 
 def write_text_atomic(path: Path, text: str, what: str = "output") -> None:
     """`text` into the file `path`, written beside it and renamed into place (never half-written)."""
+    write_bytes_atomic(path, text.encode(), what)
+
+
+def write_bytes_atomic(path: Path, data: bytes, what: str = "output") -> None:
+    """`data` into the file `path`, written beside it and renamed into place (never half-written)."""
     check_output_file(path, what)
     try:
         fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path, "tmp"), dir=path.absolute().parent)
     except OSError as e:
         raise SurgeryError(_write_failure(path, e)) from None
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except OSError as e:  # a full disk: one line, nothing left beside

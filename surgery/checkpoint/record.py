@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, ValidationError
 
@@ -41,6 +41,7 @@ class SourceRecord(_Part):
     """The source a conversion read: as the user named it (public), and the sha256 of its weight files."""
 
     spec: StrictStr | None = None
+    loaded: Literal["hub", "folder", "memory"] | None = None  # a model the API saved: what it was loaded from
     revision: StrictStr | None = None
     commit: StrictStr | None = None  # the hub commit the revision resolved to (None: not from the hub)
     gguf_file: StrictStr | None = None
@@ -113,18 +114,27 @@ def public_name(spec: str | None) -> str | None:
     return Path(spec).expanduser().name or spec
 
 
+def source_name(source) -> str | None:
+    """What may be published of a surgery.checkpoint.source.Source's name: for a model the API saved, what it was
+    loaded from (a hub id, a folder's name, None when built in memory), never the cache folder; else public_name."""
+    lineage = getattr(source, "lineage", None)
+    return lineage["spec"] if lineage else public_name(source.spec)
+
+
 def new_record(kind: str, source, shard_hashes: dict[str, str]) -> dict:
     """The header of a conversion's record; `source` a surgery.checkpoint.source.Source, `shard_hashes` {file name: sha256}
     of its weight files."""
-    from .. import __version__
+    from ..version import __version__
 
+    lineage = getattr(source, "lineage", None)  # a model the API saved: what it was loaded from, never the cache
     return {
         "toolkit": "surgery",
         "version": __version__,
         "kind": kind,
         "created": now(),
         "source": {
-            "spec": public_name(source.spec),
+            "spec": source_name(source),
+            **({"loaded": lineage["loaded"]} if lineage else {}),
             "revision": source.revision,
             "commit": source.commit,
             "gguf_file": Path(source.gguf_file).name if source.gguf_file else None,
@@ -266,7 +276,7 @@ MIXTURE = "mixture: "  # calibration "split" of several texts: "mixture: SPEC: s
 def is_local_data(spec: str) -> bool:
     """A data spec naming files of this machine (a path, a glob, a file with a data suffix), not `pydoc` or a hub
     dataset `name[:config][@split[@revision]]`; judged by its form, so it holds on a machine where the file is gone."""
-    if spec in ("pydoc", "general") or spec.startswith("hf://"):
+    if spec in ("pydoc", "stdlib", "general") or spec.startswith("hf://"):
         return False
     return (spec.startswith(("/", ".", "~")) or any(c in spec for c in "*?[") or spec.count("/") > 1
             or Path(spec).suffix in LOCAL_DATA_SUFFIXES or Path(spec).expanduser().exists())

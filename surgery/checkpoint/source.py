@@ -31,6 +31,10 @@ SIDE_FILE_PATTERNS = (
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py", "LICENSE*"]
 PICKLE_PATTERNS = ["*.bin"]
 CACHE_DIR = Path(os.environ.get("SURGERY_CACHE", Path.home() / ".cache" / "surgery"))
+# In the cache folder of a model the API saved (surgery/api/sources.py): where that model came from, as
+# {"loaded": "hub" | "folder" | "memory", "spec": hub id, folder name or None, "commit": hub commit or None}.
+LINEAGE_FILE = "surgery-loaded.json"
+LOADED_FROM = ("hub", "folder", "memory")
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Source:
     gguf_file: str | None = None
     prepare_seconds: float = 0.0  # time spent making the folder (dequantizing a GGUF file the first time)
     commit: str | None = None  # the hub commit the revision resolved to (None: a local folder or file)
+    lineage: dict | None = None  # a loaded model's LINEAGE_FILE: what it was loaded from (None: not a loaded model)
 
     @property
     def config(self) -> dict:
@@ -105,6 +110,9 @@ def resolve_source(spec: str, revision: str | None = None, allow_pickle: bool = 
         return dequantize_gguf(path, spec)
     if path.is_dir():
         load_config(path)
+        lineage = loaded_lineage(path)
+        if lineage is not None:
+            return Source(path, spec, revision=lineage["commit"], commit=lineage["commit"], lineage=lineage)
         return Source(path, spec)
     if path.exists():
         raise SurgeryError(f"{spec} is neither a checkpoint folder nor a .gguf file")
@@ -112,6 +120,24 @@ def resolve_source(spec: str, revision: str | None = None, allow_pickle: bool = 
         raise SurgeryError(f"{spec} does not exist (and is not a hub id of the form owner/name)")
     folder = download(spec, revision, allow_pickle)
     return Source(folder, spec, revision=revision, commit=snapshot_commit(folder))
+
+
+def loaded_lineage(folder: Path) -> dict | None:
+    """The lineage of a model the API saved into the cache (`CACHE_DIR/loaded/<sha256>/LINEAGE_FILE`), else None.
+    Read only there: a folder elsewhere cannot claim a hub lineage by holding the file."""
+    folder = Path(folder)
+    path = folder / LINEAGE_FILE
+    if not path.is_file() or Path(os.path.realpath(folder)).parent != Path(os.path.realpath(Path(CACHE_DIR) / "loaded")):
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        value = None
+    if not (isinstance(value, dict) and value.get("loaded") in LOADED_FROM
+            and all(value.get(k) is None or isinstance(value.get(k), str) for k in ("spec", "commit"))):
+        raise SurgeryError(f"corrupt {path}: not the lineage record surgery writes (delete the folder to save the "
+                           "model again)")
+    return {"loaded": value["loaded"], "spec": value.get("spec"), "commit": value.get("commit")}
 
 
 def snapshot_commit(folder: Path) -> str | None:

@@ -23,7 +23,8 @@ class CheckFailed(SurgeryError):
 
 
 class CheckOptions(PrecisionOptions):
-    data: Texts = option(["pydoc"], "--data", "Text: pydoc, local .txt/.jsonl/.parquet files or globs, or a hub "
+    data: Texts = option(["pydoc"], "--data", "Text: pydoc, stdlib (the standard library's modules, one document "
+                         "each), local .txt/.jsonl/.parquet files or globs, or a hub "
                          "dataset name[:config][@split[@revision]]. Repeat it to check on several texts (e.g. domains) in one "
                          "run, each model loaded once: each text gives its own --tokens tokens and numbers.")
     text_field: str = option("text", "--text-field", "Column holding the text in tabular data.")
@@ -33,6 +34,10 @@ class CheckOptions(PrecisionOptions):
         "tokenizer has one.")
     tokens: int = option(16384, "--tokens", "Tokens to compare on (at least 1).")
     seq_len: int = option(1024, "--seq-len", "Window length (capped at the context).")
+    documents: Literal["joined", "whole"] = option(
+        "joined", "--documents", "joined: the documents tokenized one after another, cut into windows; whole: each "
+        "window cut from one document at least --seq-len tokens long (long-context numbers; --data stdlib has long "
+        "documents), the report names them; none that long: an error.")
     batch_size: int = option(4, "--batch-size", "Windows per forward pass.")
     device: str = option("auto", "--device", "auto (CUDA when present), cpu, cuda, cuda:N.")
     dtype: Literal[DTYPE_NAMES] = option("float32", "--dtype", "The dtype both models are loaded in; --precision bf16 "
@@ -50,6 +55,19 @@ class CheckOptions(PrecisionOptions):
     tasks: str | None = option(None, "--tasks", "Also score both models on lm-eval tasks: comma-separated task names "
                                                 "and task YAML files (needs the `eval` extra).")
     tasks_limit: int | None = option(None, "--tasks-limit", "With --tasks: at most N examples per task.")
+    retrieval: str | None = option(
+        None, "--retrieval", "Also score both models on synthetic long-context retrieval (RULER's families, generated "
+        "here): comma-separated passkey, niah_single, niah_multikey, variable_tracking, common_words, or all.")
+    retrieval_lengths: str | None = option(
+        None, "--retrieval-lengths", "With --retrieval: comma-separated example lengths in tokens (default: 512, 1024, "
+        "... doubling up to --seq-len, capped at the context).")
+    retrieval_samples: int = option(4, "--retrieval-samples", "With --retrieval: examples per task and length, needle "
+                                                              "depths spread evenly.")
+    retrieval_haystack: Literal["noise", "text"] = option(
+        "noise", "--retrieval-haystack", "With --retrieval: what fills the context around the needles: RULER's noise "
+        "sentences, or the check's own --data text (its first --tokens tokens).")
+    plot: str | None = option(None, "--plot", "With --retrieval: write a PNG of accuracy against length here.",
+                              path="file")
     tokenizer: Literal["source", "converted"] | None = option(
         None, "--tokenizer", "Which tokenizer encodes the text when the two checkpoints' tokenizers differ.")
     trust_remote_code: bool = option(False, "--trust-remote-code", "Run the modeling code shipped with CONVERTED.")
@@ -69,7 +87,7 @@ class CheckOptions(PrecisionOptions):
 def warn_same_domain(folder: Path, first: str, more: list[str], warn) -> None:
     """One line when the check's only text is a source the converted model was calibrated or trained on: its numbers
     then measure the fit to that domain, not the recovery of the source model."""
-    from ..check.overlap import shared_source
+    from ..checking.overlap import shared_source
     from ..general_text import resolve_text
 
     why = None if more else shared_source(folder, resolve_text(first))
@@ -91,18 +109,33 @@ def chat_format(o: CheckOptions, src, dst):
         o.trust_remote_code if converted else o.trust_source_code)))
 
 
+def retrieval_lengths(o: CheckOptions) -> tuple[int, ...] | None:
+    """--retrieval-lengths as numbers (one line when it is not a comma-separated list of them)."""
+    if not o.retrieval_lengths:
+        return None
+    try:
+        return tuple(int(x) for x in o.retrieval_lengths.split(",") if x.strip())
+    except ValueError:
+        raise SurgeryError(f"--retrieval-lengths takes comma-separated token counts, got {o.retrieval_lengths!r}") \
+            from None
+
+
 def check_checkpoints(source: str, converted: str, options: CheckOptions, json_out: Path | None = None,
                       warn=get_logger(__name__).warning, show: bool = True) -> dict:
     """Compare, print the report (`show`; the Python API returns it instead), write it as JSON (`json_out`);
     CheckFailed when --expect exact is not met."""
     from ..checkpoint.atomic import write_json
-    from ..check.compare import check_counts, check_json_path, compare_checkpoints, precision_tolerance, print_report
+    from ..checking.compare import check_counts, check_json_path, compare_checkpoints, precision_tolerance, print_report
     from ..data import load_texts
     from ..checkpoint.source import resolve_source
 
     o = options
     check_counts(o.tokens, o.seq_len, o.batch_size, o.generate)
     check_json_path(json_out)
+    if o.plot:
+        if not o.retrieval:
+            raise SurgeryError("--plot draws the retrieval accuracy: it needs --retrieval TASKS")
+        check_json_path(Path(o.plot))
     src = resolve_source(source, revision=o.revision, allow_pickle=o.allow_pickle)
     dst = resolve_source(converted, allow_pickle=o.allow_pickle)
     first, *more = o.data
@@ -115,7 +148,10 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
                                  trust_source_code=o.trust_source_code, allow_pickle=o.allow_pickle,
                                  tokenizer=o.tokenizer, generate=o.generate, prompt_len=o.prompt_len,
                                  prompts_file=Path(o.prompts) if o.prompts else None, layers=o.layers, data=first,
-                                 tasks=o.tasks, tasks_limit=o.tasks_limit, warn=warn)
+                                 tasks=o.tasks, tasks_limit=o.tasks_limit, retrieval=o.retrieval,
+                                 retrieval_lengths=retrieval_lengths(o), retrieval_samples=o.retrieval_samples,
+                                 retrieval_haystack=o.retrieval_haystack, documents=o.documents,
+                                 warn=warn)
     tol = o.atol if o.atol is not None else precision_tolerance(report["precision"])
     worst = max(t["max_abs_diff"] for t in report.get("texts", [report]))
     report["tolerance"] = tol
@@ -124,6 +160,11 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
         print_report(report, title=f"{source}  vs  {converted}")
     if json_out:
         write_json(report, json_out)
+    if o.plot and report.get("retrieval"):
+        from ..checkpoint.atomic import write_bytes_atomic
+        from ..checking.retrieval import plot
+
+        write_bytes_atomic(Path(o.plot), plot(report["retrieval"], f"{source} vs {converted}"), "--plot")
     if o.expect == "exact" and not report["exact"]:
         raise CheckFailed(f"not exact: max |Δlogits| {worst:.3g} > tolerance {tol:g}")
     return report

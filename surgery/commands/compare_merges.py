@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..check.compare import compare_models
+from ..checking.compare import compare_models
 from ..kv.convert import KVOptions, convert_to_kv_heads
 from ..data import load_texts, token_stream
 from ..errors import SurgeryError

@@ -16,13 +16,14 @@ def options_model() -> type[ConvertOptions]:
 
 def convert_checkpoint(source: str, out: Path, options: ConvertOptions) -> str:
     """Convert `source` into `out`; returns the line that says what was written."""
-    from ..checkpoint.atomic import check_output_path
+    from ..checkpoint.atomic import check_output_path, output_parents
     from ..checkpoint.source import resolve_source
 
     check_output_path(out, options.force)
     src = resolve_source(source, revision=options.revision, allow_pickle=options.allow_pickle)
     check_output_path(out, options.force, source=src.folder)  # before any work: --out may not be or hold the source
-    record = options.kind.convert(src, out, options.kind_options)
+    with output_parents(out):  # missing folders above --out made, and removed again if the conversion fails
+        record = options.kind.convert(src, out, options.kind_options)
     return f"wrote {out}: {options.kind.summary(record, options.kind_options)}{prepared_note(src)}"
 
 

@@ -1,5 +1,5 @@
 """`surgery teacher` once its options are validated: one stored teacher pass over a run's training windows
-(surgery/uptrain/teacher_pass.py). Its data options are uptrain's own (UptrainArgs), so that the same words give
+(surgery/training/teacher_pass.py). Its data options are uptrain's own (UptrainArgs), so that the same words give
 the same windows."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ from pathlib import Path
 from pydantic import ValidationInfo, field_validator
 
 from ..options import CliModel, option, spelling
-from ..uptrain.options import UptrainArgs
+from ..training.options import UptrainArgs
 
 # uptrain's options that fix the training windows, and the teacher's run (its precision, temperature, batch, output)
 TEACHER_OPTIONS = ("data", "data_weights", "data_mode", "data_workers", "data_epochs", "tokens", "text_field",
                    "txt_unit", "streaming", "chat_template", "seq_len", "batch_tokens", "micro_batch", "eval_tokens",
                    "seed", "temperature", "trust_teacher_code", "precision", "force")
 
-# those that fix the windows and their order (the store's windows spec, surgery/uptrain/teacher_store.py) and the
+# those that fix the windows and their order (the store's windows spec, surgery/training/teacher_store.py) and the
 # temperature it holds the teacher at: a store serves only runs with the same values (a recipe's teacher step takes
 # them from the uptrain steps that read its store)
 WINDOW_OPTIONS = tuple(n for n in TEACHER_OPTIONS if n not in ("micro_batch", "trust_teacher_code", "precision", "force"))
@@ -45,9 +45,12 @@ def store_teacher_pass(source: str, out: Path, options: UptrainArgs, top_k: int,
                        progress: bool = True, revision: str | None = None, processes: int = 1) -> dict:
     """Run the teacher `source` (at hub `revision`) over the windows `options` give a run and store its top-`top_k`;
     the manifest."""
-    from ..uptrain.options import UptrainOptions
-    from ..uptrain.teacher_pass import teacher_pass
+    from ..training.options import UptrainOptions
+    from ..training.teacher_pass import teacher_pass
+
+    from ..checkpoint.atomic import output_parents
 
     run = UptrainOptions(model=source, out=Path(out), **options.model_dump())
-    return teacher_pass(source, Path(out), run, top_k, device=device, trust_teacher_code=options.trust_teacher_code,
-                        progress=progress, revision=revision, processes=processes)
+    with output_parents(out):
+        return teacher_pass(source, Path(out), run, top_k, device=device, trust_teacher_code=options.trust_teacher_code,
+                            progress=progress, revision=revision, processes=processes)

@@ -1,20 +1,22 @@
-"""`surgery uptrain` once its options are validated: continue training a model (surgery/uptrain). The options
-model, its rules and the fields a recipe's runner sets are surgery/uptrain/options.py's."""
+"""`surgery uptrain` once its options are validated: continue training a model (surgery/training). The options
+model, its rules and the fields a recipe's runner sets are surgery/training/options.py's."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..uptrain.options import RUNNER_OWNED, UptrainArgs
+from ..training.options import RUNNER_OWNED, UptrainArgs
 
 __all__ = ["RUNNER_OWNED", "UptrainArgs", "uptrain_dry_run", "uptrain_model"]
 
 
 def uptrain_model(model: str, out: Path, options: UptrainArgs, progress: bool = True) -> dict:
     """Train; returns the uptraining record written into OUT/surgery.json (`progress`: the progress display)."""
-    from ..uptrain import UptrainOptions, uptrain
+    from ..checkpoint.atomic import output_parents
+    from ..training import UptrainOptions, uptrain
 
-    return uptrain(UptrainOptions(model=model, out=Path(out), progress=progress, **options.model_dump()))
+    with output_parents(out):  # missing folders above OUT (and OUT.run) made, removed again if left empty
+        return uptrain(UptrainOptions(model=model, out=Path(out), progress=progress, **options.model_dump()))
 
 
 def uptrain_dry_run(model: str, options: UptrainArgs) -> list[str]:
@@ -28,7 +30,7 @@ def uptrain_dry_run(model: str, options: UptrainArgs) -> list[str]:
     from ..checkpoint.record import local_source_folder, read_record
     from ..checkpoint.source import resolve_source
     from ..memory_estimate import stats_from_folder, uptrain_memory_per_process
-    from ..uptrain.model_io import teacher_source
+    from ..training.model_io import teacher_source
 
     source = resolve_source(model)
     record = read_record(source.folder)
@@ -49,7 +51,7 @@ def uptrain_dry_run(model: str, options: UptrainArgs) -> list[str]:
 def stored_teacher_lines(options: UptrainArgs) -> list[str]:
     """--teacher-logprobs in the dry run: the store's size for this run's tokens (from its manifest, or what `surgery
     teacher` at the default --top-k would write when it is not made yet), and that no teacher is loaded."""
-    from ..uptrain.teacher_store import MANIFEST, bytes_per_token, human_bytes, read_manifest
+    from ..training.teacher_store import MANIFEST, bytes_per_token, human_bytes, read_manifest
 
     folder = Path(options.teacher_logprobs)
     tokens = -(-options.tokens // options.batch_tokens) * options.batch_tokens

@@ -24,6 +24,7 @@ from ..options import CliModel, option, spelling
 from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
 from .kv import GQA, MQA
 from .mla import MLA_KIND
+from .swa import SWA_KIND
 from .switchhead import SWITCHHEAD
 from .talking_heads import TALKING_HEADS
 
@@ -53,12 +54,11 @@ def _hand_refusals_to_arch() -> None:
     (kinds sharing a label, like mqa and gqa, declare it alike)."""
     arch.REFUSALS.clear()
     arch.REFUSALS.update({label: table for k in _KINDS.values() for label, table in k.refusals().items()})
-    arch.APPROXIMATIONS.clear()
-    arch.APPROXIMATIONS.update({label: k.approximates for k in _KINDS.values() if k.approximates
-                                for label in k.refusals()})
+    arch.VERDICTS.clear()
+    arch.VERDICTS.update({label: k.verdict for k in _KINDS.values() if k.verdict for label in k.refusals()})
 
 
-for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD, MLA_KIND):
+for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD, MLA_KIND, SWA_KIND):
     register(_kind)
 
 
@@ -186,11 +186,13 @@ def plain_kv_cache_values(shape: AttentionShape) -> dict[str, int]:
     return _PLAIN.kv_cache_values(shape, {})
 
 
-def kv_cache_values(shape: AttentionShape, config: dict, record: dict | None = None) -> dict[str, int]:
-    """Values each runtime caches per token for a checkpoint: its kind's answer, or the base Kind's when no kind
-    wrote it."""
+def kv_cache_values(shape: AttentionShape, config: dict, record: dict | None = None,
+                    context: int | None = None) -> dict[str, int]:
+    """Values each runtime caches per token for a checkpoint, averaged over a cache of `context` tokens (sliding
+    layers keep their window; None: the model's context): its kind's answer, or the base Kind's when no kind wrote
+    it."""
     kind = find_kind(record, config)
-    return (kind or _PLAIN).kv_cache_values(shape, config)
+    return (kind or _PLAIN).kv_cache_values(shape, config, context)
 
 
 

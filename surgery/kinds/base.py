@@ -158,9 +158,45 @@ class QueryRefitOptions(CliModel):
         return v
 
 
+# model types whose `sliding_window` counts only when `use_sliding_window` is set (transformers' default: off)
+SLIDING_WINDOW_SWITCHED = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
+
+
+def sliding_layers(config: dict) -> tuple[int, int | None]:
+    """(layers with sliding-window attention, their window) as the runtimes read config.json: `layer_types` where
+    the config lists them, every layer where it sets only `sliding_window` (Mistral), none where the family's switch
+    is off (Qwen2/3, SmolLM3)."""
+    window = config.get("sliding_window")
+    if not isinstance(window, int) or window < 1:
+        return 0, None
+    if config.get("model_type") in SLIDING_WINDOW_SWITCHED and not config.get("use_sliding_window"):
+        return 0, None
+    types = config.get("layer_types")
+    if isinstance(types, list):
+        return sum(t == "sliding_attention" for t in types), window
+    layers = config.get("num_hidden_layers")
+    return (int(layers), window) if config.get("model_type") in ("mistral", "mixtral") and layers else (0, None)
+
+
+def cached_fraction(config: dict, context: int | None = None, kept: int = 0) -> float:
+    """The share of a full-attention KV cache (or of its attention work) that the model keeps at `context` tokens
+    (None: the model's context): sliding layers hold min(context, window + `kept`) tokens, the others all of them.
+    transformers' sliding cache keeps the W - 1 tokens before the next query (kept=-1); vLLM's and llama.cpp's hold
+    the window."""
+    sliding, window = sliding_layers(config)
+    layers = config.get("num_hidden_layers")
+    if not sliding or not isinstance(layers, int) or layers < 1:
+        return 1.0
+    context = context or next((int(config[k]) for k in ("max_position_embeddings", "n_positions") if config.get(k)),
+                              None)
+    if not context:
+        return 1.0
+    return (layers - sliding + sliding * min(context, max(window + kept, 1)) / context) / layers
+
+
 @dataclass
 class AttentionShape:
-    """Per-layer attention sizes as surgery/inspect.py reads them (L layers, h heads, kv K/V heads, d head_dim,
+    """Per-layer attention sizes as surgery/inspection.py reads them (L layers, h heads, kv K/V heads, d head_dim,
     H hidden)."""
 
     layers: int
@@ -185,9 +221,8 @@ class Kind:
     # template over the family's own words for the feature ("{detail}"); a kind whose columns differ overrides
     # `refusals`
     refuses: dict[Feature, str] = field(default_factory=dict)
-    # the family features it carries over only approximately (calibrated, the error measured), each with its
-    # one-line reason; a kind that declares any answers exact / approximate / refused in `convert --list`
-    approximates: dict[Feature, str] = field(default_factory=dict)
+    # what `convert --list` says of a family the kind converts: a function spec -> text (None: "yes")
+    verdict: Any = None
     tags: list[str] = field(default_factory=list)  # the model card's hub tags
     ships_code: bool = False  # the output carries its own modeling code (load with trust_remote_code=True)
     # options that convert a Llama-like model of 8 heads and 4 K/V heads (tests/kinds/test_kind_contract.py runs them)
@@ -230,11 +265,14 @@ class Kind:
         L, h, kv, d, H = shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.hidden
         return {"proj": L * (H * h * d + 2 * H * kv * d + h * d * H), "mixing": None}
 
-    def kv_cache_values(self, shape: AttentionShape, config: dict) -> dict[str, int]:
+    def kv_cache_values(self, shape: AttentionShape, config: dict, context: int | None = None) -> dict[str, int]:
         """Values each runtime caches per token, all layers together, for a checkpoint this kind wrote (`config`:
-        its config.json): {"transformers": n, "vllm": n, "llama.cpp": n}. Bytes = values x the cache dtype's size."""
+        its config.json), averaged over a cache of `context` tokens (None: the model's context) where sliding-window
+        layers keep only their window: {"transformers": n, "vllm": n, "llama.cpp": n}. Bytes = values x the cache
+        dtype's size."""
         n = 2 * shape.layers * shape.kv_heads * shape.head_dim
-        return {"transformers": n, "vllm": n, "llama.cpp": n}
+        return {"transformers": round(n * cached_fraction(config, context, kept=-1)),
+                "vllm": round(n * cached_fraction(config, context)), "llama.cpp": round(n * cached_fraction(config, context))}
 
     def experts(self, config: dict) -> tuple[int | None, int | None]:
         """Experts per head and experts each token uses, from the converted config (`surgery inspect`'s row);

@@ -11,7 +11,8 @@ from pydantic import ValidationInfo, model_validator
 
 from ..options import option, spelling
 from .base import AttentionShape, CalibrationOptions, Kind, QueryRefitOptions, WriteOptions
-from ..mla.refusals import APPROXIMATES, REFUSES
+from ..mla.families import verdict_text
+from ..mla.refusals import REFUSES
 
 
 class MLAFields(WriteOptions):
@@ -67,7 +68,7 @@ class MLA(Kind):
         return (f"mla (latent rank {m['kv_lora_rank']} + rope key {m['qk_rope_head_dim']} per layer) "
                 f"in {record['seconds']:.1f}s")
 
-    def kv_cache_values(self, shape: AttentionShape, config: dict) -> dict[str, int]:
+    def kv_cache_values(self, shape: AttentionShape, config: dict, context: int | None = None) -> dict[str, int]:
         """vLLM and llama.cpp cache the latent and the rope key; transformers' DeepseekV3Attention (5.x) caches them
         too (after kv_a_layernorm and the rotation, before kv_b_proj expands them)."""
         n = shape.layers * (int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"]))
@@ -98,23 +99,25 @@ class MLA(Kind):
         return [f"Latent rank {m['kv_lora_rank']} (of {m['full_rank']}), rope key {m['qk_rope_head_dim']} dims "
                 f"(source frequencies {m['rope_frequencies']}).",
                 "K-nope and V factored jointly through the latent, weighted by the calibration activations; one "
-                "shared rope key per layer (the K/V heads' principal direction per frequency)."] + _approximated(m)
+                "shared rope key per layer (the K/V heads' principal direction per frequency)."] + _family_lines(m)
 
 
-def _approximated(m: dict) -> list[str]:
-    """The card's line on what DeepSeek-V3 cannot hold (the source's biases, q/k norms) and the error left."""
-    a = m.get("approximated")
-    if not a:
-        return []
-    e = a["attention_error"]
-    return [f"Approximate: the source's {' and '.join(a['terms'])} have no place in DeepSeek-V3's layer; "
-            f"{a['method']}. Remaining attention-output error on the calibration text (relative squared): mean "
-            f"{e['mean']}, max {e['max']} per layer. transformers, vLLM and llama.cpp all compute the same "
-            "bias-free, norm-free layer (no config field that only some runtimes honour is written)."]
+def _family_lines(m: dict) -> list[str]:
+    """The card's words for the family's verdict and, when approximate, what was absorbed and how well."""
+    family = m.get("family") or {}
+    lines = [f"Source family: {family['verdict']} ({family.get('reason', 'Llama-like layer')})."] if family else []
+    absorption = m.get("absorption")
+    if absorption:
+        res = absorption["relative_residual"]
+        drop = absorption["relative_residual_dropped"]
+        lines.append(f"Absorbed {' and '.join(absorption['terms'])}: {absorption['method']}; relative residual of "
+                     "the q/k/v projections " + ", ".join(f"{p} {res[p]:.2e} (dropped: {drop[p]:.2e})" for p in res)
+                     + f". {absorption['runtimes']}; measure the rest with `surgery check`.")
+    return lines
 
 
 MLA_KIND = MLA("mla", MLAOptions, title="multi-head latent attention (DeepSeek-V3 MLA)", tags=["mla", "deepseek_v3"],
                config_key="kv_lora_rank", example_options={"kv_rank": 32, "calib_tokens": 512},
-               refuses=REFUSES, approximates=APPROXIMATES,
+               refuses=REFUSES, verdict=verdict_text,
                help="mla writes a plain deepseek_v3 checkpoint (a low-rank latent K/V and one shared rope key, fitted "
                     "layer by layer on calibration text) that transformers, vLLM and llama.cpp load as they are.")

@@ -112,12 +112,15 @@ def _inputs(stream, spec, layer, index, hidden, calls):
         yield capture.attention_input(layer, attention, in_module, stream.fetch(hidden[i]), calls[i][index])
 
 
-def _second_moments(acalls) -> torch.Tensor:
+def _second_moments(acalls, observer=None) -> torch.Tensor:
+    """E[x x^T] of the attention input; `observer` (None, or what has `add(rows)`) sees every chunk's rows too."""
     sigma, count = None, 0
     for a in acalls:
         flat = a.x.reshape(-1, a.x.shape[-1]).double()
         sigma = flat.T @ flat if sigma is None else sigma + flat.T @ flat
         count += flat.shape[0]
+        if observer is not None:
+            observer.add(flat)
         del a, flat  # before the next chunk is computed: one chunk alive at a time
     return sigma / count  # on the stream's device: the factorisation runs there
 
@@ -187,11 +190,13 @@ def _refit_o(stream, spec, layer, index, hidden, calls, weights: MLAWeights, geo
 def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.device,
                  build: Callable[[int, torch.Tensor], MLAWeights], geometry: MLAGeometry, keep: Callable,
                  refit_q: QueryRefit | None = None, refit_o: bool = True, seed: int = 0,
-                 chunk_windows: int = MAX_WINDOWS, progress: bool = True, store=None, measure: bool = False) -> None:
+                 chunk_windows: int = MAX_WINDOWS, progress: bool = True, store=None,
+                 observer: Callable[[int], object] | None = None) -> None:
     """Convert every layer on the converted stream: `build(index, sigma)` gives the layer's MLA weights,
-    `keep(index, weights, error)` receives the final weights and (`measure`) the converted attention's relative
-    squared error against the source attention's output on the calibration text (else None). Each step is a pass over the chunks (second moments, query
-    refit, output refit, converted pass): past the residual stream, memory is one chunk."""
+    `keep(index, weights)` receives the final weights; `observer(index)` (None: nothing) is handed the layer's
+    attention input rows while sigma is summed (surgery/mla/absorb.py's moments). Each step is a pass over the
+    chunks (second moments, query refit, output refit, converted pass): past the residual stream, memory is one
+    chunk."""
     generator = torch.Generator().manual_seed(seed)  # the query refit's sampled positions
     with threads(torch.get_num_threads()):
         stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows, store)
@@ -200,7 +205,8 @@ def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.devi
                 attention = _modules(spec, layer)[0]
                 # one layer's weights on the stream's device while its passes run (they multiply the device's
                 # activations; the refits solve there too), handed to `keep` on the host
-                weights = build(index, _second_moments(_inputs(stream, spec, layer, index, hidden, calls)))
+                seen = observer(index) if observer is not None else None
+                weights = build(index, _second_moments(_inputs(stream, spec, layer, index, hidden, calls), seen))
                 weights = weights.to(stream.device)
                 if refit_q is not None:
                     weights.q_proj = _refit_q(stream, spec, layer, index, hidden, calls, weights, geometry, refit_q,
@@ -208,16 +214,10 @@ def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.devi
                 if refit_o:
                     weights.o_proj = _refit_o(stream, spec, layer, index, hidden, calls, weights, geometry)
                 o_proj = weights.o_proj.to(stream.device, torch.float32)
-                miss = total = 0.0
                 for i, a in enumerate(_inputs(stream, spec, layer, index, hidden, calls)):
                     out = geometry.attend(a.x, weights) @ o_proj.T
-                    if measure:  # the source attention's output on the same input: the layer's remaining error
-                        target = capture.run_attention(attention, _modules(spec, layer)[2], a).output
-                        miss += float((out - target).double().pow(2).sum())
-                        total += float(target.double().pow(2).sum())
-                        del target
                     hidden[i] = stream.stash(capture.run_layer_with_attention_output(
                         layer, attention, stream.fetch(hidden[i]), calls[i][index], out))
                     del a, out  # before the next chunk is computed
-                keep(index, weights.to("cpu"), (miss / total) if measure and total > 0 else None)
+                keep(index, weights.to("cpu"))
                 bar.update()

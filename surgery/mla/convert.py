@@ -11,6 +11,8 @@ when the source ties it.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import time
 from pathlib import Path
 
@@ -28,10 +30,11 @@ from ..runtime import load_tokenizer, pick_device
 from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, PlannedTensor
 from ..kv.aligned.refit import QueryRefit
-from .body import BodyRewrite
-from .absorb import ExtrasReader, absorbed_record, linearise
+from .absorb import AbsorptionMoments, SourceProjections
+from .body import BodyFold
 from .calibrate import MLAGeometry, convert_pass, frequency_scores_pass
 from .factor import MLAWeights, SourceAttention, mla_layer
+from .families import MLAFamily, mla_family, rotating_layers
 from .refusals import KIND, REFUSES
 
 QUERY_SAMPLES = QueryRefit().samples  # the aligned merge's default (`--query-samples`)
@@ -45,43 +48,33 @@ class Shape:
     def __init__(self, spec, config: dict, rank: int, rope_dim: int | None):
         self.layers, self.heads = spec.layers(config), spec.heads(config)
         self.kv_heads, self.head_dim, self.hidden = spec.kv_heads(config), spec.head_dim(config), spec.hidden(config)
-        self.rotary_dims = rotary_dims(config, self.head_dim)
-        self.rank, self.rope_dim = rank, self.rotary_dims if rope_dim is None else rope_dim
+        self.rank, self.rope_dim = rank, self.head_dim if rope_dim is None else rope_dim
         full = 2 * self.kv_heads * self.head_dim
         if self.heads % self.kv_heads:
             raise SurgeryError(f"{self.kv_heads} K/V heads do not divide {self.heads} attention heads")
         if not 1 <= rank <= full:
             raise SurgeryError(f"--kv-rank must be between 1 and {full} (2 x {self.kv_heads} K/V heads x head_dim "
                                f"{self.head_dim}: the source's keys and values), got {rank}")
-        if self.rope_dim % 2 or not 2 <= self.rope_dim <= self.rotary_dims:
-            what = "head_dim" if self.rotary_dims == self.head_dim else "the source's rotary dims"
-            raise SurgeryError(f"--rope-dim must be even (RoPE rotates pairs) and between 2 and {what} "
-                               f"{self.rotary_dims}, got {self.rope_dim}")
-        if self.rotary_dims != self.head_dim and spec.rotary_pairs != "interleaved":
-            raise SurgeryError("mla converts partial rotary only with interleaved pairs (GLM's: the rotating pairs "
-                               "are the head's first)")
+        if self.rope_dim % 2 or not 2 <= self.rope_dim <= self.head_dim:
+            raise SurgeryError(f"--rope-dim must be even (RoPE rotates pairs) and between 2 and head_dim "
+                               f"{self.head_dim}, got {self.rope_dim}")
 
     @property
     def full_rank(self) -> int:
         return 2 * self.kv_heads * self.head_dim
 
 
-def rotary_dims(config: dict, head_dim: int) -> int:
-    """The dims of each head that RoPE rotates (partial_rotary_factor, top-level or in rope_parameters)."""
-    factor = config.get("partial_rotary_factor") or (config.get("rope_parameters") or {}).get("partial_rotary_factor")
-    return int(head_dim * float(factor)) if factor else head_dim
-
-
-def refuse_config(config: dict, spec=None) -> None:
+def refuse_config(config: dict, family: MLAFamily | None = None) -> None:
     """What a Llama-like config can set that DeepSeek-V3 (as transformers, vLLM and llama.cpp read it) cannot (a
-    family that states q/k/v biases has them approximated: surgery/mla/absorb.py)."""
-    from ..arch import Feature
-
-    states_bias = spec is not None and any(t.feature == Feature.QKV_BIAS for t in spec.features)
+    family whose biases are absorbed (surgery/mla/families.py) keeps its attention_bias)."""
     for key in ("attention_bias", "mlp_bias"):
-        if config.get(key) and not (key == "attention_bias" and states_bias):
+        if key == "attention_bias" and family is not None and family.biases:
+            continue
+        if config.get(key):
             raise SurgeryError(f"mla cannot convert {key}: DeepSeek-V3's projections have no biases")
-    if config.get("sliding_window") and config.get("use_sliding_window", True):
+    window, context = config.get("sliding_window"), config.get("max_position_embeddings")
+    binds = not (window and context and int(window) >= int(context))  # a window over the whole context is none
+    if window and config.get("use_sliding_window", True) and binds:
         raise SurgeryError("mla cannot convert sliding-window attention: DeepSeek-V3 attends over the whole context")
     if config.get("hidden_act") is None:
         raise SurgeryError("config.json has no hidden_act")
@@ -95,7 +88,7 @@ def source_frequencies(folder: Path, head_dim: int) -> torch.Tensor:
     return config_frequencies(AutoConfig.from_pretrained(folder, trust_remote_code=False), head_dim)
 
 
-def config_frequencies(config, head_dim: int) -> torch.Tensor:  # head_dim: the rotating dims
+def config_frequencies(config, head_dim: int) -> torch.Tensor:
     """`source_frequencies` of a transformers config object (the dry run's, built from config.json's fields)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
@@ -173,7 +166,7 @@ def choose_frequencies(scores: list[torch.Tensor] | None, strides: dict[int, flo
         return [k * min(strides) for k in range(n)], min(strides), strides[min(strides)], 1.0
     angle = inv_freq * window
     moves = 1 - torch.sin(angle) / angle
-    loss = torch.stack(scores).sum(0)[: inv_freq.numel()] / len(scores) * moves  # partial rotary: the rotating
+    loss = torch.stack(scores).sum(0) / len(scores) * moves
     loss = loss / loss.sum().clamp_min(1e-300)
     best = max(strides, key=lambda s: float(loss[[k * s for k in range(n)]].sum()))
     kept = [k * best for k in range(n)]
@@ -207,10 +200,9 @@ class Planner:
     """Every output tensor: the attention's five from `layer_weights`, the rest copied from the source."""
 
     def __init__(self, reader: CheckpointReader, spec, shape: Shape, layer_weights, dtype: torch.dtype | None,
-                 skips=lambda name: False, body: BodyRewrite | None = None):
+                 config: dict | None = None, fold: BodyFold | None = None):
         self.reader, self.spec, self.shape, self.layer_weights, self.dtype = reader, spec, shape, layer_weights, dtype
-        self.body = body  # the family's folds and splits into Llama's body (surgery/mla/body.py)
-        self.skips = skips  # source tensors DeepSeek-V3 has no place for (q/k norms: absorbed)
+        self.config, self.fold = config or {}, fold or BodyFold()
         self._cache: tuple[int, MLAWeights] | None = None
 
     def _weights(self, layer: int) -> MLAWeights:
@@ -227,10 +219,17 @@ class Planner:
                   "kv_b_proj": "kv_b", "o_proj": "o_proj"}
 
         def producer(field: str):
+            if field == "o_proj" and self.fold.changes("self_attn.o_proj.weight"):  # the residual branch ends here
+                return lambda: self.fold.apply("self_attn.o_proj.weight",
+                                               self._weights(layer).o_proj).to(dtype).contiguous()
             return lambda: getattr(self._weights(layer), field).to(dtype).contiguous()
 
         return [PlannedTensor(f"{module}.{name}.weight", dtype, shapes[name], produce=producer(fields[name]))
                 for name in ATTENTION]
+
+    def _is_qk_norm(self, name: str) -> bool:
+        return self.spec.has_qk_norm(self.config) and any(
+            re.search(self.spec.norm_pattern(which), name) for which in ("q", "k"))
 
     def plan(self) -> list[PlannedTensor]:
         planned, done = [], set()
@@ -245,48 +244,101 @@ class Planner:
                     done.add(layer)
                     planned += self._attention(module, layer, self.dtype or info.dtype)
                 continue
-            if name.endswith("rotary_emb.inv_freq") or self.skips(name):
-                continue
-            parts = self.body.split(name) if self.body else None
-            if parts:
-                planned += [_part(self.reader, name, out_name, i, n, dtype) for out_name, i, n in parts]
-                continue
-            planned.append(_copy(self.reader, name, name, dtype))
+            if name.endswith("rotary_emb.inv_freq") or self._is_qk_norm(name):
+                continue  # q/k norms: absorbed into q_proj and the latent (surgery/mla/absorb.py)
+            for out_name, rows in self.fold.mlp_tensors(name, info.shape[0]):
+                planned.append(_copy(self.reader, name, out_name, dtype, self.fold, rows))
+        hidden = self.shape.hidden
+        for norm in self.fold.added_norms(self.shape.layers):  # weightless LayerNorms: RMSNorm weights of one
+            planned.append(PlannedTensor(norm, self.dtype or torch.float32, (hidden,),
+                                         produce=lambda d=self.dtype or torch.float32: torch.ones(hidden, dtype=d)))
         if "lm_head.weight" not in names:  # tied in the source: DeepSeek-V3 reads its own lm_head
             embed = next(n for n in names if n.endswith("embed_tokens.weight"))
             planned.append(_copy(self.reader, embed, "lm_head.weight",
-                                 self.dtype or self.reader.tensors[embed].dtype))
-        return [self.body.folded(p) for p in planned] if self.body else planned
+                                 self.dtype or self.reader.tensors[embed].dtype, self.fold))
+        return planned
 
 
-def _copy(reader: CheckpointReader, name: str, out_name: str, dtype: torch.dtype) -> PlannedTensor:
+def _copy(reader: CheckpointReader, name: str, out_name: str, dtype: torch.dtype,
+          fold: BodyFold | None = None, rows: slice | None = None) -> PlannedTensor:
+    """`name` (its `rows`: one half of a fused gate/up) written as `out_name`, with the family's constant folded in
+    (`fold`, surgery/mla/body.py)."""
     info = reader.tensors[name]
-    if dtype == info.dtype and not reader.is_pickle:
+    changed = fold is not None and fold.changes(out_name)
+    if rows is not None:
+        shape = (len(range(info.shape[0])[rows]), *info.shape[1:])
+        fold = fold or BodyFold()
+        return PlannedTensor(out_name, dtype, shape,
+                             produce=lambda: fold.apply(out_name, reader.load(name)[rows]).to(dtype).contiguous())
+    if dtype == info.dtype and not reader.is_pickle and not changed:
         return PlannedTensor(out_name, dtype, info.shape, raw_source=(reader, name))
+    if changed:
+        return PlannedTensor(out_name, dtype, info.shape,
+                             produce=lambda: fold.apply(out_name, reader.load(name)).to(dtype).contiguous())
     return PlannedTensor(out_name, dtype, info.shape, produce=lambda: reader.load(name).to(dtype).contiguous())
 
 
-def _part(reader: CheckpointReader, name: str, out_name: str, i: int, n: int, dtype: torch.dtype) -> PlannedTensor:
-    """Rows i/n of a fused tensor (Phi-3's gate_up_proj: gate, then up)."""
-    info = reader.tensors[name]
-    rows = info.shape[0] // n
-    return PlannedTensor(out_name, dtype, (rows, *info.shape[1:]),
-                         produce=lambda: reader.load(name)[i * rows:(i + 1) * rows].to(dtype).contiguous())
-
-
-def _projection_names(reader: CheckpointReader, spec, layers: int) -> dict[tuple[int, str], str]:
+def _projection_names(reader: CheckpointReader, spec, layers: int, family: MLAFamily | None = None,
+                      biases: dict[tuple[int, str], str] | None = None) -> dict[tuple[int, str], str]:
+    """(layer, projection) -> weight name; the q/k/v biases of a family that absorbs them go into `biases`."""
     found: dict[tuple[int, str], str] = {}
     for name in reader.names():
         hit = spec.match(name)
-        if hit is None or hit[2] == "bias":  # biases: surgery/mla/absorb.py (approximated or refused)
+        if hit is None:
             continue
-        layer, proj, _ = hit
+        layer, proj, param = hit
+        if param == "bias":
+            if family is None or not family.biases or proj == spec.o or biases is None:
+                raise SurgeryError(f"mla cannot convert attention biases ({name}): DeepSeek-V3's projections have "
+                                   "none")
+            biases[(layer, proj)] = name
+            continue
         found[(layer, proj)] = name
     for layer in range(layers):
         for proj in spec.projections:
             if (layer, proj) not in found:
                 raise SurgeryError(f"the checkpoint has no {proj} weight for layer {layer}")
     return found
+
+
+def _qk_norm_names(reader: CheckpointReader, spec, config: dict) -> dict[tuple[int, str], str]:
+    """(layer, "q"|"k") -> the per-head q/k norm's weight (a norm with a bias has no RMSNorm form: refused)."""
+    if not spec.has_qk_norm(config):
+        return {}
+    found = {}
+    for which in ("q", "k"):
+        pattern = re.compile(spec.norm_pattern(which))
+        for name in reader.names():
+            m = pattern.search(name)
+            if m is None:
+                continue
+            if m.group("param") != "weight":
+                raise SurgeryError(f"mla cannot absorb a q/k norm with a bias ({name})")
+            if reader.tensors[name].shape[-1:] != (spec.head_dim(config),) or len(reader.tensors[name].shape) != 1:
+                raise SurgeryError(f"mla absorbs per-head q/k norms of head_dim weights; {name} has shape "
+                                   f"{tuple(reader.tensors[name].shape)}")
+            found[(int(m.group("layer")), which)] = name
+    return found
+
+
+def _family_record(family: MLAFamily | None, absorbing: bool, absorb: bool,
+                   residuals: dict[int, dict[str, tuple[float, float]]]) -> dict:
+    """surgery.json's `mla.family` (verdict and why) and, for an approximate family, `mla.absorption`: per projection
+    the mean relative residual over layers of the linear fit and of dropping the term (surgery/mla/absorb.py)."""
+    out = {"family": {"verdict": family.verdict, "reason": family.reason} if family else {"verdict": "exact"}}
+    if absorbing:
+        n = max(len(residuals), 1)
+        mean = {p: [round(sum(r[p][j] for r in residuals.values()) / n, 6) for j in (0, 1)] for p in "qkv"}
+        out["absorption"] = {
+            "method": ("least-squares linear fit on the calibration activations, its ridge chosen on rows it did not "
+                       "read") if absorb else
+                      "none (dropped: a measurement baseline)",
+            "terms": [t for t, on in (("q/k/v biases", family.biases), ("q/k norms", family.qk_norm)) if on],
+            "relative_residual": {p: mean[p][0 if absorb else 1] for p in "qkv"},
+            "relative_residual_dropped": {p: mean[p][1] for p in "qkv"},
+            "runtimes": "transformers, vLLM and llama.cpp compute the same plain projections (no bias, no q/k norm "
+                        "is written)"}
+    return out
 
 
 def _mla_record(shape: Shape, kept: list[int], stride: int, theta: float, share: float,
@@ -327,36 +379,62 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     dims per head (default: head_dim), calibrating in chunks of `calib_chunk` windows (default: the rule of
     surgery/calibration/chunks.py); `query_samples` positions per window for the query refit (0: none); the
     calibration's forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64.
-    A family with biases or q/k norms (surgery/mla/absorb.py) has them absorbed by calibration; `absorb=False`
-    drops them instead and skips the refits (the no-absorption baseline the tests and benchmarks measure against)."""
+    `absorb` False (a measurement baseline): an approximate family's biases and q/k norms are dropped instead of
+    absorbed (surgery/mla/absorb.py); the refits still fit the source's own logits and outputs."""
     start = time.time()
     config = src.config
     spec = spec_for(config, KIND, REFUSES)
-    refuse_config(config, spec)
+    family = mla_family(spec.name)
+    refuse_config(config, family)
+    if spec.fused and spec.qkv_layout(config).value != "fused":
+        raise SurgeryError(f"mla reads fused q/k/v rows [q | k | v] only, not {spec.qkv_layout(config).value}")
     shape = Shape(spec, config, kv_rank, rope_dim)
     check_output_path(out, force, source=src.folder)
     dev = pick_device(device)
     resolved = resolve_precision(precision, dev)
     reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
-    names = _projection_names(reader, spec, shape.layers)
-    extras = ExtrasReader(reader, spec, config)
+    bias_names: dict[tuple[int, str], str] = {}
+    names = _projection_names(reader, spec, shape.layers, family, bias_names)
+    norm_names = _qk_norm_names(reader, spec, config) if family is not None and family.qk_norm else {}
     written = dtype or str(reader.tensors[names[(0, spec.query_projection)]].dtype).removeprefix("torch.")
     if written == "float16":
         raise SurgeryError("mla keeps kv_a_layernorm linear with a latent ~1e-5 (weights ~1e-7), below float16's "
                            "normal range: write --dtype bfloat16 or float32")
-    body = BodyRewrite(spec, config, LATENT_EPS)
-    scaling = body.source_scaling(shape.head_dim)
+    fold = BodyFold.of(family, config, reader.tensors[names[(0, spec.query_projection)]].dtype, LATENT_EPS)
+    scaling = fold.attention_scale or shape.head_dim ** -0.5  # Granite's attention_multiplier is its softmax scale
 
     def read_layer(i: int) -> SourceAttention:
-        if spec.fused:  # rows [q heads | k heads | v heads] (the only fused layout a Llama-like body has)
+        if spec.fused:  # rows [q heads | k heads | v heads] (Phi-3's qkv_proj)
             qkv = reader.load(names[(i, spec.qkv)]).to(dev, torch.float64)
             q, k, v = qkv.split([shape.heads * shape.head_dim] + [shape.kv_heads * shape.head_dim] * 2)
             o = reader.load(names[(i, spec.o)]).to(dev, torch.float64)
-        else:
-            q, k, v, o = (reader.load(names[(i, p)]).to(dev, torch.float64) for p in (spec.q, spec.k, spec.v, spec.o))
+            return SourceAttention(q, k, v, o, shape.heads, shape.kv_heads, shape.head_dim)
+        q, k, v, o = (reader.load(names[(i, p)]).to(dev, torch.float64) for p in (spec.q, spec.k, spec.v, spec.o))
         return SourceAttention(q, k, v, o, shape.heads, shape.kv_heads, shape.head_dim)
 
-    inv_freq = source_frequencies(src.folder, shape.rotary_dims)
+    def read_projections(i: int) -> SourceProjections:
+        def load(name):
+            return None if name is None else reader.load(name).to(dev, torch.float64)
+
+        parts = dict(zip("qkv", (spec.q, spec.k, spec.v)))
+        return SourceProjections({p: load(names[(i, proj)]) for p, proj in parts.items()},
+                                 {p: load(bias_names.get((i, proj))) for p, proj in parts.items()},
+                                 {p: load(norm_names.get((i, p))) for p in "qk"},
+                                 float(config.get("rms_norm_eps") or 1e-6), shape.head_dim)
+
+    absorbing = family is not None and family.absorbs and bool(bias_names or norm_names)
+    moments: dict[int, AbsorptionMoments] = {}
+    residuals: dict[int, dict[str, tuple[float, float]]] = {}
+    ridges: dict[int, dict[str, float | None]] = {}
+
+    def observer(i: int):
+        if not absorbing:
+            return None
+        moments[i] = AbsorptionMoments(read_projections(i))
+        return moments[i]
+
+    rotates = rotating_layers(family, config, shape.layers)
+    inv_freq = source_frequencies(src.folder, shape.head_dim)
     strides = rope_strides(inv_freq, shape.rope_dim, source_theta(config))
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window,
                             chat_template=chat_template)
@@ -370,50 +448,50 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         if len(strides) > 1:  # a choice to make: score the frequencies on the source's own stream
             scores = frequency_scores_pass(src.folder, reader, spec, text.windows, dev, read_layer,
                                            spec.rotary_pairs, chunk_windows=chunk, progress=progress, store=store)
+            scores = [s for i, s in enumerate(scores) if rotates[i]] or None  # layers without RoPE choose nothing
         kept, stride, theta, share = choose_frequencies(scores, strides, shape.rope_dim, inv_freq,
                                                         int(text.windows.shape[1]))
 
         def build(i: int, sigma: torch.Tensor) -> MLAWeights:
             # on the calibration device (float64; priced there by the dry run), where the layer's passes use it
-            source = linearise(read_layer(i), extras.layer(i, dev), sigma if absorb else None)
-            w = mla_layer(source, sigma, kept if body.rotates(i) else [], spec.rotary_pairs, shape.rank, scaling,
+            source = read_layer(i)
+            if i in moments:
+                fitted, residuals[i], ridges[i] = moments.pop(i).fit()
+                if absorb:
+                    source.q, source.k, source.v = fitted["q"], fitted["k"], fitted["v"]
+            w = mla_layer(source, sigma, kept if rotates[i] else [], spec.rotary_pairs, shape.rank, scaling,
                           LATENT_EPS, rope_dim=shape.rope_dim)
             losses[i] = (w.rope_loss, w.latent_loss)
             return w
 
-        errors: dict[int, float] = {}
-
-        def keep(i: int, w: MLAWeights, error: float | None) -> None:
+        def keep(i: int, w: MLAWeights) -> None:
             store.put(i, {f: getattr(w, f).float() for f in fields})
-            if error is not None:
-                errors[i] = error
 
         geometry = MLAGeometry(shape.heads, shape.head_dim, shape.rope_dim, shape.head_dim, theta, LATENT_EPS)
         convert_pass(src.folder, reader, spec, text.windows, dev, build, geometry, keep, chunk_windows=chunk,
-                     refit_q=QueryRefit(samples=query_samples) if query_samples and absorb else None,
-                     refit_o=absorb, seed=seed, progress=progress, store=store, measure=extras.any)
+                     refit_q=QueryRefit(samples=query_samples) if query_samples else None, seed=seed,
+                     progress=progress, store=store, observer=observer)
         calib_seconds = time.time() - calib_start
 
         def layer_weights(i: int) -> MLAWeights:
             t = store.get(i)
             return MLAWeights(*(t[f].double() for f in fields), 0.0, 0.0)
 
-        planner = Planner(reader, spec, shape, layer_weights, out_dtype, extras.skips, body)
+        planner = Planner(reader, spec, shape, layer_weights, out_dtype, config, fold)
         new_config = target_config(config, shape, theta, dtype)
+        if fold.hidden_act:  # the MLP rewritten as a gated one (Arcee's relu^2 = relu(up x) * (up x))
+            new_config["hidden_act"] = fold.hidden_act
 
         def record_fields(output_files: list[str]) -> dict:
             mla = _mla_record(shape, kept, stride, theta, share, losses, query_samples)
             mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
-            if not absorb:
-                mla["query_refit"] = mla["output_refit"] = False
-            approximated = absorbed_record(extras, absorb)
-            if approximated is not None:  # what DeepSeek-V3 cannot hold, and the error it leaves on calibration
-                approximated["attention_error"] = {
-                    "measure": "relative squared error of each layer's attention output vs the source's, on the "
-                               "calibration text (converted stream)",
-                    "mean": round(sum(errors.values()) / max(len(errors), 1), 6),
-                    "max": round(max(errors.values(), default=0.0), 6)}
-                mla["approximated"] = approximated
+            mla |= _family_record(family, absorbing, absorb, residuals)
+            if absorbing and absorb:  # per projection, each layer's ridge (null: the plain fold won on held-out rows)
+                mla["absorption"]["ridges"] = {p: [ridges[i][p] for i in sorted(ridges)] for p in "qkv"}
+            if not all(rotates):
+                mla["layers_without_rope"] = [i for i, r in enumerate(rotates) if not r]
+            if fold != BodyFold():
+                mla["folded"] = dataclasses.asdict(fold)  # the family's constants, in the weights they scale
             record = _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds, time.time() - start,
                              resolved)
             record["calibration"]["chunk_windows"] = chunk

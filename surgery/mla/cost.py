@@ -194,8 +194,10 @@ def frequency_pass(config: dict, head_dim: int, rope: int) -> bool:
 
     from .convert import config_frequencies, rope_strides
 
+    layers = config.get("num_hidden_layers")
+    per_layer = {k: v[:1] for k, v in config.items() if isinstance(v, list) and len(v) == layers}  # layer_types, ...
     one_layer = AutoConfig.for_model(**{k: v for k, v in config.items() if k not in ("architectures", "torch_dtype")}
-                                     | {"num_hidden_layers": 1})  # the rotary module is all that is read
+                                     | per_layer | {"num_hidden_layers": 1})  # the rotary module is all that is read
     return len(rope_strides(config_frequencies(one_layer, head_dim), rope)) > 1
 
 
@@ -204,13 +206,14 @@ def mla_cost(config: dict, rank: int, rope_dim: int | None, query_samples: int =
     after the checks the conversion makes first (family, config, sizes: the dry run refuses what it would)."""
     from ..arch import spec_for
     from .convert import Shape, refuse_config
+    from .families import mla_family
     from .refusals import KIND, REFUSES
 
     spec = spec_for(config, KIND, REFUSES)
-    refuse_config(config, spec)
+    refuse_config(config, mla_family(spec.name))
     shape = Shape(spec, config, rank, rope_dim)
     rope = shape.rope_dim
-    scored = frequency_pass(config, shape.rotary_dims, rope)
+    scored = frequency_pass(config, shape.head_dim, rope)
     return CalibratedCost(
         "mla", lambda s, tokens, window: mla_layer_flops(s, rank, rope, tokens, window, scored, query_samples),
         lambda s, chunk: mla_fit_bytes(s, rank, rope, scored, chunk),  # a chunk's rows are cast to float64 at once

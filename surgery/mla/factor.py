@@ -178,17 +178,18 @@ def mla_layer(src: SourceAttention, sigma: torch.Tensor, kept: list[int], pairs:
     `source_scaling`). kv_a_layernorm (RMSNorm, fixed epsilon `eps`) is made linear: the latent rows are scaled so
     that its mean square is `latent_energy` x eps on average over the calibration tokens, where the norm divides by
     sqrt(eps + mean square) ~ sqrt(eps) (relative error ~ latent_energy / 2 per token, proportionally more on tokens
-    with a larger latent); its weight sqrt(eps)/scale restores the latent's scale. `rope_dim` (default 2 x kept)
-    pads the rope key and queries with zero rows: a source layer without RoPE (SmolLM3's) keeps every dim in the
-    no-position part, `kept` empty."""
+    with a larger latent); its weight sqrt(eps)/scale restores the latent's scale.
+
+    `rope_dim` (default 2 x the kept frequencies): the model's rope dims, of which the rows past the kept
+    frequencies are zero: a layer without RoPE (SmolLM3's no_rope_layers) keeps none, every key dimension goes
+    through the latent and its rope query and key are zero."""
     h, kv, d = src.heads, src.kv_heads, src.head_dim
     rope_k, rope_q, nope_k, rope_loss = split_rope(src, sigma, kept, pairs)
     a, b, latent_loss = factor_latent(nope_k, src, sigma, rank)
     d_rope = 2 * len(kept) if rope_dim is None else rope_dim
-    if d_rope > rope_k.shape[0]:
-        pad = d_rope - rope_k.shape[0]
-        rope_k = torch.cat([rope_k, rope_k.new_zeros(pad, rope_k.shape[1])])
-        rope_q = torch.cat([rope_q, rope_q.new_zeros(h, pad, rope_q.shape[2])], dim=1)
+    if d_rope > rope_k.shape[0]:  # zero rope rows: no position for this layer's keys
+        rope_k = torch.cat([rope_k, rope_k.new_zeros(d_rope - rope_k.shape[0], rope_k.shape[1])])
+        rope_q = torch.cat([rope_q, rope_q.new_zeros(h, d_rope - rope_q.shape[1], rope_q.shape[2])], dim=1)
     fold = source_scaling / (d + d_rope) ** -0.5
     q = torch.cat([_heads(src.q, h, d), rope_q], dim=1) * fold  # [h, d + D_r, H]
     energy = float(torch.einsum("ri,ij,rj->", a, sigma, a)) / rank

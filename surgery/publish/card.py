@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import SurgeryError
-from ..inspect import inspect_checkpoint
+from ..inspection import inspect_checkpoint
 from ..units import si_number
 from ..kinds import find_kind
 from ..checkpoint.record import local_source_folder, public_data, public_record
@@ -86,14 +86,17 @@ def source_info(record: dict | None) -> dict:
     """base_model (a hub id when known), license, and the source folder when it still exists."""
     src = (record or {}).get("source") or {}
     spec, folder = src.get("spec"), local_source_folder(record or {})
-    base = EMBEDDED.get(spec)
-    if base is None and spec and spec.count("/") == 1 and not Path(spec).exists() and not spec.startswith((".", "/", "~")):
+    loaded = src.get("loaded")  # a model the API saved: "hub", "folder" or "memory"
+    base = EMBEDDED.get(spec) if loaded is None else None
+    if (loaded in (None, "hub") and spec and spec.count("/") == 1 and not Path(spec).exists()
+            and not spec.startswith((".", "/", "~"))):
         base = spec  # a hub id
     meta = _front_matter(folder / "README.md") if folder else {}
     license_ = meta.get("license") or _gguf_license(((record or {}).get("local") or {}).get("gguf_path") or src.get("gguf_file"))
     if license_ is None and folder is not None:
         license_ = json.loads((folder / "config.json").read_text()).get("license") if (folder / "config.json").exists() else None
-    return {"base_model": base, "license": license_, "folder": folder, "spec": spec, "revision": src.get("revision")}
+    return {"base_model": base, "license": license_, "folder": folder, "spec": spec, "revision": src.get("revision"),
+            "loaded": loaded}
 
 
 def is_causal_lm(config: dict) -> bool:
@@ -163,7 +166,7 @@ def eval_results(reports: list[tuple[str, dict]]):
     model's perplexity, its KL from the source and its top-1 agreement; per lm-eval task, the converted score."""
     from huggingface_hub import EvalResult
 
-    from ..check.tasks import rows as task_rows
+    from ..checking.tasks import rows as task_rows
     from ..checkpoint.record import public_data
     from ..data import hub_dataset_id
 
@@ -214,6 +217,18 @@ def _inspect_source(folder) -> dict | None:
         return None
 
 
+def source_words(info: dict) -> str:
+    """The source as the card names it: a hub id (with its revision), a local name, or what a loaded model was
+    loaded from when it names no checkpoint on the hub (no lineage invented)."""
+    if info.get("loaded") == "memory":
+        return "a model built in memory (it names no checkpoint: no base model is recorded)"
+    if info.get("loaded") == "folder":
+        name = f" {code(info['spec'])}" if info["spec"] else ""
+        return f"a model loaded from the local folder{name} (not from the hub: no base model is recorded)"
+    source = info["base_model"] or info["spec"] or "the source checkpoint"
+    return code(source) + (f" (revision {code(info['revision'])})" if info["revision"] else "")
+
+
 def conversion_section(v: Validation, info: dict) -> list[str]:
     record = v.record or {}
     kind = record.get("kind")
@@ -222,10 +237,8 @@ def conversion_section(v: Validation, info: dict) -> list[str]:
     lines = ["## Conversion", ""]
     known = find_kind(record)
     what = known.title if known else kind
-    source = info["base_model"] or info["spec"] or "the source checkpoint"
     version = f" {text(record['version'])}" if record.get("version") else ""
-    lines.append(f"Converted from {code(source)}" + (f" (revision {code(info['revision'])})" if info["revision"] else "")
-                 + f" to {text(what)} by `surgery`{version}.")
+    lines.append(f"Converted from {source_words(info)} to {text(what)} by `surgery`{version}.")
     gguf = (record.get("source") or {}).get("gguf_file")
     if gguf:
         lines.append(f"The source weights are the GGUF file {code(gguf)} dequantized to float32: they carry that file's "
@@ -313,8 +326,8 @@ def positions_section(reports: list[tuple[str, dict]]) -> list[str]:
 
 def generation_section(reports: list[tuple[str, dict]]) -> list[str]:
     """Greedy continuations of reports made with `check --generate`: agreement, and forced agreement by the source's
-    margin (surgery/check/generate.py)."""
-    from ..check import generate as gen
+    margin (surgery/checking/generate.py)."""
+    from ..checking import generate as gen
 
     made = [(name, r["generation"]) for name, r in reports if isinstance(r.get("generation"), dict)]
     if not made:
@@ -350,7 +363,7 @@ def samples_section(made: list[tuple[str, dict]]) -> list[str]:
 
 def tasks_section(reports: list[tuple[str, dict]]) -> list[str]:
     """The lm-eval scores of reports made with `check --tasks`."""
-    from ..check.tasks import rows
+    from ..checking.tasks import rows
 
     scored = [(name, r) for name, r in reports if isinstance(r.get("tasks"), dict) and r["tasks"]]
     if not scored:

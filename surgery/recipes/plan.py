@@ -149,9 +149,9 @@ def build_plan(recipe: Recipe, output: Path, from_step: str | None = None, until
 
 
 def store_row(top_k: int, tokens: int, made: bool, held: int | None = None) -> dict:
-    """A stored teacher pass in the plan: top-K, its bytes per token (surgery/uptrain/teacher_store.py) and its size
+    """A stored teacher pass in the plan: top-K, its bytes per token (surgery/training/teacher_store.py) and its size
     for `tokens` tokens (`held`: the tokens a store already made holds)."""
-    from ..uptrain.teacher_store import bytes_per_token
+    from ..training.teacher_store import bytes_per_token
 
     per = bytes_per_token(top_k)
     return {"top_k": top_k, "bytes_per_token": per, "tokens": tokens, "bytes": per * tokens, "made": made,
@@ -161,7 +161,7 @@ def store_row(top_k: int, tokens: int, made: bool, held: int | None = None) -> d
 def uptrain_store_row(planned: list, ps, tokens: int) -> dict:
     """The store an uptrain step reads: its teacher step's (K from the step), else a folder's (K from its manifest;
     the default --top-k when it is not made yet)."""
-    from ..uptrain.teacher_store import MANIFEST, read_manifest
+    from ..training.teacher_store import MANIFEST, read_manifest
 
     if ps.store is not None:
         step = next(p for p in planned if p.output == ps.store)

@@ -30,6 +30,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from ..checkpoint.atomic import missing_parents, remove_empty
 from ..errors import SurgeryError
 from ..logs import get_logger
 from ..options import command_args
@@ -379,7 +380,20 @@ def run_recipe(recipe: Recipe, output: Path, from_step: str | None = None, until
     start, stop = step_range(planned, from_step, until)
     source_folder = resolve_source_folder(recipe)
     check_recipe_output(recipe, output, source_folder)  # before the output folder or its state is made
+    made = missing_parents(output / STATE)  # the output and the folders above it that this run makes
     output.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run_steps(recipe, output, planned, start, stop, source_folder, from_step, log)
+    except BaseException:
+        state_file = output / STATE
+        if made and [p.name for p in output.iterdir()] == [STATE]:  # no step left anything (to resume)
+            state_file.unlink()
+        remove_empty(made)  # a run that made its output and failed before writing anything leaves no folder
+        raise
+
+
+def _run_steps(recipe: Recipe, output: Path, planned: list, start: int, stop: int, source_folder: Path | None,
+               from_step: str | None, log) -> list[tuple[str, str]]:
     state = State(output)
     fingerprints = Fingerprints(recipe, source_folder, planned)
     done: list[tuple[str, str]] = []

@@ -159,7 +159,7 @@ def teacher_step_model() -> type[BaseModel]:
     with `tokens` optional (taken from the uptrain step that reads the store). Uptrain's rules run on the options
     once they are linked (`link_teacher_steps`)."""
     from ..commands.teacher import TEACHER_OPTIONS, TeacherArgs, UptrainArgs
-    from ..uptrain.options import RUNNER_OWNED
+    from ..training.options import RUNNER_OWNED
 
     fields = {}
     for n in TEACHER_OPTIONS:

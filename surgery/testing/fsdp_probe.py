@@ -66,9 +66,9 @@ def mp_policy(model) -> dict | None:
 
 def main(argv: list[str]) -> None:
     from ..checkpoint.source import resolve_source
-    from ..uptrain import loop
-    from ..uptrain.model_io import load_causal_lm
-    from ..uptrain.options import UptrainOptions
+    from ..training import loop
+    from ..training.model_io import load_causal_lm
+    from ..training.options import UptrainOptions
     from .pydoc_llama import FAST
 
     every_rank_reads = "--every-rank-reads" in argv

@@ -48,7 +48,7 @@ def test_import_surgery_imports_no_torch_until_a_function_runs():
             "f = surgery.convert\n"
             "assert not {'torch', 'transformers', 'datasets'} & set(sys.modules), 'surgery.convert'\n"
             "assert callable(surgery.check) and callable(surgery.inspect)\n"
-            "import surgery.check.compare, surgery.inspect, surgery.uptrain.loop\n"  # submodules of the same names
+            "import surgery.checking.compare, surgery.inspection, surgery.training.loop\n"  # the implementation
             "assert surgery.check is sys.modules['surgery.api'].check, surgery.check\n"
             "assert surgery.inspect is sys.modules['surgery.api'].inspect, surgery.inspect\n"
             "assert surgery.uptrain is sys.modules['surgery.api'].uptrain, surgery.uptrain\n"
@@ -56,6 +56,27 @@ def test_import_surgery_imports_no_torch_until_a_function_runs():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", ["check", "inspect", "uptrain", "convert", "push", "teacher"])
+def test_no_module_shares_an_api_functions_name(name):
+    """`import surgery.X` cannot rebind the function `surgery.X` to a module: no module or package of that name
+    exists, so the import fails plainly and `surgery.X` stays the one function everywhere."""
+    code = (f"import sys, surgery, importlib.util\n"
+            f"assert importlib.util.find_spec('surgery.{name}') is None\n"
+            f"try:\n    import surgery.{name}\nexcept ModuleNotFoundError:\n    pass\n"
+            f"else:\n    raise SystemExit('surgery.{name} is a module')\n"
+            f"import surgery.cli, surgery.api\n"
+            f"assert callable(surgery.{name}) and surgery.{name} is sys.modules['surgery.api'].{name}\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_package_has_no_module_class_tricks():
+    for path in (REPO / "surgery").rglob("*.py"):
+        text = path.read_text()
+        assert "__class__ =" not in text and "sys.modules[__name__]" not in text, path
 
 
 def test_an_unknown_keyword_is_named_with_the_closest_option_before_any_work(tiny, tmp_path, cache):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from surgery.calibration.text import calibration_text
-from surgery.check.overlap import calibration_overlap, document_sha256
+from surgery.checking.overlap import calibration_overlap, document_sha256
 from surgery.data import pydoc_texts, token_stream
 from surgery.errors import SurgeryError
 from surgery.testing.tiny_models import char_tokenizer, tiny

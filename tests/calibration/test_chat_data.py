@@ -16,7 +16,7 @@ from surgery.chat import ChatFormat
 from surgery.data import load_texts
 from surgery.errors import SurgeryError
 from surgery.testing.pydoc_llama import FAST
-from surgery.uptrain import UptrainOptions, uptrain
+from surgery.training import UptrainOptions, uptrain
 
 TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}:\n{{ m['content'] }}\n\n{% endfor %}"
             "{% if add_generation_prompt %}### assistant:\n{% endif %}")
@@ -132,7 +132,7 @@ def test_uptrain_streams_rendered_conversations(tiny, tiny_chat, chat_jsonl, tmp
 def test_masked_losses_count_only_the_marked_targets():
     import torch.nn.functional as F
 
-    from surgery.uptrain.losses import kd_loss, lm_loss
+    from surgery.training.losses import kd_loss, lm_loss
 
     g = torch.Generator().manual_seed(0)
     logits, teacher = torch.randn(2, 6, 9, generator=g), torch.randn(2, 6, 9, generator=g)
@@ -161,8 +161,8 @@ def test_assistant_spans_cover_the_answers_and_their_end_of_turn(smol_tokenizer)
 
 
 def test_uptrain_loss_on_assistant_trains_on_the_assistant_tokens_only(tiny_chat, tmp_path):
-    from surgery.uptrain.data import PackedData
-    from surgery.uptrain.losses import lm_loss
+    from surgery.training.data import PackedData
+    from surgery.training.losses import lm_loss
 
     short = tmp_path / "short.jsonl"  # answers of ~50 tokens: every window holds turns of both roles
     short.write_text("".join(json.dumps({"messages": [m | {"content": m["content"][:200]} for m in c["messages"]]})
@@ -225,3 +225,30 @@ def test_the_calibration_record_says_how_many_conversations_were_rendered_and_wi
     mixed = calibrated("mixed", calib=("pydoc", str(chat_jsonl)))  # only the chat half has conversations
     assert 0 < mixed["chat"]["conversations"] < n and mixed["chat"]["rendered"] == "chat template"
     assert "chat" not in calibrated("plain", calib="pydoc")
+
+
+def test_a_conversation_without_a_template_masks_its_assistant_contents():
+    """Without a chat template the turns are joined; --loss-on assistant counted the user's turns too (exit 0)."""
+    from surgery.chat import ChatText
+
+    messages = [{"role": "user", "content": "Explain x"}, {"role": "assistant", "content": "x is y."},
+                {"role": "user", "content": "And z?"}, {"role": "assistant", "content": "z too."}]
+    text = ChatFormat("off", None, spans=True).render(messages, "rows")
+    assert isinstance(text, ChatText) and text == "Explain x\n\nx is y.\n\nAnd z?\n\nz too."
+    assert [text[a:b] for a, b in text.assistant_spans] == ["x is y.", "z too."]
+    with pytest.raises(SurgeryError, match="has the role 'wizard'"):
+        ChatFormat("off", None).render([{"role": "wizard", "content": "hi"}], "rows")
+
+
+@pytest.mark.parametrize("rows, fragment", [
+    ([{"text": "plain prose " * 40}] * 20, "the data holds no conversation"),
+    ([{"messages": [{"role": "user", "content": "only a question " * 20}]}] * 20, "has an assistant turn"),
+])
+def test_loss_on_assistant_with_nothing_to_train_on_is_refused_before_any_step(tiny_chat, tmp_path, rows, fragment):
+    """Both trained on every token (plain text) or failed at step 1 leaving a run folder; now refused in setup."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(SurgeryError, match=fragment):
+        uptrain(UptrainOptions(model=str(tiny_chat), out=tmp_path / "o", **(FAST | dict(
+            loss="lm", tokens=512, data=[str(data)], data_mode="packed", loss_on="assistant"))))
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.run").exists()

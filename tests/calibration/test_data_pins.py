@@ -110,7 +110,7 @@ def test_uptraining_on_a_hub_dataset_reads_its_revision_and_records_its_commit(o
     from pydoc_data.topics import topics
 
     from surgery.testing.pydoc_llama import FAST
-    from surgery.uptrain import UptrainOptions, uptrain
+    from surgery.training import UptrainOptions, uptrain
 
     loads = []
 

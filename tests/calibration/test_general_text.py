@@ -16,7 +16,7 @@ import pytest
 from hub_server import LocalHub
 
 from surgery import general_text as g
-from surgery.check.overlap import document_sha256
+from surgery.checking.overlap import document_sha256
 from surgery.testing.tiny_models import char_tokenizer, tiny
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ from surgery import general_text as g
 from surgery.calibration.text import calibration_text
 from surgery.data import load_texts
 from surgery.kinds import get_kind
-from surgery.uptrain import UptrainOptions
+from surgery.training import UptrainOptions
 calib = get_kind("mqa").options.model_validate({"merge": "aligned"}).calib
 record = calibration_text(calib, AutoTokenizer.from_pretrained(sys.argv[1]), 512, None, window=64).record()
 print(json.dumps({"calib": calib, "resolved": g.resolve_text("general"), "pydoc": g.resolve_text("pydoc"),

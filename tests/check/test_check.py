@@ -18,11 +18,11 @@ import transformers as tf
 from surgery.testing import tiny_models as tm
 from surgery.testing.tiny_models import char_tokenizer
 
-from surgery.check.compare import compare_checkpoints, compare_models
+from surgery.checking.compare import compare_checkpoints, compare_models
 from surgery.runtime import load_model
-from surgery.check import generate as gen
-from surgery.check.overlap import document_sha256
-from surgery.check.spill import SpillStore
+from surgery.checking import generate as gen
+from surgery.checking.overlap import document_sha256
+from surgery.checking.spill import SpillStore
 from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts, token_stream
 from surgery.errors import SurgeryError
@@ -93,6 +93,7 @@ def reference_metrics(source: Path, converted: Path, tokens: int, seq_len: int) 
 def test_sequential_check_gives_the_numbers_of_both_models_at_once(models, spill_bytes):
     report = check(models["other"], models["lossy"], spill_bytes=spill_bytes)
     assert report["scratch"] == ("disk" if spill_bytes == 0 else "memory")
+    assert report["logits"] == "sliced"  # neither model returned whole logits
     assert report["tokens"] == 1024 and report["windows"] == 16 and report["seq_len"] == 64
     expected = reference_metrics(models["other"], models["lossy"], 1024, 64)
     cpu = torch.device("cpu")  # the old check: both models loaded as check loads them, compared at once
@@ -178,7 +179,7 @@ def test_spill_store_on_disk_gives_back_the_same_rows_and_cleans_up():
 def test_scratch_space_is_checked_before_the_run(monkeypatch):
     import shutil as sh
 
-    from surgery.check import spill
+    from surgery.checking import spill
 
     monkeypatch.setattr(spill.shutil, "disk_usage", lambda p: sh._ntuple_diskusage(100, 100, 10))
     with pytest.raises(SurgeryError, match="TMPDIR"):
@@ -423,7 +424,7 @@ def tail_text(folder: Path) -> Path:
 
 @pytest.mark.parametrize("spill_bytes", [0, 1 << 30], ids=["scratch-disk", "memory"])
 def test_several_texts_are_checked_in_one_run_with_each_texts_own_numbers(models, tmp_path, monkeypatch, spill_bytes):
-    from surgery.check import compare as check_module
+    from surgery.checking import compare as check_module
 
     loads = []
     real_load = check_module.load_model
@@ -473,7 +474,7 @@ def test_several_texts_from_the_command_line(models, capsys, tmp_path):
 
 
 def test_a_bad_second_text_fails_in_one_line_before_any_model(models, capsys, tmp_path, monkeypatch):
-    from surgery.check import compare as check_module
+    from surgery.checking import compare as check_module
 
     monkeypatch.setattr(check_module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     short = tmp_path / "short.txt"

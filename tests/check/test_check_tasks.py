@@ -17,8 +17,8 @@ from inprocess import run_cli
 from surgery.testing import tiny_models as tm
 from surgery.testing.tiny_models import char_tokenizer
 
-from surgery.check.compare import compare_checkpoints
-from surgery.check.tasks import parse_tasks, rows
+from surgery.checking.compare import compare_checkpoints
+from surgery.checking.tasks import parse_tasks, rows
 from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts
 from surgery.errors import SurgeryError

@@ -98,7 +98,7 @@ def validation(model):
 
 @pytest.fixture(scope="module")
 def check_report(model):
-    from surgery.check.compare import compare_checkpoints
+    from surgery.checking.compare import compare_checkpoints
     from surgery.data import load_texts
     from surgery.checkpoint.source import resolve_source
 
@@ -168,7 +168,7 @@ UPTRAIN = ["--seq-len", "64", "--batch-tokens", "512", "--micro-batch", "4", "--
 
 @pytest.fixture(scope="module")
 def finished_run(model, tmp_path_factory):
-    from surgery.uptrain import UptrainOptions, uptrain
+    from surgery.training import UptrainOptions, uptrain
 
     out = tmp_path_factory.mktemp("fuzzrec") / "up"
     uptrain(UptrainOptions(model=str(model), out=out, keep_run_dir=True,

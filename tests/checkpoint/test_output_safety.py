@@ -17,7 +17,7 @@ import yaml
 from inprocess import run_cli as run_in_process
 
 from surgery.errors import SurgeryError
-from surgery.uptrain import UptrainOptions, uptrain
+from surgery.training import UptrainOptions, uptrain
 from surgery.testing.pydoc_llama import FAST
 
 ARGS = dict(FAST, loss="lm", tokens=512 * 2)

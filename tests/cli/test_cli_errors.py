@@ -72,8 +72,10 @@ def test_missing_truncated_and_corrupt_shards(tmp_path):
 
 
 def test_unwritable_or_existing_output(llama, tmp_path):
-    assert_one_line_error(surgery("convert", llama, "--to", "mqa", "--out", tmp_path / "no" / "such" / "dir"),
-                          "does not exist")
+    (tmp_path / "afile").write_text("x")  # missing parents are made (as save_pretrained does), not under a file
+    assert_one_line_error(surgery("convert", llama, "--to", "mqa", "--out", tmp_path / "afile" / "such" / "dir"),
+                          "afile is not a folder")
+    (tmp_path / "afile").unlink()
     (tmp_path / "exists").mkdir()
     (tmp_path / "exists" / "keep.txt").write_text("mine")
     assert_one_line_error(surgery("convert", llama, "--to", "mqa", "--out", tmp_path / "exists"), "--force")

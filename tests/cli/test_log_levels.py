@@ -31,7 +31,7 @@ def test_verbose_and_quiet_together_are_refused(cli):
 
 
 def test_the_library_configures_no_logging_and_its_records_reach_callers(tiny, tmp_path, caplog):
-    from surgery.uptrain import UptrainOptions, uptrain
+    from surgery.training import UptrainOptions, uptrain
 
     logging.getLogger("surgery").handlers.clear()  # as in a fresh interpreter, whatever the command line set up here
     logging.getLogger("surgery").setLevel(logging.NOTSET)
@@ -40,6 +40,6 @@ def test_the_library_configures_no_logging_and_its_records_reach_callers(tiny, t
         uptrain(UptrainOptions(model=str(tiny), out=tmp_path / "o", **(FAST | dict(loss="lm", tokens=512 * 2))))
     assert logging.getLogger().handlers == root_handlers and not logging.getLogger("surgery").handlers
     by_level = {(r.name, r.levelname, r.getMessage().split(",")[0]) for r in caplog.records}
-    assert ("surgery.uptrain.loop", "INFO", "uptrain: lm loss") in by_level
+    assert ("surgery.training.loop", "INFO", "uptrain: lm loss") in by_level
     assert any(r.levelname == "WARNING" and r.getMessage().startswith("--tokens 1024 with --batch-tokens 512")
                for r in caplog.records)

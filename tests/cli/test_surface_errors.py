@@ -195,7 +195,7 @@ def test_full_disk_at_an_uptrain_checkpoint_is_one_line(model, tmp_path, monkeyp
     import safetensors.torch
     from safetensors import SafetensorError
 
-    from surgery.uptrain import UptrainOptions, uptrain
+    from surgery.training import UptrainOptions, uptrain
 
     real = safetensors.torch.save_file
 
@@ -221,7 +221,7 @@ def test_bad_max_shard_size_is_refused_before_training(model, run_cli, tmp_path)
 # ---- mistyped fields ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def finished_run(model, tmp_path_factory):
-    from surgery.uptrain import UptrainOptions, uptrain
+    from surgery.training import UptrainOptions, uptrain
 
     out = tmp_path_factory.mktemp("surface") / "up"
     uptrain(UptrainOptions(model=str(model), out=out, keep_run_dir=True,
@@ -303,7 +303,7 @@ def test_mistyped_recipe_state(model, run_cli, tmp_path, field, value):
 
 @pytest.fixture(scope="module")
 def check_report(model, converted, tmp_path_factory):
-    from surgery.check.compare import compare_checkpoints
+    from surgery.checking.compare import compare_checkpoints
     from surgery.data import load_texts
     from surgery.checkpoint.source import resolve_source
 

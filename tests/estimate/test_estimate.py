@@ -160,7 +160,7 @@ def test_calib_window_reaches_the_estimate(tmp_path, capsys):
 
 
 def test_the_kd_teacher_is_sharded_like_the_student_in_the_per_process_estimate():
-    """Under FSDP the frozen teacher is sharded per decoder layer (surgery/uptrain/loop.py): the dry run's memory
+    """Under FSDP the frozen teacher is sharded per decoder layer (surgery/training/loop.py): the dry run's memory
     per process holds its shard and one gathered layer, not the whole teacher as on one process."""
     from pathlib import Path
 

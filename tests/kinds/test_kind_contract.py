@@ -32,7 +32,7 @@ def _toy_kind():
             write_record(out, record)
             return record
 
-        def kv_cache_values(self, shape, config):
+        def kv_cache_values(self, shape, config, context=None):
             n = 2 * shape.layers * shape.kv_heads * shape.head_dim
             return {"transformers": n, "vllm": n // 2, "llama.cpp": n}
 
@@ -73,7 +73,7 @@ def _flags(values: dict) -> list[str]:
 def test_every_kind_keeps_the_contract(kind, llama, tmp_path, capsys):
     from surgery.arch import attention_shape
     from surgery.bench import BenchOptions, kv_bytes_from_config, run_bench
-    from surgery.inspect import inspect_checkpoint
+    from surgery.inspection import inspect_checkpoint
     from surgery.kinds import AttentionShape
     from surgery.publish.card import build_card
     from surgery.publish.validate import validate_folder
@@ -102,13 +102,14 @@ def test_every_kind_keeps_the_contract(kind, llama, tmp_path, capsys):
 
     config = json.loads((converted / "config.json").read_text())
     s = attention_shape(config)
-    values = kind.kv_cache_values(AttentionShape(s["layers"], s["heads"], s["kv_heads"], s["head_dim"], s["hidden"]),
-                                  config)
+    shape = AttentionShape(s["layers"], s["heads"], s["kv_heads"], s["head_dim"], s["hidden"])
     stats = inspect_checkpoint(converted)
     assert stats["surgery"] == kind.name
+    values = kind.kv_cache_values(shape, config, stats["context"])  # per token, at the context inspect reports
     assert stats["kv_cache_bytes_per_token"] == values["transformers"] * stats["dtype_bytes"]
 
-    tokens = 8
+    tokens = 8  # longer than swa's example window (4): its sliding layer caches only the window
+    values = kind.kv_cache_values(shape, config, tokens)
     report = run_bench(BenchOptions(source=str(llama), converted=str(converted), contexts=[tokens], new=1, rounds=1,
                                     device="cpu", threads=1))
     measured = report["results"][0]["rounds"]["converted"][0]["kv_cache_bytes"]

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 import torch
 
-from surgery.check.compare import compare_models
+from surgery.checking.compare import compare_models
 from surgery.runtime import load_model, load_tokenizer
 from surgery.data import pydoc_texts, token_stream
 from surgery.kv.aligned import convert_aligned

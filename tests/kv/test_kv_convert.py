@@ -206,7 +206,7 @@ def test_crash_mid_write_leaves_nothing(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_inspect_counts_match_the_loaded_model(arch, tmp_path):
-    from surgery.inspect import inspect_checkpoint
+    from surgery.inspection import inspect_checkpoint
 
     src = tm.make_tiny(arch, tmp_path / "src")
     convert(tmp_path / "src", tmp_path / "out", kv_heads=1)

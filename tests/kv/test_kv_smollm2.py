@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from surgery.check.compare import compare_models
+from surgery.checking.compare import compare_models
 from surgery.runtime import load_model
 from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts, token_stream

@@ -16,7 +16,7 @@ from surgery.checkpoint.source import resolve_source
 from surgery.commands.check import CheckOptions, check_checkpoints
 from surgery.kinds import get_kind
 from surgery.testing.pydoc_llama import FAST
-from surgery.uptrain import UptrainOptions, uptrain
+from surgery.training import UptrainOptions, uptrain
 
 CALIB = dict(calib=["pydoc"], calib_tokens=256, calib_window=64)
 KINDS = {  # kind -> its options on the tiny Llama (4 query heads, 2 K/V heads)

@@ -35,7 +35,7 @@ def test_a_recipe_names_the_option_its_own_way():
     from pydantic import ValidationError
 
     from surgery.options import YAML
-    from surgery.uptrain.options import UptrainArgs
+    from surgery.training.options import UptrainArgs
 
     recipe = UptrainArgs.model_validate({"tokens": 512, "precision": "bf16"}, context={"spelling": YAML})
     assert recipe.precision == "bf16"

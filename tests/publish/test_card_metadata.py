@@ -20,7 +20,7 @@ EVIL = "check *x* | {{ 7*7 }}\n---\nlicense: evil"  # a report name: Markdown, a
 def converted(tmp_path_factory):
     """A real MQA conversion of a tiny llama whose surgery.json names a hub source, hub calibration and training
     data, and a real check report of it against its source."""
-    from surgery.check.compare import compare_models
+    from surgery.checking.compare import compare_models
     from surgery.checkpoint.source import resolve_source
     from surgery.kv.convert import KVOptions, convert_to_kv_heads
 

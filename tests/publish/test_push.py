@@ -54,7 +54,7 @@ def big_llama(folder: Path, vocab: int = 32768) -> None:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """A real MQA conversion (three shards and an index: two of 16 MiB, one small) with its output hashes recorded, and a real check report."""
-    from surgery.check.compare import compare_models
+    from surgery.checking.compare import compare_models
     from surgery.kv.convert import KVOptions, convert_to_kv_heads
     from surgery.checkpoint.source import resolve_source
 
@@ -81,7 +81,7 @@ def front_matter(card: str) -> dict:
 
 
 def test_push_uploads_through_lfs_and_downloads_back(hub, converted, tmp_path):
-    from surgery.inspect import inspect_checkpoint
+    from surgery.inspection import inspect_checkpoint
 
     out = fresh_copy(converted, tmp_path)
     sizes = sorted(p.stat().st_size for p in out.glob("model-*-of-00003.safetensors"))

@@ -16,7 +16,7 @@ from recipe_files import write_recipe
 from surgery.errors import SurgeryError
 from surgery.recipes import load_recipe
 from surgery.recipes.plan import build_plan
-from surgery.uptrain.teacher_store import bytes_per_token
+from surgery.training.teacher_store import bytes_per_token
 
 REPO = Path(__file__).resolve().parents[2]
 STORED = REPO / "recipes" / "llama3-8b-gqa2-stored-teacher.yaml"

@@ -186,7 +186,7 @@ def test_inspect_reads_pickles_only_with_allow_pickle_and_never_runs_them(tmp_pa
     assert ran(markers) == ["pickle"]
     (markers / "pickle").unlink()
 
-    from surgery.inspect import inspect_checkpoint
+    from surgery.inspection import inspect_checkpoint
 
     assert_one_line_error(surgery("inspect", evil), "pickle", "--allow-pickle")
     assert "--allow-pickle" in cli_error("inspect", benign)
@@ -217,7 +217,7 @@ def tiny_source(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["talking-heads", "switchhead"])
 def test_own_outputs_load_without_flags_and_one_changed_byte_is_refused(kind, tiny_source, tmp_path):
-    from surgery.uptrain.model_io import load_causal_lm
+    from surgery.training.model_io import load_causal_lm
 
     out = tmp_path / "out"
     record = convert_tiny(kind, tiny_source, out)

@@ -17,12 +17,12 @@ from safetensors.torch import load_file
 
 from surgery.testing import tiny_models as tm
 from surgery.errors import SurgeryError
-from surgery.inspect import inspect_checkpoint
+from surgery.inspection import inspect_checkpoint
 from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
 from surgery.switchhead.cluster import balanced_clusters
 from surgery.switchhead.modeling_switchhead import SwitchHeadAttention, expert_outputs, expert_values
-from surgery.uptrain.params import new_parameter_names
+from surgery.training.params import new_parameter_names
 
 REPO = Path(__file__).resolve().parents[2]
 # every family SwitchHead converts (the others refuse in one line: see test_refused_families_say_why)

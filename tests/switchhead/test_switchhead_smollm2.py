@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from surgery.check.compare import compare_models
+from surgery.checking.compare import compare_models
 from surgery.runtime import load_model
 from surgery.data import pydoc_texts, token_stream
-from surgery.inspect import inspect_checkpoint
+from surgery.inspection import inspect_checkpoint
 from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
 

@@ -17,7 +17,7 @@ from torch import nn
 from safetensors.torch import load_file, save_file
 
 from surgery.errors import SurgeryError
-from surgery.inspect import inspect_checkpoint
+from surgery.inspection import inspect_checkpoint
 from surgery.checkpoint.source import resolve_source
 from surgery.talking_heads import convert_to_talking_heads
 from surgery.talking_heads.modeling_talking_heads import TalkingHeadsMixing, talking_heads_attention
@@ -248,7 +248,7 @@ def test_training_reaches_the_mixing_matrices(arch, tmp_path):
 
 
 def test_uptrain_train_new_selects_exactly_the_mixing_matrices(tmp_path):
-    from surgery.uptrain.params import select_trainable
+    from surgery.training.params import select_trainable
 
     make_source("llama", tmp_path / "src")
     convert(tmp_path / "src", tmp_path / "th")
@@ -266,7 +266,7 @@ def test_uptrain_loads_a_custom_code_tokenizer_without_asking(tmp_path, monkeypa
     import builtins
 
     from surgery.testing.tiny_models import char_tokenizer
-    from surgery.uptrain.model_io import load_trusted_tokenizer
+    from surgery.training.model_io import load_trusted_tokenizer
 
     make_source("llama", tmp_path / "src", vocab=96)
     char_tokenizer(tmp_path / "src")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
-from surgery.check.compare import compare_checkpoints, compare_models
+from surgery.checking.compare import compare_checkpoints, compare_models
 from surgery.data import pydoc_texts, token_stream
 from surgery.checkpoint.source import Source, resolve_source
 from surgery.talking_heads import convert_to_talking_heads

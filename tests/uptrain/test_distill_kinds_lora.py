@@ -12,8 +12,8 @@ import torch
 
 from surgery.checkpoint.source import resolve_source
 from surgery.testing.pydoc_llama import FAST, metrics
-from surgery.uptrain import UptrainOptions, uptrain
-from surgery.uptrain.teacher_pass import teacher_pass
+from surgery.training import UptrainOptions, uptrain
+from surgery.training.teacher_pass import teacher_pass
 
 RUN = FAST | dict(tokens=512 * 2, loss="kd")
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from surgery.errors import SurgeryError
-from surgery.uptrain import UptrainOptions
-from surgery.uptrain.losses import kd_loss
-from surgery.uptrain.stored_kd import stored_kd_loss
-from surgery.uptrain.teacher_pass import top_k_of
-from surgery.uptrain.teacher_store import StoredTargets, spec_difference, windows_spec
+from surgery.training import UptrainOptions
+from surgery.training.losses import kd_loss
+from surgery.training.stored_kd import stored_kd_loss
+from surgery.training.teacher_pass import top_k_of
+from surgery.training.teacher_store import StoredTargets, spec_difference, windows_spec
 
 
 def logits(seed: int):
@@ -91,10 +91,10 @@ def test_a_streamed_store_for_two_processes_holds_each_process_s_windows_in_step
     """`surgery teacher --processes 2` on streamed data: the store's window g = step x B + rank x B/2 + i is the i-th
     window process `rank` of a 2-process run streams at that step, as stored_kd.first_window reads it; a 1-process
     run is refused that store (its windows come in another order), naming the readers."""
-    from surgery.uptrain.stored_kd import first_window, open_for_run
-    from surgery.uptrain.stream import Plan, StreamedData, hold_out, resolve_sources
-    from surgery.uptrain.teacher_pass import teacher_pass
-    from surgery.uptrain.teacher_store import TeacherStore, window_hash
+    from surgery.training.stored_kd import first_window, open_for_run
+    from surgery.training.stream import Plan, StreamedData, hold_out, resolve_sources
+    from surgery.training.teacher_pass import teacher_pass
+    from surgery.training.teacher_store import TeacherStore, window_hash
     from surgery.testing.pydoc_llama import FAST
 
     o = UptrainOptions(model=str(tiny), out=tmp_path / "store", **(FAST | dict(tokens=512 * 2, data_mode="stream")))

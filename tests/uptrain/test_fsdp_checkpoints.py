@@ -1,4 +1,4 @@
-"""Per-process checkpoints under FSDP (surgery/uptrain/state.py): each of 2 gloo processes saves only its shards,
+"""Per-process checkpoints under FSDP (surgery/training/state.py): each of 2 gloo processes saves only its shards,
 as safetensors + JSON; a resume reads only its own process's files and ends bitwise where an uninterrupted run ends."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from surgery.testing.pydoc_llama import FAST, weights
-from surgery.uptrain.state import owner
+from surgery.training.state import owner
 
 from inprocess import FSDP_CPU, REPO, assert_one_line_error, cli_args, launch_uptrain, surgery
 

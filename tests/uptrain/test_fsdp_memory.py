@@ -26,7 +26,7 @@ import json, os, sys
 from pathlib import Path
 
 import accelerate, safetensors, torch, transformers  # noqa: F401
-import surgery.cli, surgery.uptrain.loop, surgery.uptrain.state, surgery.uptrain.data  # noqa: F401
+import surgery.cli, surgery.training.loop, surgery.training.state, surgery.training.data  # noqa: F401
 from surgery.cli import main
 
 

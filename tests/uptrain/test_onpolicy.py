@@ -17,11 +17,11 @@ from inprocess import uptrain_error
 from recipe_files import write_recipe
 from surgery.errors import SurgeryError
 from surgery.testing.pydoc_llama import FAST, make_model, metrics, weights
-from surgery.uptrain import UptrainOptions, uptrain
-from surgery.uptrain.divergence import divergence_per_position
-from surgery.uptrain.loop import UptrainRecipe
-from surgery.uptrain.losses import kd_loss
-from surgery.uptrain.onpolicy import OnPolicy, generate, masks
+from surgery.training import UptrainOptions, uptrain
+from surgery.training.divergence import divergence_per_position
+from surgery.training.loop import UptrainRecipe
+from surgery.training.losses import kd_loss
+from surgery.training.onpolicy import OnPolicy, generate, masks
 
 
 def run(model, out, **kw) -> dict:

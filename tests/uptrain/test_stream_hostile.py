@@ -10,7 +10,7 @@ import pytest
 
 from inprocess import time_limit
 from surgery.errors import SurgeryError
-from surgery.uptrain.stream import Plan, Reader, check_state, hold_out, parse_weights, resolve_sources
+from surgery.training.stream import Plan, Reader, check_state, hold_out, parse_weights, resolve_sources
 
 
 def test_weights_whose_sum_overflows_are_normalised_not_zeroed():

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from surgery.data import MAX_TXT_CHARS, txt_documents
-from surgery.uptrain import UptrainOptions, uptrain
+from surgery.training import UptrainOptions, uptrain
 from inprocess import uptrain_error
 from surgery.testing.pydoc_llama import FAST
 
@@ -46,7 +46,7 @@ def test_txt_documents_are_paragraphs_lines_or_the_file_and_never_longer_than_th
 PEAK = textwrap.dedent("""
     import json, resource, sys
     from surgery.testing.pydoc_llama import make_tokenizer
-    from surgery.uptrain.stream import Plan, Reader, hold_out, resolve_sources
+    from surgery.training.stream import Plan, Reader, hold_out, resolve_sources
     tok = make_tokenizer()
     sources = resolve_sources([sys.argv[1]], [1.0])
     args = dict(tokenizer=tok, eos=tok.eos_token_id, seq_len=64, seed=0, readers=1, epochs=1)
@@ -111,7 +111,7 @@ def test_a_one_file_corpus_trains_with_a_held_out_split(tiny, tmp_path, mode):
 
 
 def test_an_empty_or_too_small_streamed_source_leaves_no_run_folder(tiny, tmp_path, monkeypatch, capsys):
-    from surgery.uptrain import model_io
+    from surgery.training import model_io
 
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the data was checked")

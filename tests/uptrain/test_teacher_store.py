@@ -1,5 +1,5 @@
-"""The stored teacher pass (`surgery teacher`, surgery/uptrain/teacher_pass.py) and distillation from it
-(`surgery uptrain --teacher-logprobs`, surgery/uptrain/stored_kd.py) on the tiny pydoc Llama (320 ids)."""
+"""The stored teacher pass (`surgery teacher`, surgery/training/teacher_pass.py) and distillation from it
+(`surgery uptrain --teacher-logprobs`, surgery/training/stored_kd.py) on the tiny pydoc Llama (320 ids)."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import torch.nn.functional as F
 
 from surgery.errors import SurgeryError
 from surgery.testing.pydoc_llama import FAST, make_model, metrics, weights
-from surgery.uptrain import UptrainOptions, uptrain
-from surgery.uptrain.losses import kd_loss
-from surgery.uptrain.stored_kd import stored_kd_loss
-from surgery.uptrain.teacher_pass import teacher_pass
-from surgery.uptrain.teacher_store import StoredTargets, TeacherStore, bytes_per_token
+from surgery.training import UptrainOptions, uptrain
+from surgery.training.losses import kd_loss
+from surgery.training.stored_kd import stored_kd_loss
+from surgery.training.teacher_pass import teacher_pass
+from surgery.training.teacher_store import StoredTargets, TeacherStore, bytes_per_token
 
 from inprocess import cli_args, uptrain_error
 
@@ -56,7 +56,7 @@ def store32(tiny, tmp_path_factory):
 def run_windows(teacher: Path, tokenizer, **kw) -> torch.Tensor:
     """The windows `uptrain` trains on with RUN's options, in its order, as its packed data path yields them."""
     from surgery.data import load_texts
-    from surgery.uptrain.data import pack
+    from surgery.training.data import pack
 
     o = UptrainOptions(model=str(teacher), out=Path("unused"), **(RUN | kw))
     data = pack(load_texts(o.data[0]), tokenizer, o.seq_len, o.eval_tokens,
@@ -67,7 +67,7 @@ def run_windows(teacher: Path, tokenizer, **kw) -> torch.Tensor:
 def test_store_holds_the_live_teachers_top_k_on_the_runs_windows(tiny, tokenizer, store32):
     import transformers as tf
 
-    from surgery.uptrain.teacher_store import window_hash
+    from surgery.training.teacher_store import window_hash
 
     m = store32.manifest
     assert m["top_k"] == 32 and m["windows"] == 24 and m["bytes_per_token"] == bytes_per_token(32) == 194
@@ -92,7 +92,7 @@ def test_store_holds_the_live_teachers_top_k_on_the_runs_windows(tiny, tokenizer
 
 
 def test_stored_loss_is_the_divergence_over_the_top_k_buckets_and_live_kd_at_full_vocabulary():
-    from surgery.uptrain.teacher_pass import top_k_of
+    from surgery.training.teacher_pass import top_k_of
 
     g = torch.Generator().manual_seed(0)
     s, t = torch.randn(2, 5, 11, generator=g, dtype=torch.float64), 2 * torch.randn(2, 5, 11, generator=g, dtype=torch.float64)
@@ -221,17 +221,25 @@ def test_a_streamed_store_serves_a_shorter_run_and_checks_each_window(tiny, stud
     rec = run(student, tmp_path / "o", teacher_logprobs=str(store), data_mode="stream", tokens=512 * 2,
               eval_data=str(other))
     assert rec["steps"] == 2 and rec["teacher_logprobs"]["windows"] == 24 and rec["final_other_eval_ppl"] > 1
-    # a store whose windows were made from other text (its manifest edited to pass the up-front checks)
-    m = json.loads((store / "manifest.json").read_text())
-    with pytest.raises(SurgeryError, match="not the ones this run trains on"):
-        fake = tmp_path / "fake"
-        shutil.copytree(store, fake)
-        from safetensors.torch import load_file, save_file
+    # a store whose windows were made from other text: its shard's sha256 differs from the manifest's
+    from safetensors.torch import load_file, save_file
 
-        shard = load_file(fake / m["shards"][0]["file"])
-        shard["window_hash"] = shard["window_hash"] + 1
-        save_file(shard, fake / m["shards"][0]["file"])
+    from surgery.checkpoint.sha256 import sha256_file
+
+    m = json.loads((store / "manifest.json").read_text())
+    fake = tmp_path / "fake"
+    shutil.copytree(store, fake)
+    shard = load_file(fake / m["shards"][0]["file"])
+    shard["window_hash"] = shard["window_hash"] + 1
+    save_file(shard, fake / m["shards"][0]["file"])
+    with pytest.raises(SurgeryError, match="its sha256 differs"):
         run(student, tmp_path / "o2", teacher_logprobs=str(fake), data_mode="stream", tokens=512 * 2)
+    # ... and with its manifest edited to match: each window's hash is still checked against the run's tokens
+    m["shards"][0]["sha256"] = sha256_file(fake / m["shards"][0]["file"])
+    (fake / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SurgeryError, match="not the ones this run trains on"):
+        run(student, tmp_path / "o3", teacher_logprobs=str(fake), data_mode="stream", tokens=512 * 2)
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
 
 
 def test_dry_run_states_the_stores_size_and_no_teacher(student, store32, cli):
@@ -242,3 +250,45 @@ def test_dry_run_states_the_stores_size_and_no_teacher(student, store32, cli):
     code, out, err = cli("uptrain", student, "--dry-run", "--teacher-logprobs", store32.folder / "later",
                          *cli_args(RUN | dict(tokens=49152, batch_tokens=4096)))
     assert code == 0 and "9.1 MiB for this run's 49,152 tokens" in out and "not made yet" in out
+
+
+def _edit_manifest(**fields):
+    def edit(store: Path) -> None:
+        m = json.loads((store / "manifest.json").read_text())
+        for key, value in fields.items():
+            if key.startswith("shard0_"):
+                m["shards"][0][key.removeprefix("shard0_")] = value
+            else:
+                m[key] = value
+        (store / "manifest.json").write_text(json.dumps(m))
+    return edit
+
+
+def _truncate(store: Path) -> None:
+    shard = sorted(store.glob("shard-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-100])
+
+
+@pytest.mark.parametrize("tamper, fragment", [
+    (_edit_manifest(top_k="32"), "top_k is '32'"),
+    (_edit_manifest(windows=-1), "windows is -1"),
+    (_edit_manifest(shards="shard-00000.safetensors"), "shards is"),
+    (_edit_manifest(shards=[]), "shards"),
+    (_edit_manifest(shard0_file="../../etc/passwd"), "not one `surgery teacher` writes"),
+    (_edit_manifest(shard0_first=1), "not consecutive"),
+    (_edit_manifest(shard0_sha256=None), "sha256 is None"),
+    (_edit_manifest(tokens=7), "says 7 tokens"),
+    (_edit_manifest(top_k=8), "does not hold the windows its manifest lists"),
+    (lambda s: sorted(s.glob("shard-*"))[0].unlink(), "cannot read shard-00000"),
+    (_truncate, "truncated or edited"),
+])
+def test_a_tampered_store_is_refused_before_any_step(student, store32, tmp_path, tamper, fragment):
+    """Each was a KeyError/TypeError from inside, a read outside the store, or (an edited shard) training on
+    other targets with exit 0."""
+    fake = tmp_path / "store"
+    shutil.copytree(store32.folder, fake)
+    tamper(fake)
+    with pytest.raises(SurgeryError, match=None) as e:
+        run(student, tmp_path / "o", teacher_logprobs=str(fake))
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.run").exists()  # refused before the run began

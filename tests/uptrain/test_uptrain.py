@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 
 from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.checkpoint.source import resolve_source
-from surgery.uptrain import UptrainOptions, uptrain
-from surgery.uptrain.losses import kd_loss, lm_loss
+from surgery.training import UptrainOptions, uptrain
+from surgery.training.losses import kd_loss, lm_loss
 from surgery.errors import SurgeryError
-from surgery.uptrain.params import select_trainable
+from surgery.training.params import select_trainable
 from surgery.testing.pydoc_llama import FAST, make_model, metrics, weights
 
 from inprocess import FSDP_CPU, cli_args, launch_uptrain, uptrain_error
@@ -269,7 +269,7 @@ def test_custom_code_checkpoint_trains_its_new_parameters_and_keeps_its_code(tin
 
 def test_packing_holds_out_whole_documents_and_shards_steps_without_overlap(tokenizer, tmp_path):
     from surgery.data import load_texts
-    from surgery.uptrain.data import pack
+    from surgery.training.data import pack
 
     docs = [f"document {i}: " + "words " * (5 + 7 * i) for i in range(40)]
     data = tmp_path / "docs.jsonl"

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from surgery.errors import SurgeryError
-from surgery.uptrain import UptrainOptions, uptrain
-from surgery.uptrain.options import AUTO_DATA_WORKERS, resolve_data_workers
+from surgery.training import UptrainOptions, uptrain
+from surgery.training.options import AUTO_DATA_WORKERS, resolve_data_workers
 from surgery.testing.pydoc_llama import FAST, weights
 
 STREAM = dict(FAST, loss="lm", data_mode="stream", batch_tokens=192, micro_batch=3, eval_tokens=256, tokens=192 * 4,

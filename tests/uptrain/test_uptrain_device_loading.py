@@ -7,8 +7,8 @@ import torch
 
 from surgery.checkpoint.source import resolve_source
 from surgery.testing.pydoc_llama import FAST
-from surgery.uptrain import UptrainOptions, loop, uptrain
-from surgery.uptrain.model_io import load_causal_lm
+from surgery.training import UptrainOptions, loop, uptrain
+from surgery.training.model_io import load_causal_lm
 
 
 def test_a_device_other_than_the_cpu_receives_every_weight_without_a_host_copy(tiny):

@@ -13,7 +13,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import FullyShardedDataParallelPlugin
 
 from surgery.errors import SurgeryError
-from surgery.uptrain.loop import use_fsdp2
+from surgery.training.loop import use_fsdp2
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))
@@ -112,7 +112,7 @@ def test_fsdp2_clips_a_partly_trained_model_by_the_norm_over_every_ranks_shards(
     clipping on (max norm below it) the clipped update, hence the weights, are the one process's too."""
     from inprocess import FSDP_CPU, cli_args, launch_uptrain
     from surgery.testing.pydoc_llama import FAST, metrics, weights
-    from surgery.uptrain import UptrainOptions, uptrain
+    from surgery.training import UptrainOptions, uptrain
 
     args = dict(FAST, loss="lm", train="attention", tokens=FAST["batch_tokens"], eval_tokens=512, max_grad_norm=0.05)
     uptrain(UptrainOptions(model=str(tiny), out=tmp_path / "one", **args))
@@ -139,7 +139,7 @@ def test_a_rank_that_receives_its_shards_builds_the_model_without_reading_a_weig
     import transformers as tf
 
     from surgery.checkpoint.source import resolve_source
-    from surgery.uptrain.model_io import load_causal_lm
+    from surgery.training.model_io import load_causal_lm
 
     config = tf.AutoConfig.from_pretrained(tiny)
     config.tie_word_embeddings = True

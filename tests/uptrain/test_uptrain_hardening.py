@@ -19,8 +19,8 @@ from inprocess import cli_args
 
 from surgery.errors import SurgeryError
 from surgery.testing.pydoc_llama import FAST
-from surgery.uptrain import UptrainOptions, uptrain
-from surgery.uptrain.losses import kd_loss, lm_loss
+from surgery.training import UptrainOptions, uptrain
+from surgery.training.losses import kd_loss, lm_loss
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -294,7 +294,7 @@ def test_chunked_losses_equal_the_whole_batch_formulas_with_logits_or_projected_
 def test_output_projection_moves_into_the_losses_only_where_it_reproduces_the_logits():
     import transformers as tf
 
-    from surgery.uptrain.heads import OutputHead
+    from surgery.training.heads import OutputHead
 
     torch.manual_seed(0)
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

@@ -1,4 +1,4 @@
-"""The chunked output head (surgery/uptrain/heads.py) under mixed precision, and the dry run's memory when a model
+"""The chunked output head (surgery/training/heads.py) under mixed precision, and the dry run's memory when a model
 cannot use it."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import transformers as tf
 
-from surgery.uptrain.heads import OutputHead
-from surgery.uptrain.loop import make_accelerator
+from surgery.training.heads import OutputHead
+from surgery.training.loop import make_accelerator
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
              num_key_value_heads=1)

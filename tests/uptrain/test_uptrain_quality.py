@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.errors import SurgeryError
 from surgery.checkpoint.source import resolve_source
-from surgery.uptrain import UptrainOptions, uptrain
+from surgery.training import UptrainOptions, uptrain
 from surgery.testing.pydoc_llama import FAST, make_model, metrics
 
 
@@ -238,7 +238,7 @@ def test_the_record_starts_from_the_perplexity_before_alignment(mqa, tmp_path):
 
 
 def test_hidden_state_loss_is_each_layers_cosine_distance_without_the_embeddings():
-    from surgery.uptrain.losses import hidden_state_loss
+    from surgery.training.losses import hidden_state_loss
 
     torch.manual_seed(0)
     teacher = tuple(torch.randn(2, 5, 8) * (i + 1) for i in range(4))  # embeddings, then 3 layers' outputs
@@ -262,7 +262,7 @@ def test_hidden_state_loss_is_each_layers_cosine_distance_without_the_embeddings
 
 @torch.no_grad()
 def held_out_hidden_error(teacher, student, ids) -> float:
-    from surgery.uptrain.losses import hidden_state_loss
+    from surgery.training.losses import hidden_state_loss
 
     return hidden_state_loss(student(input_ids=ids, output_hidden_states=True).hidden_states,
                              teacher(input_ids=ids, output_hidden_states=True).hidden_states).item()
@@ -353,7 +353,7 @@ def test_eval_data_before_an_alignment_is_the_models_perplexity_before_it(mqa, t
 
 
 def test_eval_data_survives_the_data_cache_that_resume_reads(tokenizer, tmp_path):
-    from surgery.uptrain.data import PackedData, pack_held_out, read_cache, write_cache
+    from surgery.training.data import PackedData, pack_held_out, read_cache, write_cache
 
     other = pack_held_out([other_domain_text()], tokenizer, 64, 1000)
     assert other.shape == (16, 64)  # 1,000 tokens rounded up to whole windows

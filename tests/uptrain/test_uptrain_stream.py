@@ -1,4 +1,4 @@
-"""Streamed uptraining data (surgery/uptrain/stream.py): exact resume (one process, 2 workers, a mixture), mixture
+"""Streamed uptraining data (surgery/training/stream.py): exact resume (one process, 2 workers, a mixture), mixture
 shares, disjoint readers and held-out documents, and its bad inputs, on the tiny random Llama of conftest's `tiny`."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from surgery.checkpoint.sha256 import sha256_file
-from surgery.uptrain import UptrainOptions, uptrain
-from surgery.uptrain.stream import Plan, Reader, Sequential, hold_out, parse_weights, resolve_sources
+from surgery.training import UptrainOptions, uptrain
+from surgery.training.stream import Plan, Reader, Sequential, hold_out, parse_weights, resolve_sources
 from inprocess import uptrain_error
 from surgery.testing.pydoc_llama import FAST, make_model, weights
 
@@ -55,7 +55,7 @@ def resume_from(run_dir: Path, step: int, copy: Path) -> None:
 @pytest.mark.parametrize("case", ["one-process", "two-workers", "mixture"])
 def test_killed_streamed_run_resumes_to_bitwise_equal_weights(tiny, tmp_path, case, monkeypatch):
     """Blocks of 5 windows (a step takes 3): the resumes land inside a shuffled block and cross into the next."""
-    from surgery.uptrain import stream
+    from surgery.training import stream
 
     monkeypatch.setattr(stream, "BLOCK_TOKENS", 64 * 5)
     extra = {"two-workers": dict(data_workers=2),
@@ -127,7 +127,7 @@ def test_readers_read_disjoint_documents_and_never_the_held_out_ones(tokenizer, 
 @pytest.mark.slow  # ~50 s; the bitwise resume tests with 2 workers stay in the default suite
 def test_two_workers_read_the_windows_of_two_readers_in_turn(tiny, tokenizer, tmp_path):
     """The DataLoader's workers each run their own reader: the process's windows alternate between them."""
-    from surgery.uptrain.stream import StreamedData
+    from surgery.training.stream import StreamedData
 
     sources = resolve_sources([write_shards(tmp_path / "w", 4, 12)], [1.0])
     plan = plan_for(tokenizer, sources, readers=2, seq_len=32)

@@ -10,8 +10,8 @@ import pytest
 
 from surgery.errors import SurgeryError
 from surgery.testing.pydoc_llama import FAST, metrics
-from surgery.uptrain import UptrainOptions, uptrain
-from surgery.uptrain.trackers import flat_config, parse_report_to, require_trackers
+from surgery.training import UptrainOptions, uptrain
+from surgery.training.trackers import flat_config, parse_report_to, require_trackers
 
 
 def run(model, out, **kw) -> dict:
@@ -128,3 +128,19 @@ def test_wandb_offline_gets_every_metrics_line_and_the_configuration(tiny, tmp_p
     assert history["eval_ppl"] == pytest.approx({r["step"]: r["eval_ppl"] for r in evals}, rel=1e-5)
     assert json.loads(config["seq_len"]) == {"value": 64} or json.loads(config["seq_len"]) == 64
     assert "report_to" in config
+
+
+def test_a_tracker_that_cannot_start_is_one_line_and_leaves_no_run_folder(tiny, tmp_path, monkeypatch):
+    """W&B without a login (or MLflow with a bad URI) raised from inside accelerate: a traceback, exit 1, and a run
+    folder left behind before any step."""
+    from accelerate import Accelerator
+
+    def refuse(self, *a, **kw):
+        raise RuntimeError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(Accelerator, "init_trackers", refuse)
+    with pytest.raises(SurgeryError) as e:
+        run(tiny, tmp_path / "o", report_to="tensorboard")
+    assert str(e.value) == ("--report-to tensorboard: the tracker cannot start (No API key configured. Use `wandb "
+                            "login` to log in.)")
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.run").exists()

@@ -74,8 +74,13 @@ def tracker_values(fields: dict) -> tuple[dict, int | None]:
 
 def start_trackers(acc, names: list[str], config: dict) -> None:
     """accelerate's trackers started with the run's configuration (main process; a no-op without trackers)."""
-    if names:
+    if not names:
+        return
+    try:
         acc.init_trackers(PROJECT, config=flat_config(config))
+    except Exception as e:  # a tracker that cannot start (W&B without a login or WANDB_MODE=offline, MLflow's URI)
+        why = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SurgeryError(f"--report-to {','.join(names)}: the tracker cannot start ({why[:200]})") from None
 
 
 def finish_trackers(acc) -> None:

@@ -1,6 +1,6 @@
 """Which parameters an uptraining run trains: all, the attention (projections and new parameters), or only
 the parameters the conversion introduced (listed as patterns under "new_parameters" in surgery.json; the
-contract is described in `surgery/uptrain/__init__.py`)."""
+contract is described in `surgery/training/__init__.py`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """`surgery teacher SRC --data ... --tokens N --top-k K --out DIR`: one teacher pass over the training windows of a run,
-stored (surgery/uptrain/teacher_store.py) for `surgery uptrain --teacher-logprobs DIR`.
+stored (surgery/training/teacher_store.py) for `surgery uptrain --teacher-logprobs DIR`.
 
 The windows are the run's own: the options are uptrain's data options (UptrainArgs), and the windows come from the
 same data path (data.py packed, stream.py streamed) in the order a one-process run reads them (a packed store serves
@@ -17,9 +17,9 @@ from typing import Iterator
 
 import torch
 
-from .. import __version__
+from ..version import __version__
 from ..checkpoint.atomic import atomic_output_dir, check_output_path
-from ..checkpoint.record import now, public_name
+from ..checkpoint.record import now, public_name, source_name
 from ..checkpoint.source import resolve_source
 from ..errors import SurgeryError
 from ..logs import get_logger
@@ -115,7 +115,7 @@ def teacher_pass(src: str, out: Path, o: UptrainOptions, top_k: int, device: str
     workers = resolve_data_workers(o.data_workers, dev.type)
     spec = windows_spec(o, tokenizer, processes * max(1, workers))
     total = o.total_steps * o.sequences_per_step
-    fields = {"teacher": teacher_identity(public_name(source.spec) or source.spec, source.folder),
+    fields = {"teacher": teacher_identity(source_name(source) or public_name(source.spec), source.folder),
               "tokenizer": tokenizer_identity(tokenizer), "vocab": vocab, "windows_spec": spec,
               "temperature": o.temperature, "precision": precision, "toolkit": {"name": "surgery",
                                                                                 "version": __version__},

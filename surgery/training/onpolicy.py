@@ -16,7 +16,7 @@ the prompt's targets (never the student's own tokens).
 Sampling draws from a generator of its own, seeded from (--seed, step, micro-batch, process): the generator state
 is a function of the run's position, which the run state holds (its step), as the learning rate is. A resumed run
 samples exactly what the uninterrupted run sampled, and the run's other random streams (saved in every checkpoint:
-surgery/uptrain/state.py) are never drawn from. Which slots are on-policy depends on the number of micro-batches per
+surgery/training/state.py) are never drawn from. Which slots are on-policy depends on the number of micro-batches per
 step, so a resume that changes --micro-batch or the number of processes trains on a different schedule.
 """
 

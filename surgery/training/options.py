@@ -304,7 +304,7 @@ def check_stored_teacher(o, s, stages) -> None:
 
 
 def check_on_policy_rules(o, s) -> None:
-    """--kd-beta and on-policy distillation's options (surgery/uptrain/onpolicy.py)."""
+    """--kd-beta and on-policy distillation's options (surgery/training/onpolicy.py)."""
     if not 0 <= o.kd_beta <= 1:
         raise ValueError(f"{s.flag('kd_beta')} must lie in [0, 1], got {o.kd_beta}")
     if o.kd_beta != 0.5 and o.kd_divergence != "jsd":
@@ -383,7 +383,7 @@ class UptrainOptions(UptrainArgs):
 
     @property
     def streamed(self) -> bool:
-        """Whether the training windows are streamed (surgery/uptrain/stream.py) rather than packed up front (data.py):
+        """Whether the training windows are streamed (surgery/training/stream.py) rather than packed up front (data.py):
         --data-mode auto streams several texts, data workers, and runs of more than PACKED_TOKENS tokens."""
         if self.data_mode != "auto":
             return self.data_mode == "stream"

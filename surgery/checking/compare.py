@@ -18,6 +18,7 @@ checkpoints, different tokenizers, an unwritable --json) is checked before the f
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
@@ -29,9 +30,12 @@ from typing import Iterable, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import documents
 from . import generate as gen
 from . import layers as layer_errors
+from . import retrieval as retrieval_runs
 from . import tasks as task_runs
+from .passes import IGNORE, Projection, converted_pass, next_token_targets, outputs, slice_rows, source_pass
 from .positions import PositionBuckets, window_positions
 from .positions import print_table as print_position_table
 from .overlap import HashedTexts, calibration_overlap
@@ -47,8 +51,6 @@ from ..checkpoint.source import Source
 from ..kinds import check_checkpoint
 
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-1}
-SLICE_BYTES = 64 << 20  # metrics are computed on slices of positions this large (float32)
-IGNORE = -100  # target of a window's last position (no next token inside the window)
 
 
 def tolerance(dtype: str) -> float:
@@ -136,21 +138,6 @@ class Accumulator:
             if self.by_position is not None and len(self.by_position.edges) > 2:
                 out["by_position"] = self.by_position.report()
         return out
-
-
-def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
-    targets = torch.full_like(input_ids, IGNORE)
-    targets[:, :-1] = input_ids[:, 1:]
-    return targets
-
-
-def slice_rows(width: int) -> int:
-    return max(1, SLICE_BYTES // (4 * max(width, 1)))
-
-
-def outputs(model, x: torch.Tensor, causal: bool) -> torch.Tensor:
-    out = model(input_ids=x)
-    return out.logits if causal else out.last_hidden_state
 
 
 @torch.no_grad()
@@ -245,6 +232,7 @@ class CheckedText:
     data: str
     batches: torch.Tensor  # (windows, seq_len) token ids
     overlap: dict | None = None  # check.overlap.calibration_overlap
+    documents: dict | None = None  # which documents the windows hold (checking/documents.py)
 
     @property
     def label(self) -> str:
@@ -253,7 +241,8 @@ class CheckedText:
     def describe(self) -> dict:
         """The report's keys that say which tokens were compared."""
         return {"data": self.data, "text": self.label, "tokens": self.batches.numel(), "windows": self.batches.shape[0],
-                "seq_len": self.batches.shape[1]} | ({"calibration_overlap": self.overlap} if self.overlap else {})
+                "seq_len": self.batches.shape[1]} | ({"calibration_overlap": self.overlap} if self.overlap else {}) | (
+                    {"documents": self.documents} if self.documents else {})
 
 
 @dataclass
@@ -277,6 +266,7 @@ class CheckPlan:
     layer_windows: int  # 0: no --layers
     layer_bytes: int
     tasks: object = None  # check.tasks.TaskSet of --tasks, loaded before any model
+    retrieval: object = None  # checking.retrieval.RetrievalPlan of --retrieval: its examples, built before any model
     precision: str = "fp32"  # what the models compute in: bf16 (autocast or bf16 weights), fp16 or fp32
 
     @property
@@ -287,10 +277,10 @@ class CheckPlan:
     def seq_len(self) -> int:
         return self.batches.shape[1]
 
-    @property
-    def output_bytes(self) -> int:
-        """The source's float32 outputs for every text: what waits between the two passes."""
-        return sum(t.batches.numel() for t in self.texts) * self.width * 4
+    def output_bytes(self, head: Projection | None = None) -> int:
+        """What waits between the two passes: the source's float32 outputs for every text, or its final hidden
+        states where `head` projects them."""
+        return sum(t.batches.numel() for t in self.texts) * (head.weight.shape[1] if head else self.width) * 4
 
     def layer_batches(self) -> list[torch.Tensor]:
         n, size = self.layer_windows, self.batch_size
@@ -318,6 +308,11 @@ class CheckRequest:
     data: str = "text"  # what the text is called in the report
     tasks: str | None = None
     tasks_limit: int | None = None
+    retrieval: str | None = None  # task names, or "all"
+    retrieval_lengths: tuple[int, ...] | None = None  # None: 512, 1024, ... up to the window length
+    retrieval_samples: int = 4
+    retrieval_haystack: str = "noise"
+    documents: str = "joined"  # "whole": each window cut from one document (checking/documents.py)
 
 
 def plan_check(source: Source, converted: Source, texts: Iterable[str], r: CheckRequest, warn,
@@ -325,6 +320,8 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
     """Check every input (options, trust, weights, tokenizers, prompts) and tokenize the texts (`texts`, called
     `r.data`, then each (name, texts) of `more_texts`); loads no model."""
     check_counts(r.tokens, r.seq_len, r.batch_size, r.generate)
+    if r.documents not in documents.MODES:
+        raise SurgeryError(f"--documents must be one of {', '.join(documents.MODES)} (got {r.documents!r})")
     if r.prompts_file is not None and not r.generate:
         raise SurgeryError("--prompts needs --generate N (the number of tokens to generate)")
     if r.prompt_len < 1:
@@ -366,9 +363,17 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
 
     def tokenized(name: str, text: Iterable[str]) -> tuple[CheckedText, torch.Tensor]:
         hashed = HashedTexts(text)
-        ids = token_stream(hashed, tok, r.tokens)
-        checked = CheckedText(name, windows(ids, seq_len, f"the text {name}" if more_texts else "the data"),
-                              calibration_overlap(converted.folder, hashed.hashes))
+        what = f"the text {name}" if more_texts else "the data"
+        if r.documents == "whole":
+            whole = documents.whole_document_windows(hashed, tok, seq_len, r.tokens, name, warn)
+            checked = CheckedText(name, whole.batches, documents=whole.describe())
+            ids = whole.batches.reshape(-1)
+        else:
+            ids = token_stream(hashed, tok, r.tokens)
+            checked = CheckedText(name, windows(ids, seq_len, what))
+            straddling = documents.warn_straddling(checked.batches, tok, name, warn)
+            checked.documents = {"mode": "joined", "straddling_windows": straddling}
+        checked.overlap = calibration_overlap(converted.folder, hashed.hashes)
         if checked.overlap:
             o = checked.overlap
             warn(f"{o['documents']} of the {o['of']} documents checked on{f' in {name}' if more_texts else ''} were "
@@ -391,10 +396,20 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
     # report measures the surgery and not the source's own sdpa-vs-eager rounding (~1e-4 on SmolLM2's logits).
     source_attention = _source_attention(converted)
     task_set = task_runs.load_tasks(r.tasks, r.tasks_limit) if r.tasks else None  # a task's data that cannot be had: before any model
+    retrieval = None
+    if r.retrieval:
+        if not causal:
+            raise SurgeryError("--retrieval needs a causal LM")
+        retrieval = retrieval_runs.plan_retrieval(r.retrieval, list(r.retrieval_lengths or ()), r.retrieval_samples,
+                                                  r.retrieval_haystack, tok, ctx, min(r.seq_len, ctx or r.seq_len),
+                                                  ids)
+    elif r.retrieval_lengths or r.retrieval_haystack != "noise" or r.retrieval_samples != 4:
+        raise SurgeryError("--retrieval-lengths, --retrieval-samples and --retrieval-haystack need --retrieval TASKS")
     return CheckPlan(source, converted, dev, r.dtype, (trust_a, trust_b), causal,
                      vocab_size(config_a) if causal else hidden_size(config_a), source_attention, tok, tokenizer_note,
                      checked, r.batch_size, prompts, r.generate, n_layer_windows,
-                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), task_set, precision)
+                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), task_set, retrieval,
+                     precision)
 
 
 def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str], progress: bool = True,
@@ -415,20 +430,23 @@ def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str],
 def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_BYTES) -> dict:
     p, seconds = plan, {}
     several = len(p.texts) > 1
-    with SpillStore(p.output_bytes, spill_bytes) as store, \
-            SpillStore(p.layer_bytes, spill_bytes, what="the source's per-layer outputs") as layer_store, \
-            autocast(p.precision, p.device):  # the forward passes in --precision; the metrics cast to float32
+    with contextlib.ExitStack() as stack:
+        layer_store = stack.enter_context(SpillStore(p.layer_bytes, spill_bytes, what="the source's per-layer outputs"))
+        stack.enter_context(autocast(p.precision, p.device))  # the passes in --precision; the metrics in float32
         # pass 1: the source alone; what the metrics need waits in the stores (text i's chunks under "i-")
         start = time.time()
         model = load_model(p.source, p.device, p.dtype, p.trust[0], attn_implementation=p.source_attention)
         source_attention = model.config._attn_implementation
+        source_head = Projection.of(model, p.width, keep=True) if p.causal else None  # None: whole logits
+        store = stack.enter_context(SpillStore(p.output_bytes(source_head), spill_bytes))
         for i, t in enumerate(p.texts):
             source_pass(model, t.batches, p.batch_size, store, p.device, p.causal, progress,
-                        f"check source on {t.data}" if several else "check source", prefix=f"{i}-")
+                        f"check source on {t.data}" if several else "check source", prefix=f"{i}-", head=source_head)
         source_continuations = continuations(model, p, progress, "generate source")
         source_forced = forced(model, p, source_continuations)  # the source's margins along its own continuations
         source_layers = layer_errors.record_layers(model, p.layer_batches(), layer_store) if p.layer_windows else 0
         source_scores = task_scores(model, p)
+        source_retrieval = retrieval_scores(model, p, progress, "retrieval source")
         del model
         free(p.device)
         seconds["source"] = round(time.time() - start, 2)
@@ -436,10 +454,14 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         # pass 2: the converted model alone, against what the source left
         start = time.time()
         model = load_model(p.converted, p.device, p.dtype, p.trust[1])
+        head = Projection.of(model, p.width) if p.causal else None
         texts = [converted_pass(model, t.batches, p.batch_size, store, p.device, p.causal, progress,
                                 f"check converted on {t.data}" if several else "check converted",
-                                prefix=f"{i}-").report() | t.describe() for i, t in enumerate(p.texts)]
+                                Accumulator(t.batches.shape[1]), prefix=f"{i}-", source_head=source_head,
+                                head=head).report() | t.describe() for i, t in enumerate(p.texts)]
         store.close()
+        sliced = source_head is not None and head is not None
+        del source_head
         report = dict(texts[0])
         if p.new_tokens:
             report["generation"] = gen.compare_continuations(
@@ -452,13 +474,18 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         if p.tasks is not None:
             report["tasks"] = task_runs.compare(source_scores, task_scores(model, p))
             report["tasks_limit"] = p.tasks.limit
-        del model
+        if p.retrieval is not None:
+            report["retrieval"] = retrieval_runs.compare(
+                p.retrieval, source_retrieval, retrieval_scores(model, p, progress, "retrieval converted"))
+        del model, head
         free(p.device)
         seconds["converted"] = round(time.time() - start, 2)
 
     report |= {"compared": "logits" if p.causal else "last_hidden_state", "device": str(p.device), "dtype": p.dtype,
                "precision": p.precision, "source_attention": source_attention, "seconds": seconds,
                "scratch": "memory" if store.in_memory else "disk"}
+    if p.causal:  # sliced: no model returned whole logits (passes.py); whole: one or both did
+        report["logits"] = "sliced" if sliced else "whole"
     if several:
         report["texts"] = texts
     if p.tokenizer_note:
@@ -473,6 +500,13 @@ def task_scores(model, plan: CheckPlan) -> dict:
     return task_runs.score(model, plan.tokenizer, plan.tasks, plan.batch_size, plan.device)
 
 
+def retrieval_scores(model, plan: CheckPlan, progress: bool, desc: str) -> list[dict] | None:
+    """--retrieval: each example's score for the loaded model (None without --retrieval)."""
+    if plan.retrieval is None:
+        return None
+    return retrieval_runs.score(model, plan.retrieval, plan.device, progress, desc)
+
+
 def continuations(model, plan: CheckPlan, progress: bool, desc: str) -> list[list[int]] | None:
     if not plan.new_tokens:
         return None
@@ -485,46 +519,6 @@ def forced(model, plan: CheckPlan, paths: list[list[int]] | None) -> tuple[list[
     if not plan.new_tokens:
         return None
     return gen.forced_steps(model, plan.prompts, paths, plan.batch_size, plan.device)
-
-
-@torch.no_grad()
-def source_pass(model, batches: torch.Tensor, batch_size: int, store: SpillStore, device: torch.device, causal: bool,
-                progress: bool, desc: str, prefix: str = "") -> None:
-    """The source's outputs for every chunk of windows, into `store` (float32) under the keys prefix + chunk."""
-    with Progress(batches.numel(), desc, enabled=progress) as bar:
-        for k, start in enumerate(range(0, batches.shape[0], batch_size)):
-            x = batches[start:start + batch_size].to(device)
-            store.put(f"{prefix}{k}", outputs(model, x, causal))
-            bar.update(x.numel())
-
-
-@torch.no_grad()
-def converted_pass(model, batches: torch.Tensor, batch_size: int, store: SpillStore, device: torch.device,
-                   causal: bool, progress: bool, desc: str, prefix: str = "") -> Accumulator:
-    """The converted model's outputs for every chunk, compared slice by slice with the source outputs `source_pass`
-    stored under the same `prefix`."""
-    acc = Accumulator(batches.shape[1])
-    with Progress(batches.numel(), desc, enabled=progress) as bar:
-        for k, start in enumerate(range(0, batches.shape[0], batch_size)):
-            key = f"{prefix}{k}"
-            x = batches[start:start + batch_size].to(device)
-            out = outputs(model, x, causal)
-            if store.shape(key) != tuple(out.shape):
-                raise SurgeryError(f"the converted model's outputs have shape {list(out.shape)}, the source's "
-                                   f"{list(store.shape(key))}")
-            rows = out.reshape(-1, out.shape[-1])
-            targets = next_token_targets(x).reshape(-1)
-            positions = window_positions(*x.shape)
-            step = slice_rows(rows.shape[-1])
-            for r in range(0, rows.shape[0], step):
-                a = store.rows(key, r, min(r + step, rows.shape[0])).to(device)
-                if causal:
-                    acc.add_logit_rows(a, rows[r:r + step], targets[r:r + step], positions[r:r + step])
-                else:
-                    acc.add_outputs(a, rows[r:r + step])
-            del out, rows
-            bar.update(x.numel())
-    return acc
 
 
 def _source_attention(converted: Source) -> str | None:
@@ -602,6 +596,8 @@ def print_report(report: dict, title: str = "") -> None:
     console.print(table)
     if report.get("texts"):
         print_texts_table(report["texts"], console)
+    if report.get("documents", {}).get("mode") == "whole":
+        documents.print_table(report["documents"], console)
     if report.get("by_position"):
         print_position_table(report["by_position"], console)
     if report.get("layers"):
@@ -619,6 +615,8 @@ def print_report(report: dict, title: str = "") -> None:
         for task, metric, a, b in task_runs.rows(report["tasks"]):
             tasks.add_row(task, metric, f"{a:.4g}", f"{b:.4g}")
         console.print(tasks)
+    if report.get("retrieval"):
+        retrieval_runs.print_table(report["retrieval"], console)
     if report.get("generation", {}).get("samples"):
         samples = Table(title="greedy continuations, side by side", show_lines=True)
         for col in ("prompt", "source", "converted"):

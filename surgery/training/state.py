@@ -7,7 +7,7 @@ A checkpoint `checkpoints/step-NNNNNNNN/` holds
 - `run-state.json`         the run's position (`RunState`: the step, which fixes the learning rate — the schedule
                            is a function of the step, so there is no scheduler state — and, for packed data, the
                            data position; the sha256 of the packed data it indexes into);
-- `data-R.json`            streamed data: process R's position in the stream (surgery/uptrain/stream.py);
+- `data-R.json`            streamed data: process R's position in the stream (surgery/training/stream.py);
 - `manifest.json`          written last: the size and sha256 of every file above.
 
 Under FSDP (several processes, parameters sharded) a checkpoint is saved per process instead, without gathering

@@ -33,7 +33,7 @@ def _number(v):
 
 class MetricsLog:
     """metrics.jsonl, and the same lines sent to the run's experiment trackers (`tracker`: an Accelerator with
-    trackers; surgery/uptrain/trackers.py)."""
+    trackers; surgery/training/trackers.py)."""
 
     def __init__(self, path: Path, enabled: bool, tracker=None):
         self.path = Path(path)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .arch import attention_shape
 from .errors import SurgeryError
+from .kinds.base import cached_fraction
 from .kinds import AttentionShape, check_checkpoint, find_kind, kv_cache_values, plain_attention_macs  # importing the kinds registers their model types
 from .checkpoint.record import read_record
 from .checkpoint.source import load_config
@@ -30,12 +31,13 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
     bytes_per_value = dtype_size(cache_dtype) if cache_dtype is not None else 2
 
     L, h, kv, d = shape["layers"], shape["heads"], shape["kv_heads"], shape["head_dim"]
-    core_macs = L * 2 * h * d * context  # QKᵀ and AV for one query over `context` keys
+    # QKᵀ and AV for one query over `context` keys (sliding-window layers: over their window)
+    core_macs = round(L * 2 * h * d * context * cached_fraction(config, context))
     # the kind that wrote the checkpoint knows its attention's work and cache (surgery/kinds); a plain checkpoint:
     # MHA/GQA
     kind = find_kind(record, config)
     ashape = AttentionShape(L, h, kv, d, shape["hidden"])
-    kv_bytes = kv_cache_values(ashape, config, record)["transformers"] * bytes_per_value
+    kv_bytes = kv_cache_values(ashape, config, record, context)["transformers"] * bytes_per_value
     macs = kind.attention_macs(ashape, config, record, context) if kind else plain_attention_macs(ashape)
     proj_macs, mix_macs = macs["proj"], macs["mixing"]
     experts, topk = kind.experts(config) if kind else (None, None)

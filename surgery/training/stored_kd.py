@@ -1,4 +1,4 @@
-"""Distillation from a stored teacher pass (`surgery uptrain --teacher-logprobs DIR`, surgery/uptrain/teacher_store.py):
+"""Distillation from a stored teacher pass (`surgery uptrain --teacher-logprobs DIR`, surgery/training/teacher_store.py):
 no teacher model is loaded; each step reads the stored top-K of its windows, in the order the data path yields them.
 
 The divergence. The stored teacher distribution is known on K + 1 buckets: each of its top-K tokens alone, and the
@@ -58,7 +58,7 @@ def stored_kd_loss(student_logits: torch.Tensor, targets: StoredTargets, tempera
     """Mean over positions of T² · D over the K+1 buckets (module docstring); `student_logits` [B, L, V] (or hidden
     states with `project`), `targets` the stored pass of the same B windows. In chunks of positions, as kd_loss.
     `mask` [B, L] (--loss-on assistant): only the positions predicting a marked token count, as in kd_loss. `beta`:
-    jsd's (GKD's generalized JSD, surgery/uptrain/divergence.py)."""
+    jsd's (GKD's generalized JSD, surgery/training/divergence.py)."""
 
     def divergence_sum(s, ids, lp, tail):
         log_s, log_t = bucket_log_probs(s, ids, lp, tail, temperature, project)
@@ -66,7 +66,7 @@ def stored_kd_loss(student_logits: torch.Tensor, targets: StoredTargets, tempera
             return _kl(log_t, log_s)
         if divergence == "reverse":
             return _kl(log_s, log_t)
-        if beta == 0:  # GKD's ends, as in surgery/uptrain/divergence.py: forward and reverse KL exactly
+        if beta == 0:  # GKD's ends, as in surgery/training/divergence.py: forward and reverse KL exactly
             return _kl(log_t, log_s)
         if beta == 1:
             return _kl(log_s, log_t)

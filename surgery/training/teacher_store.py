@@ -1,6 +1,6 @@
 """A stored teacher pass: the teacher's top-K next-token log-probabilities on the training windows of a run, written
-once (`surgery teacher`, surgery/uptrain/teacher_pass.py) and read by any number of runs (`surgery uptrain
---teacher-logprobs DIR`, surgery/uptrain/stored_kd.py) instead of a live teacher.
+once (`surgery teacher`, surgery/training/teacher_pass.py) and read by any number of runs (`surgery uptrain
+--teacher-logprobs DIR`, surgery/training/stored_kd.py) instead of a live teacher.
 
 Layout of DIR:
 
@@ -168,15 +168,26 @@ class TeacherStore:
     """A store opened for reading: its manifest checked; windows read by slices of the shards that hold them."""
 
     def __init__(self, folder: Path):
+        from .store_check import check_manifest, check_shard_headers
+
         self.folder = Path(folder)
         self.manifest = read_manifest(self.folder)
+        check_manifest(self.folder, self.manifest)  # before any step: types, shards, headers (store_check.py)
+        check_shard_headers(self.folder, self.manifest)
         self.k, self.seq_len, self.windows = self.manifest["top_k"], self.manifest["seq_len"], self.manifest["windows"]
         self._open: tuple[str, object] | None = None  # (file, safe_open handle): one shard open at a time
+        self._verified: set[str] = set()  # shards whose sha256 was checked (when first opened)
 
-    def _shard(self, name: str):
+    def _shard(self, shard: dict):
         from safetensors import safe_open
 
+        from .store_check import check_shard_contents
+
+        name = shard["file"]
         if self._open is None or self._open[0] != name:
+            if name not in self._verified:  # before any of its windows is used
+                check_shard_contents(self.folder, shard)
+                self._verified.add(name)
             path = self.folder / name
             try:
                 self._open = (name, safe_open(str(path), framework="pt"))
@@ -195,7 +206,7 @@ class TeacherStore:
             lo, hi = max(start, shard["first"]), min(start + count, shard["first"] + shard["windows"])
             if lo >= hi:
                 continue
-            f = self._shard(shard["file"])
+            f = self._shard(shard)
             for name in parts:
                 try:
                     parts[name].append(f.get_slice(name)[lo - shard["first"]: hi - shard["first"]])

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
+from ..version import __version__
 from .. import runtime
 from ..runtime import context_length, is_causal_lm
 from ..errors import SurgeryError
 from ..checkpoint.source import Source, copy_side_files, inside_file, resolve_source
-from ..checkpoint.record import LOCAL_KEY, local_source_folder, now, public_name, read_record
+from ..checkpoint.record import LOCAL_KEY, local_source_folder, now, read_record, source_name
 from ..trust import resolve_trust
 from ..checkpoint.tensors import DTYPES
 
@@ -186,6 +186,6 @@ def uptrained_record(source: Source, uptraining: dict) -> dict:
         record = {"toolkit": "surgery", "version": __version__, "kind": "uptrained"}
     if "uptraining" in record:
         record.setdefault("previous_uptraining", []).append(record["uptraining"])
-    record["uptraining"] = uptraining | {"created": now(), "input": {"spec": public_name(source.spec)},
+    record["uptraining"] = uptraining | {"created": now(), "input": {"spec": source_name(source)},
                                          LOCAL_KEY: {"input_folder": str(Path(source.folder).absolute())}}
     return record

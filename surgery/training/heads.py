@@ -4,7 +4,7 @@ A causal LM's logits for a micro-batch are [B, T, V] floats (SmolLM2, 4 x 256 po
 keeps three such tensors alive (the student's logits, their gradient, the teacher's logits) besides the softmax
 temporaries. With `OutputHead.returning_hidden()` the model returns its final hidden states [B, T, H] instead
 (H = 576 for SmolLM2: 85x smaller), and the losses project one chunk of positions at a time inside an
-activation checkpoint (surgery/uptrain/losses.py): no [B, T, V] tensor of the whole micro-batch ever exists.
+activation checkpoint (surgery/training/losses.py): no [B, T, V] tensor of the whole micro-batch ever exists.
 
 This holds only for models whose logits are exactly `output_embeddings(what the model feeds it)` up to steps that
 commute with it: a logit scale (Cohere, Granite) comes back applied to the hidden states and passes, soft-capping
@@ -59,9 +59,9 @@ class OutputHead:
                 logits = forward(model, input_ids=ids, use_cache=False).logits
                 with head.returning_hidden():
                     hidden = forward(model, input_ids=ids, use_cache=False).logits
-            if hidden.shape[-1] != module.weight.shape[1]:
-                return None
-            same = torch.allclose(head.project(hidden).float(), logits.float(), rtol=1e-4, atol=1e-4)
+                if hidden.shape[-1] != module.weight.shape[1]:
+                    return None
+                same = torch.allclose(head.project(hidden).float(), logits.float(), rtol=1e-4, atol=1e-4)
         except Exception:  # any model whose forward does not take it: whole logits
             return None
         finally:

@@ -49,7 +49,7 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = ident
             mask: torch.Tensor | None = None, ignore: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy of logits [B, T, V] for ids [B, T] (T-1 targets per sequence), in chunks of
     positions. The targets are shifted (the last position ignored) rather than the logits sliced, which would copy them.
-    `project`: given the final hidden states [B, T, H] instead of logits, the output projection (surgery/uptrain/heads.py).
+    `project`: given the final hidden states [B, T, H] instead of logits, the output projection (surgery/training/heads.py).
     `mask` [B, T] (--loss-on assistant): only targets whose token is marked count. `ignore` [B, T]: positions whose
     target is not counted (the student's own generated tokens, onpolicy.py)."""
     targets = F.pad(ids[:, 1:] if mask is None else ids[:, 1:].masked_fill(~mask[:, 1:], -100), (0, 1), value=-100)
@@ -69,13 +69,13 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
             mask: torch.Tensor | None = None, beta: float = 0.5, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over positions of T² · D(teacher ‖ student) on softmax(logits / T) (Hinton et al.'s scaling), computed
     in chunks of positions so that no [positions, V] temporary of the whole batch exists besides the inputs.
-    D by `divergence` (surgery/uptrain/divergence.py): forward KL(p_t ‖ p_s) (mass-covering: the student spreads
+    D by `divergence` (surgery/training/divergence.py): forward KL(p_t ‖ p_s) (mass-covering: the student spreads
     over all the teacher's candidates), reverse KL(p_s ‖ p_t) (mode-seeking: the student concentrates on the
     teacher's likeliest tokens, MiniLLM), or jsd, GKD's generalized Jensen-Shannon divergence with `beta`
     (0.5: the symmetric one, ½ KL(p_t ‖ m) + ½ KL(p_s ‖ m), m = ½ (p_t + p_s)). `project` / `project_teacher`: as
     for `lm_loss`, when hidden states are given instead of logits. `mask` [B, T] (--loss-on assistant): only the
     positions predicting a marked token count. `weights` [B, T]: a weighted sum over positions instead of the mean
-    (on-policy distillation counts generated positions only: surgery/uptrain/onpolicy.py)."""
+    (on-policy distillation counts generated positions only: surgery/training/onpolicy.py)."""
     check_divergence(divergence, beta)
 
     def log_probs(s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +127,7 @@ class Objective:
     kd_weight: float = 0.5  # mix: kd_weight * kd + (1 - kd_weight) * lm
     hidden_weight: float = 0.0  # > 0: + hidden_weight * hidden_state_loss (needs the teacher's hidden states)
     divergence: str = "forward"  # kd_loss's D: forward / reverse KL or GKD's generalized Jensen-Shannon
-    beta: float = 0.5  # jsd: GKD's beta (surgery/uptrain/divergence.py)
+    beta: float = 0.5  # jsd: GKD's beta (surgery/training/divergence.py)
 
     @property
     def needs_teacher(self) -> bool:
@@ -146,7 +146,7 @@ class Objective:
         the output projections when `logits` / `teacher_logits` are final hidden states (see `lm_loss`).
         `states` / `teacher_states`: both models' hidden states, for the hidden-state term (over every position).
         `mask` (--loss-on assistant): the LM and KD terms count only the marked tokens' predictions. `kd_weights` /
-        `lm_ignore`: the positions a micro-batch with generated sequences counts (surgery/uptrain/onpolicy.py)."""
+        `lm_ignore`: the positions a micro-batch with generated sequences counts (surgery/training/onpolicy.py)."""
         parts: dict[str, torch.Tensor] = {}
         if self.kind in ("lm", "mix"):
             parts["lm"] = lm_loss(logits, ids, project, mask=mask, ignore=lm_ignore)

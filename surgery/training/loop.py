@@ -76,7 +76,7 @@ def make_accelerator(precision: str = "auto", log_with: list[str] | None = None,
     `accelerate launch --multi_gpu --num_processes N` (torchrun) or `torchrun` run DDP on CPU over gloo, and
     an FSDP config (`accelerate launch --config_file fsdp.yaml`) run FSDP on CPU over gloo (see `use_fsdp_on_cpu`);
     under FSDP, `use_fsdp2` sets the mixed precision policy. `log_with`: the experiment trackers (--report-to),
-    `project_dir`: where TensorBoard writes (surgery/uptrain/trackers.py)."""
+    `project_dir`: where TensorBoard writes (surgery/training/trackers.py)."""
     import os
 
     from accelerate import Accelerator
@@ -177,7 +177,7 @@ def teacher_dtype(acc, o: UptrainOptions) -> torch.dtype:
 
 
 def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
-    if o.teacher_logprobs:  # the KD term from a stored teacher pass (surgery/uptrain/stored_kd.py)
+    if o.teacher_logprobs:  # the KD term from a stored teacher pass (surgery/training/stored_kd.py)
         from .stored_kd import objective
 
         return objective(o)
@@ -340,7 +340,13 @@ def _is_oom(e: BaseException) -> bool:
 def run(o: UptrainOptions) -> dict:
     """One uptraining run, in torchtune's recipe shape: setup, train (steps, evaluations, checkpoints), save."""
     recipe = UptrainRecipe(o)
-    recipe.setup()
+    made_run_dir = not o.resume and not o.run_dir.exists()
+    try:
+        recipe.setup()
+    except BaseException:  # refused before the first step (a tracker that cannot start, a bad store): nothing to
+        if made_run_dir and getattr(recipe, "main", True):  # resume, so the run folder this run made goes
+            shutil.rmtree(o.run_dir, ignore_errors=True)
+        raise
     recipe.train()
     return recipe.save()
 
@@ -487,6 +493,12 @@ class UptrainRecipe:
 
             data = pack(load_texts(o.data[0], o.text_field, o.streaming, o.txt_unit, self.chat), tokenizer, o.seq_len,
                         o.eval_tokens, train_tokens, seed=o.seed, masked=o.loss_on == "assistant")
+            if o.loss_on == "assistant" and not self.chat.read.get("conversations"):  # every token would count
+                raise SurgeryError(f"--loss-on assistant: the data holds no conversation (no 'messages' column "
+                                   "read), so it has no assistant turns to train on; use --loss-on all")
+            if o.loss_on == "assistant" and data.train_mask is not None and not data.train_mask[:, 1:].any():
+                raise SurgeryError("--loss-on assistant: no conversation of the training data has an assistant turn "
+                                   "(nothing to train on); use --loss-on all")
             if o.eval_data is not None:
                 data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit, self.chat),
                                            tokenizer, o.seq_len, o.eval_tokens)

@@ -1,0 +1,186 @@
+"""Synthetic long-context retrieval examples, generated locally and deterministically (no download), after RULER's
+synthetic families (Hsieh et al. 2024): single- and multi-key needle in a haystack, passkey retrieval, variable
+tracking and common-word extraction.
+
+Every example is token ids of exactly the asked length: an instruction, a haystack with the needles inserted at
+sentence boundaries near their depths, the question, an answer prefix, and the answer itself (the items to
+retrieve, each with its own token ids, in the order they stand in the text). The haystack is RULER's noise ("The
+grass is green. ...") or any text (`haystack_tokens`: the check's own text), so each task runs on the user's
+domain too. Scoring (surgery/checking/retrieval.py) reads the answer's positions of one forward pass.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from ..errors import SurgeryError
+
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+WORDS = ("apple", "river", "candle", "mountain", "violin", "garden", "harbor", "lantern", "meadow", "pencil", "rocket",
+         "saddle", "thunder", "island", "jacket", "kettle", "ladder", "marble", "needle", "orange", "pillow", "quartz",
+         "ribbon", "silver", "tunnel", "velvet", "window", "anchor", "basket", "canyon", "dragon", "feather", "glacier",
+         "helmet", "insect", "jungle", "kitten", "lemon", "mirror", "nickel", "oyster", "parrot", "rabbit", "shadow",
+         "temple", "walnut", "yogurt", "zipper", "bridge", "castle", "forest", "hammer", "magnet", "planet", "spider")
+TASKS = ("passkey", "niah_single", "niah_multikey", "variable_tracking", "common_words")
+
+
+@dataclass(frozen=True)
+class Example:
+    task: str
+    length: int  # tokens, answer included
+    depth: float  # where the (first) needle stands, 0..1 of the haystack
+    ids: list[int]
+    items: list[list[int]]  # the answer's items' token ids, at the end of `ids`, in order
+
+    @property
+    def answer_start(self) -> int:
+        return self.length - sum(len(i) for i in self.items)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a task puts around its haystack: text before it, needles (each with its depth), text after it, and the
+    answer items (each starting with its separator, e.g. " 1234567")."""
+
+    intro: str
+    needles: list[tuple[float, str]]
+    question: str
+    items: list[str]
+
+
+def _number(rng: random.Random, digits: int) -> str:
+    return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
+
+
+def _passkey(rng, depth):
+    key = _number(rng, 5)
+    return Parts("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
+                 "memorize it. I will quiz you about it afterwards.\n",
+                 [(depth, f" The pass key is {key}. Remember it. {key} is the pass key.")],
+                 "\nWhat is the pass key? The pass key is", [f" {key}"])
+
+
+def _niah(rng, depth, keys: int):
+    words = rng.sample(WORDS, keys)
+    values = [_number(rng, 7) for _ in words]
+    target = 0
+    depths = [depth] + [(depth + (i + 1) / keys) % 1.0 for i in range(keys - 1)]  # distractors spread around it
+    needles = [(d, f" One of the special magic numbers for {w} is: {v}.") for d, w, v in zip(depths, words, values)]
+    w = words[target]
+    return Parts("Some special magic numbers are hidden within the following text. Make sure to memorize them. I "
+                 "will quiz you about the numbers afterwards.\n", needles,
+                 f"\nWhat is the special magic number for {w} mentioned in the provided text? The special magic "
+                 f"number for {w} mentioned in the provided text is", [f" {values[target]}"])
+
+
+def _variable_tracking(rng, depth, hops: int = 4):
+    names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)) for _ in range(hops + 1)]
+    value = _number(rng, 5)
+    chain = [f" VAR {names[0]} = {value}."] + [f" VAR {names[i + 1]} = VAR {names[i]}." for i in range(hops)]
+    # the chain's links spread from the depth to the end of the text, in order
+    needles = [(depth + (1 - depth) * i / (hops + 1), link) for i, link in enumerate(chain)]
+    return Parts("Memorize and track the chain(s) of variable assignment hidden in the following text.\n", needles,
+                 f"\nQuestion: Find all variables that are assigned the value {value} in the text above. Answer: "
+                 f"According to the chain(s) of variable assignment in the text above, {hops + 1} variables are "
+                 f"assigned the value {value}, they are:", [f" {n}" for n in names])
+
+
+TASK_PARTS = {"passkey": _passkey, "niah_single": lambda rng, d: _niah(rng, d, 1),
+              "niah_multikey": lambda rng, d: _niah(rng, d, 4), "variable_tracking": _variable_tracking}
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _boundaries(tokenizer, haystack: list[int]) -> list[int]:
+    """Token offsets just after a sentence or line end in `haystack` (where a needle may go)."""
+    pieces = tokenizer.convert_ids_to_tokens(haystack)
+    return [i + 1 for i, p in enumerate(pieces) if p and p.rstrip("Ġ▁ ").endswith((".", "\n", "Ċ", "<0x0A>"))]
+
+
+def _assemble(task: str, tokenizer, parts: Parts, length: int, depth: float, haystack: list[int]) -> Example:
+    intro, question = _encode(tokenizer, parts.intro), _encode(tokenizer, parts.question)
+    needles = sorted((d, _encode(tokenizer, text)) for d, text in parts.needles)
+    items = [_encode(tokenizer, item) for item in parts.items]
+    fill = length - len(intro) - len(question) - sum(len(n) for _, n in needles) - sum(len(i) for i in items)
+    if fill < 1:
+        raise SurgeryError(f"retrieval length {length} is too short for {task}: its question and needles alone take "
+                           f"{length - fill} tokens")
+    if len(haystack) < fill:
+        raise SurgeryError(f"the haystack text has {len(haystack)} tokens: too short for {task} at {length} tokens "
+                           f"(it needs {fill}); give a longer text or use the noise haystack")
+    hay = haystack[:fill]
+    marks = _boundaries(tokenizer, hay) or list(range(fill + 1))
+    body, at = [], 0
+    for d, needle in needles:
+        want = round(d * fill)
+        cut = min((m for m in marks if m >= at), key=lambda m: abs(m - want), default=at)
+        body += hay[at:cut] + needle
+        at = cut
+    body += hay[at:]
+    ids = intro + body + question + [t for item in items for t in item]
+    assert len(ids) == length, (task, len(ids), length)
+    return Example(task, length, depth, ids, items)
+
+
+def noise_haystack(tokenizer, tokens: int) -> list[int]:
+    sentence = _encode(tokenizer, " " + NOISE)
+    return (sentence * (tokens // len(sentence) + 1))[:tokens]
+
+
+def _pseudo_word(rng: random.Random) -> str:
+    """A pronounceable made-up word (two or three syllables): rare words that never collide with the common ones."""
+    return "".join(rng.choice("bdfgklmnprstvz") + rng.choice("aeiou") for _ in range(rng.choice((2, 3))))
+
+
+def _common_words(rng: random.Random, tokenizer, length: int, depth: float, common: int = 10) -> Example:
+    """A numbered list of words: `common` words repeated (3 to 30 times each, more for longer examples, as RULER's
+    30 against 3), the other words once or twice, shuffled; the question asks for the most common ones (the answer
+    lists them in order of first appearance). Noise pads the list to the exact length."""
+    intro = _encode(tokenizer, "Below is a numbered list of words. In these words, some appear more often than "
+                               "others. Memorize the ones that appear most often.\n")
+    question = _encode(tokenizer, f"\nQuestion: What are the {common} most common words in the above list? Answer: "
+                                  f"The top {common} words that appear most often in the list are:")
+    top = rng.sample(WORDS, common)
+    repeats = max(3, min(30, length // 250))
+    fixed = len(intro) + len(question) + sum(len(_encode(tokenizer, f" {w}")) for w in top)
+    words = [w for w in top for _ in range(repeats)]
+    entry = max(len(_encode(tokenizer, f" {len(words)}. {w}")) for w in WORDS)  # the longest an entry can be
+    while fixed + entry * (len(words) + 2) < length:
+        words += [_pseudo_word(rng)] * rng.choice((1, 2))
+    rng.shuffle(words)
+    entries = [_encode(tokenizer, f" {i + 1}. {w}") for i, w in enumerate(words)]
+    while fixed + sum(map(len, entries)) > length and words:  # too long: the last entries go
+        words.pop(), entries.pop()
+    order = list(dict.fromkeys(w for w in words if w in top))
+    if len(order) < common:
+        raise SurgeryError(f"retrieval length {length} is too short for common_words")
+    items = [_encode(tokenizer, f" {w}") for w in order]
+    body = [t for e in entries for t in e]
+    pad = noise_haystack(tokenizer, length - fixed - len(body))
+    ids = intro + pad + body + question + [t for item in items for t in item]
+    assert len(ids) == length
+    return Example("common_words", length, depth, ids, items)
+
+
+def make_examples(task: str, tokenizer, length: int, samples: int, seed: int = 0,
+                  haystack_tokens: list[int] | None = None) -> list[Example]:
+    """`samples` examples of `task` at `length` tokens, needle depths spread evenly ((i + 0.5) / samples), from
+    `seed`; the haystack is `haystack_tokens` (a text's tokens) or RULER's noise."""
+    if task not in TASKS:
+        raise SurgeryError(f"unknown retrieval task {task!r}; choose from {', '.join(TASKS)} (or all)")
+    out = []
+    for i in range(samples):
+        rng = random.Random(f"{seed}/{task}/{length}/{i}")
+        depth = (i + 0.5) / samples
+        if task == "common_words":
+            out.append(_common_words(rng, tokenizer, length, depth))
+            continue
+        hay = haystack_tokens if haystack_tokens is not None else noise_haystack(tokenizer, length)
+        if haystack_tokens is not None and len(hay) > length:  # each sample its own stretch of the text
+            start = rng.randrange(0, len(hay) - length + 1)
+            hay = hay[start:]
+        out.append(_assemble(task, tokenizer, TASK_PARTS[task](rng, depth), length, depth, hay))
+    return out

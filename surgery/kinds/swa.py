@@ -1,0 +1,100 @@
+"""swa: sliding-window attention on most layers, global attention on the others, written as a standard checkpoint
+(per-layer `layer_types` and `sliding_window`: ministral for Llama/Mistral bodies, the source's own type for Qwen2,
+Qwen3, SmolLM3 and Gemma 2) that transformers and vLLM load with no custom code. The conversion code is
+surgery/swa/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import ValidationInfo, field_validator, model_validator
+
+from ..options import option, spelling
+from .base import CalibrationOptions, Kind, WriteOptions
+from ..swa.layers import GlobalLayers, parse_global_layers
+from ..swa.refusals import REFUSES
+
+
+class SWAFields(WriteOptions):
+    """swa's own options (SWAOptions adds calibration's after them, read by `--global-layers auto`)."""
+
+    GROUP: ClassVar[str] = "swa"
+    window: int | None = option(
+        None, "--window", "[swa] Tokens a sliding layer sees: the query and the W-1 before it (the runtimes' "
+        "sliding_window). Contexts of at most W compute exactly the source's function.", metavar="W", group=GROUP)
+    global_layers: str = option(
+        "auto", "--global-layers", "[swa] Layers kept global: auto (the quarter of the layers that attend most beyond "
+        "the window on calibration text at long context), auto:N (the N such layers), N (evenly spaced, the last "
+        "included), or a list of indices like 0,7,15.", metavar="SPEC", group=GROUP)
+
+    @field_validator("global_layers", mode="before")
+    @classmethod
+    def _spec(cls, v, info: ValidationInfo):
+        parsed = parse_global_layers(v)  # ValueError carries the reason
+        return parsed.describe()
+
+
+class SWAOptions(CalibrationOptions, SWAFields):
+    @property
+    def parsed_global_layers(self) -> GlobalLayers:
+        return parse_global_layers(self.global_layers)
+
+    @model_validator(mode="after")
+    def _rules(self, info: ValidationInfo):
+        s = spelling(info, type(self))
+        if self.window is None:
+            raise ValueError(f"{s.kind('swa')} needs {s.options(['window'])}")
+        if self.window < 1:
+            raise ValueError(f"{s.flag('window')} must be at least 1, got {self.window}")
+        if self.parsed_global_layers.auto:
+            return self
+        if self.precision != "auto" or self.device != "auto":
+            name = "precision" if self.precision != "auto" else "device"
+            raise ValueError(f"{s.flag(name)} is calibration's: {s.flag('global_layers')} "
+                             f"{self.global_layers} runs none (it is auto that calibrates)")
+        fields = type(self).model_fields
+        for name in ("calib", "calib_tokens", "calib_window", "calib_chunk", "chat_template"):
+            if name in self.model_fields_set and getattr(self, name) != fields[name].default:
+                raise ValueError(f"{s.flag(name)} does nothing for {s.flag('global_layers')} {self.global_layers}, "
+                                 f"which reads no calibration text (use {s.flag('global_layers')} auto, or leave "
+                                 f"{s.flag(name)} out)")
+        return self
+
+
+class SWA(Kind):
+    def calibrates(self, options: SWAOptions) -> bool:
+        return options.parsed_global_layers.auto
+
+    def convert(self, source, out: Path, options: SWAOptions) -> dict:
+        from ..swa import convert_to_swa
+
+        auto = options.parsed_global_layers.auto
+        # the calibration windows: 4 W unless --calib-window is given (a value other than its default, as the
+        # other kinds tell a given option)
+        given = options.calib_window != type(options).model_fields["calib_window"].default
+        calib_window = options.calib_window if given else None
+        return convert_to_swa(source, out, window=options.window, global_layers=options.parsed_global_layers,
+                              calib=options.calib, calib_tokens=options.calib_tokens,
+                              calib_window=calib_window if auto else None, calib_chunk=options.calib_chunk,
+                              device=options.device, precision=options.precision,
+                              chat_template=options.chat_template, **options.write_kwargs())
+
+    def summary(self, record: dict, options: SWAOptions) -> str:
+        s = record["swa"]
+        return (f"swa (window {s['window']}, {len(s['global_layers'])} of {s['layers']} layers global: "
+                f"{','.join(map(str, s['global_layers'])) or 'none'}) in {record['seconds']:.1f}s")
+
+    def card_lines(self, record: dict) -> list[str]:
+        s = record.get("swa") or {}
+        if not s:
+            return []
+        how = ("chosen by their attention mass beyond the window on calibration text" if "scores" in s
+               else f"as asked ({s.get('asked')})")
+        return [f"Sliding-window attention of {s['window']} tokens on every layer but {s['global_layers']}, {how}."]
+
+
+SWA_KIND = SWA("swa", SWAOptions, title="sliding-window / global hybrid attention", tags=["sliding-window-attention"],
+               refuses=REFUSES, example_options={"window": 4, "global_layers": "1"},
+               help="swa copies the weights unchanged and writes per-layer attention types: a standard checkpoint "
+                    "(ministral for Llama/Mistral bodies, the source's own type for Qwen2/Qwen3/SmolLM3/Gemma 2).")

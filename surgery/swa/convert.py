@@ -1,0 +1,141 @@
+"""The swa conversion: choose the global layers, write the source's tensors unchanged (streamed, byte for byte where
+the dtype stays) with a config that marks the other layers sliding.
+
+Targets (surgery.arch.SLIDING_WINDOW_TARGETS): Llama and Mistral bodies become `ministral` (Llama's layer without
+biases, with per-layer types); Qwen2, Qwen3, SmolLM3 and Gemma 2 keep their own type (Qwen2/3 and SmolLM3 with
+`use_sliding_window`). A sliding layer's query at position q sees keys q-W+1..q: W keys, itself included
+(transformers' sliding_window_overlay, vLLM's and llama.cpp's windows alike), so contexts of at most W tokens
+compute exactly what the source computes.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..arch import SLIDING_WINDOW_TARGETS, spec_for
+from ..calibration.chunks import chunk_windows
+from ..calibration.text import calibration_text, context_of
+from ..checkpoint.atomic import check_output_path
+from ..checkpoint.source import Source
+from ..checkpoint.tensors import DTYPES, CheckpointReader, PlannedTensor
+from ..checkpoint.writer import write_conversion
+from ..errors import SurgeryError
+from ..precision import calibrating, resolve_precision
+from ..runtime import load_tokenizer, pick_device
+from .layers import GlobalLayers, evenly_spaced, layer_types, top_layers
+from .refusals import KIND, REFUSES
+
+ARCHITECTURES = {"ministral": "MinistralForCausalLM"}
+SWITCHED = ("qwen2", "qwen3", "smollm3")  # their sliding_window counts only with use_sliding_window
+LLAMA_ONLY = ("attention_bias", "mlp_bias", "pretraining_tp")  # Llama settings Ministral's layer has no place for
+AUTO_WINDOWS = 4  # `auto` calibrates on windows of this many times W (capped by the context) unless told
+
+
+def check_request(config: dict, window: int, global_layers: GlobalLayers) -> tuple[int, int]:
+    """The family, the window and the global-layer choice checked against the source's config before any work;
+    returns (layers, context)."""
+    spec_for(config, KIND, REFUSES)
+    if config.get("model_type") in ("llama",):
+        for key in LLAMA_ONLY:
+            if config.get(key) not in (None, False, 1):
+                raise SurgeryError(f"swa writes Llama as ministral, whose layer has no {key} (the source sets "
+                                   f"{key}={config[key]!r})")
+    layers, context = spec_for(config).layers(config), context_of(config)
+    if window < 1:
+        raise SurgeryError(f"--window must be at least 1, got {window}")
+    if context and window >= context:
+        raise SurgeryError(f"--window {window} must be shorter than the model's context ({context} tokens): a window "
+                           "that covers the whole context changes nothing")
+    global_layers.check(layers)
+    return layers, context
+
+
+def target_config(config: dict, window: int, types: list[str], dtype: str | None) -> dict:
+    """The output config.json: the source's, with per-layer types and the window (and, from Llama or Mistral, the
+    ministral model type)."""
+    target = SLIDING_WINDOW_TARGETS[config["model_type"]]
+    new = dict(config)
+    if target != config["model_type"]:
+        new = {k: v for k, v in new.items() if k not in LLAMA_ONLY}
+        new.update(model_type=target, architectures=[ARCHITECTURES[target]])
+    new.update(sliding_window=window, layer_types=types)
+    if target in SWITCHED:
+        new["use_sliding_window"] = True
+        new.pop("max_window_layers", None)  # layer_types decides; this would only mislead a reader
+    if dtype:
+        new["dtype"] = dtype
+        new.pop("torch_dtype", None)
+    return new
+
+
+def plan(reader: CheckpointReader, dtype: str | None) -> list[PlannedTensor]:
+    """Every tensor unchanged: a raw byte copy, or cast when --dtype asks for another float type."""
+    out = DTYPES.get(dtype) if dtype else None
+    planned = []
+    for name in reader.names():
+        info = reader.tensors[name]
+        if out is None or not info.dtype.is_floating_point or out == info.dtype:
+            if not reader.is_pickle:
+                planned.append(PlannedTensor(name, info.dtype, info.shape, raw_source=(reader, name)))
+                continue
+        to = out if (out is not None and info.dtype.is_floating_point) else info.dtype
+        planned.append(PlannedTensor(name, to, info.shape,
+                                     produce=lambda n=name, to=to: reader.load(n).to(to).contiguous()))
+    return planned
+
+
+def convert_to_swa(src: Source, out: Path, *, window: int, global_layers: GlobalLayers, calib="pydoc",
+                   calib_tokens: int = 8192, calib_window: int | None = None, calib_chunk: int | None = None,
+                   force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
+                   allow_pickle: bool = False, seed: int = 0, progress: bool = True, device: str = "auto",
+                   precision: str = "auto", chat_template: str = "auto") -> dict:
+    """Write `src` with sliding-window attention of `window` tokens on every layer but the global ones to `out`.
+    `auto` scores the layers on `calib_tokens` calibration tokens in windows of `calib_window` (default: 4 W,
+    capped by the context)."""
+    start = time.time()
+    config = src.config
+    layers, context = check_request(config, window, global_layers)
+    count = global_layers.resolve_count(layers)
+    check_output_path(out, force, source=src.folder)
+    reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
+    scores, calibration = None, None
+    if global_layers.auto:
+        length = calib_window or min(AUTO_WINDOWS * window, context or AUTO_WINDOWS * window)
+        if length <= window:
+            raise SurgeryError(f"--global-layers auto scores what each layer attends beyond the window: calibration "
+                               f"windows of {length} tokens must be longer than --window {window}")
+        dev = pick_device(device)
+        resolved = resolve_precision(precision, dev)
+        text = calibration_text(calib, load_tokenizer(src), calib_tokens, context, window=length,
+                                chat_template=chat_template)
+        if text.windows.shape[1] <= window:
+            raise SurgeryError(f"the calibration text gave windows of {text.windows.shape[1]} tokens, not longer than "
+                               f"--window {window}: give more --calib-tokens or a longer text")
+        from .score import layer_scores
+
+        chunk = chunk_windows(config, int(text.windows.shape[1]), requested=calib_chunk)
+        calib_start = time.time()
+        with calibrating(resolved, dev):
+            scores = layer_scores(src.folder, reader, text.windows, dev, window, chunk, progress)
+        chosen = top_layers(scores, count)
+        calibration = text.record() | {"device": str(dev), "precision": resolved, "chunk_windows": chunk,
+                                       "seconds": round(time.time() - calib_start, 3),
+                                       "score": "attention mass beyond the window (mean over heads and queries)"}
+    else:
+        chosen = list(global_layers.indices) if global_layers.indices is not None else evenly_spaced(count, layers)
+    types = layer_types(layers, chosen)
+    new_config = target_config(config, window, types, dtype)
+
+    def record_fields(output_files: list[str]) -> dict:
+        swa = {"window": window, "global_layers": chosen, "asked": global_layers.describe(), "layers": layers,
+               "target_model_type": new_config["model_type"]}
+        if scores is not None:
+            swa["scores"] = [round(s, 6) for s in scores]
+        record = {"dtype": dtype or "auto", "architecture": {"spec": config["model_type"],
+                                                             "target_model_type": new_config["model_type"]},
+                  "swa": swa, "output_files": output_files, "seconds": round(time.time() - start, 3)}
+        return record | ({"calibration": calibration} if calibration else {})
+
+    return write_conversion(src, reader, out, plan(reader, dtype), new_config, KIND, record_fields, force=force,
+                            progress=progress, max_shard_bytes=max_shard_bytes)

@@ -1,0 +1,12 @@
+"""What `--to swa` cannot convert (surgery.arch's family features), in its words. Torch-free: the kind
+(surgery/kinds/swa.py) and the converter both read it."""
+
+from ..arch import Feature
+from ..talking_heads.refusals import ENCODERS_NEED_CODE
+
+KIND = "swa"
+REFUSES = {
+    Feature.ENCODER: ENCODERS_NEED_CODE,
+    Feature.NO_LAYER_TYPES: "{detail}",
+    Feature.POSITIONS_BY_LAYER_TYPE: "{detail}: retyping a layer would change what it computes",
+}

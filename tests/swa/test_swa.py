@@ -1,0 +1,158 @@
+"""`--to swa`: sliding-window layers written as a standard checkpoint. The output loads with no custom code, computes
+the source's function exactly at contexts within the window, windows exactly as the runtimes mean it beyond, and
+`--global-layers auto` keeps the layers its calibration scores highest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from surgery.kinds.base import cached_fraction
+from surgery.swa.layers import evenly_spaced, parse_global_layers, top_layers
+from surgery.swa.score import far_mass
+from surgery.testing import tiny_models as tm
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return tm.tiny("llama", tmp_path_factory.mktemp("swa") / "llama")
+
+
+def _load(folder):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _config(folder) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+@pytest.mark.parametrize("arch, target", [("llama", "ministral"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
+                                          ("gemma2", "gemma2"), ("mistral", "ministral")])
+def test_the_output_loads_without_code_and_is_exact_within_the_window(arch, target, tmp_path, cli):
+    src = tm.tiny(arch, tmp_path / arch)
+    code, _, err = cli("convert", src, "--to", "swa", "--window", "8", "--global-layers", "1", "--out", tmp_path / "o")
+    assert code == 0, err
+    config = _config(tmp_path / "o")
+    assert config["model_type"] == target and config["sliding_window"] == 8
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert not any((tmp_path / "o").glob("*.py"))
+    model, source = _load(tmp_path / "o"), _load(src)
+    assert type(model).__name__.lower().startswith(target.replace("_", ""))
+    ids = tm.sample_ids(length=8)  # the window: every key visible, as in the source
+    assert torch.allclose(tm.logits(model, ids), tm.logits(source, ids), atol=1e-5)
+    long = tm.sample_ids(length=24)  # beyond it the sliding layer sees less
+    assert not torch.allclose(tm.logits(model, long)[:, 8:], tm.logits(source, long)[:, 8:], atol=1e-3)
+
+
+def test_a_sliding_layer_sees_the_query_and_the_window_minus_one_keys_before_it(llama, tmp_path, cli):
+    """With every layer sliding, layer 0's output at position q depends only on tokens q-W+1..q: changing token
+    q-W leaves it unchanged, changing q-W+1 does not (W = 8)."""
+    code, _, err = cli("convert", llama, "--to", "swa", "--window", "8", "--global-layers", "0", "--out", tmp_path / "o")
+    assert code == 0, err
+    model = _load(tmp_path / "o")
+    ids = tm.sample_ids(batch=1, length=20)
+    q, w = 19, 8
+
+    def first_layer(x):
+        with torch.no_grad():
+            return model(input_ids=x, output_hidden_states=True).hidden_states[1][0, q]
+
+    base = first_layer(ids)
+    outside, inside = ids.clone(), ids.clone()
+    outside[0, q - w] = (ids[0, q - w] + 1) % tm.VOCAB
+    inside[0, q - w + 1] = (ids[0, q - w + 1] + 1) % tm.VOCAB
+    assert torch.equal(first_layer(outside), base)
+    assert not torch.allclose(first_layer(inside), base)
+
+
+def test_auto_keeps_the_layers_that_attend_most_beyond_the_window(llama, tmp_path, cli):
+    code, out, err = cli("convert", llama, "--to", "swa", "--window", "16", "--global-layers", "auto:1",
+                         "--calib", "pydoc", "--calib-tokens", "256", "--calib-window", "64", "--out", tmp_path / "o")
+    assert code == 0, err
+    record = json.loads((tmp_path / "o" / "surgery.json").read_text())
+    scores = record["swa"]["scores"]
+    assert len(scores) == 2 and all(0 < s < 1 for s in scores)
+    assert record["swa"]["global_layers"] == [max(range(2), key=lambda i: scores[i])]
+    assert record["calibration"]["window_length"] == 64
+    types = _config(tmp_path / "o")["layer_types"]
+    assert [i for i, t in enumerate(types) if t == "full_attention"] == record["swa"]["global_layers"]
+
+
+def test_far_mass_is_the_probability_beyond_the_window():
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8)
+    total, rows = far_mass(q, k, 8 ** -0.5, 5)
+    kk = k.repeat_interleave(2, dim=1)
+    probs = (q @ kk.transpose(-1, -2) * 8 ** -0.5).masked_fill(torch.ones(12, 12).triu(1).bool(), -1e9).softmax(-1)
+    want = sum(probs[0, h, i, : i - 5 + 1].sum().item() for h in range(4) for i in range(5, 12))
+    assert rows == 4 * 7 and total == pytest.approx(want, rel=1e-5)
+
+
+def test_global_layer_specs():
+    assert parse_global_layers("auto").auto and parse_global_layers("auto:3").count == 3
+    assert parse_global_layers("4").count == 4 and parse_global_layers("7,0,3").indices == (0, 3, 7)
+    assert evenly_spaced(8, 30) == [2, 6, 10, 14, 17, 21, 25, 29] and evenly_spaced(0, 30) == []
+    assert top_layers([0.1, 0.5, 0.3, 0.5], 2) == [1, 3]
+    for bad, why in (("1,1", "listed twice"), ("x", "auto, auto:N"), ("-2", "negative"), ("auto:x", "auto, auto:N")):
+        with pytest.raises(ValueError, match=why):
+            parse_global_layers(bad)
+
+
+def test_the_cache_at_a_context_counts_sliding_layers_at_their_window():
+    config = {"num_hidden_layers": 4, "sliding_window": 100, "max_position_embeddings": 1000,
+              "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}
+    assert cached_fraction(config, 1000) == pytest.approx((1 + 3 * 0.1) / 4)
+    assert cached_fraction(config, 50) == 1.0 and cached_fraction(config) == pytest.approx(0.325)
+    qwen = config | {"model_type": "qwen2"}
+    assert cached_fraction(qwen, 1000) == 1.0  # use_sliding_window off: the runtimes ignore the window
+    assert cached_fraction(qwen | {"use_sliding_window": True}, 1000) == pytest.approx(0.325)
+    mistral = {"model_type": "mistral", "num_hidden_layers": 4, "sliding_window": 100}
+    assert cached_fraction(mistral, 1000) == pytest.approx(0.1)
+
+
+def test_a_gqa_output_converts_again(llama, tmp_path, cli):
+    assert cli("convert", llama, "--to", "gqa", "--kv-heads", "2", "--out", tmp_path / "gqa")[0] == 0
+    code, _, err = cli("convert", tmp_path / "gqa", "--to", "swa", "--window", "8", "--global-layers", "1",
+                       "--out", tmp_path / "o")
+    assert code == 0, err
+    config = _config(tmp_path / "o")
+    assert config["num_key_value_heads"] == 2 and config["model_type"] == "ministral"
+    ids = tm.sample_ids(length=8)
+    assert torch.allclose(tm.logits(_load(tmp_path / "o"), ids), tm.logits(_load(tmp_path / "gqa"), ids), atol=1e-5)
+
+
+@pytest.mark.parametrize("args, arch, message", [
+    (["--window", "128", "--global-layers", "1"], "llama", "must be shorter than the model's context (128 tokens)"),
+    (["--window", "8", "--global-layers", "0,2"], "llama", "layer 2 is out of range"),
+    (["--window", "8", "--global-layers", "1,1"], "llama", "layer 1 is listed twice"),
+    (["--window", "8", "--global-layers", "3"], "llama", "--global-layers 3: the model has 2 layers"),
+    (["--global-layers", "1"], "llama", "needs --window"),
+    (["--window", "8", "--global-layers", "1"], "gpt2", "no per-layer attention types"),
+    (["--window", "8", "--global-layers", "1"], "cohere2", "global layers have no RoPE"),
+    (["--window", "8", "--global-layers", "1", "--calib-tokens", "64"], "llama", "--calib-tokens does nothing"),
+    (["--window", "64", "--global-layers", "auto", "--calib-window", "64"], "llama", "must be longer than --window"),
+])
+def test_bad_input_is_one_line_and_nothing_written(args, arch, message, tmp_path, cli):
+    src = tm.tiny(arch, tmp_path / arch)
+    code, _, err = cli("convert", src, "--to", "swa", *args, "--out", tmp_path / "o")
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_swa_output_distils_from_its_source_and_stays_swa(tiny, tmp_path, cli):
+    """A standard model: uptraining (KD from the source named in surgery.json) runs on it unchanged, moves it
+    towards the source, and writes it back with its layer types."""
+    from surgery.testing.pydoc_llama import FAST, metrics
+    from surgery.training import UptrainOptions, uptrain
+
+    code, _, err = cli("convert", tiny, "--to", "swa", "--window", "4", "--global-layers", "1", "--out",
+                       tmp_path / "swa")
+    assert code == 0, err
+    uptrain(UptrainOptions(model=str(tmp_path / "swa"), out=tmp_path / "up", **(FAST | dict(tokens=1024, loss="kd", lr=3e-4))))
+    kd = [m["kd_loss"] for m in metrics(tmp_path / "up") if "kd_loss" in m]
+    assert len(kd) == 2 and kd[1] < kd[0]
+    assert _config(tmp_path / "up")["layer_types"] == _config(tmp_path / "swa")["layer_types"]
+    assert _load(tmp_path / "up").config.sliding_window == 4
