@@ -48,20 +48,31 @@ class Shape:
     def __init__(self, spec, config: dict, rank: int, rope_dim: int | None):
         self.layers, self.heads = spec.layers(config), spec.heads(config)
         self.kv_heads, self.head_dim, self.hidden = spec.kv_heads(config), spec.head_dim(config), spec.hidden(config)
-        self.rank, self.rope_dim = rank, self.head_dim if rope_dim is None else rope_dim
+        self.rotary_dims = rotary_dims(config, self.head_dim)
+        self.rank, self.rope_dim = rank, self.rotary_dims if rope_dim is None else rope_dim
         full = 2 * self.kv_heads * self.head_dim
         if self.heads % self.kv_heads:
             raise SurgeryError(f"{self.kv_heads} K/V heads do not divide {self.heads} attention heads")
         if not 1 <= rank <= full:
             raise SurgeryError(f"--kv-rank must be between 1 and {full} (2 x {self.kv_heads} K/V heads x head_dim "
                                f"{self.head_dim}: the source's keys and values), got {rank}")
-        if self.rope_dim % 2 or not 2 <= self.rope_dim <= self.head_dim:
-            raise SurgeryError(f"--rope-dim must be even (RoPE rotates pairs) and between 2 and head_dim "
-                               f"{self.head_dim}, got {self.rope_dim}")
+        if self.rope_dim % 2 or not 2 <= self.rope_dim <= self.rotary_dims:
+            what = "head_dim" if self.rotary_dims == self.head_dim else "the source's rotary dims"
+            raise SurgeryError(f"--rope-dim must be even (RoPE rotates pairs) and between 2 and {what} "
+                               f"{self.rotary_dims}, got {self.rope_dim}")
+        if self.rotary_dims != self.head_dim and spec.rotary_pairs != "interleaved":
+            raise SurgeryError("mla converts partial rotary only with interleaved pairs (GLM's: the rotating pairs "
+                               "are the head's first, the others join the no-position keys)")
 
     @property
     def full_rank(self) -> int:
         return 2 * self.kv_heads * self.head_dim
+
+
+def rotary_dims(config: dict, head_dim: int) -> int:
+    """The dims of each head that RoPE rotates (partial_rotary_factor, top-level or in rope_parameters)."""
+    factor = config.get("partial_rotary_factor") or (config.get("rope_parameters") or {}).get("partial_rotary_factor")
+    return int(head_dim * float(factor)) if factor else head_dim
 
 
 def refuse_config(config: dict, family: MLAFamily | None = None) -> None:
@@ -88,7 +99,7 @@ def source_frequencies(folder: Path, head_dim: int) -> torch.Tensor:
     return config_frequencies(AutoConfig.from_pretrained(folder, trust_remote_code=False), head_dim)
 
 
-def config_frequencies(config, head_dim: int) -> torch.Tensor:
+def config_frequencies(config, head_dim: int) -> torch.Tensor:  # head_dim: the dims that rotate
     """`source_frequencies` of a transformers config object (the dry run's, built from config.json's fields)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
@@ -166,7 +177,7 @@ def choose_frequencies(scores: list[torch.Tensor] | None, strides: dict[int, flo
         return [k * min(strides) for k in range(n)], min(strides), strides[min(strides)], 1.0
     angle = inv_freq * window
     moves = 1 - torch.sin(angle) / angle
-    loss = torch.stack(scores).sum(0) / len(scores) * moves
+    loss = torch.stack(scores).sum(0)[: inv_freq.numel()] / len(scores) * moves  # partial rotary: the first pairs
     loss = loss / loss.sum().clamp_min(1e-300)
     best = max(strides, key=lambda s: float(loss[[k * s for k in range(n)]].sum()))
     kept = [k * best for k in range(n)]
@@ -434,7 +445,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         return moments[i]
 
     rotates = rotating_layers(family, config, shape.layers)
-    inv_freq = source_frequencies(src.folder, shape.head_dim)
+    inv_freq = source_frequencies(src.folder, shape.rotary_dims)
     strides = rope_strides(inv_freq, shape.rope_dim, source_theta(config))
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window,
                             chat_template=chat_template)

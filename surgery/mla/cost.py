@@ -213,7 +213,7 @@ def mla_cost(config: dict, rank: int, rope_dim: int | None, query_samples: int =
     refuse_config(config, mla_family(spec.name))
     shape = Shape(spec, config, rank, rope_dim)
     rope = shape.rope_dim
-    scored = frequency_pass(config, shape.head_dim, rope)
+    scored = frequency_pass(config, shape.rotary_dims, rope)
     return CalibratedCost(
         "mla", lambda s, tokens, window: mla_layer_flops(s, rank, rope, tokens, window, scored, query_samples),
         lambda s, chunk: mla_fit_bytes(s, rank, rope, scored, chunk),  # a chunk's rows are cast to float64 at once

@@ -74,6 +74,10 @@ FAMILIES: dict[str, MLAFamily] = {
                       "down_proj centred); clip_qkv is refused", layer_norm=True, norm_eps=1e-5),
     "qwen2": MLAFamily(APPROXIMATE, "q/v biases absorbed by calibration, the key bias dropped (nearly "
                        "softmax-invariant), error measured (DeepSeek-V3 has no projection biases)", biases=True),
+    "glm": MLAFamily(APPROXIMATE, "q/v biases absorbed by calibration, the key bias dropped (softmax-invariant on "
+                     "the non-rotating half, not on the rotating one), error measured; partial interleaved rotary: "
+                     "the non-rotating dims join the no-position keys; fused gate/up rows split", biases=True,
+                     mlp="fused_gate_up"),
     "qwen3": MLAFamily(APPROXIMATE, "per-head q/k norms absorbed by calibration, error measured (DeepSeek-V3 has "
                        "none)", qk_norm=True),
 }
