@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checking.compare import compare_checkpoints, print_report, tolerance
+from .checking.compare import compare_checkpoints, tolerance
+from .checking.report_tables import print_report
 from .kv.convert import KVOptions, convert_to_kv_heads
 from .data import pydoc_texts
 from .errors import SurgeryError

@@ -34,7 +34,7 @@ LAYERS = [
     ("runtime", ["surgery.runtime"]),
     ("architecture", ["surgery.arch"]),
     ("conversions", ["surgery.calibration", "surgery.kv", "surgery.switchhead", "surgery.talking_heads",
-                     "surgery.mla", "surgery.estimate"]),
+                     "surgery.mla", "surgery.swa", "surgery.estimate"]),
     ("kinds", ["surgery.kinds"]),
     ("checkpoint users", ["surgery.checking", "surgery.inspection", "surgery.bench",
                           "surgery.dry_run", "surgery.demo", "surgery.publish", "surgery.training",

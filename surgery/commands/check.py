@@ -125,7 +125,8 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
     """Compare, print the report (`show`; the Python API returns it instead), write it as JSON (`json_out`);
     CheckFailed when --expect exact is not met."""
     from ..checkpoint.atomic import write_json
-    from ..checking.compare import check_counts, check_json_path, compare_checkpoints, precision_tolerance, print_report
+    from ..checking.compare import check_counts, check_json_path, compare_checkpoints, precision_tolerance
+    from ..checking.report_tables import print_report
     from ..data import load_texts
     from ..checkpoint.source import resolve_source
 

@@ -134,6 +134,7 @@ def test_a_gqa_output_converts_again(llama, tmp_path, cli):
     (["--window", "8", "--global-layers", "1"], "cohere2", "global layers have no RoPE"),
     (["--window", "8", "--global-layers", "1", "--calib-tokens", "64"], "llama", "--calib-tokens does nothing"),
     (["--window", "64", "--global-layers", "auto", "--calib-window", "64"], "llama", "must be longer than --window"),
+    (["--window", "8", "--global-layers", "auto", "--calib", "pydoc", "--calib-tokens", "4"], "llama", "windows of 4 tokens, not longer"),
 ])
 def test_bad_input_is_one_line_and_nothing_written(args, arch, message, tmp_path, cli):
     src = tm.tiny(arch, tmp_path / arch)
