@@ -36,7 +36,7 @@ CONTEXT = 128
 SHAPE = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, max_position_embeddings=CONTEXT, rope_theta=10000.0,
              tie_word_embeddings=True)
-FAMILIES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+FAMILIES = {"qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "glm": "GlmConfig"}  # GLM: `--families glm`
 
 
 def encode(texts: list[str]) -> torch.Tensor:
@@ -94,6 +94,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=2, help="1: MQA, where the shared rope key is exact and full "
                     "rank (64) leaves only what DeepSeek-V3 cannot hold")
     ap.add_argument("--ranks", type=int, nargs="+", default=[128, 64])
+    ap.add_argument("--families", nargs="+", default=["qwen2", "qwen3"], choices=sorted(FAMILIES))
     ap.add_argument("--keep", type=Path, default=None, help="keep the trained sources here (reused when present)")
     args = ap.parse_args()
     docs = pydoc_texts()
@@ -103,7 +104,7 @@ def main() -> None:
     results = {"training_windows": len(training), "eval_tokens": held_out.numel(), "kv_heads": args.kv_heads,
                "models": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for family in FAMILIES:
+        for family in args.families:
             src = (args.keep or Path(tmp)) / family
             if (src / "train.json").exists():
                 info = json.loads((src / "train.json").read_text())
