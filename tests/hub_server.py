@@ -558,6 +558,20 @@ def hub_env(hub: LocalHub, tmp_path: Path, token: str | None = TOKEN) -> dict:
             "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_TOKEN": token or ""}
 
 
+def run_script(hub: LocalHub, tmp_path: Path, script: Path, *args) -> dict:
+    """Run a notebook-like Python script against the loopback hub (this checkout's toolkit on its path, a private
+    surgery cache), as a user's process would; its last stdout line, parsed as JSON."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), SURGERY_CACHE=str(tmp_path / "cache"),
+               **hub_env(hub, tmp_path))
+    result = subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True, env=env,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
 def download(hub: LocalHub, repo_id: str, cache: Path, token: str | None = TOKEN, revision: str | None = None) -> Path:
     from huggingface_hub import snapshot_download
 

@@ -242,7 +242,7 @@ def test_run_recipe_takes_a_mapping_and_skips_finished_steps(tiny, tmp_path, mon
 
 def test_push_uploads_with_a_check_report_object_in_the_card(tiny, tmp_path):
     """In a fresh process (huggingface_hub reads HF_ENDPOINT when it loads) against the loopback hub."""
-    from hub_server import TOKEN, USER, LocalHub, download, hub_env
+    from hub_server import TOKEN, USER, LocalHub, download, run_script
 
     script = tmp_path / "push.py"
     script.write_text(
@@ -253,11 +253,7 @@ def test_push_uploads_with_a_check_report_object_in_the_card(tiny, tmp_path):
         "pushed = surgery.push(mqa, 'alice/tiny-mqa', check_reports=[report], private=True)\n"
         "print(json.dumps({'pushed': vars(pushed), 'report': report.to_dict()}))\n")
     with LocalHub(tmp_path / "hub-data", {TOKEN: USER}) as hub:
-        env = dict(os.environ, PYTHONPATH=str(REPO), SURGERY_CACHE=str(tmp_path / "cache"), **hub_env(hub, tmp_path))
-        result = subprocess.run([sys.executable, str(script), str(tiny), str(tmp_path / "mqa")], capture_output=True,
-                                text=True, env=env, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        out = json.loads(result.stdout.splitlines()[-1])
+        out = run_script(hub, tmp_path, script, tiny, tmp_path / "mqa")
         assert out["pushed"]["repo_id"] == "alice/tiny-mqa" and out["pushed"]["card_written"] is True
         assert out["pushed"]["commit_url"].startswith(hub.endpoint)
         card = (download(hub, "alice/tiny-mqa", tmp_path / "dl") / "README.md").read_text()

@@ -4,16 +4,12 @@ output folders (missing parents made, every check of `out` before any work) — 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import surgery
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +117,7 @@ def test_a_model_loaded_by_hub_id_pushes_a_card_whose_base_model_is_that_id(tiny
     alice/tiny and surgery.json records the commit transformers loaded (transformers 5 keeps it nowhere on the
     model: found as the cached snapshot holding its weights). Slow (17 s: a fresh process, upload and download);
     the in-process test above covers the same path without the hub."""
-    from hub_server import TOKEN, USER, LocalHub, download, hub_env
+    from hub_server import TOKEN, USER, LocalHub, download, run_script
 
     script = tmp_path / "notebook.py"
     script.write_text(
@@ -136,11 +132,7 @@ def test_a_model_loaded_by_hub_id_pushes_a_card_whose_base_model_is_that_id(tiny
         "surgery.push(mqa, 'alice/tiny-mqa')\n"
         "print(json.dumps({'commit': commit, 'record': mqa.record}))\n")
     with LocalHub(tmp_path / "hub-data", {TOKEN: USER}) as hub:
-        env = dict(os.environ, PYTHONPATH=str(REPO), SURGERY_CACHE=str(tmp_path / "cache"), **hub_env(hub, tmp_path))
-        result = subprocess.run([sys.executable, str(script), str(tiny), str(tmp_path / "mqa")], capture_output=True,
-                                text=True, env=env, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        out = json.loads(result.stdout.splitlines()[-1])
+        out = run_script(hub, tmp_path, script, tiny, tmp_path / "mqa")
         card = (download(hub, "alice/tiny-mqa", tmp_path / "dl") / "README.md").read_text()
     from huggingface_hub import ModelCard
 
