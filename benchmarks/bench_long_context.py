@@ -123,7 +123,7 @@ def table(a) -> str:
     lines = ["| conversion | KV cache @8k (transformers) | ppl ratio " + " | ".join(f"{lo // 1024}-{hi // 1024}k"
                                                                                      for lo, hi in BUCKETS)
              + " | KL | top-1 | retrieval source:converted, " + " / ".join(f"{n // 1024}k" for n in a.lengths)
-             + " | decode tok/s ratio @8k |", "|" + "---|" * (8 + len(BUCKETS) - 1)]
+             + " | decode tok/s ratio @8k |", "|" + "---|" * (6 + len(BUCKETS))]
     for name in a.kinds:
         work = a.work / name
         if not (work / "check.json").exists():
