@@ -34,6 +34,13 @@ KINDS = {
                 ["--to", "swa", "--window", "1024", "--global-layers", "auto:8"]),
 }
 BUCKETS = ((0, 1024), (1024, 2048), (2048, 4096), (4096, 8192))
+KD = "+kd"  # NAME+kd: NAME's conversion after the same short KD uptraining (--train-data, --uptrain-args)
+
+
+def label(name: str) -> str:
+    if name.endswith(KD):
+        return KINDS[name[: -len(KD)]][0] + ", after KD"
+    return KINDS[name][0]
 
 
 def surgery(*args: str) -> None:
@@ -41,9 +48,22 @@ def surgery(*args: str) -> None:
     subprocess.run(["surgery", *args], check=True)
 
 
+def teacher_store(a) -> Path:
+    """The source's top-k log-probs on the uptraining windows, stored once: every conversion distils from the same
+    teacher on the same windows, and no run loads the teacher model."""
+    store = a.work / "teacher"
+    if not (store / "manifest.json").exists():
+        surgery("teacher", a.source, *shlex.split(a.train_data), "--out", str(store), "--force")
+    return store
+
+
 def folder(name: str, a) -> Path:
     out = a.work / name / "converted"
-    if not (out / "surgery.json").exists():
+    if name.endswith(KD) and not (out / "surgery.json").exists():
+        start = folder(name[: -len(KD)], a)
+        surgery("uptrain", str(start), "--teacher-logprobs", str(teacher_store(a)), *shlex.split(a.train_data),
+                *shlex.split(a.uptrain_args), "--out", str(out), "--force")
+    elif not (out / "surgery.json").exists():
         _, base, args = KINDS[name]
         src = str(folder(base, a)) if base else a.source
         surgery("convert", src, *args, "--calib-tokens", str(a.calib_tokens), "--out", str(out), "--force")
@@ -61,7 +81,8 @@ def measure(name: str, a) -> None:
         surgery("check", a.source, str(out), "--seq-len", str(a.context), *shlex.split(a.check_args),
                 "--json", str(work / "check.json"))
     if a.bench and not (work / "bench.json").exists():
-        surgery("bench", a.source, str(out), "--context", str(a.context), "--new", "16", "--rounds", "2",
+        # the prompt leaves room for the 16 decoded tokens: the last step attends to the full context
+        surgery("bench", a.source, str(out), "--context", str(a.context - 16), "--new", "16", "--rounds", "2",
                 "--json", str(work / "bench.json"))
 
 
@@ -140,7 +161,7 @@ def table(a) -> str:
         if (work / "bench.json").exists():
             bench = json.loads((work / "bench.json").read_text())
             decode = f"{bench['results'][0]['ratio']['decode_tokens_per_s']:.2f}x"
-        lines.append(f"| {KINDS[name][0]} | {kv} | "
+        lines.append(f"| {label(name)} | {kv} | "
                      + " | ".join(f"{x:.2f}x" if x else "-" for x in ratios)
                      + f" | {check['kl']:.3f} | {100 * check['top1_agreement']:.1f}% | {retrieval} | {decode} |")
     return "\n".join(lines) + "\n"
@@ -159,14 +180,16 @@ def plot(a) -> None:
             continue
         check = json.loads(path.read_text())
         rows = check["by_position"]
-        left.plot([r["positions"][1] for r in rows], [r["ppl_ratio"] for r in rows], marker="o", color=f"C{i}",
-                  label=KINDS[name][0])
+        base = name.removesuffix(KD)
+        color, style = f"C{list(KINDS).index(base)}", "--" if name.endswith(KD) else "-"
+        left.plot([r["positions"][1] for r in rows], [r["ppl_ratio"] for r in rows], style, marker="o", color=color,
+                  label=label(name))
         r = retrieval_report(a, name)
         if r is None:
             continue
         lengths = r["lengths"]
-        right.plot(lengths, [100 * r["mean"][str(n)]["converted"] for n in lengths], marker="o", color=f"C{i}",
-                   label=KINDS[name][0])
+        right.plot(lengths, [100 * r["mean"][str(n)]["converted"] for n in lengths], style, marker="o",
+                   color=color, label=label(name))
         if i == 0:
             right.plot(lengths, [100 * r["mean"][str(n)]["source"] for n in lengths], "k-", marker="s",
                        label="source")
@@ -178,7 +201,8 @@ def plot(a) -> None:
     right.set_xlabel("retrieval example length (tokens)")
     right.set_ylabel("mean retrieval accuracy (%)")
     right.legend(fontsize=7)
-    fig.suptitle("SmolLM2-135M at 8k: every kind at about a third of the KV cache, zero-shot", fontsize=10)
+    kd = " (dashed: after the same KD uptraining)" if any(n.endswith(KD) for n in a.kinds) else ", zero-shot"
+    fig.suptitle(f"SmolLM2-135M at 8k: every kind at about a third of the KV cache{kd}", fontsize=10)
     fig.tight_layout()
     fig.savefig(a.work / "long_context.png", dpi=110)
 
@@ -194,6 +218,11 @@ def main() -> None:
     p.add_argument("--lengths", default="1024,2048,4096,8192", help="retrieval example lengths")
     p.add_argument("--calib-tokens", type=int, default=8192)
     p.add_argument("--check-args", default="--tokens 16384", help="more `surgery check` arguments (text, tokens)")
+    p.add_argument("--train-data", default="--data stdlib --data-mode stream --seq-len 4096 --tokens 32768 "
+                   "--batch-tokens 4096 --micro-batch 1 --eval-tokens 0",
+                   help="data options of the uptraining of NAME+kd kinds and of its stored teacher")
+    p.add_argument("--uptrain-args", default="--train attention --lr 2e-4 --warmup-steps 1",
+                   help="more `surgery uptrain` arguments of NAME+kd kinds")
     p.add_argument("--bench", action="store_true", help="also measure decode speed at the context")
     p.add_argument("--table", action="store_true", help="only rebuild the table and plot from WORK")
     a = p.parse_args()

@@ -139,6 +139,20 @@ class CalibrationOptions(PrecisionOptions):
     _calib_window = field_validator("calib_window")(calib_window_rule)
     _calib_chunk = field_validator("calib_chunk")(calib_chunk_rule)
 
+    def refuse_calibration_options(self, s, choice: str, instead: str, more: tuple[str, ...] = ()) -> None:
+        """For a `choice` that reads no calibration text (e.g. "the mean merge"): a calibration option given anyway
+        would do nothing, silently, so it is refused in one line naming `instead` (the choice that calibrates).
+        `s`: the caller's spelling (flags or recipe keys); `more`: the kind's own calibration-only options."""
+        for name, what in (("precision", "calibration's precision"), ("device", "where calibration runs")):
+            if getattr(self, name) != "auto":
+                raise ValueError(f"{s.flag(name)} is {what}: {choice} runs none (use {instead}, or leave "
+                                 f"{s.flag(name)} out)")
+        fields = type(self).model_fields
+        for name in ("calib", "calib_tokens", "calib_window", "calib_chunk", "chat_template", *more):
+            if name in self.model_fields_set and getattr(self, name) != fields[name].default:
+                raise ValueError(f"{s.flag(name)} does nothing for {choice}, which reads no calibration text (use "
+                                 f"{instead}, or leave {s.flag(name)} out)")
+
 
 class QueryRefitOptions(CliModel):
     """The query refit's sampling (aligned merge, MLA): after the keys change, q_proj is regressed onto the queries

@@ -59,17 +59,8 @@ class KVMergeOptions(CalibrationOptions, QueryRefitOptions, KVMergeFields):
         if self.refit_values:
             raise ValueError(f"{s.flag('refit_values')} refits the aligned merge's values: it does nothing for the "
                              f"{self.merge} merge (use {s.flag('merge')} aligned)")
-        if self.precision != "auto":
-            raise ValueError(f"{s.flag('precision')} is calibration's precision: the {self.merge} merge runs none "
-                             f"(use {s.flag('merge')} aligned, or leave {s.flag('precision')} out)")
-        if self.device != "auto":
-            raise ValueError(f"{s.flag('device')} is where calibration runs: the {self.merge} merge runs none "
-                             f"(use {s.flag('merge')} aligned, or leave {s.flag('device')} out)")
-        fields = type(self).model_fields
-        for name in ("calib", "calib_tokens", "calib_window", "calib_chunk", "chat_template", "query_samples", "grouping"):
-            if name in self.model_fields_set and getattr(self, name) != fields[name].default:
-                raise ValueError(f"{s.flag(name)} does nothing for the {self.merge} merge, which reads no "
-                                 f"calibration text (use {s.flag('merge')} aligned, or leave {s.flag(name)} out)")
+        self.refuse_calibration_options(s, f"the {self.merge} merge", f"{s.flag('merge')} aligned",
+                                        more=("query_samples", "grouping"))
         return self
 
 

@@ -49,16 +49,8 @@ class SWAOptions(CalibrationOptions, SWAFields):
             raise ValueError(f"{s.flag('window')} must be at least 1, got {self.window}")
         if self.parsed_global_layers.auto:
             return self
-        if self.precision != "auto" or self.device != "auto":
-            name = "precision" if self.precision != "auto" else "device"
-            raise ValueError(f"{s.flag(name)} is calibration's: {s.flag('global_layers')} "
-                             f"{self.global_layers} runs none (it is auto that calibrates)")
-        fields = type(self).model_fields
-        for name in ("calib", "calib_tokens", "calib_window", "calib_chunk", "chat_template"):
-            if name in self.model_fields_set and getattr(self, name) != fields[name].default:
-                raise ValueError(f"{s.flag(name)} does nothing for {s.flag('global_layers')} {self.global_layers}, "
-                                 f"which reads no calibration text (use {s.flag('global_layers')} auto, or leave "
-                                 f"{s.flag(name)} out)")
+        self.refuse_calibration_options(s, f"{s.flag('global_layers')} {self.global_layers}",
+                                        f"{s.flag('global_layers')} auto")
         return self
 
 

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..calibration.chunks import MAX_WINDOWS
-from ..calibration.stream import LayerProgress, open_stream, run_layer
+from ..calibration.stream import LayerProgress, run_layer
 from ..kv.aligned import capture
 from ..kv.aligned.refit import OutputFit, QueryFit, QueryRefit
 from ..kv.aligned.rotary import RotaryPairs
@@ -87,18 +87,6 @@ class MLAGeometry:
         return out.transpose(1, 2).reshape(n, length, self.heads * self.v_dim)
 
 
-def _stream(folder, reader, device, windows, chunk_windows, store=None):
-    stream = open_stream(folder, reader, device, attn_implementation="sdpa")
-    capture.instrument(stream.model)  # the query refit reads the source's rotated queries and keys
-    if store is not None:  # the residual stream past its memory budget goes into the layer store's folder
-        stream.spill_into(store.scratch("residual"), store.beside)
-    chunks = list(windows.split(chunk_windows))
-    stream.plan_offload(windows.numel(), streams=1)
-    hidden, calls = stream.embed_chunks(chunks)
-    stream.release_embeddings()
-    return stream, hidden, calls
-
-
 def _modules(spec, layer):
     attention = layer.get_submodule(spec.attention)
     return attention, attention.get_submodule(spec.query_projection), attention.get_submodule(spec.o)
@@ -132,7 +120,7 @@ def frequency_scores_pass(folder, reader, spec, windows: torch.Tensor, device: t
     """Every layer's per-frequency logit scores on the source's own residual stream."""
     scores = []
     with threads(torch.get_num_threads()):
-        stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows, store)
+        stream, hidden, calls = capture.open_recorded_stream(folder, reader, device, windows, chunk_windows, store)
         with LayerProgress("rope frequencies", len(stream), progress) as bar:
             for index, _, layer in stream.layers():
                 sigma = _second_moments(_inputs(stream, spec, layer, index, hidden, calls))
@@ -199,7 +187,7 @@ def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.devi
     chunk."""
     generator = torch.Generator().manual_seed(seed)  # the query refit's sampled positions
     with threads(torch.get_num_threads()):
-        stream, hidden, calls = _stream(folder, reader, device, windows, chunk_windows, store)
+        stream, hidden, calls = capture.open_recorded_stream(folder, reader, device, windows, chunk_windows, store)
         with LayerProgress("calibrate + convert", len(stream), progress) as bar:
             for index, _, layer in stream.layers():
                 attention = _modules(spec, layer)[0]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..calibration.stream import open_stream, run_layer
+from ..calibration.stream import run_layer
 from ..kv.aligned import capture
 from ..progress import Progress
 
@@ -45,17 +45,12 @@ def far_mass(queries: torch.Tensor, keys: torch.Tensor, scaling: float, window: 
 def layer_scores(folder, reader, windows: torch.Tensor, device: torch.device, window: int, chunk_windows: int,
                  progress: bool = True) -> list[float]:
     """Each decoder layer's mean far mass (see the module docstring) over `windows` [N, L] of calibration tokens."""
-    stream = open_stream(folder, reader, device, attn_implementation="sdpa")
-    capture.instrument(stream.model)
-    chunks = list(windows.split(chunk_windows))
-    stream.plan_offload(windows.numel(), streams=1)
-    hidden, calls = stream.embed_chunks(chunks)
-    stream.release_embeddings()
+    stream, hidden, calls = capture.open_recorded_stream(folder, reader, device, windows, chunk_windows)
     scores = []
     with Progress(len(stream), "score layers (attention beyond the window)", enabled=progress, unit="layer") as bar:
         for index, _, layer in stream.layers():
             total, rows = 0.0, 0
-            for i in range(len(chunks)):
+            for i in range(len(hidden)):
                 with capture.recording() as rec:
                     hidden[i] = stream.stash(run_layer(layer, stream.fetch(hidden[i]), calls[i][index]))
                 for q, k in zip(rec.queries, rec.keys):

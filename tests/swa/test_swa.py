@@ -132,7 +132,10 @@ def test_a_gqa_output_converts_again(llama, tmp_path, cli):
     (["--global-layers", "1"], "llama", "needs --window"),
     (["--window", "8", "--global-layers", "1"], "gpt2", "no per-layer attention types"),
     (["--window", "8", "--global-layers", "1"], "cohere2", "global layers have no RoPE"),
-    (["--window", "8", "--global-layers", "1", "--calib-tokens", "64"], "llama", "--calib-tokens does nothing"),
+    (["--window", "8", "--global-layers", "1", "--calib-tokens", "64"], "llama",
+     "--calib-tokens does nothing for --global-layers 1, which reads no calibration text (use --global-layers auto"),
+    (["--window", "8", "--global-layers", "1", "--precision", "bf16"], "llama",
+     "--precision is calibration's precision: --global-layers 1 runs none (use --global-layers auto"),
     (["--window", "64", "--global-layers", "auto", "--calib-window", "64"], "llama", "must be longer than --window"),
     (["--window", "8", "--global-layers", "auto", "--calib", "pydoc", "--calib-tokens", "4"], "llama", "windows of 4 tokens, not longer"),
 ])

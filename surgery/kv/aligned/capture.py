@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...precision import calibration_autocast
-from ...calibration.stream import LayerCall, StopForward, first_output, run_layer, run_until_stopped
+from ...calibration.stream import LayerCall, StopForward, first_output, open_stream, run_layer, run_until_stopped
 
 CAPTURE_PREFIX = "surgery_capture_"
 _RECORDER: list["AttentionRecord"] = []
@@ -77,6 +77,22 @@ def instrument(model):
     if not impl.startswith(CAPTURE_PREFIX):
         model.config._attn_implementation = register_capture(impl)
     return model.eval()
+
+
+def open_recorded_stream(folder, reader, device, windows: torch.Tensor, chunk_windows: int, store=None):
+    """The source at `folder` streamed layer by layer (surgery.calibration.stream) with its attention calls recorded
+    (`instrument`), its embeddings of `windows` [N, L] computed in chunks of `chunk_windows` windows and released:
+    (stream, hidden states per chunk, each chunk's layer calls). `store`: a layer store whose folder takes the
+    residual stream past its memory budget."""
+    stream = open_stream(folder, reader, device, attn_implementation="sdpa")
+    instrument(stream.model)
+    if store is not None:
+        stream.spill_into(store.scratch("residual"), store.beside)
+    chunks = list(windows.split(chunk_windows))
+    stream.plan_offload(windows.numel(), streams=1)
+    hidden, calls = stream.embed_chunks(chunks)
+    stream.release_embeddings()
+    return stream, hidden, calls
 
 
 def load_resident_model(folder):
