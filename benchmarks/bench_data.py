@@ -48,7 +48,9 @@ def rate_worker(spec: str, workers: int, seq_len: int, seconds: float) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from surgery.training.stream import Plan, StreamedData, hold_out, resolve_sources
+    from surgery.training.stream import StreamedData
+    from surgery.training.stream_held_out import hold_out
+    from surgery.training.stream_sources import Plan, resolve_sources
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())
     if workers:
@@ -161,13 +163,13 @@ def cmd_curve(a) -> None:
     on (surgery.testing.pydoc_llama; LM loss on pydoc, the same held-out windows), with the tests' short-run
     options: the loss curve and held-out perplexity of each."""
     from surgery.testing.pydoc_llama import FAST, make_model, make_tokenizer, metrics
-    from surgery.training import UptrainOptions, stream, uptrain
+    from surgery.training import UptrainOptions, stream_readers, uptrain
 
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "tiny", make_tokenizer())
         curves = {}
-        for mode, block in (("packed", None), ("stream", stream.BLOCK_TOKENS), ("stream", a.tokens + 64)):
-            stream.BLOCK_TOKENS = block or stream.BLOCK_TOKENS  # the last: one block = the packed run's windows
+        for mode, block in (("packed", None), ("stream", stream_readers.BLOCK_TOKENS), ("stream", a.tokens + 64)):
+            stream_readers.BLOCK_TOKENS = block or stream_readers.BLOCK_TOKENS  # the last: one block = the packed run's windows
             out = Path(tmp) / f"{mode}-{block}"
             rec = uptrain(UptrainOptions(model=str(model), out=out, **(FAST | dict(
                 data_mode=mode, loss="lm", tokens=a.tokens, micro_batch=8, eval_tokens=4096,

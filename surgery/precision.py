@@ -8,7 +8,7 @@ resolved once (`resolve_precision`).
 - auto: bf16 where the device supports it (CUDA with bf16), fp32 elsewhere (the CPU, old GPUs).
 
 `bench` measures inference, so there the precision is the dtype the models are loaded in (bf16: bfloat16 weights;
-see surgery/bench.py); `--dtype`, where a command has it, names the weights' storage dtype and may not contradict
+see surgery/bench/run.py); `--dtype`, where a command has it, names the weights' storage dtype and may not contradict
 `--precision` (`check_dtype`).
 """
 

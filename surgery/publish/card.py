@@ -428,7 +428,7 @@ def bench_section(bench: dict | None) -> list[str]:
     """The measured speed table of a `surgery bench --json` report."""
     if not bench:
         return []
-    from ..bench import markdown_table
+    from ..bench.report import markdown_table
 
     m = bench.get("machine") if isinstance(bench.get("machine"), dict) else {}
     where = m.get("gpu") or f"{m.get('processor', 'CPU')}, {m.get('threads')} threads"

@@ -3,7 +3,8 @@
 `surgery uptrain DIR --data SPEC --tokens N --out OUT` runs `uptrain(UptrainOptions(...))`:
 
 - `data.py`     documents -> tokens (EOS between) -> fixed-length windows; held-out split; per-step sharding.
-- `stream.py`   the same, streamed for large budgets and mixtures: read and tokenized as the steps need them.
+- `stream.py`   the same, streamed for large budgets and mixtures: read and tokenized as the steps need them
+  (its parts: `stream_sources.py`, `stream_held_out.py`, `stream_packing.py`, `stream_readers.py`).
 - `losses.py`   next-token LM loss, KL distillation to a teacher (temperature), and their mix.
 - `params.py`   which parameters train (`--train all|attention|new`).
 - `model_io.py` loading the student and the teacher; writing the final checkpoint and its surgery.json.

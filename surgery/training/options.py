@@ -59,7 +59,7 @@ def resolve_data_workers(requested: int | str, device_type: str, recorded: int |
 
 def weights_rule(cls, v, info: ValidationInfo):
     """--data-weights: one positive weight per --data (a recipe's list too), checked when a recipe loads."""
-    from .stream import parse_weights
+    from .stream_sources import parse_weights
 
     s = spelling(info, cls)
     try:
@@ -359,7 +359,7 @@ class UptrainOptions(UptrainArgs):
     @model_validator(mode="after")
     def _resolve(self):
         """What the run reads: the texts resolved, the mixture's weights, the run folder (default OUT.run)."""
-        from .stream import parse_weights
+        from .stream_sources import parse_weights
 
         self._weights_ = parse_weights(self.data_weights, len(self.data))
         self.data = resolve_texts(self.data)

@@ -40,7 +40,10 @@ def training_windows(o: UptrainOptions, tokenizer, workers: int, processes: int 
     order whatever the number of processes."""
     total = o.total_steps * o.sequences_per_step
     if o.streamed:
-        from .stream import Plan, StreamedData, check_readers, early_check, hold_out, resolve_sources
+        from .stream import StreamedData
+        from .stream_held_out import hold_out
+        from .stream_packing import check_readers, early_check
+        from .stream_sources import Plan, resolve_sources
 
         if o.sequences_per_step % processes:
             raise SurgeryError(f"--processes {processes} does not divide the {o.sequences_per_step} sequences of a step "

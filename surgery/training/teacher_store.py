@@ -78,7 +78,7 @@ def windows_spec(o, tokenizer, readers: int) -> dict:
     if o.chat_template != "auto":  # how a messages column is rendered (surgery/chat.py)
         spec["chat_template"] = o.chat_template
     if o.streamed:
-        from .stream import fingerprint, resolve_sources
+        from .stream_sources import fingerprint, resolve_sources
 
         return {"mode": "stream", **spec, "readers": readers, "data_epochs": o.data_epochs,
                 "sources": fingerprint(resolve_sources(o.data, o.weights))}

@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 
 from surgery.testing import tiny_models as tm
-from surgery.bench import METRICS, BenchOptions, markdown_table, parse_int_list, run_bench
+from surgery.bench.options import BenchOptions, parse_int_list
+from surgery.bench.report import markdown_table
+from surgery.bench.run import run_bench
+from surgery.bench.stats import METRICS
 from surgery.errors import SurgeryError
 from surgery.checkpoint.source import copy_side_files, portable_tokenizer_config, resolve_source
 
@@ -192,7 +195,7 @@ def test_flash_attn_reaches_llama_cpp_and_every_record(tmp_path, capsys):
 def test_flash_attn_with_another_engine_or_value_is_one_line(pair, capsys, tmp_path):
     """A flash-attention choice the engine would not apply is refused, not ignored."""
     from inprocess import run_cli
-    from surgery.bench import resolve_flash_attn
+    from surgery.bench.options import resolve_flash_attn
 
     src, mqa = pair
     code, _, stderr = run_cli(capsys, "bench", src, mqa, "--context", "8", "--flash-attn", "off")
@@ -301,7 +304,7 @@ def test_compile_runs_both_models_through_dynamo_and_says_so(pair):
 def test_compile_that_cannot_run_is_one_line(pair, monkeypatch):
     import torch
 
-    from surgery.bench import require_compile
+    from surgery.bench.options import require_compile
 
     src, mqa = pair
     assert_one_line_error(surgery("bench", src, mqa, "--compile", "no_such_backend", "--context", "8"),
@@ -316,28 +319,30 @@ def test_compile_that_cannot_run_is_one_line(pair, monkeypatch):
 def test_every_timed_region_is_read_between_device_syncs_and_the_cache_copy_is_not_timed(pair, monkeypatch):
     """On CUDA the clock must be read after a sync on both sides of a region, or it times what the queue held
     (the batch > 1 cache copy landed in the first decode step). The device sync is recorded here on CPU."""
+    import torch
     import transformers
 
-    import surgery.bench as bench
+    from surgery.bench import measure
+    from surgery.bench.transformers_engine import TransformersEngine
 
     events = []
-    monkeypatch.setattr(bench, "_sync", lambda device: events.append("sync"))
+    monkeypatch.setattr(measure, "_sync", lambda device: events.append("sync"))
     clock = iter(range(10**6))
 
     def perf_counter():
         events.append("clock")
         return float(next(clock))
 
-    monkeypatch.setattr(bench.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(measure.time, "perf_counter", perf_counter)
     repeat = transformers.DynamicCache.batch_repeat_interleave
     monkeypatch.setattr(transformers.DynamicCache, "batch_repeat_interleave",
                         lambda self, n: (events.append("copy"), repeat(self, n))[1])
     src, _ = pair
-    engine = bench.TransformersEngine(bench.torch.device("cpu"), "float32", {"source": False})
+    engine = TransformersEngine(torch.device("cpu"), "float32", {"source": False})
     handle = engine.load(str(src), "source")
     forward = handle["model"].forward
     monkeypatch.setattr(handle["model"], "forward", lambda *a, **k: (events.append("forward"), forward(*a, **k))[1])
-    ids = bench.torch.randint(0, 90, (3, 8), generator=bench.torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 90, (3, 8), generator=torch.Generator().manual_seed(0))
     events.clear()
     raw = engine.measure(handle, ids, ids[:, :3], replicate=True)
     clocks = [i for i, e in enumerate(events) if e == "clock"]

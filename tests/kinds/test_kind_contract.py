@@ -72,7 +72,9 @@ def _flags(values: dict) -> list[str]:
 
 def test_every_kind_keeps_the_contract(kind, llama, tmp_path, capsys):
     from surgery.arch import attention_shape
-    from surgery.bench import BenchOptions, kv_bytes_from_config, run_bench
+    from surgery.bench.options import BenchOptions
+    from surgery.bench.run import run_bench
+    from surgery.bench.vllm_engine import kv_bytes_from_config
     from surgery.inspection import inspect_checkpoint
     from surgery.kinds import AttentionShape
     from surgery.publish.card import build_card

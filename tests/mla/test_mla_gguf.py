@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from inprocess import surgery
-from surgery.bench import BenchOptions, gguf_kv_values, run_bench
+from surgery.bench.llama_cpp_engine import gguf_kv_values
+from surgery.bench.options import BenchOptions
+from surgery.bench.run import run_bench
 from surgery.errors import SurgeryError
 from surgery.mla.gguf import Q_LORA_RANK, complete_for_llama_cpp
 

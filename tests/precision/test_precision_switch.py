@@ -66,7 +66,8 @@ def test_contradictions_are_one_line_exit_2(llama, tmp_path, capsys, args, fragm
 
 
 def test_bench_runs_in_the_precision_s_dtype(llama):
-    from surgery.bench import BenchOptions, run_bench
+    from surgery.bench.options import BenchOptions
+    from surgery.bench.run import run_bench
 
     opts = dict(source=str(llama), converted=str(llama), contexts=[8], new=2, rounds=1, threads=1, device="cpu")
     assert run_bench(BenchOptions(**opts))["dtype"] == "float32"  # auto on a CPU

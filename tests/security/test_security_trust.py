@@ -75,7 +75,8 @@ def test_a_trust_flag_runs_the_code_of_the_model_it_names_and_no_other(name, rol
 
 def test_bench_trust_remote_code_does_not_reach_the_source(pair, tmp_path):
     """The case that reached too far: `bench --trust-remote-code` is documented for CONVERTED and ran SOURCE's code."""
-    from surgery.bench import BenchOptions, run_bench
+    from surgery.bench.options import BenchOptions
+    from surgery.bench.run import run_bench
     from surgery.errors import SurgeryError
 
     hostile, markers, other = pair

@@ -92,7 +92,9 @@ def test_a_streamed_store_for_two_processes_holds_each_process_s_windows_in_step
     window process `rank` of a 2-process run streams at that step, as stored_kd.first_window reads it; a 1-process
     run is refused that store (its windows come in another order), naming the readers."""
     from surgery.training.stored_kd import first_window, open_for_run
-    from surgery.training.stream import Plan, StreamedData, hold_out, resolve_sources
+    from surgery.training.stream import StreamedData
+    from surgery.training.stream_held_out import hold_out
+    from surgery.training.stream_sources import Plan, resolve_sources
     from surgery.training.teacher_pass import teacher_pass
     from surgery.training.teacher_store import TeacherStore, window_hash
     from surgery.testing.pydoc_llama import FAST

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from inprocess import time_limit
 from surgery.errors import SurgeryError
 from surgery.mla.validate import check_mla
-from surgery.training.stream import Plan, Reader, check_state, hold_out, resolve_sources
+from surgery.training.stream_held_out import hold_out
+from surgery.training.stream_readers import Reader, check_state
+from surgery.training.stream_sources import Plan, resolve_sources
 
 HANG_SECONDS = 20
 SETTINGS = dict(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))

@@ -10,7 +10,9 @@ import pytest
 
 from inprocess import time_limit
 from surgery.errors import SurgeryError
-from surgery.training.stream import Plan, Reader, check_state, hold_out, parse_weights, resolve_sources
+from surgery.training.stream_held_out import hold_out
+from surgery.training.stream_readers import Reader, check_state
+from surgery.training.stream_sources import Plan, parse_weights, resolve_sources
 
 
 def test_weights_whose_sum_overflows_are_normalised_not_zeroed():

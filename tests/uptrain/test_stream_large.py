@@ -46,7 +46,9 @@ def test_txt_documents_are_paragraphs_lines_or_the_file_and_never_longer_than_th
 PEAK = textwrap.dedent("""
     import json, resource, sys
     from surgery.testing.pydoc_llama import make_tokenizer
-    from surgery.training.stream import Plan, Reader, hold_out, resolve_sources
+    from surgery.training.stream_held_out import hold_out
+    from surgery.training.stream_readers import Reader
+    from surgery.training.stream_sources import Plan, resolve_sources
     tok = make_tokenizer()
     sources = resolve_sources([sys.argv[1]], [1.0])
     args = dict(tokenizer=tok, eos=tok.eos_token_id, seq_len=64, seed=0, readers=1, epochs=1)

@@ -13,7 +13,10 @@ import torch
 
 from surgery.checkpoint.sha256 import sha256_file
 from surgery.training import UptrainOptions, uptrain
-from surgery.training.stream import Plan, Reader, Sequential, hold_out, parse_weights, resolve_sources
+from surgery.training.stream_held_out import hold_out
+from surgery.training.stream_packing import Sequential
+from surgery.training.stream_readers import Reader
+from surgery.training.stream_sources import Plan, parse_weights, resolve_sources
 from inprocess import uptrain_error
 from surgery.testing.pydoc_llama import FAST, make_model, weights
 
@@ -55,9 +58,9 @@ def resume_from(run_dir: Path, step: int, copy: Path) -> None:
 @pytest.mark.parametrize("case", ["one-process", "two-workers", "mixture"])
 def test_killed_streamed_run_resumes_to_bitwise_equal_weights(tiny, tmp_path, case, monkeypatch):
     """Blocks of 5 windows (a step takes 3): the resumes land inside a shuffled block and cross into the next."""
-    from surgery.training import stream
+    from surgery.training import stream_readers
 
-    monkeypatch.setattr(stream, "BLOCK_TOKENS", 64 * 5)
+    monkeypatch.setattr(stream_readers, "BLOCK_TOKENS", 64 * 5)
     extra = {"two-workers": dict(data_workers=2),
              "mixture": dict(data=["pydoc", write_shards(tmp_path / "shards", 3, 40)], data_weights="0.7,0.3",
                              data_workers=2)}.get(case, {})
