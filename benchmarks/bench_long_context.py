@@ -218,7 +218,7 @@ def main() -> None:
     p.add_argument("--lengths", default="1024,2048,4096,8192", help="retrieval example lengths")
     p.add_argument("--calib-tokens", type=int, default=8192)
     p.add_argument("--check-args", default="--tokens 16384", help="more `surgery check` arguments (text, tokens)")
-    p.add_argument("--train-data", default="--data stdlib --data-mode stream --seq-len 4096 --tokens 32768 "
+    p.add_argument("--train-data", default="--data stdlib --data-mode packed --seq-len 4096 --tokens 49152 "
                    "--batch-tokens 4096 --micro-batch 1 --eval-tokens 0",
                    help="data options of the uptraining of NAME+kd kinds and of its stored teacher")
     p.add_argument("--uptrain-args", default="--train attention --lr 2e-4 --warmup-steps 1",

@@ -20,7 +20,7 @@ from ..general_text import hub_file_texts, is_hub_file, say_fallback
 class Source:
     spec: str
     weight: float
-    units: tuple[str, ...]  # local files; ("",) for pydoc and hub datasets (one unit)
+    units: tuple[str, ...]  # local files (stdlib: its modules); ("",) for pydoc and hub datasets (one unit)
 
 
 def parse_weights(weights: str | list | None, count: int, flag: str = "--data-weights",
@@ -48,11 +48,14 @@ def parse_weights(weights: str | list | None, count: int, flag: str = "--data-we
 
 
 def resolve_sources(specs: list[str], weights: list[float]) -> list[Source]:
-    from ..data import BUILDERS, local_files
+    from ..data import BUILDERS, local_files, stdlib_files
 
     out = []
     for spec, w in zip(specs, weights):
         say_fallback(spec)  # `general` offline: its one line, here in the training process, before any worker
+        if spec == "stdlib":  # the standard library's modules, one file a unit and a document (surgery.data)
+            out.append(Source(spec, w, tuple(str(f) for f in stdlib_files())))
+            continue
         files = [] if spec == "pydoc" else local_files(spec)
         if files:
             if len({Path(f).suffix for f in files}) != 1 or Path(files[0]).suffix not in BUILDERS:
@@ -112,6 +115,8 @@ class Plan:
         unit = source.units[u]
         if source.spec == "pydoc":
             yield from pydoc_texts()
+        elif source.spec == "stdlib":
+            yield Path(unit).read_text(encoding="utf-8", errors="replace")
         elif is_hub_file(source.spec):  # one data file of a hub dataset at a revision (the `general` default)
             yield from (t if isinstance(t, str) else "" for t in hub_file_texts(source.spec, self.text_field))
         elif unit.endswith(".txt"):

@@ -392,3 +392,18 @@ def test_a_one_file_corpus_read_whole_trains_with_a_held_out_split(tiny, tmp_pat
               tokens=192 * 2, save_every=0)
     assert out["eval_tokens"] == 512 and out["initial_eval_ppl"] > out["final_eval_ppl"] > 0
     assert not torch.equal(weights(tiny)["model.norm.weight"], weights(tmp_path / mode)["model.norm.weight"])
+
+
+def test_stdlib_streams_offline_one_module_a_document_in_the_order_packed_reads_them(tokenizer):
+    """`--data stdlib --data-mode stream` reads the standard library's modules from disk (never the hub), each
+    module one document, in the same order as the packed path and `check --data stdlib`."""
+    from surgery.data import stdlib_texts
+
+    sources = resolve_sources(["stdlib"], [1.0])
+    assert len(sources[0].units) > 100 and all(u.endswith(".py") for u in sources[0].units)
+    plan = plan_for(tokenizer, sources, eval_tokens=0)
+    first = [next(iter(plan.unit_texts(0, u))) for u in range(3)]
+    expected = [str(d) for _, d in zip(range(3), stdlib_texts())]
+    assert first == expected and all(first)
+    text = tokenizer.decode(next(iter(Reader(plan, role=0, state=None)))[0])  # a window of a module's source
+    assert len(text) > 16 and any(text in module for module in stdlib_texts())
