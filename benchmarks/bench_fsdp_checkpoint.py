@@ -60,7 +60,7 @@ def worker(rank: int, args, folder: str, port: int, results) -> None:
     import torch
     from accelerate import Accelerator
 
-    from surgery.training.loop import use_fsdp_on_cpu
+    from surgery.training.accelerator import use_fsdp_on_cpu
     from surgery.training.state import Checkpoints, RunState
 
     acc = Accelerator(cpu=True)

@@ -38,7 +38,7 @@ import torch.nn.utils.parametrize as parametrize
 from surgery.data import load_texts  # noqa: E402
 from surgery.checkpoint.source import resolve_source  # noqa: E402
 from surgery.training.data import pack  # noqa: E402
-from surgery.training.loop import lr_at  # noqa: E402
+from surgery.training.optimizer import lr_at  # noqa: E402
 from surgery.training.losses import kd_loss, lm_loss  # noqa: E402
 from surgery.training.options import UptrainOptions  # noqa: E402
 

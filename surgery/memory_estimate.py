@@ -179,8 +179,9 @@ def uptrain_memory(stats: ModelStats, options, teacher: ModelStats | None, proce
     accumulating = options.micro_batch * procs < sequences
     step = activations + gradients if accumulating else max(activations, gradients)
     if procs > 1 or not chunked_head(stats.config):
-        # FSDP keeps the whole logits (surgery/training/loop.py), DDP the projection chunks: size for FSDP; a model
-        # with a step after its projection keeps them too: the fp32 logits, their gradient, the softmax's temporaries
+        # FSDP keeps the whole logits (surgery/training/recipe_setup.py), DDP the projection chunks: size for FSDP; a
+        # model with a step after its projection keeps them too: the fp32 logits, their gradient, the softmax's
+        # temporaries
         logits = 3 * 4 * tokens * stats.vocab
     else:
         logits = 6 * 4 * min(tokens, LOSS_CHUNK) * stats.vocab
@@ -193,7 +194,7 @@ def uptrain_memory(stats: ModelStats, options, teacher: ModelStats | None, proce
 
 def teacher_memory(teacher: ModelStats, processes: int) -> int:
     """The frozen KD teacher's fp32 weights on one process: whole on one process; under FSDP (several processes,
-    surgery/training/loop.py shards the teacher per decoder layer like the student) its shard plus the one layer
+    surgery/training/accelerator.py shards the teacher per decoder layer like the student) its shard plus the one layer
     gathered for the forward."""
     whole = 4 * teacher.params
     if processes <= 1:
@@ -290,7 +291,7 @@ def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats |
     teacher too), c bytes of the compute dtype (2 under bf16 on CUDA, 4 on CPU), n = micro-batch x sequence length.
     - loading: under FSDP the main process alone reads the whole student in fp32 (4P) and the teacher in the
       compute dtype, plus the pages of the safetensors file being read (mapped, counted in RSS); the others build
-      the models without weights (untouched memory) and receive their shards (surgery/training/loop.py
+      the models without weights (untouched memory) and receive their shards (surgery/training/accelerator.py
       `rank_zero_loads`). With the align stage (and for a kind with a training form, which this estimate does not
       see) every process reads the whole models, as one process does;
     - a training step: the fp32 master weights 4P/W, gradients 4T/W, AdamW's moments 8T/W, the teacher's shard
@@ -320,7 +321,7 @@ def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats |
     sequences = max(options.batch_tokens // options.seq_len, 1)
     accumulating = options.micro_batch * W < sequences
     gradients = 4 * T // W
-    chunked = W == 1  # surgery/training/loop.py _setup_heads: the chunked output head is off under FSDP
+    chunked = W == 1  # surgery/training/recipe_setup.py _setup_heads: the chunked output head is off under FSDP
     logits = 6 * 4 * min(n, LOSS_CHUNK) * stats.vocab if chunked else 3 * 4 * n * stats.vocab
     step = {"weights (fp32 shard)": 4 * P // W, "AdamW moments (shard)": 8 * T // W}
     if accumulating:  # gradients and activations alive together

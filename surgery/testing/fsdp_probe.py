@@ -66,7 +66,7 @@ def mp_policy(model) -> dict | None:
 
 def main(argv: list[str]) -> None:
     from ..checkpoint.source import resolve_source
-    from ..training import loop
+    from ..training import loop, model_io, recipe_setup
     from ..training.model_io import load_causal_lm
     from ..training.options import UptrainOptions
     from .pydoc_llama import FAST
@@ -76,22 +76,22 @@ def main(argv: list[str]) -> None:
     out, precision, model = Path(argv[0]), argv[1], argv[2]
     teacher = argv[3] if len(argv) > 3 else None
     reads: dict[str, bool] = {}  # role -> whether this rank read the checkpoint's weights
-    load = loop.model_io.load_causal_lm
+    load = model_io.load_causal_lm
 
     def recording_load(source, role, *args, **kw):
         reads[role] = kw.get("weights", True)
         return load(source, role, *args, **kw)
 
-    loop.model_io.load_causal_lm = recording_load
+    model_io.load_causal_lm = recording_load
     if every_rank_reads:
-        loop.rank_zero_loads = lambda acc, o, kind: False
-        loop.teacher_dtype = lambda acc, o: torch.float32
+        recipe_setup.rank_zero_loads = lambda acc, o, kind: False
+        recipe_setup.teacher_dtype = lambda acc, o: torch.float32
     args = dict(FAST, tokens=FAST["batch_tokens"], eval_tokens=512, loss="kd" if teacher else "lm", teacher=teacher,
                 precision={"no": "fp32"}.get(precision, precision))
     recipe = loop.UptrainRecipe(UptrainOptions(model=model, out=out / "run-output", force=True, **args))
     recipe.setup()
     peak_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # loading and prepare, before the references
-    loop.model_io.load_causal_lm = load
+    model_io.load_causal_lm = load
     acc = recipe.acc
     result = {"rank": acc.process_index, "world": acc.num_processes, "distributed_type": acc.distributed_type.value,
               "mixed_precision": acc.mixed_precision, "peak_rss_kib": peak_rss_kib, "policy": mp_policy(recipe.model),

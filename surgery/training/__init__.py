@@ -11,6 +11,11 @@
 - `state.py`    atomic accelerate checkpoints (model, optimizer, RNG, data position), last K kept, resume.
 - `metrics.py`  metrics.jsonl; `plot.py` the PNG of loss and perplexity against tokens.
 - `loop.py`     the training loop on accelerate (CPU, one GPU, or `accelerate launch` with DDP/FSDP/DeepSpeed).
+- `recipe_setup.py`, `recipe_data.py` the run's setup stages (source, models, optimizer, resume; the windows).
+- `accelerator.py` accelerate's Accelerator: precision, DDP or FSDP2, how the models are read under it.
+- `optimizer.py` AdamW and the learning-rate schedule; `evaluation.py` held-out loss and perplexity.
+- `run_folder.py` the run folder checked and started; `finite.py` the stop at a number that is not finite.
+- `output.py`   the final write-out: checkpoint, surgery.json's "uptraining" record, metrics and plot.
 
 Contract with the converters: `surgery.json` may list the parameters a conversion introduced, which is what
 `--train new` trains (and `--train attention` trains on top of the attention projections):

@@ -31,15 +31,6 @@ from ..errors import SurgeryError
 from .stream_readers import Reader, check_state
 from .stream_sources import Plan
 
-# Imported from here by surgery/training/loop.py (written before the stream_* split): once loop.py imports them
-# from their own modules, the three imports below and their names in __all__ can go.
-from .stream_held_out import hold_out
-from .stream_packing import check_readers, early_check
-from .stream_sources import fingerprint, resolve_sources
-
-__all__ = ["STATE_FILE", "Plan", "StreamedData", "WindowStream", "check_readers", "data_key", "early_check",
-           "fingerprint", "hold_out", "resolve_sources"]
-
 STATE_FILE = "data-{rank}.json"  # a process's data position, in each checkpoint folder
 
 

@@ -160,8 +160,8 @@ def test_calib_window_reaches_the_estimate(tmp_path, capsys):
 
 
 def test_the_kd_teacher_is_sharded_like_the_student_in_the_per_process_estimate():
-    """Under FSDP the frozen teacher is sharded per decoder layer (surgery/training/loop.py): the dry run's memory
-    per process holds its shard and one gathered layer, not the whole teacher as on one process."""
+    """Under FSDP the frozen teacher is sharded per decoder layer (surgery/training/accelerator.py): the dry run's
+    memory per process holds its shard and one gathered layer, not the whole teacher as on one process."""
     from pathlib import Path
 
     from surgery import memory_estimate as est

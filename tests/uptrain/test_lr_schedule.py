@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 from transformers.optimization import _get_cosine_schedule_with_warmup_lr_lambda
 
-from surgery.training.loop import lr_at
+from surgery.training.optimizer import lr_at
 
 
 @pytest.mark.parametrize("warmup,steps,ratio", [(4, 20, 0.1), (1, 7, 0.0), (10, 10, 0.5)])

@@ -7,7 +7,7 @@ import torch
 
 from surgery.checkpoint.source import resolve_source
 from surgery.testing.pydoc_llama import FAST
-from surgery.training import UptrainOptions, loop, uptrain
+from surgery.training import UptrainOptions, model_io, uptrain
 from surgery.training.model_io import load_causal_lm
 
 
@@ -25,13 +25,13 @@ def test_a_run_without_fsdp_loads_student_and_teacher_onto_its_own_device(tiny, 
     """The run asks for its accelerator's device for both models (on this machine the CPU, which loads as before);
     the align stage keeps host loading (it moves the student itself)."""
     seen: dict[str, object] = {}
-    real = loop.model_io.load_causal_lm
+    real = model_io.load_causal_lm
 
     def recording(source, role, *args, **kw):
         seen[role] = kw.get("device")
         return real(source, role, *args, **kw)
 
-    monkeypatch.setattr(loop.model_io, "load_causal_lm", recording)
+    monkeypatch.setattr(model_io, "load_causal_lm", recording)
     uptrain(UptrainOptions(model=str(tiny), out=tmp_path / "o", **(FAST | dict(loss="kd", teacher=str(tiny),
                                                                               tokens=512))))
     assert seen == {"model": torch.device("cpu"), "teacher": torch.device("cpu")}

@@ -13,7 +13,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import FullyShardedDataParallelPlugin
 
 from surgery.errors import SurgeryError
-from surgery.training.loop import use_fsdp2
+from surgery.training.accelerator import use_fsdp2
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "recipes" / "accelerate").glob("*.yaml"))

@@ -7,7 +7,7 @@ import torch
 import transformers as tf
 
 from surgery.training.heads import OutputHead
-from surgery.training.loop import make_accelerator
+from surgery.training.accelerator import make_accelerator
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
              num_key_value_heads=1)
