@@ -140,11 +140,18 @@ def retrieval_report(a, name: str) -> dict | None:
     return compare(retrieval_plan(a), rows["source"], rows[name]) if "source" in rows and name in rows else None
 
 
+def mean_logprob(report: dict, length: int) -> float:
+    """The converted model's answer log-probability at `length`, averaged over the tasks."""
+    rows = [report["accuracy"][t][str(length)]["logprob_converted"] for t in report["tasks"]]
+    return sum(rows) / len(rows)
+
+
 def table(a) -> str:
     lines = ["| conversion | KV cache @8k (transformers) | ppl ratio " + " | ".join(f"{lo // 1024}-{hi // 1024}k"
                                                                                      for lo, hi in BUCKETS)
-             + " | KL | top-1 | retrieval source:converted, " + " / ".join(f"{n // 1024}k" for n in a.lengths)
-             + " | decode tok/s ratio @8k |", "|" + "---|" * (6 + len(BUCKETS))]
+             + " | overall | KL | top-1 | retrieval source:converted, " + " / ".join(f"{n // 1024}k" for n in a.lengths)
+             + " | answer log-prob " + " / ".join(f"{n // 1024}k" for n in a.lengths)
+             + " | decode tok/s ratio @8k |", "|" + "---|" * (8 + len(BUCKETS))]
     for name in a.kinds:
         work = a.work / name
         if not (work / "check.json").exists():
@@ -157,13 +164,15 @@ def table(a) -> str:
         r = retrieval_report(a, name)
         retrieval = " / ".join(f"{100 * r['mean'][str(n)]['source']:.0f}:{100 * r['mean'][str(n)]['converted']:.0f}"
                                for n in r["lengths"]) if r else "-"
+        logprob = " / ".join(f"{mean_logprob(r, n):.2f}" for n in r["lengths"]) if r else "-"
         decode = "-"
         if (work / "bench.json").exists():
             bench = json.loads((work / "bench.json").read_text())
             decode = f"{bench['results'][0]['ratio']['decode_tokens_per_s']:.2f}x"
         lines.append(f"| {label(name)} | {kv} | "
                      + " | ".join(f"{x:.2f}x" if x else "-" for x in ratios)
-                     + f" | {check['kl']:.3f} | {100 * check['top1_agreement']:.1f}% | {retrieval} | {decode} |")
+                     + f" | {check['ppl_converted'] / check['ppl_source']:.2f}x | {check['kl']:.3f} | "
+                     f"{100 * check['top1_agreement']:.1f}% | {retrieval} | {logprob} | {decode} |")
     return "\n".join(lines) + "\n"
 
 

@@ -37,7 +37,7 @@ def main() -> None:
     model = load_model(source, device, "float32")
     print(f"after loading: peak RSS {peak_gb():.2f} GB")
     start = time.time()
-    rows = score(model, RetrievalPlan([args.task], [args.length], args.samples, "noise", examples), device,
+    rows = score(model, RetrievalPlan.of([args.task], [args.length], args.samples, "noise", examples), device,
                  progress=False)
     print(f"scored {len(rows)} example(s) of {args.length} tokens in {time.time() - start:.1f} s: peak RSS "
           f"{peak_gb():.2f} GB")

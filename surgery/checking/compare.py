@@ -265,7 +265,7 @@ class CheckPlan:
     layer_windows: int  # 0: no --layers
     layer_bytes: int
     tasks: object = None  # check.tasks.TaskSet of --tasks, loaded before any model
-    retrieval: object = None  # checking.retrieval.RetrievalPlan of --retrieval: its examples, built before any model
+    retrieval: object = None  # checking.retrieval.RetrievalPlan of --retrieval: its examples, checked before any model
     precision: str = "fp32"  # what the models compute in: bf16 (autocast or bf16 weights), fp16 or fp32
 
     @property

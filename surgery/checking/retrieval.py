@@ -7,12 +7,15 @@ answer counts as retrieved when every one of its tokens is the model's argmax th
 would produce; items after the first are judged with the earlier ones given, in the order they stand in the text
 (variable tracking's chain, common words' first appearances). An example's score is the share of its items
 retrieved (one item: 0 or 1), as RULER's string-match scores; the mean log-probability of the answer is kept too.
-The examples are built before any model is loaded, so bad input stops the check before the first load.
+The examples are built once before any model is loaded, so bad input stops the check before the first load, and
+built again, one task and length at a time, while each model is scored: memory holds one rung's examples, never the
+whole ladder's (tasks x samples x lengths: millions of token ids at 128k).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -48,11 +51,17 @@ class RetrievalPlan:
     lengths: list[int]
     samples: int
     haystack: str
-    examples: list[Example] = field(default_factory=list)
+    build: Callable[[], Iterable[Example]]  # the examples, built anew (deterministically) on each call
+    tokens: int  # their total length
 
-    @property
-    def tokens(self) -> int:
-        return sum(e.length for e in self.examples)
+    def examples(self) -> Iterator[Example]:
+        return iter(self.build())
+
+    @classmethod
+    def of(cls, tasks: list[str], lengths: list[int], samples: int, haystack: str,
+           examples: list[Example]) -> "RetrievalPlan":
+        """A plan of examples already built (tests, benchmarks)."""
+        return cls(tasks, lengths, samples, haystack, lambda: examples, sum(e.length for e in examples))
 
 
 def plan_retrieval(spec: str, lengths: list[int] | None, samples: int, haystack: str, tokenizer, context: int | None,
@@ -75,11 +84,14 @@ def plan_retrieval(spec: str, lengths: list[int] | None, samples: int, haystack:
         if len(hay) < max(lengths):
             raise SurgeryError(f"--retrieval-haystack text: the text gave {len(hay)} tokens, fewer than the longest "
                                f"retrieval length {max(lengths)} (raise --tokens or give a longer --data)")
-    plan = RetrievalPlan(tasks, lengths, samples, haystack)
-    for task in tasks:
-        for n in lengths:
-            plan.examples += make_examples(task, tokenizer, n, samples, seed, hay)
-    return plan
+
+    def build() -> Iterator[Example]:
+        for task in tasks:
+            for n in lengths:
+                yield from make_examples(task, tokenizer, n, samples, seed, hay)
+
+    tokens = sum(e.length for e in build())  # every example built once now: bad input fails before any model
+    return RetrievalPlan(tasks, lengths, samples, haystack, build, tokens)
 
 
 @torch.no_grad()
@@ -98,7 +110,7 @@ def score(model, plan: RetrievalPlan, device: torch.device, progress: bool = Tru
     """Per example: its task, length, depth, the share of items retrieved and the answer's mean log-probability."""
     rows = []
     with Progress(plan.tokens, desc, enabled=progress) as bar:
-        for e in plan.examples:
+        for e in plan.examples():
             ids = torch.tensor([e.ids], device=device)
             n = e.length - e.answer_start
             logits = _answer_logits(model, ids, n + 1)[:n]  # position p predicts token p + 1

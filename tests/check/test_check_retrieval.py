@@ -50,7 +50,7 @@ def test_teacher_forced_scores_are_greedy_decoding_s_exact_match(smol):
     model, tok = smol
     examples = [e for task in ("passkey", "variable_tracking", "common_words")
                 for e in make_examples(task, tok, 300, 1)]
-    plan = RetrievalPlan(["x"], [300], 1, "noise", examples)
+    plan = RetrievalPlan.of(["x"], [300], 1, "noise", examples)
     rows = score(model, plan, torch.device("cpu"), progress=False)
     for e, row in zip(examples, rows):
         n = e.length - e.answer_start
