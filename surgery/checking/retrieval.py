@@ -1,4 +1,4 @@
-"""`check --retrieval`: synthetic long-context retrieval (surgery/checking/retrieval_tasks.py) scored for the source
+"""`check --retrieval`: synthetic long-context retrieval (surgery/retrieval_tasks.py) scored for the source
 and the converted model at a ladder of lengths, reported as accuracy against length (table, --json, --plot).
 
 Scoring is exact and cheap: one forward pass over the example (prompt and answer, teacher-forced) that keeps the
@@ -21,7 +21,7 @@ import torch
 
 from ..errors import SurgeryError
 from ..progress import Progress
-from .retrieval_tasks import TASKS, Example, make_examples
+from ..retrieval_tasks import TASKS, Example, make_examples
 
 FIRST_LENGTH = 512
 HAYSTACKS = ("noise", "text")
