@@ -6,7 +6,7 @@ surgery/swa/."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import ValidationInfo, field_validator, model_validator
 
@@ -24,9 +24,14 @@ class SWAFields(WriteOptions):
         None, "--window", "[swa] Tokens a sliding layer sees: the query and the W-1 before it (the runtimes' "
         "sliding_window). Contexts of at most W compute exactly the source's function.", metavar="W", group=GROUP)
     global_layers: str = option(
-        "auto", "--global-layers", "[swa] Layers kept global: auto (the quarter of the layers that attend most beyond "
-        "the window on calibration text at long context), auto:N (the N such layers), N (evenly spaced, the last "
-        "included), or a list of indices like 0,7,15.", metavar="SPEC", group=GROUP)
+        "auto", "--global-layers", "[swa] Layers kept global: auto (the quarter of the layers that lose most when "
+        "windowed, scored on calibration text at long context: see --layer-score), auto:N (the N such layers), N "
+        "(evenly spaced, the last included), or a list of indices like 0,7,15.", metavar="SPEC", group=GROUP)
+    layer_score: Literal["cost", "mass"] = option(
+        "cost", "--layer-score", "[swa] How `auto` scores a layer: cost (what windowing it alone costs, measured: the "
+        "answers' log-probability on retrieval examples built from the calibration text plus the text's NLL beyond "
+        "the window, layers halved round by round) or mass (its attention probability beyond the window: cheaper, "
+        "blind to retrieval).", group=GROUP)
 
     @field_validator("global_layers", mode="before")
     @classmethod
@@ -50,7 +55,7 @@ class SWAOptions(CalibrationOptions, SWAFields):
         if self.parsed_global_layers.auto:
             return self
         self.refuse_calibration_options(s, f"{s.flag('global_layers')} {self.global_layers}",
-                                        f"{s.flag('global_layers')} auto")
+                                        f"{s.flag('global_layers')} auto", more=("layer_score",))
         return self
 
 
@@ -69,6 +74,7 @@ class SWA(Kind):
         return convert_to_swa(source, out, window=options.window, global_layers=options.parsed_global_layers,
                               calib=options.calib, calib_tokens=options.calib_tokens,
                               calib_window=calib_window if auto else None, calib_chunk=options.calib_chunk,
+                              layer_score=options.layer_score,
                               device=options.device, precision=options.precision,
                               chat_template=options.chat_template, **options.write_kwargs())
 
@@ -81,8 +87,13 @@ class SWA(Kind):
         s = record.get("swa") or {}
         if not s:
             return []
-        how = ("chosen by their attention mass beyond the window on calibration text" if "scores" in s
-               else f"as asked ({s.get('asked')})")
+        if "scores" not in s:
+            how = f"as asked ({s.get('asked')})"
+        elif s.get("layer_score") == "cost":
+            how = ("chosen by what windowing each costs on retrieval examples built from calibration text (the "
+                   "answers' log-probability and the text's likelihood beyond the window)")
+        else:
+            how = "chosen by their attention mass beyond the window on calibration text"
         return [f"Sliding-window attention of {s['window']} tokens on every layer but {s['global_layers']}, {how}."]
 
 

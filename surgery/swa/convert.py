@@ -30,6 +30,25 @@ ARCHITECTURES = {"ministral": "MinistralForCausalLM"}
 SWITCHED = ("qwen2", "qwen3", "smollm3")  # their sliding_window counts only with use_sliding_window
 LLAMA_ONLY = ("attention_bias", "mlp_bias", "pretraining_tp")  # Llama settings Ministral's layer has no place for
 AUTO_WINDOWS = 4  # `auto` calibrates on windows of this many times W (capped by the context) unless told
+SCORES = {"cost": "what windowing the layer alone costs (answers' log-prob drop on retrieval examples built from the "
+                  "calibration text + NLL rise beyond the window), by successive halving",
+          "mass": "attention mass beyond the window (mean over heads and queries)"}
+
+
+def _cost_scores(src, reader, tokenizer, windows, device, window: int, chunk: int, layers: int, count: int,
+                 progress: bool):
+    """`--layer-score cost`: (each layer's cost in the first round, every round, the chosen layers)."""
+    from .cost import Probe, choose_by_cost, probe_examples, windowing_costs
+
+    probe = Probe.of(probe_examples(tokenizer, windows))
+
+    def score_round(kept, candidates):
+        return windowing_costs(src.folder, reader, probe, device, window, chunk, kept, candidates, progress,
+                               desc=f"score layers (windowing cost, {len(kept)} global)")
+
+    chosen, rounds = choose_by_cost(score_round, layers, count)
+    first = rounds[0]["costs"] if rounds else {}
+    return [first[str(i)]["cost"] if str(i) in first else 0.0 for i in range(layers)], rounds, chosen
 
 
 def check_request(config: dict, window: int, global_layers: GlobalLayers) -> tuple[int, int]:
@@ -89,10 +108,11 @@ def convert_to_swa(src: Source, out: Path, *, window: int, global_layers: Global
                    calib_tokens: int = 8192, calib_window: int | None = None, calib_chunk: int | None = None,
                    force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
                    allow_pickle: bool = False, seed: int = 0, progress: bool = True, device: str = "auto",
-                   precision: str = "auto", chat_template: str = "auto") -> dict:
+                   precision: str = "auto", chat_template: str = "auto", layer_score: str = "cost") -> dict:
     """Write `src` with sliding-window attention of `window` tokens on every layer but the global ones to `out`.
     `auto` scores the layers on `calib_tokens` calibration tokens in windows of `calib_window` (default: 4 W,
-    capped by the context)."""
+    capped by the context), by `layer_score`: "cost" (what windowing each layer costs, surgery/swa/cost.py) or
+    "mass" (attention mass beyond the window, surgery/swa/score.py)."""
     start = time.time()
     config = src.config
     layers, context = check_request(config, window, global_layers)
@@ -107,21 +127,27 @@ def convert_to_swa(src: Source, out: Path, *, window: int, global_layers: Global
                                f"windows of {length} tokens must be longer than --window {window}")
         dev = pick_device(device)
         resolved = resolve_precision(precision, dev)
-        text = calibration_text(calib, load_tokenizer(src), calib_tokens, context, window=length,
+        tokenizer = load_tokenizer(src)
+        text = calibration_text(calib, tokenizer, calib_tokens, context, window=length,
                                 chat_template=chat_template)
         if text.windows.shape[1] <= window:
             raise SurgeryError(f"the calibration text gave windows of {text.windows.shape[1]} tokens, not longer than "
                                f"--window {window}: give more --calib-tokens or a longer text")
-        from .score import layer_scores
-
         chunk = chunk_windows(config, int(text.windows.shape[1]), requested=calib_chunk)
         calib_start = time.time()
         with calibrating(resolved, dev):
-            scores = layer_scores(src.folder, reader, text.windows, dev, window, chunk, progress)
-        chosen = top_layers(scores, count)
+            if layer_score == "cost":
+                scores, rounds, chosen = _cost_scores(src, reader, tokenizer, text.windows, dev, window, chunk,
+                                                      layers, count, progress)
+            else:
+                from .score import layer_scores
+
+                scores, rounds = layer_scores(src.folder, reader, text.windows, dev, window, chunk, progress), None
+                chosen = top_layers(scores, count)
         calibration = text.record() | {"device": str(dev), "precision": resolved, "chunk_windows": chunk,
-                                       "seconds": round(time.time() - calib_start, 3),
-                                       "score": "attention mass beyond the window (mean over heads and queries)"}
+                                       "seconds": round(time.time() - calib_start, 3), "score": SCORES[layer_score]}
+        if rounds:
+            calibration["rounds"] = rounds
     else:
         chosen = list(global_layers.indices) if global_layers.indices is not None else evenly_spaced(count, layers)
     types = layer_types(layers, chosen)
@@ -130,6 +156,8 @@ def convert_to_swa(src: Source, out: Path, *, window: int, global_layers: Global
     def record_fields(output_files: list[str]) -> dict:
         swa = {"window": window, "global_layers": chosen, "asked": global_layers.describe(), "layers": layers,
                "target_model_type": new_config["model_type"]}
+        if global_layers.auto:
+            swa["layer_score"] = layer_score
         if scores is not None:
             swa["scores"] = [round(s, 6) for s in scores]
         record = {"dtype": dtype or "auto", "architecture": {"spec": config["model_type"],

@@ -41,8 +41,8 @@ class GlobalLayers:
         self.resolve_count(layers)
 
     def describe(self) -> str:
-        if self.indices is not None:
-            return ",".join(map(str, self.indices))
+        if self.indices is not None:  # one index bracketed: a bare "5" would read back as a count
+            return ",".join(map(str, self.indices)) if len(self.indices) > 1 else f"[{self.indices[0]}]"
         return f"{AUTO}:{self.count}" if self.auto and self.count is not None else (AUTO if self.auto else str(self.count))
 
 

@@ -70,7 +70,8 @@ def test_a_sliding_layer_sees_the_query_and_the_window_minus_one_keys_before_it(
 
 def test_auto_keeps_the_layers_that_attend_most_beyond_the_window(llama, tmp_path, cli):
     code, out, err = cli("convert", llama, "--to", "swa", "--window", "16", "--global-layers", "auto:1",
-                         "--calib", "pydoc", "--calib-tokens", "256", "--calib-window", "64", "--out", tmp_path / "o")
+                         "--layer-score", "mass", "--calib", "pydoc", "--calib-tokens", "256", "--calib-window", "64",
+                         "--out", tmp_path / "o")
     assert code == 0, err
     record = json.loads((tmp_path / "o" / "surgery.json").read_text())
     scores = record["swa"]["scores"]
@@ -92,6 +93,10 @@ def test_far_mass_is_the_probability_beyond_the_window():
 
 
 def test_global_layer_specs():
+    for spec in ("auto", "auto:3", "4", "0,7,15", "0,", "[5]", [2]):  # the canonical spelling reads back the same
+        parsed = parse_global_layers(spec)
+        assert parse_global_layers(parsed.describe()) == parsed
+    assert parse_global_layers("0,").indices == (0,) and parse_global_layers("0").count == 0
     assert parse_global_layers("auto").auto and parse_global_layers("auto:3").count == 3
     assert parse_global_layers("4").count == 4 and parse_global_layers("7,0,3").indices == (0, 3, 7)
     assert evenly_spaced(8, 30) == [2, 6, 10, 14, 17, 21, 25, 29] and evenly_spaced(0, 30) == []
@@ -160,3 +165,77 @@ def test_a_swa_output_distils_from_its_source_and_stays_swa(tiny, tmp_path, cli)
     assert len(kd) == 2 and kd[1] < kd[0]
     assert _config(tmp_path / "up")["layer_types"] == _config(tmp_path / "swa")["layer_types"]
     assert _load(tmp_path / "up").config.sliding_window == 4
+
+
+# ---- --layer-score cost: what windowing each layer costs, measured ------------------------------------------------
+def _answer_and_text(model, probe, window):
+    """The probe's mean answer log-prob and mean NLL beyond the window, from a whole model in memory."""
+    answer, text = 0.0, 0.0
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=probe.ids).logits.float(), -1)
+    for b, start in enumerate(probe.answer_starts):
+        ids = probe.ids[b]
+        answer += logp[b, start - 1:-1].gather(-1, ids[start:, None]).mean().item()
+        text -= logp[b, window:start - 1].gather(-1, ids[window + 1:start, None]).mean().item()
+    return answer / len(probe.answer_starts), text / len(probe.answer_starts)
+
+
+@pytest.fixture(scope="module")
+def long_llama(tmp_path_factory, tokenizer):
+    """The tiny pydoc Llama (BPE tokens: retrieval examples fit in 512) with 1,024 positions."""
+    from surgery.testing.pydoc_llama import make_model
+
+    return make_model(tmp_path_factory.mktemp("swa") / "long", tokenizer, positions=1024)
+
+
+def test_windowing_cost_is_what_the_windowed_checkpoint_loses(long_llama, tmp_path, cli):
+    """Each layer's cost from the streamed leave-one-out pass equals the loss measured on the swa checkpoint with
+    that layer alone windowed, loaded whole by transformers."""
+    from surgery.calibration.text import calibration_text
+    from surgery.checkpoint.tensors import CheckpointReader
+    from surgery.swa.cost import Probe, probe_examples, windowing_costs
+    from transformers import AutoTokenizer
+
+    llama, window = long_llama, 64
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    text = calibration_text("pydoc", tokenizer, 3 * 512, None, window=512)
+    probe = Probe.of(probe_examples(tokenizer, text.windows))
+    assert [len(e) for e in probe.ids] == [512] * 3
+    costs = windowing_costs(llama, CheckpointReader(llama), probe, torch.device("cpu"), window, 2, [0, 1], [0, 1],
+                            progress=False)
+    source = _answer_and_text(_load(llama), probe, window)
+    for layer, keep in ((0, "1"), (1, "0,")):
+        code, _, err = cli("convert", llama, "--to", "swa", "--window", str(window), "--global-layers", keep,
+                           "--out", tmp_path / f"w{layer}")
+        assert code == 0, err
+        windowed = _answer_and_text(_load(tmp_path / f"w{layer}"), probe, window)
+        assert costs[layer]["answer"] == pytest.approx(source[0] - windowed[0], abs=1e-4)
+        assert costs[layer]["text"] == pytest.approx(windowed[1] - source[1], abs=1e-4)
+        assert costs[layer]["cost"] == pytest.approx(costs[layer]["answer"] + costs[layer]["text"])
+    assert any(abs(c["cost"]) > 1e-3 for c in costs.values())  # windowing changed something to measure
+
+
+def test_auto_by_cost_keeps_the_costliest_layers_and_records_every_round(long_llama, tmp_path, cli):
+    code, _, err = cli("convert", long_llama, "--to", "swa", "--window", "64", "--global-layers", "auto:1",
+                       "--calib", "pydoc", "--calib-tokens", "2304", "--calib-window", "768", "--out", tmp_path / "o")
+    assert code == 0, err
+    record = json.loads((tmp_path / "o" / "surgery.json").read_text())
+    swa, rounds = record["swa"], record["calibration"]["rounds"]
+    assert swa["layer_score"] == "cost" and len(rounds) == 1 and rounds[0]["global"] == [0, 1]
+    costs = {int(k): v["cost"] for k, v in rounds[0]["costs"].items()}
+    assert swa["global_layers"] == [max(costs, key=costs.get)]
+    assert swa["scores"] == pytest.approx([costs[0], costs[1]], abs=1e-5)
+
+
+def test_successive_halving_rescores_the_survivors():
+    from surgery.swa.cost import choose_by_cost
+
+    seen = []
+
+    def score_round(kept, candidates):  # a layer's cost: its index, but layer 4 is vital once 3 (its twin) is windowed
+        seen.append(list(kept))
+        return {i: {"cost": float(100 if i == 4 and 3 not in kept else i)} for i in candidates}
+
+    chosen, rounds = choose_by_cost(score_round, 8, 2)  # one ranking from every layer global would keep 6 and 7
+    assert seen == [list(range(8)), [4, 5, 6, 7]] and chosen == [4, 7]
+    assert [r["global"] for r in rounds] == seen

@@ -1,0 +1,132 @@
+"""Which global layers keep retrieval: `--to swa` at one window and one count of global layers, the layer choices
+side by side on SmolLM2-135M, zero-shot, scored on retrieval examples whose haystack is held-out text.
+
+    python benchmarks/bench_swa_layers.py --work W --window 256 --count 8 --choices cost,mass,even \
+        --lengths 1024,2048 --samples 20 --tasks niah_single,niah_multikey \
+        --haystack "/usr/share/vim/vim90/doc/usr_*.txt"
+
+Each choice is one `surgery convert smollm2 --to swa` (cached in WORK/CHOICE): `cost` (`--global-layers auto:N
+--layer-score cost`), `mass` (`auto:N --layer-score mass`), `even` (N evenly spaced), or a list of layers
+(`list:3,4,5`). Calibration reads pydoc (--calib-tokens); the haystacks are the --haystack text, which calibration
+never reads. Every model (the source once) scores the same examples (surgery/checking/retrieval.py: one
+teacher-forced pass each, the answers' logits only); accuracy per cell with its 95% Wilson interval, the answers'
+mean log-probability, and the KV cache at the longest length relative to the source's. Scores are cached in
+WORK/scores-NAME.json, so a rerun only scores what is new.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from surgery.checking.retrieval import RetrievalPlan, score
+from surgery.checkpoint.source import resolve_source
+from surgery.data import load_texts
+from surgery.retrieval_tasks import make_examples
+from surgery.runtime import load_model, load_tokenizer
+
+
+def wilson(hits: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return 0.0, 1.0
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def convert(choice: str, a) -> Path:
+    out = a.work / choice
+    if (out / "surgery.json").exists():
+        return out
+    if choice in ("cost", "mass"):
+        layers = ["--global-layers", f"auto:{a.count}", "--layer-score", choice, "--calib", "pydoc",
+                  "--calib-tokens", str(a.calib_tokens)]
+    elif choice == "even":
+        layers = ["--global-layers", str(a.count)]
+    else:
+        layers = ["--global-layers", choice.removeprefix("list:")]
+    cmd = ["surgery", "convert", "smollm2", "--to", "swa", "--window", str(a.window), *layers, "--out", str(out),
+           "--force"]
+    print("$ " + " ".join(cmd), flush=True)
+    start = time.time()
+    subprocess.run(cmd, check=True)
+    print(f"  converted in {time.time() - start:.0f} s", flush=True)
+    return out
+
+
+def plan(a, tokenizer) -> RetrievalPlan:
+    hay = []
+    for text in load_texts(a.haystack):
+        hay += tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(hay) > 200_000:
+            break
+    examples = [e for task in a.tasks for n in a.lengths for e in make_examples(task, tokenizer, n, a.samples, 0, hay)]
+    return RetrievalPlan.of(a.tasks, a.lengths, a.samples, "text", examples)
+
+
+def scores(name: str, folder, a, the_plan) -> list[dict]:
+    cache = a.work / f"scores-{name.replace(':', '_').replace(',', '-')}.json"
+    if cache.exists():
+        return json.loads(cache.read_text())
+    source = resolve_source(str(folder))
+    model = load_model(source, torch.device("cpu"), "float32")
+    start = time.time()
+    rows = score(model, the_plan, torch.device("cpu"), progress=False)
+    print(f"  {name}: scored {len(rows)} examples in {time.time() - start:.0f} s", flush=True)
+    cache.write_text(json.dumps(rows))
+    return rows
+
+
+def cell(rows, task, n) -> str:
+    hits = [r["score"] for r in rows if r["task"] == task and r["length"] == n]
+    lo, hi = wilson(sum(hits), len(hits))
+    lp = [r["logprob"] for r in rows if r["task"] == task and r["length"] == n]
+    return f"{sum(hits):.0f}/{len(hits)} [{100 * lo:.0f}-{100 * hi:.0f}%] ({sum(lp) / len(lp):.2f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--count", type=int, default=8)
+    ap.add_argument("--choices", default="cost,mass,even")
+    ap.add_argument("--lengths", default="1024,2048")
+    ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--tasks", default="niah_single,niah_multikey")
+    ap.add_argument("--haystack", default="/usr/share/vim/vim90/doc/usr_*.txt")
+    ap.add_argument("--calib-tokens", type=int, default=8192)
+    a = ap.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
+    a.lengths = [int(n) for n in a.lengths.split(",")]
+    a.tasks = a.tasks.split(",")
+    choices = [c for c in a.choices.split(";" if "list:" in a.choices else ",") if c]
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    src = resolve_source("smollm2")
+    tokenizer = load_tokenizer(src)
+    the_plan = plan(a, tokenizer)
+    results = {"source": scores("source", src.folder, a, the_plan)}
+    layers = {"source": "all 30"}
+    for choice in choices:
+        folder = convert(choice, a)
+        results[choice] = scores(choice, folder, a, the_plan)
+        layers[choice] = ",".join(map(str, json.loads((folder / "surgery.json").read_text())["swa"]["global_layers"]))
+    cache = (a.count + (30 - a.count) * a.window / max(a.lengths)) / 30
+    print(f"\nsmollm2 -> swa W={a.window}, {a.count} global layers (KV cache at {max(a.lengths)}: {cache:.2f}x); "
+          f"haystack {a.haystack} (held out); {a.samples} examples a cell; hits [95% Wilson] (answer mean log-prob)")
+    header = "| choice | global layers | " + " | ".join(f"{t} @ {n}" for t in a.tasks for n in a.lengths) + " |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for name, rows in results.items():
+        print(f"| {name} | {layers[name]} | " + " | ".join(cell(rows, t, n) for t in a.tasks for n in a.lengths)
+              + " |")
+
+
+if __name__ == "__main__":
+    main()
