@@ -21,7 +21,7 @@ import torch
 
 from ..errors import SurgeryError
 from ..progress import Progress
-from .retrieval_tasks import TASKS, Example, make_examples
+from ..retrieval_tasks import TASKS, Example, make_examples
 
 FIRST_LENGTH = 512
 HAYSTACKS = ("noise", "text")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from surgery.checking.retrieval import RetrievalPlan, default_lengths, score
-from surgery.checking.retrieval_tasks import TASKS, make_examples
+from surgery.retrieval_tasks import TASKS, make_examples
 
 
 @pytest.fixture(scope="module")

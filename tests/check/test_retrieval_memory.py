@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from surgery.checking.retrieval import RetrievalPlan, score
-from surgery.checking.retrieval_tasks import make_examples
+from surgery.retrieval_tasks import make_examples
 from surgery.testing.pydoc_llama import make_model
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from ..errors import SurgeryError
+from .errors import SurgeryError
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 WORDS = ("apple", "river", "candle", "mountain", "violin", "garden", "harbor", "lantern", "meadow", "pencil", "rocket",
