@@ -104,10 +104,9 @@ def test_teacher_pass_and_uptrain_mix_the_same_windows_and_a_mismatch_is_refused
     rec = uptrain(UptrainOptions(model=str(student), out=tmp_path / "o", teacher_logprobs=str(store), data_mode=mode,
                                  **RUN))
     assert rec["retrieval_mix"] == {"fraction": 0.5, "tasks": list(TASKS), "windows": 2, "of": 4}
-    for other in (0.0, 0.25):
-        with pytest.raises(SurgeryError, match=rf"other training windows \(--retrieval-mix: store 0.5, run {other}\)"):
-            uptrain(UptrainOptions(model=str(student), out=tmp_path / "o2", teacher_logprobs=str(store),
-                                   data_mode=mode, **(RUN | dict(retrieval_mix=other))))
+    with pytest.raises(SurgeryError, match=r"other training windows \(--retrieval-mix: store 0.5, run 0.0\)"):
+        uptrain(UptrainOptions(model=str(student), out=tmp_path / "o2", teacher_logprobs=str(store), data_mode=mode,
+                               **(RUN | dict(retrieval_mix=0.0))))
     assert not (tmp_path / "o2").exists()
 
 
@@ -128,3 +127,15 @@ def test_bad_mixes_are_refused_in_one_line(teacher, student, tokenizer, monkeypa
     assert code == 2 and "--seq-len 64 is too short for" in err and not (tmp_path / "t").exists()
     code, _, err = cli("teacher", teacher, "--out", tmp_path / "t", *flags[:-1], 2)
     assert code == 2 and "--retrieval-mix must lie in [0, 1], got 2" in err
+
+
+def test_a_recipe_takes_the_mix_for_its_uptrain_step_and_the_teacher_step_that_serves_it(tmp_path):
+    from surgery.recipes import load_recipe
+    from surgery.recipes.plan import build_plan
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "llama3-8b-gqa2-stored-teacher.yaml"
+    plan = build_plan(load_recipe(recipe, ["uptrain.retrieval_mix=0.25"]), tmp_path / "plan")
+    commands = {r["name"]: r["command"] for r in plan["steps"]}
+    assert "--retrieval-mix 0.25" in commands["teacher"] and "--retrieval-mix 0.25" in commands["uptrain"]
+    with pytest.raises(SurgeryError, match=r"uptrain: retrieval_mix must lie in \[0, 1\], got 2"):
+        load_recipe(recipe, ["uptrain.retrieval_mix=2"])
