@@ -56,6 +56,8 @@ def test_a_retrieval_window_is_one_training_window_of_its_own_text_with_the_answ
     out = mix.apply(windows, first=100)
     assert out.shape == windows.shape and out.dtype == windows.dtype
     assert torch.equal(out, RetrievalMix(0.5, 3, tokenizer, SEQ).apply(windows.clone(), first=100))
+    # split as steps, processes or a resumed run split them: the same windows
+    assert torch.equal(torch.cat([mix.apply(windows[:5], first=100), mix.apply(windows[5:], first=105)]), out)
     chosen = [i for i in range(len(windows)) if mix.chosen(100 + i)]
     assert len(chosen) == mix.count(112) - mix.count(100) == 6
     for i in range(len(windows)):
