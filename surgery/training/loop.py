@@ -36,6 +36,7 @@ from .output import finish
 from .progress import Progress
 from .recipe_data import RecipeData
 from .recipe_setup import RecipeSetup
+from .retrieval_mix import mixed
 from .state import Checkpoints
 from .trackers import finish_trackers
 
@@ -99,7 +100,7 @@ class UptrainRecipe(RecipeSetup, RecipeData):
             align_json = o.run_dir / "align.json"
             return json.loads(align_json.read_text()) if align_json.exists() else None
         count = o.align_steps * o.sequences_per_step
-        windows = data.take(count) if o.streamed else data.train[data.window_indices(0, count)]
+        windows = mixed(self.mix, data.take(count) if o.streamed else data.train[data.window_indices(0, count)], 0)
         say = log.info if self.main else (lambda line: None)
         self.model.to(acc.device)
         before = evaluate_held_out(self.model, data, acc, o.micro_batch) if data.eval.shape[0] else {}
@@ -176,6 +177,8 @@ class UptrainRecipe(RecipeSetup, RecipeData):
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = self.data.step_batch(o.align_steps + step, o.sequences_per_step, acc.process_index, self.world)
+        share = o.sequences_per_step // self.world  # this process's windows of the step, in the run's global order
+        batch = mixed(self.mix, batch, (o.align_steps + step) * o.sequences_per_step + acc.process_index * share)
         masks, weights = self._step_masks(step)
         if self.store is not None:  # the stored teacher pass of these windows, taken by the micro-steps in turn
             from .stored_kd import first_window

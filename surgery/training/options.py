@@ -33,12 +33,12 @@ TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_to
                    "gen_temperature", "hidden_weight", "train", "lr",
                    "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
                    "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data", "data_weights",
-                   "data_mode", "txt_unit", "chat_template", "loss_on", "teacher_logprobs")
+                   "data_mode", "txt_unit", "chat_template", "loss_on", "teacher_logprobs", "retrieval_mix")
 # Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
 # (TRAJECTORY_DEFAULTS, below the options).
 LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode", "txt_unit",
                          "chat_template", "loss_on", "teacher_logprobs", "kd_beta", "on_policy", "gen_tokens",
-                         "gen_temperature")
+                         "gen_temperature", "retrieval_mix")
 # --data-epochs is not among them: it changes nothing before a source runs dry, so a run stopped by a dry source
 # resumes with a higher one.
 PACKED_TOKENS = 1 << 22  # --data-mode auto: runs of at most this many training tokens (16 MiB of windows) are packed
@@ -136,6 +136,11 @@ class UptrainArgs(PrecisionOptions):
     gen_tokens: int = option(64, "--gen-tokens", "[on-policy] Tokens the student generates per sequence.")
     gen_temperature: float = option(1.0, "--gen-temperature", "[on-policy] Sampling temperature of the student's "
                                     "generations (0: greedy).")
+    retrieval_mix: float = option(
+        0.0, "--retrieval-mix", "Fraction of the training windows replaced by synthetic retrieval examples built from "
+        "the window's own text (passkey, single- and multi-key needles, variable tracking: needles hidden in it, the "
+        "question and the answer at its end), chosen by --seed and the window's place, so `surgery teacher` sees the "
+        "same windows. 0: off.", metavar="P")
     hidden_weight: float = option(0.0, "--hidden-weight", "Add this weight times every layer's hidden-state cosine "
                                   "distance to the teacher's (same depth and width) to the loss; 0: off.")
     train: Literal[TRAIN] = option(
@@ -240,7 +245,7 @@ def check_rules(o, s) -> None:
         if getattr(o, name) < 1:
             raise ValueError(f"{s.flag(name)} must be at least 1, got {getattr(o, name)}")
     for name in ("lr", "weight_decay", "max_grad_norm", "temperature", "kd_weight", "hidden_weight", "min_lr_ratio",
-                 "progress_every", "kd_beta", "on_policy", "gen_temperature"):
+                 "progress_every", "kd_beta", "on_policy", "gen_temperature", "retrieval_mix"):
         if not math.isfinite(getattr(o, name)):
             raise ValueError(f"{s.flag(name)} must be a finite number, got {getattr(o, name)}")
     for name in ("eval_tokens", "eval_every", "save_every", "weight_decay", "max_grad_norm", "hidden_weight"):
@@ -262,6 +267,7 @@ def check_rules(o, s) -> None:
     if not 0 <= o.kd_weight <= 1:
         raise ValueError(f"{s.flag('kd_weight')} must lie in [0, 1], got {o.kd_weight}")
     check_on_policy_rules(o, s)
+    check_retrieval_mix_rules(o, s)
     stages = stages_of(o.stage)
     if stages is None:
         raise ValueError(f"unknown {s.flag('stage')} {o.stage!r}; choose align, kd or align,kd")
@@ -327,6 +333,20 @@ def check_on_policy_rules(o, s) -> None:
     if o.on_policy and o.loss_on == "assistant":
         raise ValueError(f"{s.flag('on_policy')} continues the end of each window, not the assistant turns: not with "
                          f"{s.flag('loss_on')} assistant (yet)")
+
+
+def check_retrieval_mix_rules(o, s) -> None:
+    """--retrieval-mix (surgery/training/retrieval_mix.py): a fraction, of whole windows whose every token counts; the
+    window length is checked against the tasks once the tokenizer is loaded."""
+    flag = s.flag("retrieval_mix")
+    if not 0 <= o.retrieval_mix <= 1:
+        raise ValueError(f"{flag} must lie in [0, 1], got {o.retrieval_mix}")
+    if o.retrieval_mix and o.loss_on == "assistant":
+        raise ValueError(f"{flag} replaces whole windows, whose tokens all count: not with {s.flag('loss_on')} "
+                         "assistant")
+    if o.retrieval_mix and o.on_policy:
+        raise ValueError(f"{flag}: the student would write over a retrieval example's question and answer: not "
+                         f"with {s.flag('on_policy')}")
 
 
 def stages_of(stage: str) -> tuple[str, ...] | None:

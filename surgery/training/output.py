@@ -95,6 +95,7 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
         **({"kd_beta": o.kd_beta} if objective.kind in ("kd", "mix") and o.kd_divergence == "jsd" else {}),
         **({"on_policy": {"fraction": o.on_policy, "gen_tokens": o.gen_tokens, "gen_temperature": o.gen_temperature,
                           "gen_seconds": round(sum(m.get("gen_s", 0.0) for m in rows), 3)}} if o.on_policy else {}),
+        **({"retrieval_mix": retrieval_record(o)} if o.retrieval_mix else {}),
         "hidden_weight": o.hidden_weight or None,
         **({"teacher_logprobs": stored_record(o)} if o.teacher_logprobs else {}),
         "teacher": ((public_name(trajectory.get("teacher")) or "surgery.json source")
@@ -120,3 +121,10 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
         "final_train_loss": next((m["loss"] for m in reversed(rows) if "loss" in m), None),
         "train_seconds": round(state.elapsed, 3),
     }
+
+
+def retrieval_record(o: UptrainOptions) -> dict:
+    """--retrieval-mix in the record: the fraction, the tasks and how many of the run's windows were examples."""
+    from .retrieval_mix import RetrievalMix
+
+    return RetrievalMix(o.retrieval_mix, o.seed, None, o.seq_len).record(o.total_steps * o.sequences_per_step)

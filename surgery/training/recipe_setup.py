@@ -123,6 +123,9 @@ class RecipeSetup:
 
         # --chat-template on without a template: refused now
         self.chat = ChatFormat(o.chat_template, self.tokenizer, spans=o.loss_on == "assistant")
+        from .retrieval_mix import RetrievalMix
+
+        self.mix = RetrievalMix.of(o, self.tokenizer)  # windows too short for its tasks: refused now
         kind = find_kind(self.record, source.config)
         fsdp = acc.distributed_type == DistributedType.FSDP
         rank_zero = rank_zero_loads(acc, o, kind)

@@ -28,16 +28,26 @@ from ..progress import Progress
 from ..runtime import pick_device
 from . import model_io
 from .options import UptrainOptions, resolve_data_workers
+from .retrieval_mix import RetrievalMix, mixed
 from .teacher_store import (StoreWriter, bytes_per_token, human_bytes, teacher_identity, tokenizer_identity,
                             window_hash, windows_spec)
 
 
 def training_windows(o: UptrainOptions, tokenizer, workers: int, processes: int = 1) -> Iterator[torch.Tensor]:
     """The run's training windows in its global order, `o.micro_batch` at a time ([n, seq_len] int64), read by the
-    data path uptrain uses with these options. Streamed data: as a run of `processes` processes with `workers` data
+    data path uptrain uses with these options, --retrieval-mix's examples in (retrieval_mix.py). Streamed data: as a run of `processes` processes with `workers` data
     workers each reads it (each process streams its own windows), in the order of the store's windows: at each
     step, process 0's share of the step, then process 1's, ... (stored_kd.first_window). Packed data has one global
     order whatever the number of processes."""
+    mix = RetrievalMix.of(o, tokenizer)
+    first = 0
+    for ids in _data_windows(o, tokenizer, workers, processes):
+        yield mixed(mix, ids, first)
+        first += ids.shape[0]
+
+
+def _data_windows(o: UptrainOptions, tokenizer, workers: int, processes: int) -> Iterator[torch.Tensor]:
+    """training_windows as the data path reads them, before any retrieval example goes in."""
     total = o.total_steps * o.sequences_per_step
     if o.streamed:
         from .stream import StreamedData
@@ -107,6 +117,7 @@ def teacher_pass(src: str, out: Path, o: UptrainOptions, top_k: int, device: str
     tokenizer = model_io.load_trusted_tokenizer(source, "teacher", trust_teacher_code)
     if tokenizer.eos_token_id is None:
         raise SurgeryError("the tokenizer has no EOS token to put between documents")
+    RetrievalMix.of(o, tokenizer)  # --retrieval-mix with windows too short for its tasks: refused before the model loads
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # as uptrain's teacher_dtype
     model = model_io.load_causal_lm(source, "teacher", trust_teacher_code, dtype=dtype)
     vocab = model_io.vocab_size(model)

@@ -77,6 +77,8 @@ def windows_spec(o, tokenizer, readers: int) -> dict:
         spec["txt_unit"] = o.txt_unit
     if o.chat_template != "auto":  # how a messages column is rendered (surgery/chat.py)
         spec["chat_template"] = o.chat_template
+    if o.retrieval_mix:  # the windows replaced by retrieval examples (surgery/training/retrieval_mix.py)
+        spec["retrieval_mix"] = o.retrieval_mix
     if o.streamed:
         from .stream_sources import fingerprint, resolve_sources
 
@@ -90,14 +92,16 @@ SPEC_FLAGS = {"data": "--data", "data_weights": "--data-weights", "text_field": 
               "seed": "--seed", "mode": "--data-mode", "readers": "processes x --data-workers",
               "data_epochs": "--data-epochs", "train_tokens": "--tokens / --batch-tokens (packed data)",
               "sources": "the data's files", "eos": "the tokenizer's EOS",
-              "chat_template": "--chat-template"}
+              "chat_template": "--chat-template", "retrieval_mix": "--retrieval-mix"}
+SPEC_DEFAULTS = {"retrieval_mix": 0.0}  # a field a spec leaves out at its default (older stores have none)
 
 
 def spec_difference(stored: dict, run: dict) -> str | None:
     """The first field in which a store's windows spec and a run's differ, worded for the user; None when equal."""
     for key in sorted(set(stored) | set(run)):
-        if stored.get(key) != run.get(key):
-            return f"{SPEC_FLAGS.get(key, key)}: store {stored.get(key)!r}, run {run.get(key)!r}"
+        a, b = stored.get(key, SPEC_DEFAULTS.get(key)), run.get(key, SPEC_DEFAULTS.get(key))
+        if a != b:
+            return f"{SPEC_FLAGS.get(key, key)}: store {a!r}, run {b!r}"
     return None
 
 
