@@ -145,7 +145,7 @@ def plan_retrieval(spec: str, lengths: Sequence[int | str] | None, samples: int,
     hay, about = None, {}
     if haystack == "text":
         hay = text_ids.tolist() if text_ids is not None else []
-        about = {"haystack_text": text_name, "haystack_tokens": len(hay)} if text_name else {"haystack_tokens": len(hay)}
+        about = ({"haystack_text": text_name} if text_name else {}) | {"haystack_tokens": len(hay)}
         if len(hay) < max(lengths):
             raise SurgeryError(f"--retrieval-haystack text: the text{f' {text_name}' if text_name else ''} gave "
                                f"{len(hay)} tokens, fewer than the longest retrieval length {max(lengths)} (raise "
@@ -210,7 +210,8 @@ def _score_batch(model, examples: list[Example], device: torch.device) -> list[d
 
 
 @torch.no_grad()
-def score(model, plan: RetrievalPlan, device: torch.device, progress: bool = True, desc: str = "retrieval") -> list[dict]:
+def score(model, plan: RetrievalPlan, device: torch.device, progress: bool = True,
+          desc: str = "retrieval") -> list[dict]:
     """Per example: its task, length, depth, the share of its items retrieved (`score`), how many items it has
     and the answer's mean log-probability."""
     rows = []

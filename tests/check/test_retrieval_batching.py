@@ -72,3 +72,20 @@ def test_a_plan_of_examples_scores_in_batches_too(model, tokenizer):
                  progress=False)[0] for e in examples]
     assert [r["score"] for r in rows] == [r["score"] for r in one]
     assert [r["logprob"] for r in rows] == pytest.approx([r["logprob"] for r in one], abs=1e-4)
+
+
+def test_needles_stand_at_their_depths_spread_over_the_haystack(tokenizer):
+    """Sample i's needle stands (i + 0.5) / samples of the way through the haystack (to the nearest sentence end)."""
+    samples, n = 5, 1024
+    intro = len(tokenizer("There is an important piece of information hidden inside a lot of irrelevant text. Find it "
+                          "and memorize it. I will quiz you about it afterwards.\n",
+                          add_special_tokens=False)["input_ids"])
+    for i, e in enumerate(make_examples("passkey", tokenizer, n, samples)):
+        key = tokenizer.decode(e.items[0]).strip()
+        needle = tokenizer(f" The pass key is {key}. Remember it. {key} is the pass key.",
+                           add_special_tokens=False)["input_ids"]
+        at = next(p for p in range(len(e.ids)) if e.ids[p:p + len(needle)] == needle)
+        question = e.answer_start - len(tokenizer("\nWhat is the pass key? The pass key is",
+                                                  add_special_tokens=False)["input_ids"])
+        fill = question - intro - len(needle)  # the haystack's tokens
+        assert e.depth == (i + 0.5) / samples and abs((at - intro) / fill - e.depth) < 0.02, (i, at, fill)

@@ -104,6 +104,7 @@ def test_a_report_written_to_a_file_keeps_whole_values(models, text, cli, tmp_pa
     assert code == 0, err
     report = json.loads((tmp_path / "r.json").read_text())
     assert "…" not in out
-    for value in (f"{report['ppl_source']:.3f}", f"{report['max_abs_diff']:.3e}", f"{100 * report['top1_agreement']:.2f}%"):
+    for value in (f"{report['ppl_source']:.3f}", f"{report['max_abs_diff']:.3e}",
+                  f"{100 * report['top1_agreement']:.2f}%"):
         assert value in out, (value, out)
     assert max(map(len, out.splitlines())) > 80  # the labels stand whole on one line
