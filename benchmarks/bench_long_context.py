@@ -133,7 +133,7 @@ def bucket_ratio(rows: list[dict], lo: int, hi: int, key: str = "ppl_ratio") -> 
 
 
 def retrieval_report(a, name: str) -> dict | None:
-    from surgery.checking.retrieval import compare
+    from surgery.checking.retrieval_report import compare
 
     path = a.work / "retrieval.json"
     rows = json.loads(path.read_text()) if path.exists() else {}

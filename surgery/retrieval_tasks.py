@@ -106,8 +106,8 @@ def _assemble(task: str, tokenizer, parts: Parts, length: int, depth: float, hay
     items = [_encode(tokenizer, item) for item in parts.items]
     fill = length - len(intro) - len(question) - sum(len(n) for _, n in needles) - sum(len(i) for i in items)
     if fill < 1:
-        raise SurgeryError(f"retrieval length {length} is too short for {task}: its question and needles alone take "
-                           f"{length - fill} tokens")
+        raise SurgeryError(f"--retrieval-lengths: {length} tokens is too short for {task}: its instruction, question, "
+                           f"needles and answer alone take {length - fill}")
     if len(haystack) < fill:
         raise SurgeryError(f"the haystack text has {len(haystack)} tokens: too short for {task} at {length} tokens "
                            f"(it needs {fill}); give a longer text or use the noise haystack")
@@ -156,7 +156,8 @@ def _common_words(rng: random.Random, tokenizer, length: int, depth: float, comm
         words.pop(), entries.pop()
     order = list(dict.fromkeys(w for w in words if w in top))
     if len(order) < common:
-        raise SurgeryError(f"retrieval length {length} is too short for common_words")
+        raise SurgeryError(f"--retrieval-lengths: {length} tokens is too short for common_words: its list cannot hold "
+                           f"{common} words {repeats} times each")
     items = [_encode(tokenizer, f" {w}") for w in order]
     body = [t for e in entries for t in e]
     pad = noise_haystack(tokenizer, length - fixed - len(body))
@@ -165,10 +166,20 @@ def _common_words(rng: random.Random, tokenizer, length: int, depth: float, comm
     return Example("common_words", length, depth, ids, items)
 
 
+def text_start(text: int, length: int, i: int, samples: int) -> int:
+    """Where sample i of `samples` starts reading a text of `text` tokens for an example of `length` tokens: the
+    starts spread evenly over [0, text - length] (the first at the text's start, the last at its end)."""
+    spare = max(0, text - length)
+    return 0 if samples < 2 else (i * spare) // (samples - 1)
+
+
 def make_examples(task: str, tokenizer, length: int, samples: int, seed: int = 0,
                   haystack_tokens: list[int] | None = None) -> list[Example]:
     """`samples` examples of `task` at `length` tokens, needle depths spread evenly ((i + 0.5) / samples), from
-    `seed`; the haystack is `haystack_tokens` (a text's tokens) or RULER's noise."""
+    `seed`; the haystack is `haystack_tokens` (a text's tokens) or RULER's noise. On a text, each sample reads its
+    own stretch: their starts are spread evenly from the text's beginning to its last `length` tokens, so the
+    stretches are disjoint when the text holds `samples` x `length` tokens (and overlap as little as they can when
+    it does not)."""
     if task not in TASKS:
         raise SurgeryError(f"unknown retrieval task {task!r}; choose from {', '.join(TASKS)} (or all)")
     out = []
@@ -178,9 +189,7 @@ def make_examples(task: str, tokenizer, length: int, samples: int, seed: int = 0
         if task == "common_words":
             out.append(_common_words(rng, tokenizer, length, depth))
             continue
-        hay = haystack_tokens if haystack_tokens is not None else noise_haystack(tokenizer, length)
-        if haystack_tokens is not None and len(hay) > length:  # each sample its own stretch of the text
-            start = rng.randrange(0, len(hay) - length + 1)
-            hay = hay[start:]
+        hay = noise_haystack(tokenizer, length) if haystack_tokens is None else \
+            haystack_tokens[text_start(len(haystack_tokens), length, i, samples):]
         out.append(_assemble(task, tokenizer, TASK_PARTS[task](rng, depth), length, depth, hay))
     return out

@@ -34,6 +34,7 @@ from . import documents
 from . import generate as gen
 from . import layers as layer_errors
 from . import retrieval as retrieval_runs
+from . import retrieval_report
 from . import tasks as task_runs
 from .passes import IGNORE, Projection, converted_pass, next_token_targets, outputs, slice_rows, source_pass
 from .positions import PositionBuckets, window_positions
@@ -308,9 +309,12 @@ class CheckRequest:
     tasks: str | None = None
     tasks_limit: int | None = None
     retrieval: str | None = None  # task names, or "all"
-    retrieval_lengths: tuple[int, ...] | None = None  # None: 512, 1024, ... up to the window length
+    retrieval_lengths: str | tuple[int | str, ...] | None = None  # tokens or "kw" (the converted model's sliding
+    # window); None: 512, 1024, ... up to the window length
     retrieval_samples: int = 4
-    retrieval_haystack: str = "noise"
+    retrieval_haystack: str = "auto"  # auto: the text when one was given (`text_given`), else the noise
+    retrieval_batch: int = 4  # examples of one task and length per forward pass
+    text_given: bool = True  # the text is the user's (not the default pydoc): --retrieval-haystack auto reads it
     documents: str = "joined"  # "whole": each window cut from one document (checking/documents.py)
 
 
@@ -399,11 +403,15 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
     if r.retrieval:
         if not causal:
             raise SurgeryError("--retrieval needs a causal LM")
-        retrieval = retrieval_runs.plan_retrieval(r.retrieval, list(r.retrieval_lengths or ()), r.retrieval_samples,
-                                                  r.retrieval_haystack, tok, ctx, min(r.seq_len, ctx or r.seq_len),
-                                                  ids)
-    elif r.retrieval_lengths or r.retrieval_haystack != "noise" or r.retrieval_samples != 4:
-        raise SurgeryError("--retrieval-lengths, --retrieval-samples and --retrieval-haystack need --retrieval TASKS")
+        window, no_window = retrieval_window(converted)
+        retrieval = retrieval_runs.plan_retrieval(
+            r.retrieval, r.retrieval_lengths, r.retrieval_samples, r.retrieval_haystack, tok, ctx,
+            min(r.seq_len, ctx or r.seq_len), ids, batch=r.retrieval_batch, window=window, no_window=no_window,
+            text_name=r.data, text_given=r.text_given)
+    elif (r.retrieval_lengths or r.retrieval_haystack != "auto" or r.retrieval_samples != 4
+          or r.retrieval_batch != 4):
+        raise SurgeryError("--retrieval-lengths, --retrieval-samples, --retrieval-haystack and --retrieval-batch need "
+                           "--retrieval TASKS")
     return CheckPlan(source, converted, dev, r.dtype, (trust_a, trust_b), causal,
                      vocab_size(config_a) if causal else hidden_size(config_a), source_attention, tok, tokenizer_note,
                      checked, r.batch_size, prompts, r.generate, n_layer_windows,
@@ -474,7 +482,7 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
             report["tasks"] = task_runs.compare(source_scores, task_scores(model, p))
             report["tasks_limit"] = p.tasks.limit
         if p.retrieval is not None:
-            report["retrieval"] = retrieval_runs.compare(
+            report["retrieval"] = retrieval_report.compare(
                 p.retrieval, source_retrieval, retrieval_scores(model, p, progress, "retrieval converted"))
         del model, head
         free(p.device)
@@ -504,6 +512,24 @@ def retrieval_scores(model, plan: CheckPlan, progress: bool, desc: str) -> list[
     if plan.retrieval is None:
         return None
     return retrieval_runs.score(model, plan.retrieval, plan.device, progress, desc)
+
+
+def retrieval_window(converted: Source) -> tuple[int | None, str]:
+    """The converted model's sliding window as its config.json says (the `w` of --retrieval-lengths), or None and
+    why it has none."""
+    from ..kinds.base import SLIDING_WINDOW_SWITCHED, sliding_layers
+
+    config = converted.config
+    layers, window = sliding_layers(config)
+    if layers and window:
+        return window, ""
+    if not config.get("sliding_window"):
+        why = "its config.json sets no sliding_window"
+    elif config.get("model_type") in SLIDING_WINDOW_SWITCHED and not config.get("use_sliding_window"):
+        why = "its config.json sets sliding_window but not use_sliding_window"
+    else:
+        why = "none of its layers is a sliding_attention layer"
+    return None, f"{converted.spec} has no sliding window ({why})"
 
 
 def continuations(model, plan: CheckPlan, progress: bool, desc: str) -> list[list[int]] | None:

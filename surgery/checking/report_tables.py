@@ -4,7 +4,7 @@ documents, positions, layers, tasks, retrieval, continuations)."""
 from __future__ import annotations
 
 from . import documents
-from . import retrieval as retrieval_runs
+from . import retrieval_report
 from . import tasks as task_runs
 from .positions import print_table as print_position_table
 
@@ -33,14 +33,25 @@ def perplexity_label(report: dict) -> str:
     return f"{report.get('text', '?')}, windows {report.get('seq_len', '?')}"
 
 
-def print_report(report: dict, title: str = "") -> None:
+LOG_WIDTH = 240  # columns of the report printed to a file or a pipe (a log): no table cuts a value short
+
+
+def report_console():
+    """stdout's console: a terminal's own width where it is one; else (redirected to a file, piped: a log) one of
+    LOG_WIDTH columns, where rich's default of 80 would cut a wide table's values ("11.0…")."""
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
+    return console if console.is_terminal else Console(width=LOG_WIDTH)
+
+
+def print_report(report: dict, title: str = "") -> None:
+    from rich.table import Table
+
+    console = report_console()
     table = Table(title=title, show_header=True)
-    table.add_column("metric", no_wrap=True)
-    table.add_column("value", justify="right")
+    table.add_column("metric", overflow="fold")
+    table.add_column("value", justify="right", overflow="fold")  # a narrow terminal wraps a value, never cuts it
     rows = [
         ("compared", report.get("compared")),
         ("text", f"{report.get('text', '?')}: {report.get('tokens')} tokens"),
@@ -94,7 +105,7 @@ def print_report(report: dict, title: str = "") -> None:
             tasks.add_row(task, metric, f"{a:.4g}", f"{b:.4g}")
         console.print(tasks)
     if report.get("retrieval"):
-        retrieval_runs.print_table(report["retrieval"], console)
+        retrieval_report.print_table(report["retrieval"], console)
     if report.get("generation", {}).get("samples"):
         samples = Table(title="greedy continuations, side by side", show_lines=True)
         for col in ("prompt", "source", "converted"):

@@ -1,5 +1,6 @@
 """`check --retrieval`: synthetic long-context retrieval (surgery/retrieval_tasks.py) scored for the source
-and the converted model at a ladder of lengths, reported as accuracy against length (table, --json, --plot).
+and the converted model at a ladder of lengths; the report (accuracy against length with its intervals: table,
+--json, --plot) is surgery/checking/retrieval_report.py.
 
 Scoring is exact and cheap: one forward pass over the example (prompt and answer, teacher-forced) that keeps the
 logits of the answer's positions only (`logits_to_keep`: never a whole window of vocabulary logits). An item of the
@@ -7,6 +8,9 @@ answer counts as retrieved when every one of its tokens is the model's argmax th
 would produce; items after the first are judged with the earlier ones given, in the order they stand in the text
 (variable tracking's chain, common words' first appearances). An example's score is the share of its items
 retrieved (one item: 0 or 1), as RULER's string-match scores; the mean log-probability of the answer is kept too.
+The examples of one task and length all have exactly that length, so they go through the model `batch` at a time,
+stacked, no padding (at most MAX_BATCH_TOKENS tokens a pass), and score as they do one by one.
+
 The examples are built once before any model is loaded, so bad input stops the check before the first load, and
 built again, one task and length at a time, while each model is scored: memory holds one rung's examples, never the
 whole ladder's (tasks x samples x lengths: millions of token ids at 128k).
@@ -14,8 +18,9 @@ whole ladder's (tasks x samples x lengths: millions of token ids at 128k).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -24,7 +29,10 @@ from ..progress import Progress
 from ..retrieval_tasks import TASKS, Example, make_examples
 
 FIRST_LENGTH = 512
-HAYSTACKS = ("noise", "text")
+HAYSTACKS = ("auto", "noise", "text")
+MAX_BATCH_TOKENS = 32768  # tokens of one batched pass: 4 examples at 8k, one at 32k and beyond
+_LENGTH = re.compile(r"(\d+)|(\d+(?:\.\d+)?|\.\d+)?w")
+LENGTHS_FORM = "comma-separated token counts or multiples of the converted model's sliding window (e.g. 512,2w,4w)"
 
 
 def parse_tasks(spec: str) -> list[str]:
@@ -34,6 +42,48 @@ def parse_tasks(spec: str) -> list[str]:
         raise SurgeryError(f"unknown retrieval task {unknown[0] if unknown else spec!r}; choose from "
                            f"{', '.join(TASKS)} or all")
     return list(dict.fromkeys(names))
+
+
+def parse_lengths(spec: str | Sequence[int | str] | None) -> tuple[int | str, ...] | None:
+    """--retrieval-lengths' entries, checked for their form: token counts (ints) and multiples of the converted
+    model's window ("2w", "0.5w", "w", kept as strings until the window is known: `resolve_lengths`)."""
+    if spec is None or spec == "" or spec == ():
+        return None
+    entries = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: list[int | str] = []
+    for entry in entries:
+        text = str(entry).strip().lower().replace("_", "")
+        if not text and isinstance(spec, str):
+            continue  # "512,1024,": a trailing comma
+        match = _LENGTH.fullmatch(text)
+        if isinstance(entry, bool) or not match:
+            raise SurgeryError(f"--retrieval-lengths takes {LENGTHS_FORM}, got {entry!r}")
+        out.append(int(match.group(1)) if match.group(1) else text)
+    if not out:
+        raise SurgeryError(f"--retrieval-lengths takes {LENGTHS_FORM}, got {spec!r}")
+    return tuple(out)
+
+
+def window_multiple(entry: str) -> float:
+    return float(entry[:-1] or 1)
+
+
+def resolve_lengths(entries: Sequence[int | str], window: int | None, why_none: str = "") -> list[int]:
+    """Token counts of --retrieval-lengths, sorted, each "kw" as round(k x `window`) (the converted model's sliding
+    window; None: it has none, and `why_none` says why, e.g. "mqa-out has no sliding window")."""
+    lengths = []
+    for entry in entries:
+        if isinstance(entry, int):
+            lengths.append(entry)
+            continue
+        if not window:
+            raise SurgeryError(f"--retrieval-lengths {entry}: w is the converted model's sliding window, and "
+                               f"{why_none or 'it has none'}; give the lengths in tokens")
+        tokens = round(window_multiple(entry) * window)
+        if tokens < 1:
+            raise SurgeryError(f"--retrieval-lengths {entry}: {tokens} tokens (w = {window})")
+        lengths.append(tokens)
+    return sorted(set(lengths))
 
 
 def default_lengths(longest: int) -> list[int]:
@@ -50,40 +100,56 @@ class RetrievalPlan:
     tasks: list[str]
     lengths: list[int]
     samples: int
-    haystack: str
+    haystack: str  # "noise" or "text"
     build: Callable[[], Iterable[Example]]  # the examples, built anew (deterministically) on each call
     tokens: int  # their total length
+    batch: int = 4  # examples of one task and length per forward pass (MAX_BATCH_TOKENS at most)
+    window: int | None = None  # the converted model's sliding window, where --retrieval-lengths counted in it
+    about: dict = field(default_factory=dict)  # what the report says of the haystack (its text, its tokens)
 
     def examples(self) -> Iterator[Example]:
         return iter(self.build())
 
     @classmethod
     def of(cls, tasks: list[str], lengths: list[int], samples: int, haystack: str,
-           examples: list[Example]) -> "RetrievalPlan":
+           examples: list[Example], batch: int = 4) -> "RetrievalPlan":
         """A plan of examples already built (tests, benchmarks)."""
-        return cls(tasks, lengths, samples, haystack, lambda: examples, sum(e.length for e in examples))
+        return cls(tasks, lengths, samples, haystack, lambda: examples, sum(e.length for e in examples), batch)
 
 
-def plan_retrieval(spec: str, lengths: list[int] | None, samples: int, haystack: str, tokenizer, context: int | None,
-                   longest: int, text_ids: torch.Tensor | None, seed: int = 0) -> RetrievalPlan:
-    """Every example of the check, checked against the model's context and the haystack text."""
+def plan_retrieval(spec: str, lengths: Sequence[int | str] | None, samples: int, haystack: str, tokenizer,
+                   context: int | None, longest: int, text_ids: torch.Tensor | None, seed: int = 0, *,
+                   batch: int = 4, window: int | None = None, no_window: str = "", text_name: str = "",
+                   text_given: bool = True) -> RetrievalPlan:
+    """Every example of the check, checked against the model's context and the haystack text. `lengths`: parsed
+    entries (`parse_lengths`; "kw" counts in `window`, the converted model's sliding window, `no_window` saying why
+    there is none); None: the default ladder up to `longest`. `haystack` auto is the text when the user gave one
+    (`text_given`), else the noise."""
     tasks = parse_tasks(spec)
     if samples < 1:
         raise SurgeryError(f"--retrieval-samples must be at least 1, got {samples}")
+    if batch < 1:
+        raise SurgeryError(f"--retrieval-batch must be at least 1, got {batch}")
     if haystack not in HAYSTACKS:
-        raise SurgeryError(f"--retrieval-haystack must be noise or text, got {haystack!r}")
-    lengths = sorted(set(lengths)) if lengths else default_lengths(longest)
+        raise SurgeryError(f"--retrieval-haystack must be auto, noise or text, got {haystack!r}")
+    if haystack == "auto":
+        haystack = "text" if text_given else "noise"
+    entries = parse_lengths(lengths) if lengths else None
+    in_windows = bool(entries) and any(isinstance(e, str) for e in entries)
+    lengths = resolve_lengths(entries, window, no_window) if entries else default_lengths(longest)
     for n in lengths:
         if n < 64:
             raise SurgeryError(f"--retrieval-lengths: {n} tokens is too short for a retrieval example (64 at least)")
         if context and n > context:
             raise SurgeryError(f"--retrieval-lengths: {n} tokens is beyond the model's context ({context})")
-    hay = None
+    hay, about = None, {}
     if haystack == "text":
         hay = text_ids.tolist() if text_ids is not None else []
+        about = ({"haystack_text": text_name} if text_name else {}) | {"haystack_tokens": len(hay)}
         if len(hay) < max(lengths):
-            raise SurgeryError(f"--retrieval-haystack text: the text gave {len(hay)} tokens, fewer than the longest "
-                               f"retrieval length {max(lengths)} (raise --tokens or give a longer --data)")
+            raise SurgeryError(f"--retrieval-haystack text: the text{f' {text_name}' if text_name else ''} gave "
+                               f"{len(hay)} tokens, fewer than the longest retrieval length {max(lengths)} (raise "
+                               "--tokens, give a longer --data, or use --retrieval-haystack noise)")
 
     def build() -> Iterator[Example]:
         for task in tasks:
@@ -91,109 +157,67 @@ def plan_retrieval(spec: str, lengths: list[int] | None, samples: int, haystack:
                 yield from make_examples(task, tokenizer, n, samples, seed, hay)
 
     tokens = sum(e.length for e in build())  # every example built once now: bad input fails before any model
-    return RetrievalPlan(tasks, lengths, samples, haystack, build, tokens)
+    return RetrievalPlan(tasks, lengths, samples, haystack, build, tokens, batch, window if in_windows else None,
+                         about)
 
 
 @torch.no_grad()
 def _answer_logits(model, ids: torch.Tensor, keep: int) -> torch.Tensor:
-    """The logits of the last `keep` positions of one example [1, L] (the model's own `logits_to_keep` where it
-    takes it; else its whole logits, sliced)."""
+    """The logits of the last `keep` positions of examples [B, L] (the model's own `logits_to_keep` where it takes
+    it; else its whole logits, sliced): [B, keep, vocabulary], float32."""
     try:
         out = model(input_ids=ids, logits_to_keep=keep, use_cache=False)
     except TypeError:
         out = model(input_ids=ids, use_cache=False)
-    return out.logits[0, -keep:].float()
+    return out.logits[:, -keep:].float()
 
 
-@torch.no_grad()
-def score(model, plan: RetrievalPlan, device: torch.device, progress: bool = True, desc: str = "retrieval") -> list[dict]:
-    """Per example: its task, length, depth, the share of items retrieved and the answer's mean log-probability."""
+def batches(examples: Iterable[Example], samples: int, batch: int) -> Iterator[list[Example]]:
+    """Consecutive examples of one task and length (a rung: `samples` of them, all as long), `batch` at a time
+    (fewer where MAX_BATCH_TOKENS says); a batch never spans two rungs and never waits for the next rung's
+    examples (memory holds one rung)."""
+    pending: list[Example] = []
+    for i, e in enumerate(examples):
+        if pending and (e.length != pending[0].length or e.task != pending[0].task):  # a plan of mixed examples
+            yield pending
+            pending = []
+        pending.append(e)
+        if len(pending) >= max(1, min(batch, MAX_BATCH_TOKENS // e.length)) or (i + 1) % samples == 0:
+            yield pending
+            pending = []
+    if pending:
+        yield pending
+
+
+def _score_batch(model, examples: list[Example], device: torch.device) -> list[dict]:
+    ids = torch.tensor([e.ids for e in examples], device=device)
+    spans = [e.length - e.answer_start for e in examples]
+    keep = max(spans) + 1
+    logits = _answer_logits(model, ids, keep)
     rows = []
-    with Progress(plan.tokens, desc, enabled=progress) as bar:
-        for e in plan.examples():
-            ids = torch.tensor([e.ids], device=device)
-            n = e.length - e.answer_start
-            logits = _answer_logits(model, ids, n + 1)[:n]  # position p predicts token p + 1
-            target = ids[0, e.answer_start:]
-            hit = logits.argmax(-1) == target
-            logp = torch.log_softmax(logits, -1).gather(-1, target[:, None]).mean().item()
-            found, at = 0, 0
-            for item in e.items:
-                found += bool(hit[at:at + len(item)].all())
-                at += len(item)
-            rows.append({"task": e.task, "length": e.length, "depth": e.depth, "score": found / len(e.items),
-                         "logprob": logp})
-            bar.update(e.length)
-            del ids, logits
+    for b, (e, n) in enumerate(zip(examples, spans)):
+        answer = logits[b, keep - n - 1:keep - 1]  # position p predicts token p + 1
+        target = ids[b, e.answer_start:]
+        hit = answer.argmax(-1) == target
+        logp = torch.log_softmax(answer, -1).gather(-1, target[:, None]).mean().item()
+        found, at = 0, 0
+        for item in e.items:
+            found += bool(hit[at:at + len(item)].all())
+            at += len(item)
+        rows.append({"task": e.task, "length": e.length, "depth": e.depth, "score": found / len(e.items),
+                     "items": len(e.items), "logprob": logp})
     return rows
 
 
-def compare(plan: RetrievalPlan, source: list[dict], converted: list[dict]) -> dict:
-    """Accuracy per task and length for both models, and the mean over tasks per length."""
-    def mean(rows, task, n, key="score"):
-        values = [r[key] for r in rows if r["length"] == n and (task is None or r["task"] == task)]
-        return sum(values) / len(values)
-
-    table = {task: {str(n): {"source": mean(source, task, n), "converted": mean(converted, task, n),
-                             "logprob_source": mean(source, task, n, "logprob"),
-                             "logprob_converted": mean(converted, task, n, "logprob")} for n in plan.lengths}
-             for task in plan.tasks}
-    overall = {str(n): {"source": mean(source, None, n), "converted": mean(converted, None, n)} for n in plan.lengths}
-    return {"tasks": plan.tasks, "lengths": plan.lengths, "samples": plan.samples, "haystack": plan.haystack,
-            "accuracy": table, "mean": overall,
-            "scoring": "teacher-forced greedy exact match per answer item (RULER's string match), one forward pass"}
-
-
-def print_table(report: dict, console) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"retrieval accuracy by length, source / converted ({report['samples']} examples per cell, "
-                        f"{report['haystack']} haystack)")
-    table.add_column("task")
-    for n in report["lengths"]:
-        table.add_column(str(n), justify="right")
-    rows = [(t, report["accuracy"][t]) for t in report["tasks"]] + [("mean", report["mean"])]
-    for name, cells in rows:
-        table.add_row(name, *(f"{100 * cells[str(n)]['source']:.0f}% / {100 * cells[str(n)]['converted']:.0f}%"
-                              for n in report["lengths"]))
-    console.print(table)
-
-
-def plot(report: dict, title: str = "") -> bytes:
-    """Accuracy against length, one panel per task and one for the mean, source solid and converted dashed: PNG
-    bytes."""
-    import io
-    import math
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = report["tasks"] + ["mean"]
-    cols = min(3, len(panels))
-    rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False, sharey=True)
-    lengths = report["lengths"]
-    for ax, task in zip(axes.flat, panels):
-        cells = report["mean"] if task == "mean" else report["accuracy"][task]
-        for model, style, color in (("source", "-", "C0"), ("converted", "--", "C3")):
-            ax.plot(lengths, [100 * cells[str(n)][model] for n in lengths], style, color=color, marker="o",
-                    markersize=3, label=model)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(lengths, [f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n) for n in lengths],
-                      fontsize=7)
-        ax.set_ylim(-5, 105)
-        ax.set_title(task, fontsize=9)
-        ax.grid(alpha=0.3)
-    for ax in axes.flat[len(panels):]:
-        ax.axis("off")
-    axes[0][0].set_ylabel("accuracy (%)")
-    axes[0][0].legend(fontsize=7)
-    fig.suptitle(title or "retrieval accuracy by context length", fontsize=10)
-    fig.supxlabel("context length (tokens)", fontsize=9)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    return buffer.getvalue()
+@torch.no_grad()
+def score(model, plan: RetrievalPlan, device: torch.device, progress: bool = True,
+          desc: str = "retrieval") -> list[dict]:
+    """Per example: its task, length, depth, the share of its items retrieved (`score`), how many items it has
+    and the answer's mean log-probability."""
+    rows = []
+    with Progress(plan.tokens, desc, enabled=progress) as bar:
+        for group in batches(plan.examples(), plan.samples, plan.batch):
+            rows += _score_batch(model, group, device)
+            bar.update(sum(e.length for e in group))
+            del group  # nothing of this rung stays while the next one is built
+    return rows

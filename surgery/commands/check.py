@@ -59,13 +59,19 @@ class CheckOptions(PrecisionOptions):
         None, "--retrieval", "Also score both models on synthetic long-context retrieval (RULER's families, generated "
         "here): comma-separated passkey, niah_single, niah_multikey, variable_tracking, common_words, or all.")
     retrieval_lengths: str | None = option(
-        None, "--retrieval-lengths", "With --retrieval: comma-separated example lengths in tokens (default: 512, 1024, "
-        "... doubling up to --seq-len, capped at the context).")
+        None, "--retrieval-lengths", "With --retrieval: comma-separated example lengths in tokens, or in multiples of "
+        "the converted model's sliding window w (its config.json's sliding_window): 2w,4w,8w or 512,4w (default: 512, "
+        "1024, ... doubling up to --seq-len, capped at the context).")
     retrieval_samples: int = option(4, "--retrieval-samples", "With --retrieval: examples per task and length, needle "
-                                                              "depths spread evenly.")
-    retrieval_haystack: Literal["noise", "text"] = option(
-        "noise", "--retrieval-haystack", "With --retrieval: what fills the context around the needles: RULER's noise "
-        "sentences, or the check's own --data text (its first --tokens tokens).")
+                                                              "depths spread evenly (the 95% intervals narrow with "
+                                                              "more: about +-20 points at 20).")
+    retrieval_haystack: Literal["auto", "noise", "text"] = option(
+        "auto", "--retrieval-haystack", "With --retrieval: what fills the context around the needles: RULER's noise "
+        "sentences, or the check's own --data text (its first --tokens tokens, each example its own stretch); auto: "
+        "the text when --data names one other than the default pydoc, else the noise.")
+    retrieval_batch: int = option(4, "--retrieval-batch", "With --retrieval: examples per forward pass (all of one "
+                                                          "task and length, so equally long; at most 32,768 tokens a "
+                                                          "pass).")
     plot: str | None = option(None, "--plot", "With --retrieval: write a PNG of accuracy against length here.",
                               path="file")
     tokenizer: Literal["source", "converted"] | None = option(
@@ -76,6 +82,13 @@ class CheckOptions(PrecisionOptions):
     revision: str | None = option(None, "--revision", "Hub revision for hub ids.")
 
     _data = field_validator("data")(texts_rule("data"))
+
+    @field_validator("retrieval_samples", "retrieval_batch")
+    @classmethod
+    def _positive(cls, v: int, info: ValidationInfo) -> int:
+        if v < 1:
+            raise ValueError(f"{spelling(info, cls).flag(info.field_name)} must be at least 1, got {v}")
+        return v
 
     @model_validator(mode="after")
     def _precision_dtype(self, info: ValidationInfo):
@@ -109,15 +122,9 @@ def chat_format(o: CheckOptions, src, dst):
         o.trust_remote_code if converted else o.trust_source_code)))
 
 
-def retrieval_lengths(o: CheckOptions) -> tuple[int, ...] | None:
-    """--retrieval-lengths as numbers (one line when it is not a comma-separated list of them)."""
-    if not o.retrieval_lengths:
-        return None
-    try:
-        return tuple(int(x) for x in o.retrieval_lengths.split(",") if x.strip())
-    except ValueError:
-        raise SurgeryError(f"--retrieval-lengths takes comma-separated token counts, got {o.retrieval_lengths!r}") \
-            from None
+def default_text(o: CheckOptions) -> bool:
+    """Whether the check's text is the default one (pydoc): --retrieval-haystack auto then takes the noise."""
+    return o.data == CheckOptions.model_fields["data"].default
 
 
 def check_checkpoints(source: str, converted: str, options: CheckOptions, json_out: Path | None = None,
@@ -126,12 +133,14 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
     CheckFailed when --expect exact is not met."""
     from ..checkpoint.atomic import write_json
     from ..checking.compare import check_counts, check_json_path, compare_checkpoints, precision_tolerance
+    from ..checking.retrieval import parse_lengths
     from ..checking.report_tables import print_report
     from ..data import load_texts
     from ..checkpoint.source import resolve_source
 
     o = options
     check_counts(o.tokens, o.seq_len, o.batch_size, o.generate)
+    parse_lengths(o.retrieval_lengths)  # their form, before any checkpoint is read
     check_json_path(json_out)
     if o.plot:
         if not o.retrieval:
@@ -150,8 +159,10 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
                                  tokenizer=o.tokenizer, generate=o.generate, prompt_len=o.prompt_len,
                                  prompts_file=Path(o.prompts) if o.prompts else None, layers=o.layers, data=first,
                                  tasks=o.tasks, tasks_limit=o.tasks_limit, retrieval=o.retrieval,
-                                 retrieval_lengths=retrieval_lengths(o), retrieval_samples=o.retrieval_samples,
-                                 retrieval_haystack=o.retrieval_haystack, documents=o.documents,
+                                 retrieval_lengths=parse_lengths(o.retrieval_lengths),
+                                 retrieval_samples=o.retrieval_samples, retrieval_haystack=o.retrieval_haystack,
+                                 retrieval_batch=o.retrieval_batch, text_given=not default_text(o),
+                                 documents=o.documents,
                                  warn=warn)
     tol = o.atol if o.atol is not None else precision_tolerance(report["precision"])
     worst = max(t["max_abs_diff"] for t in report.get("texts", [report]))
@@ -163,7 +174,7 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
         write_json(report, json_out)
     if o.plot and report.get("retrieval"):
         from ..checkpoint.atomic import write_bytes_atomic
-        from ..checking.retrieval import plot
+        from ..checking.retrieval_report import plot
 
         write_bytes_atomic(Path(o.plot), plot(report["retrieval"], f"{source} vs {converted}"), "--plot")
     if o.expect == "exact" and not report["exact"]:

@@ -76,7 +76,11 @@ def test_check_reports_retrieval_by_length_with_a_plot(smollm2, tmp_path, cli):
         for n in ("256", "384"):
             cell = r["accuracy"][task][n]
             assert cell["source"] == cell["converted"]  # the same model twice
+            assert cell["n"] == 1 and (cell["ci_low_source"], cell["ci_high_source"]) == \
+                (cell["ci_low_converted"], cell["ci_high_converted"])
+    assert r["haystack"] == "noise" and "window" not in r  # the default text: the noise; lengths in tokens
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG" and "retrieval accuracy by length" in out
+    assert "95% Wilson" in out and "] / " in out
 
 
 @pytest.mark.parametrize("args, message", [

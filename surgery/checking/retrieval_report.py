@@ -1,0 +1,141 @@
+"""The report of `check --retrieval` (scored in surgery/checking/retrieval.py): accuracy per task and length for
+both models, with the counts behind it and a 95% Wilson score interval for each cell (`wilson`), printed as a table,
+written in --json (`retrieval`) and drawn by --plot.
+
+The interval's trials are the cell's examples (n = --retrieval-samples per task and length; the mean row pools the
+tasks' examples). A single-item task's example is a hit or a miss; a multi-item example (variable_tracking's five
+variables, common_words' ten words) counts the share of its items it retrieved as a fractional hit. The items of
+one example are not independent trials (one missed chain loses every later variable), so counting them as trials
+would make the interval too narrow; a fractional hit in [0, 1] varies less than a hit or a miss of the same mean,
+so the examples' Wilson interval is, if anything, conservative for those tasks.
+"""
+
+from __future__ import annotations
+
+import math
+
+MODELS = ("source", "converted")
+INTERVAL = ("95% Wilson score interval; trials: the cell's examples (a multi-item example counts the share of its "
+            "items it retrieved as a fractional hit, which keeps the interval conservative)")
+
+
+def wilson(hits: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval (lower, upper) of a proportion: `hits` successes in `n` trials, `z` the normal
+    quantile (1.96: 95%). Unlike p +- z*sqrt(p(1-p)/n) it stays inside [0, 1] and is not empty at 0 or n hits."""
+    if n < 1:
+        raise ValueError(f"a Wilson interval needs at least one trial, got n={n}")
+    if not -1e-9 <= hits <= n + 1e-9:  # fractional hits (sums of shares) may stray by a rounding
+        raise ValueError(f"hits must lie in [0, n], got {hits} of {n}")
+    p, z2 = min(1.0, max(0.0, hits / n)), z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _cell(rows: dict[str, list[dict]]) -> dict:
+    """One cell's accuracy, counts, interval and mean answer log-probability for both models."""
+    n = len(rows["source"])
+    cell: dict = {"n": n, "items": sum(r.get("items", 1) for r in rows["source"])}
+    for model in MODELS:
+        hits = sum(r["score"] for r in rows[model])
+        low, high = wilson(hits, n)
+        cell |= {model: hits / n, f"hits_{model}": round(hits, 6), f"ci_low_{model}": low, f"ci_high_{model}": high,
+                 f"items_{model}": round(sum(r["score"] * r.get("items", 1) for r in rows[model])),
+                 f"logprob_{model}": sum(r["logprob"] for r in rows[model]) / n}
+    return cell
+
+
+def compare(plan, source: list[dict], converted: list[dict]) -> dict:
+    """Accuracy per task and length for both models (with counts and intervals), and the mean over tasks per
+    length (the tasks' examples pooled)."""
+    def cell(task, n):
+        pick = lambda rows: [r for r in rows if r["length"] == n and (task is None or r["task"] == task)]
+        return _cell({"source": pick(source), "converted": pick(converted)})
+
+    report = {"tasks": plan.tasks, "lengths": plan.lengths, "samples": plan.samples, "haystack": plan.haystack,
+              **plan.about,
+              "accuracy": {task: {str(n): cell(task, n) for n in plan.lengths} for task in plan.tasks},
+              "mean": {str(n): cell(None, n) for n in plan.lengths},
+              "interval": INTERVAL,
+              "scoring": "teacher-forced greedy exact match per answer item (RULER's string match), one forward pass"}
+    if plan.window:
+        report |= {"window": plan.window, "lengths_in_windows": [round(n / plan.window, 3) for n in plan.lengths]}
+    return report
+
+
+def _percent(x: float) -> str:
+    return f"{100 * x:.0f}"
+
+
+def cell_text(cell: dict) -> str:
+    """'85% [64-95] / 40% [22-61]': source and converted accuracy, each with its 95% interval."""
+    return " / ".join(f"{_percent(cell[m])}% [{_percent(cell[f'ci_low_{m}'])}-{_percent(cell[f'ci_high_{m}'])}]"
+                      for m in MODELS)
+
+
+def length_label(report: dict, n: int, sep: str = " ") -> str:
+    """A length as tokens, and as a multiple of the window where the lengths were given in it: '2048 (4w)'."""
+    if not report.get("window"):
+        return str(n)
+    return f"{n}{sep}({n / report['window']:g}w)"
+
+
+def print_table(report: dict, console) -> None:
+    from rich.table import Table
+
+    window = f", w = {report['window']} tokens" if report.get("window") else ""
+    text = f" {report['haystack_text']}" if report.get("haystack_text") else ""
+    table = Table(title=f"retrieval accuracy by length (tokens{window}), source / converted with 95% Wilson "
+                        f"intervals ({report['samples']} examples per task and length, {report['haystack']}{text} "
+                        "haystack)")
+    table.add_column("task", overflow="fold")
+    for n in report["lengths"]:
+        table.add_column(length_label(report, n, "\n"), justify="right", overflow="fold")
+    rows = [(t, report["accuracy"][t]) for t in report["tasks"]] + [("mean", report["mean"])]
+    for name, cells in rows:
+        table.add_row(name, *(cell_text(cells[str(n)]) for n in report["lengths"]))
+    console.print(table)
+
+
+def plot(report: dict, title: str = "") -> bytes:
+    """Accuracy against length, one panel per task and one for the mean, source solid and converted dashed, each
+    with its 95% interval shaded: PNG bytes."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = report["tasks"] + ["mean"]
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), squeeze=False, sharey=True)
+    lengths = report["lengths"]
+    ticks = [(f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)) +
+             (f"\n{n / report['window']:g}w" if report.get("window") else "") for n in lengths]
+    for ax, task in zip(axes.flat, panels):
+        cells = report["mean"] if task == "mean" else report["accuracy"][task]
+        for model, style, color in (("source", "-", "C0"), ("converted", "--", "C3")):
+            ax.fill_between(lengths, [100 * cells[str(n)][f"ci_low_{model}"] for n in lengths],
+                            [100 * cells[str(n)][f"ci_high_{model}"] for n in lengths], color=color, alpha=0.15,
+                            linewidth=0)
+            ax.plot(lengths, [100 * cells[str(n)][model] for n in lengths], style, color=color, marker="o",
+                    markersize=3, label=model)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, ticks, fontsize=7)
+        ax.set_ylim(-5, 105)
+        ax.set_title(task, fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("accuracy (%)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title or "retrieval accuracy by context length", fontsize=10)
+    fig.supxlabel(f"context length (tokens; shaded: 95% Wilson interval, {report['samples']} examples per task)",
+                  fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    plt.close(fig)
+    return buffer.getvalue()

@@ -1,0 +1,88 @@
+"""The report of `check --retrieval`: Wilson intervals for every cell (table, JSON, plot), lengths in multiples of
+the converted model's window."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from surgery.checking.retrieval import RetrievalPlan, parse_lengths, resolve_lengths
+from surgery.checking.retrieval_report import cell_text, compare, plot, print_table, wilson
+from surgery.errors import SurgeryError
+
+
+@pytest.mark.parametrize("hits, n, low, high", [
+    (81, 263, 0.2553, 0.3662), (15, 148, 0.0624, 0.1605), (0, 20, 0.0, 0.1611), (1, 29, 0.0061, 0.1718),
+    (29, 29, 0.8830, 1.0),  # Newcombe (1998), Statistics in Medicine 17:857, table I, the score method
+    (17, 20, 0.6396, 0.9476), (8, 20, 0.2188, 0.6134),
+])
+def test_wilson_matches_published_intervals(hits, n, low, high):
+    assert wilson(hits, n) == pytest.approx((low, high), abs=5e-5)
+
+
+def test_wilson_narrows_with_trials_and_refuses_nonsense():
+    widths = [(lambda lo, hi: hi - lo)(*wilson(n // 2, n)) for n in (4, 20, 100)]
+    assert widths == sorted(widths, reverse=True)
+    assert wilson(1, 4, z=2.576)[0] < wilson(1, 4)[0]  # 99% is wider than 95%
+    for side in (0, 1):  # a fractional hit (a share of items) lies between its whole neighbours
+        assert wilson(2, 5)[side] < wilson(2.5, 5)[side] < wilson(3, 5)[side]
+    for hits, n in ((1, 0), (5, 4), (-1, 4)):
+        with pytest.raises(ValueError):
+            wilson(hits, n)
+
+
+def _rows(task: str, length: int, scores: list[float], items: int = 1) -> list[dict]:
+    return [{"task": task, "length": length, "depth": (i + 0.5) / len(scores), "score": s, "items": items,
+             "logprob": -s} for i, s in enumerate(scores)]
+
+
+def _plan(tasks, lengths, samples, window=None) -> RetrievalPlan:
+    plan = RetrievalPlan.of(tasks, lengths, samples, "noise", [])
+    plan.window = window
+    return plan
+
+
+def test_every_cell_has_its_counts_and_interval_and_the_mean_pools_the_tasks():
+    source = _rows("passkey", 512, [1.0] * 17 + [0.0] * 3) + _rows("variable_tracking", 512, [0.6, 0.4] * 10, 5)
+    converted = _rows("passkey", 512, [1.0] * 8 + [0.0] * 12) + _rows("variable_tracking", 512, [0.2, 0.0] * 10, 5)
+    report = compare(_plan(["passkey", "variable_tracking"], [512], 20, window=256), source, converted)
+    passkey = report["accuracy"]["passkey"]["512"]
+    assert passkey["n"] == 20 and passkey["hits_source"] == 17 and passkey["hits_converted"] == 8
+    assert (passkey["ci_low_source"], passkey["ci_high_source"]) == pytest.approx(wilson(17, 20))
+    assert cell_text(passkey) == "85% [64-95] / 40% [22-61]"
+    chain = report["accuracy"]["variable_tracking"]["512"]  # shares of 5 items: fractional hits over 20 examples
+    assert chain["source"] == pytest.approx(0.5) and chain["hits_source"] == pytest.approx(10.0)
+    assert chain["items"] == 100 and chain["items_source"] == 50 and chain["items_converted"] == 10
+    assert (chain["ci_low_converted"], chain["ci_high_converted"]) == pytest.approx(wilson(2.0, 20))
+    mean = report["mean"]["512"]
+    assert mean["n"] == 40 and mean["hits_source"] == pytest.approx(27.0)
+    assert (mean["ci_low_source"], mean["ci_high_source"]) == pytest.approx(wilson(27.0, 40))
+    assert report["window"] == 256 and report["lengths_in_windows"] == [2.0] and "Wilson" in report["interval"]
+
+
+def test_the_table_prints_each_cell_with_its_interval_and_the_plot_shades_them():
+    from rich.console import Console
+
+    source = _rows("passkey", 512, [1.0] * 17 + [0.0] * 3) + _rows("passkey", 1024, [1.0] * 20)
+    converted = _rows("passkey", 512, [1.0] * 8 + [0.0] * 12) + _rows("passkey", 1024, [0.0] * 20)
+    report = compare(_plan(["passkey"], [512, 1024], 20, window=256), source, converted)
+    out = io.StringIO()
+    print_table(report, Console(file=out, width=240))
+    text = out.getvalue()
+    assert "85% [64-95] / 40% [22-61]" in text and "100% [84-100] / 0% [0-16]" in text
+    assert "(2w)" in text and "(4w)" in text and "w = 256 tokens" in text
+    assert plot(report)[:4] == b"\x89PNG"
+
+
+def test_lengths_in_windows_resolve_against_the_window():
+    assert parse_lengths("2w,4w,8w") == ("2w", "4w", "8w") and parse_lengths("512, 4w,") == (512, "4w")
+    assert parse_lengths("w,0.5w") == ("w", "0.5w") and parse_lengths((512, "2W")) == (512, "2w")
+    assert parse_lengths(None) is None and parse_lengths("") is None
+    assert resolve_lengths(parse_lengths("512,4w,2w,w"), 256) == [256, 512, 1024]
+    assert resolve_lengths(parse_lengths("1.5w"), 100) == [150]
+    for bad in ("3x", "2ww", "-4w", "4 w k", "w2", ","):
+        with pytest.raises(SurgeryError, match="--retrieval-lengths takes comma-separated token counts or multiples"):
+            parse_lengths(bad)
+    with pytest.raises(SurgeryError, match="w is the converted model's sliding window, and m has no sliding window"):
+        resolve_lengths(parse_lengths("512,2w"), None, "m has no sliding window")
