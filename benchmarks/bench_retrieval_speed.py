@@ -21,7 +21,7 @@ import time
 import torch
 
 from surgery.checking.retrieval import RetrievalPlan, score
-from surgery.checking.retrieval_tasks import make_examples
+from surgery.retrieval_tasks import make_examples
 from surgery.checkpoint.source import resolve_source
 from surgery.runtime import load_model, load_tokenizer
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from surgery.checking.retrieval import MAX_BATCH_TOKENS, RetrievalPlan, batches, plan_retrieval, score
-from surgery.checking.retrieval_tasks import make_examples, text_start
+from surgery.retrieval_tasks import make_examples, text_start
 from surgery.testing.pydoc_llama import make_model
 
 
