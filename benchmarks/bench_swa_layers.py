@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import time
 from pathlib import Path
@@ -26,19 +25,11 @@ from pathlib import Path
 import torch
 
 from surgery.checking.retrieval import RetrievalPlan, score
+from surgery.checking.retrieval_report import wilson
 from surgery.checkpoint.source import resolve_source
 from surgery.data import load_texts
 from surgery.retrieval_tasks import make_examples
 from surgery.runtime import load_model, load_tokenizer
-
-
-def wilson(hits: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return 0.0, 1.0
-    p = hits / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def convert(choice: str, a) -> Path:
