@@ -13,7 +13,7 @@ deepseek2, so no permutation (a checkpoint without it is refused).
 from __future__ import annotations
 
 from ..errors import SurgeryError
-from .plan import ExportPlan, Weights, rope_theta
+from .weights import ExportPlan, Weights, rope_theta
 
 MODEL_TYPES = ("deepseek_v3",)
 

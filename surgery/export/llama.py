@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import SurgeryError
 from .gguf_file import GGUFTensor
-from .plan import ExportPlan, Weights, rope_theta
+from .weights import ExportPlan, Weights, rope_theta
 
 MODEL_TYPES = ("llama", "mistral", "ministral")
 SINK_OFF = -1e30  # a sink logit that takes no weight in any softmax

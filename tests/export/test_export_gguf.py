@@ -11,32 +11,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from exported_files import exported  # noqa: F401 (a fixture)
 from surgery.export.llama import SINK_OFF
-
-
-@pytest.fixture(scope="module")
-def exported(tiny, tmp_path_factory):
-    """kind -> (checkpoint folder, its f32 GGUF file): the tiny Llama, its swa output (window 8, layer 1 global) and
-    its MLA output (rank 32, rope 8)."""
-    from surgery.checkpoint.source import resolve_source
-    from surgery.commands.export import export_checkpoint
-    from surgery.mla import convert_to_mla
-    from surgery.swa.convert import convert_to_swa
-    from surgery.swa.layers import parse_global_layers
-
-    root = tmp_path_factory.mktemp("export")
-    folders = {"llama": tiny}
-    folders["swa"] = root / "swa"
-    convert_to_swa(resolve_source(str(tiny)), folders["swa"], window=8, global_layers=parse_global_layers("1"),
-                   progress=False)
-    folders["mla"] = root / "mla"
-    convert_to_mla(resolve_source(str(tiny)), folders["mla"], kv_rank=32, rope_dim=8, calib_tokens=512,
-                   progress=False)
-    files = {}
-    for kind, folder in folders.items():
-        files[kind] = root / f"{kind}.gguf"
-        export_checkpoint(str(folder), files[kind])
-    return {kind: (folders[kind], files[kind]) for kind in folders}
 
 
 def read(path):
