@@ -192,3 +192,31 @@ def test_refusals_write_nothing(exported, tmp_path, cli):
     code, _, err = cli("export", folder, "--gguf", out)
     assert code == 2 and "--force" in err and out.read_bytes() == b"keep"
     assert _leftovers(tmp_path) == ["biased", "custom", "o.gguf", "qwen"]  # no temporary file left anywhere
+
+
+def test_a_failure_while_writing_leaves_nothing(exported, tmp_path, monkeypatch):
+    """A tensor that cannot be read halfway through the file (a truncated shard): one SurgeryError, no OUT, no
+    temporary file beside it, and an existing OUT (with --force) left as it was."""
+    from surgery.commands.export import export_checkpoint
+    from surgery.errors import SurgeryError
+    from surgery.export.weights import Weights
+
+    folder, _ = exported["llama"]
+    real_load, calls = Weights.load, []
+
+    def failing_load(self, name):
+        calls.append(name)
+        if len(calls) == 5:
+            raise SurgeryError(f"truncated safetensors file while reading {name}")
+        return real_load(self, name)
+
+    monkeypatch.setattr(Weights, "load", failing_load)
+    out = tmp_path / "o.gguf"
+    with pytest.raises(SurgeryError, match="truncated"):
+        export_checkpoint(str(folder), out)
+    assert _leftovers(tmp_path) == []
+    out.write_bytes(b"old")
+    calls.clear()
+    with pytest.raises(SurgeryError, match="truncated"):
+        export_checkpoint(str(folder), out, force=True)
+    assert _leftovers(tmp_path) == ["o.gguf"] and out.read_bytes() == b"old"
