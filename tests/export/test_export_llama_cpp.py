@@ -48,6 +48,22 @@ def test_tiny_kinds_compute_the_same_logits_in_llama_cpp(exported):
             assert np.abs(got[8:] - source[8:]).max() > 100 * np.abs(got[8:] - ref[8:]).max()
 
 
+@pytest.mark.parametrize("dtype, tolerance", [("f16", 2e-3), ("bf16", 2e-2), ("q8_0", 2e-2)])
+def test_stored_dtypes_load_and_stay_close(exported, tmp_path, dtype, tolerance):
+    """The swa output (granite_swa) stored as f16, bf16 and q8_0 loads in llama.cpp, its logits within the storage's
+    rounding of the f32 file's."""
+    from surgery.commands.export import export_checkpoint
+
+    folder, f32_file = exported["swa"]
+    ids = pydoc_ids(folder, 64)
+    exact, _ = llama_cpp_logits(f32_file, ids, batch=32)
+    out = tmp_path / f"{dtype}.gguf"
+    export_checkpoint(str(folder), out, dtype=dtype)
+    got, _ = llama_cpp_logits(out, ids, batch=32)
+    delta = np.abs(got - exact).max()
+    assert 0 < delta <= tolerance * np.abs(exact).max(), delta
+
+
 # ---- SmolLM2 at 2,048 tokens (slow) --------------------------------------------------------------------------------
 TOKENS, WINDOW, UBATCH = 2048, 256, 256
 CONVERSIONS = {  # kind -> `surgery convert smollm2` options (None: the source itself)
