@@ -199,10 +199,9 @@ def export(checkpoint, out, dtype, force, revision, allow_pickle):
     attention), the tokenizer included; streamed one tensor at a time. Anything else (custom code, other families,
     scaled RoPE, biases) is refused before a byte is written.
     """
-    from surgery.commands.export import export_checkpoint
+    from surgery.api import export as export_checkpoint
 
-    click.echo(export_checkpoint(checkpoint, out, dtype=dtype, force=force, allow_pickle=allow_pickle,
-                                 revision=revision))
+    export_checkpoint(checkpoint, out, dtype=dtype, force=force, allow_pickle=allow_pickle, revision=revision)
 
 
 @cli.command()
