@@ -182,6 +182,28 @@ def inspect(checkpoints, context, as_json, allow_pickle):
         print_inspection(stats)
 
 
+@cli.command("export")
+@click.argument("checkpoint")
+@click.option("--gguf", "out", type=click.Path(path_type=Path), required=True,
+              help="The GGUF file to write (written beside itself under a temporary name, renamed when complete).")
+@click.option("--dtype", type=click.Choice(["f32", "f16", "bf16", "q8_0"]), default="f32", show_default=True,
+              help="How the matrices are stored (vectors stay f32).")
+@click.option("--force", is_flag=True, help="Replace an existing file.")
+@click.option("--revision", help="Hub revision (branch, tag or commit) when CHECKPOINT is a hub id.")
+@click.option("--allow-pickle", is_flag=True, help="Accept pickle .bin weights (loaded with weights_only=True).")
+def export(checkpoint, out, dtype, force, revision, allow_pickle):
+    """Write CHECKPOINT as a GGUF file that llama.cpp runs with the same function.
+
+    Sources and MQA/GQA outputs of Llama bodies as arch llama, swa outputs as granite_swa (identity multipliers,
+    no sinks, the per-layer window pattern), MLA outputs as deepseek2 (kv_b split for llama.cpp's absorbed
+    attention), the tokenizer included; streamed one tensor at a time. Anything else (custom code, other families,
+    scaled RoPE, biases) is refused before a byte is written.
+    """
+    from surgery.api import export as export_checkpoint
+
+    export_checkpoint(checkpoint, out, dtype=dtype, force=force, allow_pickle=allow_pickle, revision=revision)
+
+
 @cli.command()
 @click.argument("source")
 @click.argument("converted")

@@ -37,7 +37,7 @@ LAYERS = [
     ("conversions", ["surgery.calibration", "surgery.kv", "surgery.switchhead", "surgery.talking_heads",
                      "surgery.mla", "surgery.swa", "surgery.estimate"]),
     ("kinds", ["surgery.kinds"]),
-    ("checkpoint users", ["surgery.checking", "surgery.inspection", "surgery.bench",
+    ("checkpoint users", ["surgery.checking", "surgery.inspection", "surgery.bench", "surgery.export",
                           "surgery.dry_run", "surgery.demo", "surgery.publish", "surgery.training",
                           "surgery.memory_estimate"]),
     ("commands", ["surgery.commands"]),

@@ -112,6 +112,37 @@ def convert(source: Source, out: PathLike | None = None, *, to: str, tokenizer: 
     return ConversionResult.read(Path(out), parsed.to, message)
 
 
+def export(checkpoint: Source, gguf: PathLike, *, dtype: str = "f32", force: bool = False,
+           allow_pickle: bool = False, revision: str | None = None) -> Path:
+    """Write a checkpoint as a GGUF file that llama.cpp runs with the same function (as `surgery export --gguf`):
+    Llama bodies and their MQA/GQA outputs as `llama`, `swa` outputs as `granite_swa`, MLA outputs as `deepseek2`,
+    the tokenizer included, streamed one tensor at a time into a temporary file renamed into place.
+
+    Args:
+        checkpoint: A folder, hub id, `.gguf` file, `smollm2`, a result or a loaded model.
+        gguf: The file to write.
+        dtype: How the matrices are stored: f32, f16, bf16 or q8_0 (vectors stay f32).
+        force: Replace an existing file.
+        allow_pickle: Accept pickle `.bin` weights (read with `weights_only=True`).
+        revision: The hub revision when `checkpoint` is a hub id.
+
+    Returns:
+        The path of the written file.
+
+    Raises:
+        SurgeryError: an unknown dtype, an output that cannot be written, custom code, or a family or feature that
+            llama.cpp would not compute exactly (nothing is written).
+    """
+    from ..commands.export import export_checkpoint
+
+    out = path_argument(gguf, "gguf", "export")
+    force = flag_argument(force, "force", "export")
+    allow_pickle = flag_argument(allow_pickle, "allow_pickle", "export")
+    log.info(export_checkpoint(source_spec(checkpoint), out, dtype=dtype, force=force, allow_pickle=allow_pickle,
+                               revision=revision))
+    return out
+
+
 def check(source: Source, converted: Source, *, json_out: PathLike | None = None, show: bool = False,
           **options: Any) -> CheckReport:
     """Compare a converted checkpoint with its source on the same tokens, as `surgery check SOURCE CONVERTED` does.

@@ -81,7 +81,8 @@ class SWA(Kind):
     def summary(self, record: dict, options: SWAOptions) -> str:
         s = record["swa"]
         return (f"swa (window {s['window']}, {len(s['global_layers'])} of {s['layers']} layers global: "
-                f"{','.join(map(str, s['global_layers'])) or 'none'}) in {record['seconds']:.1f}s")
+                f"{','.join(map(str, s['global_layers'])) or 'none'}) in {record['seconds']:.1f}s"
+                f"{'' if s.get('target_model_type') == 'ministral' else '; ' + llama_cpp_note(s)}")
 
     def card_lines(self, record: dict) -> list[str]:
         s = record.get("swa") or {}
@@ -94,7 +95,20 @@ class SWA(Kind):
                    "answers' log-probability and the text's likelihood beyond the window)")
         else:
             how = "chosen by their attention mass beyond the window on calibration text"
-        return [f"Sliding-window attention of {s['window']} tokens on every layer but {s['global_layers']}, {how}."]
+        return [f"Sliding-window attention of {s['window']} tokens on every layer but {s['global_layers']}, {how}.",
+                llama_cpp_note(s)[0].upper() + llama_cpp_note(s)[1:] + "."]
+
+
+def llama_cpp_note(s: dict) -> str:
+    """What llama.cpp does with an swa output of this model type (docs/reference/runtimes.md, issue 54)."""
+    target = s.get("target_model_type")
+    if target == "ministral":
+        return ("in llama.cpp: `surgery export OUT --gguf FILE` writes it as granite_swa, window and per-layer pattern "
+                "kept (llama.cpp's own converter refuses ministral)")
+    if target in ("qwen2", "qwen3", "smollm3"):
+        return ("llama.cpp's own converter writes it as full attention without a warning (the source's function, "
+                "measured on Qwen3), and `surgery export` refuses it: serve it with transformers")
+    return "llama.cpp: `surgery export` refuses it; llama.cpp's own converter was not checked on it"
 
 
 SWA_KIND = SWA("swa", SWAOptions, title="sliding-window / global hybrid attention", tags=["sliding-window-attention"],

@@ -1,0 +1,116 @@
+"""Llama-bodied checkpoints as GGUF: arch `llama` (Llama/Mistral sources, their MQA/GQA outputs), or arch
+`granite_swa` when some layers attend through a sliding window (the `swa` output, `ministral`; a Mistral whose
+`sliding_window` applies to every layer).
+
+`granite_swa` is llama.cpp's Llama layer with Granite's multipliers, per-head attention sinks and a per-layer window
+pattern (`granite_swa.attention.sliding_window_pattern`, one bool per layer, true where the layer slides, and
+`granite_swa.attention.sliding_window`, the window W). Written with identity multipliers (embedding, residual and
+logit scale 1, attention scale 1/sqrt(head_dim)) and sinks at -1e30 (exp(-1e30 - max) = 0: no sink), it is the
+ministral layer. Its window is transformers' (a query at q sees keys q-W+1..q: llama.cpp masks p1 - p0 >= W).
+
+Queries and keys are permuted from transformers' rotate-half layout into GGUF's interleaved pairs (llama.cpp's
+`LLAMA_ROPE_TYPE_NORM`), per head, as llama.cpp's converter does for Llama.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import SurgeryError
+from .gguf_file import GGUFTensor
+from .weights import ExportPlan, Weights, rope_theta
+
+MODEL_TYPES = ("llama", "mistral", "ministral")
+SINK_OFF = -1e30  # a sink logit that takes no weight in any softmax
+
+
+def sliding_layers(config: dict) -> tuple[int | None, list[bool]]:
+    """(window, one bool per layer: True where the layer attends through the window)."""
+    layers = config["num_hidden_layers"]
+    window = config.get("sliding_window")
+    if config["model_type"] == "llama" or window is None:
+        return None, [False] * layers
+    if config["model_type"] == "mistral":  # Mistral's window, when set, applies to every layer
+        return int(window), [True] * layers
+    types = config.get("layer_types") or ["sliding_attention"] * layers
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if len(types) != layers or unknown:
+        raise SurgeryError(f"layer_types must name sliding_attention or full_attention once per layer "
+                           f"({layers}); got {unknown or len(types)}")
+    return int(window), [t == "sliding_attention" for t in types]
+
+
+def refusal(config: dict) -> str | None:
+    """Why the Llama layer llama.cpp runs would compute something else than this config's, or None."""
+    if config.get("hidden_act", "silu") != "silu":
+        return f"hidden_act {config['hidden_act']!r} (llama.cpp's Llama layer is SiLU-gated)"
+    for key in ("attention_bias", "mlp_bias"):
+        if config.get(key):
+            return f"{key} is set (the exporter writes Llama layers without biases)"
+    if config.get("pretraining_tp", 1) not in (1, None):
+        return "pretraining_tp > 1"
+    return None
+
+
+def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Each head's rows from rotate-half order (x_0..x_{d/2-1}, y_0..) to interleaved pairs (x_0, y_0, x_1, ...)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def plan(config: dict, weights: Weights) -> ExportPlan:
+    why = refusal(config)
+    if why:
+        raise SurgeryError(f"cannot export this {config['model_type']} checkpoint: {why}")
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // heads
+    window, sliding = sliding_layers(config)
+    arch = "granite_swa" if any(sliding) else "llama"
+    a = arch
+    keys = {
+        f"{a}.context_length": int(config.get("max_position_embeddings") or 4096),
+        f"{a}.embedding_length": hidden,
+        f"{a}.block_count": layers,
+        f"{a}.feed_forward_length": config["intermediate_size"],
+        f"{a}.attention.head_count": heads,
+        f"{a}.attention.head_count_kv": kv_heads,
+        f"{a}.attention.key_length": head_dim,
+        f"{a}.attention.value_length": head_dim,
+        f"{a}.rope.dimension_count": head_dim,
+        f"{a}.rope.freq_base": rope_theta(config),
+        f"{a}.attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-6)),
+        f"{a}.vocab_size": config["vocab_size"],
+    }
+    if arch == "granite_swa":
+        keys |= {f"{a}.attention.sliding_window": window, f"{a}.attention.sliding_window_pattern": sliding,
+                 f"{a}.logit_scale": 1.0, f"{a}.embedding_scale": 1.0, f"{a}.residual_scale": 1.0,
+                 f"{a}.attention.scale": float(head_dim ** -0.5)}
+
+    tensors = [weights.tensor("token_embd.weight", "model.embed_tokens.weight"),
+               weights.tensor("output_norm.weight", "model.norm.weight")]
+    if not config.get("tie_word_embeddings", False):
+        tensors.append(weights.tensor("output.weight", "lm_head.weight"))
+    weights.skip("lm_head.weight")  # tied: llama.cpp reads token_embd for the output
+    for i in range(layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        tensors += [
+            weights.tensor(b + "attn_norm.weight", p + "input_layernorm.weight"),
+            weights.tensor(b + "attn_q.weight", p + "self_attn.q_proj.weight", lambda w: permute_rows(w, heads)),
+            weights.tensor(b + "attn_k.weight", p + "self_attn.k_proj.weight", lambda w: permute_rows(w, kv_heads)),
+            weights.tensor(b + "attn_v.weight", p + "self_attn.v_proj.weight"),
+            weights.tensor(b + "attn_output.weight", p + "self_attn.o_proj.weight"),
+            weights.tensor(b + "ffn_norm.weight", p + "post_attention_layernorm.weight"),
+            weights.tensor(b + "ffn_gate.weight", p + "mlp.gate_proj.weight"),
+            weights.tensor(b + "ffn_up.weight", p + "mlp.up_proj.weight"),
+            weights.tensor(b + "ffn_down.weight", p + "mlp.down_proj.weight"),
+        ]
+        if arch == "granite_swa":
+            tensors.append(GGUFTensor(b + "attn_sinks.weight", (heads,),
+                                      lambda: np.full(heads, SINK_OFF, dtype=np.float32)))
+    weights.check_all_used(config["model_type"])
+    if arch == "granite_swa":
+        what = f"granite_swa: window {window} on {sum(sliding)} of {layers} layers, the others full"
+    else:
+        what = f"llama: {heads} query heads, {kv_heads} K/V heads"
+    return ExportPlan(arch, keys, tensors, what)

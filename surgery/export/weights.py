@@ -1,0 +1,69 @@
+"""What the architecture modules share: the plan of one GGUF file (its architecture, metadata and tensors) and the
+checkpoint's tensors, read lazily, each one a plan uses named (a tensor no plan names is refused)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import SurgeryError
+from .gguf_file import GGUFTensor
+
+
+@dataclass
+class ExportPlan:
+    arch: str
+    keys: dict[str, Any]
+    tensors: list[GGUFTensor]
+    what: str  # one phrase for the command's line: the architecture and what carries the kind
+
+
+class Weights:
+    """The checkpoint's tensors by name, read lazily (one at a time, as float32 numpy arrays): the plans name each
+    tensor they use, and a tensor no plan used is refused (a bias, an extra norm: a file without it would compute
+    something else)."""
+
+    def __init__(self, reader):
+        self.reader = reader
+        self.used: set[str] = set()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.reader:
+            raise SurgeryError(f"the checkpoint has no tensor {name}: not the layout its config.json describes")
+        return tuple(self.reader.tensors[name].shape)
+
+    def load(self, name: str) -> np.ndarray:
+        return self.reader.load(name).float().numpy()
+
+    def tensor(self, gguf_name: str, name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None,
+               shape: tuple[int, ...] | None = None) -> GGUFTensor:
+        """GGUF tensor `gguf_name` from the checkpoint's `name` (through `transform`, which keeps the shape unless
+        `shape` says otherwise)."""
+        source_shape = self.shape(name)
+        self.used.add(name)
+        load = (lambda: self.load(name)) if transform is None else (lambda: transform(self.load(name)))
+        return GGUFTensor(gguf_name, tuple(shape or source_shape), load)
+
+    def skip(self, name: str) -> None:
+        """A tensor the file does not need (a tied lm_head.weight)."""
+        self.used.add(name)
+
+    def check_all_used(self, family: str) -> None:
+        left = sorted(set(self.reader.names()) - self.used)
+        if left:
+            more = f" and {len(left) - 1} more" if len(left) > 1 else ""
+            raise SurgeryError(f"cannot export this {family} checkpoint: it holds {left[0]}{more}, which the "
+                               f"exporter does not map (a file without it would compute something else)")
+
+
+def rope_theta(config: dict) -> float:
+    """The RoPE base of a config with plain RoPE; refuses scaled RoPE (llama3, yarn, ...), which is not mapped."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind != "default":
+        raise SurgeryError(f"cannot export a checkpoint with {kind!r} RoPE scaling: the exporter writes plain RoPE only")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise SurgeryError("cannot export a checkpoint with partial rotary embeddings")
+    return float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)

@@ -1,0 +1,34 @@
+"""The export tests' shared files: the tiny pydoc Llama, its swa and MLA outputs, and each one's f32 GGUF file
+(`from exported_files import exported` makes the fixture a test module's own: it is built once per module)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def exported(tmp_path_factory):
+    """kind -> (checkpoint folder, its f32 GGUF file): the tiny Llama, its swa output (window 8, layer 1 global) and
+    its MLA output (rank 32, rope 8)."""
+    from surgery.checkpoint.source import resolve_source
+    from surgery.commands.export import export_checkpoint
+    from surgery.mla import convert_to_mla
+    from surgery.swa.convert import convert_to_swa
+    from surgery.swa.layers import parse_global_layers
+
+    from surgery.testing.pydoc_llama import make_model, make_tokenizer
+
+    root = tmp_path_factory.mktemp("export")
+    tiny = make_model(root / "tiny", make_tokenizer())
+    folders = {"llama": tiny}
+    folders["swa"] = root / "swa"
+    convert_to_swa(resolve_source(str(tiny)), folders["swa"], window=8, global_layers=parse_global_layers("1"),
+                   progress=False)
+    folders["mla"] = root / "mla"
+    convert_to_mla(resolve_source(str(tiny)), folders["mla"], kv_rank=32, rope_dim=8, calib_tokens=512,
+                   progress=False)
+    files = {}
+    for kind, folder in folders.items():
+        files[kind] = root / f"{kind}.gguf"
+        export_checkpoint(str(folder), files[kind])
+    return {kind: (folders[kind], files[kind]) for kind in folders}
