@@ -4,7 +4,7 @@ The probe: synthetic retrieval examples (surgery/retrieval_tasks.py: single and 
 from the calibration text itself, each one calibration window long (4 W by default), needles at depths spread over
 the window. Against a baseline (a set of global layers, the rest windowed), a candidate layer's cost is what
 windowing it alone does to the probe: the drop of the answers' mean log-probability (nats per answer token) plus the
-rise of the text's negative log-likelihood beyond the window (nats per token at positions ≥ W). A layer that
+rise of the text's negative log-likelihood beyond the window (nats per token, every 4th position ≥ W). A layer that
 retrieval needs loses its answers when windowed; one whose attention stays local loses nothing.
 
 Measured leave-one-out, all candidates in one streamed pass: the layers come one at a time from the checkpoint
@@ -31,6 +31,8 @@ from ..retrieval_tasks import Example, make_examples
 
 PROBE_TASKS = ("niah_single", "niah_multikey", "passkey")
 LOGIT_SLICE = 256  # positions projected onto the vocabulary at a time
+TEXT_STRIDE = 4  # the text's NLL beyond the window is read at every 4th position (the vocabulary projection of every
+# position would cost a third of the forward passes)
 
 
 def probe_examples(tokenizer, windows: torch.Tensor, seed: int = 0) -> list[Example]:
@@ -79,6 +81,12 @@ def _windowed(call, length: int, window: int, device):
     return LayerCall(call.args, kwargs)
 
 
+def text_positions(window: int, answer_start: int) -> torch.Tensor:
+    """The positions whose next-token NLL measures the text beyond the window: every TEXT_STRIDE-th from W up to the
+    answer's (exclusive of the position that predicts its first token)."""
+    return torch.arange(window, answer_start - 1, TEXT_STRIDE)
+
+
 class _Head:
     """The final norm and the LM head of a streamed source (the LM head read from the checkpoint, or the embedding
     when tied): the answers' log-probabilities and the text's NLL beyond the window, a slice of positions at a time."""
@@ -108,13 +116,12 @@ class _Head:
             target = ids[b, start:].to(hidden.device)
             lp = self._logprobs(hidden[b, start - 1:-1]).gather(-1, target[:, None])
             answer += float(lp.mean())
-            total, count = 0.0, 0
-            for s in range(window, start - 1, LOGIT_SLICE):
-                e = min(s + LOGIT_SLICE, start - 1)
-                t = ids[b, s + 1:e + 1].to(hidden.device)
-                total -= float(self._logprobs(hidden[b, s:e]).gather(-1, t[:, None]).sum())
-                count += e - s
-            nll += total / max(count, 1)
+            positions = text_positions(window, start)
+            total = 0.0
+            for part in positions.split(LOGIT_SLICE):
+                t = ids[b, part + 1].to(hidden.device)
+                total -= float(self._logprobs(hidden[b, part.to(hidden.device)]).gather(-1, t[:, None]).sum())
+            nll += total / max(len(positions), 1)
         return answer, nll
 
 

@@ -170,13 +170,16 @@ def test_a_swa_output_distils_from_its_source_and_stays_swa(tiny, tmp_path, cli)
 # ---- --layer-score cost: what windowing each layer costs, measured ------------------------------------------------
 def _answer_and_text(model, probe, window):
     """The probe's mean answer log-prob and mean NLL beyond the window, from a whole model in memory."""
+    from surgery.swa.cost import text_positions
+
     answer, text = 0.0, 0.0
     with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=probe.ids).logits.float(), -1)
     for b, start in enumerate(probe.answer_starts):
         ids = probe.ids[b]
         answer += logp[b, start - 1:-1].gather(-1, ids[start:, None]).mean().item()
-        text -= logp[b, window:start - 1].gather(-1, ids[window + 1:start, None]).mean().item()
+        at = text_positions(window, start)
+        text -= logp[b, at].gather(-1, ids[at + 1, None]).mean().item()
     return answer / len(probe.answer_starts), text / len(probe.answer_starts)
 
 
