@@ -66,7 +66,12 @@ def run(o: UptrainOptions) -> dict:
         if made_run_dir and getattr(recipe, "main", True):  # resume, so the run folder this run made goes
             shutil.rmtree(o.run_dir, ignore_errors=True)
         raise
-    recipe.train()
+    try:
+        recipe.train()
+    except SurgeryError:  # refused at the first step (a store whose windows are not the run's): no step to resume,
+        if not o.resume and recipe.main and recipe.state.step == 0:  # so the run folder it started goes with it
+            shutil.rmtree(o.run_dir, ignore_errors=True)
+        raise
     return recipe.save()
 
 

@@ -152,6 +152,7 @@ def open_for_run(o, student, tokenizer, world: int) -> TeacherStore:
     if store.windows < need:
         raise SurgeryError(f"{flag} holds {store.windows} windows ({store.windows * o.seq_len:,} tokens); the run "
                            f"needs {need} ({need * o.seq_len:,} tokens, --tokens {o.tokens})")
+    store.check_all(need)  # each shard's sha256 and distributions, before the first step
     return store
 
 

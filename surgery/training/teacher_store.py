@@ -186,7 +186,7 @@ class TeacherStore:
         name = shard["file"]
         if self._open is None or self._open[0] != name:
             if name not in self._verified:  # before any of its windows is used
-                check_shard_contents(self.folder, shard)
+                check_shard_contents(self.folder, shard, self.manifest["vocab"])
                 self._verified.add(name)
             path = self.folder / name
             try:
@@ -195,6 +195,13 @@ class TeacherStore:
                 raise SurgeryError(f"--teacher-logprobs {self.folder}: cannot read {name} "
                                    f"({str(e).splitlines()[0]})") from None
         return self._open[1]
+
+    def check_all(self, windows: int) -> None:
+        """Check every shard holding one of the first `windows` windows (sha256 and distributions, store_check.py)
+        now: a run refuses a store before its first step, not in the middle."""
+        for shard in self.manifest["shards"]:
+            if shard["first"] < windows:
+                self._shard(shard)
 
     def read(self, start: int, count: int) -> StoredTargets:
         """Windows start .. start+count-1 of the run's order."""
