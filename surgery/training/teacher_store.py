@@ -232,10 +232,9 @@ def read_manifest(folder: Path) -> dict:
     if not Path(folder).is_dir() or not path.is_file():
         raise SurgeryError(f"--teacher-logprobs {folder} is not a teacher store (no {MANIFEST}; make one with "
                            f"`surgery teacher`)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SurgeryError(f"--teacher-logprobs {folder}: unreadable {MANIFEST} ({str(e).splitlines()[0]})") from None
+    from ..loaders import read_json
+
+    manifest = read_json(path, f"--teacher-logprobs {folder}: {MANIFEST}")  # (nesting too deep: one line too)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise SurgeryError(f"--teacher-logprobs {folder}: {MANIFEST} is not a {FORMAT} manifest")
     need = ("top_k", "seq_len", "windows", "shards", "windows_spec", "tokenizer", "teacher", "temperature", "vocab")

@@ -206,6 +206,16 @@ def test_a_store_that_is_no_distribution_is_refused_before_the_first_step(studen
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.run").exists()
 
 
+def test_a_deeply_nested_store_manifest_is_one_line(student, store, tmp_path):
+    """json.loads' RecursionError was a traceback."""
+    fake = tmp_path / "store"
+    shutil.copytree(store, fake)
+    (fake / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(SurgeryError, match="manifest.json nests deeper than 100 levels") as e:
+        run(student, tmp_path / "o", teacher_logprobs=str(fake))
+    one_line(e)
+
+
 def test_teacher_refuses_a_temperature_that_makes_nans_and_writes_nothing(tiny, tmp_path, cli):
     code, _, err = cli("teacher", tiny, "--out", tmp_path / "s", "--top-k", 4, "--device", "cpu",
                        *teacher_flags(temperature=1e-300))
@@ -247,6 +257,27 @@ def test_a_run_refused_at_its_first_step_leaves_nothing_that_blocks_the_correcte
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.run").exists()
     record = run(student, tmp_path / "o", teacher_logprobs=str(store))  # no --force needed
     assert record["steps"] == 1
+
+
+@pytest.mark.parametrize("chat_template", ["off", "auto"])  # the tiny Llama's tokenizer has no chat template
+def test_loss_on_assistant_without_a_template_counts_the_assistant_turns_only(tiny, tokenizer, tmp_path,
+                                                                              chat_template):
+    """The issue saw every token trained on; conversations without a template are their turns' contents, and the
+    mask keeps the assistant's (a correct run whose record says loss_on assistant and the template mode)."""
+    from surgery.training.loop import UptrainRecipe
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Explain the thing number {i} please. " * 3},
+        {"role": "assistant", "content": f"def answer_{i}(x):\n    return x * {i}\n"}]}) + "\n" for i in range(200)))
+    recipe = UptrainRecipe(UptrainOptions(model=str(tiny), out=tmp_path / "o", **(FAST | dict(
+        data=[str(data)], tokens=512, loss="lm", data_mode="packed", loss_on="assistant",
+        chat_template=chat_template))))
+    recipe.setup()
+    ids, mask = recipe.data.train, recipe.data.train_mask.bool()
+    trained = tokenizer.decode(ids[mask].tolist())
+    assert 0 < mask.float().mean() < 0.7 and "Explain" not in trained and "please" not in trained
+    assert "def answer_" in trained and "return x *" in trained
 
 
 # ------------------------------------------------------------------------------------------- ignored options, API
