@@ -2,8 +2,9 @@
 manifest's fields have their types and agree with each other (shards consecutive, covering its windows, plain file
 names inside the store); each shard exists and its header holds exactly the tensors, shapes and dtypes the manifest
 lists — all before the first step, from the manifest and the shards' headers only. A shard's contents are checked
-against the sha256 the manifest records when a run first opens it, before any of its windows is used: an edited
-or swapped shard is refused, never trained on."""
+against the sha256 the manifest records, and its values checked as distributions (`distribution_problem`), when a
+run first opens it (a fresh run's first-step shards before that step), before any of its windows is used: an edited
+or swapped shard, or one that is no distribution, is refused, never trained on."""
 
 from __future__ import annotations
 
@@ -152,15 +153,15 @@ def distribution_problem(logprobs: torch.Tensor, ids: torch.Tensor, tail: torch.
     below +inf (-inf: a token of no probability), every id in the vocabulary and distinct at its position, the
     probabilities of a position (its K and its tail) summing to more than 0 and at most 1 (+MASS_TOLERANCE)."""
     lp, tail = logprobs.float(), tail.float()
-    if lp.isnan().any() or (lp == math.inf).any():
-        return f"log-probabilities that are not numbers ({int((lp.isnan() | (lp == math.inf)).sum())} NaN or +inf)"
-    if tail.isnan().any() or (tail == math.inf).any():
-        return f"tail masses that are not numbers ({int((tail.isnan() | (tail == math.inf)).sum())} NaN or +inf)"
-    bad = (ids < 0) | (ids >= vocab)
-    if bad.any():
+    if not (lp < math.inf).all():  # (NaN < inf is false too)
+        return f"log-probabilities that are not numbers ({int((~(lp < math.inf)).sum())} NaN or +inf)"
+    if not (tail < math.inf).all():
+        return f"tail masses that are not numbers ({int((~(tail < math.inf)).sum())} NaN or +inf)"
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        bad = (ids < 0) | (ids >= vocab)
         return f"token id {int(ids[bad][0])}, outside the teacher's vocabulary of {vocab}"
-    ordered = ids.sort(dim=-1).values
-    if (ordered[..., 1:] == ordered[..., :-1]).any():
+    ordered = ids.reshape(-1, ids.shape[-1]).sort(dim=-1).values
+    if (ordered[:, 1:] == ordered[:, :-1]).any():
         return "the same token id twice at one position (its candidates are not a distribution's top-K)"
     mass = torch.logsumexp(torch.cat([lp, tail[..., None]], dim=-1), dim=-1)
     if (mass == -math.inf).any():

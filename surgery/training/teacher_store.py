@@ -198,7 +198,8 @@ class TeacherStore:
 
     def check_all(self, windows: int) -> None:
         """Check every shard holding one of the first `windows` windows (sha256 and distributions, store_check.py)
-        now: a run refuses a store before its first step, not in the middle."""
+        now, before the run's first step; every other shard is checked when first opened, before any of its
+        windows is used (a whole store up front would cost a 194 GB store's reading before the first step)."""
         for shard in self.manifest["shards"]:
             if shard["first"] < windows:
                 self._shard(shard)
