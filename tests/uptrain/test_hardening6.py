@@ -115,6 +115,17 @@ def test_resume_never_follows_a_link_out_of_the_run_folder(kept_run, student, st
     assert (real / "run.json").is_file() and not out.exists()
 
 
+def test_resume_never_writes_through_a_hard_link_in_the_run_folder(kept_run, student, store, tmp_path):
+    """metrics.jsonl was rewritten in place: a hard link's other name (outside the run) got the run's lines."""
+    out, run_dir = copy_run(kept_run, tmp_path)
+    outside = tmp_path / "precious.txt"
+    outside.write_text("not a metrics file\n")
+    (run_dir / "metrics.jsonl").unlink()
+    os.link(outside, run_dir / "metrics.jsonl")
+    record = run(student, out, teacher_logprobs=str(store), save_every=1, resume=True)
+    assert record["steps"] == 1 and outside.read_text() == "not a metrics file\n"
+
+
 # ------------------------------------------------------------------------------------------------------- security
 def _strings(value):
     if isinstance(value, dict):
