@@ -344,6 +344,27 @@ def test_the_api_checks_the_sizes_of_data_objects_by_their_types(tmp_path, funct
     assert not (tmp_path / "o").exists()
 
 
+def test_the_api_reads_a_generator_of_documents_and_refuses_a_column_that_is_not_text(tiny, tmp_path):
+    """A generator was taken for a list of hub dataset names ("Couldn't reach 'one document' on the Hub"); numbers
+    in the text column were a TypeError from inside the tokenizer."""
+    import itertools
+
+    import datasets
+
+    import surgery.api as api
+    from surgery.api.sources import text_specs
+
+    endless = (f"def f{i}(x):\n    return x + {i}\n" for i in itertools.count())
+    [spec] = text_specs(endless, "text", 100)  # read up to the tokens needed, never to the end
+    rows = [json.loads(line) for line in Path(spec).read_text().splitlines()]
+    assert rows[:2] == [{"text": "def f0(x):\n    return x + 0\n"}, {"text": "def f1(x):\n    return x + 1\n"}]
+    for data in (datasets.Dataset.from_dict({"text": [1, 2, 3]}), [{"text": ["a list"]}]):
+        with pytest.raises(SurgeryError, match="row 0's 'text' is not text but") as e:
+            api.uptrain(tiny, tmp_path / "o", data=data, tokens=512)
+        one_line(e)
+    assert not (tmp_path / "o").exists()
+
+
 # ------------------------------------------------------------------------------------------ on-policy, checkpoints
 class NoCache(torch.nn.Module):
     """A causal LM that returns no KV cache (as some remote-code models do): generation must read the whole
