@@ -365,6 +365,23 @@ def test_the_api_reads_a_generator_of_documents_and_refuses_a_column_that_is_not
     assert not (tmp_path / "o").exists()
 
 
+def test_a_loaded_model_whose_save_raises_is_one_line(tiny, tmp_path):
+    import transformers as tf
+
+    import surgery.api as api
+
+    model = tf.AutoModelForCausalLM.from_pretrained(tiny)
+
+    def broken(*args, **kw):
+        raise RuntimeError("disk quota exceeded\nmore detail")
+
+    model.save_pretrained = broken
+    with pytest.raises(SurgeryError, match="save_pretrained failed: RuntimeError: disk quota exceeded") as e:
+        api.convert(model, tmp_path / "o", to="mqa", kv_heads=1)
+    one_line(e)
+    assert not (tmp_path / "o").exists()
+
+
 # ------------------------------------------------------------------------------------------ on-policy, checkpoints
 class NoCache(torch.nn.Module):
     """A causal LM that returns no KV cache (as some remote-code models do): generation must read the whole
