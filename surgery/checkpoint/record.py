@@ -104,7 +104,16 @@ class Record(_Part):
 
 
 def looks_like_hub_id(spec: str) -> bool:
-    return spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not Path(spec).expanduser().exists()
+    return spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not path_exists(spec)
+
+
+def path_exists(spec: str) -> bool:
+    """Whether `spec` names something on this machine; a text no path can be (a name longer than the file system
+    allows, a NUL byte: a report's or record's hostile name) is not one, never an error."""
+    try:
+        return Path(spec).expanduser().exists()
+    except (OSError, ValueError, RuntimeError):
+        return False
 
 
 def public_name(spec: str | None) -> str | None:
@@ -265,7 +274,7 @@ def local_source_folder(record: dict) -> Path | None:
     """The source's folder on this machine, when the record names one that still exists."""
     local = record.get(LOCAL_KEY) or {}
     folder = local.get("source_folder") or (record.get("source") or {}).get("folder")
-    return Path(folder) if folder and (Path(folder) / "config.json").exists() else None
+    return Path(folder) if folder and path_exists(str(Path(folder) / "config.json")) else None
 
 
 # Files a data spec can name (surgery/data.py reads these suffixes as local files).
@@ -280,7 +289,7 @@ def is_local_data(spec: str) -> bool:
     if spec in ("pydoc", "stdlib", "general") or spec.startswith("hf://"):
         return False
     return (spec.startswith(("/", ".", "~")) or any(c in spec for c in "*?[") or spec.count("/") > 1
-            or Path(spec).suffix in LOCAL_DATA_SUFFIXES or Path(spec).expanduser().exists())
+            or Path(spec).suffix in LOCAL_DATA_SUFFIXES or path_exists(spec))
 
 
 def public_data(spec: object) -> object:
