@@ -439,3 +439,20 @@ class _Marker:
 
     def __reduce__(self):
         return (os.system, (f"touch {self.path}",))
+
+
+def test_a_tracker_shadowed_by_a_bare_folder_is_one_line(tmp_path, monkeypatch):
+    """A folder named like a tracker that is not installed (its run folder, say) was found as a package: the run went
+    on with no tracker and accelerate's raw warning."""
+    import importlib.util
+
+    from surgery.training.trackers import require_trackers
+
+    missing = next((n for n in ("trackio", "mlflow", "wandb") if importlib.util.find_spec(n) is None), None)
+    if missing is None:
+        pytest.skip("every tracker is installed here: none to shadow")
+    (tmp_path / missing).mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SurgeryError, match=f"--report-to {missing} needs the {missing} package: pip install") as e:
+        require_trackers([missing])
+    assert f"a folder {missing} on the import path is not it" in one_line(e)
