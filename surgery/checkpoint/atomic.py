@@ -46,8 +46,8 @@ def local_inputs(name: str, specs) -> list[tuple[str, Path]]:
 
     found = []
     for spec in specs if isinstance(specs, (list, tuple)) else [specs]:
-        if not isinstance(spec, (str, Path)) or not str(spec):
-            continue
+        if not isinstance(spec, (str, Path)) or str(spec) in ("", "pydoc", "stdlib", "general") or "://" in str(spec):
+            continue  # (the built-in texts and URLs are no files of this machine, whatever folder shares the name)
         path = Path(spec).expanduser()
         if path.exists():
             found.append((name, path))
