@@ -34,13 +34,30 @@ def _default(model, name: str) -> Any:
     return model.model_fields[name].default
 
 
+def _typed(model, values: dict[str, Any], name: str) -> Any:
+    """The option `name` of `values` (its default when not given) checked by its type in `model`, as validate_options
+    checks it (one line naming the option, whatever the Python type given): an option read before the whole model
+    is validated (the sizes the data objects are written to) is never used unchecked."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from ..errors import SurgeryError
+    from ..options import cli_meta
+
+    if values.get(name) is None:
+        return _default(model, name)
+    try:
+        return TypeAdapter(model.model_fields[name].annotation).validate_python(values[name])
+    except ValidationError as e:
+        raise SurgeryError(f"{cli_meta(model, name)['flag']}: {e.errors(include_url=False)[0]['msg']}") from None
+
+
 def _run_texts(values: dict[str, Any], model) -> None:
     """An uptraining run's `data` / `eval_data` given as objects, written as text specs (in place), each read up to
     the tokens the run needs: its training and held-out tokens, times its data epochs."""
-    tokens = values.get("tokens")
-    need = (tokens if isinstance(tokens, int) else 0) + (values.get("eval_tokens") or _default(model, "eval_tokens"))
-    need *= values.get("data_epochs") or 1
-    field = values.get("text_field") or "text"
+    sizes = [_typed(model, values, name) for name in ("tokens", "eval_tokens", "data_epochs")]
+    tokens, eval_tokens, epochs = (max(0, v or 0) for v in sizes)
+    need = (tokens + eval_tokens) * max(1, epochs)
+    field = _typed(model, values, "text_field") or "text"
     if "data" in values:
         values["data"] = text_specs(values["data"], field, need)
     if "eval_data" in values:
@@ -101,7 +118,7 @@ def convert(source: Source, out: PathLike | None = None, *, to: str, tokenizer: 
     values = dict(options, to=to)
     refuse_unknown(model, values)  # before any data object is written
     if "calib" in values:
-        tokens = values.get("calib_tokens") or _default(model, "calib_tokens")
+        tokens = max(1, _typed(model, values, "calib_tokens") or 0)
         values["calib"] = text_specs(values["calib"], "text", tokens)
     parsed = validate_options(model, values)
     if dry_run:

@@ -52,7 +52,12 @@ def model_folder(model: Any, tokenizer: Any = None) -> str:
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".saving-", dir=root))
     try:
-        model.save_pretrained(tmp)
+        try:
+            model.save_pretrained(tmp)
+        except Exception as e:  # noqa: BLE001 - a model (or its remote code) whose save fails: one line
+            why = str(e).splitlines()[0] if str(e) else ""
+            raise SurgeryError(f"saving the loaded {type(model).__name__} with save_pretrained failed: "
+                               f"{type(e).__name__}{': ' + why if why else ''}") from None
         if tokenizer is None:
             tokenizer = _tokenizer_beside(model)
         if tokenizer is not None:
@@ -102,9 +107,15 @@ def text_specs(value: Any, text_field: str, tokens: int) -> list[str] | Any:
         return [one for v in value for one in _as_list(text_specs(v, text_field, tokens))]
     if isinstance(value, (str, os.PathLike)):
         return [os.fspath(value)]
-    if isinstance(value, list) or _is_dataset(value):
+    if isinstance(value, list) or _is_dataset(value) or _is_iterator(value):
         return [data_file(value, text_field, tokens)]
     return value
+
+
+def _is_iterator(value: Any) -> bool:
+    """A generator (or any other iterator) of documents or rows: read as a list is, up to the tokens needed (never
+    taken for a list of specs, each a hub dataset's name)."""
+    return hasattr(value, "__next__") and hasattr(value, "__iter__") and not isinstance(value, (str, bytes))
 
 
 def text_spec(value: Any, text_field: str, tokens: int) -> str | Any:
@@ -126,17 +137,18 @@ def _is_dataset(value: Any) -> bool:
 
 
 def _rows(value: Any, text_field: str) -> Iterator[dict]:
-    if isinstance(value, list):
+    if isinstance(value, list) or _is_iterator(value):
+        what = "list" if isinstance(value, list) else type(value).__name__
         for i, row in enumerate(value):
             if isinstance(row, str):
                 yield {text_field: row}
             elif isinstance(row, dict):
                 if text_field not in row and CHAT_COLUMN not in row:
-                    raise SurgeryError(f"data: row {i} of the list has no {text_field!r} (a document) nor "
+                    raise SurgeryError(f"data: row {i} of the {what} has no {text_field!r} (a document) nor "
                                        f"{CHAT_COLUMN!r} (a chat); its keys: {', '.join(map(str, row)) or 'none'}")
-                yield row
+                yield _text_row(row, text_field, i)
             else:
-                raise SurgeryError(f"data: item {i} of the list is a {type(row).__name__}, not a string (a document) "
+                raise SurgeryError(f"data: item {i} of the {what} is a {type(row).__name__}, not a string (a document) "
                                    "or a dict (a row)")
         return
     columns = list(value.column_names or [])
@@ -144,8 +156,17 @@ def _rows(value: Any, text_field: str) -> Iterator[dict]:
     if columns and not keep:
         raise SurgeryError(f"data {type(value).__name__} has no column {text_field!r} (columns: {', '.join(columns)});"
                            " use text_field")
-    for row in value:
-        yield {c: row[c] for c in keep} if keep else row
+    for i, row in enumerate(value):
+        yield _text_row({c: row[c] for c in keep} if keep else row, text_field, i)
+
+
+def _text_row(row: dict, text_field: str, i: int) -> dict:
+    """A row whose document (`text_field`, when it is the column read) is text: a number or a list there is refused
+    in one line (it was a TypeError from inside the tokenizer)."""
+    if CHAT_COLUMN not in row and text_field in row and not isinstance(row[text_field], str):
+        raise SurgeryError(f"data: row {i}'s {text_field!r} is not text but {type(row[text_field]).__name__}; use "
+                           f"text_field to name the column that holds the text")
+    return row
 
 
 def data_file(value: Iterable, text_field: str, tokens: int) -> str:

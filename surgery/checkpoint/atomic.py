@@ -39,19 +39,37 @@ def _real(path: Path) -> Path:
     return Path(os.path.realpath(Path(path).expanduser()))
 
 
+def local_inputs(name: str, specs) -> list[tuple[str, Path]]:
+    """(name, path) for each of `specs` (texts as the user named them: paths, globs, hub names, None) that names
+    files or folders of this machine, a glob as the files it matches: what `check_apart` keeps an output apart from."""
+    import glob
+
+    found = []
+    for spec in specs if isinstance(specs, (list, tuple)) else [specs]:
+        if not isinstance(spec, (str, Path)) or str(spec) in ("", "pydoc", "stdlib", "general") or "://" in str(spec):
+            continue  # (the built-in texts and URLs are no files of this machine, whatever folder shares the name)
+        path = Path(spec).expanduser()
+        if path.exists():
+            found.append((name, path))
+        elif any(c in str(spec) for c in "*?["):
+            found.extend((name, Path(p)) for p in sorted(glob.glob(str(path), recursive=True)))
+    return found
+
+
 def check_apart(path: Path, what: str, inputs, option: str = "--out") -> None:
     """Refuse `path` (an output, or a folder a command writes and may delete; `what` names it) that is one of
-    `inputs` ((name, folder) pairs: the folders the command reads), contains one or lies inside one: --force must
-    never delete what the user reads from, and nothing is written inside a source."""
+    `inputs` ((name, path) pairs: the folders and files the command reads), contains one or lies inside one: --force
+    must never delete what the user reads from, and nothing is written inside a source."""
     real = _real(path)
     for name, folder in inputs:
         if folder is None:
             continue
         src = _real(folder)
+        kind = "file" if src.is_file() else "folder"
         if real == src:
-            raise SurgeryError(f"{what} {path} is the {name} folder; choose another {option}")
+            raise SurgeryError(f"{what} {path} is the {name} {kind}; choose another {option}")
         if real in src.parents:
-            raise SurgeryError(f"{what} {path} contains the {name} folder {folder}; choose another {option}")
+            raise SurgeryError(f"{what} {path} contains the {name} {kind} {folder}; choose another {option}")
         if src in real.parents:
             raise SurgeryError(f"{what} {path} is inside the {name} folder {folder}; choose another {option}")
 

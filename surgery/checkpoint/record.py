@@ -14,6 +14,7 @@ texts (`--data`, `--calib`, `--eval-data`, kept as typed for the local checks) b
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -103,7 +104,16 @@ class Record(_Part):
 
 
 def looks_like_hub_id(spec: str) -> bool:
-    return spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not Path(spec).expanduser().exists()
+    return spec.count("/") == 1 and not spec.startswith((".", "/", "~")) and not path_exists(spec)
+
+
+def path_exists(spec: str) -> bool:
+    """Whether `spec` names something on this machine; a text no path can be (a name longer than the file system
+    allows, a NUL byte: a report's or record's hostile name) is not one, never an error."""
+    try:
+        return Path(spec).expanduser().exists()
+    except (OSError, ValueError, RuntimeError):
+        return False
 
 
 def public_name(spec: str | None) -> str | None:
@@ -264,7 +274,7 @@ def local_source_folder(record: dict) -> Path | None:
     """The source's folder on this machine, when the record names one that still exists."""
     local = record.get(LOCAL_KEY) or {}
     folder = local.get("source_folder") or (record.get("source") or {}).get("folder")
-    return Path(folder) if folder and (Path(folder) / "config.json").exists() else None
+    return Path(folder) if folder and path_exists(str(Path(folder) / "config.json")) else None
 
 
 # Files a data spec can name (surgery/data.py reads these suffixes as local files).
@@ -279,7 +289,7 @@ def is_local_data(spec: str) -> bool:
     if spec in ("pydoc", "stdlib", "general") or spec.startswith("hf://"):
         return False
     return (spec.startswith(("/", ".", "~")) or any(c in spec for c in "*?[") or spec.count("/") > 1
-            or Path(spec).suffix in LOCAL_DATA_SUFFIXES or Path(spec).expanduser().exists())
+            or Path(spec).suffix in LOCAL_DATA_SUFFIXES or path_exists(spec))
 
 
 def public_data(spec: object) -> object:
@@ -298,23 +308,38 @@ def _public_split(split: str) -> str:
     return MIXTURE + "; ".join(f"{public_data(spec)}{sep}{rest}" for spec, sep, rest in parts)
 
 
+# A place on this machine inside any text: an absolute POSIX or Windows path or a home-relative one (a URL's
+# `scheme://host/...` is not one: its slashes follow a colon or a slash).
+LOCAL_PATH = re.compile(r"(?<![\w.:/\\~-])(?:~[^\s'\"]*|[A-Za-z]:[\\/][^\s'\"]*|/[^\s'\"]+)")
+
+
+def public_text(text: str) -> str:
+    """`text` with every place on this machine in it (an absolute or home-relative path, the home folder's path
+    anywhere in it) reduced to its last component: what the public record allows of a text no rule above names."""
+    text = text.replace(str(Path.home()), "~") if len(str(Path.home())) > 1 else text
+    return LOCAL_PATH.sub(lambda m: Path(m.group(0).rstrip("/\\").replace("\\", "/")).name or "~", text)
+
+
 def _public(value, key: str | None = None):
     if isinstance(value, dict):
-        return {k: _public(v, k) for k, v in value.items() if k != LOCAL_KEY}
+        return {public_text(str(k)): _public(v, k) for k, v in value.items() if k != LOCAL_KEY}
     if isinstance(value, list):
         return [_public(v, key) for v in value]
     if isinstance(value, str):
         if key in DATA_KEYS:
-            return public_data(value)
-        if key == "spec":
-            return public_name(value)
-        if key == "split":
-            return _public_split(value)
+            value = public_data(value)
+        elif key == "spec":
+            value = public_name(value)
+        elif key == "split":
+            value = _public_split(value)
+        return public_text(value)  # whatever the key: no text of the public record names a place on this machine
     return value
 
 
 def public_record(record: dict) -> dict:
     """The record as `push` uploads it: every machine-local part dropped, at any depth (the conversion's, each
     uptraining's, the ones nested by later uptrainings in `previous_uptraining`), and every text (`data`,
-    `eval_data`, a calibration mixture's parts) and source (`spec`) named as `public_data` / `public_name` allow."""
+    `eval_data`, a calibration mixture's parts) and source (`spec`) named as `public_data` / `public_name` allow; and
+    every other text of it (any key, at any depth, the keys too) as `public_text` allows: no absolute or
+    home-relative path and no home folder name, whatever field a later version adds (a stored teacher's `folder`)."""
     return _public(record)

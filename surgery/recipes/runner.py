@@ -30,7 +30,7 @@ from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from ..checkpoint.atomic import missing_parents, remove_empty
+from ..checkpoint.atomic import local_inputs, missing_parents, remove_empty
 from ..errors import SurgeryError
 from ..logs import get_logger
 from ..options import command_args
@@ -347,8 +347,8 @@ def run_step(recipe: Recipe, ps: PlannedStep, resume: bool = False, log=logger.i
 
 
 def recipe_inputs(recipe: Recipe, source_folder: Path | None) -> list[tuple[str, Path]]:
-    """The folders on this machine a recipe reads: its source and the local teachers, stored teacher passes (not a
-    teacher step's, which the recipe writes) and texts its steps name."""
+    """The folders and files on this machine a recipe reads: its source and the local teachers, stored teacher passes
+    (not a teacher step's, which the recipe writes) and texts its steps name."""
     folders = [("source", source_folder)] if source_folder is not None else []
     steps = recipe.validated_steps()
     teacher_steps = {s.name for s in steps if s.kind == "teacher"}
@@ -356,10 +356,7 @@ def recipe_inputs(recipe: Recipe, source_folder: Path | None) -> list[tuple[str,
         for name in ("teacher", "teacher_logprobs", "data", "eval_data", "calib"):
             if name == "teacher_logprobs" and getattr(step.options, name, None) in teacher_steps:
                 continue
-            value = getattr(step.options, name, None)
-            for v in value if isinstance(value, list) else [value]:
-                if isinstance(v, str) and Path(v).is_dir():
-                    folders.append((f"{step.name} {name}", Path(v)))
+            folders += local_inputs(f"{step.name} {name}", getattr(step.options, name, None))
     return folders
 
 

@@ -446,6 +446,18 @@ def check_launch_files(recipe: Recipe, file: str, lines: dict) -> None:
                              f"{path}: no such file")
 
 
+def check_store_reference(ref: str, name: str, names: list[str], recipe: Recipe, error) -> None:
+    """An uptrain step's `teacher_logprobs` that is no teacher step's name is a store's folder: refused (`error(why)`
+    raised) when it names the step itself or another step (which writes no store), or is a bare name that names no
+    step and no folder (a misspelled step: the run would fail when it reaches the step, the dry run passed)."""
+    if ref in names:
+        which = "this step itself" if ref == name else f"step {ref!r}, which is not a teacher step"
+        raise error(f"names {which}: name a teacher step (whose store the step reads) or give a store's folder")
+    if not any(c in ref for c in "/\\") and not Path(ref).expanduser().is_dir() and not recipe.relative(ref).is_dir():
+        raise error(f"names no teacher step ({', '.join(repr(n) for n in names)}) and no folder {ref!r}: name a "
+                    f"teacher step or give a store's folder as a path")
+
+
 def link_teacher_steps(recipe: Recipe, file: str, lines: dict) -> None:
     """Each teacher step takes its data options from the uptrain steps that read its store (`teacher_logprobs: STEP`):
     a store holds the teacher on one run's windows only, so an option the step gives that differs from theirs is
@@ -467,6 +479,9 @@ def link_teacher_steps(recipe: Recipe, file: str, lines: dict) -> None:
                 raise _error(file, lines, loc, f"reads the store of teacher step {ref!r}, which comes after it; move "
                              "the teacher step before it")
             readers[ref].append(i)
+        else:
+            names = [s.name for s in steps]
+            check_store_reference(ref, step.name, names, recipe, lambda why: _error(file, lines, loc, why))
     taken = [n for n in TEACHER_OPTIONS if n not in WINDOW_OPTIONS and n != "force"]
     for name, t in teachers.items():
         step = steps[t]

@@ -21,8 +21,10 @@ import time
 
 import torch
 
+from ..checkpoint.atomic import write_text_atomic
 from ..checkpoint.record import public_name
 from ..errors import SurgeryError
+from ..loaders import read_json
 from ..logs import get_logger
 from .accelerator import precision_of
 from .align import align
@@ -67,7 +69,12 @@ def run(o: UptrainOptions) -> dict:
         if made_run_dir and getattr(recipe, "main", True):  # resume, so the run folder this run made goes
             shutil.rmtree(o.run_dir, ignore_errors=True)
         raise
-    recipe.train()
+    try:
+        recipe.train()
+    except SurgeryError:  # refused at the first step (a store whose windows are not the run's): no step to resume,
+        if not o.resume and recipe.main and recipe.state.step == 0:  # so the run folder it started goes with it
+            shutil.rmtree(o.run_dir, ignore_errors=True)
+        raise
     return recipe.save()
 
 
@@ -98,7 +105,7 @@ class UptrainRecipe(RecipeSetup, RecipeData):
             return None
         if o.resume and self.ckpts.latest() is not None:
             align_json = o.run_dir / "align.json"
-            return json.loads(align_json.read_text()) if align_json.exists() else None
+            return read_json(align_json) if align_json.exists() else None  # (one line when corrupt)
         count = o.align_steps * o.sequences_per_step
         windows = mixed(self.mix, data.take(count) if o.streamed else data.train[data.window_indices(0, count)], 0)
         say = log.info if self.main else (lambda line: None)
@@ -112,7 +119,7 @@ class UptrainRecipe(RecipeSetup, RecipeData):
         if "other_eval_ppl" in before:
             record["other_eval_ppl_before"] = before["other_eval_ppl"]
         if self.main:
-            (o.run_dir / "align.json").write_text(json.dumps(record, indent=2) + "\n")
+            write_text_atomic(o.run_dir / "align.json", json.dumps(record, indent=2) + "\n", "align.json")
         return record
 
     def _announce(self) -> None:

@@ -44,8 +44,11 @@ class MetricsLog:
         """Fresh run: empty the file. Resumed run: keep only lines up to the checkpoint's step."""
         if not self.enabled:
             return
+        from ..checkpoint.atomic import write_text_atomic
+
         kept = [m for m in read_metrics(self.path) if m.get("step", 0) <= resumed_step] if resumed_step is not None else []
-        self.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        # a new file renamed into place: never written through a link (a hard link's other name keeps its bytes)
+        write_text_atomic(self.path, "".join(json.dumps(m) + "\n" for m in kept), "metrics.jsonl")
 
     def write(self, **fields) -> None:
         if self.enabled:

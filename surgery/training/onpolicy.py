@@ -90,7 +90,8 @@ def masks(batch: int, length: int, prompt_len: int, device) -> dict:
 @torch.no_grad()
 def generate(model, prompt: torch.Tensor, new_tokens: int, temperature: float = 0.0,
              generator: torch.Generator | None = None) -> torch.Tensor:
-    """[B, new_tokens] continuations of `prompt` [B, P] (one length, no padding) with the model's KV cache: the
+    """[B, new_tokens] continuations of `prompt` [B, P] (one length, no padding) with the model's KV cache (a model
+    that returns none reads the whole sequence at each token): the
     argmax at temperature 0 (what `model.generate(do_sample=False)` writes, without stopping at end-of-text), else a
     sample of softmax(logits / temperature) drawn from `generator`."""
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
@@ -99,8 +100,11 @@ def generate(model, prompt: torch.Tensor, new_tokens: int, temperature: float = 
     token = pick(out.logits[:, -1], temperature, generator)
     tokens = [token]
     for _ in range(new_tokens - 1):
-        out = model(input_ids=token[:, None], use_cache=True, **{keyword: cache})
-        cache = returned_cache(out)
+        if cache is None:  # a model that keeps no KV cache: the next token from the whole sequence so far
+            out = model(input_ids=torch.cat([prompt, torch.stack(tokens, dim=1)], dim=1), use_cache=False, **keep)
+        else:
+            out = model(input_ids=token[:, None], use_cache=True, **{keyword: cache})
+            cache = returned_cache(out)
         token = pick(out.logits[:, -1], temperature, generator)
         tokens.append(token)
     return torch.stack(tokens, dim=1)

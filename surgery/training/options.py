@@ -333,6 +333,15 @@ def check_on_policy_rules(o, s) -> None:
     if o.on_policy and o.loss_on == "assistant":
         raise ValueError(f"{s.flag('on_policy')} continues the end of each window, not the assistant turns: not with "
                          f"{s.flag('loss_on')} assistant (yet)")
+    if 0 < o.gen_temperature < 1e-4:  # logits / T overflow (NaN probabilities) long before T reaches 0
+        raise ValueError(f"{s.flag('gen_temperature')} {o.gen_temperature:g} is greedy in all but name: use 0 (greedy) "
+                         f"or at least 1e-4")
+    unused = [n for n in ("gen_tokens", "gen_temperature") if getattr(o, n) != type(o).model_fields[n].default]
+    if unused and not o.on_policy:
+        raise ValueError(f"{s.flag(unused[0])} sets the student's generations: it needs {s.flag('on_policy')} above 0")
+    for name in ("kd_beta", "kd_divergence"):
+        if o.loss == "lm" and getattr(o, name) != type(o).model_fields[name].default:
+            raise ValueError(f"{s.flag(name)} shapes the KD term: {s.flag('loss')} lm has none (use kd or mix)")
 
 
 def check_retrieval_mix_rules(o, s) -> None:

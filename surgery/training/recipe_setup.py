@@ -66,6 +66,22 @@ def resolve_objective(o: UptrainOptions, record: dict) -> Objective:
                      divergence=o.kd_divergence, beta=o.kd_beta)
 
 
+def resume_identity(o: UptrainOptions, acc) -> dict:
+    """What a resumed run must repeat beyond its options (run_folder.IDENTITY_KEYS): the compute precision it
+    resolved to, and the stored teacher pass it reads (the sha256 of its manifest, which lists each shard's sha256):
+    another store at the same path, or another precision, would change the run's steps after the checkpoint."""
+    from ..checkpoint.sha256 import sha256_file
+    from .teacher_store import MANIFEST
+
+    store = None
+    if o.teacher_logprobs and (Path(o.teacher_logprobs) / MANIFEST).is_file():
+        try:
+            store = sha256_file(Path(o.teacher_logprobs) / MANIFEST)
+        except OSError:
+            store = None  # unreadable: opening the store says so
+    return {"precision": precision_of(acc), "teacher_logprobs_store": store}
+
+
 class RecipeSetup:
     """The setup stages of `UptrainRecipe` other than the data (`RecipeData`) and the alignment (loop.py): they set
     the source, the accelerator, the models, the optimizer, the run state and the output heads from the options `o`."""
@@ -103,7 +119,7 @@ class RecipeSetup:
         self.accum = per_process // o.micro_batch
         self.tokens_per_step = o.sequences_per_step * o.seq_len
         self.trajectory = o.trajectory() | {"model": str(Path(self.source.folder).absolute()),
-                                            "loss": self.objective.kind}
+                                            "loss": self.objective.kind, **resume_identity(o, self.acc)}
         inputs = input_folders(o, self.source.folder, self.record)
         check_output_path(o.out, o.force, source=self.source.folder, inputs=inputs[1:])
         check_apart(o.run_dir, "run folder", inputs, option="--run-dir")

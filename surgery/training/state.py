@@ -508,7 +508,7 @@ class Checkpoints:
 
     def load_latest(self, model, optimizer, state: RunState) -> Path:
         """Restore the newest intact checkpoint; a damaged newer one is named on stderr and skipped."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                              get_optimizer_state_dict, set_model_state_dict,
                                                              set_optimizer_state_dict)
@@ -524,7 +524,8 @@ class Checkpoints:
             saved = read_model(path / "run-state.json", RunStateFile).model_dump()
             manifest_step = read_model(path / MANIFEST, Manifest).step
             state.load_state_dict(saved)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, SafetensorError) as e:
+            # (a file that is no safetensors, a pickle with its sha256 in the manifest included: never unpickled)
             raise SurgeryError(f"--resume: cannot read checkpoint {path}: {str(e).splitlines()[0]}") from None
         if not state.step == manifest_step == int(STEP_DIR.match(path.name).group(1)):
             raise SurgeryError(f"--resume: checkpoint {path} says step {state.step} in run-state.json, "

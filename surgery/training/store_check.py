@@ -2,16 +2,19 @@
 manifest's fields have their types and agree with each other (shards consecutive, covering its windows, plain file
 names inside the store); each shard exists and its header holds exactly the tensors, shapes and dtypes the manifest
 lists — all before the first step, from the manifest and the shards' headers only. A shard's contents are checked
-against the sha256 the manifest records when a run first opens it, before any of its windows is used: an edited
-or swapped shard is refused, never trained on."""
+against the sha256 the manifest records, and its values checked as distributions (`distribution_problem`), when a
+run first opens it (a fresh run's first-step shards before that step), before any of its windows is used: an edited
+or swapped shard, or one that is no distribution, is refused, never trained on."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Annotated
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr
 
 from ..errors import SurgeryError
@@ -113,14 +116,56 @@ def _header(path: Path, folder: Path) -> tuple[dict, int, int]:
     return header, size, 8 + length
 
 
-def check_shard_contents(folder: Path, shard: dict) -> None:
-    """The shard's bytes are the ones `surgery teacher` wrote (the sha256 its manifest records)."""
+def check_shard_contents(folder: Path, shard: dict, vocab: int) -> None:
+    """The shard's bytes are the ones `surgery teacher` wrote (the sha256 its manifest records), and what they hold
+    are distributions over the `vocab` tokens (`distribution_problem`): a store written by another program, or by a
+    teacher whose log-probabilities were NaN, is refused, never trained on."""
+    from safetensors.torch import load_file
+
     from ..checkpoint.sha256 import sha256_file
 
+    path = Path(folder) / shard["file"]
     try:
-        digest = sha256_file(Path(folder) / shard["file"])
+        digest = sha256_file(path)
     except OSError as e:
         raise SurgeryError(f"--teacher-logprobs {folder}: cannot read {shard['file']} ({e.strerror or e})") from None
     if digest != shard["sha256"]:
         raise SurgeryError(f"--teacher-logprobs {folder}: {shard['file']} is not the shard the store was made with "
                            "(its sha256 differs: edited or swapped); remake the store with `surgery teacher`")
+    try:
+        tensors = load_file(path)  # a shard is about SHARD_BYTES (4 MiB): read whole, once
+    except Exception as e:  # noqa: BLE001 - any damage: one line
+        raise SurgeryError(f"--teacher-logprobs {folder}: cannot read {shard['file']} "
+                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    problem = distribution_problem(tensors["logprobs"], tensors["ids"], tensors["tail"], vocab)
+    if problem is not None:
+        raise SurgeryError(f"--teacher-logprobs {folder}: {shard['file']} holds {problem}; remake the store with "
+                           f"`surgery teacher`")
+
+
+# How far above 1 the probabilities of a position may sum (their fp16 rounding: a few parts in a thousand).
+MASS_TOLERANCE = 0.01
+
+
+def distribution_problem(logprobs: torch.Tensor, ids: torch.Tensor, tail: torch.Tensor, vocab: int) -> str | None:
+    """What keeps a stored teacher pass (log-probs and ids [.., K], tail [..]) from being K + 1 buckets of a
+    distribution over `vocab` tokens, worded for a message; None when nothing does: every log-probability a number
+    below +inf (-inf: a token of no probability), every id in the vocabulary and distinct at its position, the
+    probabilities of a position (its K and its tail) summing to more than 0 and at most 1 (+MASS_TOLERANCE)."""
+    lp, tail = logprobs.float(), tail.float()
+    if not (lp < math.inf).all():  # (NaN < inf is false too)
+        return f"log-probabilities that are not numbers ({int((~(lp < math.inf)).sum())} NaN or +inf)"
+    if not (tail < math.inf).all():
+        return f"tail masses that are not numbers ({int((~(tail < math.inf)).sum())} NaN or +inf)"
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        bad = (ids < 0) | (ids >= vocab)
+        return f"token id {int(ids[bad][0])}, outside the teacher's vocabulary of {vocab}"
+    ordered = ids.reshape(-1, ids.shape[-1]).sort(dim=-1).values
+    if (ordered[:, 1:] == ordered[:, :-1]).any():
+        return "the same token id twice at one position (its candidates are not a distribution's top-K)"
+    mass = torch.logsumexp(torch.cat([lp, tail[..., None]], dim=-1), dim=-1)
+    if (mass == -math.inf).any():
+        return "a position of no probability at all (every log-probability -inf)"
+    if (mass > math.log1p(MASS_TOLERANCE)).any():
+        return f"probabilities that sum to {float(mass.max().exp()):.4g} at one position (more than 1)"
+    return None

@@ -152,6 +152,8 @@ def open_for_run(o, student, tokenizer, world: int) -> TeacherStore:
     if store.windows < need:
         raise SurgeryError(f"{flag} holds {store.windows} windows ({store.windows * o.seq_len:,} tokens); the run "
                            f"needs {need} ({need * o.seq_len:,} tokens, --tokens {o.tokens})")
+    # the shards of a fresh run's first step now; each other shard when the run first opens it, before any use
+    store.check_all((o.align_steps + 1) * o.sequences_per_step)
     return store
 
 

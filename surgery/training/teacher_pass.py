@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 
 from ..version import __version__
-from ..checkpoint.atomic import atomic_output_dir, check_output_path
+from ..checkpoint.atomic import atomic_output_dir, check_output_path, local_inputs
 from ..checkpoint.record import now, public_name, source_name
 from ..checkpoint.source import resolve_source
 from ..errors import SurgeryError
@@ -102,6 +102,16 @@ def top_k_of(logits: torch.Tensor, k: int, temperature: float = 1.0):
     return top - lse, ids, rest - lse.squeeze(-1)
 
 
+def check_stored(lp: torch.Tensor, ids: torch.Tensor, tail: torch.Tensor, vocab: int, temperature: float) -> None:
+    """A window's top-K as the store will hold them (fp16) is a distribution (store_check.distribution_problem) before
+    it is written: a teacher (or --temperature) that gives NaN log-probabilities is refused, nothing written."""
+    from .store_check import distribution_problem
+
+    problem = distribution_problem(lp.to(torch.float16), ids, tail.to(torch.float16), vocab)
+    if problem is not None:
+        raise SurgeryError(f"the teacher at --temperature {temperature:g} gives {problem}: no store was written")
+
+
 def teacher_pass(src: str, out: Path, o: UptrainOptions, top_k: int, device: str = "auto",
                  trust_teacher_code: bool = False, progress: bool = True, revision: str | None = None,
                  processes: int = 1) -> dict:
@@ -112,7 +122,7 @@ def teacher_pass(src: str, out: Path, o: UptrainOptions, top_k: int, device: str
     dev = pick_device(device)
     precision = resolve_precision(o.precision, dev)
     source = resolve_source(src, revision=revision)
-    inputs = [("--data text", Path(d)) for d in o.data if Path(d).is_dir()]
+    inputs = local_inputs("--data text", o.data)  # files and folders: --force never deletes what it reads
     check_output_path(out, o.force, source=source.folder, inputs=inputs)
     tokenizer = model_io.load_trusted_tokenizer(source, "teacher", trust_teacher_code)
     if tokenizer.eos_token_id is None:
@@ -143,6 +153,7 @@ def teacher_pass(src: str, out: Path, o: UptrainOptions, top_k: int, device: str
                 logits = model(input_ids=ids.to(dev), use_cache=False).logits
             for i in range(ids.shape[0]):  # one window's [L, V] temporaries at a time
                 lp, top_ids, tail = top_k_of(logits[i], top_k, o.temperature)
+                check_stored(lp, top_ids, tail, vocab, o.temperature)
                 writer.add(lp[None], top_ids[None], tail[None], window_hash(ids[i:i + 1]))
             del logits
             bar.update(ids.shape[0])

@@ -190,7 +190,7 @@ class TeacherStore:
         name = shard["file"]
         if self._open is None or self._open[0] != name:
             if name not in self._verified:  # before any of its windows is used
-                check_shard_contents(self.folder, shard)
+                check_shard_contents(self.folder, shard, self.manifest["vocab"])
                 self._verified.add(name)
             path = self.folder / name
             try:
@@ -199,6 +199,14 @@ class TeacherStore:
                 raise SurgeryError(f"--teacher-logprobs {self.folder}: cannot read {name} "
                                    f"({str(e).splitlines()[0]})") from None
         return self._open[1]
+
+    def check_all(self, windows: int) -> None:
+        """Check every shard holding one of the first `windows` windows (sha256 and distributions, store_check.py)
+        now, before the run's first step; every other shard is checked when first opened, before any of its
+        windows is used (a whole store up front would cost a 194 GB store's reading before the first step)."""
+        for shard in self.manifest["shards"]:
+            if shard["first"] < windows:
+                self._shard(shard)
 
     def read(self, start: int, count: int) -> StoredTargets:
         """Windows start .. start+count-1 of the run's order."""
@@ -229,10 +237,9 @@ def read_manifest(folder: Path) -> dict:
     if not Path(folder).is_dir() or not path.is_file():
         raise SurgeryError(f"--teacher-logprobs {folder} is not a teacher store (no {MANIFEST}; make one with "
                            f"`surgery teacher`)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SurgeryError(f"--teacher-logprobs {folder}: unreadable {MANIFEST} ({str(e).splitlines()[0]})") from None
+    from ..loaders import read_json
+
+    manifest = read_json(path, f"--teacher-logprobs {folder}: {MANIFEST}")  # (nesting too deep: one line too)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise SurgeryError(f"--teacher-logprobs {folder}: {MANIFEST} is not a {FORMAT} manifest")
     need = ("top_k", "seq_len", "windows", "shards", "windows_spec", "tokenizer", "teacher", "temperature", "vocab")

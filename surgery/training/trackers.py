@@ -37,8 +37,11 @@ def require_trackers(names: list[str], flag: str = "--report-to") -> None:
     """Each tracker's package importable, else one line naming the package to install."""
     for name in names:
         module, package = TRACKERS[name]
-        if importlib.util.find_spec(module) is None:
-            raise SurgeryError(f"{flag} {name} needs the {package} package: pip install {package}")
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin in (None, "namespace"):  # (a bare folder of that name: no package)
+            where = (f" (a folder {module} on the import path is not it: {list(spec.submodule_search_locations)[0]})"
+                     if spec is not None and spec.submodule_search_locations else "")
+            raise SurgeryError(f"{flag} {name} needs the {package} package: pip install {package}{where}")
 
 
 def flat_config(values: dict) -> dict:

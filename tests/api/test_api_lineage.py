@@ -188,7 +188,7 @@ def test_a_recipe_whose_first_step_fails_leaves_no_output_folder(tiny, tmp_path)
     """Its output folder (and the folders above it) were left holding only the recipe's state; a step that ran
     keeps its output, for the next run to skip."""
     recipe = {"source": {"path": str(tiny)}, "output": str(tmp_path / "runs" / "r"),
-              "steps": [{"uptrain": {"tokens": 256, "seq_len": 32, "teacher_logprobs": "nowhere"}}]}
+              "steps": [{"uptrain": {"tokens": 256, "seq_len": 32, "teacher_logprobs": str(tmp_path / "nowhere")}}]}
     with pytest.raises(surgery.SurgeryError, match="not a teacher store"):
         surgery.run_recipe(recipe)
     assert not (tmp_path / "runs").exists()

@@ -77,3 +77,12 @@ def test_untrusted_text_stays_text_in_the_metadata_and_escaped_in_the_body(conve
     assert {r["task"]["name"] for r in meta["model-index"][0]["results"]} == {"surgery check: " + text(EVIL)}
     body = card.split("<!-- model card written by", 1)[1]
     assert "check \\*x\\* &#124; {{ 7\\*7 }} --- license: evil" in body  # the project's escaping, unchanged
+
+
+@pytest.mark.parametrize("data", ["x" * 300, "a/" + "y" * 300, "nul\0byte"])
+def test_a_report_naming_a_text_no_path_can_be_is_named_not_a_traceback(converted, tmp_path, data):
+    """A 300-character name (longer than a file name may be) was an OSError from `Path.exists`; a NUL byte a
+    ValueError."""
+    root, report = converted
+    _, _, card = write_card((root, report | {"data": data}), tmp_path)
+    assert card.startswith("---\nbase_model: someone/model") and data.split("\0")[0][-100:] in card
