@@ -7,7 +7,7 @@ side by side on SmolLM2-135M, zero-shot, scored on retrieval examples whose hays
 
 Each choice is one `surgery convert smollm2 --to swa` (cached in WORK/CHOICE): `cost` (`--global-layers auto:N
 --layer-score cost`), `mass` (`auto:N --layer-score mass`), `even` (N evenly spaced), or a list of layers
-(`list:3,4,5`). Calibration reads pydoc (--calib-tokens); the haystacks are the --haystack text, which calibration
+(`list:3,4,5`), or an existing checkpoint (`path:FOLDER`, e.g. a conversion after uptraining). Calibration reads pydoc (--calib-tokens); the haystacks are the --haystack text, which calibration
 never reads. Every model (the source once) scores the same examples (surgery/checking/retrieval.py: one
 teacher-forced pass each, the answers' logits only); accuracy per cell with its 95% Wilson interval, the answers'
 mean log-probability, and the KV cache at the longest length relative to the source's. Scores are cached in
@@ -33,6 +33,8 @@ from surgery.runtime import load_model, load_tokenizer
 
 
 def convert(choice: str, a) -> Path:
+    if choice.startswith("path:"):  # a checkpoint made elsewhere (an uptrained conversion): scored as it is
+        return Path(choice.removeprefix("path:"))
     out = a.work / choice
     if (out / "surgery.json").exists():
         return out
@@ -106,8 +108,9 @@ def main() -> None:
     layers = {"source": "all 30"}
     for choice in choices:
         folder = convert(choice, a)
-        results[choice] = scores(choice, folder, a, the_plan)
-        layers[choice] = ",".join(map(str, json.loads((folder / "surgery.json").read_text())["swa"]["global_layers"]))
+        results[choice] = scores(choice.replace("/", "_"), folder, a, the_plan)
+        types = json.loads((folder / "config.json").read_text())["layer_types"]
+        layers[choice] = ",".join(str(i) for i, t in enumerate(types) if t == "full_attention")
     cache = (a.count + (30 - a.count) * a.window / max(a.lengths)) / 30
     print(f"\nsmollm2 -> swa W={a.window}, {a.count} global layers (KV cache at {max(a.lengths)}: {cache:.2f}x); "
           f"haystack {a.haystack} (held out); {a.samples} examples a cell; hits [95% Wilson] (answer mean log-prob)")
