@@ -57,6 +57,8 @@ def cli(verbose: bool = False, quiet: bool = False) -> None:
         raise click.UsageError("-v/--verbose and -q/--quiet contradict each other: give one")
     logs.configure(logs.QUIET if quiet else logs.VERBOSE if verbose else logs.NORMAL)
     show_progress(not quiet)
+    if quiet:  # for this command only: in a process that goes on (a test, a notebook), the progress comes back
+        click.get_current_context().call_on_close(lambda: show_progress(True))
     if not verbose:
         quiet_libraries()
 
@@ -64,8 +66,8 @@ def cli(verbose: bool = False, quiet: bool = False) -> None:
 def show_progress(shown: bool) -> None:
     """`-q` turns every progress bar and line off: surgery's (surgery/progress.py) and the libraries' (transformers'
     "Loading weights", datasets' "Generating train split", the hub's downloads), so that stderr holds only warnings
-    and errors; each library keeps its own switch, so `-q` imports them to turn it. Without `-q`, a command shows
-    them as a fresh process does (also after a `-q` command run in the same process)."""
+    and errors; each library keeps its own switch, so `-q` imports them to turn it. `show_progress(True)` after the
+    command turns back on what it turned off (a user's HF_*_DISABLE_PROGRESS_BARS is theirs)."""
     import importlib
     import sys
     import warnings

@@ -28,8 +28,9 @@ def test_uptrain_informs_on_stdout_warns_on_stderr_and_quiet_keeps_only_the_warn
 
 def test_quiet_leaves_stderr_to_warnings_and_errors(cli, tiny, tmp_path):
     """Under -q, uptraining's held-out lines (they went around logging) and every progress bar or line (surgery's,
-    transformers' "Loading weights", datasets' "Generating train split") stay off; a command without -q after it in
-    the same process shows its progress again."""
+    transformers' "Loading weights", datasets' "Generating train split") stay off, for that command only: what runs
+    after it in the same process shows its progress again."""
+    from surgery import progress
     from surgery.data import pydoc_texts
 
     data = tmp_path / "text.jsonl"  # a new file: datasets generates its split (its bar) rather than reading a cache
@@ -42,6 +43,7 @@ def test_quiet_leaves_stderr_to_warnings_and_errors(cli, tiny, tmp_path):
     check = ("check", tiny, tmp_path / "up", "--tokens", "128", "--seq-len", "64")
     code, out, err = cli("-q", *check)
     assert code == 0 and err == "" and "top-1 agreement" in out, err
+    assert progress.shown()  # -q held for its command: the API and later commands in this process show progress
     code, out, err = cli(*check)
     assert code == 0 and "check source: 128/128 tokens" in err, err
 
