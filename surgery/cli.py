@@ -44,7 +44,8 @@ def _fail(message: str, code: int = 2) -> None:
 @click.option("-v", "--verbose", is_flag=True, help="Also show the libraries' own log lines and warnings (datasets, "
               "transformers, torch) and surgery's debug lines; without it stderr holds only surgery's progress, "
               "warnings and errors.")
-@click.option("-q", "--quiet", is_flag=True, help="Only warnings, errors and results: no informational lines.")
+@click.option("-q", "--quiet", is_flag=True, help="Only warnings, errors and results: no informational lines and no "
+              "progress bars or lines (surgery's or the libraries').")
 def cli(verbose: bool = False, quiet: bool = False) -> None:
     """Attention surgery on pretrained Hugging Face checkpoints.
 
