@@ -44,7 +44,8 @@ def _fail(message: str, code: int = 2) -> None:
 @click.option("-v", "--verbose", is_flag=True, help="Also show the libraries' own log lines and warnings (datasets, "
               "transformers, torch) and surgery's debug lines; without it stderr holds only surgery's progress, "
               "warnings and errors.")
-@click.option("-q", "--quiet", is_flag=True, help="Only warnings, errors and results: no informational lines.")
+@click.option("-q", "--quiet", is_flag=True, help="Only warnings, errors and results: no informational lines and no "
+              "progress bars or lines (surgery's or the libraries').")
 def cli(verbose: bool = False, quiet: bool = False) -> None:
     """Attention surgery on pretrained Hugging Face checkpoints.
 
@@ -56,8 +57,36 @@ def cli(verbose: bool = False, quiet: bool = False) -> None:
     if verbose and quiet:
         raise click.UsageError("-v/--verbose and -q/--quiet contradict each other: give one")
     logs.configure(logs.QUIET if quiet else logs.VERBOSE if verbose else logs.NORMAL)
+    show_progress(not quiet)
+    if quiet:  # for this command only: in a process that goes on (a test, a notebook), the progress comes back
+        click.get_current_context().call_on_close(lambda: show_progress(True))
     if not verbose:
         quiet_libraries()
+
+
+def show_progress(shown: bool) -> None:
+    """`-q` turns every progress bar and line off: surgery's (surgery/progress.py) and the libraries' (transformers'
+    "Loading weights", datasets' "Generating train split", the hub's downloads), so that stderr holds only warnings
+    and errors; each library keeps its own switch, so `-q` imports them to turn it. `show_progress(True)` after the
+    command turns back on what it turned off (a user's HF_*_DISABLE_PROGRESS_BARS is theirs)."""
+    import importlib
+    import sys
+    import warnings
+
+    from surgery import progress
+
+    if shown and progress.shown():
+        return  # nothing was turned off here: a user's HF_*_DISABLE_PROGRESS_BARS stays theirs
+    progress.set_shown(shown)
+    switches = (("huggingface_hub.utils", "enable_progress_bars", "disable_progress_bars"),
+                ("transformers.utils.logging", "enable_progress_bar", "disable_progress_bar"),
+                ("datasets.utils.tqdm", "enable_progress_bars", "disable_progress_bars"))
+    with warnings.catch_warnings():  # "environment variable HF_..._DISABLE_PROGRESS_BARS ... has priority"
+        warnings.simplefilter("ignore")
+        for name, enable, disable in switches:
+            if shown and name not in sys.modules:
+                continue  # not loaded since `-q` turned it off: it starts with its bars on
+            getattr(importlib.import_module(name), enable if shown else disable)()
 
 
 def quiet_libraries() -> None:

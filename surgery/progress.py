@@ -12,6 +12,18 @@ import sys
 import time
 
 DEFAULT_SECONDS = 10.0
+_shown = True  # False under `surgery -q` (set_shown): no bar and no progress line at all
+
+
+def set_shown(shown: bool) -> None:
+    """Whether progress is shown at all (`surgery -q` turns it off: stderr keeps only warnings and errors)."""
+    global _shown
+    _shown = bool(shown)
+
+
+def shown() -> bool:
+    """False after `set_shown(False)` (`surgery -q`): every bar and progress line of the package stays off."""
+    return _shown
 
 
 def format_seconds(seconds: float) -> str:
@@ -42,7 +54,8 @@ def is_main_process() -> bool:
 
 class Progress:
     """`with Progress(total, "check source") as p: ... p.update(n)` — a tqdm bar when the output is a terminal,
-    else plain lines (`line()`) at most every `every` seconds and at the end; main process only.
+    else plain lines (`line()`) at most every `every` seconds and at the end; main process only; none at all after
+    `set_shown(False)` (`surgery -q`).
 
     `stream` receives the plain lines; the bar goes to `stream` when it is a terminal, else to stderr (`terminal`
     says whether the output is one, when the caller knows better). Subclasses change `line()`."""
@@ -56,7 +69,7 @@ class Progress:
         self.start = self.last = time.monotonic()
         self.bar = None
         self.plain = False
-        if enabled and self.total > 0 and is_main_process():
+        if enabled and _shown and self.total > 0 and is_main_process():
             if terminal is None:
                 terminal = getattr(self.stream, "isatty", lambda: False)()
             if terminal:

@@ -11,7 +11,7 @@ import os
 import torch
 
 from .errors import SurgeryError
-from .checkpoint.source import Source
+from .checkpoint.source import LINEAGE_FILE, Source
 from .checkpoint.tensors import DTYPES
 from .threads import threads  # noqa: F401 - the runtime's helpers in one place for its users
 
@@ -70,13 +70,20 @@ def load_model(source: Source, device: torch.device, dtype: str, trust_remote_co
     return model.to(device).eval()
 
 
+SAVED_TOKENIZER = ("tokenizer_config.json", "tokenizer.json")  # what a tokenizer's save_pretrained writes
+
+
 def load_tokenizer(source: Source, trust_remote_code: bool = False):
     """The source's tokenizer. transformers reads the folder's config on the way: for a folder with its own modeling
     code it runs that code with `trust_remote_code`, and without it would stop to ask on the terminal."""
     from transformers import AutoTokenizer
 
+    folder = source.folder
+    if (folder / LINEAGE_FILE).is_file() and not any((folder / f).is_file() for f in SAVED_TOKENIZER):
+        raise SurgeryError("the loaded model was given with no tokenizer (it was not loaded from a local folder that "
+                           "has one): pass tokenizer=... with it")  # saved by the API (surgery/api/sources.py)
     try:
-        return AutoTokenizer.from_pretrained(source.folder, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError) as e:
         raise SurgeryError(f"cannot load the tokenizer of {source.spec}: {str(e).splitlines()[0]}") from None
 

@@ -14,7 +14,7 @@ from ..options import refuse_unknown, validate_options
 from .arguments import flag_argument, int_argument, list_argument, path_argument, tokenizer_argument
 from .results import (CheckReport, ConversionResult, Estimate, InspectReport, PushResult, RecipePlan, RecipeResult,
                       TeacherStore, UptrainResult)
-from .sources import source_spec, text_spec, text_specs
+from .sources import is_model, source_spec, text_spec, text_specs
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
@@ -124,7 +124,7 @@ def convert(source: Source, out: PathLike | None = None, *, to: str, tokenizer: 
     if dry_run:
         return Estimate(convert_dry_run(source_spec(source, tokenizer), parsed))
     out = _output_folder(out, "convert", parsed.force)
-    message = convert_checkpoint(source_spec(source, tokenizer), out, parsed)
+    message = convert_checkpoint(source_spec(source, tokenizer), out, parsed)  # calibration: runtime.load_tokenizer
     log.info(message)
     return ConversionResult.read(Path(out), parsed.to, message)
 
@@ -161,7 +161,7 @@ def export(checkpoint: Source, gguf: PathLike, *, dtype: str = "f32", force: boo
 
 
 def check(source: Source, converted: Source, *, json_out: PathLike | None = None, show: bool = False,
-          **options: Any) -> CheckReport:
+          tokenizer: PreTrainedTokenizerBase | None = None, **options: Any) -> CheckReport:
     """Compare a converted checkpoint with its source on the same tokens, as `surgery check SOURCE CONVERTED` does.
 
     Args:
@@ -169,6 +169,8 @@ def check(source: Source, converted: Source, *, json_out: PathLike | None = None
         converted: The converted checkpoint: a folder, a `ConversionResult` / `UptrainResult`, or a loaded model.
         json_out: Also write the report as JSON here (what `--json` writes; `"-"`: stdout).
         show: Also print the report's tables on stdout, as `surgery check` does (before `expect` is judged).
+        tokenizer: With a loaded model (source or converted): its tokenizer (default: the one in the folder the
+            model was loaded from).
         **options: Any option of `surgery check` by its field name (`data=`, `tokens=`, `seq_len=`, `device=`,
             `dtype=`, `expect=`, `generate=`, `layers=`, ...). `data` also takes a `datasets.Dataset` /
             `IterableDataset`, a list of strings (documents) or a tuple of several texts, each checked on its own.
@@ -184,13 +186,14 @@ def check(source: Source, converted: Source, *, json_out: PathLike | None = None
 
     json_out = path_argument(json_out, "json_out", "check", optional=True)
     show = flag_argument(show, "show", "check")
+    tokenizer_argument(tokenizer, source if is_model(source) else converted, "check")  # the converted's is optional
     values = dict(options)
     refuse_unknown(CheckOptions, values)
     if "data" in values:
         values["data"] = text_specs(values["data"], values.get("text_field") or "text",
                                     values.get("tokens") or _default(CheckOptions, "tokens"))
     parsed = validate_options(CheckOptions, values)
-    report = check_checkpoints(source_spec(source), source_spec(converted), parsed,
+    report = check_checkpoints(source_spec(source, tokenizer, "check"), source_spec(converted, tokenizer), parsed,
                                json_out=json_out, warn=log.warning, show=show)
     return CheckReport(report)
 
@@ -267,7 +270,7 @@ def uptrain(model: Source, out: PathLike | None = None, *, tokenizer: PreTrained
     if dry_run:
         return Estimate({"lines": uptrain_dry_run(source_spec(model, tokenizer), parsed)})
     out = _output_folder(out, "uptrain", parsed.force)
-    uptrain_model(source_spec(model, tokenizer), out, parsed, progress=progress)
+    uptrain_model(source_spec(model, tokenizer, "uptrain"), out, parsed, progress=progress)
     return UptrainResult.read(Path(out))
 
 
@@ -458,6 +461,6 @@ def teacher(source: Source, out: PathLike, *, top_k: int = 32, device: str = "au
     parsed = validate_options(UptrainArgs, values)
     own = validate_options(TeacherArgs, {"top_k": top_k, "device": device, "processes": processes})
     out = _output_folder(out, "teacher", parsed.force)
-    store_teacher_pass(source_spec(source, tokenizer), out, parsed, own.top_k, device=own.device,
+    store_teacher_pass(source_spec(source, tokenizer, "teacher"), out, parsed, own.top_k, device=own.device,
                        progress=progress, revision=revision, processes=own.processes)
     return TeacherStore.read(Path(out))

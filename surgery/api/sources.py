@@ -74,25 +74,38 @@ def model_folder(model: Any, tokenizer: Any = None) -> str:
         raise
 
 
-def _tokenizer_beside(model: Any):
+def _tokenizer_folder(model: Any) -> Path | None:
+    """The local folder the model was loaded from, when it has a tokenizer."""
     name = str(getattr(model, "name_or_path", "") or "")
     folder = Path(name)
     if not name or not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return folder
+
+
+def _tokenizer_beside(model: Any):
+    folder = _tokenizer_folder(model)
+    if folder is None:
         return None
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
 
 
-def source_spec(source: Any, tokenizer: Any = None) -> str:
+def source_spec(source: Any, tokenizer: Any = None, needs_tokenizer: str | None = None) -> str:
     """A source as the commands take it: a path or hub id as it is, a result's folder, or a loaded model saved into
-    the cache (`model_folder`)."""
+    the cache (`model_folder`). `needs_tokenizer`: the function, when it reads text with the model's tokenizer (a
+    loaded model with none given and none beside it is refused, naming `tokenizer=`, before anything is saved)."""
     if isinstance(source, (str, os.PathLike)):
         return os.fspath(source)
     folder = getattr(source, "folder", None)  # a ConversionResult or an UptrainResult
     if isinstance(folder, Path):
         return str(folder)
     if is_model(source):
+        if needs_tokenizer and tokenizer is None and _tokenizer_folder(source) is None:
+            raise SurgeryError(f"{needs_tokenizer}: the loaded {type(source).__name__} comes with no tokenizer (it was "
+                               f"not loaded from a local folder that has one): pass tokenizer=... (e.g. "
+                               f"AutoTokenizer.from_pretrained of its checkpoint)")
         return model_folder(source, tokenizer)
     raise SurgeryError(f"a source is a folder, a hub id, a .gguf file or a loaded model, not {type(source).__name__}")
 

@@ -69,4 +69,7 @@ def write_conversion(source: Source, reader: CheckpointReader, out: Path, planne
 def progress_bar(total: int, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None if enabled else True, leave=False)
+    from ..progress import shown
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None if enabled and shown() else True,
+                leave=False)

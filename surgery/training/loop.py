@@ -159,10 +159,14 @@ class UptrainRecipe(RecipeSetup, RecipeData):
                 last = state.step == o.steps
                 if last or state.step % o.eval_interval == 0:
                     result = self.evaluate_at(state.step)
-                    if result is not None and self.main and o.progress:
+                    if result is not None and self.main:
                         other = (f", --eval-data {result['other_eval_ppl']:.3f}" if "other_eval_ppl" in result
                                  else "")
-                        bar.write(f"step {state.step}: held-out perplexity {result['eval_ppl']:.3f}{other}")
+                        line = f"step {state.step}: held-out perplexity {result['eval_ppl']:.3f}{other}"
+                        if bar.bar is not None:  # above a terminal's bar
+                            bar.write(line)
+                        else:  # an informational line, which `surgery -q` keeps off
+                            log.info(line)
                 if last or (o.save_every and state.step % o.save_every == 0):
                     self.save_checkpoint()
             bar.close()

@@ -134,6 +134,34 @@ def test_a_loaded_model_converts_as_its_folder_does(tiny, tmp_path, cache):
     assert (Path(bare.record["local"]["source_folder"]) / "tokenizer.json").is_file()
 
 
+def test_a_loaded_model_with_no_tokenizer_is_told_to_pass_tokenizer(tiny, tmp_path, cache):
+    """A loaded model not loaded from a local folder with a tokenizer, and given none: uptrain, teacher and check
+    refuse it before saving it, a calibrated convert when it needs the tokenizer, each in one line naming
+    `tokenizer=` (it named the cache folder the model was saved into); with `tokenizer=` it runs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from surgery.errors import SurgeryError
+
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    model.name_or_path = ""  # as a model built or changed in memory
+    text = dict(tokens=512, data="pydoc", seq_len=64, batch_tokens=512, eval_tokens=0)
+    calls = {"uptrain": lambda: surgery.uptrain(model, tmp_path / "u", **text),
+             "teacher": lambda: surgery.teacher(model, tmp_path / "t", **text),
+             "check": lambda: surgery.check(model, tiny, tokens=128, seq_len=64)}
+    for name, call in calls.items():
+        with pytest.raises(SurgeryError) as e:
+            call()
+        assert str(e.value).startswith(f"{name}: the loaded LlamaForCausalLM comes with no tokenizer "), str(e.value)
+        assert "\n" not in str(e.value) and "pass tokenizer=" in str(e.value) and str(cache) not in str(e.value)
+    assert not (cache / "loaded").exists() and not (tmp_path / "u").exists() and not (tmp_path / "t").exists()
+    with pytest.raises(SurgeryError) as e:
+        surgery.convert(model, tmp_path / "gqa", to="gqa", kv_heads=1, merge="aligned", calib_tokens=256)
+    assert "\n" not in str(e.value) and "pass tokenizer=" in str(e.value) and str(cache) not in str(e.value)
+    assert not (tmp_path / "gqa").exists()
+    report = surgery.check(model, tiny, tokens=128, seq_len=64, tokenizer=AutoTokenizer.from_pretrained(tiny))
+    assert report.tokens == 128 and report.exact  # the same weights as the folder
+
+
 def test_calibration_from_a_dataset_a_list_or_a_file_is_the_same(tiny, tmp_path):
     import datasets
 
