@@ -78,6 +78,18 @@ class SWA(Kind):
                               device=options.device, precision=options.precision,
                               chat_template=options.chat_template, **options.write_kwargs())
 
+    def calibration_estimate(self, config: dict, options: SWAOptions, *, dtype: str, device: str, throughput=None):
+        from ..estimate import estimate_calibrated
+        from ..swa.convert import AUTO_WINDOWS
+        from ..swa.cost import swa_cost
+
+        spec = options.parsed_global_layers
+        count = spec.resolve_count(int(config["num_hidden_layers"]))
+        window = min(AUTO_WINDOWS * options.window, int(config.get("max_position_embeddings") or 1 << 30))
+        return estimate_calibrated(config, swa_cost(config, options.layer_score, count), options.calib_tokens,
+                                   dtype=dtype, device=device, window=window, throughput=throughput,
+                                   chunk=options.calib_chunk)
+
     def summary(self, record: dict, options: SWAOptions) -> str:
         s = record["swa"]
         return (f"swa (window {s['window']}, {len(s['global_layers'])} of {s['layers']} layers global: "

@@ -190,3 +190,38 @@ def choose_by_cost(score_round, layers: int, count: int) -> tuple[list[int], lis
         kept = sorted(ranked[:target])
         if target == count:
             return kept, rounds
+
+
+def halving_rounds(layers: int, count: int) -> list[int]:
+    """The candidates of each round of `choose_by_cost` (every layer, then the survivors), for its cost model."""
+    rounds, kept = [], layers
+    while True:
+        rounds.append(kept)
+        kept = max(count, kept // 2)
+        if kept == count:
+            return rounds
+
+
+def swa_cost(config: dict, layer_score: str, count: int):
+    """`--global-layers auto`'s cost model for the dry run (surgery/estimate.py): per layer, `mass` runs the layer
+    once and scores its attention again; `cost` runs it once for the baseline and once more per branch alive there
+    (on average half of each round's candidates), and projects the answers and every 4th text position of each branch
+    onto the vocabulary (counted per layer); the branches' residual streams are held up to the spill budget."""
+    from ..calibration.residual import default_budget
+    from ..estimate import CalibratedCost, Flops, attention_flops, mlp_flops
+
+    layers, vocab = int(config["num_hidden_layers"]), int(config.get("vocab_size") or 0)
+    if layer_score == "mass":
+        return CalibratedCost("swa (attention mass)", lambda s, tokens, window: Flops(
+            2 * attention_flops(s, tokens, window) + mlp_flops(s, tokens)), lambda s, chunk: 0)
+    rounds = halving_rounds(layers, count)
+    passes = sum(1 + k / 2 for k in rounds)
+
+    def flops(s, tokens, window):
+        head = sum(k + 1 for k in rounds) * 2 * tokens / TEXT_STRIDE * s.hidden * vocab / layers
+        return Flops(passes * (attention_flops(s, tokens, window) + mlp_flops(s, tokens)) + head)
+
+    def activations(s, tokens, window, chunk):
+        return min(4 * tokens * s.hidden * (1 + rounds[0]), default_budget()) + 4 * chunk * s.hidden * 8
+
+    return CalibratedCost("swa (windowing cost)", flops, lambda s, chunk: 0, activations=activations)
