@@ -13,7 +13,7 @@ deepseek2, so no permutation (a checkpoint without it is refused).
 from __future__ import annotations
 
 from ..errors import SurgeryError
-from .weights import ExportPlan, Weights, rope_theta
+from .weights import ExportPlan, Weights, body_keys, rope_theta
 
 MODEL_TYPES = ("deepseek_v3",)
 
@@ -40,16 +40,10 @@ def plan(config: dict, weights: Weights) -> ExportPlan:
     if why:
         raise SurgeryError(f"cannot export this deepseek_v3 checkpoint: {why}")
     a = "deepseek2"
-    layers, heads, hidden = config["num_hidden_layers"], config["num_attention_heads"], config["hidden_size"]
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
     rank, rope, nope, v = (config["kv_lora_rank"], config["qk_rope_head_dim"], config["qk_nope_head_dim"],
                            config["v_head_dim"])
-    keys = {
-        f"{a}.context_length": int(config.get("max_position_embeddings") or 4096),
-        f"{a}.embedding_length": hidden,
-        f"{a}.block_count": layers,
-        f"{a}.feed_forward_length": config["intermediate_size"],
-        f"{a}.attention.head_count": heads,
-        f"{a}.attention.head_count_kv": 1,
+    keys = body_keys(a, config, 1) | {
         f"{a}.rope.freq_base": rope_theta(config),
         f"{a}.rope.dimension_count": rope,
         f"{a}.attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-6)),

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import SurgeryError
 from .gguf_file import GGUFTensor
-from .weights import ExportPlan, Weights, rope_theta
+from .weights import ExportPlan, Weights, body_keys, rope_theta
 
 MODEL_TYPES = ("llama", "mistral", "ministral")
 SINK_OFF = -1e30  # a sink logit that takes no weight in any softmax
@@ -68,13 +68,7 @@ def plan(config: dict, weights: Weights) -> ExportPlan:
     window, sliding = sliding_layers(config)
     arch = "granite_swa" if any(sliding) else "llama"
     a = arch
-    keys = {
-        f"{a}.context_length": int(config.get("max_position_embeddings") or 4096),
-        f"{a}.embedding_length": hidden,
-        f"{a}.block_count": layers,
-        f"{a}.feed_forward_length": config["intermediate_size"],
-        f"{a}.attention.head_count": heads,
-        f"{a}.attention.head_count_kv": kv_heads,
+    keys = body_keys(a, config, kv_heads) | {
         f"{a}.attention.key_length": head_dim,
         f"{a}.attention.value_length": head_dim,
         f"{a}.rope.dimension_count": head_dim,

@@ -67,3 +67,15 @@ def rope_theta(config: dict) -> float:
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise SurgeryError("cannot export a checkpoint with partial rotary embeddings")
     return float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
+
+
+def body_keys(arch: str, config: dict, head_count_kv: int) -> dict:
+    """The metadata every decoder-only arch written here shares: context, widths, layer and head counts."""
+    return {
+        f"{arch}.context_length": int(config.get("max_position_embeddings") or 4096),
+        f"{arch}.embedding_length": config["hidden_size"],
+        f"{arch}.block_count": config["num_hidden_layers"],
+        f"{arch}.feed_forward_length": config["intermediate_size"],
+        f"{arch}.attention.head_count": config["num_attention_heads"],
+        f"{arch}.attention.head_count_kv": head_count_kv,
+    }
