@@ -179,18 +179,14 @@ def windowing_costs(folder, reader, probe: Probe, device, window: int, chunk_win
 def choose_by_cost(score_round, layers: int, count: int) -> tuple[list[int], list[dict]]:
     """Successive halving (module docstring): `score_round(global_layers, candidates)` gives each candidate's
     costs; returns the chosen layers and every round's {"global": ..., "costs": {layer: ...}}."""
-    kept = list(range(layers))
-    rounds = []
-    while True:
+    kept, rounds = list(range(layers)), []
+    for target in halving_rounds(layers, count)[1:] + [count]:  # each round keeps the next round's candidates
         costs = score_round(kept, kept)
         rounds.append({"global": list(kept), "costs": {str(k): {n: round(v, 6) for n, v in c.items()}
                                                         for k, c in costs.items()}})
-        target = max(count, len(kept) // 2)
         ranked = sorted(kept, key=lambda i: (costs[i]["cost"], i), reverse=True)
         kept = sorted(ranked[:target])
-        if target == count:
-            return kept, rounds
-
+    return kept, rounds
 
 def halving_rounds(layers: int, count: int) -> list[int]:
     """The candidates of each round of `choose_by_cost` (every layer, then the survivors), for its cost model."""
