@@ -1,6 +1,7 @@
 """Llama-bodied checkpoints as GGUF: arch `llama` (Llama/Mistral sources, their MQA/GQA outputs), or arch
 `granite_swa` when some layers attend through a sliding window (the `swa` output, `ministral`; a Mistral whose
-`sliding_window` applies to every layer).
+`sliding_window` applies to every layer; the `swa --sinks` output, `granite_swa` itself, multipliers and trained
+sinks carried over).
 
 `granite_swa` is llama.cpp's Llama layer with Granite's multipliers, per-head attention sinks and a per-layer window
 pattern (`granite_swa.attention.sliding_window_pattern`, one bool per layer, true where the layer slides, and
@@ -20,7 +21,7 @@ from ..errors import SurgeryError
 from .gguf_file import GGUFTensor
 from .weights import ExportPlan, Weights, body_keys, rope_theta
 
-MODEL_TYPES = ("llama", "mistral", "ministral")
+MODEL_TYPES = ("llama", "mistral", "ministral", "granite_swa")
 SINK_OFF = -1e30  # a sink logit that takes no weight in any softmax
 
 
@@ -32,7 +33,9 @@ def sliding_layers(config: dict) -> tuple[int | None, list[bool]]:
         return None, [False] * layers
     if config["model_type"] == "mistral":  # Mistral's window, when set, applies to every layer
         return int(window), [True] * layers
-    types = config.get("layer_types") or ["sliding_attention"] * layers
+    types = config.get("layer_types") or (  # granite_swa's default: every fourth layer full, from the first
+        ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers)]
+        if config["model_type"] == "granite_swa" else ["sliding_attention"] * layers)
     unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
     if len(types) != layers or unknown:
         raise SurgeryError(f"layer_types must name sliding_attention or full_attention once per layer "
@@ -66,7 +69,8 @@ def plan(config: dict, weights: Weights) -> ExportPlan:
     hidden = config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
     window, sliding = sliding_layers(config)
-    arch = "granite_swa" if any(sliding) else "llama"
+    own_sinks = config["model_type"] == "granite_swa"  # its multipliers and sinks are the checkpoint's
+    arch = "granite_swa" if any(sliding) or own_sinks else "llama"
     a = arch
     keys = body_keys(a, config, kv_heads) | {
         f"{a}.attention.key_length": head_dim,
@@ -76,10 +80,16 @@ def plan(config: dict, weights: Weights) -> ExportPlan:
         f"{a}.attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-6)),
         f"{a}.vocab_size": config["vocab_size"],
     }
+    if own_sinks and config.get("layer_rope_theta") and len(set(config["layer_rope_theta"])) > 1:
+        raise SurgeryError("cannot export a granite_swa checkpoint whose layers have different RoPE bases "
+                           "(layer_rope_theta): llama.cpp's granite_swa has one")
     if arch == "granite_swa":
+        c = config if own_sinks else {}
         keys |= {f"{a}.attention.sliding_window": window, f"{a}.attention.sliding_window_pattern": sliding,
-                 f"{a}.logit_scale": 1.0, f"{a}.embedding_scale": 1.0, f"{a}.residual_scale": 1.0,
-                 f"{a}.attention.scale": float(head_dim ** -0.5)}
+                 f"{a}.logit_scale": float(c.get("logits_scaling", 1.0)),
+                 f"{a}.embedding_scale": float(c.get("embedding_multiplier", 1.0)),
+                 f"{a}.residual_scale": float(c.get("residual_multiplier", 1.0)),
+                 f"{a}.attention.scale": float(c.get("attention_multiplier", head_dim ** -0.5))}
 
     tensors = [weights.tensor("token_embd.weight", "model.embed_tokens.weight"),
                weights.tensor("output_norm.weight", "model.norm.weight")]
@@ -99,7 +109,10 @@ def plan(config: dict, weights: Weights) -> ExportPlan:
             weights.tensor(b + "ffn_up.weight", p + "mlp.up_proj.weight"),
             weights.tensor(b + "ffn_down.weight", p + "mlp.down_proj.weight"),
         ]
-        if arch == "granite_swa":
+        if own_sinks:
+            tensors.append(weights.tensor(b + "attn_sinks.weight", p + "self_attn.sinks",
+                                          lambda w: w.astype(np.float32)))
+        elif arch == "granite_swa":
             tensors.append(GGUFTensor(b + "attn_sinks.weight", (heads,),
                                       lambda: np.full(heads, SINK_OFF, dtype=np.float32)))
     weights.check_all_used(config["model_type"])

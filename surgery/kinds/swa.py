@@ -33,6 +33,12 @@ class SWAFields(WriteOptions):
         "the window, layers halved round by round) or mass (its attention probability beyond the window: cheaper, "
         "blind to retrieval).", group=GROUP)
 
+    sinks: bool = option(
+        False, "--sinks", "[swa] Give every attention head a learnable sink (a logit that joins its softmax and takes "
+        "weight from the keys, as StreamingLLM's first tokens do), written as granite_swa (Llama and Mistral bodies): "
+        "exact until trained, then trained by `uptrain` (the conversion's new parameters; see --new-lr).",
+        group=GROUP)
+
     @field_validator("global_layers", mode="before")
     @classmethod
     def _spec(cls, v, info: ValidationInfo):
@@ -74,7 +80,7 @@ class SWA(Kind):
         return convert_to_swa(source, out, window=options.window, global_layers=options.parsed_global_layers,
                               calib=options.calib, calib_tokens=options.calib_tokens,
                               calib_window=calib_window if auto else None, calib_chunk=options.calib_chunk,
-                              layer_score=options.layer_score,
+                              layer_score=options.layer_score, sinks=options.sinks,
                               device=options.device, precision=options.precision,
                               chat_template=options.chat_template, **options.write_kwargs())
 
@@ -93,8 +99,9 @@ class SWA(Kind):
     def summary(self, record: dict, options: SWAOptions) -> str:
         s = record["swa"]
         return (f"swa (window {s['window']}, {len(s['global_layers'])} of {s['layers']} layers global: "
-                f"{','.join(map(str, s['global_layers'])) or 'none'}) in {record['seconds']:.1f}s"
-                f"{'' if s.get('target_model_type') == 'ministral' else '; ' + llama_cpp_note(s)}")
+                f"{','.join(map(str, s['global_layers'])) or 'none'}{', sinks' if s.get('sinks') else ''}) in "
+                f"{record['seconds']:.1f}s"
+                f"{'' if s.get('target_model_type') in ('ministral', 'granite_swa') else '; ' + llama_cpp_note(s)}")
 
     def card_lines(self, record: dict) -> list[str]:
         s = record.get("swa") or {}
@@ -107,13 +114,19 @@ class SWA(Kind):
                    "answers' log-probability and the text's likelihood beyond the window)")
         else:
             how = "chosen by their attention mass beyond the window on calibration text"
-        return [f"Sliding-window attention of {s['window']} tokens on every layer but {s['global_layers']}, {how}.",
-                llama_cpp_note(s)[0].upper() + llama_cpp_note(s)[1:] + "."]
+        lines = [f"Sliding-window attention of {s['window']} tokens on every layer but {s['global_layers']}, {how}."]
+        if s.get("sinks"):
+            lines.append(f"Every head has a learnable attention sink (granite_swa), written at {s['sinks']['init']} "
+                         "(no weight: the source's function until uptraining moves it).")
+        return lines + [llama_cpp_note(s)[0].upper() + llama_cpp_note(s)[1:] + "."]
 
 
 def llama_cpp_note(s: dict) -> str:
     """What llama.cpp does with an swa output of this model type (docs/reference/runtimes.md, issue 54)."""
     target = s.get("target_model_type")
+    if target == "granite_swa":
+        return ("in llama.cpp: `surgery export OUT --gguf FILE` writes it as granite_swa, window, per-layer pattern and "
+                "sinks kept")
     if target == "ministral":
         return ("in llama.cpp: `surgery export OUT --gguf FILE` writes it as granite_swa, window and per-layer pattern "
                 "kept (llama.cpp's own converter refuses ministral)")

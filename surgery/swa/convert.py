@@ -3,7 +3,9 @@ the dtype stays) with a config that marks the other layers sliding.
 
 Targets (surgery.arch.SLIDING_WINDOW_TARGETS): Llama and Mistral bodies become `ministral` (Llama's layer without
 biases, with per-layer types); Qwen2, Qwen3, SmolLM3 and Gemma 2 keep their own type (Qwen2/3 and SmolLM3 with
-`use_sliding_window`). A sliding layer's query at position q sees keys q-W+1..q: W keys, itself included
+`use_sliding_window`). With `sinks`, Llama and Mistral bodies become `granite_swa` instead (transformers 5.24:
+Granite's layer with per-layer windows and a learnable attention sink per head, a logit that joins every softmax
+and takes weight from the keys; identity multipliers make it Llama's layer), the sinks written at SINK_INIT. A sliding layer's query at position q sees keys q-W+1..q: W keys, itself included
 (transformers' sliding_window_overlay, vLLM's and llama.cpp's windows alike), so contexts of at most W tokens
 compute exactly what the source computes.
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+
+import torch
 
 from ..arch import SLIDING_WINDOW_TARGETS, spec_for
 from ..calibration.chunks import chunk_windows
@@ -26,7 +30,13 @@ from ..runtime import load_tokenizer, pick_device
 from .layers import GlobalLayers, evenly_spaced, layer_types, top_layers
 from .refusals import KIND, REFUSES
 
-ARCHITECTURES = {"ministral": "MinistralForCausalLM"}
+ARCHITECTURES = {"ministral": "MinistralForCausalLM", "granite_swa": "GraniteSWAForCausalLM"}
+SINKS_TARGET = "granite_swa"  # the standard type that carries per-head sinks beside per-layer windows
+# The sinks' first value. A sink s scales a head's output by sigmoid(lse - s) (lse: the log-sum-exp of its
+# logits), so at s = -12 the output moves by a factor exp(s - lse) < 6e-6 wherever lse >= 0 (a query's own key
+# alone gives lse = q.k/sqrt(d)): float32 noise at contexts <= W, while Adam, which steps by the sign of a gradient
+# however small, can still move it (a sink at -1e30 would have no gradient at all).
+SINK_INIT = -12.0
 SWITCHED = ("qwen2", "qwen3", "smollm3")  # their sliding_window counts only with use_sliding_window
 LLAMA_ONLY = ("attention_bias", "mlp_bias", "pretraining_tp")  # Llama settings Ministral's layer has no place for
 AUTO_WINDOWS = 4  # `auto` calibrates on windows of this many times W (capped by the context) unless told
@@ -51,11 +61,22 @@ def _cost_scores(src, reader, tokenizer, windows, device, window: int, chunk: in
     return [first[str(i)]["cost"] if str(i) in first else 0.0 for i in range(layers)], rounds, chosen
 
 
-def check_request(config: dict, window: int, global_layers: GlobalLayers) -> tuple[int, int]:
-    """The family, the window and the global-layer choice checked against the source's config before any work;
-    returns (layers, context)."""
+def target_type(config: dict, sinks: bool) -> str:
+    """The model type the output is written as (refuses sinks where no standard type carries them)."""
+    target = SLIDING_WINDOW_TARGETS[config["model_type"]]
+    if sinks:
+        if target != "ministral":
+            raise SurgeryError(f"--sinks: no standard {config['model_type']} type carries attention sinks beside "
+                               f"sliding windows (swa writes sinks as {SINKS_TARGET}, for Llama and Mistral bodies)")
+        return SINKS_TARGET
+    return target
+
+
+def check_request(config: dict, window: int, global_layers: GlobalLayers, sinks: bool = False) -> tuple[int, int]:
+    """The family, the window, the global-layer choice and the sinks checked against the source's config before
+    any work; returns (layers, context)."""
     spec_for(config, KIND, REFUSES)
-    if config.get("model_type") in ("llama",):
+    if target_type(config, sinks) == "ministral" and config.get("model_type") in ("llama",):
         for key in LLAMA_ONLY:
             if config.get(key) not in (None, False, 1):
                 raise SurgeryError(f"swa writes Llama as ministral, whose layer has no {key} (the source sets "
@@ -70,12 +91,18 @@ def check_request(config: dict, window: int, global_layers: GlobalLayers) -> tup
     return layers, context
 
 
-def target_config(config: dict, window: int, types: list[str], dtype: str | None) -> dict:
+def target_config(config: dict, window: int, types: list[str], dtype: str | None, sinks: bool = False) -> dict:
     """The output config.json: the source's, with per-layer types and the window (and, from Llama or Mistral, the
-    ministral model type)."""
-    target = SLIDING_WINDOW_TARGETS[config["model_type"]]
+    ministral model type, or granite_swa with identity multipliers where sinks are asked)."""
+    target = target_type(config, sinks)
     new = dict(config)
-    if target != config["model_type"]:
+    if target == SINKS_TARGET:
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        new.pop("pretraining_tp", None)
+        new.update(model_type=target, architectures=[ARCHITECTURES[target]], embedding_multiplier=1.0,
+                   residual_multiplier=1.0, logits_scaling=1.0, attention_multiplier=head_dim ** -0.5)
+    elif target != config["model_type"]:
         new = {k: v for k, v in new.items() if k not in LLAMA_ONLY}
         new.update(model_type=target, architectures=[ARCHITECTURES[target]])
     new.update(sliding_window=window, layer_types=types)
@@ -86,6 +113,19 @@ def target_config(config: dict, window: int, types: list[str], dtype: str | None
         new["dtype"] = dtype
         new.pop("torch_dtype", None)
     return new
+
+
+def sink_name(layer: int) -> str:
+    return f"model.layers.{layer}.self_attn.sinks"
+
+
+def sink_tensors(config: dict, reader: CheckpointReader, dtype: str | None) -> list[PlannedTensor]:
+    """One sink per query head and layer, at SINK_INIT, in the dtype of the layer's query projection (or --dtype)."""
+    heads, layers = config["num_attention_heads"], spec_for(config).layers(config)
+    like = reader.tensors.get("model.layers.0.self_attn.q_proj.weight")
+    to = DTYPES[dtype] if dtype else (like.dtype if like is not None else DTYPES["float32"])
+    return [PlannedTensor(sink_name(i), to, (heads,), produce=lambda to=to: torch.full((heads,), SINK_INIT, dtype=to))
+            for i in range(layers)]
 
 
 def plan(reader: CheckpointReader, dtype: str | None) -> list[PlannedTensor]:
@@ -108,14 +148,16 @@ def convert_to_swa(src: Source, out: Path, *, window: int, global_layers: Global
                    calib_tokens: int = 8192, calib_window: int | None = None, calib_chunk: int | None = None,
                    force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
                    allow_pickle: bool = False, seed: int = 0, progress: bool = True, device: str = "auto",
-                   precision: str = "auto", chat_template: str = "auto", layer_score: str = "cost") -> dict:
+                   precision: str = "auto", chat_template: str = "auto", layer_score: str = "cost",
+                   sinks: bool = False) -> dict:
     """Write `src` with sliding-window attention of `window` tokens on every layer but the global ones to `out`.
     `auto` scores the layers on `calib_tokens` calibration tokens in windows of `calib_window` (default: 4 W,
     capped by the context), by `layer_score`: "cost" (what windowing each layer costs, surgery/swa/cost.py) or
-    "mass" (attention mass beyond the window, surgery/swa/score.py)."""
+    "mass" (attention mass beyond the window, surgery/swa/score.py). `sinks` writes granite_swa with a learnable
+    sink per head (SINK_INIT: exact until trained), listed as the conversion's new parameters for uptraining."""
     start = time.time()
     config = src.config
-    layers, context = check_request(config, window, global_layers)
+    layers, context = check_request(config, window, global_layers, sinks)
     count = global_layers.resolve_count(layers)
     check_output_path(out, force, source=src.folder)
     reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
@@ -151,19 +193,24 @@ def convert_to_swa(src: Source, out: Path, *, window: int, global_layers: Global
     else:
         chosen = list(global_layers.indices) if global_layers.indices is not None else evenly_spaced(count, layers)
     types = layer_types(layers, chosen)
-    new_config = target_config(config, window, types, dtype)
+    new_config = target_config(config, window, types, dtype, sinks)
 
     def record_fields(output_files: list[str]) -> dict:
         swa = {"window": window, "global_layers": chosen, "asked": global_layers.describe(), "layers": layers,
                "target_model_type": new_config["model_type"]}
         if global_layers.auto:
             swa["layer_score"] = layer_score
+        if sinks:
+            swa["sinks"] = {"init": SINK_INIT, "per": "query head and layer"}
         if scores is not None:
             swa["scores"] = [round(s, 6) for s in scores]
         record = {"dtype": dtype or "auto", "architecture": {"spec": config["model_type"],
                                                              "target_model_type": new_config["model_type"]},
                   "swa": swa, "output_files": output_files, "seconds": round(time.time() - start, 3)}
+        if sinks:
+            record["new_parameters"] = [sink_name(0).replace(".0.", ".{layer}.")]
         return record | ({"calibration": calibration} if calibration else {})
 
-    return write_conversion(src, reader, out, plan(reader, dtype), new_config, KIND, record_fields, force=force,
+    planned = plan(reader, dtype) + (sink_tensors(config, reader, dtype) if sinks else [])
+    return write_conversion(src, reader, out, planned, new_config, KIND, record_fields, force=force,
                             progress=progress, max_shard_bytes=max_shard_bytes)

@@ -32,7 +32,7 @@ from .evaluation import evaluate_held_out
 from .finite import all_finite, last_good
 from .heads import OutputHead
 from .onpolicy import generating_model
-from .optimizer import lr_at
+from .optimizer import group_lr, lr_at
 from .options import UptrainOptions
 from .output import finish
 from .progress import Progress
@@ -186,7 +186,7 @@ class UptrainRecipe(RecipeSetup, RecipeData):
         start = time.perf_counter()
         lr = lr_at(step, o)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = group_lr(group, step, o)
         batch = self.data.step_batch(o.align_steps + step, o.sequences_per_step, acc.process_index, self.world)
         share = o.sequences_per_step // self.world  # this process's windows of the step, in the run's global order
         batch = mixed(self.mix, batch, (o.align_steps + step) * o.sequences_per_step + acc.process_index * share)

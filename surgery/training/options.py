@@ -33,12 +33,13 @@ TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_to
                    "gen_temperature", "hidden_weight", "train", "lr",
                    "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
                    "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data", "data_weights",
-                   "data_mode", "txt_unit", "chat_template", "loss_on", "teacher_logprobs", "retrieval_mix")
+                   "data_mode", "txt_unit", "chat_template", "loss_on", "teacher_logprobs", "retrieval_mix",
+                   "new_lr")
 # Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
 # (TRAJECTORY_DEFAULTS, below the options).
 LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode", "txt_unit",
                          "chat_template", "loss_on", "teacher_logprobs", "kd_beta", "on_policy", "gen_tokens",
-                         "gen_temperature", "retrieval_mix")
+                         "gen_temperature", "retrieval_mix", "new_lr")
 # --data-epochs is not among them: it changes nothing before a source runs dry, so a run stopped by a dry source
 # resumes with a higher one.
 PACKED_TOKENS = 1 << 22  # --data-mode auto: runs of at most this many training tokens (16 MiB of windows) are packed
@@ -149,6 +150,10 @@ class UptrainArgs(PrecisionOptions):
     batch_tokens: int = option(16384, "--batch-tokens", "Tokens per optimizer step (all processes).")
     micro_batch: int = option(4, "--micro-batch", "Sequences per forward pass per process.")
     lr: float = option(1e-4, "--lr", "Peak learning rate (AdamW).")
+    new_lr: float | None = option(
+        None, "--new-lr", "Peak learning rate of the parameters the conversion introduced (surgery.json's "
+        "new_parameters: swa's sinks, talking-heads' mixing, ...): an AdamW group of their own on the same schedule. "
+        "Default: --lr. Sinks written exact sit far from where they act: give them a large one (e.g. 0.5).")
     min_lr_ratio: float = option(0.1, "--min-lr-ratio", "Cosine floor, as a fraction of --lr.")
     warmup_steps: int | None = option(None, "--warmup-steps", "Linear warmup steps (default: 5% of the steps).")
     weight_decay: float = option(0.01, "--weight-decay")
@@ -251,6 +256,8 @@ def check_rules(o, s) -> None:
     for name in ("eval_tokens", "eval_every", "save_every", "weight_decay", "max_grad_norm", "hidden_weight"):
         if getattr(o, name) is not None and getattr(o, name) < 0:
             raise ValueError(f"{s.flag(name)} must not be negative, got {getattr(o, name)}")
+    if o.new_lr is not None and not (math.isfinite(o.new_lr) and o.new_lr > 0):
+        raise ValueError(f"{s.flag('new_lr')} must be a positive number, got {o.new_lr}")
     if o.eval_data is not None and not o.eval_tokens:
         raise ValueError(f"{s.flag('eval_data')} needs held-out tokens ({s.flag('eval_tokens')} above 0)")
     if o.seq_len < 2:

@@ -57,3 +57,11 @@ def select_trainable(model, train: str, record: dict) -> list[str]:
     for n, p in model.named_parameters():
         p.requires_grad_(n in chosen)
     return [n for n in names if n in chosen]
+
+
+def new_parameters(model, record: dict) -> list:
+    """The conversion's new parameters (surgery.json's new_parameters) among the model's, for their own optimizer
+    group (--new-lr); none where the record lists none."""
+    names = [n for n, _ in model.named_parameters()]
+    chosen = new_parameter_names(names, record) if record.get("new_parameters") else set()
+    return [p for n, p in model.named_parameters() if n in chosen]

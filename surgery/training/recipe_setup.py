@@ -23,7 +23,7 @@ from .metrics import MetricsLog
 from .onpolicy import OnPolicy
 from .optimizer import make_optimizer
 from .options import UptrainOptions, resolve_data_workers
-from .params import select_trainable
+from .params import new_parameters, select_trainable
 from .run_folder import check_run_dir, input_folders, recorded_data_workers
 from .state import RunState
 from .trackers import TB_DIR, require_trackers, start_trackers
@@ -190,7 +190,8 @@ class RecipeSetup:
         if o.gradient_checkpointing:
             model_io.enable_checkpointing(model, self.source.spec)
         model.train()
-        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], o)
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], o,
+                                   new=new_parameters(model, self.record) if o.new_lr is not None else [])
         self.model, self.optimizer = acc.prepare(model, optimizer)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # as prepared (FSDP replaces them)
         if acc.distributed_type == DistributedType.DEEPSPEED:

@@ -8,8 +8,12 @@ import pytest
 
 @pytest.fixture(scope="session")
 def exported(tmp_path_factory):
-    """kind -> (checkpoint folder, its f32 GGUF file): the tiny Llama, its swa output (window 8, layer 1 global) and
-    its MLA output (rank 32, rope 8)."""
+    """kind -> (checkpoint folder, its f32 GGUF file): the tiny Llama, its swa output (window 8, layer 1 global),
+    the same with sinks (granite_swa) set to values that act, as uptraining leaves them, and its MLA output (rank 32,
+    rope 8)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
     from surgery.checkpoint.source import resolve_source
     from surgery.commands.export import export_checkpoint
     from surgery.mla import convert_to_mla
@@ -24,6 +28,14 @@ def exported(tmp_path_factory):
     folders["swa"] = root / "swa"
     convert_to_swa(resolve_source(str(tiny)), folders["swa"], window=8, global_layers=parse_global_layers("1"),
                    progress=False)
+    folders["sinks"] = root / "sinks"
+    convert_to_swa(resolve_source(str(tiny)), folders["sinks"], window=8, global_layers=parse_global_layers("1"),
+                   progress=False, sinks=True)
+    weights = load_file(folders["sinks"] / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    for name in [n for n in weights if n.endswith("self_attn.sinks")]:  # trained-like: about the keys' logits
+        weights[name] = torch.randn(weights[name].shape, generator=g) + 1.0
+    save_file(weights, folders["sinks"] / "model.safetensors", metadata={"format": "pt"})
     folders["mla"] = root / "mla"
     convert_to_mla(resolve_source(str(tiny)), folders["mla"], kv_rank=32, rope_dim=8, calib_tokens=512,
                    progress=False)

@@ -99,6 +99,20 @@ def test_swa_output_is_granite_swa_with_the_window_pattern(exported):
                           hf_rotate_half_to_pairs(hf["model.layers.1.self_attn.k_proj.weight"], 2))
 
 
+def test_sinks_and_multipliers_of_a_granite_swa_checkpoint_are_carried_over(exported):
+    folder, path = exported["sinks"]
+    config = json.loads((folder / "config.json").read_text())
+    keys, tensors = read(path)
+    a = "granite_swa"
+    assert keys["general.architecture"] == a and keys[f"{a}.attention.sliding_window_pattern"] == [True, False]
+    assert keys[f"{a}.attention.scale"] == pytest.approx(config["attention_multiplier"])
+    hf = load_file(folder / "model.safetensors")
+    for i in range(2):
+        stored = hf[f"model.layers.{i}.self_attn.sinks"]
+        assert np.abs(stored - 1.0).max() > 0.1  # the fixture's trained-like sinks, not the written -12
+        assert np.array_equal(values(tensors[f"blk.{i}.attn_sinks.weight"]), stored)
+
+
 def test_mla_output_is_deepseek2_with_kv_b_split(exported):
     folder, path = exported["mla"]
     config = json.loads((folder / "config.json").read_text())

@@ -143,6 +143,8 @@ def test_a_gqa_output_converts_again(llama, tmp_path, cli):
      "--precision is calibration's precision: --global-layers 1 runs none (use --global-layers auto"),
     (["--window", "64", "--global-layers", "auto", "--calib-window", "64"], "llama", "must be longer than --window"),
     (["--window", "8", "--global-layers", "auto", "--calib", "pydoc", "--calib-tokens", "4"], "llama", "windows of 4 tokens, not longer"),
+    (["--window", "8", "--global-layers", "1", "--sinks"], "qwen3",
+     "--sinks: no standard qwen3 type carries attention sinks beside sliding windows"),
 ])
 def test_bad_input_is_one_line_and_nothing_written(args, arch, message, tmp_path, cli):
     src = tm.tiny(arch, tmp_path / arch)
@@ -165,6 +167,38 @@ def test_a_swa_output_distils_from_its_source_and_stays_swa(tiny, tmp_path, cli)
     assert len(kd) == 2 and kd[1] < kd[0]
     assert _config(tmp_path / "up")["layer_types"] == _config(tmp_path / "swa")["layer_types"]
     assert _load(tmp_path / "up").config.sliding_window == 4
+
+
+def test_sinks_are_a_standard_granite_swa_exact_until_trained_then_trained_alone(tiny, tmp_path, cli):
+    """`--sinks`: granite_swa (no custom code) computing what the sink-less output computes, within float32 noise,
+    at every length; `uptrain --train new --new-lr` moves the sinks and nothing else, and the result stays
+    granite_swa."""
+    from surgery.testing.pydoc_llama import FAST
+    from surgery.training import UptrainOptions, uptrain
+
+    for name, extra in (("plain", []), ("sinks", ["--sinks"])):
+        code, _, err = cli("convert", tiny, "--to", "swa", "--window", "4", "--global-layers", "1", *extra,
+                           "--out", tmp_path / name)
+        assert code == 0, err
+    config = _config(tmp_path / "sinks")
+    assert config["model_type"] == "granite_swa" and config["layer_types"] == _config(tmp_path / "plain")["layer_types"]
+    assert not any((tmp_path / "sinks").glob("*.py"))
+    record = json.loads((tmp_path / "sinks" / "surgery.json").read_text())
+    assert record["new_parameters"] == ["model.layers.{layer}.self_attn.sinks"] and record["swa"]["sinks"]
+    plain, sinks = _load(tmp_path / "plain"), _load(tmp_path / "sinks")
+    ids = tm.sample_ids(length=16)  # 4 windows
+    assert torch.allclose(tm.logits(sinks, ids), tm.logits(plain, ids), atol=1e-4)
+    uptrain(UptrainOptions(model=str(tmp_path / "sinks"), out=tmp_path / "up", train="new", new_lr=0.5,
+                           **(FAST | dict(tokens=1024, loss="kd", lr=3e-4))))
+    up = _load(tmp_path / "up")
+    assert up.config.model_type == "granite_swa"
+    before, after = dict(sinks.named_parameters()), dict(up.named_parameters())
+    moved = {n for n in after if not torch.equal(after[n], before[n])}
+    assert moved and all(n.endswith("self_attn.sinks") for n in moved)
+    # two steps of at most 0.5 each (Adam's step is about the rate whatever the gradient's size): far beyond what
+    # two steps at --lr 3e-4 could move
+    assert 0.05 < max((after[n] - before[n]).abs().max().item() for n in moved) <= 1.0 + 1e-6
+    assert json.loads((tmp_path / "up" / "surgery.json").read_text())["uptraining"]["optimizer"]["new_lr"] == 0.5
 
 
 # ---- --layer-score cost: what windowing each layer costs, measured ------------------------------------------------
