@@ -53,7 +53,7 @@ def check_checkpoints(source: str, converted: str, options: CheckOptions, json_o
     CheckFailed when --expect exact is not met."""
     from ..checkpoint.atomic import write_json
     from ..checking.compare import check_counts, check_json_path, compare_checkpoints, precision_tolerance
-    from ..checking.retrieval import parse_lengths
+    from ..checking.retrieval_spec import parse_lengths
     from ..checking.report_tables import print_report
     from ..data import load_texts
     from ..checkpoint.source import resolve_source

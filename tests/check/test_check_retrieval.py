@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from surgery.checking.retrieval import RetrievalPlan, default_lengths, score
+from surgery.checking.retrieval import RetrievalPlan, score
+from surgery.checking.retrieval_spec import default_lengths
 from surgery.retrieval_tasks import TASKS, make_examples
 
 

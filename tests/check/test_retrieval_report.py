@@ -7,7 +7,8 @@ import io
 
 import pytest
 
-from surgery.checking.retrieval import RetrievalPlan, parse_lengths, resolve_lengths
+from surgery.checking.retrieval import RetrievalPlan
+from surgery.checking.retrieval_spec import parse_lengths, resolve_lengths
 from surgery.checking.retrieval_report import cell_text, compare, plot, print_table, wilson
 from surgery.errors import SurgeryError
 
