@@ -33,9 +33,9 @@ import torch.nn.functional as F
 from . import documents
 from . import generate as gen
 from . import layers as layer_errors
-from . import retrieval as retrieval_runs
-from . import retrieval_report
-from . import tasks as task_runs
+from .retrieval import plan_retrieval, score_retrieval
+from .retrieval_report import compare_retrieval_scores
+from .tasks import compare_task_scores, load_tasks, score_eval_tasks
 from .passes import IGNORE, Projection, converted_pass, next_token_targets, outputs, slice_rows, source_pass
 from .positions import PositionBuckets, window_positions
 from .overlap import HashedTexts, calibration_overlap
@@ -265,8 +265,9 @@ class CheckPlan:
     new_tokens: int
     layer_windows: int  # 0: no --layers
     layer_bytes: int
-    tasks: object = None  # check.tasks.TaskSet of --tasks, loaded before any model
-    retrieval: object = None  # checking.retrieval.RetrievalPlan of --retrieval: its examples, checked before any model
+    task_set: object = None  # checking.tasks.TaskSet of --tasks, loaded before any model
+    retrieval_plan: object = None  # checking.retrieval.RetrievalPlan of --retrieval: its examples, checked before any
+    # model
     precision: str = "fp32"  # what the models compute in: bf16 (autocast or bf16 weights), fp16 or fp32
 
     @property
@@ -398,13 +399,13 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
     # A talking-heads model computes eager attention: compare it with the source's eager attention, so that the
     # report measures the surgery and not the source's own sdpa-vs-eager rounding (~1e-4 on SmolLM2's logits).
     source_attention = _source_attention(converted)
-    task_set = task_runs.load_tasks(r.tasks, r.tasks_limit) if r.tasks else None  # a task's data that cannot be had: before any model
-    retrieval = None
+    task_set = load_tasks(r.tasks, r.tasks_limit) if r.tasks else None  # a task's data that cannot be had: before any model
+    retrieval_plan = None
     if r.retrieval:
         if not causal:
             raise SurgeryError("--retrieval needs a causal LM")
         window, no_window = retrieval_window(converted)
-        retrieval = retrieval_runs.plan_retrieval(
+        retrieval_plan = plan_retrieval(
             r.retrieval, r.retrieval_lengths, r.retrieval_samples, r.retrieval_haystack, tok, ctx,
             min(r.seq_len, ctx or r.seq_len), ids, batch=r.retrieval_batch, window=window, no_window=no_window,
             text_name=r.data, text_given=r.text_given)
@@ -415,7 +416,7 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
     return CheckPlan(source, converted, dev, r.dtype, (trust_a, trust_b), causal,
                      vocab_size(config_a) if causal else hidden_size(config_a), source_attention, tok, tokenizer_note,
                      checked, r.batch_size, prompts, r.generate, n_layer_windows,
-                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), task_set, retrieval,
+                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), task_set, retrieval_plan,
                      precision)
 
 
@@ -453,7 +454,7 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         source_forced = forced(model, p, source_continuations)  # the source's margins along its own continuations
         source_layers = layer_errors.record_layers(model, p.layer_batches(), layer_store) if p.layer_windows else 0
         source_scores = task_scores(model, p)
-        source_retrieval = retrieval_scores(model, p, progress, "retrieval source")
+        source_retrieval_rows = retrieval_scores(model, p, progress, "retrieval source")
         del model
         free(p.device)
         seconds["source"] = round(time.time() - start, 2)
@@ -478,12 +479,12 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         if p.layer_windows:
             report["layers"] = layer_errors.compare_layers(model, p.layer_batches(), layer_store, source_layers)
             report["layers_tokens"] = p.layer_windows * p.seq_len
-        if p.tasks is not None:
-            report["tasks"] = task_runs.compare(source_scores, task_scores(model, p))
-            report["tasks_limit"] = p.tasks.limit
-        if p.retrieval is not None:
-            report["retrieval"] = retrieval_report.compare(
-                p.retrieval, source_retrieval, retrieval_scores(model, p, progress, "retrieval converted"))
+        if p.task_set is not None:
+            report["tasks"] = compare_task_scores(source_scores, task_scores(model, p))
+            report["tasks_limit"] = p.task_set.limit
+        if p.retrieval_plan is not None:
+            report["retrieval"] = compare_retrieval_scores(
+                p.retrieval_plan, source_retrieval_rows, retrieval_scores(model, p, progress, "retrieval converted"))
         del model, head
         free(p.device)
         seconds["converted"] = round(time.time() - start, 2)
@@ -502,16 +503,16 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
 
 def task_scores(model, plan: CheckPlan) -> dict:
     """--tasks: lm-eval's scores of the loaded model ({} without --tasks)."""
-    if plan.tasks is None:
+    if plan.task_set is None:
         return {}
-    return task_runs.score(model, plan.tokenizer, plan.tasks, plan.batch_size, plan.device)
+    return score_eval_tasks(model, plan.tokenizer, plan.task_set, plan.batch_size, plan.device)
 
 
 def retrieval_scores(model, plan: CheckPlan, progress: bool, desc: str) -> list[dict] | None:
     """--retrieval: each example's score for the loaded model (None without --retrieval)."""
-    if plan.retrieval is None:
+    if plan.retrieval_plan is None:
         return None
-    return retrieval_runs.score(model, plan.retrieval, plan.device, progress, desc)
+    return score_retrieval(model, plan.retrieval_plan, plan.device, progress, desc)
 
 
 def retrieval_window(converted: Source) -> tuple[int | None, str]:

@@ -27,7 +27,7 @@ import torch
 from ..errors import SurgeryError
 from ..progress import Progress
 from ..retrieval_tasks import Example, make_examples
-from .retrieval_spec import HAYSTACKS, default_lengths, parse_lengths, parse_tasks, resolve_lengths
+from .retrieval_spec import HAYSTACKS, default_lengths, parse_lengths, parse_retrieval_tasks, resolve_lengths
 
 MAX_BATCH_TOKENS = 32768  # tokens of one batched pass: 4 examples at 8k, one at 32k and beyond
 
@@ -62,7 +62,7 @@ def plan_retrieval(spec: str, lengths: Sequence[int | str] | None, samples: int,
     entries (`parse_lengths`; "kw" counts in `window`, the converted model's sliding window, `no_window` saying why
     there is none); None: the default ladder up to `longest`. `haystack` auto is the text when the user gave one
     (`text_given`), else the noise."""
-    tasks = parse_tasks(spec)
+    tasks = parse_retrieval_tasks(spec)
     if samples < 1:
         raise SurgeryError(f"--retrieval-samples must be at least 1, got {samples}")
     if batch < 1:
@@ -147,7 +147,7 @@ def _score_batch(model, examples: list[Example], device: torch.device) -> list[d
 
 
 @torch.no_grad()
-def score(model, plan: RetrievalPlan, device: torch.device, progress: bool = True,
+def score_retrieval(model, plan: RetrievalPlan, device: torch.device, progress: bool = True,
           desc: str = "retrieval") -> list[dict]:
     """Per example: its task, length, depth, the share of its items retrieved (`score`), how many items it has
     and the answer's mean log-probability."""

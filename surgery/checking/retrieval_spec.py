@@ -17,7 +17,7 @@ _LENGTH = re.compile(r"(\d+)|(\d+(?:\.\d+)?|\.\d+)?w")
 LENGTHS_FORM = "comma-separated token counts or multiples of the converted model's sliding window (e.g. 512,2w,4w)"
 
 
-def parse_tasks(spec: str) -> list[str]:
+def parse_retrieval_tasks(spec: str) -> list[str]:
     names = list(TASKS) if spec.strip() == "all" else [t.strip() for t in spec.split(",") if t.strip()]
     unknown = [t for t in names if t not in TASKS]
     if unknown or not names:

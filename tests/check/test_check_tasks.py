@@ -18,7 +18,7 @@ from surgery.testing import tiny_models as tm
 from surgery.testing.tiny_models import char_tokenizer
 
 from surgery.checking.compare import compare_checkpoints
-from surgery.checking.tasks import parse_tasks, rows
+from surgery.checking.tasks import parse_eval_tasks, rows
 from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts
 from surgery.errors import SurgeryError
@@ -173,7 +173,7 @@ def test_bad_tasks_are_one_line_before_any_model_loads(pair, tmp_path, capsys, m
 def test_a_task_file_is_read_without_running_its_tags(tmp_path):
     hostile = tmp_path / "t.yaml"
     hostile.write_text("task: mine\nprocess_docs: !function utils.process\n")  # utils.py does not even exist
-    assert parse_tasks(f"hellaswag, {hostile}") == (["hellaswag", "mine"], [tmp_path])
+    assert parse_eval_tasks(f"hellaswag, {hostile}") == (["hellaswag", "mine"], [tmp_path])
     (tmp_path / "empty.yaml").write_text("dataset_path: json\n")
     with pytest.raises(SurgeryError, match="defines no task"):
-        parse_tasks(str(tmp_path / "empty.yaml"))
+        parse_eval_tasks(str(tmp_path / "empty.yaml"))
