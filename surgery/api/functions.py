@@ -185,9 +185,12 @@ def check(source: Source, converted: Source, options: CheckOptions | None = None
         show: Also print the report's tables on stdout, as `surgery check` does (before `expect` is judged).
         tokenizer: With a loaded model (source or converted): its tokenizer (default: the one in the folder the
             model was loaded from).
-        **options: Any option of `surgery check` by its field name (`data=`, `tokens=`, `seq_len=`, `device=`,
-            `dtype=`, `expect=`, `generate=`, `layers=`, ...). `data` also takes a `datasets.Dataset` /
+        **values: Any option of `surgery check` by its field name (`data=`, `tokens=`, `seq_len=`, `device=`,
+            `dtype=`, `expect=`, `generate=`, `layers=`, `retrieval=`, ...). `data` also takes a `datasets.Dataset` /
             `IterableDataset`, a list of strings (documents) or a tuple of several texts, each checked on its own.
+
+    Every rule on the options (counts, retrieval tasks and lengths, what an option needs beside it) is checked
+    before any checkpoint is resolved, downloaded or loaded.
 
     Returns:
         The report: |Δlogits|, KL, top-1 agreement, perplexities, as attributes and as a mapping.

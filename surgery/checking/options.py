@@ -1,5 +1,8 @@
 """The options of `surgery check` (and of a recipe's check step): one model, its fields the command's flags, the API's
-keywords and a recipe's keys."""
+keywords and a recipe's keys, and every rule on them that needs no checkpoint (counts, what an option needs beside
+it, the retrieval tasks and lengths' form): built once, by the command line, the API or a recipe, before any
+checkpoint is resolved. The rules that need the checkpoints (a causal LM, the context, the sliding window, the
+haystack text's length) are checking/compare.py's `plan_check`."""
 
 from __future__ import annotations
 
@@ -8,8 +11,10 @@ from typing import Literal
 from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..dtypes import DTYPE_NAMES
+from ..errors import SurgeryError
 from ..options import Texts, option, spelling, texts_rule
 from ..precision import PrecisionOptions, check_dtype
+from .retrieval_spec import check_length, parse_lengths, parse_retrieval_tasks
 
 
 class CheckOptions(PrecisionOptions):
@@ -80,8 +85,77 @@ class CheckOptions(PrecisionOptions):
             raise ValueError(f"{spelling(info, cls).flag(info.field_name)} must be at least 1, got {v}")
         return v
 
+    @field_validator("tokens", "seq_len", "batch_size", "prompt_len")
+    @classmethod
+    def _count(cls, v: int, info: ValidationInfo) -> int:
+        if v < 1:
+            raise ValueError(f"{spelling(info, cls).flag(info.field_name)} must be at least 1 (got {v})")
+        return v
+
+    @field_validator("generate")
+    @classmethod
+    def _generate(cls, v: int, info: ValidationInfo) -> int:
+        if v < 0:
+            raise ValueError(f"{spelling(info, cls).flag('generate')} must be 0 (off) or a number of tokens (got {v})")
+        return v
+
+    @field_validator("tasks_limit")
+    @classmethod
+    def _tasks_limit(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"{spelling(info, cls).flag('tasks_limit')} must be at least 1 (got {v})")
+        return v
+
+    @field_validator("retrieval")
+    @classmethod
+    def _retrieval_tasks(cls, v: str | None) -> str | None:
+        if v is not None:
+            _refused_as_value(parse_retrieval_tasks, v)
+        return v
+
+    @field_validator("retrieval_lengths")
+    @classmethod
+    def _retrieval_lengths(cls, v: str | None) -> str | None:
+        entries = _refused_as_value(parse_lengths, v) or ()
+        for n in (e for e in entries if isinstance(e, int)):  # multiples of w: once the window is known
+            _refused_as_value(check_length, n)
+        return v
+
     @model_validator(mode="after")
     def _precision_dtype(self, info: ValidationInfo):
         s = spelling(info, type(self))
         check_dtype(self.precision, self.dtype, (s.flag("precision"), s.flag("dtype")))
         return self
+
+    @model_validator(mode="after")
+    def _needs(self, info: ValidationInfo):
+        """An option that only works beside another, given without it: it would do nothing, silently."""
+        s = spelling(info, type(self))
+        if self.prompts is not None and not self.generate:
+            raise ValueError(f"{s.flag('prompts')} needs {s.flag('generate')} N (the number of tokens to generate)")
+        if self.tasks_limit is not None and not self.tasks:
+            raise ValueError(f"{s.flag('tasks_limit')} needs {s.flag('tasks')}")
+        if self.plot and not self.retrieval:
+            raise ValueError(f"{s.flag('plot')} draws the retrieval accuracy: it needs {s.flag('retrieval')} TASKS")
+        fields = type(self).model_fields
+        alone = [n for n in RETRIEVAL_ONLY if getattr(self, n) != fields[n].default]
+        if alone and not self.retrieval:
+            listed = [s.flag(n) for n in RETRIEVAL_ONLY]
+            raise ValueError(f"{', '.join(listed[:-1])} and {listed[-1]} need {s.flag('retrieval')} TASKS")
+        return self
+
+    @property
+    def text_given(self) -> bool:
+        """Whether the check's text is the user's, not the default (pydoc): --retrieval-haystack auto reads it."""
+        return self.data != type(self).model_fields["data"].default
+
+
+RETRIEVAL_ONLY = ("retrieval_lengths", "retrieval_samples", "retrieval_haystack", "retrieval_batch")
+
+
+def _refused_as_value(rule, value):
+    """`rule(value)`, its SurgeryError as the ValueError a validator raises (the same one line)."""
+    try:
+        return rule(value)
+    except SurgeryError as e:
+        raise ValueError(str(e)) from None

@@ -27,7 +27,7 @@ import torch
 from ..errors import SurgeryError
 from ..progress import Progress
 from ..retrieval_tasks import Example, make_examples
-from .retrieval_spec import HAYSTACKS, default_lengths, parse_lengths, parse_retrieval_tasks, resolve_lengths
+from .retrieval_spec import check_length, default_lengths, parse_lengths, parse_retrieval_tasks, resolve_lengths
 
 MAX_BATCH_TOKENS = 32768  # tokens of one batched pass: 4 examples at 8k, one at 32k and beyond
 
@@ -61,22 +61,16 @@ def plan_retrieval(spec: str, lengths: Sequence[int | str] | None, samples: int,
     """Every example of the check, checked against the model's context and the haystack text. `lengths`: parsed
     entries (`parse_lengths`; "kw" counts in `window`, the converted model's sliding window, `no_window` saying why
     there is none); None: the default ladder up to `longest`. `haystack` auto is the text when the user gave one
-    (`text_given`), else the noise."""
+    (`text_given`), else the noise. The options' own rules (samples and batch at least 1, the haystack's choices,
+    the tasks' and lengths' form) were checked when the options were built (checking/options.py)."""
     tasks = parse_retrieval_tasks(spec)
-    if samples < 1:
-        raise SurgeryError(f"--retrieval-samples must be at least 1, got {samples}")
-    if batch < 1:
-        raise SurgeryError(f"--retrieval-batch must be at least 1, got {batch}")
-    if haystack not in HAYSTACKS:
-        raise SurgeryError(f"--retrieval-haystack must be auto, noise or text, got {haystack!r}")
     if haystack == "auto":
         haystack = "text" if text_given else "noise"
     entries = parse_lengths(lengths) if lengths else None
     in_windows = bool(entries) and any(isinstance(e, str) for e in entries)
     lengths = resolve_lengths(entries, window, no_window) if entries else default_lengths(longest)
     for n in lengths:
-        if n < 64:
-            raise SurgeryError(f"--retrieval-lengths: {n} tokens is too short for a retrieval example (64 at least)")
+        check_length(n)
         if context and n > context:
             raise SurgeryError(f"--retrieval-lengths: {n} tokens is beyond the model's context ({context})")
     hay, about = None, {}

@@ -12,7 +12,7 @@ from ..errors import SurgeryError
 from ..retrieval_tasks import TASKS
 
 FIRST_LENGTH = 512
-HAYSTACKS = ("auto", "noise", "text")
+MIN_LENGTH = 64  # tokens: the shortest retrieval example
 _LENGTH = re.compile(r"(\d+)|(\d+(?:\.\d+)?|\.\d+)?w")
 LENGTHS_FORM = "comma-separated token counts or multiples of the converted model's sliding window (e.g. 512,2w,4w)"
 
@@ -44,6 +44,15 @@ def parse_lengths(spec: str | Sequence[int | str] | None) -> tuple[int | str, ..
     if not out:
         raise SurgeryError(f"--retrieval-lengths takes {LENGTHS_FORM}, got {spec!r}")
     return tuple(out)
+
+
+def check_length(n: int) -> int:
+    """A retrieval length in tokens, refused when no example fits in it (the context and the haystack are the
+    checkpoint's and the text's business: checking/retrieval.py)."""
+    if n < MIN_LENGTH:
+        raise SurgeryError(f"--retrieval-lengths: {n} tokens is too short for a retrieval example ({MIN_LENGTH} at "
+                           "least)")
+    return n
 
 
 def window_multiple(entry: str) -> float:

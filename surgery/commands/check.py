@@ -42,48 +42,27 @@ def chat_format(o: CheckOptions, src, dst):
         o.trust_remote_code if converted else o.trust_source_code)))
 
 
-def default_text(o: CheckOptions) -> bool:
-    """Whether the check's text is the default one (pydoc): --retrieval-haystack auto then takes the noise."""
-    return o.data == CheckOptions.model_fields["data"].default
-
-
 def check_checkpoints(source: str, converted: str, options: CheckOptions, json_out: Path | None = None,
                       warn=get_logger(__name__).warning, show: bool = True) -> dict:
     """Compare, print the report (`show`; the Python API returns it instead), write it as JSON (`json_out`);
-    CheckFailed when --expect exact is not met."""
-    from ..checkpoint.atomic import write_json
-    from ..checking.compare import check_counts, check_json_path, compare_checkpoints, precision_tolerance
-    from ..checking.retrieval_spec import parse_lengths
+    CheckFailed when --expect exact is not met. `options` were validated when they were built (every rule that needs
+    no checkpoint); the output files are checked here, before any checkpoint is resolved."""
+    from ..checkpoint.atomic import check_output_file, write_json
+    from ..checking.compare import compare_checkpoints, precision_tolerance
     from ..checking.report_tables import print_report
     from ..data import load_texts
     from ..checkpoint.source import resolve_source
 
     o = options
-    check_counts(o.tokens, o.seq_len, o.batch_size, o.generate)
-    parse_lengths(o.retrieval_lengths)  # their form, before any checkpoint is read
-    check_json_path(json_out)
-    if o.plot:
-        if not o.retrieval:
-            raise SurgeryError("--plot draws the retrieval accuracy: it needs --retrieval TASKS")
-        check_json_path(Path(o.plot))
+    check_output_file(json_out, "--json")
+    check_output_file(Path(o.plot) if o.plot else None, "--plot")
     src = resolve_source(source, revision=o.revision, allow_pickle=o.allow_pickle)
     dst = resolve_source(converted, allow_pickle=o.allow_pickle)
     first, *more = o.data
     warn_same_domain(dst.folder, first, more, warn)
     chat = chat_format(o, src, dst)
-    report = compare_checkpoints(src, dst, load_texts(first, text_field=o.text_field, chat=chat),
-                                 more_texts=[(d, load_texts(d, text_field=o.text_field, chat=chat)) for d in more],
-                                 tokens=o.tokens, seq_len=o.seq_len, batch_size=o.batch_size, device=o.device,
-                                 dtype=o.dtype, precision=o.precision, trust_remote_code=o.trust_remote_code,
-                                 trust_source_code=o.trust_source_code, allow_pickle=o.allow_pickle,
-                                 tokenizer=o.tokenizer, generate=o.generate, prompt_len=o.prompt_len,
-                                 prompts_file=Path(o.prompts) if o.prompts else None, layers=o.layers, data=first,
-                                 tasks=o.tasks, tasks_limit=o.tasks_limit, retrieval=o.retrieval,
-                                 retrieval_lengths=parse_lengths(o.retrieval_lengths),
-                                 retrieval_samples=o.retrieval_samples, retrieval_haystack=o.retrieval_haystack,
-                                 retrieval_batch=o.retrieval_batch, text_given=not default_text(o),
-                                 documents=o.documents,
-                                 warn=warn)
+    report = compare_checkpoints(src, dst, load_texts(first, text_field=o.text_field, chat=chat), o, warn=warn,
+                                 more_texts=[(d, load_texts(d, text_field=o.text_field, chat=chat)) for d in more])
     tol = o.atol if o.atol is not None else precision_tolerance(report["precision"])
     worst = max(t["max_abs_diff"] for t in report.get("texts", [report]))
     report["tolerance"] = tol

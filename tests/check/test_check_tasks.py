@@ -18,6 +18,7 @@ from surgery.testing import tiny_models as tm
 from surgery.testing.tiny_models import char_tokenizer
 
 from surgery.checking.compare import compare_checkpoints
+from surgery.checking.options import CheckOptions
 from surgery.checking.tasks import parse_eval_tasks, rows
 from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts
@@ -116,8 +117,8 @@ def expected_scores(folder: Path) -> dict[str, dict[str, float]]:
 @pytest.mark.slow  # 10-30 s: keeps the default suite under 25 minutes on 2 cores
 def test_task_scores_are_each_models_own(pair):
     report = compare_checkpoints(resolve_source(str(pair["src"])), resolve_source(str(pair["mqa"])), pydoc_texts(),
-                                 tokens=256, seq_len=64, batch_size=2, device="cpu", progress=False,
-                                 tasks=str(pair["tasks"]))
+                                 CheckOptions(tokens=256, seq_len=64, batch_size=2, device="cpu",
+                                              tasks=str(pair["tasks"])), progress=False)
     tasks = report["tasks"]
     assert sorted(tasks) == ["tiny_cloze", "tiny_mc"]
     for side, folder in (("source", pair["src"]), ("converted", pair["mqa"])):
@@ -129,8 +130,8 @@ def test_task_scores_are_each_models_own(pair):
     assert tasks["tiny_cloze"]["source"]["perplexity"] != pytest.approx(tasks["tiny_cloze"]["converted"]["perplexity"])
 
     limited = compare_checkpoints(resolve_source(str(pair["src"])), resolve_source(str(pair["mqa"])), pydoc_texts(),
-                                  tokens=256, seq_len=64, batch_size=2, device="cpu", progress=False,
-                                  tasks=str(pair["tasks"] / "mc.yaml"), tasks_limit=2)
+                                  CheckOptions(tokens=256, seq_len=64, batch_size=2, device="cpu",
+                                               tasks=str(pair["tasks"] / "mc.yaml"), tasks_limit=2), progress=False)
     assert list(limited["tasks"]) == ["tiny_mc"] and limited["tasks"]["tiny_mc"]["source"]["samples"] == 2
 
     table = tasks_section([("check", report)])  # the model card's table
