@@ -33,16 +33,17 @@ METRICS = ("max_abs_diff", "mean_abs_diff", "kl", "top1_agreement", "ppl_source"
 def child(way: str, args) -> dict:
     from surgery.checking import passes
     from surgery.checking.compare import compare_checkpoints
+    from surgery.checking.options import CheckOptions
     from surgery.checkpoint.source import resolve_source
     from surgery.data import load_texts
 
     if way == "whole":
         passes.Projection.of = classmethod(lambda cls, model, vocab, keep=False: None)
     start = time.time()
+    options = CheckOptions(tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size, device=args.device,
+                           data=args.data, documents="whole")
     report = compare_checkpoints(resolve_source("smollm2"), resolve_source(args.converted), load_texts(args.data),
-                                 tokens=args.tokens, seq_len=args.seq_len, batch_size=args.batch_size,
-                                 device=args.device, data=args.data, documents="whole", progress=False,
-                                 warn=lambda line: print(line, file=sys.stderr))
+                                 options, progress=False, warn=lambda line: print(line, file=sys.stderr))
     report["wall_seconds"] = time.time() - start
     report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return report

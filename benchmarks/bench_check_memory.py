@@ -30,6 +30,7 @@ METRICS = ("max_abs_diff", "mean_abs_diff", "kl", "top1_agreement", "ppl_source"
 
 def child(mode: str, converted: str, tokens: int, seq_len: int, batch_size: int, device: str) -> dict:
     from surgery.checking.compare import compare_checkpoints, compare_models
+    from surgery.checking.options import CheckOptions
     from surgery.runtime import load_model, load_tokenizer, pick_device
     from surgery.data import pydoc_texts, token_stream
     from surgery.checkpoint.source import resolve_source
@@ -42,8 +43,8 @@ def child(mode: str, converted: str, tokens: int, seq_len: int, batch_size: int,
         ids = token_stream(pydoc_texts(), load_tokenizer(source), tokens)
         report = compare_models(a, b, ids, seq_len, batch_size, causal=True)
     else:
-        report = compare_checkpoints(source, target, pydoc_texts(), tokens=tokens, seq_len=seq_len,
-                                     batch_size=batch_size, device=device, data="pydoc")
+        report = compare_checkpoints(source, target, pydoc_texts(), CheckOptions(
+            tokens=tokens, seq_len=seq_len, batch_size=batch_size, device=device, data="pydoc"))
     report["seconds"] = time.time() - start
     report["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return report

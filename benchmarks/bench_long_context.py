@@ -101,7 +101,7 @@ def retrieval(a) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from surgery.checking.retrieval import score
+    from surgery.checking.retrieval import score_retrieval
     from surgery.checkpoint.source import resolve_source
 
     path = a.work / "retrieval.json"
@@ -113,7 +113,7 @@ def retrieval(a) -> dict:
         where = resolve_source(a.source).folder if name == "source" else folder(name, a)
         print(f"retrieval: {name} ({plan.tokens} tokens)", flush=True)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32).eval()
-        done[name] = score(model, plan, torch.device("cpu"), progress=True, desc=f"retrieval {name}")
+        done[name] = score_retrieval(model, plan, torch.device("cpu"), progress=True, desc=f"retrieval {name}")
         del model
         path.write_text(json.dumps(done))
     return done
@@ -133,11 +133,13 @@ def bucket_ratio(rows: list[dict], lo: int, hi: int, key: str = "ppl_ratio") -> 
 
 
 def retrieval_report(a, name: str) -> dict | None:
-    from surgery.checking.retrieval_report import compare
+    from surgery.checking.retrieval_report import compare_retrieval_scores
 
     path = a.work / "retrieval.json"
     rows = json.loads(path.read_text()) if path.exists() else {}
-    return compare(retrieval_plan(a), rows["source"], rows[name]) if "source" in rows and name in rows else None
+    if "source" not in rows or name not in rows:
+        return None
+    return compare_retrieval_scores(retrieval_plan(a), rows["source"], rows[name])
 
 
 def mean_logprob(report: dict, length: int) -> float:

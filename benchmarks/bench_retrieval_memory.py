@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from surgery.checking.retrieval import RetrievalPlan, score
+from surgery.checking.retrieval import RetrievalPlan, score_retrieval
 from surgery.retrieval_tasks import make_examples
 from surgery.checkpoint.source import resolve_source
 from surgery.runtime import load_model, load_tokenizer
@@ -37,7 +37,7 @@ def main() -> None:
     model = load_model(source, device, "float32")
     print(f"after loading: peak RSS {peak_gb():.2f} GB")
     start = time.time()
-    rows = score(model, RetrievalPlan.of([args.task], [args.length], args.samples, "noise", examples), device,
+    rows = score_retrieval(model, RetrievalPlan.of([args.task], [args.length], args.samples, "noise", examples), device,
                  progress=False)
     print(f"scored {len(rows)} example(s) of {args.length} tokens in {time.time() - start:.1f} s: peak RSS "
           f"{peak_gb():.2f} GB")

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from surgery.checking.retrieval import RetrievalPlan, score
+from surgery.checking.retrieval import RetrievalPlan, score_retrieval
 from surgery.retrieval_tasks import make_examples
 from surgery.checkpoint.source import resolve_source
 from surgery.runtime import load_model, load_tokenizer
@@ -31,7 +31,7 @@ def timed(model, plan: RetrievalPlan, device: torch.device) -> tuple[float, floa
     if device.type == "cuda":
         torch.cuda.synchronize()
     start, cpu = time.perf_counter(), time.process_time()
-    rows = score(model, plan, device, progress=False)
+    rows = score_retrieval(model, plan, device, progress=False)
     if device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start, time.process_time() - cpu, rows

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from surgery.checking.retrieval import RetrievalPlan, score
+from surgery.checking.retrieval import RetrievalPlan, score_retrieval
 from surgery.checking.retrieval_report import wilson
 from surgery.checkpoint.source import resolve_source
 from surgery.data import load_texts
@@ -71,7 +71,7 @@ def scores(name: str, folder, a, the_plan) -> list[dict]:
     source = resolve_source(str(folder))
     model = load_model(source, torch.device("cpu"), "float32")
     start = time.time()
-    rows = score(model, the_plan, torch.device("cpu"), progress=False)
+    rows = score_retrieval(model, the_plan, torch.device("cpu"), progress=False)
     print(f"  {name}: scored {len(rows)} examples in {time.time() - start:.0f} s", flush=True)
     cache.write_text(json.dumps(rows))
     return rows

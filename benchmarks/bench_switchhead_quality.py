@@ -28,6 +28,7 @@ from pathlib import Path
 
 
 from surgery.checking.compare import compare_checkpoints  # noqa: E402
+from surgery.checking.options import CheckOptions  # noqa: E402
 from surgery.data import pydoc_texts  # noqa: E402
 from surgery.checkpoint.source import resolve_source  # noqa: E402
 from surgery.switchhead import convert_to_switchhead  # noqa: E402
@@ -64,8 +65,8 @@ def main() -> None:
         if not (out / "surgery.json").exists():
             convert_to_switchhead(src, out, calib_tokens=a.calib_tokens, force=True, progress=False, **options)
         seconds = time.time() - start
-        report = compare_checkpoints(src, resolve_source(str(out)), pydoc_texts(), tokens=a.tokens, progress=False,
-                                     trust_remote_code=True)
+        report = compare_checkpoints(src, resolve_source(str(out)), pydoc_texts(),
+                                     CheckOptions(tokens=a.tokens, trust_remote_code=True), progress=False)
         m = {key: report[key] for key in ("ppl_source", "ppl_converted", "kl", "top1_agreement")}
         m["ratio"] = m["ppl_converted"] / m["ppl_source"]
         rows[spec] = {"options": options, "convert_seconds": round(seconds, 1), **m}

@@ -130,11 +130,11 @@ def convert_command() -> click.Command:
     def convert(source, out, dry_run, json_out, **values):
         from surgery.api import convert as convert_source
 
-        parse_options(options_model(), values)  # its rules before --out's and --json's
+        options = parse_options(options_model(), values)  # its rules before --out's and --json's
         if dry_run:
-            _print_dry_run(source, values, json_out)
+            _print_dry_run(source, options, json_out)
             return
-        convert_source(source, _required_out(out), **values)  # its line ("wrote OUT: ...") is the API's log line
+        convert_source(source, _required_out(out), options)  # its line ("wrote OUT: ...") is the API's log line
 
     return convert
 
@@ -159,12 +159,12 @@ def _required_out(out: Path | None) -> Path:
     return out
 
 
-def _print_dry_run(source: str, values: dict, json_out: Path | None) -> None:
+def _print_dry_run(source: str, options, json_out: Path | None) -> None:
     from surgery.api import convert as convert_source
     from surgery.checkpoint.atomic import check_output_file, write_json
 
     check_output_file(json_out, "--json")  # before the estimate, not after it
-    estimate = convert_source(source, dry_run=True, **values)
+    estimate = convert_source(source, options=options, dry_run=True)
     click.echo(str(estimate))
     if json_out:
         write_json({k: v for k, v in estimate.items() if k != "lines"}, json_out, echo=click.echo)
@@ -188,7 +188,8 @@ def check(source, converted, json_out, **values):
     """
     from surgery.api import check as check_checkpoints
 
-    check_checkpoints(source, converted, json_out=json_out, show=True, **values)  # warnings: the API's log lines
+    options = parse_options(CheckOptions, values)  # every rule on the options, before any checkpoint is resolved
+    check_checkpoints(source, converted, options, json_out=json_out, show=True)  # warnings: the API's log lines
 
 
 @cli.command()
@@ -326,14 +327,14 @@ def uptrain(model, out, dry_run, **kw):
     """
     from surgery.api import uptrain as uptrain_checkpoint
 
-    parse_options(UptrainArgs, kw)  # in every process, and before a missing --out is said
+    options = parse_options(UptrainArgs, kw)  # in every process, and before a missing --out is said
     if dry_run:
         if os.environ.get("RANK", "0") == "0":
-            click.echo(str(uptrain_checkpoint(model, out, dry_run=True, **kw)))
+            click.echo(str(uptrain_checkpoint(model, out, options, dry_run=True)))
         return
     if out is None:
         _fail("uptrain needs --out (the output folder) unless --dry-run")
-    uptrain_checkpoint(model, out, **kw)
+    uptrain_checkpoint(model, out, options)
 
 
 @cli.command()

@@ -82,10 +82,24 @@ def model_options(model: type[BaseModel], exclude: Iterable[str] = (), only: Ite
     return decorate
 
 
+def given(values: dict) -> dict:
+    """Of a command's option values, those the user gave (on the command line, or from the environment), not those
+    click filled in with their defaults (the model's own): validated from these, the options model's
+    `model_fields_set` says what was given, as it does for the Python API's keywords and a recipe's keys. Outside a
+    running command (no click context), every value counts as given."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return dict(values)
+    return {k: v for k, v in values.items() if ctx.get_parameter_source(k) not in (None, ParameterSource.DEFAULT)}
+
+
 def parse_options(model: type[BaseModel], values: dict) -> BaseModel:
-    """Validate a command's option values into `model`; the first broken rule is one `surgery: error:` line (the
-    Python API validates its keywords the same way: surgery.options.validate_options)."""
-    return validate_options(model, {k: v for k, v in values.items() if k in model.model_fields})
+    """A command's options model, built once from the option values the user gave (`given`; the defaults are the
+    model's); the first broken rule is one `surgery: error:` line (the Python API validates its keywords the same
+    way: surgery.options.validate_options)."""
+    return validate_options(model, {k: v for k, v in given(values).items() if k in model.model_fields})
 
 
 class GroupedCommand(click.Command):

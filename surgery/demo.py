@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .checking.compare import compare_checkpoints, tolerance
+from .checking.options import CheckOptions
 from .checking.report_tables import print_report
 from .kv.convert import KVOptions, convert_to_kv_heads
 from .data import pydoc_texts
@@ -49,7 +50,7 @@ def run_demo(out: Path, tokens: int = 4096, force: bool = False) -> dict:
           f"({folder_bytes(out) / 1e6:.0f} MB)")
     converted = resolve_source(str(out))
     print_inspection([inspect_checkpoint(source.folder, label=SOURCE_LABEL), inspect_checkpoint(out, label=str(out))])
-    report = compare_checkpoints(source, converted, pydoc_texts(), tokens=tokens, seq_len=512)
+    report = compare_checkpoints(source, converted, pydoc_texts(), CheckOptions(tokens=tokens, seq_len=512))
     report["tolerance"] = tolerance("float32")
     print_report(report, title=f"{SOURCE_LABEL} vs {out} (mean-pooled MQA, before uptraining), "
                                f"pydoc's first {report['tokens']} tokens, windows {report['seq_len']}")

@@ -422,8 +422,10 @@ def test_a_recipe_step_s_command_line_parses_back_into_the_same_options(values):
     args = command_args(step, exclude=("name",))
     command = cli.cli.commands["convert"]
     ctx = command.make_context("convert", ["src", *args], parent=click.Context(cli.cli, info_name="surgery"))
-    parsed = parse_options(options_model(), {k: v for k, v in ctx.params.items() if k not in ("source",)})
+    with ctx:  # the options the flags gave, as the command itself parses them
+        parsed = parse_options(options_model(), {k: v for k, v in ctx.params.items() if k not in ("source",)})
     assert parsed.kind_options == step.kind_options
+    assert parsed.kind_options.model_fields_set == step.kind_options.model_fields_set
 
 
 def test_uptrain_s_options_are_declared_once_and_worded_per_front_end():

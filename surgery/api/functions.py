@@ -11,13 +11,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, Union
 
 from ..options import refuse_unknown, validate_options
-from .arguments import flag_argument, int_argument, list_argument, path_argument, tokenizer_argument
+from .arguments import describe, flag_argument, int_argument, list_argument, path_argument, tokenizer_argument
 from .results import (CheckReport, ConversionResult, Estimate, InspectReport, PushResult, RecipePlan, RecipeResult,
                       TeacherStore, UptrainResult)
 from .sources import is_model, source_spec, text_spec, text_specs
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
+
+    from ..checking.options import CheckOptions
+    from ..commands.uptrain import UptrainArgs
+    from ..kinds import ConvertOptions
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger("surgery")
@@ -77,8 +81,9 @@ def _output_folder(out: Any, function: str, force: bool) -> Path:
     return out
 
 
-def convert(source: Source, out: PathLike | None = None, *, to: str, tokenizer: PreTrainedTokenizerBase | None = None,
-            dry_run: bool = False, **options: Any) -> ConversionResult | Estimate:
+def convert(source: Source, out: PathLike | None = None, options: ConvertOptions | None = None, *,
+            to: str | None = None, tokenizer: PreTrainedTokenizerBase | None = None, dry_run: bool = False,
+            **values: Any) -> ConversionResult | Estimate:
     """Convert a checkpoint to another attention, as `surgery convert SOURCE --out OUT --to KIND` does.
 
     Args:
@@ -91,12 +96,14 @@ def convert(source: Source, out: PathLike | None = None, *, to: str, tokenizer: 
         out: The output folder (written atomically: nothing half-written is left on failure; missing parent
             folders are made, and removed again if the conversion fails); checked before any work. Required unless
             `dry_run`.
-        to: The target attention: `mqa`, `gqa`, `talking-heads`, `switchhead` or `mla`.
+        options: The options as one model of `surgery.commands.convert.options_model()` (what the command line
+            builds, `to` included), instead of `to` and keywords.
+        to: The target attention: `mqa`, `gqa`, `talking-heads`, `switchhead`, `mla` or `swa`.
         tokenizer: With a loaded model: its tokenizer (default: the one in the folder the model was loaded from).
         dry_run: Convert nothing and write nothing: return the estimate `surgery convert --dry-run` prints (peak
             host/device memory and time per layer, from a cost model and a short throughput probe), with the numbers
             its `--json` writes.
-        **options: Any option of `surgery convert`, by its field name: `kv_heads=`, `merge=`, `calib=`,
+        **values: Any option of `surgery convert`, by its field name: `kv_heads=`, `merge=`, `calib=`,
             `calib_tokens=`, `device=`, `dtype=`, `precision=`, `force=`, `revision=`, ... `calib` also takes a
             `datasets.Dataset` / `IterableDataset` (column `text`), a list of strings (documents) or of dicts (rows),
             or a tuple of several sources to mix (`("pydoc", my_dataset)`); `calib_tokens` and `calib_window`
@@ -115,12 +122,16 @@ def convert(source: Source, out: PathLike | None = None, *, to: str, tokenizer: 
     dry_run = flag_argument(dry_run, "dry_run", "convert")
     tokenizer_argument(tokenizer, source, "convert")
     model = options_model()
-    values = dict(options, to=to)
-    refuse_unknown(model, values)  # before any data object is written
-    if "calib" in values:
-        tokens = max(1, _typed(model, values, "calib_tokens") or 0)
-        values["calib"] = text_specs(values["calib"], "text", tokens)
-    parsed = validate_options(model, values)
+    parsed = _options_argument(model, options, dict(values, **({} if to is None else {"to": to})), "convert")
+    if parsed is None:
+        if to is None:
+            raise SurgeryError("convert needs to= (the target attention) or options=")
+        values = dict(values, to=to)
+        refuse_unknown(model, values)  # before any data object is written
+        if "calib" in values:
+            tokens = max(1, _typed(model, values, "calib_tokens") or 0)
+            values["calib"] = text_specs(values["calib"], "text", tokens)
+        parsed = validate_options(model, values)
     if dry_run:
         return Estimate(convert_dry_run(source_spec(source, tokenizer), parsed))
     out = _output_folder(out, "convert", parsed.force)
@@ -160,20 +171,26 @@ def export(checkpoint: Source, gguf: PathLike, *, dtype: str = "f32", force: boo
     return out
 
 
-def check(source: Source, converted: Source, *, json_out: PathLike | None = None, show: bool = False,
-          tokenizer: PreTrainedTokenizerBase | None = None, **options: Any) -> CheckReport:
+def check(source: Source, converted: Source, options: CheckOptions | None = None, *,
+          json_out: PathLike | None = None, show: bool = False, tokenizer: PreTrainedTokenizerBase | None = None,
+          **values: Any) -> CheckReport:
     """Compare a converted checkpoint with its source on the same tokens, as `surgery check SOURCE CONVERTED` does.
 
     Args:
         source: The source: a folder, hub id, `.gguf` file, `"smollm2"` or a loaded model (saved as `convert` does).
         converted: The converted checkpoint: a folder, a `ConversionResult` / `UptrainResult`, or a loaded model.
+        options: The options as one `surgery.checking.options.CheckOptions` (what the command line builds), instead
+            of keywords.
         json_out: Also write the report as JSON here (what `--json` writes; `"-"`: stdout).
         show: Also print the report's tables on stdout, as `surgery check` does (before `expect` is judged).
         tokenizer: With a loaded model (source or converted): its tokenizer (default: the one in the folder the
             model was loaded from).
-        **options: Any option of `surgery check` by its field name (`data=`, `tokens=`, `seq_len=`, `device=`,
-            `dtype=`, `expect=`, `generate=`, `layers=`, ...). `data` also takes a `datasets.Dataset` /
+        **values: Any option of `surgery check` by its field name (`data=`, `tokens=`, `seq_len=`, `device=`,
+            `dtype=`, `expect=`, `generate=`, `layers=`, `retrieval=`, ...). `data` also takes a `datasets.Dataset` /
             `IterableDataset`, a list of strings (documents) or a tuple of several texts, each checked on its own.
+
+    Every rule on the options (counts, retrieval tasks and lengths, what an option needs beside it) is checked
+    before any checkpoint is resolved, downloaded or loaded.
 
     Returns:
         The report: |Δlogits|, KL, top-1 agreement, perplexities, as attributes and as a mapping.
@@ -187,15 +204,31 @@ def check(source: Source, converted: Source, *, json_out: PathLike | None = None
     json_out = path_argument(json_out, "json_out", "check", optional=True)
     show = flag_argument(show, "show", "check")
     tokenizer_argument(tokenizer, source if is_model(source) else converted, "check")  # the converted's is optional
-    values = dict(options)
-    refuse_unknown(CheckOptions, values)
-    if "data" in values:
-        values["data"] = text_specs(values["data"], values.get("text_field") or "text",
-                                    values.get("tokens") or _default(CheckOptions, "tokens"))
-    parsed = validate_options(CheckOptions, values)
+    parsed = _options_argument(CheckOptions, options, values, "check")
+    if parsed is None:
+        refuse_unknown(CheckOptions, values)
+        if "data" in values:
+            values["data"] = text_specs(values["data"], values.get("text_field") or "text",
+                                        values.get("tokens") or _default(CheckOptions, "tokens"))
+        parsed = validate_options(CheckOptions, values)
     report = check_checkpoints(source_spec(source, tokenizer, "check"), source_spec(converted, tokenizer), parsed,
                                json_out=json_out, warn=log.warning, show=show)
     return CheckReport(report)
+
+
+def _options_argument(model, options: Any, values: dict, function: str):
+    """`options` when it is an instance of `model` (validated when it was built: the command line builds it once)
+    and no keyword option is given beside it; None when `options` is None (the keywords are the options)."""
+    from ..errors import SurgeryError
+
+    if options is None:
+        return None
+    if not isinstance(options, model):
+        raise SurgeryError(f"{function}: options is a {model.__name__}, not {describe(options)}")
+    if values:
+        raise SurgeryError(f"{function}: give the options as a {model.__name__} or as keywords, not both (got "
+                           f"{next(iter(values))}= beside options)")
+    return options
 
 
 def inspect(*checkpoints: Source, context: int = 4096, allow_pickle: bool = False) -> list[InspectReport]:
@@ -227,8 +260,9 @@ def inspect(*checkpoints: Source, context: int = 4096, allow_pickle: bool = Fals
     return reports
 
 
-def uptrain(model: Source, out: PathLike | None = None, *, tokenizer: PreTrainedTokenizerBase | None = None,
-            progress: bool = True, dry_run: bool = False, **options: Any) -> UptrainResult | Estimate:
+def uptrain(model: Source, out: PathLike | None = None, options: UptrainArgs | None = None, *,
+            tokenizer: PreTrainedTokenizerBase | None = None, progress: bool = True, dry_run: bool = False,
+            **values: Any) -> UptrainResult | Estimate:
     """Continue training a (converted) causal LM, as `surgery uptrain MODEL --out OUT` does.
 
     Args:
@@ -239,7 +273,9 @@ def uptrain(model: Source, out: PathLike | None = None, *, tokenizer: PreTrained
         dry_run: Train nothing and write nothing: return the memory estimate `surgery uptrain --dry-run` prints
             (each process's host and GPU memory, by phase and term; read from the checkpoints' headers). Data
             objects are still copied into the cache, as for a run.
-        **options: Any option of `surgery uptrain` by its field name (`tokens=` is required; `data=`, `loss=`,
+        options: The options as one `surgery.commands.uptrain.UptrainArgs` (what the command line builds), instead
+            of keywords.
+        **values: Any option of `surgery uptrain` by its field name (`tokens=` is required; `data=`, `loss=`,
             `teacher=`, `seq_len=`, `batch_tokens=`, `lr=`, `device` comes from accelerate, ...). `data` and
             `eval_data` also take a `datasets.Dataset` / `IterableDataset`, a list of strings (documents) or, for
             `data`, a tuple of several sources (a mixture, with `data_weights=`); `teacher` also takes a loaded
@@ -259,14 +295,17 @@ def uptrain(model: Source, out: PathLike | None = None, *, tokenizer: PreTrained
     dry_run = flag_argument(dry_run, "dry_run", "uptrain")
     progress = flag_argument(progress, "progress", "uptrain")
     tokenizer_argument(tokenizer, model, "uptrain")
-    values = dict(options)
-    refuse_unknown(UptrainArgs, values)
-    _run_texts(values, UptrainArgs)
-    if values.get("teacher") is not None:
-        values["teacher"] = source_spec(values["teacher"])
-    if values.get("teacher_logprobs") is not None:  # a folder, or the TeacherStore `teacher` returned
-        values["teacher_logprobs"] = str(path_argument(values["teacher_logprobs"], "teacher_logprobs", "uptrain"))
-    parsed = validate_options(UptrainArgs, values)
+    parsed = _options_argument(UptrainArgs, options, values, "uptrain")
+    if parsed is None:
+        values = dict(values)
+        refuse_unknown(UptrainArgs, values)
+        _run_texts(values, UptrainArgs)
+        if values.get("teacher") is not None:
+            values["teacher"] = source_spec(values["teacher"])
+        if values.get("teacher_logprobs") is not None:  # a folder, or the TeacherStore `teacher` returned
+            values["teacher_logprobs"] = str(path_argument(values["teacher_logprobs"], "teacher_logprobs",
+                                                           "uptrain"))
+        parsed = validate_options(UptrainArgs, values)
     if dry_run:
         return Estimate({"lines": uptrain_dry_run(source_spec(model, tokenizer), parsed)})
     out = _output_folder(out, "uptrain", parsed.force)

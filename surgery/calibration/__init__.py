@@ -1,4 +1,5 @@
-"""Calibration for the calibrated conversions (`--merge aligned`, `--to switchhead`), in one place.
+"""Calibration for the calibrated conversions (`--merge aligned`, `--to switchhead`, `--to mla`, and `--to swa`'s
+`--global-layers auto`), in one place.
 
 - `text`: which text calibrates (kept apart from `surgery check`'s default evaluation text), tokenised into windows,
   with the record of what was read (`surgery.json` "calibration").
@@ -8,6 +9,9 @@
   memory model.
 - `chunks`: how many calibration windows one chunk holds (sized by the model's width; `--calib-chunk`), the one
   rule the calibrated conversions and their cost models share.
+- `layout`: a decoder layer's checkpoint tensors in the layout transformers keeps in memory (what streaming reads).
+- `residual`: the calibration's residual streams, in memory up to a budget and in scratch files past it.
+- `store`: each layer's converted tensors, kept from its calibration until the writer asks for them.
 """
 
 from .stream import LayerStream, estimate_peak_bytes, open_stream

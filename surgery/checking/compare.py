@@ -12,8 +12,10 @@ computed against the stored source outputs, a slice of positions at a time. Peak
 outputs and one slice. The numbers are the ones a two-models-at-once comparison gives (`compare_models`, kept for
 callers that hold both models anyway, like compare-merges), to float rounding of the sums.
 
-Everything that can be wrong with the input (options, trust, pickle weights, truncated or shape-mismatched
-checkpoints, different tokenizers, an unwritable --json) is checked before the first model is loaded.
+The options' own rules hold when their model (checking/options.py: CheckOptions, taken whole) is built, before
+any checkpoint is resolved; everything else that can be wrong with the input (trust, pickle weights, truncated or
+shape-mismatched checkpoints, different tokenizers, what needs a causal LM, the context) is checked by `plan_check`
+before the first model is loaded.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ import torch.nn.functional as F
 from . import documents
 from . import generate as gen
 from . import layers as layer_errors
-from . import retrieval as retrieval_runs
-from . import retrieval_report
-from . import tasks as task_runs
+from .retrieval import plan_retrieval, score_retrieval
+from .retrieval_report import compare_retrieval_scores
+from .tasks import compare_task_scores, load_tasks, score_eval_tasks
 from .passes import IGNORE, Projection, converted_pass, next_token_targets, outputs, slice_rows, source_pass
 from .positions import PositionBuckets, window_positions
 from .overlap import HashedTexts, calibration_overlap
@@ -48,6 +50,7 @@ from ..progress import Progress
 from ..runtime import (context_length, is_causal_lm, load_model, load_model_config, load_tokenizer, pick_device,
                        windows)
 from ..checkpoint.source import Source
+from .options import CheckOptions
 from ..kinds import check_checkpoint
 
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 1e-1}
@@ -195,21 +198,6 @@ def validate_weights(source: Source, config, causal: bool, trust_remote_code: bo
                                f"{list(want)}: the checkpoint does not match its config")
 
 
-def check_json_path(path: Path | None) -> None:
-    """A --json file can be written (its folder exists and is writable), checked before the run."""
-    from ..checkpoint.atomic import check_output_file
-
-    check_output_file(path, "--json")
-
-
-def check_counts(tokens: int, seq_len: int, batch_size: int, generate: int) -> None:
-    for name, value in (("--tokens", tokens), ("--seq-len", seq_len), ("--batch-size", batch_size)):
-        if value < 1:
-            raise SurgeryError(f"{name} must be at least 1 (got {value})")
-    if generate < 0:
-        raise SurgeryError(f"--generate must be 0 (off) or a number of tokens (got {generate})")
-
-
 def resolve_trusts(source: Source, converted: Source, trust_source_code: bool, trust_remote_code: bool):
     from ..trust import resolve_trust
 
@@ -265,8 +253,9 @@ class CheckPlan:
     new_tokens: int
     layer_windows: int  # 0: no --layers
     layer_bytes: int
-    tasks: object = None  # check.tasks.TaskSet of --tasks, loaded before any model
-    retrieval: object = None  # checking.retrieval.RetrievalPlan of --retrieval: its examples, checked before any model
+    task_set: object = None  # checking.tasks.TaskSet of --tasks, loaded before any model
+    retrieval_plan: object = None  # checking.retrieval.RetrievalPlan of --retrieval: its examples, checked before any
+    # model
     precision: str = "fp32"  # what the models compute in: bf16 (autocast or bf16 weights), fp16 or fp32
 
     @property
@@ -287,48 +276,12 @@ class CheckPlan:
         return [self.batches[s:min(s + size, n)].to(self.device) for s in range(0, n, size)]
 
 
-@dataclass(frozen=True)
-class CheckRequest:
-    """What the caller asked to compare (the options of `surgery check`, without its output handling)."""
-
-    tokens: int = 16384
-    seq_len: int = 1024
-    batch_size: int = 4
-    device: str = "auto"
-    dtype: str = "float32"
-    precision: str = "auto"  # --precision: autocast over float32 weights (surgery/precision.py)
-    trust_remote_code: bool = False  # run the converted model's own code
-    trust_source_code: bool = False  # run the source's own code
-    allow_pickle: bool = False
-    tokenizer: str | None = None  # "source" / "converted": which one encodes the text when they differ
-    generate: int = 0  # greedy tokens per prompt (0: no generation)
-    prompts_file: Path | None = None  # extra prompts, one a line
-    prompt_len: int = gen.PROMPT_TOKENS  # tokens of each prompt cut from the text (at most half a window)
-    layers: bool = False
-    data: str = "text"  # what the text is called in the report
-    tasks: str | None = None
-    tasks_limit: int | None = None
-    retrieval: str | None = None  # task names, or "all"
-    retrieval_lengths: str | tuple[int | str, ...] | None = None  # tokens or "kw" (the converted model's sliding
-    # window); None: 512, 1024, ... up to the window length
-    retrieval_samples: int = 4
-    retrieval_haystack: str = "auto"  # auto: the text when one was given (`text_given`), else the noise
-    retrieval_batch: int = 4  # examples of one task and length per forward pass
-    text_given: bool = True  # the text is the user's (not the default pydoc): --retrieval-haystack auto reads it
-    documents: str = "joined"  # "whole": each window cut from one document (checking/documents.py)
-
-
-def plan_check(source: Source, converted: Source, texts: Iterable[str], r: CheckRequest, warn,
+def plan_check(source: Source, converted: Source, texts: Iterable[str], r: CheckOptions, warn,
                more_texts: Sequence[tuple[str, Iterable[str]]] = ()) -> CheckPlan:
-    """Check every input (options, trust, weights, tokenizers, prompts) and tokenize the texts (`texts`, called
-    `r.data`, then each (name, texts) of `more_texts`); loads no model."""
-    check_counts(r.tokens, r.seq_len, r.batch_size, r.generate)
-    if r.documents not in documents.MODES:
-        raise SurgeryError(f"--documents must be one of {', '.join(documents.MODES)} (got {r.documents!r})")
-    if r.prompts_file is not None and not r.generate:
-        raise SurgeryError("--prompts needs --generate N (the number of tokens to generate)")
-    if r.prompt_len < 1:
-        raise SurgeryError(f"--prompt-len must be at least 1 (got {r.prompt_len})")
+    """Check what the options alone cannot (trust, weights, tokenizers, prompts, what needs a causal LM, the context
+    and the sliding window: the options' own rules held when `r` was built) and tokenize the texts (`texts`, called
+    `r.data[0]`, then each (name, texts) of `more_texts`); loads no model."""
+    name = r.data[0]
     dev = pick_device(r.device)
     try:
         precision = weights_precision(r.precision, dev, r.dtype)
@@ -347,8 +300,6 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
                            f"{vocab_size(config_b)} ids)")
     if r.generate and not causal:
         raise SurgeryError("--generate needs a causal LM")
-    if r.tasks_limit is not None and not r.tasks:
-        raise SurgeryError("--tasks-limit needs --tasks")
     if r.tasks and not causal:
         raise SurgeryError("--tasks needs a causal LM")
     validate_weights(source, config_a, causal, trust_a, r.allow_pickle)
@@ -384,53 +335,49 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
                  "numbers are optimistic; check on text it never saw")
         return checked, ids
 
-    first, ids = tokenized(r.data, chain(head, texts))
+    first, ids = tokenized(name, chain(head, texts))
     checked = [first] + [tokenized(name, text)[0] for name, text in more_texts]
     batches = first.batches
 
     prompts: list[gen.Prompt] = []
     if r.generate:
         prompts = gen.prompts_from_stream(ids, length=min(r.prompt_len, max(1, batches.shape[1] // 2)))
-        if r.prompts_file is not None:
-            prompts = gen.prompts_from_file(r.prompts_file, tok) + prompts
+        if r.prompts is not None:
+            prompts = gen.prompts_from_file(Path(r.prompts), tok) + prompts
         gen.check_lengths(prompts, r.generate, ctx)
     n_layer_windows = layer_errors.layer_windows(batches.shape[0], batches.shape[1]) if r.layers else 0
     # A talking-heads model computes eager attention: compare it with the source's eager attention, so that the
     # report measures the surgery and not the source's own sdpa-vs-eager rounding (~1e-4 on SmolLM2's logits).
     source_attention = _source_attention(converted)
-    task_set = task_runs.load_tasks(r.tasks, r.tasks_limit) if r.tasks else None  # a task's data that cannot be had: before any model
-    retrieval = None
+    task_set = load_tasks(r.tasks, r.tasks_limit) if r.tasks else None  # a task's data that cannot be had: before any model
+    retrieval_plan = None
     if r.retrieval:
         if not causal:
             raise SurgeryError("--retrieval needs a causal LM")
         window, no_window = retrieval_window(converted)
-        retrieval = retrieval_runs.plan_retrieval(
+        retrieval_plan = plan_retrieval(
             r.retrieval, r.retrieval_lengths, r.retrieval_samples, r.retrieval_haystack, tok, ctx,
             min(r.seq_len, ctx or r.seq_len), ids, batch=r.retrieval_batch, window=window, no_window=no_window,
-            text_name=r.data, text_given=r.text_given)
-    elif (r.retrieval_lengths or r.retrieval_haystack != "auto" or r.retrieval_samples != 4
-          or r.retrieval_batch != 4):
-        raise SurgeryError("--retrieval-lengths, --retrieval-samples, --retrieval-haystack and --retrieval-batch need "
-                           "--retrieval TASKS")
+            text_name=name, text_given=r.text_given)
     return CheckPlan(source, converted, dev, r.dtype, (trust_a, trust_b), causal,
                      vocab_size(config_a) if causal else hidden_size(config_a), source_attention, tok, tokenizer_note,
                      checked, r.batch_size, prompts, r.generate, n_layer_windows,
-                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), task_set, retrieval,
+                     layer_errors.expected_bytes(config_a, n_layer_windows * batches.shape[1]), task_set, retrieval_plan,
                      precision)
 
 
-def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str], progress: bool = True,
-                        spill_bytes: int = MEMORY_BYTES, warn=None,
-                        more_texts: Sequence[tuple[str, Iterable[str]]] = (), **request) -> dict:
-    """Run the source, then the converted model, over the same windows of `texts`; see the module docstring.
-    `more_texts`: further (name, texts) pairs compared in the same run, each on its own first `tokens` tokens
-    (the report's `texts`).
+def compare_checkpoints(source: Source, converted: Source, texts: Iterable[str], options: CheckOptions | None = None,
+                        progress: bool = True, spill_bytes: int = MEMORY_BYTES, warn=None,
+                        more_texts: Sequence[tuple[str, Iterable[str]]] = ()) -> dict:
+    """Run the source, then the converted model, over the same windows of `texts` (the first of `options.data`);
+    see the module docstring. `more_texts`: further (name, texts) pairs compared in the same run, each on its own
+    first `tokens` tokens (the report's `texts`).
 
-    `request`: the fields of CheckRequest (tokens, seq_len, generate, ...). trust_remote_code trusts the converted
+    `options`: the check's options (default: CheckOptions()); of them, trust_remote_code trusts the converted
     model's own code, trust_source_code the source's (the toolkit's own modeling files in its own outputs are
     recognised by their sha256 and need neither). `warn(line)` receives warnings (the CLI prints them on stderr).
     `spill_bytes`: the largest store of source outputs kept in memory."""
-    plan = plan_check(source, converted, texts, CheckRequest(**request), warn or (lambda line: None), more_texts)
+    plan = plan_check(source, converted, texts, options or CheckOptions(), warn or (lambda line: None), more_texts)
     return run_check(plan, progress, spill_bytes)
 
 
@@ -453,7 +400,7 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         source_forced = forced(model, p, source_continuations)  # the source's margins along its own continuations
         source_layers = layer_errors.record_layers(model, p.layer_batches(), layer_store) if p.layer_windows else 0
         source_scores = task_scores(model, p)
-        source_retrieval = retrieval_scores(model, p, progress, "retrieval source")
+        source_retrieval_rows = retrieval_scores(model, p, progress, "retrieval source")
         del model
         free(p.device)
         seconds["source"] = round(time.time() - start, 2)
@@ -478,12 +425,12 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
         if p.layer_windows:
             report["layers"] = layer_errors.compare_layers(model, p.layer_batches(), layer_store, source_layers)
             report["layers_tokens"] = p.layer_windows * p.seq_len
-        if p.tasks is not None:
-            report["tasks"] = task_runs.compare(source_scores, task_scores(model, p))
-            report["tasks_limit"] = p.tasks.limit
-        if p.retrieval is not None:
-            report["retrieval"] = retrieval_report.compare(
-                p.retrieval, source_retrieval, retrieval_scores(model, p, progress, "retrieval converted"))
+        if p.task_set is not None:
+            report["tasks"] = compare_task_scores(source_scores, task_scores(model, p))
+            report["tasks_limit"] = p.task_set.limit
+        if p.retrieval_plan is not None:
+            report["retrieval"] = compare_retrieval_scores(
+                p.retrieval_plan, source_retrieval_rows, retrieval_scores(model, p, progress, "retrieval converted"))
         del model, head
         free(p.device)
         seconds["converted"] = round(time.time() - start, 2)
@@ -502,16 +449,16 @@ def run_check(plan: CheckPlan, progress: bool = True, spill_bytes: int = MEMORY_
 
 def task_scores(model, plan: CheckPlan) -> dict:
     """--tasks: lm-eval's scores of the loaded model ({} without --tasks)."""
-    if plan.tasks is None:
+    if plan.task_set is None:
         return {}
-    return task_runs.score(model, plan.tokenizer, plan.tasks, plan.batch_size, plan.device)
+    return score_eval_tasks(model, plan.tokenizer, plan.task_set, plan.batch_size, plan.device)
 
 
 def retrieval_scores(model, plan: CheckPlan, progress: bool, desc: str) -> list[dict] | None:
     """--retrieval: each example's score for the loaded model (None without --retrieval)."""
-    if plan.retrieval is None:
+    if plan.retrieval_plan is None:
         return None
-    return retrieval_runs.score(model, plan.retrieval, plan.device, progress, desc)
+    return score_retrieval(model, plan.retrieval_plan, plan.device, progress, desc)
 
 
 def retrieval_window(converted: Source) -> tuple[int | None, str]:

@@ -1,6 +1,7 @@
 """`check --retrieval`: synthetic long-context retrieval (surgery/retrieval_tasks.py) scored for the source
 and the converted model at a ladder of lengths; the report (accuracy against length with its intervals: table,
---json, --plot) is surgery/checking/retrieval_report.py.
+--json, --plot) is surgery/checking/retrieval_report.py; the form of the tasks and lengths asked for is
+surgery/checking/retrieval_spec.py.
 
 Scoring is exact and cheap: one forward pass over the example (prompt and answer, teacher-forced) that keeps the
 logits of the answer's positions only (`logits_to_keep`: never a whole window of vocabulary logits). An item of the
@@ -18,7 +19,6 @@ whole ladder's (tasks x samples x lengths: millions of token ids at 128k).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -26,73 +26,10 @@ import torch
 
 from ..errors import SurgeryError
 from ..progress import Progress
-from ..retrieval_tasks import TASKS, Example, make_examples
+from ..retrieval_tasks import Example, make_examples
+from .retrieval_spec import check_length, default_lengths, parse_lengths, parse_retrieval_tasks, resolve_lengths
 
-FIRST_LENGTH = 512
-HAYSTACKS = ("auto", "noise", "text")
 MAX_BATCH_TOKENS = 32768  # tokens of one batched pass: 4 examples at 8k, one at 32k and beyond
-_LENGTH = re.compile(r"(\d+)|(\d+(?:\.\d+)?|\.\d+)?w")
-LENGTHS_FORM = "comma-separated token counts or multiples of the converted model's sliding window (e.g. 512,2w,4w)"
-
-
-def parse_tasks(spec: str) -> list[str]:
-    names = list(TASKS) if spec.strip() == "all" else [t.strip() for t in spec.split(",") if t.strip()]
-    unknown = [t for t in names if t not in TASKS]
-    if unknown or not names:
-        raise SurgeryError(f"unknown retrieval task {unknown[0] if unknown else spec!r}; choose from "
-                           f"{', '.join(TASKS)} or all")
-    return list(dict.fromkeys(names))
-
-
-def parse_lengths(spec: str | Sequence[int | str] | None) -> tuple[int | str, ...] | None:
-    """--retrieval-lengths' entries, checked for their form: token counts (ints) and multiples of the converted
-    model's window ("2w", "0.5w", "w", kept as strings until the window is known: `resolve_lengths`)."""
-    if spec is None or spec == "" or spec == ():
-        return None
-    entries = spec.split(",") if isinstance(spec, str) else list(spec)
-    out: list[int | str] = []
-    for entry in entries:
-        text = str(entry).strip().lower().replace("_", "")
-        if not text and isinstance(spec, str):
-            continue  # "512,1024,": a trailing comma
-        match = _LENGTH.fullmatch(text)
-        if isinstance(entry, bool) or not match:
-            raise SurgeryError(f"--retrieval-lengths takes {LENGTHS_FORM}, got {entry!r}")
-        out.append(int(match.group(1)) if match.group(1) else text)
-    if not out:
-        raise SurgeryError(f"--retrieval-lengths takes {LENGTHS_FORM}, got {spec!r}")
-    return tuple(out)
-
-
-def window_multiple(entry: str) -> float:
-    return float(entry[:-1] or 1)
-
-
-def resolve_lengths(entries: Sequence[int | str], window: int | None, why_none: str = "") -> list[int]:
-    """Token counts of --retrieval-lengths, sorted, each "kw" as round(k x `window`) (the converted model's sliding
-    window; None: it has none, and `why_none` says why, e.g. "mqa-out has no sliding window")."""
-    lengths = []
-    for entry in entries:
-        if isinstance(entry, int):
-            lengths.append(entry)
-            continue
-        if not window:
-            raise SurgeryError(f"--retrieval-lengths {entry}: w is the converted model's sliding window, and "
-                               f"{why_none or 'it has none'}; give the lengths in tokens")
-        tokens = round(window_multiple(entry) * window)
-        if tokens < 1:
-            raise SurgeryError(f"--retrieval-lengths {entry}: {tokens} tokens (w = {window})")
-        lengths.append(tokens)
-    return sorted(set(lengths))
-
-
-def default_lengths(longest: int) -> list[int]:
-    """512, 1024, ... doubling up to `longest`, which is always the last rung."""
-    lengths, n = [], FIRST_LENGTH
-    while n < longest:
-        lengths.append(n)
-        n *= 2
-    return lengths + [longest]
 
 
 @dataclass
@@ -124,22 +61,16 @@ def plan_retrieval(spec: str, lengths: Sequence[int | str] | None, samples: int,
     """Every example of the check, checked against the model's context and the haystack text. `lengths`: parsed
     entries (`parse_lengths`; "kw" counts in `window`, the converted model's sliding window, `no_window` saying why
     there is none); None: the default ladder up to `longest`. `haystack` auto is the text when the user gave one
-    (`text_given`), else the noise."""
-    tasks = parse_tasks(spec)
-    if samples < 1:
-        raise SurgeryError(f"--retrieval-samples must be at least 1, got {samples}")
-    if batch < 1:
-        raise SurgeryError(f"--retrieval-batch must be at least 1, got {batch}")
-    if haystack not in HAYSTACKS:
-        raise SurgeryError(f"--retrieval-haystack must be auto, noise or text, got {haystack!r}")
+    (`text_given`), else the noise. The options' own rules (samples and batch at least 1, the haystack's choices,
+    the tasks' and lengths' form) were checked when the options were built (checking/options.py)."""
+    tasks = parse_retrieval_tasks(spec)
     if haystack == "auto":
         haystack = "text" if text_given else "noise"
     entries = parse_lengths(lengths) if lengths else None
     in_windows = bool(entries) and any(isinstance(e, str) for e in entries)
     lengths = resolve_lengths(entries, window, no_window) if entries else default_lengths(longest)
     for n in lengths:
-        if n < 64:
-            raise SurgeryError(f"--retrieval-lengths: {n} tokens is too short for a retrieval example (64 at least)")
+        check_length(n)
         if context and n > context:
             raise SurgeryError(f"--retrieval-lengths: {n} tokens is beyond the model's context ({context})")
     hay, about = None, {}
@@ -210,7 +141,7 @@ def _score_batch(model, examples: list[Example], device: torch.device) -> list[d
 
 
 @torch.no_grad()
-def score(model, plan: RetrievalPlan, device: torch.device, progress: bool = True,
+def score_retrieval(model, plan: RetrievalPlan, device: torch.device, progress: bool = True,
           desc: str = "retrieval") -> list[dict]:
     """Per example: its task, length, depth, the share of its items retrieved (`score`), how many items it has
     and the answer's mean log-probability."""

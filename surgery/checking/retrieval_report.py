@@ -45,7 +45,7 @@ def _cell(rows: dict[str, list[dict]]) -> dict:
     return cell
 
 
-def compare(plan, source: list[dict], converted: list[dict]) -> dict:
+def compare_retrieval_scores(plan, source: list[dict], converted: list[dict]) -> dict:
     """Accuracy per task and length for both models (with counts and intervals), and the mean over tasks per
     length (the tasks' examples pooled)."""
     def cell(task, n):

@@ -72,7 +72,7 @@ def _yaml_task_names(path: Path) -> list[str]:
     return names
 
 
-def parse_tasks(spec: str) -> tuple[list[str], list[Path]]:
+def parse_eval_tasks(spec: str) -> tuple[list[str], list[Path]]:
     """(task names, include paths) from `--tasks`: comma-separated names and YAML file/folder paths."""
     names, include = [], []
     for entry in (e.strip() for e in spec.split(",")):
@@ -95,7 +95,7 @@ def load_tasks(spec: str, limit: int | None = None) -> TaskSet:
     """Parse `--tasks`, check every name is a task lm-eval knows and load the tasks' data (one line when it cannot)."""
     if limit is not None and limit < 1:
         raise SurgeryError(f"--tasks-limit must be at least 1 (got {limit})")
-    names, include = parse_tasks(spec)
+    names, include = parse_eval_tasks(spec)
     TaskManager = _import_lm_eval()
     manager = TaskManager(include_path=[str(p) for p in include] or None)
     known = set(manager.all_tasks)
@@ -122,7 +122,7 @@ def _numbers(metrics: dict) -> dict[str, float]:
     return out
 
 
-def score(model, tokenizer, tasks: TaskSet, batch_size: int, device) -> dict[str, dict]:
+def score_eval_tasks(model, tokenizer, tasks: TaskSet, batch_size: int, device) -> dict[str, dict]:
     """{task: {metric: value}} of one loaded model (lm-eval's HFLM wrapped around the model object)."""
     from lm_eval.evaluator import evaluate
     from lm_eval.models.huggingface import HFLM
@@ -137,7 +137,7 @@ def score(model, tokenizer, tasks: TaskSet, batch_size: int, device) -> dict[str
     return scores
 
 
-def compare(source: dict[str, dict], converted: dict[str, dict]) -> dict[str, dict]:
+def compare_task_scores(source: dict[str, dict], converted: dict[str, dict]) -> dict[str, dict]:
     """{task: {"source": {...}, "converted": {...}}} for every task either model was scored on."""
     return {task: {"source": source.get(task, {}), "converted": converted.get(task, {})}
             for task in sorted(set(source) | set(converted))}

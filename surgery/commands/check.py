@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
-from pydantic import ValidationInfo, field_validator, model_validator
-
-from ..dtypes import DTYPE_NAMES
+from ..checking.options import CheckOptions  # noqa: F401 - the command's options, where callers import them
 from ..errors import SurgeryError
 from ..logs import get_logger
-from ..options import Texts, option, spelling, texts_rule
-from ..precision import PrecisionOptions, check_dtype
 
 RUNNER_OWNED = ("revision",)  # a recipe's check compares its source (at the recipe's revision) with the step's input
 
@@ -20,81 +15,6 @@ class CheckFailed(SurgeryError):
     """The comparison ran but the converted model is not what --expect asked for (exit 1)."""
 
     code = 1
-
-
-class CheckOptions(PrecisionOptions):
-    data: Texts = option(["pydoc"], "--data", "Text: pydoc, stdlib (the standard library's modules, one document "
-                         "each), local .txt/.jsonl/.parquet files or globs, or a hub "
-                         "dataset name[:config][@split[@revision]]. Repeat it to check on several texts (e.g. domains) in one "
-                         "run, each model loaded once: each text gives its own --tokens tokens and numbers.")
-    text_field: str = option("text", "--text-field", "Column holding the text in tabular data.")
-    chat_template: Literal["auto", "on", "off"] = option(
-        "auto", "--chat-template", "How a text's `messages` column (conversations: lists of {role, content}) is read: "
-        "on: rendered with the tokenizer's chat template; off: the contents joined; auto: the template when the "
-        "tokenizer has one.")
-    tokens: int = option(16384, "--tokens", "Tokens to compare on (at least 1).")
-    seq_len: int = option(1024, "--seq-len", "Window length (capped at the context).")
-    documents: Literal["joined", "whole"] = option(
-        "joined", "--documents", "joined: the documents tokenized one after another, cut into windows; whole: each "
-        "window cut from one document at least --seq-len tokens long (long-context numbers; --data stdlib has long "
-        "documents), the report names them; none that long: an error.")
-    batch_size: int = option(4, "--batch-size", "Windows per forward pass.")
-    device: str = option("auto", "--device", "auto (CUDA when present), cpu, cuda, cuda:N.")
-    dtype: Literal[DTYPE_NAMES] = option("float32", "--dtype", "The dtype both models are loaded in; --precision bf16 "
-                                                            "autocasts float32 weights to bf16.")
-    expect: Literal["exact", "none"] = option("none", "--expect", "exact: exit 1 when max |Δlogits| exceeds the dtype's "
-                                                                  "tolerance.")
-    atol: float | None = option(None, "--atol", "Override the tolerance used by --expect exact.")
-    generate: int = option(0, "--generate", "Also let both models continue prompts greedily for N tokens and compare "
-                                            "the continuations.")
-    prompt_len: int = option(32, "--prompt-len", "With --generate: tokens of each prompt cut from the text (at most "
-                                                 "half a window); the continuations start at this position.")
-    prompts: str | None = option(None, "--prompts", "With --generate: a text file of extra prompts, one a line.",
-                                 path="file")
-    layers: bool = option(False, "--layers", "Also report each layer's attention and hidden-state error vs the source.")
-    tasks: str | None = option(None, "--tasks", "Also score both models on lm-eval tasks: comma-separated task names "
-                                                "and task YAML files (needs the `eval` extra).")
-    tasks_limit: int | None = option(None, "--tasks-limit", "With --tasks: at most N examples per task.")
-    retrieval: str | None = option(
-        None, "--retrieval", "Also score both models on synthetic long-context retrieval (RULER's families, generated "
-        "here): comma-separated passkey, niah_single, niah_multikey, variable_tracking, common_words, or all.")
-    retrieval_lengths: str | None = option(
-        None, "--retrieval-lengths", "With --retrieval: comma-separated example lengths in tokens, or in multiples of "
-        "the converted model's sliding window w (its config.json's sliding_window): 2w,4w,8w or 512,4w (default: 512, "
-        "1024, ... doubling up to --seq-len, capped at the context).")
-    retrieval_samples: int = option(4, "--retrieval-samples", "With --retrieval: examples per task and length, needle "
-                                                              "depths spread evenly (the 95% intervals narrow with "
-                                                              "more: about +-20 points at 20).")
-    retrieval_haystack: Literal["auto", "noise", "text"] = option(
-        "auto", "--retrieval-haystack", "With --retrieval: what fills the context around the needles: RULER's noise "
-        "sentences, or the check's own --data text (its first --tokens tokens, each example its own stretch); auto: "
-        "the text when --data names one other than the default pydoc, else the noise.")
-    retrieval_batch: int = option(4, "--retrieval-batch", "With --retrieval: examples per forward pass (all of one "
-                                                          "task and length, so equally long; at most 32,768 tokens a "
-                                                          "pass).")
-    plot: str | None = option(None, "--plot", "With --retrieval: write a PNG of accuracy against length here.",
-                              path="file")
-    tokenizer: Literal["source", "converted"] | None = option(
-        None, "--tokenizer", "Which tokenizer encodes the text when the two checkpoints' tokenizers differ.")
-    trust_remote_code: bool = option(False, "--trust-remote-code", "Run the modeling code shipped with CONVERTED.")
-    trust_source_code: bool = option(False, "--trust-source-code", "Run the modeling code shipped with SOURCE.")
-    allow_pickle: bool = option(False, "--allow-pickle", "Accept pickle .bin weights (loaded with weights_only=True).")
-    revision: str | None = option(None, "--revision", "Hub revision for hub ids.")
-
-    _data = field_validator("data")(texts_rule("data"))
-
-    @field_validator("retrieval_samples", "retrieval_batch")
-    @classmethod
-    def _positive(cls, v: int, info: ValidationInfo) -> int:
-        if v < 1:
-            raise ValueError(f"{spelling(info, cls).flag(info.field_name)} must be at least 1, got {v}")
-        return v
-
-    @model_validator(mode="after")
-    def _precision_dtype(self, info: ValidationInfo):
-        s = spelling(info, type(self))
-        check_dtype(self.precision, self.dtype, (s.flag("precision"), s.flag("dtype")))
-        return self
 
 
 def warn_same_domain(folder: Path, first: str, more: list[str], warn) -> None:
@@ -122,48 +42,27 @@ def chat_format(o: CheckOptions, src, dst):
         o.trust_remote_code if converted else o.trust_source_code)))
 
 
-def default_text(o: CheckOptions) -> bool:
-    """Whether the check's text is the default one (pydoc): --retrieval-haystack auto then takes the noise."""
-    return o.data == CheckOptions.model_fields["data"].default
-
-
 def check_checkpoints(source: str, converted: str, options: CheckOptions, json_out: Path | None = None,
                       warn=get_logger(__name__).warning, show: bool = True) -> dict:
     """Compare, print the report (`show`; the Python API returns it instead), write it as JSON (`json_out`);
-    CheckFailed when --expect exact is not met."""
-    from ..checkpoint.atomic import write_json
-    from ..checking.compare import check_counts, check_json_path, compare_checkpoints, precision_tolerance
-    from ..checking.retrieval import parse_lengths
+    CheckFailed when --expect exact is not met. `options` were validated when they were built (every rule that needs
+    no checkpoint); the output files are checked here, before any checkpoint is resolved."""
+    from ..checkpoint.atomic import check_output_file, write_json
+    from ..checking.compare import compare_checkpoints, precision_tolerance
     from ..checking.report_tables import print_report
     from ..data import load_texts
     from ..checkpoint.source import resolve_source
 
     o = options
-    check_counts(o.tokens, o.seq_len, o.batch_size, o.generate)
-    parse_lengths(o.retrieval_lengths)  # their form, before any checkpoint is read
-    check_json_path(json_out)
-    if o.plot:
-        if not o.retrieval:
-            raise SurgeryError("--plot draws the retrieval accuracy: it needs --retrieval TASKS")
-        check_json_path(Path(o.plot))
+    check_output_file(json_out, "--json")
+    check_output_file(Path(o.plot) if o.plot else None, "--plot")
     src = resolve_source(source, revision=o.revision, allow_pickle=o.allow_pickle)
     dst = resolve_source(converted, allow_pickle=o.allow_pickle)
     first, *more = o.data
     warn_same_domain(dst.folder, first, more, warn)
     chat = chat_format(o, src, dst)
-    report = compare_checkpoints(src, dst, load_texts(first, text_field=o.text_field, chat=chat),
-                                 more_texts=[(d, load_texts(d, text_field=o.text_field, chat=chat)) for d in more],
-                                 tokens=o.tokens, seq_len=o.seq_len, batch_size=o.batch_size, device=o.device,
-                                 dtype=o.dtype, precision=o.precision, trust_remote_code=o.trust_remote_code,
-                                 trust_source_code=o.trust_source_code, allow_pickle=o.allow_pickle,
-                                 tokenizer=o.tokenizer, generate=o.generate, prompt_len=o.prompt_len,
-                                 prompts_file=Path(o.prompts) if o.prompts else None, layers=o.layers, data=first,
-                                 tasks=o.tasks, tasks_limit=o.tasks_limit, retrieval=o.retrieval,
-                                 retrieval_lengths=parse_lengths(o.retrieval_lengths),
-                                 retrieval_samples=o.retrieval_samples, retrieval_haystack=o.retrieval_haystack,
-                                 retrieval_batch=o.retrieval_batch, text_given=not default_text(o),
-                                 documents=o.documents,
-                                 warn=warn)
+    report = compare_checkpoints(src, dst, load_texts(first, text_field=o.text_field, chat=chat), o, warn=warn,
+                                 more_texts=[(d, load_texts(d, text_field=o.text_field, chat=chat)) for d in more])
     tol = o.atol if o.atol is not None else precision_tolerance(report["precision"])
     worst = max(t["max_abs_diff"] for t in report.get("texts", [report]))
     report["tolerance"] = tol

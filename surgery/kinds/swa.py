@@ -73,9 +73,8 @@ class SWA(Kind):
         from ..swa import convert_to_swa
 
         auto = options.parsed_global_layers.auto
-        # the calibration windows: 4 W unless --calib-window is given (a value other than its default, as the
-        # other kinds tell a given option)
-        given = options.calib_window != type(options).model_fields["calib_window"].default
+        # the calibration windows: 4 W unless --calib-window is given (its default's value too, given explicitly)
+        given = "calib_window" in options.model_fields_set
         calib_window = options.calib_window if given else None
         return convert_to_swa(source, out, window=options.window, global_layers=options.parsed_global_layers,
                               calib=options.calib, calib_tokens=options.calib_tokens,

@@ -2,6 +2,7 @@
 
 Modules: `pool` (pooling K/V heads, and splitting/joining fused projections around it), `convert` (the plain
 merges, mean/first/random, as streamed tensor surgery, and the planner and writer the aligned merge reuses),
-`aligned/` (the activation-aware, RoPE-compatible merge, `--merge aligned`), `compare` (`surgery compare-merges`:
-every merge method side by side).
+`aligned/` (the activation-aware, RoPE-compatible merge, `--merge aligned`), `refusals` (the families and
+configurations the merges refuse). `surgery compare-merges` (every merge method side by side) is
+surgery/commands/compare_merges.py.
 """

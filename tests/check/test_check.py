@@ -19,6 +19,7 @@ from surgery.testing import tiny_models as tm
 from surgery.testing.tiny_models import char_tokenizer
 
 from surgery.checking.compare import compare_checkpoints, compare_models
+from surgery.checking.options import CheckOptions
 from surgery.runtime import load_model
 from surgery.checking import generate as gen
 from surgery.checking.overlap import document_sha256
@@ -53,9 +54,14 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return {"root": root, "src": root / "src", "exact": root / "exact", "other": root / "other", "lossy": root / "lossy"}
 
 
+RUN = ("progress", "spill_bytes", "warn", "more_texts")  # compare_checkpoints' own arguments; the rest: CheckOptions
+
+
 def check(source: Path, converted: Path, **kwargs) -> dict:
     kwargs = {"tokens": 1024, "seq_len": 64, "batch_size": 3, "device": "cpu", "progress": False} | kwargs
-    return compare_checkpoints(resolve_source(str(source)), resolve_source(str(converted)), pydoc_texts(), **kwargs)
+    run = {k: kwargs.pop(k) for k in RUN if k in kwargs}
+    return compare_checkpoints(resolve_source(str(source)), resolve_source(str(converted)), pydoc_texts(),
+                               CheckOptions(**kwargs), **run)
 
 
 def surgery(capsys, *args, env: dict | None = None, monkeypatch=None) -> tuple[int, str, str]:
@@ -190,7 +196,7 @@ def test_scratch_space_is_checked_before_the_run(monkeypatch):
 def test_exact_conversion_agrees_everywhere(models, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def main():\n\nThe attention heads\n")
-    report = check(models["src"], models["exact"], generate=6, prompts_file=prompts, layers=True, spill_bytes=0)
+    report = check(models["src"], models["exact"], generate=6, prompts=str(prompts), layers=True, spill_bytes=0)
     assert report["max_abs_diff"] < 1e-4 and report["top1_agreement"] == 1.0
     g = report["generation"]
     assert g["prompts"] == 8 + 2 and g["new_tokens"] == 6
@@ -444,8 +450,8 @@ def test_several_texts_are_checked_in_one_run_with_each_texts_own_numbers(models
         assert report[key] == first[key], key  # the top level is the first text
     alone = [check(models["other"], models["lossy"], tokens=512, seq_len=128),
              compare_checkpoints(resolve_source(str(models["other"])), resolve_source(str(models["lossy"])),
-                                 load_texts(str(tail)), tokens=512, seq_len=128, batch_size=3, device="cpu",
-                                 progress=False)]
+                                 load_texts(str(tail)), CheckOptions(data=str(tail), tokens=512, seq_len=128,
+                                                                     batch_size=3, device="cpu"), progress=False)]
     for text, single in zip((first, second), alone):  # each text's numbers are those of a check on it alone
         for key in METRICS:
             assert text[key] == pytest.approx(single[key], rel=1e-9, abs=1e-12), key
@@ -509,8 +515,9 @@ def test_the_model_card_has_a_row_per_text(models, tmp_path):
 def test_smollm2_mqa_sequential_check_matches_both_models_at_once(tmp_path):
     source = resolve_source("smollm2")
     convert_to_kv_heads(source, tmp_path / "mqa", KVOptions(kv_heads=1), progress=False)
-    report = compare_checkpoints(source, resolve_source(str(tmp_path / "mqa")), pydoc_texts(), tokens=2048,
-                                 seq_len=512, batch_size=2, device="cpu", progress=False, spill_bytes=0)
+    report = compare_checkpoints(source, resolve_source(str(tmp_path / "mqa")), pydoc_texts(),
+                                 CheckOptions(tokens=2048, seq_len=512, batch_size=2, device="cpu"), progress=False,
+                                 spill_bytes=0)
     assert report["scratch"] == "disk"
     a = load_model(source, torch.device("cpu"), "float32")
     b = load_model(resolve_source(str(tmp_path / "mqa")), torch.device("cpu"), "float32")
@@ -532,6 +539,6 @@ def test_bad_devices_are_one_line(models, capsys, device, fragment):
 
 def test_windows_are_capped_at_the_context_and_at_tokens(models):
     report = check(models["src"], models["exact"], tokens=100, seq_len=1024)
-    assert report["seq_len"] == 100 and report["tokens"] == 100 and report["text"] == "text[0:100]"
+    assert report["seq_len"] == 100 and report["tokens"] == 100 and report["text"] == "pydoc[0:100]"
     report = check(models["src"], models["exact"], tokens=1024, seq_len=1024)
     assert report["seq_len"] == 128 and report["windows"] == 8  # the tiny models' context: 128

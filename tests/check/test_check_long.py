@@ -13,7 +13,8 @@ from inprocess import run_cli
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from surgery.checking import documents, passes
-from surgery.checking.compare import CheckRequest, compare_checkpoints, plan_check
+from surgery.checking.compare import compare_checkpoints, plan_check
+from surgery.checking.options import CheckOptions
 from surgery.checkpoint.source import resolve_source
 from surgery.data import Document, load_texts, pydoc_texts, stdlib_files
 from surgery.errors import SurgeryError
@@ -40,9 +41,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
 
 
 def check(models, texts=None, **kwargs) -> dict:
-    kwargs = {"tokens": 256, "seq_len": 128, "batch_size": 2, "device": "cpu", "progress": False} | kwargs
+    kwargs = {"tokens": 256, "seq_len": 128, "batch_size": 2, "device": "cpu"} | kwargs
     return compare_checkpoints(resolve_source(str(models["src"])), resolve_source(str(models["lossy"])),
-                               pydoc_texts() if texts is None else texts, **kwargs)
+                               pydoc_texts() if texts is None else texts, CheckOptions(**kwargs), progress=False)
 
 
 def no_projection(monkeypatch, which: str) -> None:
@@ -130,10 +131,10 @@ TEXTS = ["short one", LONG_A, "tiny", LONG_B, "x" * 100]
 
 
 def plan(models, texts, **request):
-    request = {"tokens": 1024, "seq_len": 128, "batch_size": 2, "device": "cpu"} | request
+    request = {"data": "text", "tokens": 1024, "seq_len": 128, "batch_size": 2, "device": "cpu"} | request
     warnings: list[str] = []
     p = plan_check(resolve_source(str(models["src"])), resolve_source(str(models["lossy"])), texts,
-                   CheckRequest(**request), warnings.append)
+                   CheckOptions(**request), warnings.append)
     return p, warnings
 
 
@@ -189,9 +190,11 @@ def test_joined_windows_straddling_documents_are_warned_at_a_long_window(models,
     assert len(warnings) == 1 and warnings[0].startswith("6 of the 8 windows of 128 tokens of text hold several")
 
 
-def test_an_unknown_documents_mode_is_refused(models):
-    with pytest.raises(SurgeryError, match="--documents must be one of joined, whole"):
-        plan(models, TEXTS, documents="paragraphs")
+def test_an_unknown_documents_mode_is_refused():
+    from surgery.options import validate_options
+
+    with pytest.raises(SurgeryError, match="^--documents: Input should be 'joined' or 'whole'$"):
+        validate_options(CheckOptions, {"documents": "paragraphs"})
 
 
 def test_stdlib_is_the_standard_librarys_modules_one_document_each():

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from surgery.checking.retrieval import RetrievalPlan, default_lengths, score
+from surgery.checking.retrieval import RetrievalPlan, score_retrieval
+from surgery.checking.retrieval_spec import default_lengths
 from surgery.retrieval_tasks import TASKS, make_examples
 
 
@@ -51,7 +52,7 @@ def test_teacher_forced_scores_are_greedy_decoding_s_exact_match(smol):
     examples = [e for task in ("passkey", "variable_tracking", "common_words")
                 for e in make_examples(task, tok, 300, 1)]
     plan = RetrievalPlan.of(["x"], [300], 1, "noise", examples)
-    rows = score(model, plan, torch.device("cpu"), progress=False)
+    rows = score_retrieval(model, plan, torch.device("cpu"), progress=False)
     for e, row in zip(examples, rows):
         n = e.length - e.answer_start
         prompt = torch.tensor([e.ids[:e.answer_start]])

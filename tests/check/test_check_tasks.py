@@ -18,7 +18,8 @@ from surgery.testing import tiny_models as tm
 from surgery.testing.tiny_models import char_tokenizer
 
 from surgery.checking.compare import compare_checkpoints
-from surgery.checking.tasks import parse_tasks, rows
+from surgery.checking.options import CheckOptions
+from surgery.checking.tasks import parse_eval_tasks, rows
 from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.data import pydoc_texts
 from surgery.errors import SurgeryError
@@ -116,8 +117,8 @@ def expected_scores(folder: Path) -> dict[str, dict[str, float]]:
 @pytest.mark.slow  # 10-30 s: keeps the default suite under 25 minutes on 2 cores
 def test_task_scores_are_each_models_own(pair):
     report = compare_checkpoints(resolve_source(str(pair["src"])), resolve_source(str(pair["mqa"])), pydoc_texts(),
-                                 tokens=256, seq_len=64, batch_size=2, device="cpu", progress=False,
-                                 tasks=str(pair["tasks"]))
+                                 CheckOptions(tokens=256, seq_len=64, batch_size=2, device="cpu",
+                                              tasks=str(pair["tasks"])), progress=False)
     tasks = report["tasks"]
     assert sorted(tasks) == ["tiny_cloze", "tiny_mc"]
     for side, folder in (("source", pair["src"]), ("converted", pair["mqa"])):
@@ -129,8 +130,8 @@ def test_task_scores_are_each_models_own(pair):
     assert tasks["tiny_cloze"]["source"]["perplexity"] != pytest.approx(tasks["tiny_cloze"]["converted"]["perplexity"])
 
     limited = compare_checkpoints(resolve_source(str(pair["src"])), resolve_source(str(pair["mqa"])), pydoc_texts(),
-                                  tokens=256, seq_len=64, batch_size=2, device="cpu", progress=False,
-                                  tasks=str(pair["tasks"] / "mc.yaml"), tasks_limit=2)
+                                  CheckOptions(tokens=256, seq_len=64, batch_size=2, device="cpu",
+                                               tasks=str(pair["tasks"] / "mc.yaml"), tasks_limit=2), progress=False)
     assert list(limited["tasks"]) == ["tiny_mc"] and limited["tasks"]["tiny_mc"]["source"]["samples"] == 2
 
     table = tasks_section([("check", report)])  # the model card's table
@@ -173,7 +174,7 @@ def test_bad_tasks_are_one_line_before_any_model_loads(pair, tmp_path, capsys, m
 def test_a_task_file_is_read_without_running_its_tags(tmp_path):
     hostile = tmp_path / "t.yaml"
     hostile.write_text("task: mine\nprocess_docs: !function utils.process\n")  # utils.py does not even exist
-    assert parse_tasks(f"hellaswag, {hostile}") == (["hellaswag", "mine"], [tmp_path])
+    assert parse_eval_tasks(f"hellaswag, {hostile}") == (["hellaswag", "mine"], [tmp_path])
     (tmp_path / "empty.yaml").write_text("dataset_path: json\n")
     with pytest.raises(SurgeryError, match="defines no task"):
-        parse_tasks(str(tmp_path / "empty.yaml"))
+        parse_eval_tasks(str(tmp_path / "empty.yaml"))

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from surgery.checking.retrieval import MAX_BATCH_TOKENS, RetrievalPlan, batches, plan_retrieval, score
+from surgery.checking.retrieval import (MAX_BATCH_TOKENS, RetrievalPlan, batches, plan_retrieval,
+                                        score_retrieval)
 from surgery.retrieval_tasks import make_examples, text_start
 from surgery.testing.pydoc_llama import make_model
 
@@ -26,10 +27,10 @@ def test_batched_scores_are_the_one_by_one_scores(model, tokenizer):
                           None, batch=4)
     heads = []
     hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: heads.append(tuple(args[0].shape)))
-    batched = score(model, plan, torch.device("cpu"), progress=False)
+    batched = score_retrieval(model, plan, torch.device("cpu"), progress=False)
     hook.remove()
     plan.batch = 1
-    alone = score(model, plan, torch.device("cpu"), progress=False)
+    alone = score_retrieval(model, plan, torch.device("cpu"), progress=False)
     assert len(batched) == len(alone) == 2 * 2 * 5
     assert [(r["task"], r["length"], r["depth"], r["score"]) for r in batched] == \
         [(r["task"], r["length"], r["depth"], r["score"]) for r in alone]
@@ -66,10 +67,10 @@ def test_each_sample_reads_its_own_stretch_of_a_text_haystack(tokenizer):
 @torch.no_grad()
 def test_a_plan_of_examples_scores_in_batches_too(model, tokenizer):
     examples = make_examples("niah_single", tokenizer, 256, 3)
-    rows = score(model, RetrievalPlan.of(["niah_single"], [256], 3, "noise", examples, batch=3), torch.device("cpu"),
-                 progress=False)
-    one = [score(model, RetrievalPlan.of(["niah_single"], [256], 1, "noise", [e]), torch.device("cpu"),
-                 progress=False)[0] for e in examples]
+    rows = score_retrieval(model, RetrievalPlan.of(["niah_single"], [256], 3, "noise", examples, batch=3),
+                           torch.device("cpu"), progress=False)
+    one = [score_retrieval(model, RetrievalPlan.of(["niah_single"], [256], 1, "noise", [e]), torch.device("cpu"),
+                           progress=False)[0] for e in examples]
     assert [r["score"] for r in rows] == [r["score"] for r in one]
     assert [r["logprob"] for r in rows] == pytest.approx([r["logprob"] for r in one], abs=1e-4)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from surgery.checking.retrieval import RetrievalPlan, score
+from surgery.checking.retrieval import RetrievalPlan, score_retrieval
 from surgery.retrieval_tasks import make_examples
 from surgery.testing.pydoc_llama import make_model
 
@@ -18,7 +18,7 @@ def test_scoring_feeds_the_lm_head_the_answer_positions_only(tmp_path, tokenizer
     rows = []
     hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(args[0].shape[1]))
     examples = [e for task in ("passkey", "variable_tracking") for e in make_examples(task, tokenizer, 1024, 1)]
-    scores = score(model, RetrievalPlan.of(["passkey", "variable_tracking"], [1024], 1, "noise", examples),
+    scores = score_retrieval(model, RetrievalPlan.of(["passkey", "variable_tracking"], [1024], 1, "noise", examples),
                    torch.device("cpu"), progress=False)
     hook.remove()
     assert len(scores) == 2 and rows == [e.length - e.answer_start + 1 for e in examples] and max(rows) < 64
@@ -50,10 +50,10 @@ def test_scoring_builds_the_examples_one_rung_at_a_time(tmp_path, tokenizer):
             yield e
 
     plan.build = counted
-    rows = score(model, plan, torch.device("cpu"), progress=False)
+    rows = score_retrieval(model, plan, torch.device("cpu"), progress=False)
     assert len(rows) == 12 and most[0] <= 3  # one rung (2 samples) and the example scored last
     every = list(inner())
     assert plan.tokens == sum(e.length for e in every) == 2 * 2 * (256 + 384 + 512)
-    again = score(model, RetrievalPlan.of(plan.tasks, plan.lengths, 2, "noise", every), torch.device("cpu"),
+    again = score_retrieval(model, RetrievalPlan.of(plan.tasks, plan.lengths, 2, "noise", every), torch.device("cpu"),
                   progress=False)
     assert rows == again

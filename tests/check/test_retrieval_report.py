@@ -7,8 +7,9 @@ import io
 
 import pytest
 
-from surgery.checking.retrieval import RetrievalPlan, parse_lengths, resolve_lengths
-from surgery.checking.retrieval_report import cell_text, compare, plot, print_table, wilson
+from surgery.checking.retrieval import RetrievalPlan
+from surgery.checking.retrieval_spec import parse_lengths, resolve_lengths
+from surgery.checking.retrieval_report import cell_text, compare_retrieval_scores, plot, print_table, wilson
 from surgery.errors import SurgeryError
 
 
@@ -46,7 +47,7 @@ def _plan(tasks, lengths, samples, window=None) -> RetrievalPlan:
 def test_every_cell_has_its_counts_and_interval_and_the_mean_pools_the_tasks():
     source = _rows("passkey", 512, [1.0] * 17 + [0.0] * 3) + _rows("variable_tracking", 512, [0.6, 0.4] * 10, 5)
     converted = _rows("passkey", 512, [1.0] * 8 + [0.0] * 12) + _rows("variable_tracking", 512, [0.2, 0.0] * 10, 5)
-    report = compare(_plan(["passkey", "variable_tracking"], [512], 20, window=256), source, converted)
+    report = compare_retrieval_scores(_plan(["passkey", "variable_tracking"], [512], 20, window=256), source, converted)
     passkey = report["accuracy"]["passkey"]["512"]
     assert passkey["n"] == 20 and passkey["hits_source"] == 17 and passkey["hits_converted"] == 8
     assert (passkey["ci_low_source"], passkey["ci_high_source"]) == pytest.approx(wilson(17, 20))
@@ -66,7 +67,7 @@ def test_the_table_prints_each_cell_with_its_interval_and_the_plot_shades_them()
 
     source = _rows("passkey", 512, [1.0] * 17 + [0.0] * 3) + _rows("passkey", 1024, [1.0] * 20)
     converted = _rows("passkey", 512, [1.0] * 8 + [0.0] * 12) + _rows("passkey", 1024, [0.0] * 20)
-    report = compare(_plan(["passkey"], [512, 1024], 20, window=256), source, converted)
+    report = compare_retrieval_scores(_plan(["passkey"], [512, 1024], 20, window=256), source, converted)
     out = io.StringIO()
     print_table(report, Console(file=out, width=240))
     text = out.getvalue()

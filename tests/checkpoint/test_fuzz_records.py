@@ -99,12 +99,14 @@ def validation(model):
 @pytest.fixture(scope="module")
 def check_report(model):
     from surgery.checking.compare import compare_checkpoints
+    from surgery.checking.options import CheckOptions
     from surgery.data import load_texts
     from surgery.checkpoint.source import resolve_source
 
     src = resolve_source(str(model))
-    report = compare_checkpoints(src, src, load_texts("pydoc", "text", False), progress=False, tokens=128, seq_len=64,
-                                 generate=4, more_texts=[("other", ["some other text " * 40])])
+    report = compare_checkpoints(src, src, load_texts("pydoc", "text", False),
+                                 CheckOptions(data=["pydoc", "other"], tokens=128, seq_len=64, generate=4),
+                                 progress=False, more_texts=[("other", ["some other text " * 40])])
     return json.loads(json.dumps(report))
 
 

@@ -304,11 +304,13 @@ def test_mistyped_recipe_state(model, run_cli, tmp_path, field, value):
 @pytest.fixture(scope="module")
 def check_report(model, converted, tmp_path_factory):
     from surgery.checking.compare import compare_checkpoints
+    from surgery.checking.options import CheckOptions
     from surgery.data import load_texts
     from surgery.checkpoint.source import resolve_source
 
     report = compare_checkpoints(resolve_source(str(model)), resolve_source(str(converted)),
-                                 load_texts("pydoc", "text", False), progress=False, tokens=64, seq_len=32)
+                                 load_texts("pydoc", "text", False), CheckOptions(tokens=64, seq_len=32),
+                                 progress=False)
     return json.loads(json.dumps(report))
 
 

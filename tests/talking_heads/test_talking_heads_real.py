@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from surgery.checking.compare import compare_checkpoints, compare_models
+from surgery.checking.options import CheckOptions
 from surgery.data import pydoc_texts, token_stream
 from surgery.checkpoint.source import Source, resolve_source
 from surgery.talking_heads import convert_to_talking_heads
@@ -68,8 +69,9 @@ def test_minilm_last_hidden_states_match_the_source(minilm, tmp_path):
     assert (a - b).abs().max() <= 1e-5
 
     # ... and through `surgery check`'s comparison on real text (last hidden states of an encoder)
-    report = compare_checkpoints(minilm, Source(tmp_path / "th", "th"), pydoc_texts(), tokens=1024, seq_len=128,
-                                 batch_size=4, device="cpu", trust_remote_code=True)
+    report = compare_checkpoints(minilm, Source(tmp_path / "th", "th"), pydoc_texts(),
+                                 CheckOptions(tokens=1024, seq_len=128, batch_size=4, device="cpu",
+                                              trust_remote_code=True))
     assert report["compared"] == "last_hidden_state" and report["max_abs_diff"] <= 1e-4
 
 
