@@ -15,7 +15,7 @@ from ..errors import SurgeryError
 KIND = "hybrid"
 TARGET = "bamba"
 ARCHITECTURE = "BambaForCausalLM"
-BODIES = ("llama", "mistral")  # model types whose layer is Llama's (norms, MLP, embeddings, no multipliers)
+BODIES = ("llama", "mistral", "ministral")  # model types whose layer is Llama's (norms, MLP, embeddings, no multipliers)
 # why other common families are refused, in their own words
 OTHER_BODIES = {
     "qwen2": "q/k/v biases, which Bamba's attention has no place for",
@@ -26,7 +26,13 @@ OTHER_BODIES = {
     "granite": "embedding, residual, attention and logit multipliers",
     "gpt2": "learned positions, LayerNorm and a non-gated MLP",
 }
-CONV_KERNELS = (2, 3, 4)  # the causal-conv1d kernels (CUDA) and llama.cpp's ssm_conv handle these widths
+CONV_KERNELS = (2, 3, 4)
+
+
+def verdict_text(spec) -> str:
+    """The `convert --list` cell of a family the hybrid conversion accepts."""
+    windows = "; a sliding window shorter than the context is refused" if spec.name != "llama" else ""
+    return f"yes: Llama's layer is Bamba's{windows}"  # the causal-conv1d kernels (CUDA) and llama.cpp's ssm_conv handle these widths
 
 
 def check_family(config: dict, conv_kernel: int) -> dict:

@@ -11,7 +11,7 @@ from pydantic import ValidationInfo, field_validator
 from ..arch import Feature
 from ..kinds.base import AttentionShape, CalibrationOptions, Kind, WriteOptions
 from ..options import option, spelling
-from .family import CONV_KERNELS
+from .family import CONV_KERNELS, verdict_text
 from .layers import AttentionLayers, parse_attention_layers
 
 ENCODERS = "encoders are not decoders: a Mamba-2 mixer is causal"
@@ -77,6 +77,25 @@ class Hybrid(Kind):
         n = 2 * kept * shape.kv_heads * shape.head_dim
         return {"transformers": n, "vllm": n, "llama.cpp": n}
 
+    def attention_layers(self, config: dict) -> int:
+        return len(config.get("attn_layer_indices") or [])
+
+    def state_values(self, config: dict) -> int:
+        return state_values(config)
+
+    def attention_macs(self, shape: AttentionShape, config: dict, record: dict, context: int) -> dict:
+        """Per token: the kept layers' q/k/v/o and the mixers' in/out projections ("proj"); the mixers' state update
+        and readout and their convolution ("mixing")."""
+        H, h, kv, d = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
+        kept = self.attention_layers(config)
+        mixers = shape.layers - kept
+        heads, d_head, d_state = (int(config.get(k) or 0) for k in ("mamba_n_heads", "mamba_d_head", "mamba_d_state"))
+        groups, conv = int(config.get("mamba_n_groups") or 1), int(config.get("mamba_d_conv") or 4)
+        inner, conv_dim = heads * d_head, heads * d_head + 2 * groups * d_state
+        mixer_proj = H * (inner + conv_dim + heads) + inner * H
+        return {"proj": kept * (H * h * d + 2 * H * kv * d + h * d * H) + mixers * mixer_proj,
+                "mixing": mixers * (2 * heads * d_head * d_state + conv_dim * conv)}
+
     def card_lines(self, record: dict) -> list[str]:
         h = record.get("hybrid") or {}
         if not h:
@@ -100,6 +119,6 @@ def state_values(config: dict) -> int:
 
 HYBRID_KIND = Hybrid("hybrid", HybridOptions, title="hybrid attention / Mamba-2 (Bamba)", tags=["mamba2", "hybrid"],
                      refuses={Feature.ENCODER: ENCODERS, Feature.BODY: "{detail}: Bamba's layer is Llama's"},
-                     example_options={"attention_layers": "1"}, model_type_prefix=None,
+                     example_options={"attention_layers": "1"}, verdict=verdict_text,
                      help="hybrid keeps attention on some layers and replaces the others by Mamba-2 mixers "
                           "initialised from it, written as a standard Bamba checkpoint.")

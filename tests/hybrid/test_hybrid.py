@@ -182,3 +182,20 @@ def test_the_hybrid_package_imports_no_other_kind():
                  for m in names}
         names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not {n for n in names for o in others if n == o or n.startswith(o + ".")}, path
+
+
+def test_inspect_counts_the_kept_layers_k_v_and_the_mixers_fixed_state_as_the_runtime_holds_them(mixed):
+    """inspect's state is what transformers' cache holds for the mixer after a forward (its convolution window less
+    the one tap transformers keeps beyond llama.cpp's and vLLM's), whatever the context; the K/V is one layer's."""
+    from surgery.inspection import inspect_checkpoint
+
+    model = _load(mixed)
+    with torch.no_grad():
+        cache = model(input_ids=tm.sample_ids(batch=1, length=10), use_cache=True).past_key_values
+    conv, ssm = cache.get_conv_state(0, state_idx=0), cache.get_recurrent_state(0, state_idx=0)
+    kernel = conv.shape[-1]
+    held = (ssm.numel() + conv.numel() * (kernel - 1) // kernel) * 4  # float32 weights, float32 state
+    short, long = inspect_checkpoint(mixed, context=64), inspect_checkpoint(mixed, context=4096)
+    assert short["state_bytes"] == long["state_bytes"] == held
+    assert long["kv_cache_bytes_per_token"] == 2 * 1 * 4 * 8 * 4  # one kept layer, 4 K/V heads of 8, float32
+    assert long["cache_and_state_bytes_per_context"] == long["kv_cache_bytes_per_token"] * 4096 + held
