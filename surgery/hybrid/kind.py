@@ -64,6 +64,14 @@ class Hybrid(Kind):
                                  precision=options.precision, chat_template=options.chat_template,
                                  **options.write_kwargs())
 
+    def calibration_estimate(self, config: dict, options: HybridOptions, *, dtype: str, device: str, throughput=None):
+        from ..estimate import estimate_calibrated
+        from .cost import hybrid_cost
+
+        return estimate_calibrated(config, hybrid_cost(options.parsed_attention_layers.auto), options.calib_tokens,
+                                   dtype=dtype, device=device, window=options.calib_window, throughput=throughput,
+                                   chunk=options.calib_chunk)
+
     def summary(self, record: dict, options: HybridOptions) -> str:
         h = record["hybrid"]
         return (f"hybrid (bamba: {len(h['attention_layers'])} of {h['layers']} layers keep attention: "
