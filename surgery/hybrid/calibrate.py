@@ -1,6 +1,7 @@
 """One pass of the source over calibration text, layer by layer: what each mixer's initialisation reads (the mean
-of the layer's normed input, the RMS per channel of its attention output before o_proj) and, for
-`--attention-layers auto`, what each layer would lose if its attention were replaced by that mixer.
+of the layer's normed input; the gated norm's weight, fitted per channel by least squares to the attention's output
+before o_proj) and, for `--attention-layers auto`, what each layer would lose if its attention were replaced by that
+mixer.
 
 The source streams one decoder layer at a time (surgery.calibration.stream); each layer runs on the source's own
 hidden states (teacher-forced), so a layer's score is local: the squared distance between its attention's output
@@ -23,7 +24,7 @@ from .init import gate_direction, mixer_tensors
 @dataclass
 class LayerStats:
     mean_input: torch.Tensor  # [hidden]
-    output_rms: torch.Tensor  # [heads * head_dim]
+    norm_weight: torch.Tensor  # [heads * head_dim]
     score: float | None = None  # relative residual-stream change when replaced (None: not scored)
     gate_open: float | None = None  # share of calibration tokens whose gate is positive
 
@@ -90,19 +91,29 @@ def calibrate(folder, reader, windows: torch.Tensor, device: torch.device, chunk
 
 def _layer_stats(layer, index, captured, sizes, target, conv_kernel, context, score, device) -> LayerStats:
     tokens = sum(c[0].shape[0] * c[0].shape[1] for c in captured)
-    mean_input = sum(c[0].sum(dim=(0, 1)).double() for c in captured) / tokens
-    output_rms = (sum(c[1].pow(2).sum(dim=(0, 1)).double() for c in captured) / tokens).sqrt()
-    stats = LayerStats(mean_input.float().cpu(), output_rms.float().cpu())
-    u = gate_direction(stats.mean_input).to(device)
-    stats.gate_open = float(sum(int((c[0] @ u > 0).sum()) for c in captured) / tokens)
+    mean_input = (sum(c[0].sum(dim=(0, 1)).double() for c in captured) / tokens).float().cpu()
+    u = gate_direction(mean_input).to(device)
+    gate_open = float(sum(int((c[0] @ u > 0).sum()) for c in captured) / tokens)
+    attn = layer.self_attn
+    # the mixer with a unit norm weight: its normed output n per channel, fitted to the attention's a (pre-o_proj)
+    tensors = mixer_tensors(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight, sizes,
+                            conv_kernel, context, mean_input)
+    mixer = _bamba_mixer(target, index, tensors, device)
+    normed: list[torch.Tensor] = []
+    hook = mixer.norm.register_forward_hook(lambda m, args, out: normed.append(out.float()))
+    try:
+        for c in captured:
+            mixer(c[0])
+    finally:
+        hook.remove()
+    cross = sum((n * c[1]).sum(dim=(0, 1)).double() for n, c in zip(normed, captured))
+    power = sum(n.pow(2).sum(dim=(0, 1)).double() for n in normed)
+    weight = torch.where(power > 0, cross / power.clamp_min(1e-30), torch.zeros_like(power)).float()
+    stats = LayerStats(mean_input, weight.cpu(), gate_open=gate_open)
     if score:
-        attn = layer.self_attn
-        tensors = mixer_tensors(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.o_proj.weight,
-                                sizes, conv_kernel, context, stats.mean_input, stats.output_rms)
-        mixer = _bamba_mixer(target, index, tensors, device)
         moved, stream = 0.0, 0.0
-        for normed, _, attention_out, residual in captured:
-            moved += float((mixer(normed) - attention_out).double().pow(2).sum())
+        for n, (_, _, attention_out, residual) in zip(normed, captured):
+            moved += float(((n * weight) @ attn.o_proj.weight.T - attention_out).double().pow(2).sum())
             stream += float(residual.double().pow(2).sum())
         stats.score = moved / max(stream, 1e-30)
     return stats

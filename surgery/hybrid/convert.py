@@ -46,7 +46,7 @@ class _MixerTensors:
             q, k, v, o = (self.reader.load(p + f"{n}_proj.weight") for n in "qkvo")
             s = self.stats[layer]
             self.tensors = init.mixer_tensors(q, k, v, o, self.sizes, self.conv_kernel, self.context,
-                                              s.mean_input, s.output_rms)
+                                              s.mean_input, s.norm_weight)
             self.layer = layer
         return self.tensors[name].to(dtype).contiguous()
 
@@ -136,7 +136,8 @@ def convert_to_hybrid(src: Source, out: Path, *, attention_layers: AttentionLaye
                                   "out_proj<-o_proj", "conv1d": "identity (last tap 1)", "dt": init.DT,
                            "A": -1.0 / context, "D": 0.0, "x_scale": init.X_SCALE,
                            "gate": f"every z row {init.GATE_SCALE} x the mean direction of the layer's normed input",
-                           "norm_weight": "RMS per channel of the source attention's output before o_proj"},
+                           "norm_weight": "least squares per channel: the normed mixer output onto the source attention's "
+                                          "output before o_proj"},
                   "gate_open": {str(i): round(stats[i].gate_open, 4) for i in replaced if i in stats}}
         if scores is not None:
             hybrid["scores"] = [round(s, 6) for s in scores]

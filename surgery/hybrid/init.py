@@ -17,8 +17,11 @@ is an RMSNorm per group. Causal linear attention is y_t = sum_{s<=t} (q_t . k_s)
   scalar that is the same across a head's channels cancels in it: every z row is GATE_SCALE * u with u the mean
   direction of the layer's (normed) input on calibration text, scaled so u . h = 1 at the mean; silu(z) is then one
   positive number per token wherever u . h > 0 (the share of calibration tokens where it is, is recorded). The
-  norm then plays softmax's denominator: each head's output at unit RMS, times the norm weight, set per channel to
-  the RMS of the source attention's output there (pre-o_proj) on calibration text.
+  norm then plays softmax's denominator: each head's output at unit RMS, times the norm weight, fitted per channel
+  by least squares to the source attention's output there (pre-o_proj) on calibration text: w_c = sum_t a_c n_c /
+  sum_t n_c^2 for the normed mixer output n and the attention output a. Unit-RMS heads with a weight set to the
+  attention's RMS would overshoot: many attention heads output almost nothing on most tokens (they attend to a
+  sink), which a normed head cannot; the fit shrinks a channel by how little the two agree.
 """
 
 from __future__ import annotations
@@ -55,10 +58,10 @@ def gate_direction(mean_input: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def mixer_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, sizes: dict, conv_kernel: int,
-                  context: int, mean_input: torch.Tensor, output_rms: torch.Tensor) -> dict[str, torch.Tensor]:
+                  context: int, mean_input: torch.Tensor, norm_weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The mixer's tensors (float32, names relative to the mixer) from one layer's q/k/v/o_proj weights ([out, in])
     and its calibration statistics: `mean_input` [hidden] (the layer's normed input, averaged over tokens) and
-    `output_rms` [heads * head_dim] (the source attention's output before o_proj, RMS per channel)."""
+    `norm_weight` [heads * head_dim] (the gated norm's weight, fitted by calibrate.py; None: ones)."""
     h, kv, d, hidden = sizes["heads"], sizes["kv_heads"], sizes["head_dim"], sizes["hidden"]
     rep = h // kv
     q, k, v, o = (t.float() for t in (q, k, v, o))
@@ -71,5 +74,6 @@ def mixer_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
     a = 1.0 / max(int(context or 1), 1)
     return {"A_log": torch.full((h,), math.log(a)), "D": torch.zeros(h), "conv1d.bias": torch.zeros(shapes["conv1d.bias"]),
             "conv1d.weight": conv, "dt_bias": torch.full((h,), math.log(math.expm1(DT))),
-            "in_proj.weight": in_proj.contiguous(), "norm.weight": output_rms.float().clone(),
+            "in_proj.weight": in_proj.contiguous(),
+            "norm.weight": torch.ones(h * d) if norm_weight is None else norm_weight.float().clone(),
             "out_proj.weight": o.clone()}
