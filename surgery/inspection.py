@@ -35,9 +35,9 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
     # the kind that wrote the checkpoint knows its attention's work and cache (surgery/kinds); a plain checkpoint:
     # MHA/GQA
     kind = find_kind(record, config)
-    attending = kind.attention_layers(config) if kind else L
-    core_macs = round(attending * 2 * h * d * context * cached_fraction(config, context))
     ashape = AttentionShape(L, h, kv, d, shape["hidden"])
+    attending = kind.attention_layers(ashape, config) if kind else L
+    core_macs = round(attending * 2 * h * d * context * cached_fraction(config, context))
     kv_bytes = kv_cache_values(ashape, config, record, context)["transformers"] * bytes_per_value
     state_bytes = (kind.state_values(config) if kind else 0) * bytes_per_value  # recurrent mixers: fixed size
     macs = kind.attention_macs(ashape, config, record, context) if kind else plain_attention_macs(ashape)

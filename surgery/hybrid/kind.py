@@ -85,7 +85,7 @@ class Hybrid(Kind):
         n = 2 * kept * shape.kv_heads * shape.head_dim
         return {"transformers": n, "vllm": n, "llama.cpp": n}
 
-    def attention_layers(self, config: dict) -> int:
+    def attention_layers(self, shape: AttentionShape, config: dict) -> int:
         return len(config.get("attn_layer_indices") or [])
 
     def state_values(self, config: dict) -> int:
@@ -95,7 +95,7 @@ class Hybrid(Kind):
         """Per token: the kept layers' q/k/v/o and the mixers' in/out projections ("proj"); the mixers' state update
         and readout and their convolution ("mixing")."""
         H, h, kv, d = shape.hidden, shape.heads, shape.kv_heads, shape.head_dim
-        kept = self.attention_layers(config)
+        kept = self.attention_layers(shape, config)
         mixers = shape.layers - kept
         heads, d_head, d_state = (int(config.get(k) or 0) for k in ("mamba_n_heads", "mamba_d_head", "mamba_d_state"))
         groups, conv = int(config.get("mamba_n_groups") or 1), int(config.get("mamba_d_conv") or 4)

@@ -293,9 +293,9 @@ class Kind:
         (None, None): the attention has no experts."""
         return None, None
 
-    def attention_layers(self, config: dict) -> int:
+    def attention_layers(self, shape: AttentionShape, config: dict) -> int:
         """Layers that attend (their work and K/V grow with the context; the others, if any, keep a fixed state)."""
-        return int(config.get("num_hidden_layers") or 0)
+        return shape.layers
 
     def state_values(self, config: dict) -> int:
         """Values the model keeps whatever the context (recurrent mixers' state and convolution windows), all layers
