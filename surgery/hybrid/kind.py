@@ -68,7 +68,7 @@ class Hybrid(Kind):
         from ..estimate import estimate_calibrated
         from .cost import hybrid_cost
 
-        return estimate_calibrated(config, hybrid_cost(options.parsed_attention_layers.auto), options.calib_tokens,
+        return estimate_calibrated(config, hybrid_cost(), options.calib_tokens,
                                    dtype=dtype, device=device, window=options.calib_window, throughput=throughput,
                                    chunk=options.calib_chunk)
 
