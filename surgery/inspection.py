@@ -32,12 +32,14 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
 
     L, h, kv, d = shape["layers"], shape["heads"], shape["kv_heads"], shape["head_dim"]
     # QKᵀ and AV for one query over `context` keys (sliding-window layers: over their window)
-    core_macs = round(L * 2 * h * d * context * cached_fraction(config, context))
     # the kind that wrote the checkpoint knows its attention's work and cache (surgery/kinds); a plain checkpoint:
     # MHA/GQA
     kind = find_kind(record, config)
     ashape = AttentionShape(L, h, kv, d, shape["hidden"])
+    attending = kind.attention_layers(ashape, config) if kind else L
+    core_macs = round(attending * 2 * h * d * context * cached_fraction(config, context))
     kv_bytes = kv_cache_values(ashape, config, record, context)["transformers"] * bytes_per_value
+    state_bytes = (kind.state_values(config) if kind else 0) * bytes_per_value  # recurrent mixers: fixed size
     macs = kind.attention_macs(ashape, config, record, context) if kind else plain_attention_macs(ashape)
     proj_macs, mix_macs = macs["proj"], macs["mixing"]
     experts, topk = kind.experts(config) if kind else (None, None)
@@ -55,6 +57,8 @@ def inspect_checkpoint(folder: Path, context: int = 4096, label: str | None = No
         "kv_cache_bytes_per_token": kv_bytes,
         "kv_cache_bytes_per_context": kv_bytes * context,
         "context": context,
+        "state_bytes": state_bytes or None,
+        "cache_and_state_bytes_per_context": kv_bytes * context + state_bytes,
         "attention_proj_macs_per_token": proj_macs,
         "attention_core_macs_per_token": core_macs,
         "head_mixing_macs_per_token": mix_macs,
@@ -87,6 +91,8 @@ def print_inspection(stats: list[dict]) -> None:
         ("KV cache dtype (the weights')", "kv_cache_dtype", None),
         ("KV cache / token", "kv_cache_bytes_per_token", "B"),
         (f"KV cache / {ctx} ctx", "kv_cache_bytes_per_context", "B"),
+        ("recurrent state (any ctx)", "state_bytes", "B"),
+        (f"KV cache + state / {ctx} ctx", "cache_and_state_bytes_per_context", "B"),
         ("attn MACs / token (proj)", "attention_proj_macs_per_token", ""),
         (f"attn MACs / token (core @{ctx})", "attention_core_macs_per_token", ""),
         (f"attn MACs / token (head mixing @{ctx})", "head_mixing_macs_per_token", ""),

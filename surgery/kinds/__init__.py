@@ -27,6 +27,7 @@ from .mla import MLA_KIND
 from .swa import SWA_KIND
 from .switchhead import SWITCHHEAD
 from .talking_heads import TALKING_HEADS
+from ..hybrid.kind import HYBRID_KIND  # a kind in its own package (issue 55's layout)
 
 __all__ = ["AttentionShape", "CalibrationOptions", "ConvertOptions", "Kind", "WriteOptions", "convert_options_model",
            "find_kind", "get_kind", "kind_names", "register", "unregister", "validate_kind_options"]
@@ -58,7 +59,7 @@ def _hand_refusals_to_arch() -> None:
     arch.VERDICTS.update({label: k.verdict for k in _KINDS.values() if k.verdict for label in k.refusals()})
 
 
-for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD, MLA_KIND, SWA_KIND):
+for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD, MLA_KIND, SWA_KIND, HYBRID_KIND):
     register(_kind)
 
 

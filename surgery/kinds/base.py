@@ -293,6 +293,15 @@ class Kind:
         (None, None): the attention has no experts."""
         return None, None
 
+    def attention_layers(self, shape: AttentionShape, config: dict) -> int:
+        """Layers that attend (their work and K/V grow with the context; the others, if any, keep a fixed state)."""
+        return shape.layers
+
+    def state_values(self, config: dict) -> int:
+        """Values the model keeps whatever the context (recurrent mixers' state and convolution windows), all layers
+        together, for a checkpoint this kind wrote; 0: none."""
+        return 0
+
     def added_parameters(self, record: dict) -> int | None:
         """Parameters the conversion added (None: it adds none worth a row)."""
         return None
