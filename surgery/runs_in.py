@@ -31,7 +31,6 @@ VLLM_SINKS = "vllm-project/vllm:vllm/model_executor/models/transformers/fusers/s
 VLLM_QWEN2 = "vllm-project/vllm:vllm/model_executor/models/qwen2.py@cb24295"
 VLLM_QWEN3 = "vllm-project/vllm:vllm/model_executor/models/qwen3.py@002456d"
 VLLM_GEMMA2 = "vllm-project/vllm:vllm/model_executor/models/gemma2.py@025adfb"
-LLAMA_CPP_CONVERTER = "ggml-org/llama.cpp:convert_hf_to_gguf.py@0024aa7"
 TRANSFORMERS_SMOLLM3 = "huggingface/transformers:src/transformers/models/smollm3/modeling_smollm3.py@v5.24"
 
 # the tests that verify cells
