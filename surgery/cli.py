@@ -248,7 +248,7 @@ def export(checkpoint, out, dtype, force, revision, allow_pickle):
 @click.option("--device", default="auto", show_default=True, help="auto (CUDA when present), cpu, cuda, cuda:N.")
 @click.option("--threads", type=int, help="CPU threads (default: torch's).")
 @click.option("--engine", type=click.Choice(["transformers", "llama.cpp", "vllm"]), default="transformers",
-              show_default=True, help="Inference engine (llama.cpp: .gguf files, needs llama-cpp-python; vllm: CUDA).")
+              show_default=True, help="Inference engine (llama.cpp: .gguf files from `surgery export`, through llama-cpp-python or the prebuilt llama-cpp-py-sync; vllm: CUDA).")
 @click.option("--trust-remote-code", is_flag=True, help="Run the modeling code CONVERTED ships (not SOURCE's).")
 @click.option("--trust-source-code", is_flag=True, help="Run the modeling code SOURCE ships.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random prompt tokens.")

@@ -31,7 +31,7 @@ LAYERS = [
                     "surgery.units", "surgery.dtypes", "surgery.model_types", "surgery.precision", "surgery.threads",
                     "surgery.logs"]),
     ("checkpoint I/O", ["surgery.checkpoint", "surgery.trust", "surgery.data", "surgery.chat",
-                        "surgery.retrieval_tasks"]),
+                        "surgery.retrieval_tasks", "surgery.runs_in"]),
     ("runtime", ["surgery.runtime"]),
     ("architecture", ["surgery.arch"]),
     ("conversions", ["surgery.calibration", "surgery.kv", "surgery.switchhead", "surgery.talking_heads",

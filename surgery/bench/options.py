@@ -12,10 +12,12 @@ import torch
 from ..errors import SurgeryError
 
 ENGINES = ("transformers", "llama.cpp", "vllm")
-ENGINE_PACKAGES = {"llama.cpp": ("llama_cpp", "llama-cpp-python"), "vllm": ("vllm", "vllm")}
+# the package each engine needs (llama.cpp: either of its bindings, surgery/bench/llama_cpp_bindings.py)
+ENGINE_PACKAGES = {"vllm": ("vllm", "vllm")}
 # llama.cpp's flash attention (--flash-attn). llama-cpp-python 0.3.36's `Llama` takes a bool (ENABLED or DISABLED:
-# llama.cpp's own AUTO is not reachable through it), so the choice is on/off; the default is on, what llama.cpp's
-# AUTO (its CLI's and its context's default) resolves to on CPU and on GPUs whose backend has the kernel.
+# llama.cpp's own AUTO is not reachable through it), so the choice is on/off for both bindings; the default is on,
+# what llama.cpp's AUTO (its CLI's and its context's default) resolves to on CPU and on GPUs whose backend has the
+# kernel.
 FLASH_ATTN = ("on", "off")
 FLASH_ATTN_DEFAULT = "on"
 
@@ -55,6 +57,10 @@ def require_engine(engine: str) -> None:
     """Refuse (one line, exit 2) an engine that is not known or not installed."""
     if engine not in ENGINES:
         raise SurgeryError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+    if engine == "llama.cpp":
+        from .llama_cpp_bindings import pick_binding
+
+        pick_binding()
     if engine in ENGINE_PACKAGES:
         module, package = ENGINE_PACKAGES[engine]
         import importlib.util

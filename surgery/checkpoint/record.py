@@ -98,6 +98,7 @@ class Record(_Part):
     calibration: CalibrationRecord | None = None
     code_sha256: dict[str, StrictStr] | None = None  # the toolkit's own modeling files copied (surgery/trust.py)
     output_sha256: dict[str, StrictStr] | None = None  # every file written but this one and the card
+    runs_in: dict | None = None  # where the output runs, per runtime, and how that is known (surgery/runs_in.py)
     uptraining: dict | None = None
     previous_uptraining: list[dict] | None = None
     local: dict | None = None  # machine-local part, never published

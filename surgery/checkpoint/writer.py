@@ -1,7 +1,8 @@
 """Write a converted checkpoint folder, atomically: the planned tensors in shards, config.json, the source's side
 files (tokenizer, generation config), the modeling code a custom kind carries, and surgery.json — a header naming
 the toolkit, the kind and the source (with the sha256 of its shards), the converter's own fields, the sha256 of the
-modeling code copied ("code_sha256", see surgery/trust.py) and the sha256 of every file written."""
+modeling code copied ("code_sha256", see surgery/trust.py), where the output runs ("runs_in", surgery/runs_in.py) and
+the sha256 of every file written."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Callable
 
 from .atomic import atomic_output_dir
 from ..errors import SurgeryError
+from ..runs_in import record_for
 from .record import CODE_RECORD, code_record, new_record, write_record
 from .source import Source, copy_side_files, custom_code_files, public_config, side_files
 from .tensors import CheckpointReader, PlannedTensor, sha256_files, write_checkpoint
@@ -60,6 +62,9 @@ def write_conversion(source: Source, reader: CheckpointReader, out: Path, planne
             raise SurgeryError(f"cannot hash the source's weight files{why}")
         code_files = code_files + tuple(source_code)
         record = {**new_record(kind, source, hashes), **record_fields(files + list(code_files))}
+        runs_in = record_for(kind, new_config.get("model_type"))  # where it runs, and how that is known
+        if runs_in:
+            record["runs_in"] = runs_in
         if code_files:  # lets surgery.trust recognise the toolkit's own, unmodified modeling code
             record[CODE_RECORD] = code_record(tmp, code_files)
         write_record(tmp, record)  # surgery.json, with the sha256 of every file written: the last file

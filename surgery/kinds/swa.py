@@ -121,18 +121,10 @@ class SWA(Kind):
 
 
 def llama_cpp_note(s: dict) -> str:
-    """What llama.cpp does with an swa output of this model type (docs/reference/runtimes.md, issue 54)."""
-    target = s.get("target_model_type")
-    if target == "granite_swa":
-        return ("in llama.cpp: `surgery export OUT --gguf FILE` writes it as granite_swa, window, per-layer pattern and "
-                "sinks kept")
-    if target == "ministral":
-        return ("in llama.cpp: `surgery export OUT --gguf FILE` writes it as granite_swa, window and per-layer pattern "
-                "kept (llama.cpp's own converter refuses ministral)")
-    if target in ("qwen2", "qwen3", "smollm3"):
-        return ("llama.cpp's own converter writes it as full attention without a warning (the source's function, "
-                "measured on Qwen3), and `surgery export` refuses it: serve it with transformers")
-    return "llama.cpp: `surgery export` refuses it; llama.cpp's own converter was not checked on it"
+    """What llama.cpp does with an swa output of this model type (surgery/runs_in.py's table, issue 54)."""
+    from ..runs_in import swa_llama_cpp_note
+
+    return swa_llama_cpp_note(s.get("target_model_type"))
 
 
 SWA_KIND = SWA("swa", SWAOptions, title="sliding-window / global hybrid attention", tags=["sliding-window-attention"],

@@ -20,6 +20,7 @@ from ..inspection import inspect_checkpoint
 from ..units import si_number
 from ..kinds import find_kind
 from ..checkpoint.record import local_source_folder, public_data, public_record
+from .runtimes import runs_in_section, vllm_serves
 from .validate import Validation
 
 # Cards carrying this line were written by `surgery push` and are rewritten by the next push; others are kept.
@@ -417,9 +418,11 @@ def usage_section(v: Validation, repo_id: str) -> list[str]:
                      f"({', '.join(f'`{c}`' for c in v.code_files)}), hence `trust_remote_code=True`. The tokenizer "
                      "is a standard one: the flag on its line only keeps transformers, which reads the model's "
                      "configuration on the way, from stopping to ask about that code.")
-    elif is_causal_lm(v.config):
+    elif is_causal_lm(v.config) and vllm_serves(v.record, v.config):
         lines.append("A standard architecture: no custom code, and vLLM serves it as is "
-                     f"(`vllm serve {repo_id}`).")
+                     f"(`vllm serve {repo_id}`; see \"Where it runs\" for how that is known).")
+    elif is_causal_lm(v.config):
+        lines.append("A standard architecture: no custom code (for vLLM, see \"Where it runs\").")
     lines.append("")
     return lines
 
@@ -452,6 +455,7 @@ def build_card(v: Validation, repo_id: str, reports: list[tuple[str, dict]] = ()
     body += conversion_section(v, info)
     body += check_section(list(reports))
     body += bench_section(bench)
+    body += runs_in_section(v.record, v.config)
     body += uptraining_section(v)
     body += usage_section(v, repo_id)
     body += ["`surgery.json` in this repository records the source (and the sha256 of its files), the conversion "

