@@ -42,6 +42,7 @@ T_TALKING = "tests/talking_heads/test_talking_heads.py::test_converted_model_com
 T_SWITCH = "tests/switchhead/test_switchhead.py::test_one_expert_per_head_reproduces_the_source"
 T_LLAMA_CPP_TINY = "tests/export/test_export_llama_cpp.py::test_tiny_kinds_compute_the_same_logits_in_llama_cpp"
 T_LLAMA_CPP_SMOLLM2 = "tests/export/test_export_llama_cpp.py::test_smollm2_kinds_in_llama_cpp_at_2048_tokens"
+T_HYBRID = "tests/hybrid/test_hybrid.py::test_every_layer_kept_computes_the_source_function_as_a_standard_bamba"
 T_EXPORT_REFUSALS = "tests/test_runs_in.py::test_export_refuses_what_the_table_says_it_refuses"
 
 
@@ -142,6 +143,13 @@ ROWS: tuple[Row, ...] = (
                               "arch deepseek2, absorbed: llama.cpp caches the latent and the rope key only"),
         "vllm": read("yes", VLLM_REGISTRY, "DeepseekV3ForCausalLM maps to deepseek_v2.py"),
     }, example={"model_type": "deepseek_v3"}),
+    Row(("hybrid",), ("bamba",), "Llama and Mistral bodies (output bamba)", {
+        "transformers": verified("yes", T_HYBRID, "plain from_pretrained; the torch path on CPU"),
+        "llama.cpp": verified("refused", T_EXPORT_REFUSALS, "the exporter writes no granitehybrid yet (llama.cpp's "
+                                                            "own converter maps BambaForCausalLM to it: not run)"),
+        "vllm": read("yes", VLLM_REGISTRY, "BambaForCausalLM maps to bamba.py; whether it takes one B/C group per "
+                                           "head and full rotary was not read; not run here"),
+    }, example={"model_type": "bamba"}),
     Row(("talking-heads", "switchhead"), (), "any family (the output ships its own modeling code)", {
         "transformers": verified("yes", f"{T_TALKING}; {T_SWITCH}", "with trust_remote_code=True"),
         "llama.cpp": verified("refused", T_EXPORT_REFUSALS, "custom code: no llama.cpp architecture computes it"),
