@@ -18,7 +18,7 @@ import torch
 from inprocess import cli_args
 from surgery.checkpoint.record import public_record, read_record
 from surgery.errors import SurgeryError
-from surgery.testing.pydoc_llama import FAST, make_model
+from surgery.testing.pydoc_llama import FAST
 from surgery.training import UptrainOptions, uptrain
 from surgery.training.teacher_pass import teacher_pass
 
@@ -44,11 +44,6 @@ def run(student: Path, out: Path, **kw) -> dict:
 def one_line(e: pytest.ExceptionInfo) -> str:
     assert "\n" not in str(e.value), str(e.value)
     return str(e.value)
-
-
-@pytest.fixture(scope="module")
-def student(tmp_path_factory, tokenizer):
-    return make_model(tmp_path_factory.mktemp("student") / "student", tokenizer, seed=1)
 
 
 @pytest.fixture(scope="module")
