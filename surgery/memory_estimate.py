@@ -321,7 +321,7 @@ def uptrain_memory_per_process(stats: ModelStats, options, teacher: ModelStats |
     sequences = max(options.batch_tokens // options.seq_len, 1)
     accumulating = options.micro_batch * W < sequences
     gradients = 4 * T // W
-    chunked = W == 1  # surgery/training/recipe_setup.py _setup_heads: the chunked output head is off under FSDP
+    chunked = W == 1  # surgery/training/recipe_setup.py setup_heads: the chunked output head is off under FSDP
     logits = 6 * 4 * min(n, LOSS_CHUNK) * stats.vocab if chunked else 3 * 4 * n * stats.vocab
     step = {"weights (fp32 shard)": 4 * P // W, "AdamW moments (shard)": 8 * T // W}
     if accumulating:  # gradients and activations alive together

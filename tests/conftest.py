@@ -1,5 +1,5 @@
-"""Fixtures shared by the test files: the real SmolLM2-135M, the command line run in-process, and the tiny Llama
-that uptraining runs on.
+"""Fixtures shared by the test files: the real SmolLM2-135M, the command line run in-process, the tiny Llama that
+uptraining runs on and a student for it.
 
 Builders that benchmarks use too live in the package (`surgery.testing`: tiny random models per family, their
 tokenizers, the aligned merge's held-out measure); the tests' own plumbing lives beside this file: the command
@@ -45,3 +45,12 @@ def tiny(tmp_path_factory, tokenizer):
     from surgery.testing.pydoc_llama import make_model
 
     return make_model(tmp_path_factory.mktemp("pydoc-llama") / "tiny", tokenizer)
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory, tokenizer):
+    """Another random Llama like `tiny` (seed 1) with the same tokenizer: the student of a distillation from `tiny`
+    (a module may define its own, as test_retrieval_mix.py does)."""
+    from surgery.testing.pydoc_llama import make_model
+
+    return make_model(tmp_path_factory.mktemp("student") / "student", tokenizer, seed=1)

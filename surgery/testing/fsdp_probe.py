@@ -88,18 +88,17 @@ def main(argv: list[str]) -> None:
         recipe_setup.teacher_dtype = lambda acc, o: torch.float32
     args = dict(FAST, tokens=FAST["batch_tokens"], eval_tokens=512, loss="kd" if teacher else "lm", teacher=teacher,
                 precision={"no": "fp32"}.get(precision, precision))
-    recipe = loop.UptrainRecipe(UptrainOptions(model=model, out=out / "run-output", force=True, **args))
-    recipe.setup()
+    recipe = loop.setup(UptrainOptions(model=model, out=out / "run-output", force=True, **args))
     peak_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # loading and prepare, before the references
     model_io.load_causal_lm = load
-    acc = recipe.acc
+    acc, models = recipe.run.acc, recipe.models
     result = {"rank": acc.process_index, "world": acc.num_processes, "distributed_type": acc.distributed_type.value,
-              "mixed_precision": acc.mixed_precision, "peak_rss_kib": peak_rss_kib, "policy": mp_policy(recipe.model),
+              "mixed_precision": acc.mixed_precision, "peak_rss_kib": peak_rss_kib, "policy": mp_policy(models.model),
               "read_weights": reads,
-              "student": report(acc.unwrap_model(recipe.model), load_causal_lm(resolve_source(model), "model"))}
+              "student": report(acc.unwrap_model(models.model), load_causal_lm(resolve_source(model), "model"))}
     if teacher:
-        result["teacher"] = report(recipe.teacher, load_causal_lm(resolve_source(teacher), "teacher"))
-        result["teacher_param_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in recipe.teacher.parameters()})
+        result["teacher"] = report(models.teacher, load_causal_lm(resolve_source(teacher), "teacher"))
+        result["teacher_param_dtypes"] = sorted({str(p.dtype).removeprefix("torch.") for p in models.teacher.parameters()})
     (out / f"rank-{acc.process_index}.json").write_text(json.dumps(result, indent=2) + "\n")
     acc.wait_for_everyone()
     acc.end_training()

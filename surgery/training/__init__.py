@@ -10,8 +10,12 @@
 - `model_io.py` loading the student and the teacher; writing the final checkpoint and its surgery.json.
 - `state.py`    atomic accelerate checkpoints (model, optimizer, RNG, data position), last K kept, resume.
 - `metrics.py`  metrics.jsonl; `plot.py` the PNG of loss and perplexity against tokens.
-- `loop.py`     the training loop on accelerate (CPU, one GPU, or `accelerate launch` with DDP/FSDP/DeepSpeed).
-- `recipe_setup.py`, `recipe_data.py` the run's setup stages (source, models, optimizer, resume; the windows).
+- `loop.py`     the training loop on accelerate (CPU, one GPU, or `accelerate launch` with DDP/FSDP/DeepSpeed):
+  `setup` runs the setup stages in order, each a function of what the earlier ones returned, and builds the
+  `UptrainRecipe` (`train`, `save`) from their results.
+- `recipe_setup.py`, `recipe_data.py` the setup stages, each returning a small frozen dataclass: `Inputs` (source,
+  record, objective), `Run` (accelerator, processes, batch split), `Models`, `Data` (the windows and their key),
+  `Training` (optimizer, trainable parameters, run state, metrics, resumed checkpoint), `Heads`.
 - `accelerator.py` accelerate's Accelerator: precision, DDP or FSDP2, how the models are read under it.
 - `optimizer.py` AdamW and the learning-rate schedule; `evaluation.py` held-out loss and perplexity.
 - `run_folder.py` the run folder checked and started; `finite.py` the stop at a number that is not finite.

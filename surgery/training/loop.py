@@ -6,9 +6,13 @@ positions and DDP averages gradients over processes, so a step computes the same
 AdamW over the trainable parameters, linear warmup then cosine decay (the learning rate is a function of the step
 alone), gradient clipping. Autocast in --precision (auto: bf16 on CUDA, fp32 on CPU). Only the main process logs and writes files.
 
-Here the run's stages in order and the training steps; the setup stages are `RecipeSetup` (recipe_setup.py) and
-`RecipeData` (recipe_data.py), the accelerator accelerator.py, the optimizer and its schedule optimizer.py, the run
-folder run_folder.py, the held-out evaluation evaluation.py, and the final write-out output.py.
+Here the run's stages in order (`setup`) and the training steps (`UptrainRecipe`). Each setup stage is a function
+that takes what it needs and returns a small frozen dataclass, which `setup` hands on to the later stages and finally
+to the recipe: `Inputs` (source, record, objective), `Run` (accelerator, processes, batch split), `Models`, `Data`,
+`Checkpoints`, the align stage's record, `Training` (optimizer, trainable parameters, run state, metrics, the resumed
+checkpoint) and `Heads`; the stages themselves are in recipe_setup.py and recipe_data.py, the accelerator in
+accelerator.py, the optimizer and its schedule optimizer.py, the run folder run_folder.py, the held-out evaluation
+evaluation.py, and the final write-out output.py.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import math
 import shutil
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +31,7 @@ from ..checkpoint.record import public_name
 from ..errors import SurgeryError
 from ..loaders import read_json
 from ..logs import get_logger
-from .accelerator import precision_of
+from .accelerator import make_accelerator, precision_of
 from .align import align
 from .evaluation import evaluate_held_out
 from .finite import all_finite, last_good
@@ -36,11 +41,12 @@ from .optimizer import group_lr, lr_at
 from .options import UptrainOptions
 from .output import finish
 from .progress import Progress
-from .recipe_data import RecipeData
-from .recipe_setup import RecipeSetup
+from .recipe_data import Data, check_stream, setup_data
+from .recipe_setup import (Heads, Inputs, Models, Run, Training, read_inputs, setup_environment, setup_heads,
+                           setup_models, setup_run, setup_training)
 from .retrieval_mix import mixed
 from .state import Checkpoints
-from .trackers import finish_trackers
+from .trackers import TB_DIR, finish_trackers
 
 FEW_STEPS = 20  # fewer optimizer steps than this: warn
 OOM_MARKERS = ("out of memory", "can't allocate memory", "CUDA error: out of memory")
@@ -61,83 +67,104 @@ def _is_oom(e: BaseException) -> bool:
 
 def run(o: UptrainOptions) -> dict:
     """One uptraining run, in torchtune's recipe shape: setup, train (steps, evaluations, checkpoints), save."""
-    recipe = UptrainRecipe(o)
-    made_run_dir = not o.resume and not o.run_dir.exists()
-    try:
-        recipe.setup()
-    except BaseException:  # refused before the first step (a tracker that cannot start, a bad store): nothing to
-        if made_run_dir and getattr(recipe, "main", True):  # resume, so the run folder this run made goes
-            shutil.rmtree(o.run_dir, ignore_errors=True)
-        raise
+    recipe = setup(o)
     try:
         recipe.train()
     except SurgeryError:  # refused at the first step (a store whose windows are not the run's): no step to resume,
-        if not o.resume and recipe.main and recipe.state.step == 0:  # so the run folder it started goes with it
-            shutil.rmtree(o.run_dir, ignore_errors=True)
+        if not o.resume and recipe.run.main and recipe.training.state.step == 0:  # so the run folder it started goes
+            shutil.rmtree(o.run_dir, ignore_errors=True)  # with it
         raise
     return recipe.save()
 
 
-class UptrainRecipe(RecipeSetup, RecipeData):
-    """The stages of one run. `setup` loads and prepares everything (nothing is written before the inputs prove
-    good); `train` runs the optimizer steps with their evaluations and checkpoints; `save` writes the output."""
+def setup(o: UptrainOptions) -> UptrainRecipe:
+    """The run's setup stages in order, each handed what the earlier ones returned (nothing is written before the
+    inputs prove good); returns the recipe that trains and saves. Refused before the first step (a tracker that cannot
+    start, a bad store), a fresh run has nothing to resume, so the run folder it made goes."""
+    made_run_dir = not o.resume and not o.run_dir.exists()
+    main = True  # until the accelerator says which process this is
+    try:
+        setup_environment(o)
+        inputs = read_inputs(o)
+        acc = make_accelerator(o.precision, o.trackers, o.run_dir / TB_DIR)
+        main = acc.is_main_process
+        run = setup_run(o, inputs, acc)
+        check_stream(o, run.world)
+        models = setup_models(o, inputs, run)
+        data = setup_data(o, run, models.tokenizer, models.chat)
+        ckpts = Checkpoints(o.run_dir, o.keep_last, acc)
+        align_record = setup_align(o, run, models, data, ckpts)
+        models, training = setup_training(o, inputs, run, models, data, ckpts)
+        heads = setup_heads(models, acc, training.sharded)
+        recipe = UptrainRecipe(o=o, inputs=inputs, run=run, models=models, data=data, ckpts=ckpts, training=training,
+                               heads=heads, align_record=align_record)
+        recipe.announce()
+    except BaseException:
+        if made_run_dir and main:
+            shutil.rmtree(o.run_dir, ignore_errors=True)
+        raise
+    return recipe
 
-    def __init__(self, o: UptrainOptions):
-        self.o = o
 
-    # --- setup -------------------------------------------------------------------------------------------------
-    def setup(self) -> None:
-        self._setup_environment()
-        self._setup_run()
-        self._check_stream()
-        self._setup_models()
-        self._setup_data()
-        self.ckpts = Checkpoints(self.o.run_dir, self.o.keep_last, self.acc)
-        self.align_record = self._setup_align()
-        self._setup_training()
-        self._setup_heads()
-        self._announce()
+def setup_align(o: UptrainOptions, run: Run, models: Models, data: Data, ckpts: Checkpoints) -> dict | None:
+    """The `align` stage (attention layer by layer against the teacher), unless a checkpoint already has it; returns
+    its record (align.json), None without the stage."""
+    acc, windows = run.acc, data.windows
+    if "align" not in o.stages:
+        return None
+    if o.resume and ckpts.latest() is not None:
+        align_json = o.run_dir / "align.json"
+        return read_json(align_json) if align_json.exists() else None  # (one line when corrupt)
+    count = o.align_steps * o.sequences_per_step
+    train = mixed(models.mix, windows.take(count) if o.streamed else windows.train[windows.window_indices(0, count)], 0)
+    say = log.info if run.main else (lambda line: None)
+    models.model.to(acc.device)
+    before = evaluate_held_out(models.model, windows, acc, o.micro_batch) if windows.eval.shape[0] else {}
+    held_out = windows.eval[: train.shape[0]]  # the per-layer errors on as many held-out windows as it trains on
+    record = align(models.model, models.teacher, train.long(), held_out.long(), micro_batch=o.micro_batch,
+                   epochs=o.align_epochs, lr=o.align_lr, device=acc.device, log=say)
+    record["tokens"] = o.align_steps * o.batch_tokens
+    record["eval_ppl_before"] = before.get("eval_ppl")
+    if "other_eval_ppl" in before:
+        record["other_eval_ppl_before"] = before["other_eval_ppl"]
+    if run.main:
+        write_text_atomic(o.run_dir / "align.json", json.dumps(record, indent=2) + "\n", "align.json")
+    return record
 
-    def _setup_align(self) -> dict | None:
-        """The `align` stage (attention layer by layer against the teacher), unless a checkpoint already has it."""
-        o, acc, data = self.o, self.acc, self.data
-        if "align" not in o.stages:
-            return None
-        if o.resume and self.ckpts.latest() is not None:
-            align_json = o.run_dir / "align.json"
-            return read_json(align_json) if align_json.exists() else None  # (one line when corrupt)
-        count = o.align_steps * o.sequences_per_step
-        windows = mixed(self.mix, data.take(count) if o.streamed else data.train[data.window_indices(0, count)], 0)
-        say = log.info if self.main else (lambda line: None)
-        self.model.to(acc.device)
-        before = evaluate_held_out(self.model, data, acc, o.micro_batch) if data.eval.shape[0] else {}
-        held_out = data.eval[: windows.shape[0]]  # the per-layer errors on as many held-out windows as it trains on
-        record = align(self.model, self.teacher, windows.long(), held_out.long(), micro_batch=o.micro_batch,
-                       epochs=o.align_epochs, lr=o.align_lr, device=acc.device, log=say)
-        record["tokens"] = o.align_steps * o.batch_tokens
-        record["eval_ppl_before"] = before.get("eval_ppl")
-        if "other_eval_ppl" in before:
-            record["other_eval_ppl_before"] = before["other_eval_ppl"]
-        if self.main:
-            write_text_atomic(o.run_dir / "align.json", json.dumps(record, indent=2) + "\n", "align.json")
-        return record
 
-    def _announce(self) -> None:
-        o, data, state = self.o, self.data, self.state
-        if not self.main:
+@dataclass(frozen=True)
+class UptrainRecipe:
+    """One run after its setup (`setup` builds it from the stages' results; nothing here is set afterwards): `train`
+    runs the optimizer steps with their evaluations and checkpoints, `save` writes the output. `align_record` is the
+    align stage's record (None without it), which the evaluation at step 0 completes."""
+
+    o: UptrainOptions
+    inputs: Inputs
+    run: Run
+    models: Models
+    data: Data
+    ckpts: Checkpoints
+    training: Training
+    heads: Heads
+    align_record: dict | None
+
+    def announce(self) -> None:
+        o, run, windows, training = self.o, self.run, self.data.windows, self.training
+        if not run.main:
             return
-        n_params = sum(p.numel() for p in self.params)
-        log.info(f"uptrain: {self.objective.kind} loss, training {len(self.trainable)} tensors ({n_params:,} parameters), "
-              f"{o.steps} steps x {self.tokens_per_step} tokens, {self.world} process(es) x {self.accum} "
-              f"micro-batch(es) of {o.micro_batch}, "
-              + (f"training windows streamed from {len(o.data)} source(s) by {max(1, o.data_workers)} reader(s) per "
-                 f"process, {data.eval.shape[0]} held-out " if o.streamed else
-                 f"{data.train.shape[0]} training / {data.eval.shape[0]} held-out ")
-              + (f"(+ {data.other.shape[0]} of --eval-data) " if data.other is not None else "")
-              + f"windows of {o.seq_len}"
-              + (f", parameters sharded by {self.acc.distributed_type.value}" if self.sharded else "")
-              + (" (the teacher's too)" if self.sharded and self.teacher is not None else "")
-              + (f"; resumed at step {state.step} from {self.resumed_from.name}" if self.resumed_from else ""))
+        n_params = sum(p.numel() for p in training.params)
+        log.info(f"uptrain: {self.inputs.objective.kind} loss, training {len(training.trainable)} tensors "
+                 f"({n_params:,} parameters), {o.steps} steps x {run.tokens_per_step} tokens, {run.world} process(es) "
+                 f"x {run.accum} micro-batch(es) of {o.micro_batch}, "
+                 + (f"training windows streamed from {len(o.data)} source(s) by {max(1, o.data_workers)} reader(s) "
+                    f"per process, {windows.eval.shape[0]} held-out " if o.streamed else
+                    f"{windows.train.shape[0]} training / {windows.eval.shape[0]} held-out ")
+                 + (f"(+ {windows.other.shape[0]} of --eval-data) " if windows.other is not None else "")
+                 + f"windows of {o.seq_len}"
+                 + (f", parameters sharded by {run.acc.distributed_type.value}" if training.sharded else "")
+                 + (" (the teacher's too)" if training.sharded and self.models.teacher is not None else "")
+                 + (f"; resumed at step {training.state.step} from {training.resumed_from.name}"
+                    if training.resumed_from else ""))
         if 0 < o.steps < FEW_STEPS:
             warn(f"--tokens {o.tokens} with --batch-tokens {o.batch_tokens} makes only {o.steps} optimizer step"
                  f"{'s' if o.steps > 1 else ''}: too few for the learning-rate schedule to mean much; raise --tokens "
@@ -146,20 +173,20 @@ class UptrainRecipe(RecipeSetup, RecipeData):
     # --- train ---------------------------------------------------------------------------------------------------
     def train(self) -> None:
         """Optimizer steps from the resumed one to the last, each followed by its evaluation and checkpoint when due."""
-        o, state = self.o, self.state
+        o, run, training, state = self.o, self.run, self.training, self.training.state
         try:
-            if self.resumed_from is None:
+            if training.resumed_from is None:
                 self._evaluate_start()
-            bar = Progress(o.steps, state.step, self.tokens_per_step, enabled=self.main and o.progress,
+            bar = Progress(o.steps, state.step, run.tokens_per_step, enabled=run.main and o.progress,
                            every_s=o.progress_every, data_line=self.data_line if o.streamed else None)
             for step in range(state.step, o.steps):
                 row = self.train_step(step)
-                self.metrics.write(**row)
+                training.metrics.write(**row)
                 bar.step(row)
                 last = state.step == o.steps
                 if last or state.step % o.eval_interval == 0:
                     result = self.evaluate_at(state.step)
-                    if result is not None and self.main:
+                    if result is not None and run.main:
                         other = (f", --eval-data {result['other_eval_ppl']:.3f}" if "other_eval_ppl" in result
                                  else "")
                         line = f"step {state.step}: held-out perplexity {result['eval_ppl']:.3f}{other}"
@@ -171,7 +198,7 @@ class UptrainRecipe(RecipeSetup, RecipeData):
                     self.save_checkpoint()
             bar.close()
             if o.streamed:
-                self.data.close()
+                self.data.windows.close()
         except (RuntimeError, torch.OutOfMemoryError) as e:
             if _is_oom(e):
                 raise SurgeryError(f"out of memory at step {state.step + 1} (micro-batch {o.micro_batch} x {o.seq_len} "
@@ -182,39 +209,41 @@ class UptrainRecipe(RecipeSetup, RecipeData):
     def train_step(self, step: int) -> dict:
         """One optimizer step (0-based `step`): the micro-batches' forward and backward passes, clipping, the
         update; returns the metrics row. A step whose loss or gradient norm is not finite changes nothing."""
-        o, acc, state, optimizer = self.o, self.acc, self.state, self.optimizer
+        o, run, models, on_policy = self.o, self.run, self.models, self.inputs.on_policy
+        acc, world, accum = run.acc, run.world, run.accum
+        state, optimizer = self.training.state, self.training.optimizer
         start = time.perf_counter()
         lr = lr_at(step, o)
         for group in optimizer.param_groups:
             group["lr"] = group_lr(group, step, o)
-        batch = self.data.step_batch(o.align_steps + step, o.sequences_per_step, acc.process_index, self.world)
-        share = o.sequences_per_step // self.world  # this process's windows of the step, in the run's global order
-        batch = mixed(self.mix, batch, (o.align_steps + step) * o.sequences_per_step + acc.process_index * share)
+        batch = self.data.windows.step_batch(o.align_steps + step, o.sequences_per_step, acc.process_index, world)
+        share = o.sequences_per_step // world  # this process's windows of the step, in the run's global order
+        batch = mixed(models.mix, batch, (o.align_steps + step) * o.sequences_per_step + acc.process_index * share)
         masks, weights = self._step_masks(step)
-        if self.store is not None:  # the stored teacher pass of these windows, taken by the micro-steps in turn
+        if models.store is not None:  # the stored teacher pass of these windows, taken by the micro-steps in turn
             from .stored_kd import first_window
 
-            first = first_window(o, step, acc.process_index, self.world)
-            self.objective.queue(self.store.read(first, batch.shape[0]), o.micro_batch)
+            first = first_window(o, step, acc.process_index, world)
+            self.inputs.objective.queue(models.store.read(first, batch.shape[0]), o.micro_batch)
         loss_sum = torch.zeros((), device=acc.device)
         parts_sum: dict[str, torch.Tensor] = {}
         gen_seconds = 0.0
-        for m in range(self.accum):
+        for m in range(accum):
             ids = batch[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device)
             mask = masks[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device) if masks is not None else None
             weight = weights[m] if weights is not None else None
             generated = None
-            if self.on_policy is not None and self.on_policy.generates(step * self.accum + m):
-                g = self.on_policy.generator(step, m, acc.process_index, acc.device)
-                ids, generated, seconds = self.on_policy.rollout(generating_model(acc.unwrap_model(self.model)), ids,
-                                                                 g, acc.autocast)
+            if on_policy is not None and on_policy.generates(step * accum + m):
+                g = on_policy.generator(step, m, acc.process_index, acc.device)
+                ids, generated, seconds = on_policy.rollout(generating_model(acc.unwrap_model(models.model)), ids, g,
+                                                            acc.autocast)
                 gen_seconds += seconds
-            loss, parts = self._micro_step(ids, last=m == self.accum - 1, weight=weight, mask=mask, generated=generated)
-            loss_sum += loss / self.accum if weight is None else loss * weight
+            loss, parts = self._micro_step(ids, last=m == accum - 1, weight=weight, mask=mask, generated=generated)
+            loss_sum += loss / accum if weight is None else loss * weight
             for k, v in parts.items():
-                parts_sum[k] = parts_sum.get(k, 0) + (v / self.accum if weight is None else v * weight)
+                parts_sum[k] = parts_sum.get(k, 0) + (v / accum if weight is None else v * weight)
         # inf max_norm: the norm (of all processes' gradients) without clipping
-        grad_norm = acc.clip_grad_norm_(self.params, o.max_grad_norm if o.max_grad_norm > 0 else math.inf)
+        grad_norm = acc.clip_grad_norm_(self.training.params, o.max_grad_norm if o.max_grad_norm > 0 else math.inf)
         logged = acc.reduce(torch.stack([loss_sum, *parts_sum.values()]), reduction="mean").tolist()  # syncs
         grad_norm = float(grad_norm)
         if not all_finite(acc, logged[0], grad_norm):
@@ -226,27 +255,27 @@ class UptrainRecipe(RecipeSetup, RecipeData):
         state.step = step + 1
         seconds = time.perf_counter() - start
         state.elapsed += seconds
-        generation = ({"gen_s": gen_seconds, "gen_share": gen_seconds / seconds} if self.on_policy is not None
+        generation = ({"gen_s": gen_seconds, "gen_share": gen_seconds / seconds} if on_policy is not None
                       else {})  # on-policy distillation: the student's generating, its share of the step
-        return dict(step=state.step, tokens=state.step * self.tokens_per_step, loss=logged[0],
+        return dict(step=state.step, tokens=state.step * run.tokens_per_step, loss=logged[0],
                     **{f"{k}_loss": v for k, v in zip(parts_sum, logged[1:])}, lr=lr, grad_norm=grad_norm,
-                    tokens_per_s=self.tokens_per_step / seconds, elapsed=state.elapsed, **generation)
+                    tokens_per_s=run.tokens_per_step / seconds, elapsed=state.elapsed, **generation)
 
     def _step_masks(self, step: int) -> tuple[torch.Tensor | None, list[float] | None]:
         """--loss-on assistant: this process's token masks of step `step` and each micro-batch's weight, its share of
         the step's counted targets (all processes) times the number of processes (DDP averages the gradients): the
         step's loss is the mean over every counted target, however the batch is split. Otherwise no masks, and each
         micro-batch weighs 1 / accumulation steps (None)."""
-        o, acc = self.o, self.acc
+        o, acc, world = self.o, self.run.acc, self.run.world
         if o.loss_on != "assistant":
             return None, None
-        masks = self.data.step_mask(o.align_steps + step, o.sequences_per_step, acc.process_index, self.world)
-        counts = [int(masks[m * o.micro_batch : (m + 1) * o.micro_batch, 1:].sum()) for m in range(self.accum)]
+        masks = self.data.windows.step_mask(o.align_steps + step, o.sequences_per_step, acc.process_index, world)
+        counts = [int(masks[m * o.micro_batch : (m + 1) * o.micro_batch, 1:].sum()) for m in range(self.run.accum)]
         total = acc.reduce(torch.tensor([float(sum(counts))], device=acc.device), reduction="sum").item()
         if total == 0:
             raise SurgeryError(f"--loss-on assistant: step {step + 1}'s windows hold no assistant token (is the data "
                                "a messages column rendered with the chat template?)")
-        return masks, [c * self.world / total for c in counts]
+        return masks, [c * world / total for c in counts]
 
     def _micro_step(self, ids: torch.Tensor, last: bool, weight: float | None = None,
                     mask: torch.Tensor | None = None, generated: dict | None = None) -> tuple[torch.Tensor, dict]:
@@ -254,29 +283,30 @@ class UptrainRecipe(RecipeSetup, RecipeData):
         scaled by `weight` (default 1 / accumulation steps); returns its detached loss and loss parts (unscaled).
         `mask`: the tokens the losses count (--loss-on assistant). `generated`: the loss masks of a micro-batch the
         student wrote (onpolicy.py)."""
-        acc, model, teacher = self.acc, self.model, self.teacher
+        acc, model, teacher = self.run.acc, self.models.model, self.models.teacher
+        objective, heads = self.inputs.objective, self.heads
         sync = contextlib.nullcontext() if last else acc.no_sync(model)
         with sync:
-            states = {"output_hidden_states": True} if self.objective.needs_hidden_states else {}
+            states = {"output_hidden_states": True} if objective.needs_hidden_states else {}
             with acc.autocast():  # logits, or final hidden states the losses project chunk by chunk
-                with hidden(self.s_head):
+                with hidden(heads.student):
                     out = model(input_ids=ids, use_cache=False, **states)
                 t_out = None
                 if teacher is not None:
-                    with torch.no_grad(), hidden(self.t_head):
+                    with torch.no_grad(), hidden(heads.teacher):
                         t_out = teacher(input_ids=ids, use_cache=False, **states)
-                loss, parts = self.objective(out.logits, ids, t_out.logits if t_out is not None else None,
-                                             *self.projections, states=out.hidden_states if states else None,
-                                             teacher_states=t_out.hidden_states if states else None,
-                                             mask=mask, **(generated or {}))
-            acc.backward(loss / self.accum if weight is None else loss * weight)
+                loss, parts = objective(out.logits, ids, t_out.logits if t_out is not None else None,
+                                        *heads.projections, states=out.hidden_states if states else None,
+                                        teacher_states=t_out.hidden_states if states else None,
+                                        mask=mask, **(generated or {}))
+            acc.backward(loss / self.run.accum if weight is None else loss * weight)
         del out, t_out
         return loss.detach(), parts
 
     def data_line(self) -> str:
         """Progress of the stream (this process's readers): tokens read, blank documents skipped, each source's
         share of the windows so far."""
-        got = self.data.shares()
+        got = self.data.windows.shares()
         total = max(1, sum(got["windows"]))
         shares = ", ".join(f"{public_name(name) or name} {n / total:.1%}" for name, n in zip(self.o.data, got["windows"]))
         return f"read {got['tokens']:,} tokens, {got['skipped']} blank documents skipped; shares {shares}"
@@ -285,8 +315,9 @@ class UptrainRecipe(RecipeSetup, RecipeData):
         """Streamed: each source's weight and its share of the windows trained on (all processes), for the record."""
         if not self.o.streamed:
             return None
-        counts = torch.tensor(self.data.shares()["windows"], dtype=torch.float64, device=self.acc.device)
-        counts = self.acc.reduce(counts, reduction="sum").cpu().tolist()
+        acc = self.run.acc
+        counts = torch.tensor(self.data.windows.shares()["windows"], dtype=torch.float64, device=acc.device)
+        counts = acc.reduce(counts, reduction="sum").cpu().tolist()
         total = max(1.0, sum(counts))
         return [{"data": public_name(spec) or spec, "weight": round(w, 6), "windows": int(n),
                  "share": round(n / total, 6)} for spec, w, n in zip(self.o.data, self.o.weights, counts)]
@@ -294,22 +325,23 @@ class UptrainRecipe(RecipeSetup, RecipeData):
     # --- evaluate ------------------------------------------------------------------------------------------------
     def evaluate_at(self, step: int) -> dict | None:
         """Held-out loss and perplexity after `step` (None without held-out windows), written to the metrics."""
-        o = self.o
-        if self.data.eval.shape[0] == 0:
+        o, acc, windows = self.o, self.run.acc, self.data.windows
+        if windows.eval.shape[0] == 0:
             return None
-        result = evaluate_held_out(self.model, self.data, self.acc, o.micro_batch)
-        if not all_finite(self.acc, result["eval_loss"], result.get("other_eval_loss", 0.0)):
+        result = evaluate_held_out(self.models.model, windows, acc, o.micro_batch)
+        if not all_finite(acc, result["eval_loss"], result.get("other_eval_loss", 0.0)):
             raise SurgeryError(f"the held-out loss is not finite after step {step} (the weights diverged: lower --lr, "
                                f"now {o.lr:g}); {last_good(self.ckpts)}")
-        self.metrics.write(step=step, tokens=step * self.tokens_per_step, **result)
+        self.training.metrics.write(step=step, tokens=step * self.run.tokens_per_step, **result)
         return result
 
     def _evaluate_start(self) -> None:
         """A fresh run's step 0: the student's (and the teacher's) held-out perplexity, after any alignment."""
         first = self.evaluate_at(0)
-        if self.teacher is not None and first is not None:
-            teacher = evaluate_held_out(self.teacher, self.data, self.acc, self.o.micro_batch)
-            self.metrics.write(step=0, tokens=0, **{f"teacher_{k}": v for k, v in teacher.items() if k.endswith("ppl")})
+        if self.models.teacher is not None and first is not None:
+            teacher = evaluate_held_out(self.models.teacher, self.data.windows, self.run.acc, self.o.micro_batch)
+            self.training.metrics.write(step=0, tokens=0,
+                                        **{f"teacher_{k}": v for k, v in teacher.items() if k.endswith("ppl")})
         if self.align_record is not None and first is not None:  # the evaluation at step 0 came after the alignment
             self.align_record["eval_ppl"] = first["eval_ppl"]
             if "other_eval_ppl" in first:
@@ -318,24 +350,26 @@ class UptrainRecipe(RecipeSetup, RecipeData):
     # --- save ----------------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> None:
         """A resumable checkpoint of the current step, refused when the weights are not finite."""
-        if not all_finite(self.acc, *(p.detach() for p in self.params)):
-            raise SurgeryError(f"the weights are not finite after step {self.state.step} (lower --lr, now "
+        training = self.training
+        if not all_finite(self.run.acc, *(p.detach() for p in training.params)):
+            raise SurgeryError(f"the weights are not finite after step {training.state.step} (lower --lr, now "
                                f"{self.o.lr:g}); {last_good(self.ckpts)}")
-        data_state = self.data.state_dict() if self.o.streamed else None
-        self.ckpts.save(self.state.step, self.model, self.optimizer, self.state, data_state)
+        data_state = self.data.windows.state_dict() if self.o.streamed else None
+        self.ckpts.save(training.state.step, self.models.model, training.optimizer, training.state, data_state)
 
     def save(self) -> dict | None:
         """The final checkpoint, written by the main process (`finish`); the uptraining record on the main one."""
-        acc = self.acc
+        acc, models, training = self.run.acc, self.models, self.training
         # Sharded parameters are gathered for the final save (a collective: every process calls it).
-        full_state = acc.get_state_dict(self.model) if self.sharded else None
-        self.state.sources = self.source_shares()
+        full_state = acc.get_state_dict(models.model) if training.sharded else None
+        training.state.sources = self.source_shares()
         finish_trackers(acc)  # TensorBoard's event file complete before the output copies it
         result = None
-        if self.main:
-            result = finish(self.o, self.source, acc.unwrap_model(self.model), full_state, self.out_dtype,
-                            self.objective, self.metrics, self.trajectory, self.world, self.state, self.align_record,
-                            self.lora_targets, self.training_form, precision=precision_of(acc))
+        if self.run.main:
+            result = finish(self.o, self.inputs.source, acc.unwrap_model(models.model), full_state, models.out_dtype,
+                            self.inputs.objective, training.metrics, self.run.trajectory, self.run.world,
+                            training.state, self.align_record, training.lora_targets, models.training_form,
+                            precision=precision_of(acc))
         acc.wait_for_everyone()
         acc.end_training()
         return result

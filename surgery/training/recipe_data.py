@@ -1,117 +1,135 @@
-"""The data stage of `UptrainRecipe` (loop.py): the training and held-out windows, packed up front (data.py) or
-streamed (stream.py), and the key a resumed run must find again."""
+"""The data stage of an uptraining run (loop.py's `setup`): `setup_data` -> `Data`, the training and held-out
+windows, packed up front (data.py) or streamed (stream.py), and the key a resumed run must find again."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.sha256 import sha256_file
 from ..errors import SurgeryError
-from .data import DATA_CACHE, cache_key, pack, pack_held_out, read_cache, write_cache
+from .data import DATA_CACHE, PackedData, cache_key, pack, pack_held_out, read_cache, write_cache
+from .options import UptrainOptions
 from .run_folder import start_run_dir
 
+if TYPE_CHECKING:
+    from ..chat import ChatFormat
+    from .recipe_setup import Run
+    from .stream import StreamedData
 
-class RecipeData:
-    """`UptrainRecipe`'s data stage: sets `data`, `key` and `data_sha256` from the options, the tokenizer and the
-    chat format (`o`, `tokenizer`, `chat`, `acc`, `main`, `world`, `trajectory`, set by `RecipeSetup`)."""
 
-    def _check_stream(self) -> None:
-        """Streamed data that is empty, or has fewer documents than readers: refused before the model loads."""
-        if self.o.streamed and not self.o.resume:
-            from .stream_packing import early_check
+@dataclass(frozen=True)
+class Data:
+    """The run's windows (`windows`: packed up front, or streamed as the steps need them; the held-out ones in
+    memory either way), the key a resumed run must find again (sources, files, tokenizer, lengths), and the packed
+    cache's sha256 (streamed: '')."""
 
-            early_check(self.o.data, self.o.weights, self.world * max(1, self.o.data_workers),
-                        text_field=self.o.text_field, streaming=self.o.streaming, txt_unit=self.o.txt_unit)
+    windows: PackedData | StreamedData
+    key: str
+    sha256: str
 
-    def _setup_data(self) -> None:
-        """The training and held-out windows: packed up front (small runs, data.py) or streamed (stream.py)."""
-        if self.o.loss_on == "assistant" and self.o.streamed:
-            raise SurgeryError("--loss-on assistant reads packed data: this run would stream its data (several --data, "
-                               "--data-workers, or more than --data-mode auto packs); use --data-mode packed")
-        if not self.o.streamed:
-            return self._setup_packed()
-        self._setup_stream()
-        if self.main and not self.o.resume:
-            start_run_dir(self.o, self.trajectory)
-        self.acc.wait_for_everyone()
 
-    def _setup_packed(self) -> None:
-        """Packed training and held-out windows: the main process packs them and caches them for the others (and
-        for resuming; the checkpoint records the cache's sha256, which a resumed run must find again)."""
-        o, tokenizer = self.o, self.tokenizer
-        train_tokens = o.total_steps * o.sequences_per_step * o.seq_len
-        self.key = cache_key(data=o.data_spec, text_field=o.text_field, **o.txt_key(), seq_len=o.seq_len, eval_tokens=o.eval_tokens,
-                             **({"eval_data": o.eval_data} if o.eval_data is not None else {}),
-                             train_tokens=train_tokens, vocab=len(tokenizer), eos=tokenizer.eos_token_id,
-                             tokenizer=type(tokenizer).__name__, **self._chat_key())
+def check_stream(o: UptrainOptions, world: int) -> None:
+    """Streamed data that is empty, or has fewer documents than the `world` processes' readers: refused before the
+    model loads."""
+    if o.streamed and not o.resume:
+        from .stream_packing import early_check
 
-        def build():
-            from ..data import load_texts
+        early_check(o.data, o.weights, world * max(1, o.data_workers), text_field=o.text_field,
+                    streaming=o.streaming, txt_unit=o.txt_unit)
 
-            data = pack(load_texts(o.data[0], o.text_field, o.streaming, o.txt_unit, self.chat), tokenizer, o.seq_len,
-                        o.eval_tokens, train_tokens, seed=o.seed, masked=o.loss_on == "assistant")
-            if o.loss_on == "assistant" and not self.chat.read.get("conversations"):  # every token would count
-                raise SurgeryError(f"--loss-on assistant: the data holds no conversation (no 'messages' column "
-                                   "read), so it has no assistant turns to train on; use --loss-on all")
-            if o.loss_on == "assistant" and data.train_mask is not None and not data.train_mask[:, 1:].any():
-                raise SurgeryError("--loss-on assistant: no conversation of the training data has an assistant turn "
-                                   "(nothing to train on); use --loss-on all")
-            if o.eval_data is not None:
-                data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit, self.chat),
-                                           tokenizer, o.seq_len, o.eval_tokens)
-            return data
 
-        cache = o.run_dir / DATA_CACHE
-        with self.acc.main_process_first():
-            data = read_cache(cache, self.key, o.seed) if (o.resume or not self.main) else None
-            if data is None:
-                data = build()
-                if self.main:
-                    if not o.resume:
-                        start_run_dir(o, self.trajectory)
-                    write_cache(cache, self.key, data)
-        self.data = data
-        self.data_sha256 = sha256_file(cache)
+def setup_data(o: UptrainOptions, run: Run, tokenizer: Any, chat: ChatFormat) -> Data:
+    """The training and held-out windows: packed up front (small runs, data.py) or streamed (stream.py). A fresh run
+    starts its run folder here, once the data proved good."""
+    if o.loss_on == "assistant" and o.streamed:
+        raise SurgeryError("--loss-on assistant reads packed data: this run would stream its data (several --data, "
+                           "--data-workers, or more than --data-mode auto packs); use --data-mode packed")
+    if not o.streamed:
+        return _packed(o, run, tokenizer, chat)
+    data = _streamed(o, run, tokenizer, chat)
+    if run.main and not o.resume:
+        start_run_dir(o, run.trajectory)
+    run.acc.wait_for_everyone()
+    return data
 
-    def _setup_stream(self) -> None:
-        """Streamed training windows (read, tokenized and packed as the steps need them, by --data-workers); the
-        held-out windows (the first documents of every source, and --eval-data) in memory."""
-        from .stream import StreamedData, data_key
-        from .stream_held_out import hold_out
-        from .stream_packing import check_readers
-        from .stream_sources import Plan, fingerprint, resolve_sources
 
-        o, tokenizer, acc = self.o, self.tokenizer, self.acc
-        if "align" in o.stages and self.world > 1:
-            raise SurgeryError("--stage align reads its windows in one process: with several processes use "
-                               "--data-mode packed")
-        eos = tokenizer.eos_token_id
-        if eos is None:
-            raise SurgeryError("the tokenizer has no EOS token to put between documents")
-        if o.data_workers:
-            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are forked from this process
-        sources = resolve_sources(o.data, o.weights)
-        args = dict(tokenizer=tokenizer, eos=eos, seq_len=o.seq_len, seed=o.seed,
-                    readers=self.world * max(1, o.data_workers), epochs=o.data_epochs, text_field=o.text_field,
-                    streaming=o.streaming, txt_unit=o.txt_unit, chat_template=o.chat_template)
-        eval_windows, held = hold_out(args, sources, o.eval_tokens)
-        plan = Plan(sources=tuple(sources), held=held, **args)
-        if not o.resume:
-            check_readers(plan)  # after the held-out documents, before the run folder is started
-        self.data = StreamedData(plan, eval_windows, acc.process_index, self.world, o.data_workers)
+def _packed(o: UptrainOptions, run: Run, tokenizer: Any, chat: ChatFormat) -> Data:
+    """Packed training and held-out windows: the main process packs them and caches them for the others (and
+    for resuming; the checkpoint records the cache's sha256, which a resumed run must find again)."""
+    train_tokens = o.total_steps * o.sequences_per_step * o.seq_len
+    key = cache_key(data=o.data_spec, text_field=o.text_field, **o.txt_key(), seq_len=o.seq_len, eval_tokens=o.eval_tokens,
+                    **({"eval_data": o.eval_data} if o.eval_data is not None else {}),
+                    train_tokens=train_tokens, vocab=len(tokenizer), eos=tokenizer.eos_token_id,
+                    tokenizer=type(tokenizer).__name__, **_chat_key(o))
+
+    def build():
+        from ..data import load_texts
+
+        data = pack(load_texts(o.data[0], o.text_field, o.streaming, o.txt_unit, chat), tokenizer, o.seq_len,
+                    o.eval_tokens, train_tokens, seed=o.seed, masked=o.loss_on == "assistant")
+        if o.loss_on == "assistant" and not chat.read.get("conversations"):  # every token would count
+            raise SurgeryError(f"--loss-on assistant: the data holds no conversation (no 'messages' column "
+                               "read), so it has no assistant turns to train on; use --loss-on all")
+        if o.loss_on == "assistant" and data.train_mask is not None and not data.train_mask[:, 1:].any():
+            raise SurgeryError("--loss-on assistant: no conversation of the training data has an assistant turn "
+                               "(nothing to train on); use --loss-on all")
         if o.eval_data is not None:
-            from ..data import load_texts
+            data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit, chat),
+                                       tokenizer, o.seq_len, o.eval_tokens)
+        return data
 
-            self.data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit, self.chat),
-                                            tokenizer, o.seq_len, o.eval_tokens)
-        self.key = data_key({"sources": fingerprint(sources), **o.txt_key(), "seq_len": o.seq_len, "eval_tokens": o.eval_tokens,
-                             "eval_data": o.eval_data, "seed": o.seed,
-                             "vocab": len(tokenizer), "eos": eos, "tokenizer": type(tokenizer).__name__,
-                             **self._chat_key()})
-        self.data_sha256 = ""
+    cache = o.run_dir / DATA_CACHE
+    with run.acc.main_process_first():
+        data = read_cache(cache, key, o.seed) if (o.resume or not run.main) else None
+        if data is None:
+            data = build()
+            if run.main:
+                if not o.resume:
+                    start_run_dir(o, run.trajectory)
+                write_cache(cache, key, data)
+    return Data(windows=data, key=key, sha256=sha256_file(cache))
 
-    def _chat_key(self) -> dict:
-        """--chat-template for the data's key when it is not the default (other runs' keys stay as they were)."""
-        o = self.o
-        return ({"chat_template": o.chat_template} if o.chat_template != "auto" else {}) | (
-            {"loss_on": o.loss_on} if o.loss_on != "all" else {})
+
+def _streamed(o: UptrainOptions, run: Run, tokenizer: Any, chat: ChatFormat) -> Data:
+    """Streamed training windows (read, tokenized and packed as the steps need them, by --data-workers); the
+    held-out windows (the first documents of every source, and --eval-data) in memory."""
+    from .stream import StreamedData, data_key
+    from .stream_held_out import hold_out
+    from .stream_packing import check_readers
+    from .stream_sources import Plan, fingerprint, resolve_sources
+
+    if "align" in o.stages and run.world > 1:
+        raise SurgeryError("--stage align reads its windows in one process: with several processes use "
+                           "--data-mode packed")
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise SurgeryError("the tokenizer has no EOS token to put between documents")
+    if o.data_workers:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are forked from this process
+    sources = resolve_sources(o.data, o.weights)
+    args = dict(tokenizer=tokenizer, eos=eos, seq_len=o.seq_len, seed=o.seed,
+                readers=run.world * max(1, o.data_workers), epochs=o.data_epochs, text_field=o.text_field,
+                streaming=o.streaming, txt_unit=o.txt_unit, chat_template=o.chat_template)
+    eval_windows, held = hold_out(args, sources, o.eval_tokens)
+    plan = Plan(sources=tuple(sources), held=held, **args)
+    if not o.resume:
+        check_readers(plan)  # after the held-out documents, before the run folder is started
+    data = StreamedData(plan, eval_windows, run.acc.process_index, run.world, o.data_workers)
+    if o.eval_data is not None:
+        from ..data import load_texts
+
+        data.other = pack_held_out(load_texts(o.eval_data, o.text_field, o.streaming, o.txt_unit, chat),
+                                   tokenizer, o.seq_len, o.eval_tokens)
+    key = data_key({"sources": fingerprint(sources), **o.txt_key(), "seq_len": o.seq_len, "eval_tokens": o.eval_tokens,
+                    "eval_data": o.eval_data, "seed": o.seed,
+                    "vocab": len(tokenizer), "eos": eos, "tokenizer": type(tokenizer).__name__,
+                    **_chat_key(o)})
+    return Data(windows=data, key=key, sha256="")
+
+
+def _chat_key(o: UptrainOptions) -> dict:
+    """--chat-template for the data's key when it is not the default (other runs' keys stay as they were)."""
+    return ({"chat_template": o.chat_template} if o.chat_template != "auto" else {}) | (
+        {"loss_on": o.loss_on} if o.loss_on != "all" else {})

@@ -18,7 +18,7 @@ import torch
 from inprocess import cli_args
 from surgery.checkpoint.record import public_record, read_record
 from surgery.errors import SurgeryError
-from surgery.testing.pydoc_llama import FAST, make_model
+from surgery.testing.pydoc_llama import FAST
 from surgery.training import UptrainOptions, uptrain
 from surgery.training.teacher_pass import teacher_pass
 
@@ -44,11 +44,6 @@ def run(student: Path, out: Path, **kw) -> dict:
 def one_line(e: pytest.ExceptionInfo) -> str:
     assert "\n" not in str(e.value), str(e.value)
     return str(e.value)
-
-
-@pytest.fixture(scope="module")
-def student(tmp_path_factory, tokenizer):
-    return make_model(tmp_path_factory.mktemp("student") / "student", tokenizer, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -275,17 +270,16 @@ def test_loss_on_assistant_without_a_template_counts_the_assistant_turns_only(ti
                                                                               chat_template):
     """The issue saw every token trained on; conversations without a template are their turns' contents, and the
     mask keeps the assistant's (a correct run whose record says loss_on assistant and the template mode)."""
-    from surgery.training.loop import UptrainRecipe
+    from surgery.training.loop import setup
 
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": f"Explain the thing number {i} please. " * 3},
         {"role": "assistant", "content": f"def answer_{i}(x):\n    return x * {i}\n"}]}) + "\n" for i in range(200)))
-    recipe = UptrainRecipe(UptrainOptions(model=str(tiny), out=tmp_path / "o", **(FAST | dict(
+    recipe = setup(UptrainOptions(model=str(tiny), out=tmp_path / "o", **(FAST | dict(
         data=[str(data)], tokens=512, loss="lm", data_mode="packed", loss_on="assistant",
         chat_template=chat_template))))
-    recipe.setup()
-    ids, mask = recipe.data.train, recipe.data.train_mask.bool()
+    ids, mask = recipe.data.windows.train, recipe.data.windows.train_mask.bool()
     trained = tokenizer.decode(ids[mask].tolist())
     assert 0 < mask.float().mean() < 0.7 and "Explain" not in trained and "please" not in trained
     assert "def answer_" in trained and "return x *" in trained

@@ -182,7 +182,7 @@ def test_generated_tokens_are_what_the_step_trains_on(tiny, teacher, tmp_path, m
     original = UptrainRecipe._micro_step
 
     def spy(self, ids, last, generated=None, **kw):
-        student = self.acc.unwrap_model(self.model)
+        student = self.run.acc.unwrap_model(self.models.model)
         was = student.training
         student.eval()
         greedy = generate(student, ids[:, :-16], 16)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from surgery.errors import SurgeryError
-from surgery.testing.pydoc_llama import FAST, make_model, metrics, weights
+from surgery.testing.pydoc_llama import FAST, metrics, weights
 from surgery.training import UptrainOptions, uptrain
 from surgery.training.losses import kd_loss
 from surgery.training.stored_kd import stored_kd_loss
@@ -40,12 +40,6 @@ def make_store(teacher: Path, out: Path, k: int, **kw) -> TeacherStore:
 
 def run(student: Path, out: Path, **kw) -> dict:
     return uptrain(UptrainOptions(model=str(student), out=out, **(RUN | kw)))
-
-
-@pytest.fixture(scope="module")
-def student(tmp_path_factory, tokenizer):
-    """Another random Llama with the teacher's tokenizer: the student."""
-    return make_model(tmp_path_factory.mktemp("student") / "student", tokenizer, seed=1)
 
 
 @pytest.fixture(scope="module")
