@@ -29,7 +29,7 @@ PACKAGE = REPO / "surgery"
 LAYERS = [
     ("foundation", ["surgery", "surgery.version", "surgery.errors", "surgery.options", "surgery.progress", "surgery.solve",
                     "surgery.units", "surgery.dtypes", "surgery.model_types", "surgery.precision", "surgery.threads",
-                    "surgery.logs"]),
+                    "surgery.logs", "surgery.layer_choice"]),
     ("checkpoint I/O", ["surgery.checkpoint", "surgery.trust", "surgery.data", "surgery.chat",
                         "surgery.retrieval_tasks", "surgery.runs_in"]),
     ("runtime", ["surgery.runtime"]),
