@@ -178,6 +178,13 @@ def texts_rule(name: str):
     return rule
 
 
+def at_least_one(cls, v: int, info: ValidationInfo) -> int:
+    """A field validator (pydantic's `field_validator(*names)(at_least_one)`): the option is a count of at least 1."""
+    if v < 1:
+        raise ValueError(f"{spelling(info, cls).flag(info.field_name)} must be at least 1, got {v}")
+    return v
+
+
 def env_number(name: str, default: float, unit: str, maximum: float = 1e15) -> float:
     """Environment variable `name` as a finite number from 0 to `maximum` (the numeric options' strictness: `inf`,
     `nan`, a negative number or text is one line naming the variable, never silently clamped); `default` when unset

@@ -12,7 +12,7 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..dtypes import DTYPE_NAMES
 from ..errors import SurgeryError
-from ..options import Texts, option, spelling, texts_rule
+from ..options import Texts, at_least_one, option, spelling, texts_rule
 from ..precision import PrecisionOptions, check_dtype
 from .retrieval_spec import check_length, parse_lengths, parse_retrieval_tasks
 
@@ -78,12 +78,7 @@ class CheckOptions(PrecisionOptions):
 
     _data = field_validator("data")(texts_rule("data"))
 
-    @field_validator("retrieval_samples", "retrieval_batch")
-    @classmethod
-    def _positive(cls, v: int, info: ValidationInfo) -> int:
-        if v < 1:
-            raise ValueError(f"{spelling(info, cls).flag(info.field_name)} must be at least 1, got {v}")
-        return v
+    _positive = field_validator("retrieval_samples", "retrieval_batch")(at_least_one)
 
     @field_validator("tokens", "seq_len", "batch_size", "prompt_len")
     @classmethod

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import ValidationInfo, field_validator
+from pydantic import field_validator
 
-from ..options import CliModel, option, spelling
+from ..options import CliModel, at_least_one, option
 from ..training.options import UptrainArgs
 
 # uptrain's options that fix the training windows, and the teacher's run (its precision, temperature, batch, output)
@@ -33,12 +33,7 @@ class TeacherArgs(CliModel):
                             "data: each process streams its own windows, so the store takes them in that order; "
                             "packed data has one order for any number).")
 
-    @field_validator("top_k", "processes")
-    @classmethod
-    def _at_least_one(cls, v: int, info: ValidationInfo) -> int:
-        if v < 1:
-            raise ValueError(f"{spelling(info, cls).flag(info.field_name)} must be at least 1, got {v}")
-        return v
+    _at_least_one = field_validator("top_k", "processes")(at_least_one)
 
 
 def store_teacher_pass(source: str, out: Path, options: UptrainArgs, top_k: int, device: str = "auto",

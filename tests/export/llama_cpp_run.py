@@ -6,7 +6,6 @@ it skip where the package is missing or its library does not load (its wheels ne
 
 from __future__ import annotations
 
-import re
 
 import numpy as np
 import pytest
@@ -81,16 +80,3 @@ def llama_cpp_logits(gguf_file, ids: list[int], batch: int = 256, threads: int =
         if model is not None and model != ffi.NULL:
             lib.llama_model_free(model)
         lib.llama_log_set(ffi.NULL, ffi.NULL)
-
-
-def kv_caches(lines: list[str]) -> list[dict]:
-    """llama.cpp's KV cache lines: [{"mib", "cells", "layers", "k_mib", "v_mib"}] (two for a sliding-window model:
-    the full layers' cache, then the sliding layers')."""
-    found = []
-    for line in lines:
-        m = re.search(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers.*K \(\w+\): +([\d.]+) MiB"
-                      r"(?:, V \(\w+\): +([\d.]+) MiB)?", line)
-        if m:
-            found.append({"mib": float(m[1]), "cells": int(m[2]), "layers": int(m[3]), "k_mib": float(m[4]),
-                          "v_mib": float(m[5] or 0)})
-    return found

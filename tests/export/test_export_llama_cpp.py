@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from exported_files import exported  # noqa: F401 (a fixture)
-from llama_cpp_run import kv_caches, llama_cpp_library, llama_cpp_loads, llama_cpp_logits
+from llama_cpp_run import llama_cpp_library, llama_cpp_loads, llama_cpp_logits
+
+from surgery.bench.llama_cpp_bindings import kv_cache_lines
 
 pytestmark = pytest.mark.skipif(not llama_cpp_loads(), reason="needs llama-cpp-py-sync (a prebuilt llama.cpp) loadable here")
 
@@ -113,7 +115,7 @@ def test_smollm2_kinds_in_llama_cpp_at_2048_tokens(kind, tmp_path):
     delta, scale = np.abs(got - ref).max(-1), float(np.abs(ref).max())
     spans = {f"{a}-{b}": float(delta[a:b].max()) for a, b in ((0, WINDOW), (WINDOW, 1024), (1024, TOKENS))}
     top1 = float((got.argmax(-1) == ref.argmax(-1)).mean())
-    caches = kv_caches(lines)
+    caches = kv_cache_lines(lines)
     inspected = dict(inspect_checkpoints(str(folder), context=TOKENS)[0])["kv_cache_bytes_per_context"]
     config = json.loads((folder / "config.json").read_text())
     swa_extra = 0
