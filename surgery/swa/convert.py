@@ -5,9 +5,11 @@ Targets (surgery.arch.SLIDING_WINDOW_TARGETS): Llama and Mistral bodies become `
 biases, with per-layer types); Qwen2, Qwen3, SmolLM3 and Gemma 2 keep their own type (Qwen2/3 and SmolLM3 with
 `use_sliding_window`). With `sinks`, Llama and Mistral bodies become `granite_swa` instead (transformers 5.24:
 Granite's layer with per-layer windows and a learnable attention sink per head, a logit that joins every softmax
-and takes weight from the keys; identity multipliers make it Llama's layer), the sinks written at SINK_INIT. A sliding layer's query at position q sees keys q-W+1..q: W keys, itself included
-(transformers' sliding_window_overlay, vLLM's and llama.cpp's windows alike), so contexts of at most W tokens
-compute exactly what the source computes.
+and takes weight from the keys; identity multipliers make it Llama's layer), the sinks written at SINK_INIT.
+
+A sliding layer's query at position q sees keys q-W+1..q: W keys, itself included (transformers'
+sliding_window_overlay, vLLM's and llama.cpp's windows alike), so contexts of at most W tokens compute exactly what
+the source computes.
 """
 
 from __future__ import annotations
@@ -115,8 +117,7 @@ def target_config(config: dict, window: int, types: list[str], dtype: str | None
     return new
 
 
-def sink_name(layer: int) -> str:
-    return f"model.layers.{layer}.self_attn.sinks"
+SINK_NAMES = "model.layers.{layer}.self_attn.sinks"  # surgery.json's new_parameters pattern, and each layer's name
 
 
 def sink_tensors(config: dict, reader: CheckpointReader, dtype: str | None) -> list[PlannedTensor]:
@@ -124,8 +125,8 @@ def sink_tensors(config: dict, reader: CheckpointReader, dtype: str | None) -> l
     heads, layers = config["num_attention_heads"], spec_for(config).layers(config)
     like = reader.tensors.get("model.layers.0.self_attn.q_proj.weight")
     to = DTYPES[dtype] if dtype else (like.dtype if like is not None else DTYPES["float32"])
-    return [PlannedTensor(sink_name(i), to, (heads,), produce=lambda to=to: torch.full((heads,), SINK_INIT, dtype=to))
-            for i in range(layers)]
+    return [PlannedTensor(SINK_NAMES.format(layer=i), to, (heads,),
+                          produce=lambda to=to: torch.full((heads,), SINK_INIT, dtype=to)) for i in range(layers)]
 
 
 def plan(reader: CheckpointReader, dtype: str | None) -> list[PlannedTensor]:
@@ -200,15 +201,14 @@ def convert_to_swa(src: Source, out: Path, *, window: int, global_layers: Global
                "target_model_type": new_config["model_type"]}
         if global_layers.auto:
             swa["layer_score"] = layer_score
-        if sinks:
-            swa["sinks"] = {"init": SINK_INIT, "per": "query head and layer"}
         if scores is not None:
             swa["scores"] = [round(s, 6) for s in scores]
         record = {"dtype": dtype or "auto", "architecture": {"spec": config["model_type"],
                                                              "target_model_type": new_config["model_type"]},
                   "swa": swa, "output_files": output_files, "seconds": round(time.time() - start, 3)}
         if sinks:
-            record["new_parameters"] = [sink_name(0).replace(".0.", ".{layer}.")]
+            swa["sinks"] = {"init": SINK_INIT, "per": "query head and layer"}
+            record["new_parameters"] = [SINK_NAMES]
         return record | ({"calibration": calibration} if calibration else {})
 
     planned = plan(reader, dtype) + (sink_tensors(config, reader, dtype) if sinks else [])
