@@ -22,10 +22,23 @@ class Hang(Exception):
     """The command ran past the seconds it was given."""
 
 
+def fresh_general_text() -> None:
+    """The default text's state as a fresh process has it: `general` not yet resolved, no line about its fallback
+    owed (an earlier command in this process that resolved `general` offline and was refused before reading it would
+    otherwise make a later command reading pydoc say the fallback line)."""
+    from surgery import general_text
+
+    general_text.resolve_general.cache_clear()
+    general_text._FALLBACK = general_text._Fallback()
+
+
 def run_cli(capsys, *args, hang_seconds: int | None = None) -> tuple[int, str, str]:
-    """Run `surgery ARGS` through `cli.main` as the installed command would; with `hang_seconds`, a command still
-    running then raises Hang (a hang is a failure, not a wait)."""
+    """Run `surgery ARGS` through `cli.main` as the installed command would, each call with the state a fresh process
+    starts with (fresh_general_text); with `hang_seconds`, a command still running then raises Hang (a hang is a
+    failure, not a wait)."""
     import cli
+
+    fresh_general_text()
 
     def alarm(signum, frame):
         raise Hang(f"`surgery {' '.join(map(str, args))}` ran longer than {hang_seconds}s")
@@ -92,10 +105,8 @@ def uptrain_error(monkeypatch, capsys, *args, warnings: bool = False) -> str:
     lines); returns it. The default text's state starts as in a fresh process: no line owed by an earlier command
     that fell back to pydoc offline."""
     import cli
-    from surgery import general_text
 
-    general_text.resolve_general.cache_clear()
-    monkeypatch.setattr(general_text, "_FALLBACK", general_text._Fallback())
+    fresh_general_text()
     monkeypatch.setattr(sys, "argv", ["surgery", "uptrain", *map(str, args)])
     with pytest.raises(SystemExit) as e:
         cli.main()
