@@ -109,8 +109,9 @@ def main() -> None:
     for choice in choices:
         folder = convert(choice, a)
         results[choice] = scores(choice.replace("/", "_"), folder, a, the_plan)
-        types = json.loads((folder / "config.json").read_text())["layer_types"]
-        layers[choice] = ",".join(str(i) for i, t in enumerate(types) if t == "full_attention")
+        types = json.loads((folder / "config.json").read_text()).get("layer_types")  # none: every layer global (mqa, mla)
+        layers[choice] = ("all" if types is None
+                          else ",".join(str(i) for i, t in enumerate(types) if t == "full_attention"))
     cache = (a.count + (30 - a.count) * a.window / max(a.lengths)) / 30
     print(f"\nsmollm2 -> swa W={a.window}, {a.count} global layers (KV cache at {max(a.lengths)}: {cache:.2f}x); "
           f"haystack {a.haystack} (held out); {a.samples} examples a cell; hits [95% Wilson] (answer mean log-prob)")
