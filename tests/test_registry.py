@@ -26,6 +26,9 @@ PACKAGE = REPO / "surgery"
 # in another layer than its package); and no two of the package's folders and top-level modules import each other
 # (test_no_import_circles_between_folders).
 # Data flows: checkpoint in -> architecture spec -> kind -> checkpoint out -> check / uptrain -> hub.
+# The conversion packages: one per kind (its converter, and its kind.py that the registry imports); none imports
+# another's modules (test_conversion_packages_never_import_each_other).
+CONVERSION_PACKAGES = ("kv", "mla", "swa", "switchhead", "talking_heads", "hybrid")
 LAYERS = [
     ("foundation", ["surgery", "surgery.version", "surgery.errors", "surgery.options", "surgery.progress", "surgery.solve",
                     "surgery.units", "surgery.dtypes", "surgery.model_types", "surgery.precision", "surgery.threads",
@@ -36,7 +39,7 @@ LAYERS = [
     ("architecture", ["surgery.arch"]),
     ("conversions", ["surgery.calibration", "surgery.kv", "surgery.switchhead", "surgery.talking_heads",
                      "surgery.mla", "surgery.swa", "surgery.hybrid", "surgery.estimate"]),
-    ("kinds", ["surgery.kinds", "surgery.hybrid.kind"]),  # a kind package's kind.py is the registry's (issue 55)
+    ("kinds", ["surgery.kinds", *(f"surgery.{k}.kind" for k in CONVERSION_PACKAGES)]),  # each package's kind.py
     ("checkpoint users", ["surgery.checking", "surgery.inspection", "surgery.bench", "surgery.export",
                           "surgery.dry_run", "surgery.demo", "surgery.publish", "surgery.training",
                           "surgery.memory_estimate"]),
@@ -460,9 +463,9 @@ def test_a_required_field_is_a_required_option(args, message, capsys, tmp_path, 
 
 
 def test_merge_method_names_are_the_pooling_methods_and_aligned():
-    """The command line's, a recipe's and compare-merges' merge methods (kinds/kv.py) are the library's pooling
+    """The command line's, a recipe's and compare-merges' merge methods (kv/kind.py) are the library's pooling
     methods (kv/pool.py) plus the aligned merge: one list, the other its subset."""
-    from surgery.kinds.kv import METHODS
+    from surgery.kv.kind import METHODS
     from surgery.kv.pool import POOL_METHODS
 
     assert METHODS == (*POOL_METHODS, "aligned")

@@ -1,10 +1,11 @@
 """The registry of conversion kinds: the one place that knows which kinds exist, their options and their rules.
 
 `surgery convert`'s options (surgery/cli.py), a recipe's `convert:` step (surgery/recipes), the dry-run estimates,
-`surgery inspect` and the model card all ask the registry instead of naming kinds. To add a kind, write a module
-like kv.py / talking_heads.py / switchhead.py (an options model deriving from WriteOptions with the kind's rules as
-validators, and a Kind with its `convert` and cost model) and `register` it below: the command line gains its
-flags and `--to` choice, recipes accept its fields, and the estimates and inspect use its cost model.
+`surgery inspect` and the model card all ask the registry instead of naming kinds. To add a kind, give its package a
+kind.py like surgery/kv/kind.py or surgery/swa/kind.py (an options model deriving from WriteOptions, base.py here,
+with the kind's rules as validators, and a Kind with its `convert` and cost model) and `register` it below: the
+command line gains its flags and `--to` choice, recipes accept its fields, and the estimates and inspect use its cost
+model.
 
 `convert_options_model()` is the flat model of the `convert` command and of a recipe's convert step: `to` plus the
 union of every kind's fields (a field two kinds share, like `calib`, must be declared alike). Validating it
@@ -22,12 +23,12 @@ from ..errors import SurgeryError
 from ..model_types import CONVERTED_PREFIXES
 from ..options import CliModel, option, spelling
 from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
-from .kv import GQA, MQA
-from .mla import MLA_KIND
-from .swa import SWA_KIND
-from .switchhead import SWITCHHEAD
-from .talking_heads import TALKING_HEADS
-from ..hybrid.kind import HYBRID_KIND  # a kind in its own package (issue 55's layout)
+from ..hybrid.kind import HYBRID_KIND  # each kind in its own package: surgery/<kind>/kind.py
+from ..kv.kind import GQA, MQA
+from ..mla.kind import MLA_KIND
+from ..swa.kind import SWA_KIND
+from ..switchhead.kind import SWITCHHEAD
+from ..talking_heads.kind import TALKING_HEADS
 
 __all__ = ["AttentionShape", "CalibrationOptions", "ConvertOptions", "Kind", "WriteOptions", "convert_options_model",
            "find_kind", "get_kind", "kind_names", "register", "unregister", "validate_kind_options"]

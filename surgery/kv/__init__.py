@@ -1,4 +1,4 @@
-"""The K/V-head kind's converters (`surgery convert --to mqa|gqa`; the kind itself is `surgery/kinds/kv.py`).
+"""The K/V-head kind's converters (`surgery convert --to mqa|gqa`; the kind itself is `surgery/kv/kind.py`).
 
 Modules: `pool` (pooling K/V heads, and splitting/joining fused projections around it), `convert` (the plain
 merges, mean/first/random, as streamed tensor surgery, and the planner and writer the aligned merge reuses),

@@ -1,5 +1,5 @@
 """What SwitchHead cannot convert (surgery.arch's family features), in its words. Torch-free: the kind
-(surgery/kinds/switchhead.py) and the converter both read it."""
+(surgery/switchhead/kind.py) and the converter both read it."""
 
 from ..arch import Feature
 from ..talking_heads.refusals import ENCODERS_NEED_CODE

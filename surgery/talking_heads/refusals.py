@@ -1,6 +1,6 @@
 """What talking-heads cannot convert (surgery.arch's family features), in its words; and what the kinds that cannot
 convert encoders say instead (talking-heads can: its modeling code travels with the checkpoint). Torch-free: the
-kind (surgery/kinds/talking_heads.py) and the converter both read it."""
+kind (surgery/talking_heads/kind.py) and the converter both read it."""
 
 from ..arch import Feature
 

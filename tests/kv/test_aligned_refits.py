@@ -179,7 +179,7 @@ def test_query_samples_default_is_one_number():
     """The CLI's --query-samples default (a literal: the kinds import no torch at start-up), the library's QueryRefit
     default and the estimate's cost model must agree."""
     from surgery.estimate import QUERY_SAMPLES
-    from surgery.kinds.kv import KVMergeOptions
+    from surgery.kv.kind import KVMergeOptions
     from surgery.kv.aligned.refit import QueryRefit
 
     assert KVMergeOptions.model_fields["query_samples"].default == QueryRefit.samples == QUERY_SAMPLES

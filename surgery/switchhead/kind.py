@@ -10,8 +10,8 @@ from pydantic import ValidationInfo, model_validator
 
 from ..errors import SurgeryError
 from ..options import option, spelling
-from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
-from ..switchhead.refusals import REFUSES
+from ..kinds.base import AttentionShape, CalibrationOptions, Kind, WriteOptions
+from .refusals import REFUSES
 
 
 class SwitchHeadOptions(CalibrationOptions, WriteOptions):
@@ -34,7 +34,7 @@ class SwitchHead(Kind):
         return options.experts > 1  # one expert per head is the source's attention: nothing to fit
 
     def convert(self, source, out: Path, options: SwitchHeadOptions) -> dict:
-        from ..switchhead import convert_to_switchhead
+        from . import convert_to_switchhead
 
         return convert_to_switchhead(source, out, heads=options.heads, experts=options.experts, topk=options.topk,
                                      calib=options.calib, calib_tokens=options.calib_tokens,
