@@ -37,8 +37,8 @@ LAYERS = [
                         "surgery.retrieval_tasks", "surgery.runs_in"]),
     ("runtime", ["surgery.runtime"]),
     ("architecture", ["surgery.arch"]),
-    ("conversions", ["surgery.calibration", "surgery.kv", "surgery.switchhead", "surgery.talking_heads",
-                     "surgery.mla", "surgery.swa", "surgery.hybrid", "surgery.estimate"]),
+    ("conversions", ["surgery.calibration", "surgery.fitting", "surgery.fused_qkv", "surgery.estimate",
+                     *(f"surgery.{k}" for k in CONVERSION_PACKAGES)]),
     ("kinds", ["surgery.kinds", *(f"surgery.{k}.kind" for k in CONVERSION_PACKAGES)]),  # each package's kind.py
     ("checkpoint users", ["surgery.checking", "surgery.inspection", "surgery.bench", "surgery.export",
                           "surgery.dry_run", "surgery.demo", "surgery.publish", "surgery.training",

@@ -96,7 +96,7 @@ class KVMerge(Kind):
         if options.merge == ALIGNED:
             from .aligned import convert_aligned
             from .aligned.pipeline import MergeOptions
-            from .aligned.refit import QueryRefit
+            from ..fitting.refit import QueryRefit
 
             merge = MergeOptions(groups=options.groups, assign=options.grouping == "similarity",
                                  refit_v=options.refit_values, query=QueryRefit(samples=options.query_samples),
