@@ -79,6 +79,9 @@ REFUSALS: dict[str, dict[Feature, object]] = {}
 # "approximate: ...". Filled by surgery.kinds.register.
 VERDICTS: dict[str, object] = {}
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra")
+# What a kind that cannot convert an encoder says instead (the kinds whose outputs carry no modeling code of their own):
+# only a conversion that ships its modeling code with the checkpoint converts one.
+ENCODERS_NEED_CODE = "encoders need modeling code that travels with the checkpoint: use --to talking-heads"
 _WHOLE_NORM = "q/k norms over the whole projection couple all heads (one RMS over every K head)"
 
 
@@ -405,6 +408,10 @@ def find_spec(model_type: str | None) -> ArchSpec | None:
 # Ministral's (no biases); Qwen2/Qwen3/SmolLM3 also need `use_sliding_window`; Gemma 2 uses one RoPE for both types.
 SLIDING_WINDOW_TARGETS = {"llama": "ministral", "mistral": "ministral", "ministral": "ministral", "qwen2": "qwen2",
                           "qwen3": "qwen3", "smollm3": "smollm3", "gemma2": "gemma2"}
+# Model types whose `sliding_window` counts only when the config sets `use_sliding_window` (transformers' default: off).
+# The one list: what a checkpoint's sliding layers are (surgery.kinds.base.sliding_layers, surgery check) and whether
+# swa's output sets the switch (its targets, SLIDING_WINDOW_TARGETS' values, include no MoE type).
+SLIDING_WINDOW_SWITCHED = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
 # Families with layer_types whose layers of the two types differ in more than the mask: retyping a layer changes it.
 POSITIONS_BY_LAYER_TYPE = {
     "gemma3_text": "Gemma 3's sliding and global layers use different RoPE bases",

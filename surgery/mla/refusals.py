@@ -3,8 +3,7 @@ layer as DeepSeek-V3's: a body that is not Llama's is refused in the family's ow
 surgery/mla/families.py (exact, or approximate with their biases/norms absorbed). Torch-free: the kind
 (surgery/mla/kind.py) and the converter both read it."""
 
-from ..arch import Feature
-from ..talking_heads.refusals import ENCODERS_NEED_CODE
+from ..arch import ENCODERS_NEED_CODE, Feature
 from .families import body_refusal
 
 KIND = "mla"
