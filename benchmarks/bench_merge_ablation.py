@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 
-from surgery.arch import spec_for  # noqa: E402
+from surgery.kinds import spec_for  # noqa: E402
 from surgery.calibration.stream import resident_stream  # noqa: E402
 from surgery.calibration.text import calibration_text, context_of, pydoc_documents_used  # noqa: E402
 from surgery.checking.compare import compare_models  # noqa: E402

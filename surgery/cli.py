@@ -104,10 +104,9 @@ def quiet_libraries() -> None:
 
 def _print_families(ctx: click.Context, param, value) -> None:
     if value and not ctx.resilient_parsing:
-        from surgery.arch import support_markdown
-        from surgery.kinds import support_labels
+        from surgery.kinds import support_markdown
 
-        click.echo(support_markdown(support_labels()), nl=False)
+        click.echo(support_markdown(), nl=False)
         ctx.exit(0)
 
 

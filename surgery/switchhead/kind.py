@@ -9,6 +9,7 @@ from typing import ClassVar
 from pydantic import ValidationInfo, model_validator
 
 from ..errors import SurgeryError
+from ..model_types import CONVERTED_PREFIXES
 from ..options import option, spelling
 from ..kinds.base import AttentionShape, CalibrationOptions, Kind, WriteOptions
 from .refusals import REFUSES
@@ -91,6 +92,6 @@ def switchhead_memory(s, window: int, chunk: int, heads: int | None, experts: in
 
 SWITCHHEAD = SwitchHead("switchhead", SwitchHeadOptions,
                         title="SwitchHead attention, σ-MoE V/O projections (Csordás et al. 2023)",
-                        tags=["switchhead", "moe"], ships_code=True, model_type_prefix="switchhead_",
-                        config_key="switchhead", example_options={"heads": 8, "experts": 1, "topk": 1},
-                        refuses=REFUSES)
+                        tags=["switchhead", "moe"], ships_code=True,
+                        model_type_prefix=CONVERTED_PREFIXES["switchhead"], config_key="switchhead",
+                        example_options={"heads": 8, "experts": 1, "topk": 1}, refuses=REFUSES)

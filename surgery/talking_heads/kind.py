@@ -8,6 +8,7 @@ from typing import ClassVar
 
 from pydantic import ValidationInfo, model_validator
 
+from ..model_types import CONVERTED_PREFIXES
 from ..options import option, spelling
 from ..kinds.base import AttentionShape, Kind, WriteOptions
 
@@ -59,6 +60,6 @@ class TalkingHeads(Kind):
 
 
 TALKING_HEADS = TalkingHeads(NAME, TalkingHeadsOptions, title="talking-heads attention (Shazeer et al. 2020)",
-                             tags=["talking-heads"], ships_code=True, model_type_prefix="talking_heads_",
+                             tags=["talking-heads"], ships_code=True, model_type_prefix=CONVERTED_PREFIXES[NAME],
                              source_attention="eager", example_options={},
                              refuses=REFUSES)

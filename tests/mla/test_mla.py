@@ -156,9 +156,10 @@ def _mla_families() -> list[str]:
     from surgery.arch import find_spec
 
     from surgery.mla.families import APPROXIMATE, mla_family
+    from surgery.mla.refusals import REFUSES
 
     return [a for a in tm.ARCHS if (spec := find_spec(tm.ARCHS[a]().model_type)) is not None
-            and spec.refusal("mla", tm.ARCHS[a]().to_dict()) is None
+            and spec.refusal("mla", tm.ARCHS[a]().to_dict(), REFUSES) is None
             and getattr(mla_family(spec.name), "verdict", None) != APPROXIMATE]  # test_mla_families.py measures those
 
 
