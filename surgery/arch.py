@@ -13,8 +13,8 @@ A spec answers, from `config.json` and tensor names alone (no model is built):
 Which features a kind refuses, and how it words the refusal, is the kind's (its package's refusals.py, which its
 converter passes to `spec_for`; surgery.kinds looks a support label's table up for everyone else): a spec states
 facts and never names a kind, and this module holds no table a registry fills, so it answers the same whatever was
-imported before it. A family with a Llama-like
-layout is one entry: `register(ArchSpec("mytype"))`; every kind reads it.
+imported before it. A family with a Llama-like layout is one entry: `register(ArchSpec("mytype"))`; every kind
+reads it.
 """
 
 from __future__ import annotations
