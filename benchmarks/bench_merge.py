@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 
-from surgery.kinds.kv import METHODS  # noqa: E402
+from surgery.kv.kind import METHODS  # noqa: E402
 from surgery.checking.compare import compare_models  # noqa: E402
 from surgery.kv.convert import KVOptions, convert_to_kv_heads  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402

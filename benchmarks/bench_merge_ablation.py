@@ -25,16 +25,16 @@ from pathlib import Path
 import torch
 
 
-from surgery.arch import spec_for  # noqa: E402
+from surgery.kinds import spec_for  # noqa: E402
 from surgery.calibration.stream import resident_stream  # noqa: E402
 from surgery.calibration.text import calibration_text, context_of, pydoc_documents_used  # noqa: E402
 from surgery.checking.compare import compare_models  # noqa: E402
 from surgery.runtime import load_tokenizer  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
-from surgery.kv.aligned import capture  # noqa: E402
+from surgery.calibration import capture  # noqa: E402
 from surgery.commands.compare_merges import heldout_documents  # noqa: E402
 from surgery.kv.aligned.pipeline import MergeOptions, merge_model  # noqa: E402
-from surgery.kv.aligned.refit import QueryRefit  # noqa: E402
+from surgery.fitting.refit import QueryRefit  # noqa: E402
 from surgery.checkpoint.source import resolve_source  # noqa: E402
 
 

@@ -198,7 +198,7 @@ def group_merge(layout: str, repeats: int = 2) -> dict:
 
     from surgery.estimate import group_evaluations, group_merge_flops, layer_shape, probe_throughput
     from surgery.kv.aligned.fit import merge_group
-    from surgery.kv.aligned.rotary import rotary_pairs
+    from surgery.fitting.rotary import rotary_pairs
     from surgery.runtime import threads
 
     s = layer_shape(LAYOUTS[layout])
@@ -243,7 +243,7 @@ def grouping_search(layout: str, full_max: int = 12, sample: int = 2) -> dict | 
     from surgery.kv.aligned.grams import group_loss, head_grams
     from surgery.kv.aligned.layer import group_blocks, merge_loss
     from surgery.kv.aligned.params import AttnParams
-    from surgery.kv.aligned.rotary import rotary_pairs
+    from surgery.fitting.rotary import rotary_pairs
     from surgery.runtime import threads
 
     s = layer_shape(LAYOUTS[layout])

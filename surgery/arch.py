@@ -10,9 +10,11 @@ A spec answers, from `config.json` and tensor names alone (no model is built):
   the whole projection);
 - what the family does that some kinds cannot carry over (`features`: `Feature`s, each in the family's own words).
 
-Which features a kind refuses, and how it words the refusal, is the kind's (surgery/kinds: `Kind.refusals`, handed
-to `REFUSALS` when a kind registers); a spec states facts and never names a kind. A family with a Llama-like
-layout is one entry: `register(ArchSpec("mytype"))`; every kind reads it.
+Which features a kind refuses, and how it words the refusal, is the kind's (its package's refusals.py, which its
+converter passes to `spec_for`; surgery.kinds looks a support label's table up for everyone else): a spec states
+facts and never names a kind, and this module holds no table a registry fills, so it answers the same whatever was
+imported before it. A family with a Llama-like layout is one entry: `register(ArchSpec("mytype"))`; every kind
+reads it.
 """
 
 from __future__ import annotations
@@ -71,14 +73,14 @@ class Trait:
         return self.switch is None or (config is not None and bool(config.get(self.switch)))
 
 
-# support label (a column of `surgery convert --list`) -> the features it refuses -> its one-line reason, a template
-# over the family's words ("{detail}"), or a function (spec, trait) -> reason, None where that family's feature is
-# carried over. Filled by surgery.kinds.register: the kinds own their refusals.
-REFUSALS: dict[str, dict[Feature, object]] = {}
-# support label -> what its `convert --list` cell says of a family it converts (default "yes"), e.g. MLA's "exact" or
-# "approximate: ...". Filled by surgery.kinds.register.
-VERDICTS: dict[str, object] = {}
+# A refusal table (what a support label, a column of `surgery convert --list`, refuses): feature -> its one-line
+# reason, a template over the family's words ("{detail}"), or a function (spec, trait) -> reason, None where that
+# family's feature is carried over. The kinds own them (surgery.kinds.refusals).
+Refusals = dict[Feature, object]
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra")
+# What a kind that cannot convert an encoder says instead (the kinds whose outputs carry no modeling code of their own):
+# only a conversion that ships its modeling code with the checkpoint converts one.
+ENCODERS_NEED_CODE = "encoders need modeling code that travels with the checkpoint: use --to talking-heads"
 _WHOLE_NORM = "q/k norms over the whole projection couple all heads (one RMS over every K head)"
 
 
@@ -253,11 +255,9 @@ class ArchSpec:
         order = list(Feature)
         return tuple(sorted((*implied, *self.traits), key=lambda t: order.index(t.feature)))
 
-    def refused_trait(self, kind: str, config: dict | None = None,
-                      refuses: dict[Feature, str] | None = None) -> tuple[Trait, str] | None:
-        """The first feature (with this config) that the kind's support label `kind` refuses (its table `refuses`,
-        or the one its kind registered), and its reason."""
-        refuses = refusals_of(kind) if refuses is None else refuses
+    def refused_trait(self, kind: str, config: dict | None, refuses: Refusals) -> tuple[Trait, str] | None:
+        """The first feature (with this config) that the kind's support label `kind` refuses (its table `refuses`),
+        and its reason."""
         for trait in self.features:
             if trait.feature in refuses and trait.on(config):
                 rule = refuses[trait.feature]
@@ -266,20 +266,11 @@ class ArchSpec:
                     return trait, reason
         return None
 
-    def refusal(self, kind: str, config: dict | None = None, refuses: dict[Feature, str] | None = None) -> str | None:
-        """Why `kind` (a support label) cannot convert this family (with this config), in one line; None when it
-        can. Without a config, only the features the family always has count."""
+    def refusal(self, kind: str, config: dict | None, refuses: Refusals) -> str | None:
+        """Why `kind` (a support label, refusing what its table `refuses` says) cannot convert this family (with this
+        config), in one line; None when it can. Without a config, only the features the family always has count."""
         refused = self.refused_trait(kind, config, refuses)
         return refused[1] if refused else None
-
-
-def refusals_of(kind: str) -> dict[Feature, str]:
-    """The features a support label refuses (what surgery.kinds registered)."""
-    try:
-        return REFUSALS[kind]
-    except KeyError:
-        known = ", ".join(REFUSALS) or "none registered: import surgery.kinds"
-        raise SurgeryError(f"no conversion kind answers to {kind!r} (known: {known})") from None
 
 
 # Config defaults that decide a layout when config.json leaves the key out (transformers' own defaults).
@@ -388,9 +379,17 @@ def unregister(name: str) -> None:
     SPECS[:] = [s for s in SPECS if s.name != name]
 
 
-def supported_model_types(kind: str | None = None, refuses: dict[Feature, str] | None = None) -> list[str]:
-    """The model_types `kind` (a support label; None: any kind) converts with the family's default config."""
+def supported_model_types(kind: str | None = None, refuses: Refusals | None = None) -> list[str]:
+    """The model_types `kind` (a support label refusing what its table `refuses` says; None: any kind) converts with
+    the family's default config."""
+    _label_and_table(kind, refuses)
     return sorted(t for s in SPECS for t in s.model_types if kind is None or s.refusal(kind, None, refuses) is None)
+
+
+def _label_and_table(kind: str | None, refuses: Refusals | None) -> None:
+    """A support label comes with its refusal table (surgery.kinds.spec_for looks it up): this module keeps none."""
+    if kind is not None and refuses is None:
+        raise TypeError(f"{kind!r} without its refusal table: pass `refuses`, or ask surgery.kinds.spec_for")
 
 
 def find_spec(model_type: str | None) -> ArchSpec | None:
@@ -405,6 +404,10 @@ def find_spec(model_type: str | None) -> ArchSpec | None:
 # Ministral's (no biases); Qwen2/Qwen3/SmolLM3 also need `use_sliding_window`; Gemma 2 uses one RoPE for both types.
 SLIDING_WINDOW_TARGETS = {"llama": "ministral", "mistral": "ministral", "ministral": "ministral", "qwen2": "qwen2",
                           "qwen3": "qwen3", "smollm3": "smollm3", "gemma2": "gemma2"}
+# Model types whose `sliding_window` counts only when the config sets `use_sliding_window` (transformers' default: off).
+# The one list: what a checkpoint's sliding layers are (surgery.kinds.base.sliding_layers, surgery check) and whether
+# swa's output sets the switch (its targets, SLIDING_WINDOW_TARGETS' values, include no MoE type).
+SLIDING_WINDOW_SWITCHED = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
 # Families with layer_types whose layers of the two types differ in more than the mask: retyping a layer changes it.
 POSITIONS_BY_LAYER_TYPE = {
     "gemma3_text": "Gemma 3's sliding and global layers use different RoPE bases",
@@ -413,17 +416,18 @@ POSITIONS_BY_LAYER_TYPE = {
 }
 
 
-def spec_for(config: dict, kind: str | None = None, refuses: dict[Feature, str] | None = None) -> ArchSpec:
+def spec_for(config: dict, kind: str | None = None, refuses: Refusals | None = None) -> ArchSpec:
     """The family of `config`, refusing in one line when `kind` (a support label, as the kind's converter names
-    itself) cannot convert it; None: any family surgery knows. A converter passes its kind's table (`refuses`,
-    from the kind's own package), so that it refuses alike whether or not surgery.kinds was imported."""
+    itself) cannot convert it, by its table `refuses` (from the kind's own package; surgery.kinds.spec_for looks a
+    label's up); None: any family surgery knows."""
+    _label_and_table(kind, refuses)
     model_type = config.get("model_type")
     spec = find_spec(model_type)
     if spec is None:
         if kind is None:
             raise SurgeryError(f"unsupported architecture {model_type!r}; supported: "
                                f"{', '.join(supported_model_types())}")
-        encoders = (refusals_of(kind) if refuses is None else refuses).get(Feature.ENCODER)
+        encoders = refuses.get(Feature.ENCODER)
         hint = f" ({encoders})" if model_type in ENCODER_TYPES and encoders else ""
         raise SurgeryError(f"unsupported architecture {model_type!r} for {kind}{hint}; supported: "
                            f"{', '.join(supported_model_types(kind, refuses))}")
@@ -445,52 +449,55 @@ def _layout_text(spec: ArchSpec) -> str:
     return f"{spec.qkv} ({', '.join(layouts)}) + {spec.o}" + (", Conv1D" if spec.conv1d else "")
 
 
-def support_table(columns: tuple[str, ...]) -> list[dict[str, str]]:
-    """One row per model_type: its layout, q/k norm, and for every kind's column (`columns`: the kinds' support
-    labels, surgery.kinds.support_labels) "yes" or the one-line reason it is refused (with the family's default
-    config; refusals that depend on a config key are listed by `conditional_refusals`)."""
+def support_table(refusals: dict[str, Refusals], verdicts: dict[str, object]) -> list[dict[str, str]]:
+    """One row per model_type: its layout, q/k norm, and for every kind's column (`refusals`: each support label's
+    table, surgery.kinds.refusals) "yes" (or the label's verdict, `verdicts`: a function spec -> text) or the one-line
+    reason it is refused (with the family's default config; refusals that depend on a config key are listed by
+    `conditional_refusals`)."""
     rows = []
     for spec in sorted(SPECS, key=lambda s: s.name):
         for model_type in spec.model_types:
             norm = spec.qk_norm.value + (f" (when {spec.qk_norm_switch})" if spec.qk_norm_switch else "")
             rows.append({"model_type": model_type, "attention": _layout_text(spec), "q/k norm": norm}
-                        | {kind: _cell(spec, kind)[1] for kind in columns})
+                        | {kind: _cell(spec, kind, refusals, verdicts)[1] for kind in refusals})
     return rows
 
 
-def _cell(spec: ArchSpec, kind: str) -> tuple[bool, str]:
-    """(converts, what the support table says): the refusal, or "yes" / the kind's verdict (`VERDICTS`)."""
-    reason = spec.refusal(kind)
+def _cell(spec: ArchSpec, kind: str, refusals: dict[str, Refusals], verdicts: dict[str, object]) -> tuple[bool, str]:
+    """(converts, what the support table says): the refusal, or "yes" / the label's verdict."""
+    reason = spec.refusal(kind, None, refusals[kind])
     if reason is not None:
         return False, reason
-    verdict = VERDICTS.get(kind)
+    verdict = verdicts.get(kind)
     return True, verdict(spec) if verdict else "yes"
 
 
-def conditional_refusals() -> list[str]:
-    """Refusals that depend on a config key: per family, per support label, the first feature it refuses among
-    those a key turns on."""
+def conditional_refusals(refusals: dict[str, Refusals]) -> list[str]:
+    """Refusals that depend on a config key: per family, per support label (`refusals`: each label's table), the
+    first feature it refuses among those a key turns on."""
     lines = []
     for spec in sorted(SPECS, key=lambda s: s.name):
-        for kind in REFUSALS:
-            refused = spec.refused_trait(kind, {t.switch: True for t in spec.features if t.switch})
+        for kind, refuses in refusals.items():
+            refused = spec.refused_trait(kind, {t.switch: True for t in spec.features if t.switch}, refuses)
             if refused and refused[0].switch:
                 lines.append(f"{spec.name}: {kind} refused when `{refused[0].switch}` is set ({refused[1]})")
     return lines
 
 
-def support_markdown(kinds: tuple[str, ...]) -> str:
-    """The families x kinds table, as `surgery convert --list` prints it and docs/tasks/convert.md shows it."""
-    rows = support_table(kinds)
+def support_markdown(refusals: dict[str, Refusals], verdicts: dict[str, object]) -> str:
+    """The families x kinds table (`refusals`, `verdicts`: as support_table takes them), as `surgery convert --list`
+    prints it (surgery.kinds.support_markdown) and docs/tasks/convert.md shows it."""
+    kinds = tuple(refusals)
+    rows = support_table(refusals, verdicts)
     specs = [spec for spec in sorted(SPECS, key=lambda s: s.name) for _ in spec.model_types]
     columns = list(rows[0])
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for spec, row in zip(specs, rows):
-        cells = [v if c not in kinds or _cell(spec, c)[0] else "no: " + v for c, v in row.items()]
+        cells = [v if c not in kinds or _cell(spec, c, refusals, verdicts)[0] else "no: " + v for c, v in row.items()]
         lines.append("| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |")
-    counts = ", ".join(f"{kind} {sum(_cell(spec, kind)[0] for spec in specs)}" for kind in kinds)
+    counts = ", ".join(f"{kind} {sum(_cell(spec, kind, refusals, verdicts)[0] for spec in specs)}" for kind in kinds)
     lines += ["", f"model_types supported: {counts}."]
-    lines += [""] + [f"- {line}" for line in conditional_refusals()]
+    lines += [""] + [f"- {line}" for line in conditional_refusals(refusals)]
     return "\n".join(lines) + "\n"
 
 

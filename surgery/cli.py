@@ -18,7 +18,7 @@ from surgery.commands.uptrain import UptrainArgs
 from surgery.dtypes import DTYPE_NAMES
 from surgery.errors import SurgeryError
 from surgery.kinds import get_kind, kind_names
-from surgery.kinds.kv import METHODS, KVMergeOptions
+from surgery.kv.kind import METHODS, KVMergeOptions
 from surgery.precision import PrecisionOptions
 
 
@@ -104,10 +104,9 @@ def quiet_libraries() -> None:
 
 def _print_families(ctx: click.Context, param, value) -> None:
     if value and not ctx.resilient_parsing:
-        from surgery.arch import support_markdown
-        from surgery.kinds import support_labels
+        from surgery.kinds import support_markdown
 
-        click.echo(support_markdown(support_labels()), nl=False)
+        click.echo(support_markdown(), nl=False)
         ctx.exit(0)
 
 

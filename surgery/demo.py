@@ -14,7 +14,7 @@ from .inspection import inspect_checkpoint, print_inspection
 from .checkpoint.record import read_record
 from .checkpoint.source import CACHE_DIR, resolve_source
 from .kinds import find_kind
-from .kinds.kv import MQA
+from .kv.kind import MQA
 from .logs import get_logger
 
 log = get_logger(__name__)

@@ -7,7 +7,7 @@ from pathlib import Path
 from .arch import attention_shape
 from .errors import SurgeryError
 from .kinds.base import cached_fraction
-from .kinds import AttentionShape, check_checkpoint, find_kind, kv_cache_values, plain_attention_macs  # importing the kinds registers their model types
+from .kinds import AttentionShape, check_checkpoint, find_kind, kv_cache_values, plain_attention_macs
 from .checkpoint.record import read_record
 from .checkpoint.source import load_config
 from .checkpoint.tensors import CheckpointReader, dtype_size

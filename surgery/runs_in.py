@@ -208,7 +208,7 @@ def silent_changes(kind: str | None, model_type: str | None) -> tuple[str, ...]:
 
 
 def swa_llama_cpp_note(target_model_type: str | None) -> str:
-    """What llama.cpp does with an swa output of this model type, in one clause (surgery/kinds/swa.py's summary and
+    """What llama.cpp does with an swa output of this model type, in one clause (surgery/swa/kind.py's summary and
     card line): from the row's llama.cpp cell and its silent changes."""
     row = row_for("swa", target_model_type)
     if row is None or target_model_type not in row.model_types:

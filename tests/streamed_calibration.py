@@ -13,7 +13,7 @@ from surgery.arch import spec_for
 from surgery.calibration.store import LayerStore
 from surgery.calibration.stream import open_stream, resident_stream
 from surgery.checkpoint.tensors import CheckpointReader
-from surgery.kv.aligned import capture
+from surgery.calibration import capture
 from surgery.kv.aligned.pipeline import MergeOptions, merge_model
 from surgery.switchhead.cluster import kv_mapping
 from surgery.switchhead.convert import LayerBuilder, switchhead_shape

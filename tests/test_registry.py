@@ -26,6 +26,9 @@ PACKAGE = REPO / "surgery"
 # in another layer than its package); and no two of the package's folders and top-level modules import each other
 # (test_no_import_circles_between_folders).
 # Data flows: checkpoint in -> architecture spec -> kind -> checkpoint out -> check / uptrain -> hub.
+# The conversion packages: one per kind (its converter, and its kind.py that the registry imports); none imports
+# another's modules (test_conversion_packages_never_import_each_other).
+CONVERSION_PACKAGES = ("kv", "mla", "swa", "switchhead", "talking_heads", "hybrid")
 LAYERS = [
     ("foundation", ["surgery", "surgery.version", "surgery.errors", "surgery.options", "surgery.progress", "surgery.solve",
                     "surgery.units", "surgery.dtypes", "surgery.model_types", "surgery.precision", "surgery.threads",
@@ -34,9 +37,9 @@ LAYERS = [
                         "surgery.retrieval_tasks", "surgery.runs_in"]),
     ("runtime", ["surgery.runtime"]),
     ("architecture", ["surgery.arch"]),
-    ("conversions", ["surgery.calibration", "surgery.kv", "surgery.switchhead", "surgery.talking_heads",
-                     "surgery.mla", "surgery.swa", "surgery.hybrid", "surgery.estimate"]),
-    ("kinds", ["surgery.kinds", "surgery.hybrid.kind"]),  # a kind package's kind.py is the registry's (issue 55)
+    ("conversions", ["surgery.calibration", "surgery.fitting", "surgery.fused_qkv", "surgery.estimate",
+                     *(f"surgery.{k}" for k in CONVERSION_PACKAGES)]),
+    ("kinds", ["surgery.kinds", *(f"surgery.{k}.kind" for k in CONVERSION_PACKAGES)]),  # each package's kind.py
     ("checkpoint users", ["surgery.checking", "surgery.inspection", "surgery.bench", "surgery.export",
                           "surgery.dry_run", "surgery.demo", "surgery.publish", "surgery.training",
                           "surgery.memory_estimate"]),
@@ -183,6 +186,100 @@ def test_the_layering_test_sees_a_circle_and_an_upward_import():
     assert _layer("surgery.commands.compare_merges") > _layer("surgery.kv.aligned") > _layer("surgery.arch")
 
 
+def _package_of(module: str) -> str | None:
+    """The conversion package a module belongs to (`surgery.kv.aligned.fit`: kv), else None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "surgery" and parts[1] in CONVERSION_PACKAGES else None
+
+
+def cross_package_imports(modules: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """Imports from one conversion package into another's modules (what they share lives outside all of them:
+    surgery.calibration, surgery.fitting, surgery.fused_qkv, surgery.arch, surgery.kinds.base)."""
+    return {(m, n) for m, names in modules.items() for n in names
+            if _package_of(m) and _package_of(n) and _package_of(n) != _package_of(m)}
+
+
+def test_conversion_packages_never_import_each_other():
+    assert sorted(cross_package_imports(_modules())) == []
+    # the measure itself, on a made-up graph: a package's own modules and the shared ones pass, another's do not
+    graph = {"surgery.mla.calibrate": {"surgery.mla.refit", "surgery.fitting.refit", "surgery.calibration.capture",
+                                       "surgery.kv.aligned.capture"},
+             "surgery.swa.kind": {"surgery.kinds.base", "surgery.swa.refusals"},
+             "surgery.switchhead.families": {"surgery.kv"}, "surgery.kinds": {"surgery.kv.kind", "surgery.mla.kind"}}
+    assert cross_package_imports(graph) == {("surgery.mla.calibrate", "surgery.kv.aligned.capture"),
+                                            ("surgery.switchhead.families", "surgery.kv")}
+
+
+ARCH_ANSWERS = r"""
+import json, sys
+
+from surgery import arch
+from surgery.kv.refusals import ALIGNED_LABEL, ALIGNED_REFUSES, PLAIN_LABEL, PLAIN_REFUSES
+from surgery.mla.refusals import KIND as MLA, REFUSES as MLA_REFUSES
+from surgery.swa.refusals import KIND as SWA, REFUSES as SWA_REFUSES
+from surgery.switchhead.refusals import KIND as SWITCHHEAD, REFUSES as SWITCHHEAD_REFUSES
+from surgery.talking_heads.refusals import KIND as TALKING_HEADS, REFUSES as TALKING_HEADS_REFUSES
+
+TABLES = {PLAIN_LABEL: PLAIN_REFUSES, ALIGNED_LABEL: ALIGNED_REFUSES, MLA: MLA_REFUSES, SWA: SWA_REFUSES,
+          SWITCHHEAD: SWITCHHEAD_REFUSES, TALKING_HEADS: TALKING_HEADS_REFUSES}
+
+
+def answer(call):
+    try:
+        result = call()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return result.name if isinstance(result, arch.ArchSpec) else result
+
+
+def answers():
+    configs = [{"model_type": t} for s in arch.SPECS for t in s.model_types]
+    configs += [{"model_type": s.name, **{t.switch: True for t in s.features if t.switch}} for s in arch.SPECS]
+    configs += [{"model_type": "roberta"}, {"model_type": "nonesuch"}]
+    out = {"any": [answer(lambda: arch.spec_for(c)) for c in configs],
+           "label without its table": answer(lambda: arch.spec_for(configs[0], PLAIN_LABEL)),
+           "supported": arch.supported_model_types(),
+           "converted shape": answer(lambda: arch.attention_shape({
+               "model_type": "talking_heads_falcon", "hidden_size": 64, "num_attention_heads": 4, "num_kv_heads": 2,
+               "num_hidden_layers": 2})),
+           "table": arch.support_markdown(TABLES, {})}
+    for label, table in TABLES.items():
+        out[label] = [answer(lambda: arch.spec_for(c, label, table)) for c in configs]
+        out[label + " supported"] = arch.supported_model_types(label, table)
+    return out
+
+
+before = answers()
+assert "surgery.kinds" not in sys.modules, "the refusal tables' modules imported the registry"
+import surgery.kinds
+
+surgery.kinds.kind_names()  # the registry's built-in kinds, loaded
+print(json.dumps({"before": before, "after": answers()}))
+"""
+
+
+def test_arch_answers_the_same_before_and_after_the_registry_is_imported():
+    """surgery.arch holds no table the registry fills: spec_for, the supported types, the support table and the
+    shape of a converted checkpoint read the same in a fresh interpreter before and after `import surgery.kinds`."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", ARCH_ANSWERS], capture_output=True, text=True, cwd=REPO, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    answers = json.loads(run.stdout)
+    before, after = answers["before"], answers["after"]
+    assert before == after
+    # what was compared is real: refusals in the kinds' words, a label without its table refused, a prefix known
+    assert before["mqa/gqa mean"][0] == "llama"  # the first family, converted
+    assert "talking-heads cannot convert 'falcon': FalconAttention computes attention itself" in str(before)
+    assert "swa cannot convert 'bert': encoders need modeling code that travels with the checkpoint" in str(before)
+    assert before["label without its table"].startswith("TypeError: ")
+    assert before["converted shape"]["kv_heads"] == 1  # falcon's multi_query default, read through its spec
+
+
 def test_only_the_command_line_imports_surgery_cli():
     offenders = sorted(m for m, names in _modules().items() if m != "surgery.cli" and "surgery.cli" in names)
     assert offenders == []
@@ -191,7 +288,8 @@ def test_only_the_command_line_imports_surgery_cli():
 
 def test_recipes_and_kinds_do_not_import_click():
     """Recipes validate YAML into the options models and call the library: click is the command line's business."""
-    for path in [*(PACKAGE / "recipes").glob("*.py"), *(PACKAGE / "kinds").glob("*.py"), PACKAGE / "options.py"]:
+    for path in [*(PACKAGE / "recipes").glob("*.py"), *(PACKAGE / "kinds").glob("*.py"), *PACKAGE.glob("*/kind.py"),
+                 PACKAGE / "options.py"]:
         tree = ast.parse(path.read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
@@ -460,9 +558,9 @@ def test_a_required_field_is_a_required_option(args, message, capsys, tmp_path, 
 
 
 def test_merge_method_names_are_the_pooling_methods_and_aligned():
-    """The command line's, a recipe's and compare-merges' merge methods (kinds/kv.py) are the library's pooling
+    """The command line's, a recipe's and compare-merges' merge methods (kv/kind.py) are the library's pooling
     methods (kv/pool.py) plus the aligned merge: one list, the other its subset."""
-    from surgery.kinds.kv import METHODS
+    from surgery.kv.kind import METHODS
     from surgery.kv.pool import POOL_METHODS
 
     assert METHODS == (*POOL_METHODS, "aligned")

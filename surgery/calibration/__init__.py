@@ -7,6 +7,8 @@
   resident, one decoder layer at a time read from the checkpoint onto the device, calibrated and freed; the
   calibration activations stay on the device (or on the host when they do not fit). `estimate_peak_bytes` is its
   memory model.
+- `capture`: what one decoder layer's attention sees on the calibration tokens (its input, the rotated queries and
+  keys, the per-head outputs), recorded inside the streamed layer.
 - `chunks`: how many calibration windows one chunk holds (sized by the model's width; `--calib-chunk`), the one
   rule the calibrated conversions and their cost models share.
 - `layout`: a decoder layer's checkpoint tensors in the layout transformers keeps in memory (what streaming reads).

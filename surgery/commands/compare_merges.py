@@ -18,7 +18,7 @@ from ..errors import SurgeryError
 from ..checkpoint.source import Source, resolve_source
 from ..calibration.text import pydoc_documents_used
 from ..runtime import compute_threads, context_length, is_causal_lm, load_model, load_tokenizer, pick_device, threads
-from ..kinds.kv import METHODS
+from ..kv.kind import METHODS
 from ..kv.aligned.convert import convert_aligned
 
 

@@ -1,10 +1,11 @@
 """The registry of conversion kinds: the one place that knows which kinds exist, their options and their rules.
 
 `surgery convert`'s options (surgery/cli.py), a recipe's `convert:` step (surgery/recipes), the dry-run estimates,
-`surgery inspect` and the model card all ask the registry instead of naming kinds. To add a kind, write a module
-like kv.py / talking_heads.py / switchhead.py (an options model deriving from WriteOptions with the kind's rules as
-validators, and a Kind with its `convert` and cost model) and `register` it below: the command line gains its
-flags and `--to` choice, recipes accept its fields, and the estimates and inspect use its cost model.
+`surgery inspect` and the model card all ask the registry instead of naming kinds. To add a kind, give its package a
+kind.py like surgery/kv/kind.py or surgery/swa/kind.py (an options model deriving from WriteOptions, base.py here,
+with the kind's rules as validators, and a Kind with its `convert` and cost model) and list it in `_builtin_kinds`
+below (or `register` it at run time): the command line gains its flags and `--to` choice, recipes accept its fields,
+the estimates and inspect use its cost model, and `convert --list` and `spec_for` its refusals.
 
 `convert_options_model()` is the flat model of the `convert` command and of a recipe's convert step: `to` plus the
 union of every kind's fields (a field two kinds share, like `calib`, must be declared alike). Validating it
@@ -18,65 +19,92 @@ from typing import Any, Literal
 from pydantic import PrivateAttr, ValidationError, ValidationInfo, create_model, model_validator
 
 from .. import arch
+from ..arch import Feature
 from ..errors import SurgeryError
-from ..model_types import CONVERTED_PREFIXES
 from ..options import CliModel, option, spelling
 from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
-from .kv import GQA, MQA
-from .mla import MLA_KIND
-from .swa import SWA_KIND
-from .switchhead import SWITCHHEAD
-from .talking_heads import TALKING_HEADS
-from ..hybrid.kind import HYBRID_KIND  # a kind in its own package (issue 55's layout)
 
 __all__ = ["AttentionShape", "CalibrationOptions", "ConvertOptions", "Kind", "WriteOptions", "convert_options_model",
-           "find_kind", "get_kind", "kind_names", "register", "unregister", "validate_kind_options"]
+           "find_kind", "get_kind", "kind_names", "refusals", "refusals_of", "register", "spec_for", "support_labels",
+           "support_markdown", "unregister", "validate_kind_options"]
 
-_KINDS: dict[str, Kind] = {}
+_KINDS: dict[str, Kind] = {}  # filled with the built-in kinds on the registry's first use (_kinds)
 _FLAT: dict[tuple, type] = {}  # the flat convert model, per set of registered kinds
 
 
+def _builtin_kinds() -> tuple[Kind, ...]:
+    """The kinds surgery ships, each from its package's kind.py. Imported on the registry's first use, not when this
+    module is, so that a kind's module (which takes its base from surgery.kinds.base, and so runs this module first)
+    can be the first one imported."""
+    from ..hybrid.kind import HYBRID_KIND
+    from ..kv.kind import GQA, MQA
+    from ..mla.kind import MLA_KIND
+    from ..swa.kind import SWA_KIND
+    from ..switchhead.kind import SWITCHHEAD
+    from ..talking_heads.kind import TALKING_HEADS
+
+    return MQA, GQA, TALKING_HEADS, SWITCHHEAD, MLA_KIND, SWA_KIND, HYBRID_KIND
+
+
+def _kinds() -> dict[str, Kind]:
+    """The registered kinds by name: the built-in ones, in this order, then those registered since."""
+    if not _KINDS:
+        _KINDS.update((kind.name, kind) for kind in _builtin_kinds())
+    return _KINDS
+
+
 def register(kind: Kind) -> Kind:
-    _KINDS[kind.name] = kind
-    if kind.model_type_prefix:
-        CONVERTED_PREFIXES[kind.name] = kind.model_type_prefix
-    _hand_refusals_to_arch()
+    _kinds()[kind.name] = kind
     return kind
 
 
 def unregister(name: str) -> None:
-    _KINDS.pop(name, None)
-    CONVERTED_PREFIXES.pop(name, None)
-    _hand_refusals_to_arch()
-
-
-def _hand_refusals_to_arch() -> None:
-    """surgery.arch answers `spec_for(config, label)` and `convert --list` from what the registered kinds refuse
-    (kinds sharing a label, like mqa and gqa, declare it alike)."""
-    arch.REFUSALS.clear()
-    arch.REFUSALS.update({label: table for k in _KINDS.values() for label, table in k.refusals().items()})
-    arch.VERDICTS.clear()
-    arch.VERDICTS.update({label: k.verdict for k in _KINDS.values() if k.verdict for label in k.refusals()})
-
-
-for _kind in (MQA, GQA, TALKING_HEADS, SWITCHHEAD, MLA_KIND, SWA_KIND, HYBRID_KIND):
-    register(_kind)
+    _kinds().pop(name, None)
 
 
 def kind_names() -> tuple[str, ...]:
-    return tuple(_KINDS)
+    return tuple(_kinds())
 
 
 def support_labels() -> tuple[str, ...]:
     """The columns of `surgery convert --list`: every kind's support labels, in registration order, once each."""
-    return tuple(dict.fromkeys(label for k in _KINDS.values() for label in k.refusals()))
+    return tuple(refusals())
+
+
+def refusals() -> dict[str, dict[Feature, object]]:
+    """Per support label (a column of `surgery convert --list`, the name a kind's converter gives surgery.arch's
+    spec_for), the family features it refuses and why (surgery.arch.refused_trait reads such a table), in
+    registration order; kinds sharing a label, like mqa and gqa, declare it alike."""
+    return {label: table for k in _kinds().values() for label, table in k.refusals().items()}
+
+
+def refusals_of(label: str) -> dict[Feature, object]:
+    """The features a support label refuses (one line when no registered kind answers to it)."""
+    tables = refusals()
+    if label not in tables:
+        raise SurgeryError(f"no conversion kind answers to {label!r} (known: {', '.join(tables)})")
+    return tables[label]
+
+
+def spec_for(config: dict, label: str | None = None) -> arch.ArchSpec:
+    """surgery.arch.spec_for with the refusal table of the kind answering to `label` (None: any family surgery
+    knows): the family of `config`, refused in one line when that kind cannot convert it."""
+    return arch.spec_for(config, label, None if label is None else refusals_of(label))
+
+
+def support_markdown() -> str:
+    """The families x kinds table of `surgery convert --list` (docs/tasks/convert.md shows it): every registered
+    kind's columns, each cell its refusal or its verdict (a kind's `verdict`: what its column says of a family it
+    converts; default "yes")."""
+    verdicts = {label: k.verdict for k in _kinds().values() if k.verdict for label in k.refusals()}
+    return arch.support_markdown(refusals(), verdicts)
 
 
 def get_kind(name: str) -> Kind:
     try:
-        return _KINDS[name]
+        return _kinds()[name]
     except KeyError:
-        raise SurgeryError(f"unknown conversion kind {name!r}; choose from {', '.join(_KINDS)}") from None
+        raise SurgeryError(f"unknown conversion kind {name!r}; choose from {', '.join(_kinds())}") from None
 
 
 def find_kind(record: dict | None = None, config: dict | None = None) -> Kind | None:
@@ -84,15 +112,15 @@ def find_kind(record: dict | None = None, config: dict | None = None) -> Kind | 
     surgery.json's `kind`, else the model_type prefix of a converted config."""
     config = config or {}
     # a key set to anything but null or false names the kind (a tampered `kv_lora_rank: 0` is still MLA's, to refuse)
-    by_key = next((k for k in _KINDS.values() if k.config_key and config.get(k.config_key) is not None
+    by_key = next((k for k in _kinds().values() if k.config_key and config.get(k.config_key) is not None
                    and config.get(k.config_key) is not False), None)
     if by_key is not None:
         return by_key
     name = (record or {}).get("kind")
-    if isinstance(name, str) and name in _KINDS:
-        return _KINDS[name]
+    if isinstance(name, str) and name in _kinds():
+        return _kinds()[name]
     model_type = str(config.get("model_type"))
-    return next((k for k in _KINDS.values() if k.model_type_prefix and model_type.startswith(k.model_type_prefix)),
+    return next((k for k in _kinds().values() if k.model_type_prefix and model_type.startswith(k.model_type_prefix)),
                 None)
 
 
@@ -142,7 +170,7 @@ def convert_options_model(exclude: tuple[str, ...] = (), extra: dict | None = No
                           name: str = "ConvertOptions") -> type[ConvertOptions]:
     """The flat options model of `surgery convert`, built from the registered kinds; a recipe's convert step is the
     same model without the fields its runner sets (`exclude`) and with the step's own (`extra`)."""
-    key = (name, tuple(exclude), tuple((extra or {}).items()), tuple((k.name, k.options) for k in _KINDS.values()))
+    key = (name, tuple(exclude), tuple((extra or {}).items()), tuple((k.name, k.options) for k in _kinds().values()))
     if key not in _FLAT:
         fields = {k: v for k, v in _union_fields().items() if k not in exclude}
         _FLAT[key] = create_model(name, __base__=ConvertOptions,
@@ -152,9 +180,9 @@ def convert_options_model(exclude: tuple[str, ...] = (), extra: dict | None = No
 
 
 def _union_fields() -> dict[str, Any]:
-    fields: dict[str, Any] = {"to": (Literal[tuple(_KINDS)], option(None, "--to", "Target attention.", required=True))}
+    fields: dict[str, Any] = {"to": (Literal[kind_names()], option(None, "--to", "Target attention.", required=True))}
     seen: dict[str, tuple] = {}
-    for model in (WriteOptions, *(k.options for k in _KINDS.values())):
+    for model in (WriteOptions, *(k.options for k in _kinds().values())):
         for name, info in model.model_fields.items():
             if name in seen:
                 if seen[name] != _field_signature(info):

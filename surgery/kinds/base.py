@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ValidationInfo, field_validator
 
-from ..arch import Feature
+from ..arch import SLIDING_WINDOW_SWITCHED, Feature
 from ..dtypes import DTYPE_NAMES
 from ..options import CliModel, Texts, option, spelling, texts_rule
 from ..precision import PrecisionOptions
@@ -172,8 +172,6 @@ class QueryRefitOptions(CliModel):
         return v
 
 
-# model types whose `sliding_window` counts only when `use_sliding_window` is set (transformers' default: off)
-SLIDING_WINDOW_SWITCHED = ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3")
 
 
 def sliding_layers(config: dict) -> tuple[int, int | None]:

@@ -18,7 +18,8 @@ from ..checkpoint import validate
 from ..arch import ArchSpec, QKNorm, QKVLayout, qkv_layout, spec_for
 from ..errors import SurgeryError
 from ..checkpoint.writer import write_conversion
-from .pool import POOL_METHODS, join_qkv, kv_groups, pool_heads, repeat_heads, split_qkv
+from ..fused_qkv import join_qkv, split_qkv
+from .pool import POOL_METHODS, kv_groups, pool_heads, repeat_heads
 from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, DTYPES, PlannedTensor
 from .refusals import PLAIN_LABEL, PLAIN_REFUSES

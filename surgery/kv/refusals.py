@@ -1,9 +1,8 @@
 """What the K/V-head merges cannot convert (surgery.arch's family features), in their words, per `convert --list`
 column: the plain merges (mean, first, random; streamed tensor by tensor) and the aligned merge (computes each
-layer's attention on calibration text). Torch-free: the kind (surgery/kinds/kv.py) and the converters read it."""
+layer's attention on calibration text). Torch-free: the kind (surgery/kv/kind.py) and the converters read it."""
 
-from ..arch import Feature
-from ..talking_heads.refusals import ENCODERS_NEED_CODE
+from ..arch import ENCODERS_NEED_CODE, Feature
 
 PLAIN_LABEL, ALIGNED_LABEL = "mqa/gqa mean", "mqa/gqa aligned"
 _NORM_MODULES = "MQA/GQA cannot regroup q/k norms that give each head its own weight ({detail})"

@@ -21,10 +21,10 @@ import torch
 
 from ..calibration.chunks import MAX_WINDOWS
 from ..calibration.stream import LayerProgress, run_layer
-from ..kv.aligned import capture
-from ..kv.aligned.refit import OutputFit, QueryFit, QueryRefit
-from ..kv.aligned.rotary import RotaryPairs
-from ..kv.aligned.shape import refit_shape
+from ..calibration import capture
+from ..fitting.refit import OutputFit, QueryFit, QueryRefit
+from ..fitting.rotary import RotaryPairs
+from ..fitting.shape import refit_shape
 from ..runtime import threads
 from .factor import MLAWeights, SourceAttention, frequency_scores
 

@@ -29,7 +29,7 @@ from ..precision import calibrating, resolve_precision
 from ..runtime import load_tokenizer, pick_device
 from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, PlannedTensor
-from ..kv.aligned.refit import QueryRefit
+from ..fitting.refit import QueryRefit
 from .absorb import AbsorptionMoments, SourceProjections
 from .body import BodyFold
 from .calibrate import MLAGeometry, convert_pass, frequency_scores_pass

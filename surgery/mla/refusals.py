@@ -1,10 +1,9 @@
 """What the MLA conversion cannot convert (surgery.arch's family features), in its words. MLA rebuilds the source's
 layer as DeepSeek-V3's: a body that is not Llama's is refused in the family's own words, except the families of
 surgery/mla/families.py (exact, or approximate with their biases/norms absorbed). Torch-free: the kind
-(surgery/kinds/mla.py) and the converter both read it."""
+(surgery/mla/kind.py) and the converter both read it."""
 
-from ..arch import Feature
-from ..talking_heads.refusals import ENCODERS_NEED_CODE
+from ..arch import ENCODERS_NEED_CODE, Feature
 from .families import body_refusal
 
 KIND = "mla"

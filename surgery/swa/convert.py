@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..arch import SLIDING_WINDOW_TARGETS, spec_for
+from ..arch import SLIDING_WINDOW_SWITCHED, SLIDING_WINDOW_TARGETS, spec_for
 from ..calibration.chunks import chunk_windows
 from ..calibration.text import calibration_text, context_of
 from ..checkpoint.atomic import check_output_path
@@ -39,7 +39,6 @@ SINKS_TARGET = "granite_swa"  # the standard type that carries per-head sinks be
 # alone gives lse = q.k/sqrt(d)): float32 noise at contexts <= W, while Adam, which steps by the sign of a gradient
 # however small, can still move it (a sink at -1e30 would have no gradient at all).
 SINK_INIT = -12.0
-SWITCHED = ("qwen2", "qwen3", "smollm3")  # their sliding_window counts only with use_sliding_window
 LLAMA_ONLY = ("attention_bias", "mlp_bias", "pretraining_tp")  # Llama settings Ministral's layer has no place for
 AUTO_WINDOWS = 4  # `auto` calibrates on windows of this many times W (capped by the context) unless told
 SCORES = {"cost": "what windowing the layer alone costs (answers' log-prob drop on retrieval examples built from the "
@@ -108,7 +107,7 @@ def target_config(config: dict, window: int, types: list[str], dtype: str | None
         new = {k: v for k, v in new.items() if k not in LLAMA_ONLY}
         new.update(model_type=target, architectures=[ARCHITECTURES[target]])
     new.update(sliding_window=window, layer_types=types)
-    if target in SWITCHED:
+    if target in SLIDING_WINDOW_SWITCHED:  # Qwen2/3, SmolLM3 (no MoE type is a target)
         new["use_sliding_window"] = True
         new.pop("max_window_layers", None)  # layer_types decides; this would only mislead a reader
     if dtype:

@@ -1,8 +1,7 @@
 """What `--to swa` cannot convert (surgery.arch's family features), in its words. Torch-free: the kind
-(surgery/kinds/swa.py) and the converter both read it."""
+(surgery/swa/kind.py) and the converter both read it."""
 
-from ..arch import Feature
-from ..talking_heads.refusals import ENCODERS_NEED_CODE
+from ..arch import ENCODERS_NEED_CODE, Feature
 
 KIND = "swa"
 REFUSES = {

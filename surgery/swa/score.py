@@ -2,7 +2,7 @@
 
 The source streams layer by layer over the calibration windows (surgery.calibration.stream: one decoder layer on the
 device at a time); its attention calls are recorded (the rotated queries and keys, the softmax scale and soft-cap,
-surgery.kv.aligned.capture). For every query at position q ≥ W, the attention probability the full-attention layer
+surgery.calibration.capture). For every query at position q ≥ W, the attention probability the full-attention layer
 puts on keys a window of W cannot see (positions ≤ q - W) is that layer's far mass; a layer's score is its mean
 over heads and those queries. A layer that attends far keeps global attention; one whose attention stays inside
 the window loses nothing when windowed. Memory: one block of query rows against the window's keys at a time.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..calibration.stream import run_layer
-from ..kv.aligned import capture
+from ..calibration import capture
 from ..progress import Progress
 
 QUERY_BLOCK = 256  # query rows scored at a time

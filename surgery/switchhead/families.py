@@ -11,7 +11,7 @@ import torch
 
 from ..arch import ArchSpec, QKVLayout, spec_for
 from ..errors import SurgeryError
-from ..kv.pool import split_qkv
+from ..fused_qkv import split_qkv
 from ..checkpoint.tensors import CheckpointReader
 from .refusals import KIND, REFUSES
 

@@ -1,8 +1,7 @@
 """What SwitchHead cannot convert (surgery.arch's family features), in its words. Torch-free: the kind
-(surgery/kinds/switchhead.py) and the converter both read it."""
+(surgery/switchhead/kind.py) and the converter both read it."""
 
-from ..arch import Feature
-from ..talking_heads.refusals import ENCODERS_NEED_CODE
+from ..arch import ENCODERS_NEED_CODE, Feature
 
 KIND = "switchhead"
 _PER_HEAD_NORMS = "SwitchHead cannot regroup q/k norms that give each head its own weight ({detail})"

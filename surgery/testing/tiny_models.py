@@ -73,9 +73,10 @@ ARCHS = {
 def refused(arch: str, kind: str) -> str | None:
     """Why `kind` refuses this tiny model (its family and config), or None."""
     from surgery.arch import find_spec
+    from surgery.kinds import refusals_of
 
     config = ARCHS[arch]().to_dict()
-    return find_spec(config["model_type"]).refusal(kind, config)
+    return find_spec(config["model_type"]).refusal(kind, config, refusals_of(kind))
 
 
 def kv_heads_of(config) -> int:

@@ -18,7 +18,7 @@ from surgery.calibration.stream import open_stream
 from surgery.checkpoint.source import resolve_source
 from surgery.checkpoint.tensors import CheckpointReader
 from surgery.errors import SurgeryError
-from surgery.kv.aligned import capture
+from surgery.calibration import capture
 from surgery.kv.aligned.convert import convert_aligned
 from surgery.kv.aligned.pipeline import MergeOptions, _ModelMerge, merge_model
 from surgery.mla.convert import convert_to_mla

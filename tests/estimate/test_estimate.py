@@ -15,7 +15,7 @@ from surgery.estimate import (LayerShape, Throughput, group_evaluations, group_m
 from surgery.kv.aligned.grams import head_grams
 from surgery.kv.aligned.assign import assign_groups
 from surgery.kv.aligned.fit import merge_group
-from surgery.kv.aligned.rotary import rotary_pairs
+from surgery.fitting.rotary import rotary_pairs
 
 LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
             "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 32, "vocab_size": 128256,

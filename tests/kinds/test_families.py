@@ -16,8 +16,8 @@ import transformers as tf
 from surgery.testing.tiny_models import char_tokenizer
 
 from surgery import arch
-from surgery.arch import ArchSpec, register, support_markdown, unregister
-from surgery.kinds import support_labels
+from surgery.arch import ArchSpec, register, unregister
+from surgery.kinds import spec_for, support_labels, support_markdown
 from surgery.kv.convert import KVOptions, convert_to_kv_heads
 from surgery.errors import SurgeryError
 from surgery.kv.aligned import convert_aligned
@@ -66,7 +66,7 @@ def test_one_entry_registers_a_family_for_every_kind(seed_oss, tmp_path):
 
     register(ArchSpec(NEW_TYPE))  # the whole of it
 
-    assert f"| {NEW_TYPE} |" in support_markdown(support_labels())
+    assert f"| {NEW_TYPE} |" in support_markdown()
     # MQA/GQA, mean: exact at G = source K/V heads; G = 1 pools each K head with the mean of the source's
     convert_to_kv_heads(src, tmp_path / "same", KVOptions(kv_heads=2), progress=False)
     assert max_diff(source, tm.load(tmp_path / "same")) <= 1e-5
@@ -110,20 +110,20 @@ def test_per_head_norms_refused_only_when_switched_on(tmp_path):
     config = tm.ARCHS["stablelm"]()
     config.qk_layernorm = True
     with pytest.raises(SurgeryError, match="cannot convert 'stablelm': MQA/GQA cannot regroup q/k norms"):
-        arch.spec_for(config.to_dict(), "mqa/gqa mean")
-    assert arch.spec_for(tm.ARCHS["stablelm"]().to_dict(), "mqa/gqa mean").name == "stablelm"
+        spec_for(config.to_dict(), "mqa/gqa mean")
+    assert spec_for(tm.ARCHS["stablelm"]().to_dict(), "mqa/gqa mean").name == "stablelm"
     # Cohere's use_qk_norm: mean pooling pools the per-head K norm weights consecutively; the aligned merge groups
     # heads by similarity and reorders the query heads, which the per-head q/k norm weights cannot follow
-    assert arch.spec_for(tm.ARCHS["cohere_qk"]().to_dict(), "mqa/gqa mean").name == "cohere"
+    assert spec_for(tm.ARCHS["cohere_qk"]().to_dict(), "mqa/gqa mean").name == "cohere"
     with pytest.raises(SurgeryError, match="cannot convert 'cohere': the aligned merge cannot regroup q/k norms"):
-        arch.spec_for(tm.ARCHS["cohere_qk"]().to_dict(), "mqa/gqa aligned")
-    assert arch.spec_for(tm.ARCHS["cohere"]().to_dict(), "mqa/gqa aligned").name == "cohere"
+        spec_for(tm.ARCHS["cohere_qk"]().to_dict(), "mqa/gqa aligned")
+    assert spec_for(tm.ARCHS["cohere"]().to_dict(), "mqa/gqa aligned").name == "cohere"
 
 
 def test_list_prints_the_table_and_readme_has_the_same():
     run = cli("convert", "--list")
     assert run.returncode == 0, run.stderr
-    assert run.stdout == support_markdown(support_labels())
+    assert run.stdout == support_markdown()
     page = (REPO / "docs" / "tasks" / "convert.md").read_text()
     block = re.search(r"<!-- families:begin -->\n(.*?)<!-- families:end -->", page, re.DOTALL)
     assert block and block.group(1) == run.stdout, \
@@ -152,12 +152,12 @@ def test_families_state_facts_and_each_kind_words_its_own_refusals():
         olmo = tm.ARCHS["olmo"]().to_dict()
         with pytest.raises(SurgeryError, match=r"^clipless cannot convert 'olmo': clipless cannot clamp as OLMo's "
                                                r"clip_qkv clamps v_proj; supported: "):
-            arch.spec_for({**olmo, "clip_qkv": 8.0}, "clipless")
-        assert arch.spec_for(olmo, "clipless").name == "olmo"  # the feature is off without the key
-        table = support_markdown(support_labels())
+            spec_for({**olmo, "clip_qkv": 8.0}, "clipless")
+        assert spec_for(olmo, "clipless").name == "olmo"  # the feature is off without the key
+        table = support_markdown()
         assert " clipless |" in table.splitlines()[0]
         assert "- olmo: clipless refused when `clip_qkv` is set (clipless cannot clamp as OLMo's" in table
     finally:
         unregister("clipless")
     with pytest.raises(SurgeryError, match="no conversion kind answers to 'clipless'"):
-        arch.spec_for(olmo, "clipless")
+        spec_for(olmo, "clipless")

@@ -18,7 +18,7 @@ from surgery.kv.aligned.assign import assign_groups
 from surgery.kv.aligned.grams import group_loss, head_grams
 from surgery.kv.aligned.layer import group_blocks, merge_loss
 from surgery.kv.aligned.params import AttnParams
-from surgery.kv.aligned.rotary import rotary_pairs
+from surgery.fitting.rotary import rotary_pairs
 from surgery.testing import tiny_models as tm
 
 TOL = 1e-9

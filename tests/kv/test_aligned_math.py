@@ -9,7 +9,7 @@ import torch
 
 from surgery.kv.aligned.assign import assign_groups, partition_count
 from surgery.kv.aligned.fit import merge_group, merge_linear
-from surgery.kv.aligned.rotary import rotary_pairs, rotate
+from surgery.fitting.rotary import rotary_pairs, rotate
 
 D, DIN = 16, 24
 

@@ -7,7 +7,7 @@ import torch
 
 from surgery.kv.aligned.keyrefit import KeyRefit, refit_keys
 from surgery.kv.aligned.pipeline import project_heads
-from surgery.kv.aligned.rotary import rotary_pairs
+from surgery.fitting.rotary import rotary_pairs
 from surgery.kv.aligned.valuerefit import ValueRefit, refit_values, solve_kronecker_sum
 
 N, L, D, DIN, KV, R = 2, 24, 8, 12, 2, 2  # windows, length, head_dim, input width, K/V heads, queries per K/V head
@@ -179,7 +179,7 @@ def test_query_samples_default_is_one_number():
     """The CLI's --query-samples default (a literal: the kinds import no torch at start-up), the library's QueryRefit
     default and the estimate's cost model must agree."""
     from surgery.estimate import QUERY_SAMPLES
-    from surgery.kinds.kv import KVMergeOptions
-    from surgery.kv.aligned.refit import QueryRefit
+    from surgery.kv.kind import KVMergeOptions
+    from surgery.fitting.refit import QueryRefit
 
     assert KVMergeOptions.model_fields["query_samples"].default == QueryRefit.samples == QUERY_SAMPLES

@@ -156,9 +156,10 @@ def _mla_families() -> list[str]:
     from surgery.arch import find_spec
 
     from surgery.mla.families import APPROXIMATE, mla_family
+    from surgery.mla.refusals import REFUSES
 
     return [a for a in tm.ARCHS if (spec := find_spec(tm.ARCHS[a]().model_type)) is not None
-            and spec.refusal("mla", tm.ARCHS[a]().to_dict()) is None
+            and spec.refusal("mla", tm.ARCHS[a]().to_dict(), REFUSES) is None
             and getattr(mla_family(spec.name), "verdict", None) != APPROXIMATE]  # test_mla_families.py measures those
 
 
@@ -287,7 +288,7 @@ def test_kd_uptraining_of_an_mla_output_stays_near_its_start_instead_of_explodin
     """Without the training form the first Adam steps move the ~1e-5-scaled latent rows by ~30x their size (on
     SmolLM2: KD loss 0.49 -> 22 in one step, gradient norm 1e11); the same run with it keeps the KD loss at the
     scale it started from, and the saved output is the stored format again (tiny latent rows, epsilon 1e-6)."""
-    from surgery.kinds.mla import MLA
+    from surgery.mla.kind import MLA
 
     src = tiny_llama(tmp_path / "src", kv_heads=2)
     convert(src, tmp_path / "mla", rank=8)

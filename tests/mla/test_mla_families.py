@@ -14,7 +14,7 @@ from inprocess import run_cli
 from mla_sources import convert, tiny_llama
 
 from surgery.arch import find_spec
-from surgery.kinds.mla import MLA_KIND
+from surgery.mla.kind import MLA_KIND
 from surgery.mla.families import APPROXIMATE, EXACT, FAMILIES
 from surgery.testing import tiny_models as tm
 

@@ -79,7 +79,7 @@ def test_bench_runs_in_the_precision_s_dtype(llama):
 def test_a_bf16_calibration_runs_its_forward_passes_under_autocast_and_keeps_float32_statistics(llama, tmp_path,
                                                                                            monkeypatch):
     import surgery.calibration.stream as stream
-    import surgery.kv.aligned.capture as capture
+    import surgery.calibration.capture as capture
 
     seen = {"autocast": set(), "queries": set()}
     real_first, real_attention = stream.first_output, capture._capture_attention

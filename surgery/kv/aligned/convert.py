@@ -20,12 +20,13 @@ from ...calibration.stream import LayerProgress, open_stream
 from ...calibration.text import CalibrationText, calibration_text, context_of, WINDOW
 from ..convert import KVOptions, KVPlanner, head_shape, target_config, write_converted
 from ...errors import SurgeryError
-from ..pool import join_qkv, repeat_heads
+from ...fused_qkv import join_qkv
+from ..pool import repeat_heads
 from ...checkpoint.source import Source
 from ...precision import calibrating, resolve_precision
 from ...runtime import compute_threads, load_tokenizer, pick_device, threads
 from ...checkpoint.tensors import CheckpointReader
-from . import capture
+from ...calibration import capture
 from .layer import export_heads, query_order
 from .params import AttnParams
 from .pipeline import MergeOptions, merge_model

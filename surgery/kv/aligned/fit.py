@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .rotary import RotaryPairs
+from ...fitting.rotary import RotaryPairs
 
 EPS = 1e-8
 

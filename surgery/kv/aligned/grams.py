@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .fit import EPS, sym_sqrt
-from .rotary import RotaryPairs
+from ...fitting.rotary import RotaryPairs
 
 
 @dataclass

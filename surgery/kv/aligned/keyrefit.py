@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .rotary import RotaryPairs, rotate
-from .shape import RefitShape, refit_shape
+from ...fitting.rotary import RotaryPairs, rotate
+from ...fitting.shape import RefitShape, refit_shape
 
 
 @dataclass

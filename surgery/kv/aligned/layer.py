@@ -15,7 +15,7 @@ from .assign import assign_groups, consecutive, searched
 from .fit import merge_group
 from .grams import group_loss, head_grams
 from .params import AttnParams
-from .rotary import RotaryPairs
+from ...fitting.rotary import RotaryPairs
 
 
 @dataclass

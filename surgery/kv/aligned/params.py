@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ...arch import ArchSpec, QKVLayout
-from ..pool import join_qkv, split_qkv
+from ...fused_qkv import join_qkv, split_qkv
 
 
 @dataclass

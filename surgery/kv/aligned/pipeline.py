@@ -22,14 +22,14 @@ from ...arch import ArchSpec, qkv_layout
 from ...calibration.chunks import chunk_windows
 from ...calibration.stream import LayerStream, run_layer
 from ...runtime import threads
-from . import capture
+from ...calibration import capture
 from .layer import LayerMerge, merge_layer
 from .params import AttnParams, LayerAttention
 from .keyrefit import KeyFit, KeyRefit
-from .refit import OutputFit, QueryFit, QueryRefit, augment
-from .shape import RefitShape
+from ...fitting.refit import OutputFit, QueryFit, QueryRefit, augment
+from ...fitting.shape import RefitShape
 from .valuerefit import ValueFit, ValueRefit
-from .rotary import RotaryPairs, hf_cos_sin, rotary_pairs, rotate
+from ...fitting.rotary import RotaryPairs, hf_cos_sin, rotary_pairs, rotate
 
 QK_NORM_NAMES = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
 

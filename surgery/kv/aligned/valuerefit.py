@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .shape import RefitShape, refit_shape
+from ...fitting.shape import RefitShape, refit_shape
 
 
 @dataclass

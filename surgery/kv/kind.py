@@ -10,8 +10,8 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..arch import Feature
 from ..options import option, spelling
-from .base import CalibrationOptions, Kind, QueryRefitOptions, WriteOptions
-from ..kv.refusals import ALIGNED_LABEL, ALIGNED_REFUSES, PLAIN_LABEL, PLAIN_REFUSES
+from ..kinds.base import CalibrationOptions, Kind, QueryRefitOptions, WriteOptions
+from .refusals import ALIGNED_LABEL, ALIGNED_REFUSES, PLAIN_LABEL, PLAIN_REFUSES
 
 ALIGNED = "aligned"  # the calibrated merge; the others are surgery.kv.pool's POOL_METHODS (tests/test_registry.py)
 # the merge methods, in the order --merge, a recipe's `merge` and compare-merges list them, with the model card's
@@ -94,9 +94,9 @@ class KVMerge(Kind):
     def convert(self, source, out: Path, options: KVMergeOptions) -> dict:
         common = options.write_kwargs()
         if options.merge == ALIGNED:
-            from ..kv.aligned import convert_aligned
-            from ..kv.aligned.pipeline import MergeOptions
-            from ..kv.aligned.refit import QueryRefit
+            from .aligned import convert_aligned
+            from .aligned.pipeline import MergeOptions
+            from ..fitting.refit import QueryRefit
 
             merge = MergeOptions(groups=options.groups, assign=options.grouping == "similarity",
                                  refit_v=options.refit_values, query=QueryRefit(samples=options.query_samples),
@@ -105,7 +105,7 @@ class KVMerge(Kind):
                                    calib_tokens=options.calib_tokens, calib_window=options.calib_window,
                                    device=options.device, precision=options.precision, options=merge,
                                    chat_template=options.chat_template, **common)
-        from ..kv.convert import KVOptions, convert_to_kv_heads
+        from .convert import KVOptions, convert_to_kv_heads
 
         force = common.pop("force")
         return convert_to_kv_heads(source, out, KVOptions(kv_heads=options.groups, method=options.merge, **common),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...solve import lu_in_place
+from ..solve import lu_in_place
 from .rotary import RotaryPairs, rotate
 from .shape import RefitShape, refit_shape
 

@@ -8,11 +8,12 @@ from typing import ClassVar
 
 from pydantic import ValidationInfo, model_validator
 
+from ..model_types import CONVERTED_PREFIXES
 from ..options import option, spelling
-from .base import AttentionShape, Kind, WriteOptions
+from ..kinds.base import AttentionShape, Kind, WriteOptions
 
 
-from ..talking_heads.refusals import NAME, REFUSES
+from .refusals import NAME, REFUSES
 
 
 class TalkingHeadsOptions(WriteOptions):
@@ -42,7 +43,7 @@ class TalkingHeadsOptions(WriteOptions):
 
 class TalkingHeads(Kind):
     def convert(self, source, out: Path, options: TalkingHeadsOptions) -> dict:
-        from ..talking_heads import convert_to_talking_heads
+        from . import convert_to_talking_heads
 
         return convert_to_talking_heads(source, out, logits_mixing=options.logits_mixing,
                                         weights_mixing=options.weights_mixing, heads_logits=options.heads_logits,
@@ -59,6 +60,6 @@ class TalkingHeads(Kind):
 
 
 TALKING_HEADS = TalkingHeads(NAME, TalkingHeadsOptions, title="talking-heads attention (Shazeer et al. 2020)",
-                             tags=["talking-heads"], ships_code=True, model_type_prefix="talking_heads_",
+                             tags=["talking-heads"], ships_code=True, model_type_prefix=CONVERTED_PREFIXES[NAME],
                              source_attention="eager", example_options={},
                              refuses=REFUSES)

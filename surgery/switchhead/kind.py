@@ -9,9 +9,10 @@ from typing import ClassVar
 from pydantic import ValidationInfo, model_validator
 
 from ..errors import SurgeryError
+from ..model_types import CONVERTED_PREFIXES
 from ..options import option, spelling
-from .base import AttentionShape, CalibrationOptions, Kind, WriteOptions
-from ..switchhead.refusals import REFUSES
+from ..kinds.base import AttentionShape, CalibrationOptions, Kind, WriteOptions
+from .refusals import REFUSES
 
 
 class SwitchHeadOptions(CalibrationOptions, WriteOptions):
@@ -34,7 +35,7 @@ class SwitchHead(Kind):
         return options.experts > 1  # one expert per head is the source's attention: nothing to fit
 
     def convert(self, source, out: Path, options: SwitchHeadOptions) -> dict:
-        from ..switchhead import convert_to_switchhead
+        from . import convert_to_switchhead
 
         return convert_to_switchhead(source, out, heads=options.heads, experts=options.experts, topk=options.topk,
                                      calib=options.calib, calib_tokens=options.calib_tokens,
@@ -91,6 +92,6 @@ def switchhead_memory(s, window: int, chunk: int, heads: int | None, experts: in
 
 SWITCHHEAD = SwitchHead("switchhead", SwitchHeadOptions,
                         title="SwitchHead attention, σ-MoE V/O projections (Csordás et al. 2023)",
-                        tags=["switchhead", "moe"], ships_code=True, model_type_prefix="switchhead_",
-                        config_key="switchhead", example_options={"heads": 8, "experts": 1, "topk": 1},
-                        refuses=REFUSES)
+                        tags=["switchhead", "moe"], ships_code=True,
+                        model_type_prefix=CONVERTED_PREFIXES["switchhead"], config_key="switchhead",
+                        example_options={"heads": 8, "experts": 1, "topk": 1}, refuses=REFUSES)

@@ -10,9 +10,9 @@ from typing import ClassVar
 from pydantic import ValidationInfo, model_validator
 
 from ..options import option, spelling
-from .base import AttentionShape, CalibrationOptions, Kind, QueryRefitOptions, WriteOptions
-from ..mla.families import verdict_text
-from ..mla.refusals import REFUSES
+from ..kinds.base import AttentionShape, CalibrationOptions, Kind, QueryRefitOptions, WriteOptions
+from .families import verdict_text
+from .refusals import REFUSES
 
 
 class MLAFields(WriteOptions):
@@ -47,7 +47,7 @@ class MLA(Kind):
         return True  # the latent, the shared rope key and the kept frequencies are weighted by the activations
 
     def convert(self, source, out: Path, options: MLAOptions) -> dict:
-        from ..mla import convert_to_mla
+        from . import convert_to_mla
 
         return convert_to_mla(source, out, kv_rank=options.kv_rank, rope_dim=options.rope_dim, calib=options.calib,
                               calib_tokens=options.calib_tokens, calib_window=options.calib_window,
@@ -57,7 +57,7 @@ class MLA(Kind):
 
     def calibration_estimate(self, config: dict, options: MLAOptions, *, dtype: str, device: str, throughput=None):
         from ..estimate import estimate_calibrated
-        from ..mla.cost import mla_cost
+        from .cost import mla_cost
 
         cost = mla_cost(config, options.kv_rank, options.rope_dim, options.query_samples)
         return estimate_calibrated(config, cost, options.calib_tokens, dtype=dtype, device=device,
@@ -81,14 +81,14 @@ class MLA(Kind):
         return {"proj": L * (H * h * (nope + rope) + H * (r + rope) + r * h * (nope + v) + h * v * H), "mixing": None}
 
     def check_checkpoint(self, config: dict, shapes: dict[str, tuple[int, ...]]) -> None:
-        from ..mla.validate import check_mla
+        from .validate import check_mla
 
         check_mla(config, shapes)
 
     def training_form(self, model):
         """The latent rows at the rope rows' scale and kv_a_layernorm's epsilon divided to match: the same function,
         trainable (surgery/mla/training.py)."""
-        from ..mla.training import LatentScale
+        from .training import LatentScale
 
         return LatentScale.apply(model)
 

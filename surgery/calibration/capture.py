@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...precision import calibration_autocast
-from ...calibration.stream import LayerCall, StopForward, first_output, open_stream, run_layer, run_until_stopped
+from ..precision import calibration_autocast
+from .stream import LayerCall, StopForward, first_output, open_stream, run_layer, run_until_stopped
 
 CAPTURE_PREFIX = "surgery_capture_"
 _RECORDER: list["AttentionRecord"] = []

@@ -11,9 +11,9 @@ from typing import ClassVar, Literal
 from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..options import option, spelling
-from .base import CalibrationOptions, Kind, WriteOptions
-from ..swa.layers import GlobalLayers, parse_global_layers
-from ..swa.refusals import REFUSES
+from ..kinds.base import CalibrationOptions, Kind, WriteOptions
+from .layers import GlobalLayers, parse_global_layers
+from .refusals import REFUSES
 
 
 class SWAFields(WriteOptions):
@@ -70,7 +70,7 @@ class SWA(Kind):
         return options.parsed_global_layers.auto
 
     def convert(self, source, out: Path, options: SWAOptions) -> dict:
-        from ..swa import convert_to_swa
+        from . import convert_to_swa
 
         auto = options.parsed_global_layers.auto
         # the calibration windows: 4 W unless --calib-window is given (its default's value too, given explicitly)
@@ -85,8 +85,8 @@ class SWA(Kind):
 
     def calibration_estimate(self, config: dict, options: SWAOptions, *, dtype: str, device: str, throughput=None):
         from ..estimate import estimate_calibrated
-        from ..swa.convert import AUTO_WINDOWS
-        from ..swa.cost import swa_cost
+        from .convert import AUTO_WINDOWS
+        from .cost import swa_cost
 
         spec = options.parsed_global_layers
         count = spec.resolve_count(int(config["num_hidden_layers"]))
