@@ -48,6 +48,16 @@ def _get(config: dict, key: str):
     return DEFAULTS.get(key) if value is None else value
 
 
+def _number(value) -> float:
+    """A config number as transformers 5 writes it: plain, or {"__float__": "Infinity"} for a non-finite one."""
+    if isinstance(value, dict) and "__float__" in value:
+        value = value["__float__"]
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def mixer_sizes(config: dict) -> dict:
     """The mixers' sizes as transformers builds them, and `pad`: how many times the inner size fits in llama.cpp's
     (2 x hidden)."""
@@ -73,8 +83,8 @@ def refusal(config: dict) -> str | None:
     for key in ("attention_bias", "mlp_bias", "mamba_proj_bias"):
         if _get(config, key):
             return f"{key} is set (llama.cpp's granitehybrid has no place for these biases; the exporter writes none)"
-    limit = config.get("time_step_limit")
-    if limit is not None and (len(limit) != 2 or float(limit[0]) != 0.0 or not math.isinf(float(limit[1]))):
+    limit = [_number(v) for v in config.get("time_step_limit") or (0.0, math.inf)]
+    if len(limit) != 2 or limit[0] != 0.0 or limit[1] != math.inf:
         return f"time_step_limit {limit} clamps dt, which llama.cpp's Mamba-2 does not"
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if float(rope.get("partial_rotary_factor", 0.5)) != 1.0:

@@ -168,6 +168,40 @@ def test_hybrid_computes_the_same_logits_in_llama_cpp(hybrid):
     assert state["s_mib"] > 0
 
 
+@needs_llama_cpp
+@pytest.mark.parametrize("groups, expand", [(2, 1), (1, 2)])
+def test_other_bamba_mixer_layouts_compute_the_same_logits_in_llama_cpp(hybrid, tmp_path, groups, expand):
+    """Random Bamba checkpoints beyond the --to hybrid layout: two heads per B/C group padded (the zero heads get
+    zero groups after the real ones), and one group shared by every head at llama.cpp's own inner size (no padding)."""
+    import torch
+    from transformers import BambaConfig, BambaForCausalLM
+
+    from surgery.commands.export import export_checkpoint
+
+    folder, _ = hybrid
+    torch.manual_seed(1)
+    config = BambaConfig(vocab_size=json.loads((folder / "config.json").read_text())["vocab_size"], hidden_size=64,
+                         intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         attn_layer_indices=[1], mamba_n_heads=4 * expand, mamba_d_head=16, mamba_n_groups=groups,
+                         mamba_d_state=8, mamba_d_conv=3, mamba_expand=expand, max_position_embeddings=256,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0})
+    model = BambaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mamba." in name and not name.endswith(("A_log", "out_proj.weight")):
+                p.add_(0.3 * torch.randn_like(p))
+    out = tmp_path / "bamba"
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(folder / name, out / name)
+    export_checkpoint(str(out), tmp_path / "b.gguf")
+    ids = pydoc_ids(folder, 64)
+    ref = transformers_logits(out, ids)
+    got, _ = llama_cpp_logits(tmp_path / "b.gguf", ids, batch=32)
+    scale = float(np.abs(ref).max())
+    assert np.abs(got - ref).max() <= 1e-3 * scale, (np.abs(got - ref).max(), scale)
+
+
 STATE_LINE = re.compile(r"llama_memory_recurrent: size = +([\d.]+) MiB .*?R \((\w+)\): +([\d.]+) MiB, "
                         r"S \((\w+)\): +([\d.]+) MiB")
 
