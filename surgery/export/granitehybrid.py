@@ -20,6 +20,9 @@ of its own: their x, B, C, z and dt rows, convolution taps and bias, D, norm wei
 their x after the convolution is silu(0) = 0, their state stays 0, their normed output is 0 and out_proj adds
 nothing; the real heads keep their groups (head h, group h // (heads / groups), group size inner / groups). Exact, at a
 cost: llama.cpp holds twice the mixer state `surgery inspect` counts and computes the padded projections.
+
+granitehybrid also aborts on a model with no attention layer or no mixer (an empty cache buffer): with every layer
+kept as attention the checkpoint is Llama's function and is written as arch `llama`; with none it is refused.
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ def refusal(config: dict) -> str | None:
     if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < layers for i in indices) \
             or len(set(indices)) != len(indices):
         return f"attn_layer_indices {indices} are not distinct layers of {layers}"
+    if not indices:
+        return ("no layer keeps attention: llama.cpp's granitehybrid aborts on an empty K/V cache "
+                "(GGML_ASSERT(buffer) in ggml-backend.cpp), and its mamba2 layers have no MLP")
     s = mixer_sizes(config)
     if s["heads"] * s["d_head"] != s["inner"] or s["heads"] % s["groups"]:
         return (f"{s['heads']} mixer heads of {s['d_head']} do not make its inner size {s['inner']} in "
@@ -163,24 +169,28 @@ def plan(config: dict, weights: Weights) -> ExportPlan:
     layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or s["hidden"] // heads
-    a = ARCH
+    mixers = layers - len(attention)
+    a = ARCH if mixers else "llama"  # every layer attention: Llama's function (granitehybrid aborts on no state)
     keys = body_keys(a, config, kv_heads) | {
-        f"{a}.attention.head_count_kv": [kv_heads if i in attention else 0 for i in range(layers)],
         f"{a}.attention.key_length": head_dim,
         f"{a}.attention.value_length": head_dim,
         f"{a}.rope.dimension_count": head_dim,
         f"{a}.rope.freq_base": rope_theta(config),
-        f"{a}.rope.scaling.finetuned": True,  # granitehybrid's switch for RoPE on the attention layers
         f"{a}.attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-5)),
         f"{a}.vocab_size": config["vocab_size"],
-        f"{a}.logit_scale": 1.0, f"{a}.embedding_scale": 1.0, f"{a}.residual_scale": 1.0,
-        f"{a}.attention.scale": head_dim ** -0.5,
-        f"{a}.ssm.conv_kernel": s["d_conv"],
-        f"{a}.ssm.inner_size": s["pad"] * s["inner"],
-        f"{a}.ssm.state_size": s["d_state"],
-        f"{a}.ssm.time_step_rank": s["pad"] * s["heads"],  # llama.cpp reads the mixer's head count from it
-        f"{a}.ssm.group_count": s["pad"] * s["groups"],
     }
+    if mixers:
+        keys |= {
+            f"{a}.attention.head_count_kv": [kv_heads if i in attention else 0 for i in range(layers)],
+            f"{a}.rope.scaling.finetuned": True,  # granitehybrid's switch for RoPE on the attention layers
+            f"{a}.logit_scale": 1.0, f"{a}.embedding_scale": 1.0, f"{a}.residual_scale": 1.0,
+            f"{a}.attention.scale": head_dim ** -0.5,
+            f"{a}.ssm.conv_kernel": s["d_conv"],
+            f"{a}.ssm.inner_size": s["pad"] * s["inner"],
+            f"{a}.ssm.state_size": s["d_state"],
+            f"{a}.ssm.time_step_rank": s["pad"] * s["heads"],  # llama.cpp reads the mixer's head count from it
+            f"{a}.ssm.group_count": s["pad"] * s["groups"],
+        }
     tensors = [weights.tensor("token_embd.weight", "model.embed_tokens.weight"),
                weights.tensor("output_norm.weight", "model.final_layernorm.weight")]
     if not config.get("tie_word_embeddings", False):
@@ -206,6 +216,9 @@ def plan(config: dict, weights: Weights) -> ExportPlan:
             weights.tensor(b + "ffn_down.weight", p + "feed_forward.down_proj.weight"),
         ]
     weights.check_all_used("bamba")
+    if not mixers:
+        return ExportPlan(a, keys, tensors, f"llama: every layer of this bamba checkpoint keeps attention "
+                                            f"({heads} query heads, {kv_heads} K/V heads)")
     padded = f", each padded with {(s['pad'] - 1) * s['heads']} zero heads to llama.cpp's inner size" \
         if s["pad"] > 1 else ""
     what = (f"granitehybrid: attention on {len(attention)} of {layers} layers, Mamba-2 mixers on the others "

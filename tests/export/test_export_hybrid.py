@@ -138,6 +138,7 @@ def test_hybrid_f16_keeps_the_mixer_tensors_llama_cpp_reads_as_f32(hybrid, tmp_p
     (lambda c: c.update(mamba_proj_bias=True), "mamba_proj_bias is set"),
     (lambda c: c.update(mamba_expand=3, mamba_n_heads=12), "exactly 2 x hidden"),
     (lambda c: c.update(attn_layer_indices=[1, 1]), "not distinct layers"),
+    (lambda c: c.update(attn_layer_indices=[]), "no layer keeps attention"),
 ])
 def test_hybrid_refusals_are_one_line_and_write_nothing(hybrid, tmp_path, cli, change, message):
     folder, _ = hybrid
@@ -169,10 +170,11 @@ def test_hybrid_computes_the_same_logits_in_llama_cpp(hybrid):
 
 
 @needs_llama_cpp
-@pytest.mark.parametrize("groups, expand", [(2, 1), (1, 2)])
-def test_other_bamba_mixer_layouts_compute_the_same_logits_in_llama_cpp(hybrid, tmp_path, groups, expand):
+@pytest.mark.parametrize("groups, expand, attention", [(2, 1, [1]), (1, 2, [1]), (4, 1, [0, 1, 2])])
+def test_other_bamba_mixer_layouts_compute_the_same_logits_in_llama_cpp(hybrid, tmp_path, groups, expand, attention):
     """Random Bamba checkpoints beyond the --to hybrid layout: two heads per B/C group padded (the zero heads get
-    zero groups after the real ones), and one group shared by every head at llama.cpp's own inner size (no padding)."""
+    zero groups after the real ones), one group shared by every head at llama.cpp's own inner size (no padding),
+    and every layer attention (written as arch llama: granitehybrid aborts without a mixer)."""
     import torch
     from transformers import BambaConfig, BambaForCausalLM
 
@@ -182,7 +184,7 @@ def test_other_bamba_mixer_layouts_compute_the_same_logits_in_llama_cpp(hybrid, 
     torch.manual_seed(1)
     config = BambaConfig(vocab_size=json.loads((folder / "config.json").read_text())["vocab_size"], hidden_size=64,
                          intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                         attn_layer_indices=[1], mamba_n_heads=4 * expand, mamba_d_head=16, mamba_n_groups=groups,
+                         attn_layer_indices=attention, mamba_n_heads=4 * expand, mamba_d_head=16, mamba_n_groups=groups,
                          mamba_d_state=8, mamba_d_conv=3, mamba_expand=expand, max_position_embeddings=256,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0})
     model = BambaForCausalLM(config)
@@ -195,6 +197,7 @@ def test_other_bamba_mixer_layouts_compute_the_same_logits_in_llama_cpp(hybrid, 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(folder / name, out / name)
     export_checkpoint(str(out), tmp_path / "b.gguf")
+    assert read(tmp_path / "b.gguf")[0]["general.architecture"] == ("llama" if len(attention) == 3 else "granitehybrid")
     ids = pydoc_ids(folder, 64)
     ref = transformers_logits(out, ids)
     got, _ = llama_cpp_logits(tmp_path / "b.gguf", ids, batch=32)
