@@ -43,7 +43,6 @@ PAD_A = -1.0  # the zero heads' A (their state is 0 whatever it is)
 # BambaConfig's defaults (transformers 5.24, configuration_bamba.py) for the keys a config.json may leave out
 DEFAULTS = {"mamba_n_heads": 128, "mamba_d_head": "auto", "mamba_n_groups": 1, "mamba_d_state": 256,
             "mamba_d_conv": 4, "mamba_expand": 2, "mamba_conv_bias": True, "mamba_proj_bias": False}
-MIXER = ("A_log", "D", "conv1d.weight", "conv1d.bias", "dt_bias", "in_proj.weight", "norm.weight", "out_proj.weight")
 
 
 def _get(config: dict, key: str):
@@ -86,11 +85,12 @@ def refusal(config: dict) -> str | None:
     for key in ("attention_bias", "mlp_bias", "mamba_proj_bias"):
         if _get(config, key):
             return f"{key} is set (llama.cpp's granitehybrid has no place for these biases; the exporter writes none)"
-    limit = [_number(v) for v in config.get("time_step_limit") or (0.0, math.inf)]
+    limit = config.get("time_step_limit") or (0.0, math.inf)
+    limit = [_number(v) for v in limit] if isinstance(limit, (list, tuple)) else [limit]
     if len(limit) != 2 or limit[0] != 0.0 or limit[1] != math.inf:
         return f"time_step_limit {limit} clamps dt, which llama.cpp's Mamba-2 does not"
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if float(rope.get("partial_rotary_factor", 0.5)) != 1.0:
+    if _number(rope.get("partial_rotary_factor", 0.5)) != 1.0:
         given = rope.get("partial_rotary_factor", "unset, which Bamba takes as 0.5")
         return f"partial rotary embeddings (partial_rotary_factor {given}); the exporter writes full RoPE only"
     layers, indices = config["num_hidden_layers"], config.get("attn_layer_indices") or []
@@ -100,6 +100,12 @@ def refusal(config: dict) -> str | None:
     if not indices:
         return ("no layer keeps attention: llama.cpp's granitehybrid aborts on an empty K/V cache "
                 "(GGML_ASSERT(buffer) in ggml-backend.cpp), and its mamba2 layers have no MLP")
+    if len(indices) == layers:  # no mixer: written as llama, the mixer sizes unused
+        return None
+    if any(not isinstance(_get(config, k), int) or _get(config, k) < 1
+           for k in ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand")) \
+            or not (_get(config, "mamba_d_head") == "auto" or isinstance(_get(config, "mamba_d_head"), int)):
+        return "a mixer size (mamba_n_heads, _n_groups, _d_state, _d_conv, _expand, _d_head) is not a positive integer"
     s = mixer_sizes(config)
     if s["heads"] * s["d_head"] != s["inner"] or s["heads"] % s["groups"]:
         return (f"{s['heads']} mixer heads of {s['d_head']} do not make its inner size {s['inner']} in "
