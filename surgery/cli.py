@@ -225,7 +225,8 @@ def export(checkpoint, out, dtype, force, revision, allow_pickle):
 
     Sources and MQA/GQA outputs of Llama bodies as arch llama, swa outputs as granite_swa (identity multipliers,
     no sinks, the per-layer window pattern), MLA outputs as deepseek2 (kv_b split for llama.cpp's absorbed
-    attention), the tokenizer included; streamed one tensor at a time. Anything else (custom code, other families,
+    attention), hybrid outputs (bamba) as granitehybrid (mixers padded with zero heads to llama.cpp's inner size),
+    the tokenizer included; streamed one tensor at a time. Anything else (custom code, other families,
     scaled RoPE, biases) is refused before a byte is written.
     """
     from surgery.api import export as export_checkpoint

@@ -43,6 +43,8 @@ T_SWITCH = "tests/switchhead/test_switchhead.py::test_one_expert_per_head_reprod
 T_LLAMA_CPP_TINY = "tests/export/test_export_llama_cpp.py::test_tiny_kinds_compute_the_same_logits_in_llama_cpp"
 T_LLAMA_CPP_SMOLLM2 = "tests/export/test_export_llama_cpp.py::test_smollm2_kinds_in_llama_cpp_at_2048_tokens"
 T_HYBRID = "tests/hybrid/test_hybrid.py::test_every_layer_kept_computes_the_source_function_as_a_standard_bamba"
+T_LLAMA_CPP_HYBRID = "tests/export/test_export_hybrid.py::test_hybrid_computes_the_same_logits_in_llama_cpp"
+T_LLAMA_CPP_HYBRID_SMOLLM2 = "tests/export/test_export_hybrid.py::test_smollm2_hybrid_in_llama_cpp_at_2048_tokens"
 T_EXPORT_REFUSALS = "tests/test_runs_in.py::test_export_refuses_what_the_table_says_it_refuses"
 
 
@@ -145,8 +147,10 @@ ROWS: tuple[Row, ...] = (
     }, example={"model_type": "deepseek_v3"}),
     Row(("hybrid",), ("bamba",), "Llama and Mistral bodies (output bamba)", {
         "transformers": verified("yes", T_HYBRID, "plain from_pretrained; the torch path on CPU"),
-        "llama.cpp": verified("refused", T_EXPORT_REFUSALS, "the exporter writes no granitehybrid yet (llama.cpp's "
-                                                            "own converter maps BambaForCausalLM to it: not run)"),
+        "llama.cpp": verified("yes", f"{T_LLAMA_CPP_HYBRID_SMOLLM2}; {T_LLAMA_CPP_HYBRID}",
+                              "arch granitehybrid; SmolLM2's output at 2,048 tokens; each mixer padded with zero "
+                              "heads to the inner size llama.cpp takes (2 x hidden): the same function, twice the "
+                              "mixer state in llama.cpp"),
         "vllm": read("yes", VLLM_REGISTRY, "BambaForCausalLM maps to bamba.py; whether it takes one B/C group per "
                                            "head and full rotary was not read; not run here"),
     }, example={"model_type": "bamba"}),

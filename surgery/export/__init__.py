@@ -3,7 +3,7 @@ GGUF file that llama.cpp runs with the same function, with gguf-py alone (no lla
 
 One module per GGUF architecture: `llama` (Llama-bodied sources and their MQA/GQA outputs; `swa` outputs as
 `granite_swa`, the llama.cpp architecture that carries a per-layer sliding-window pattern), `deepseek2` (MLA
-outputs). `plan` picks the module from the config and refuses, in one line, whatever none of them represents
-exactly; `tokenizer` writes the vocabulary; `gguf_file` streams the tensors into a temporary file, one at a time,
-and renames it into place when it is complete.
+outputs), `granitehybrid` (hybrid outputs: `bamba`, attention and Mamba-2 layers). `plan` picks the module from the
+config and refuses, in one line, whatever none of them represents exactly; `tokenizer` writes the vocabulary;
+`gguf_file` streams the tensors into a temporary file, one at a time, and renames it into place when it is complete.
 """

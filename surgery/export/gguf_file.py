@@ -41,13 +41,14 @@ class GGUFTensor:
     name: str
     shape: tuple[int, ...]
     load: Callable[[], np.ndarray] = field(repr=False, compare=False)
+    f32: bool = False  # a matrix llama.cpp reads as f32 only (a Mamba-2 convolution, its A and D, its group norm)
 
     def stored_type(self, dtype: str):
-        """The GGML type it is stored as: vectors f32; matrices the asked type, f16 where a q8_0 row does not fill
-        whole 32-value blocks (llama.cpp's converter falls back the same way)."""
+        """The GGML type it is stored as: vectors and `f32` matrices f32; other matrices the asked type, f16 where a
+        q8_0 row does not fill whole 32-value blocks (llama.cpp's converter falls back the same way)."""
         import gguf
 
-        if len(self.shape) == 1 or dtype == "f32":
+        if len(self.shape) == 1 or self.f32 or dtype == "f32":
             return gguf.GGMLQuantizationType.F32
         if dtype == "q8_0" and self.shape[-1] % 32:
             return gguf.GGMLQuantizationType.F16

@@ -10,18 +10,24 @@ from ..errors import SurgeryError
 from .weights import ExportPlan, Weights
 
 
-SUPPORTED = "llama, mistral, ministral (swa outputs) and deepseek_v3 (MLA outputs)"
+SUPPORTED = "llama, mistral, ministral (swa outputs), deepseek_v3 (MLA outputs) and bamba (hybrid outputs)"
+
+
+def module_for(model_type: str | None):
+    """The architecture module that maps `model_type`, or None."""
+    from . import deepseek2, granitehybrid, llama
+
+    return next((m for m in (llama, deepseek2, granitehybrid) if model_type in m.MODEL_TYPES), None)
 
 
 def refuse_before_loading(config: dict) -> None:
-    """The refusals that need the config alone: custom code, a model_type no module maps."""
+    """The refusals that need the config alone: custom code, a model_type no module maps (the module that maps
+    it refuses what its GGUF architecture would compute otherwise when it plans, before any tensor is read)."""
     if config.get("auto_map"):
         raise SurgeryError("cannot export a checkpoint with custom code (auto_map in config.json: talking-heads, "
                            "SwitchHead): llama.cpp has no architecture that computes it")
     model_type = config.get("model_type")
-    from . import deepseek2, llama
-
-    if model_type in llama.MODEL_TYPES or model_type in deepseek2.MODEL_TYPES:
+    if module_for(model_type) is not None:
         return
     if config.get("layer_types") and any(t == "sliding_attention" for t in config["layer_types"]):
         raise SurgeryError(f"cannot export a {model_type} checkpoint with sliding-window layers: no GGUF "
@@ -31,8 +37,5 @@ def refuse_before_loading(config: dict) -> None:
 
 
 def make_plan(folder: Path, config: dict, reader) -> ExportPlan:
-    from . import deepseek2, llama
-
     refuse_before_loading(config)
-    module = llama if config["model_type"] in llama.MODEL_TYPES else deepseek2
-    return module.plan(config, Weights(reader))
+    return module_for(config["model_type"]).plan(config, Weights(reader))

@@ -38,13 +38,13 @@ class Weights:
         return self.reader.load(name).float().numpy()
 
     def tensor(self, gguf_name: str, name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None,
-               shape: tuple[int, ...] | None = None) -> GGUFTensor:
+               shape: tuple[int, ...] | None = None, f32: bool = False) -> GGUFTensor:
         """GGUF tensor `gguf_name` from the checkpoint's `name` (through `transform`, which keeps the shape unless
-        `shape` says otherwise)."""
+        `shape` says otherwise; stored as f32 whatever the dtype where `f32`)."""
         source_shape = self.shape(name)
         self.used.add(name)
         load = (lambda: self.load(name)) if transform is None else (lambda: transform(self.load(name)))
-        return GGUFTensor(gguf_name, tuple(shape or source_shape), load)
+        return GGUFTensor(gguf_name, tuple(shape or source_shape), load, f32=f32)
 
     def skip(self, name: str) -> None:
         """A tensor the file does not need (a tied lm_head.weight)."""

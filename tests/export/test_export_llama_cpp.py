@@ -10,30 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from exported_files import exported  # noqa: F401 (a fixture)
 from llama_cpp_run import llama_cpp_library, llama_cpp_loads, llama_cpp_logits
+from transformers_reference import pydoc_ids, transformers_logits
 
 from surgery.bench.llama_cpp_bindings import kv_cache_lines
 
 pytestmark = pytest.mark.skipif(not llama_cpp_loads(), reason="needs llama-cpp-py-sync (a prebuilt llama.cpp) loadable here")
-
-
-def transformers_logits(folder, ids: list[int]) -> np.ndarray:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0].numpy()
-
-
-def pydoc_ids(folder, tokens: int) -> list[int]:
-    from transformers import AutoTokenizer
-
-    from surgery.data import pydoc_texts, token_stream
-
-    return token_stream(pydoc_texts(), AutoTokenizer.from_pretrained(folder), tokens).tolist()
 
 
 def test_tiny_kinds_compute_the_same_logits_in_llama_cpp(exported):
