@@ -14,6 +14,8 @@ the source computes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import time
 from pathlib import Path
 
@@ -31,6 +33,9 @@ from ..precision import calibrating, resolve_precision
 from ..runtime import load_tokenizer, pick_device
 from .layers import GlobalLayers, evenly_spaced, layer_types, top_layers
 from .refusals import KIND, REFUSES
+
+if TYPE_CHECKING:
+    from .kind import SWAOptions
 
 ARCHITECTURES = {"ministral": "MinistralForCausalLM", "granite_swa": "GraniteSWAForCausalLM"}
 SINKS_TARGET = "granite_swa"  # the standard type that carries per-head sinks beside per-layer windows
@@ -75,7 +80,8 @@ def target_type(config: dict, sinks: bool) -> str:
 
 def check_request(config: dict, window: int, global_layers: GlobalLayers, sinks: bool = False) -> tuple[int, int]:
     """The family, the window, the global-layer choice and the sinks checked against the source's config before
-    any work; returns (layers, context)."""
+    any work (what needs no config, e.g. a window of at least 1, the options model checked); returns (layers,
+    context)."""
     spec_for(config, KIND, REFUSES)
     if target_type(config, sinks) == "ministral" and config.get("model_type") in ("llama",):
         for key in LLAMA_ONLY:
@@ -83,8 +89,6 @@ def check_request(config: dict, window: int, global_layers: GlobalLayers, sinks:
                 raise SurgeryError(f"swa writes Llama as ministral, whose layer has no {key} (the source sets "
                                    f"{key}={config[key]!r})")
     layers, context = spec_for(config).layers(config), context_of(config)
-    if window < 1:
-        raise SurgeryError(f"--window must be at least 1, got {window}")
     if context and window >= context:
         raise SurgeryError(f"--window {window} must be shorter than the model's context ({context} tokens): a window "
                            "that covers the whole context changes nothing")
@@ -144,17 +148,21 @@ def plan(reader: CheckpointReader, dtype: str | None) -> list[PlannedTensor]:
     return planned
 
 
-def convert_to_swa(src: Source, out: Path, *, window: int, global_layers: GlobalLayers, calib="pydoc",
-                   calib_tokens: int = 8192, calib_window: int | None = None, calib_chunk: int | None = None,
-                   force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
-                   allow_pickle: bool = False, seed: int = 0, progress: bool = True, device: str = "auto",
-                   precision: str = "auto", chat_template: str = "auto", layer_score: str = "cost",
-                   sinks: bool = False) -> dict:
-    """Write `src` with sliding-window attention of `window` tokens on every layer but the global ones to `out`.
-    `auto` scores the layers on `calib_tokens` calibration tokens in windows of `calib_window` (default: 4 W,
-    capped by the context), by `layer_score`: "cost" (what windowing each layer costs, surgery/swa/cost.py) or
-    "mass" (attention mass beyond the window, surgery/swa/score.py). `sinks` writes granite_swa with a learnable
-    sink per head (SINK_INIT: exact until trained), listed as the conversion's new parameters for uptraining."""
+def convert_to_swa(src: Source, out: Path, options: "SWAOptions", progress: bool = True) -> dict:
+    """Write `src` with sliding-window attention of `options.window` tokens on every layer but the global ones to
+    `out`; `options` is the kind's options model (surgery/swa/kind.py), validated once where it was built: this reads
+    it and checks only what needs the source's config. `auto` scores the layers on `calib_tokens` calibration tokens
+    in windows of `calib_window` (when given; else 4 W, capped by the context), by `layer_score`: "cost" (what
+    windowing each layer costs, surgery/swa/cost.py) or "mass" (attention mass beyond the window,
+    surgery/swa/score.py). `sinks` writes granite_swa with a learnable sink per head (SINK_INIT: exact until
+    trained), listed as the conversion's new parameters for uptraining."""
+    o = options
+    window, global_layers, sinks, layer_score = o.window, o.parsed_global_layers, o.sinks, o.layer_score
+    # the calibration windows: 4 W unless --calib-window is given (its default's value too, given explicitly)
+    calib_window = o.calib_window if "calib_window" in o.model_fields_set else None
+    written = o.write_kwargs()
+    dtype, force, max_shard_bytes = written["dtype"], written["force"], written["max_shard_bytes"]
+    allow_pickle = written["allow_pickle"]
     start = time.time()
     config = src.config
     layers, context = check_request(config, window, global_layers, sinks)
@@ -167,15 +175,15 @@ def convert_to_swa(src: Source, out: Path, *, window: int, global_layers: Global
         if length <= window:
             raise SurgeryError(f"--global-layers auto scores what each layer attends beyond the window: calibration "
                                f"windows of {length} tokens must be longer than --window {window}")
-        dev = pick_device(device)
-        resolved = resolve_precision(precision, dev)
+        dev = pick_device(o.device)
+        resolved = resolve_precision(o.precision, dev)
         tokenizer = load_tokenizer(src)
-        text = calibration_text(calib, tokenizer, calib_tokens, context, window=length,
-                                chat_template=chat_template)
+        text = calibration_text(o.calib, tokenizer, o.calib_tokens, context, window=length,
+                                chat_template=o.chat_template)
         if text.windows.shape[1] <= window:
             raise SurgeryError(f"the calibration text gave windows of {text.windows.shape[1]} tokens, not longer than "
                                f"--window {window}: give more --calib-tokens or a longer text")
-        chunk = chunk_windows(config, int(text.windows.shape[1]), requested=calib_chunk)
+        chunk = chunk_windows(config, int(text.windows.shape[1]), requested=o.calib_chunk)
         calib_start = time.time()
         with calibrating(resolved, dev):
             if layer_score == "cost":

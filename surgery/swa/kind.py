@@ -72,16 +72,7 @@ class SWA(Kind):
     def convert(self, source, out: Path, options: SWAOptions) -> dict:
         from . import convert_to_swa
 
-        auto = options.parsed_global_layers.auto
-        # the calibration windows: 4 W unless --calib-window is given (its default's value too, given explicitly)
-        given = "calib_window" in options.model_fields_set
-        calib_window = options.calib_window if given else None
-        return convert_to_swa(source, out, window=options.window, global_layers=options.parsed_global_layers,
-                              calib=options.calib, calib_tokens=options.calib_tokens,
-                              calib_window=calib_window if auto else None, calib_chunk=options.calib_chunk,
-                              layer_score=options.layer_score, sinks=options.sinks,
-                              device=options.device, precision=options.precision,
-                              chat_template=options.chat_template, **options.write_kwargs())
+        return convert_to_swa(source, out, options)
 
     def calibration_estimate(self, config: dict, options: SWAOptions, *, dtype: str, device: str, throughput=None):
         from ..estimate import estimate_calibrated

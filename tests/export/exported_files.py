@@ -18,7 +18,7 @@ def exported(tmp_path_factory):
     from surgery.commands.export import export_checkpoint
     from surgery.mla import convert_to_mla
     from surgery.swa.convert import convert_to_swa
-    from surgery.swa.layers import parse_global_layers
+    from surgery.swa.kind import SWAOptions
 
     from surgery.testing.pydoc_llama import make_model, make_tokenizer
 
@@ -26,11 +26,10 @@ def exported(tmp_path_factory):
     tiny = make_model(root / "tiny", make_tokenizer())
     folders = {"llama": tiny}
     folders["swa"] = root / "swa"
-    convert_to_swa(resolve_source(str(tiny)), folders["swa"], window=8, global_layers=parse_global_layers("1"),
-                   progress=False)
+    convert_to_swa(resolve_source(str(tiny)), folders["swa"], SWAOptions(window=8, global_layers="1"), progress=False)
     folders["sinks"] = root / "sinks"
-    convert_to_swa(resolve_source(str(tiny)), folders["sinks"], window=8, global_layers=parse_global_layers("1"),
-                   progress=False, sinks=True)
+    convert_to_swa(resolve_source(str(tiny)), folders["sinks"], SWAOptions(window=8, global_layers="1", sinks=True),
+                   progress=False)
     weights = load_file(folders["sinks"] / "model.safetensors")
     g = torch.Generator().manual_seed(0)
     for name in [n for n in weights if n.endswith("self_attn.sinks")]:  # trained-like: about the keys' logits
