@@ -97,6 +97,14 @@ def check_alignable(student, teacher, option: str = "--stage align") -> None:
     if len(s) != len(t) or sh != th:
         raise SurgeryError(f"{option} needs a teacher with the student's layers (the source it was converted "
                            f"from): the student has {len(s)} layers of width {sh}, the teacher {len(t)} of width {th}")
+    if option == "--stage align":  # every teacher layer has an attention to reproduce, every student layer a module
+        for i, (t_layer, s_layer) in enumerate(zip(t, s)):  # to train: refused now, not layers into the stage
+            if not any(ATTENTION_NAME.fullmatch(name) for name, _ in t_layer.named_children()):
+                raise SurgeryError(f"--stage align: the teacher's layer {i} ({type(t_layer).__name__}) has no attention "
+                                   "to reproduce: the teacher must be the attention model the student was converted "
+                                   "from")
+            if mixer_of(s_layer) is None:
+                attention_of(s_layer)
 
 
 class Placement:

@@ -112,3 +112,9 @@ def test_align_on_a_hybrid_refuses_a_teacher_with_other_layers(hybrid, tokenizer
     with pytest.raises(SurgeryError, match="needs a teacher with the student's layers"):
         run(hybrid, tmp_path / "o", **(ALIGN | dict(teacher=str(other))))
     assert not (tmp_path / "o").exists()
+
+
+def test_align_refuses_a_teacher_without_attention_in_every_layer(hybrid, tmp_path):
+    with pytest.raises(SurgeryError, match="the teacher's layer 0 .* has no attention to reproduce"):
+        run(hybrid, tmp_path / "o", **(ALIGN | dict(teacher=str(hybrid))))
+    assert not (tmp_path / "o").exists()
