@@ -25,9 +25,9 @@ from the same normed input the attention received (the layer calls it with `hidd
 The layers it kept as attention, their weights identical to the teacher's, compute the teacher's function already:
 they are skipped (logged, and recorded with `"skipped"`), the teacher's residual stream just moves past them.
 
-Every layer receives the keyword arguments its own model passes it (captured by one pass up to the last layer):
-layers of different types get different masks (a hybrid's mixers a padding mask, its attention a causal one; a
-sliding-window model's global layers another mask than its windowed ones).
+Every layer receives the keyword arguments its own model passes it (captured by one pass up to the last layer per
+shape of micro-batch): layers of different types get different masks (a hybrid's mixers a padding mask, its
+attention a causal one; a sliding-window model's global layers another mask than its windowed ones).
 """
 
 from __future__ import annotations
@@ -221,14 +221,22 @@ def _layer_inputs(model: nn.Module, layers: nn.ModuleList, ids: torch.Tensor) ->
 
 
 @torch.no_grad()
-def _enter(teacher, student, t_layers, s_layers, ids: torch.Tensor, held_out: bool, at: Placement) -> _Batch:
+def _enter(teacher, student, t_layers, s_layers, ids: torch.Tensor, held_out: bool, at: Placement,
+           shapes: dict) -> _Batch:
     """The teacher's input to its first decoder layer, and the keyword arguments each model passes each of its
-    layers, kept where `at` keeps them."""
+    layers, kept where `at` keeps them. Both models are called with `input_ids` alone, so their layers' keyword
+    arguments (causal masks, positions) follow from the windows' shape: one pass through each model's layers per
+    shape (`shapes` keeps them), then only the teacher's embedding per micro-batch."""
     ids = at.compute(ids)
-    hidden, t_kwargs = _layer_inputs(teacher, t_layers, ids)
-    _, s_kwargs = _layer_inputs(student, s_layers, ids)
-    t_kwargs.sets, s_kwargs.sets = at.keep((t_kwargs.sets, s_kwargs.sets))
-    return _Batch(at.keep(hidden), t_kwargs, s_kwargs, held_out)
+    key = tuple(ids.shape)
+    if key not in shapes:
+        hidden, t_kwargs = _layer_inputs(teacher, t_layers, ids)
+        _, s_kwargs = _layer_inputs(student, s_layers, ids)
+        t_kwargs.sets, s_kwargs.sets = at.keep((t_kwargs.sets, s_kwargs.sets))
+        shapes[key] = t_kwargs, s_kwargs
+    else:
+        hidden, _ = _layer_input(*_call_until(teacher, t_layers[0], input_ids=ids, use_cache=False))
+    return _Batch(at.keep(hidden), *shapes[key], held_out)
 
 
 @torch.no_grad()
@@ -290,7 +298,8 @@ def align(student, teacher, train_ids: torch.Tensor, held_out_ids: torch.Tensor,
     student.requires_grad_(False)
     start = time.perf_counter()
     at = Placement(device)
-    batches = [_enter(teacher, student, t_layers, s_layers, ids[i : i + micro_batch], held_out, at)
+    shapes = {}
+    batches = [_enter(teacher, student, t_layers, s_layers, ids[i : i + micro_batch], held_out, at, shapes)
                for ids, held_out in ((train_ids, False), (held_out_ids, True))
                for i in range(0, ids.shape[0], micro_batch)]
     train = [b for b in batches if not b.held_out]
