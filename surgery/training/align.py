@@ -18,6 +18,16 @@ beyond its list of decoder layers and the attention module inside each.
 The relative error `mean((student - teacher)^2) / var(teacher)` of every layer, before and after, is measured
 on held-out windows the training never sees; the run records it in surgery.json. The last micro-batch of the
 alignment windows is kept out of the fit to validate it: a layer whose error there rose keeps its old weights.
+
+A hybrid student (`--to hybrid`: a Bamba checkpoint) has a state-space mixer instead of the attention in some layers
+(`mamba`, MIXER_NAME): that mixer is trained, its parameters only, to reproduce the teacher layer's attention output
+from the same normed input the attention received (the layer calls it with `hidden_states`, its mask and no cache).
+The layers it kept as attention, their weights identical to the teacher's, compute the teacher's function already:
+they are skipped (logged, and recorded with `"skipped"`), the teacher's residual stream just moves past them.
+
+Every layer receives the keyword arguments its own model passes it (captured by one pass up to the last layer per
+shape of micro-batch): layers of different types get different masks (a hybrid's mixers a padding mask, its
+attention a causal one; a sliding-window model's global layers another mask than its windowed ones).
 """
 
 from __future__ import annotations
@@ -32,6 +42,8 @@ from ..calibration.stream import StopForward, first_output, run_until_stopped
 from ..errors import SurgeryError
 
 ATTENTION_NAME = re.compile(r"self_attn|attn|attention|self_attention")
+MIXER_NAME = re.compile(r"mamba|mixer")  # a hybrid's state-space mixer in place of the attention (Bamba: `mamba`)
+KEPT = "attention kept from the source: identical to the teacher's"
 
 
 def decoder_layers(model) -> nn.ModuleList:
@@ -52,6 +64,32 @@ def attention_of(layer: nn.Module) -> nn.Module:
                        "(self_attn, attn, attention or self_attention)")
 
 
+def mixer_of(layer: nn.Module) -> nn.Module | None:
+    """A hybrid layer's state-space mixer (the module in place of its attention), None in an attention layer."""
+    for name, child in layer.named_children():
+        if MIXER_NAME.fullmatch(name):
+            return child
+    return None
+
+
+def _same_weights(a: nn.Module, b: nn.Module) -> bool:
+    """The two modules hold the same tensors under the same names (compared in float32 where dtypes differ)."""
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    return pa.keys() == pb.keys() and all(
+        pa[n].shape == pb[n].shape and torch.equal(pa[n].detach().float(), pb[n].detach().to(pa[n].device).float())
+        for n in pa)
+
+
+def aligned_module(s_layer: nn.Module, t_attn: nn.Module, hybrid: bool) -> tuple[str, nn.Module | None]:
+    """What layer `s_layer` trains against the teacher's attention `t_attn`: ("mixer", its mixer), ("attention", its
+    attention), or ("attention", None) for a hybrid's attention kept from the source (its weights the teacher's)."""
+    mixer = mixer_of(s_layer)
+    if mixer is not None:
+        return "mixer", mixer
+    s_attn = attention_of(s_layer)
+    return "attention", (None if hybrid and _same_weights(s_attn, t_attn) else s_attn)
+
+
 def check_alignable(student, teacher, option: str = "--stage align") -> None:
     """`option` (the alignment, or --hidden-weight) compares layer i with the teacher's layer i."""
     s, t = decoder_layers(student), decoder_layers(teacher)
@@ -59,6 +97,14 @@ def check_alignable(student, teacher, option: str = "--stage align") -> None:
     if len(s) != len(t) or sh != th:
         raise SurgeryError(f"{option} needs a teacher with the student's layers (the source it was converted "
                            f"from): the student has {len(s)} layers of width {sh}, the teacher {len(t)} of width {th}")
+    if option == "--stage align":  # every teacher layer has an attention to reproduce, every student layer a module
+        for i, (t_layer, s_layer) in enumerate(zip(t, s)):  # to train: refused now, not layers into the stage
+            if not any(ATTENTION_NAME.fullmatch(name) for name, _ in t_layer.named_children()):
+                raise SurgeryError(f"--stage align: the teacher's layer {i} ({type(t_layer).__name__}) has no attention "
+                                   "to reproduce: the teacher must be the attention model the student was converted "
+                                   "from")
+            if mixer_of(s_layer) is None:
+                attention_of(s_layer)
 
 
 class Placement:
@@ -86,12 +132,38 @@ class Placement:
 
 
 class _Batch:
-    """One micro-batch of windows on its way through the teacher: residual stream and per-layer kwargs."""
+    """One micro-batch of windows on its way through the teacher: residual stream and the keyword arguments each
+    model passes each of its layers (`LayerKwargs`)."""
 
-    def __init__(self, hidden: torch.Tensor, layer_kwargs: dict, student_layer_kwargs: dict, held_out: bool):
+    def __init__(self, hidden: torch.Tensor, layer_kwargs: LayerKwargs, student_layer_kwargs: LayerKwargs,
+                 held_out: bool):
         self.hidden, self.layer_kwargs, self.held_out = hidden, layer_kwargs, held_out
         self.student_layer_kwargs = student_layer_kwargs
         self.attn_args = self.attn_kwargs = self.target = None
+
+
+class LayerKwargs:
+    """The keyword arguments a model passes each decoder layer, each distinct set once (`sets`; layers of one type
+    share their masks and position embeddings): layer i's are `sets[index[i]]`."""
+
+    def __init__(self, sets: list[dict], index: list[int]):
+        self.sets, self.index = sets, index
+
+    def of(self, layer: int) -> dict:
+        return self.sets[self.index[layer]]
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and isinstance(a, (int, float, str, bool, type(None))) and a == b
 
 
 @torch.no_grad()
@@ -119,34 +191,77 @@ def _layer_input(args: tuple, kwargs: dict) -> tuple[torch.Tensor, dict]:
 
 
 @torch.no_grad()
-def _enter(teacher, student, t_layers, s_layers, ids: torch.Tensor, held_out: bool, at: Placement) -> _Batch:
-    """The teacher's input to its first decoder layer, and the keyword arguments each model passes its layers
-    (masks and position embeddings in each model's own attention implementation), kept where `at` keeps them."""
-    ids = at.compute(ids)
-    hidden, t_kwargs = _layer_input(*_call_until(teacher, t_layers[0], input_ids=ids, use_cache=False))
-    _, s_kwargs = _layer_input(*_call_until(student, s_layers[0], input_ids=ids, use_cache=False))
-    return _Batch(*at.keep((hidden, t_kwargs, s_kwargs)), held_out)
+def _layer_inputs(model: nn.Module, layers: nn.ModuleList, ids: torch.Tensor) -> tuple[torch.Tensor, LayerKwargs]:
+    """`model` run on `ids` up to its last decoder layer: its first layer's input, and every layer's keyword
+    arguments (masks and position embeddings in the model's own attention implementation, per layer type)."""
+    first, sets, index = {}, [], []
+
+    def capture(i):
+        def hook(_, args, kwargs):
+            hidden, kw = _layer_input(args, dict(kwargs))
+            if i == 0:
+                first["hidden"] = hidden
+            index.append(next((j for j, seen in enumerate(sets) if _same(seen, kw)), len(sets)))
+            if index[-1] == len(sets):
+                sets.append(kw)
+            if i == len(layers) - 1:
+                raise StopForward
+        return hook
+
+    handles = [layer.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    try:
+        run_until_stopped(model, input_ids=ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if len(index) != len(layers):
+        raise SurgeryError(f"--stage align: {type(model).__name__} called {len(index)} of its {len(layers)} decoder "
+                           "layers once each")
+    return first["hidden"], LayerKwargs(sets, index)
 
 
 @torch.no_grad()
-def _advance(t_layer: nn.Module, t_attn: nn.Module, s_layer: nn.Module, s_attn: nn.Module, batch: _Batch,
-             at: Placement) -> None:
-    """The student attention's inputs on the teacher's residual stream, the teacher attention's output there;
-    then the residual stream moves past the teacher's layer."""
+def _enter(teacher, student, t_layers, s_layers, ids: torch.Tensor, held_out: bool, at: Placement,
+           shapes: dict) -> _Batch:
+    """The teacher's input to its first decoder layer, and the keyword arguments each model passes each of its
+    layers, kept where `at` keeps them. Both models are called with `input_ids` alone, so their layers' keyword
+    arguments (causal masks, positions) follow from the windows' shape: one pass through each model's layers per
+    shape (`shapes` keeps them), then only the teacher's embedding per micro-batch."""
+    ids = at.compute(ids)
+    key = tuple(ids.shape)
+    if key not in shapes:
+        hidden, t_kwargs = _layer_inputs(teacher, t_layers, ids)
+        _, s_kwargs = _layer_inputs(student, s_layers, ids)
+        t_kwargs.sets, s_kwargs.sets = at.keep((t_kwargs.sets, s_kwargs.sets))
+        shapes[key] = t_kwargs, s_kwargs
+    else:
+        hidden, _ = _layer_input(*_call_until(teacher, t_layers[0], input_ids=ids, use_cache=False))
+    return _Batch(at.keep(hidden), *shapes[key], held_out)
+
+
+@torch.no_grad()
+def _advance(i: int, t_layer: nn.Module, t_attn: nn.Module, s_layer: nn.Module, s_attn: nn.Module | None,
+             batch: _Batch, at: Placement) -> None:
+    """The inputs of layer `i`'s student module `s_attn` (attention or mixer) on the teacher's residual stream, the
+    teacher attention's output there; then the residual stream moves past the teacher's layer (alone where
+    `s_attn` is None: a layer with nothing to align)."""
     hidden = at.compute(batch.hidden)
-    args, kwargs = _call_until(s_layer, s_attn, hidden, **at.compute(batch.student_layer_kwargs))
-    batch.attn_args, batch.attn_kwargs = at.keep((args, kwargs))
+    if s_attn is not None:
+        args, kwargs = _call_until(s_layer, s_attn, hidden, **at.compute(batch.student_layer_kwargs.of(i)))
+        batch.attn_args, batch.attn_kwargs = at.keep((args, kwargs))
     target = {}
 
     def post(module, args, output):
         target["out"] = first_output(output).detach()
 
-    handle = t_attn.register_forward_hook(post)
+    handle = t_attn.register_forward_hook(post) if s_attn is not None else None
     try:
-        batch.hidden = at.keep(first_output(t_layer(hidden, **at.compute(batch.layer_kwargs))))
+        batch.hidden = at.keep(first_output(t_layer(hidden, **at.compute(batch.layer_kwargs.of(i)))))
     finally:
-        handle.remove()
-    batch.target = at.keep(target["out"])
+        if handle is not None:
+            handle.remove()
+    if s_attn is not None:
+        batch.target = at.keep(target["out"])
 
 
 def _attend(attention: nn.Module, batch: _Batch, at: Placement) -> torch.Tensor:
@@ -174,7 +289,8 @@ def _variance(tensors: list[torch.Tensor]) -> float:
 
 def align(student, teacher, train_ids: torch.Tensor, held_out_ids: torch.Tensor, *, micro_batch: int, epochs: int,
           lr: float, device, log=print) -> dict:
-    """Train every student attention on the teacher's attention inputs and outputs; returns the record."""
+    """Train every student attention (a hybrid's mixers in its place) on the teacher's attention inputs and outputs;
+    returns the record."""
     check_alignable(student, teacher)
     s_layers, t_layers = decoder_layers(student), decoder_layers(teacher)
     was_training, flags = student.training, {n: p.requires_grad for n, p in student.named_parameters()}
@@ -182,7 +298,8 @@ def align(student, teacher, train_ids: torch.Tensor, held_out_ids: torch.Tensor,
     student.requires_grad_(False)
     start = time.perf_counter()
     at = Placement(device)
-    batches = [_enter(teacher, student, t_layers, s_layers, ids[i : i + micro_batch], held_out, at)
+    shapes = {}
+    batches = [_enter(teacher, student, t_layers, s_layers, ids[i : i + micro_batch], held_out, at, shapes)
                for ids, held_out in ((train_ids, False), (held_out_ids, True))
                for i in range(0, ids.shape[0], micro_batch)]
     train = [b for b in batches if not b.held_out]
@@ -191,11 +308,17 @@ def align(student, teacher, train_ids: torch.Tensor, held_out_ids: torch.Tensor,
     # (the held-out windows only measure; nothing is chosen on them).
     fit, val = (train[:-1], train[-1:]) if len(train) > 1 else (train, [])
     per_layer = []
+    hybrid = any(mixer_of(layer) is not None for layer in s_layers)
     try:
         for i, (s_layer, t_layer) in enumerate(zip(s_layers, t_layers)):
-            t_attn, s_attn = attention_of(t_layer), attention_of(s_layer)
+            t_attn = attention_of(t_layer)
+            module, s_attn = aligned_module(s_layer, t_attn, hybrid)
             for b in batches:
-                _advance(t_layer, t_attn, s_layer, s_attn, b, at)
+                _advance(i, t_layer, t_attn, s_layer, s_attn, b, at)
+            if s_attn is None:
+                per_layer.append({"layer": i, "module": module, "skipped": KEPT})
+                log(f"align: layer {i}: skipped ({KEPT})")
+                continue
             params = [p for p in s_attn.parameters() if p.is_floating_point()]
             before = _relative_error(s_attn, held, at)
             val_before = _relative_error(s_attn, val, at) if val else None
@@ -224,10 +347,12 @@ def align(student, teacher, train_ids: torch.Tensor, held_out_ids: torch.Tensor,
                         p.copy_(old)
             del saved
             after = _relative_error(s_attn, held, at)
-            per_layer.append({"layer": i, "before": before, "after": after, "kept": kept})
+            per_layer.append({"layer": i, "before": before, "after": after, "kept": kept}
+                             | ({"module": module} if hybrid else {}))
             for b in batches:
                 b.attn_args = b.attn_kwargs = b.target = None
-            log(f"align: layer {i}: held-out relative error {before:.4f} -> {after:.4f}"
+            log(f"align: layer {i}{' (mixer)' if module == 'mixer' else ''}: held-out relative error "
+                f"{before:.4f} -> {after:.4f}"
                 + ("" if kept else " (its validation error rose: old weights kept)"))
     finally:
         for n, p in student.named_parameters():
