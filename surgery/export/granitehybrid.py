@@ -34,7 +34,7 @@ import numpy as np
 from ..errors import SurgeryError
 from .gguf_file import GGUFTensor
 from .llama import permute_rows
-from .weights import ExportPlan, Weights, body_keys, rope_theta
+from .weights import ExportPlan, Weights, llama_attention_keys
 
 MODEL_TYPES = ("bamba",)
 ARCH = "granitehybrid"
@@ -177,14 +177,7 @@ def plan(config: dict, weights: Weights) -> ExportPlan:
     head_dim = config.get("head_dim") or s["hidden"] // heads
     mixers = layers - len(attention)
     a = ARCH if mixers else "llama"  # every layer attention: Llama's function (granitehybrid aborts on no state)
-    keys = body_keys(a, config, kv_heads) | {
-        f"{a}.attention.key_length": head_dim,
-        f"{a}.attention.value_length": head_dim,
-        f"{a}.rope.dimension_count": head_dim,
-        f"{a}.rope.freq_base": rope_theta(config),
-        f"{a}.attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-5)),
-        f"{a}.vocab_size": config["vocab_size"],
-    }
+    keys = llama_attention_keys(a, config, kv_heads, head_dim, 1e-5)
     if mixers:
         keys |= {
             f"{a}.attention.head_count_kv": [kv_heads if i in attention else 0 for i in range(layers)],

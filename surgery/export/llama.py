@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import SurgeryError
 from .gguf_file import GGUFTensor
-from .weights import ExportPlan, Weights, body_keys, rope_theta
+from .weights import ExportPlan, Weights, llama_attention_keys
 
 MODEL_TYPES = ("llama", "mistral", "ministral", "granite_swa")
 SINK_OFF = -1e30  # a sink logit that takes no weight in any softmax
@@ -72,14 +72,7 @@ def plan(config: dict, weights: Weights) -> ExportPlan:
     own_sinks = config["model_type"] == "granite_swa"  # its multipliers and sinks are the checkpoint's
     arch = "granite_swa" if any(sliding) or own_sinks else "llama"
     a = arch
-    keys = body_keys(a, config, kv_heads) | {
-        f"{a}.attention.key_length": head_dim,
-        f"{a}.attention.value_length": head_dim,
-        f"{a}.rope.dimension_count": head_dim,
-        f"{a}.rope.freq_base": rope_theta(config),
-        f"{a}.attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", 1e-6)),
-        f"{a}.vocab_size": config["vocab_size"],
-    }
+    keys = llama_attention_keys(a, config, kv_heads, head_dim, 1e-6)
     if own_sinks and config.get("layer_rope_theta") and len(set(config["layer_rope_theta"])) > 1:
         raise SurgeryError("cannot export a granite_swa checkpoint whose layers have different RoPE bases "
                            "(layer_rope_theta): llama.cpp's granite_swa has one")

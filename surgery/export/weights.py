@@ -79,3 +79,16 @@ def body_keys(arch: str, config: dict, head_count_kv: int) -> dict:
         f"{arch}.attention.head_count": config["num_attention_heads"],
         f"{arch}.attention.head_count_kv": head_count_kv,
     }
+
+
+def llama_attention_keys(arch: str, config: dict, head_count_kv: int, head_dim: int, eps_default: float) -> dict:
+    """body_keys and the keys of Llama's attention layer (full-width RoPE, RMS norm), which the llama-bodied archs
+    (llama, granite_swa, granitehybrid) share; `eps_default`: the model type's rms_norm_eps default."""
+    return body_keys(arch, config, head_count_kv) | {
+        f"{arch}.attention.key_length": head_dim,
+        f"{arch}.attention.value_length": head_dim,
+        f"{arch}.rope.dimension_count": head_dim,
+        f"{arch}.rope.freq_base": rope_theta(config),
+        f"{arch}.attention.layer_norm_rms_epsilon": float(config.get("rms_norm_eps", eps_default)),
+        f"{arch}.vocab_size": config["vocab_size"],
+    }
