@@ -5,6 +5,8 @@ where the dtype stays), each replaced layer's Mamba-2 mixer built from its atten
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import time
 from pathlib import Path
 
@@ -19,6 +21,9 @@ from ..runtime import load_tokenizer, pick_device
 from . import init
 from .family import KIND, check_family, output_name, target_config
 from .layers import AttentionLayers, evenly_spaced, top_layers
+
+if TYPE_CHECKING:
+    from .kind import HybridOptions
 
 CALIB_WINDOW = 512  # calibration windows' length (capped by the context)
 SCORE = ("how far replacing the layer's attention by its initialised mixer moves the residual stream: the squared "
@@ -81,22 +86,24 @@ def plan(reader: CheckpointReader, sizes: dict, attention: list[int], conv_kerne
     return planned
 
 
-def convert_to_hybrid(src: Source, out: Path, *, attention_layers: AttentionLayers, conv_kernel: int = 4,
-                      calib="pydoc", calib_tokens: int = 8192, calib_window: int | None = None,
-                      calib_chunk: int | None = None, force: bool = False, dtype: str | None = None,
-                      max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
-                      progress: bool = True, device: str = "auto", precision: str = "auto",
-                      chat_template: str = "auto") -> dict:
-    """Write `src` as a Bamba hybrid to `out`: `attention_layers` keep their attention, the others become Mamba-2
-    mixers initialised from it. The mixers' statistics (and `auto`'s scores) come from `calib_tokens` calibration
-    tokens in windows of `calib_window` (default 512, capped by the context)."""
+def convert_to_hybrid(src: Source, out: Path, options: "HybridOptions", progress: bool = True) -> dict:
+    """Write `src` as a Bamba hybrid to `out`: `options.attention_layers` keep their attention, the others become
+    Mamba-2 mixers initialised from it. `options` is the kind's options model (surgery/hybrid/kind.py), validated
+    where it was built; this checks only what needs the source's config. The mixers' statistics (and `auto`'s
+    scores) come from `calib_tokens` calibration tokens in windows of `calib_window` (when given; else 512, capped
+    by the context)."""
+    o = options
+    attention_layers, conv_kernel = o.parsed_attention_layers, o.conv_kernel
+    calib_window = o.calib_window if "calib_window" in o.model_fields_set else None
+    written = o.write_kwargs()
+    dtype, force, max_shard_bytes = written["dtype"], written["force"], written["max_shard_bytes"]
     start = time.time()
     config = src.config
     sizes = check_request(config, attention_layers, conv_kernel)
     layers, context = sizes["layers"], context_of(config) or 4096
     count = attention_layers.resolve_count(layers)
     check_output_path(out, force, source=src.folder)
-    reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
+    reader = CheckpointReader(src.folder, allow_pickle=written["allow_pickle"])
     if attention_layers.auto or attention_layers.indices is None:
         fixed = None if attention_layers.auto else evenly_spaced(count, layers)
     else:
@@ -104,12 +111,13 @@ def convert_to_hybrid(src: Source, out: Path, *, attention_layers: AttentionLaye
     stats, calibration, scores = {}, None, None
     needs = list(range(layers)) if fixed is None else [i for i in range(layers) if i not in fixed]
     if needs:
-        dev = pick_device(device)
-        resolved = resolve_precision(precision, dev)
+        dev = pick_device(o.device)
+        resolved = resolve_precision(o.precision, dev)
         tokenizer = load_tokenizer(src)
         length = min(calib_window or CALIB_WINDOW, context)
-        text = calibration_text(calib, tokenizer, calib_tokens, context, window=length, chat_template=chat_template)
-        chunk = chunk_windows(config, int(text.windows.shape[1]), requested=calib_chunk)
+        text = calibration_text(o.calib, tokenizer, o.calib_tokens, context, window=length,
+                                chat_template=o.chat_template)
+        chunk = chunk_windows(config, int(text.windows.shape[1]), requested=o.calib_chunk)
         target = target_config(config, sizes, [], conv_kernel, None)
         calib_start = time.time()
         with calibrating(resolved, dev):

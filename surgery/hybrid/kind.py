@@ -57,12 +57,7 @@ class Hybrid(Kind):
     def convert(self, source, out: Path, options: HybridOptions) -> dict:
         from .convert import convert_to_hybrid
 
-        window = options.calib_window if "calib_window" in options.model_fields_set else None
-        return convert_to_hybrid(source, out, attention_layers=options.parsed_attention_layers,
-                                 conv_kernel=options.conv_kernel, calib=options.calib, calib_tokens=options.calib_tokens,
-                                 calib_window=window, calib_chunk=options.calib_chunk, device=options.device,
-                                 precision=options.precision, chat_template=options.chat_template,
-                                 **options.write_kwargs())
+        return convert_to_hybrid(source, out, options)
 
     def calibration_estimate(self, config: dict, options: HybridOptions, *, dtype: str, device: str, throughput=None):
         from ..estimate import estimate_calibrated

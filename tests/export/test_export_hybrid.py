@@ -34,14 +34,14 @@ def hybrid(tmp_path_factory):
     from surgery.checkpoint.source import resolve_source
     from surgery.commands.export import export_checkpoint
     from surgery.hybrid import convert_to_hybrid
-    from surgery.hybrid.layers import parse_attention_layers
+    from surgery.hybrid.kind import HybridOptions
     from surgery.testing.pydoc_llama import make_model, make_tokenizer
 
     root = tmp_path_factory.mktemp("export-hybrid")
     tiny = make_model(root / "tiny", make_tokenizer(), layers=LAYERS)
     folder = root / "hybrid"
-    convert_to_hybrid(resolve_source(str(tiny)), folder, attention_layers=parse_attention_layers(f"[{ATTENTION}]"),
-                      calib="pydoc", calib_tokens=128, calib_window=32, progress=False)
+    convert_to_hybrid(resolve_source(str(tiny)), folder, HybridOptions(attention_layers=f"[{ATTENTION}]", calib=["pydoc"],
+                                                                       calib_tokens=128, calib_window=32), progress=False)
     weights = load_torch(folder / "model.safetensors")
     g = torch.Generator().manual_seed(0)
     for name in [n for n in weights if ".mamba." in n and not n.endswith("out_proj.weight")]:

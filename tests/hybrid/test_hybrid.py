@@ -30,10 +30,12 @@ def mixed(llama, tmp_path_factory):
     """The tiny Llama with layer 1 kept and layer 0 a mixer (converted once per module)."""
     from surgery.checkpoint.source import resolve_source
     from surgery.hybrid import convert_to_hybrid
+    from surgery.hybrid.kind import HybridOptions
 
     out = tmp_path_factory.mktemp("hybrid-mixed") / "o"
-    convert_to_hybrid(resolve_source(str(llama)), out, attention_layers=parse_attention_layers("1"), calib="pydoc",
-                      calib_tokens=128, calib_window=32, progress=False)
+    convert_to_hybrid(resolve_source(str(llama)), out,
+                      HybridOptions(attention_layers="1", calib=["pydoc"], calib_tokens=128, calib_window=32),
+                      progress=False)
     return out
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from surgery.checkpoint.source import resolve_source
 from surgery.errors import SurgeryError
 from surgery.hybrid import convert_to_hybrid
-from surgery.hybrid.layers import parse_attention_layers
+from surgery.hybrid.kind import HybridOptions
 from surgery.testing.pydoc_llama import FAST, make_model
 from surgery.training import UptrainOptions, uptrain
 
@@ -32,8 +32,9 @@ def hybrid(source, tmp_path_factory):
     """`source` with layer 1 kept as attention, layers 0 and 2 Mamba-2 mixers. Their scan in chunks of 64 (the
     windows' length) rather than Bamba's 256: the same sums, without padding every window to 256 tokens."""
     out = tmp_path_factory.mktemp("hybrid-align") / "hyb"
-    convert_to_hybrid(resolve_source(str(source)), out, attention_layers=parse_attention_layers("[1]"), calib="pydoc",
-                      calib_tokens=128, calib_window=32, progress=False)
+    convert_to_hybrid(resolve_source(str(source)), out,
+                      HybridOptions(attention_layers="[1]", calib=["pydoc"], calib_tokens=128, calib_window=32),
+                      progress=False)
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps(config | {"mamba_chunk_size": 64}))
     return out
