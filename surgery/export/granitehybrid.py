@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import SurgeryError
 from .gguf_file import GGUFTensor
-from .llama import permute_rows
+from .llama import attention_tensors, mlp_tensors, output_tensors
 from .weights import ExportPlan, Weights, llama_attention_keys
 
 MODEL_TYPES = ("bamba",)
@@ -190,30 +190,12 @@ def plan(config: dict, weights: Weights) -> ExportPlan:
             f"{a}.ssm.time_step_rank": s["pad"] * s["heads"],  # llama.cpp reads the mixer's head count from it
             f"{a}.ssm.group_count": s["pad"] * s["groups"],
         }
-    tensors = [weights.tensor("token_embd.weight", "model.embed_tokens.weight"),
-               weights.tensor("output_norm.weight", "model.final_layernorm.weight")]
-    if not config.get("tie_word_embeddings", False):
-        tensors.append(weights.tensor("output.weight", "lm_head.weight"))
-    weights.skip("lm_head.weight")  # tied: llama.cpp reads token_embd for the output
+    tensors = output_tensors(weights, config, "model.final_layernorm.weight")
     for i in range(layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         tensors.append(weights.tensor(b + "attn_norm.weight", p + "input_layernorm.weight"))
-        if i in attention:
-            tensors += [
-                weights.tensor(b + "attn_q.weight", p + "self_attn.q_proj.weight", lambda w: permute_rows(w, heads)),
-                weights.tensor(b + "attn_k.weight", p + "self_attn.k_proj.weight",
-                               lambda w: permute_rows(w, kv_heads)),
-                weights.tensor(b + "attn_v.weight", p + "self_attn.v_proj.weight"),
-                weights.tensor(b + "attn_output.weight", p + "self_attn.o_proj.weight"),
-            ]
-        else:
-            tensors += mixer_tensors(weights, i, s)
-        tensors += [
-            weights.tensor(b + "ffn_norm.weight", p + "pre_ff_layernorm.weight"),
-            weights.tensor(b + "ffn_gate.weight", p + "feed_forward.gate_proj.weight"),
-            weights.tensor(b + "ffn_up.weight", p + "feed_forward.up_proj.weight"),
-            weights.tensor(b + "ffn_down.weight", p + "feed_forward.down_proj.weight"),
-        ]
+        tensors += attention_tensors(weights, p, b, heads, kv_heads) if i in attention else mixer_tensors(weights, i, s)
+        tensors += mlp_tensors(weights, p, b, "pre_ff_layernorm", "feed_forward")
     weights.check_all_used("bamba")
     if not mixers:
         return ExportPlan(a, keys, tensors, f"llama: every layer of this bamba checkpoint keeps attention "

@@ -60,6 +60,33 @@ def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def output_tensors(weights: Weights, config: dict, final_norm: str) -> list[GGUFTensor]:
+    """The embedding, the final norm `final_norm` and, untied, the output head (a tied lm_head is skipped: llama.cpp
+    reads token_embd for the output), for every Llama-bodied arch written here."""
+    tensors = [weights.tensor("token_embd.weight", "model.embed_tokens.weight"),
+               weights.tensor("output_norm.weight", final_norm)]
+    if not config.get("tie_word_embeddings", False):
+        tensors.append(weights.tensor("output.weight", "lm_head.weight"))
+    weights.skip("lm_head.weight")
+    return tensors
+
+
+def attention_tensors(weights: Weights, p: str, b: str, heads: int, kv_heads: int) -> list[GGUFTensor]:
+    """Layer prefix `p`'s Llama attention as GGUF block `b`'s (q and k rows permuted to llama.cpp's RoPE layout)."""
+    return [weights.tensor(b + "attn_q.weight", p + "self_attn.q_proj.weight", lambda w: permute_rows(w, heads)),
+            weights.tensor(b + "attn_k.weight", p + "self_attn.k_proj.weight", lambda w: permute_rows(w, kv_heads)),
+            weights.tensor(b + "attn_v.weight", p + "self_attn.v_proj.weight"),
+            weights.tensor(b + "attn_output.weight", p + "self_attn.o_proj.weight")]
+
+
+def mlp_tensors(weights: Weights, p: str, b: str, norm: str, mlp: str) -> list[GGUFTensor]:
+    """Layer prefix `p`'s norm before the MLP (`norm`) and gated MLP (module `mlp`) as GGUF block `b`'s."""
+    return [weights.tensor(b + "ffn_norm.weight", p + norm + ".weight"),
+            weights.tensor(b + "ffn_gate.weight", p + mlp + ".gate_proj.weight"),
+            weights.tensor(b + "ffn_up.weight", p + mlp + ".up_proj.weight"),
+            weights.tensor(b + "ffn_down.weight", p + mlp + ".down_proj.weight")]
+
+
 def plan(config: dict, weights: Weights) -> ExportPlan:
     why = refusal(config)
     if why:
@@ -84,24 +111,12 @@ def plan(config: dict, weights: Weights) -> ExportPlan:
                  f"{a}.residual_scale": float(c.get("residual_multiplier", 1.0)),
                  f"{a}.attention.scale": float(c.get("attention_multiplier", head_dim ** -0.5))}
 
-    tensors = [weights.tensor("token_embd.weight", "model.embed_tokens.weight"),
-               weights.tensor("output_norm.weight", "model.norm.weight")]
-    if not config.get("tie_word_embeddings", False):
-        tensors.append(weights.tensor("output.weight", "lm_head.weight"))
-    weights.skip("lm_head.weight")  # tied: llama.cpp reads token_embd for the output
+    tensors = output_tensors(weights, config, "model.norm.weight")
     for i in range(layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
-        tensors += [
-            weights.tensor(b + "attn_norm.weight", p + "input_layernorm.weight"),
-            weights.tensor(b + "attn_q.weight", p + "self_attn.q_proj.weight", lambda w: permute_rows(w, heads)),
-            weights.tensor(b + "attn_k.weight", p + "self_attn.k_proj.weight", lambda w: permute_rows(w, kv_heads)),
-            weights.tensor(b + "attn_v.weight", p + "self_attn.v_proj.weight"),
-            weights.tensor(b + "attn_output.weight", p + "self_attn.o_proj.weight"),
-            weights.tensor(b + "ffn_norm.weight", p + "post_attention_layernorm.weight"),
-            weights.tensor(b + "ffn_gate.weight", p + "mlp.gate_proj.weight"),
-            weights.tensor(b + "ffn_up.weight", p + "mlp.up_proj.weight"),
-            weights.tensor(b + "ffn_down.weight", p + "mlp.down_proj.weight"),
-        ]
+        tensors += [weights.tensor(b + "attn_norm.weight", p + "input_layernorm.weight"),
+                    *attention_tensors(weights, p, b, heads, kv_heads),
+                    *mlp_tensors(weights, p, b, "post_attention_layernorm", "mlp")]
         if own_sinks:
             tensors.append(weights.tensor(b + "attn_sinks.weight", p + "self_attn.sinks",
                                           lambda w: w.astype(np.float32)))
