@@ -56,20 +56,22 @@ def decoder_layers(model) -> nn.ModuleList:
     raise SurgeryError(f"--stage align: cannot find the {n} decoder layers of {type(model).__name__}")
 
 
+def child_named(layer: nn.Module, pattern: re.Pattern) -> nn.Module | None:
+    """The layer's first child module whose name `pattern` matches whole, None when none does."""
+    return next((child for name, child in layer.named_children() if pattern.fullmatch(name)), None)
+
+
 def attention_of(layer: nn.Module) -> nn.Module:
-    for name, child in layer.named_children():
-        if ATTENTION_NAME.fullmatch(name):
-            return child
+    attention = child_named(layer, ATTENTION_NAME)
+    if attention is not None:
+        return attention
     raise SurgeryError(f"--stage align: the decoder layer {type(layer).__name__} has no attention module "
                        "(self_attn, attn, attention or self_attention)")
 
 
 def mixer_of(layer: nn.Module) -> nn.Module | None:
     """A hybrid layer's state-space mixer (the module in place of its attention), None in an attention layer."""
-    for name, child in layer.named_children():
-        if MIXER_NAME.fullmatch(name):
-            return child
-    return None
+    return child_named(layer, MIXER_NAME)
 
 
 def _same_weights(a: nn.Module, b: nn.Module) -> bool:
@@ -99,7 +101,7 @@ def check_alignable(student, teacher, option: str = "--stage align") -> None:
                            f"from): the student has {len(s)} layers of width {sh}, the teacher {len(t)} of width {th}")
     if option == "--stage align":  # every teacher layer has an attention to reproduce, every student layer a module
         for i, (t_layer, s_layer) in enumerate(zip(t, s)):  # to train: refused now, not layers into the stage
-            if not any(ATTENTION_NAME.fullmatch(name) for name, _ in t_layer.named_children()):
+            if child_named(t_layer, ATTENTION_NAME) is None:
                 raise SurgeryError(f"--stage align: the teacher's layer {i} ({type(t_layer).__name__}) has no attention "
                                    "to reproduce: the teacher must be the attention model the student was converted "
                                    "from")
