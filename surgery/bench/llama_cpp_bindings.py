@@ -180,14 +180,21 @@ def _last_error(lines: list[str]) -> str:
 
 KV_LINE = re.compile(r"llama_kv_cache: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers.*?K \((\w+)\): +([\d.]+) MiB"
                      r"(?:, V \((\w+)\): +([\d.]+) MiB)?")
+# a hybrid's mixer state: R the convolution's last inputs, S the SSM state (f32, fixed whatever the context)
+STATE_LINE = re.compile(r"llama_memory_recurrent: size = +([\d.]+) MiB \( *(\d+) cells, +(\d+) layers.*?"
+                        r"R \((\w+)\): +([\d.]+) MiB, S \((\w+)\): +([\d.]+) MiB")
 
 
 def kv_cache_lines(lines: list[str]) -> list[dict]:
     """The KV caches llama.cpp logged when it made a context, one per kind of layer (a sliding-window model: the
-    full layers' cache, then the sliding layers'): [{"mib", "cells", "layers", "type_k", "k_mib", "v_mib"}]."""
+    full layers' cache, then the sliding layers'), and a hybrid's recurrent mixer state (`"state": True`, R and S
+    in the k/v fields): [{"mib", "cells", "layers", "type_k", "k_mib", "v_mib"}]."""
     found = []
-    for m in map(KV_LINE.search, "".join(lines).splitlines()):
-        if m:
+    for line in "".join(lines).splitlines():
+        if m := KV_LINE.search(line):
             found.append({"mib": float(m[1]), "cells": int(m[2]), "layers": int(m[3]), "type_k": m[4],
                           "k_mib": float(m[5]), "v_mib": float(m[7] or 0)})
+        elif m := STATE_LINE.search(line):
+            found.append({"mib": float(m[1]), "cells": int(m[2]), "layers": int(m[3]), "type_k": m[4],
+                          "k_mib": float(m[5]), "v_mib": float(m[7]), "state": True})
     return found

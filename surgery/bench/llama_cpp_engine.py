@@ -25,19 +25,41 @@ def gguf_kv_values(meta: dict, context: int | None = None) -> int:
     DeepSeek's layout) caches one K row per layer, the latent and the rope key (`key_length` = kv_lora_rank + rope
     dims), and no V: llama.cpp absorbs the up-projections and logs "V (f16): 0.00 MiB". Every other file caches K
     and V per KV head; a layer its `ARCH.attention.sliding_window_pattern` marks (granite_swa, `surgery export`'s swa
-    output) holds the window only."""
+    output) holds the window only; a per-layer `head_count_kv` list (granitehybrid, `surgery export`'s hybrid output)
+    counts each layer's own heads, 0 for a mixer layer (its state is `gguf_state_bytes`)."""
     arch = meta.get("general.architecture", "llama")
     layers = int(meta[f"{arch}.block_count"])
-    heads = int(meta[f"{arch}.attention.head_count"])
-    head_dim = int(meta.get(f"{arch}.attention.key_length", int(meta[f"{arch}.embedding_length"]) // heads))
+    heads = _per_layer(meta[f"{arch}.attention.head_count"], layers)
+    head_dim = int(meta.get(f"{arch}.attention.key_length", int(meta[f"{arch}.embedding_length"]) // max(heads)))
     if f"{arch}.attention.kv_lora_rank" in meta:
         return layers * head_dim
-    per_layer = plain_kv_values(1, int(meta.get(f"{arch}.attention.head_count_kv", heads)), head_dim)
+    kv_heads = _per_layer(meta.get(f"{arch}.attention.head_count_kv", heads), layers)
+    per_layer = [plain_kv_values(1, kv, head_dim) if kv else 0 for kv in kv_heads]
     pattern, window = meta.get(f"{arch}.attention.sliding_window_pattern"), meta.get(f"{arch}.attention.sliding_window")
     if not context or not window or not isinstance(pattern, list):
-        return layers * per_layer
-    sliding = sum(bool(p) for p in pattern)
-    return round(per_layer * (layers - sliding + sliding * min(context, int(window)) / context))
+        return sum(per_layer)
+    share = min(context, int(window)) / context
+    return round(sum(v * (share if p else 1) for v, p in zip(per_layer, pattern)))
+
+
+def gguf_state_bytes(meta: dict) -> int:
+    """Bytes of the fixed recurrent state llama.cpp keeps per sequence for a GGUF's Mamba-2 mixer layers (f32, as it
+    allocates them): the convolution's last `conv_kernel - 1` inputs of x, B and C, and the SSM state, per mixer
+    layer (the layers a per-layer `head_count_kv` list gives no K/V head). 0 for a file without mixers."""
+    arch = meta.get("general.architecture", "llama")
+    if f"{arch}.ssm.inner_size" not in meta:
+        return 0
+    layers = int(meta[f"{arch}.block_count"])
+    mixers = sum(1 for kv in _per_layer(meta.get(f"{arch}.attention.head_count_kv", 0), layers) if not kv)
+    inner, state = int(meta[f"{arch}.ssm.inner_size"]), int(meta[f"{arch}.ssm.state_size"])
+    groups, kernel = int(meta.get(f"{arch}.ssm.group_count", 1)), int(meta[f"{arch}.ssm.conv_kernel"])
+    per_layer = (kernel - 1) * (inner + 2 * groups * state) + state * inner
+    return mixers * per_layer * 4
+
+
+def _per_layer(value, layers: int) -> list[int]:
+    """A GGUF count that is either one number for every layer or a list with one per layer."""
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
 
 
 def gguf_metadata(path: Path) -> dict:
@@ -102,7 +124,8 @@ class LlamaCppEngine:
                 steps.append(time.perf_counter() - start)
         context = ids.shape[1]
         return {"prefill_s": prefill, "decode_steps_s": steps,
-                "kv_cache_bytes": gguf_kv_values(model.meta, context) * 2 * context,
+                # K/V in f16 for the context, plus a hybrid's fixed mixer state (f32)
+                "kv_cache_bytes": gguf_kv_values(model.meta, context) * 2 * context + gguf_state_bytes(model.meta),
                 "peak_memory_bytes": peak.bytes}
 
     def close(self, handle: dict) -> None:

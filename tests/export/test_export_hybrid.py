@@ -8,7 +8,6 @@ llama.cpp's cache and state against `surgery inspect` (slow)."""
 from __future__ import annotations
 
 import json
-import re
 import shutil
 
 import gguf
@@ -54,6 +53,24 @@ def hybrid(tmp_path_factory):
     out = root / "hybrid.gguf"
     export_checkpoint(str(folder), out)
     return folder, out
+
+
+def test_bench_counts_the_hybrid_files_cache_and_state(hybrid):
+    """`surgery bench --engine llama.cpp` counts a hybrid GGUF's K/V from its per-layer K/V head counts (the one
+    attention layer) and adds the mixers' fixed state as llama.cpp keeps it (f32, the padded inner size): the state
+    is the kind's own count (`inspect`) times the padding, whatever the context."""
+    from surgery.api import inspect as inspect_checkpoints
+    from surgery.bench.llama_cpp_engine import gguf_kv_values, gguf_metadata, gguf_state_bytes
+
+    folder, path = hybrid
+    config = json.loads((folder / "config.json").read_text())
+    meta = gguf_metadata(path)
+    inspected = dict(inspect_checkpoints(str(folder), context=64)[0])
+    assert gguf_kv_values(meta, 64) * 2 * 64 == inspected["kv_cache_bytes_per_context"] // 2  # f16 here, f32 there
+    pad = 2 * config["hidden_size"] // (config["mamba_n_heads"] * config["mamba_d_head"])
+    assert gguf_state_bytes(meta) == pad * inspected["state_bytes"]
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    assert gguf_kv_values(meta) == 2 * config["num_key_value_heads"] * head_dim  # K and V of the one attention layer
 
 
 def test_hybrid_round_trip(hybrid):
@@ -167,6 +184,13 @@ def test_hybrid_computes_the_same_logits_in_llama_cpp(hybrid):
     kv, state = cache_and_state(lines)
     assert [c["layers"] for c in kv] == [1] and kv[0]["cells"] >= len(ids)  # one attention layer's K/V
     assert state["s_mib"] > 0
+    # what bench counts from the file is what llama.cpp allocated: one layer's K/V per cell, the mixers' state
+    from surgery.bench.llama_cpp_engine import gguf_kv_values, gguf_metadata, gguf_state_bytes
+
+    meta = gguf_metadata(path)
+    size = {"f32": 4, "f16": 2}[kv[0]["type_k"]]  # the log rounds to 0.01 MiB
+    assert kv[0]["mib"] * 2**20 == pytest.approx(gguf_kv_values(meta) * size * kv[0]["cells"], abs=0.005 * 2**20)
+    assert state["mib"] * 2**20 == pytest.approx(gguf_state_bytes(meta), abs=0.005 * 2**20)
 
 
 @needs_llama_cpp
@@ -205,18 +229,16 @@ def test_other_bamba_mixer_layouts_compute_the_same_logits_in_llama_cpp(hybrid, 
     assert np.abs(got - ref).max() <= 1e-3 * scale, (np.abs(got - ref).max(), scale)
 
 
-STATE_LINE = re.compile(r"llama_memory_recurrent: size = +([\d.]+) MiB .*?R \((\w+)\): +([\d.]+) MiB, "
-                        r"S \((\w+)\): +([\d.]+) MiB")
-
-
 def cache_and_state(lines: list[str]) -> tuple[list[dict], dict]:
-    """(llama.cpp's KV caches as bench reads them, its recurrent state: {"mib", "r_mib", "s_mib"})."""
+    """(llama.cpp's KV caches as bench reads them, its recurrent state: {"mib", "r_mib", "s_mib"}), both from the
+    lines bench's llama.cpp engine reads (`kv_cache_lines`)."""
     from surgery.bench.llama_cpp_bindings import kv_cache_lines
 
-    found = [m for m in map(STATE_LINE.search, "".join(lines).splitlines()) if m]
-    assert len(found) == 1, "llama.cpp logged no recurrent state"
-    m = found[0]
-    return kv_cache_lines(lines), {"mib": float(m[1]), "r_mib": float(m[3]), "s_mib": float(m[5])}
+    found = kv_cache_lines(lines)
+    state = [c for c in found if c.get("state")]
+    assert len(state) == 1, "llama.cpp logged no recurrent state"
+    return [c for c in found if not c.get("state")], {"mib": state[0]["mib"], "r_mib": state[0]["k_mib"],
+                                                       "s_mib": state[0]["v_mib"]}
 
 
 # ---- SmolLM2's hybrid at 2,048 tokens (slow) -------------------------------------------------------------------
