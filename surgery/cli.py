@@ -270,10 +270,12 @@ def bench(source, converted, batches, contexts, new, rounds, dtype, precision, d
     Prints a table of converted/source ratios; numbers from a shared machine are only comparable within one run.
     """
     from surgery.checkpoint.atomic import check_output_file, write_json as write_json_file
-    from surgery.bench.options import BenchOptions, parse_int_list, require_engine, resolve_flash_attn
+    from surgery.bench.options import (BenchOptions, parse_int_list, require_engine, require_engine_dtype,
+                                       resolve_flash_attn)
     from surgery.bench.report import check_plot_path, plot_bench, print_bench
     from surgery.bench.run import run_bench
 
+    require_engine_dtype(dtype, engine)
     require_engine(engine)
     resolve_flash_attn(flash_attn, engine)
     check_output_file(json_out, "--json")  # before the measurements, not after them

@@ -57,6 +57,20 @@ def gguf_state_bytes(meta: dict) -> int:
     return mixers * per_layer * 4
 
 
+def gguf_file_type(meta: dict) -> str:
+    """The weights' type a GGUF declares (`general.file_type`): f32, f16, bf16, q8_0, ..."""
+    from gguf import LlamaFileType
+
+    code = meta.get("general.file_type")
+    if code is None:
+        return "unknown"
+    try:
+        name = LlamaFileType(int(code)).name
+    except ValueError:
+        return f"file type {code}"
+    return name.removeprefix("ALL_").removeprefix("MOSTLY_").lower()
+
+
 def _per_layer(value, layers: int) -> list[int]:
     """A GGUF count that is either one number for every layer or a list with one per layer."""
     return [int(v) for v in value] if isinstance(value, list) else [int(value)] * layers
@@ -100,6 +114,7 @@ class LlamaCppEngine:
         model.meta = meta  # the cache each measurement counts
         return {"model": model, "spec": spec, "folder": str(path), "custom_code": False,
                 "model_type": meta.get("general.architecture", "llama"),
+                "gguf_file_type": gguf_file_type(meta),
                 "attention": f"llama.cpp ({model.binding}, flash attention {'on' if model.flash_attn else 'off'})",
                 "flash_attn": model.flash_attn,
                 "vocab_size": model.n_vocab(), "max_positions": self.max_tokens,

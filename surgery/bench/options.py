@@ -53,6 +53,13 @@ def parse_int_list(text: str, name: str) -> list[int]:
     return values
 
 
+def require_engine_dtype(dtype: str | None, engine: str) -> None:
+    """`--dtype` chooses the models' torch dtype; llama.cpp runs a GGUF's weights as stored (one line, exit 2)."""
+    if dtype is not None and engine == "llama.cpp":
+        raise SurgeryError("--dtype: a GGUF file's weights run as stored with --engine llama.cpp (choose them when "
+                           "writing it: surgery export CHECKPOINT --gguf FILE --dtype f32|f16|bf16|q8_0)")
+
+
 def require_engine(engine: str) -> None:
     """Refuse (one line, exit 2) an engine that is not known or not installed."""
     if engine not in ENGINES:

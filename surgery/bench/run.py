@@ -18,7 +18,7 @@ from ..errors import SurgeryError
 from ..precision import load_dtype
 from .llama_cpp_engine import LlamaCppEngine
 from .measure import SyncedTimer, check_fits
-from .options import BenchOptions, require_compile, require_engine, resolve_flash_attn, trusted_roles
+from .options import BenchOptions, require_compile, require_engine, require_engine_dtype, resolve_flash_attn, trusted_roles
 from .stats import derived, ratios, summarize
 from .transformers_engine import TransformersEngine
 from .vllm_engine import VllmEngine
@@ -64,6 +64,7 @@ def run_bench(opts: BenchOptions, log: Callable[[str], None] = lambda s: None,
         load_dtype(opts.precision, opts.dtype, "cpu")  # a contradiction is refused before a device is touched
     except ValueError as e:
         raise SurgeryError(str(e)) from None
+    require_engine_dtype(opts.dtype, opts.engine)
     if opts.replicate_prefill and opts.engine != "transformers":
         raise SurgeryError("--replicate-prefill works with the transformers engine only")
     if opts.threads is not None and opts.threads < 1:
@@ -147,7 +148,9 @@ def _report(opts: BenchOptions, engine, handles: dict, results: list, started: f
         "date": start_info["date"],
         "seconds": time.time() - started,
         "engine": engine.name,
-        "dtype": opts.dtype,
+        # llama.cpp runs each GGUF's weights as stored: their type, read from each file
+        "dtype": (opts.dtype if engine.name != "llama.cpp" else
+                  "GGUF " + " / ".join(dict.fromkeys(h["gguf_file_type"] for h in handles.values()))),
         "precision": opts.precision,
         "new_tokens": opts.new,
         "rounds": opts.rounds,

@@ -46,6 +46,19 @@ def test_neither_binding_installed_is_one_line_before_anything_loads(monkeypatch
     assert code == 2 and len(lines) == 1 and "neither is installed" in lines[0] and "pip install" in lines[0]
 
 
+def test_dtype_with_llama_cpp_is_one_line_and_the_report_names_each_files_own(monkeypatch, cli, tmp_path, exported):
+    """llama.cpp runs a GGUF's weights as stored: `--dtype` is refused before a binding is looked for, and the
+    report's dtype is the files' own (f32 here), not a torch dtype nobody used."""
+    from surgery.bench.llama_cpp_engine import gguf_file_type, gguf_metadata
+
+    only_installed(monkeypatch)
+    code, _, err = cli("bench", tmp_path / "a.gguf", tmp_path / "b.gguf", "--engine", "llama.cpp", "--dtype", "float16")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "surgery export CHECKPOINT --gguf FILE --dtype" in lines[0], err
+    assert gguf_file_type(gguf_metadata(exported["swa"][1])) == "f32"
+    assert gguf_file_type({"general.file_type": 7}) == "q8_0" and gguf_file_type({}) == "unknown"
+
+
 def test_an_installed_binding_that_does_not_load_is_named_with_its_reason(monkeypatch, tmp_path):
     """A llama-cpp-py-sync whose shared library fails to load (its wheels need glibc 2.38) is refused in one line
     naming it and llama.cpp's own reason; a llama-cpp-python that imports is preferred to it."""
@@ -104,6 +117,7 @@ def test_bench_drives_llama_cpp_py_sync_on_exported_files(exported, monkeypatch)
                                     contexts=[40], new=2, rounds=1, threads=1, engine="llama.cpp"))
     models = report["models"]
     assert all("llama-cpp-py-sync" in m["attention"] for m in models.values())
+    assert report["dtype"] == "GGUF f32"
     assert [c["layers"] for c in models["source"]["llama_cpp_kv_cache"]] == [2]
     full, sliding = models["converted"]["llama_cpp_kv_cache"]
     # llama.cpp pads the context to 256 cells; the sliding layer holds min(that, window + one micro-batch)
