@@ -92,24 +92,13 @@ class KVMerge(Kind):
         return options.merge == ALIGNED
 
     def convert(self, source, out: Path, options: KVMergeOptions) -> dict:
-        common = options.write_kwargs()
         if options.merge == ALIGNED:
             from .aligned import convert_aligned
-            from .aligned.pipeline import MergeOptions
-            from ..fitting.refit import QueryRefit
 
-            merge = MergeOptions(groups=options.groups, assign=options.grouping == "similarity",
-                                 refit_v=options.refit_values, query=QueryRefit(samples=options.query_samples),
-                                 chunk_windows=options.calib_chunk)
-            return convert_aligned(source, out, kv_heads=options.groups, calib=options.calib,
-                                   calib_tokens=options.calib_tokens, calib_window=options.calib_window,
-                                   device=options.device, precision=options.precision, options=merge,
-                                   chat_template=options.chat_template, **common)
-        from .convert import KVOptions, convert_to_kv_heads
+            return convert_aligned(source, out, options)
+        from .convert import convert_to_kv_heads
 
-        force = common.pop("force")
-        return convert_to_kv_heads(source, out, KVOptions(kv_heads=options.groups, method=options.merge, **common),
-                                   force=force)
+        return convert_to_kv_heads(source, out, options)
 
     def summary(self, record: dict, options: KVMergeOptions) -> str:
         kv = record["kv_heads"]

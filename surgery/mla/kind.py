@@ -49,11 +49,7 @@ class MLA(Kind):
     def convert(self, source, out: Path, options: MLAOptions) -> dict:
         from . import convert_to_mla
 
-        return convert_to_mla(source, out, kv_rank=options.kv_rank, rope_dim=options.rope_dim, calib=options.calib,
-                              calib_tokens=options.calib_tokens, calib_window=options.calib_window,
-                              calib_chunk=options.calib_chunk, query_samples=options.query_samples,
-                              device=options.device, precision=options.precision,
-                              chat_template=options.chat_template, **options.write_kwargs())
+        return convert_to_mla(source, out, options)
 
     def calibration_estimate(self, config: dict, options: MLAOptions, *, dtype: str, device: str, throughput=None):
         from ..estimate import estimate_calibrated
