@@ -10,7 +10,7 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..arch import Feature
 from ..options import option, spelling
-from ..kinds.base import CalibrationOptions, Kind, QueryRefitOptions, WriteOptions
+from ..kinds.base import CalibrationOptions, Kind, QueryRefitOptions, WriteOptions, require_size
 from .refusals import ALIGNED_LABEL, ALIGNED_REFUSES, PLAIN_LABEL, PLAIN_REFUSES
 
 ALIGNED = "aligned"  # the calibrated merge; the others are surgery.kv.pool's POOL_METHODS (tests/test_registry.py)
@@ -76,11 +76,7 @@ class MQAOptions(KVMergeOptions):
 class GQAOptions(KVMergeOptions):
     @model_validator(mode="after")
     def _heads_given(self, info: ValidationInfo):
-        s = spelling(info, type(self))
-        if self.kv_heads is None:
-            raise ValueError(f"{s.kind('gqa')} needs {s.options(['kv_heads'])}")
-        if self.kv_heads < 1:
-            raise ValueError(f"{s.flag('kv_heads')} must be at least 1, got {self.kv_heads}")
+        require_size(self, spelling(info, type(self)), "gqa", "kv_heads")
         return self
 
 
