@@ -253,24 +253,18 @@ def write_converted(source: Source, out: Path, planner: KVPlanner, progress: boo
 
     start = time.time() if start is None else start
 
-    def record_fields(output_files: list[str]) -> dict:
-        fields = {
-            "method": method,
-            "seed": options.seed if method == "random" else None,
-            "dtype": written["dtype"] or "auto",
-            "architecture": {"spec": spec.name, "target_model_type": new_config.get("model_type")},
-            "heads": shape.heads,
-            "head_dim": shape.head_dim,
-            "kv_heads": {"before": shape.kv_heads, "after": shape.groups},
-            "stored_kv_heads": shape.heads if planner.out_layout == QKVLayout.INTERLEAVED else shape.groups,
-            "groups": planner.group_record(),
-            "output_files": output_files,
-            "seconds": round(time.time() - start, 3),
-        }
-        if planner.out_layout == QKVLayout.INTERLEAVED and shape.groups != shape.heads:
-            fields["note"] = spec.notes
-        return fields | (extra or {})
-
+    fields = {
+        "method": method,
+        "seed": options.seed if method == "random" else None,
+        "architecture": {"spec": spec.name, "target_model_type": new_config.get("model_type")},
+        "heads": shape.heads,
+        "head_dim": shape.head_dim,
+        "kv_heads": {"before": shape.kv_heads, "after": shape.groups},
+        "stored_kv_heads": shape.heads if planner.out_layout == QKVLayout.INTERLEAVED else shape.groups,
+        "groups": planner.group_record(),
+    }
+    if planner.out_layout == QKVLayout.INTERLEAVED and shape.groups != shape.heads:
+        fields["note"] = spec.notes
     return write_conversion(source, reader, out, planned, new_config, "mqa" if shape.groups == 1 else "gqa",
-                            record_fields, force=written["force"], progress=progress,
-                            max_shard_bytes=written["max_shard_bytes"])
+                            fields | (extra or {}), dtype=written["dtype"], start=start, force=written["force"],
+                            progress=progress, max_shard_bytes=written["max_shard_bytes"])

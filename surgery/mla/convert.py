@@ -372,15 +372,14 @@ def _mla_record(shape: Shape, kept: list[int], stride: int, theta: float, share:
             "latent_loss": round(sum(v[1] for v in losses.values()) / n, 6)}
 
 
-def _record(shape: Shape, spec, text, dev, dtype, seed, output_files, calib_seconds, seconds,
-            precision: str = "fp32") -> dict:
+def _record(shape: Shape, spec, text, dev, seed, calib_seconds, precision: str = "fp32") -> dict:
     """surgery.json's converter fields beside `mla`."""
-    return {"dtype": dtype or "auto", "architecture": {"spec": spec.name, "target_model_type": "deepseek_v3"},
+    return {"architecture": {"spec": spec.name, "target_model_type": "deepseek_v3"},
             "heads": shape.heads, "head_dim": shape.head_dim, "kv_heads": {"before": shape.kv_heads},
             "calibration": text.record() | {"device": str(dev), "precision": precision,
                                             "seconds": round(calib_seconds, 3),
                                             "streaming": "layer by layer from the checkpoint (float32)"},
-            "output_files": output_files, "seed": seed, "seconds": round(seconds, 3)}
+            "seed": seed}
 
 
 def convert_to_mla(src: Source, out: Path, options: "MLAOptions", progress: bool = True, *, absorb: bool = True,
@@ -499,20 +498,16 @@ def convert_to_mla(src: Source, out: Path, options: "MLAOptions", progress: bool
         if fold.hidden_act:  # the MLP rewritten as a gated one (Arcee's relu^2 = relu(up x) * (up x))
             new_config["hidden_act"] = fold.hidden_act
 
-        def record_fields(output_files: list[str]) -> dict:
-            mla = _mla_record(shape, kept, stride, theta, share, losses, query_samples)
-            mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
-            mla |= _family_record(family, absorbing, absorb, residuals)
-            if absorbing and absorb:  # per projection, each layer's ridge (null: the plain fold won on held-out rows)
-                mla["absorption"]["ridges"] = {p: [ridges[i][p] for i in sorted(ridges)] for p in "qkv"}
-            if not all(rotates):
-                mla["layers_without_rope"] = [i for i, r in enumerate(rotates) if not r]
-            if fold != BodyFold():
-                mla["folded"] = dataclasses.asdict(fold)  # the family's constants, in the weights they scale
-            record = _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds, time.time() - start,
-                             resolved)
-            record["calibration"]["chunk_windows"] = chunk
-            return record | {"mla": mla}
-
-        return write_conversion(src, reader, out, planner.plan(), new_config, KIND, record_fields, force=force,
-                                progress=progress, max_shard_bytes=max_shard_bytes)
+        mla = _mla_record(shape, kept, stride, theta, share, losses, query_samples)
+        mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
+        mla |= _family_record(family, absorbing, absorb, residuals)
+        if absorbing and absorb:  # per projection, each layer's ridge (null: the plain fold won on held-out rows)
+            mla["absorption"]["ridges"] = {p: [ridges[i][p] for i in sorted(ridges)] for p in "qkv"}
+        if not all(rotates):
+            mla["layers_without_rope"] = [i for i, r in enumerate(rotates) if not r]
+        if fold != BodyFold():
+            mla["folded"] = dataclasses.asdict(fold)  # the family's constants, in the weights they scale
+        record = _record(shape, spec, text, dev, seed, calib_seconds, resolved)
+        record["calibration"]["chunk_windows"] = chunk
+        return write_conversion(src, reader, out, planner.plan(), new_config, KIND, record | {"mla": mla}, dtype=dtype,
+                                start=start, force=force, progress=progress, max_shard_bytes=max_shard_bytes)

@@ -200,15 +200,12 @@ def convert_to_switchhead(src: Source, out: Path, options: "SwitchHeadOptions", 
                                 calib_inputs)
     planned = builder.plan(out_dtype)
     new_config = target_config(config, family, shape, dtype, builder.biases())
-    settings = {"mode": mode, "qk_merge": qk_merge, "ridge": ridge, "seed": o.seed, "dtype": dtype, "start": start,
+    settings = {"mode": mode, "qk_merge": qk_merge, "ridge": ridge, "seed": o.seed,
                 "pattern": layer_pattern(family, names[0]["module"])}
-
-    def record_fields(output_files: list[str]) -> dict:
-        return _record_fields(config, new_config, shape, calibrated, settings, output_files)
-
-    record = write_conversion(src, reader, out, planned, new_config, "switchhead", record_fields, force=force,
-                              progress=progress, max_shard_bytes=max_shard_bytes, code_dir=Path(__file__).parent,
-                              code_files=CODE_FILES)
+    fields = _record_fields(config, new_config, shape, calibrated, settings)
+    record = write_conversion(src, reader, out, planned, new_config, "switchhead", fields, dtype=dtype, start=start,
+                              force=force, progress=progress, max_shard_bytes=max_shard_bytes,
+                              code_dir=Path(__file__).parent, code_files=CODE_FILES)
     if builder.tensors is not None:
         builder.tensors.close()
     return record
@@ -262,9 +259,8 @@ def _calibrate(src: Source, reader: CheckpointReader, out: Path, builder: LayerB
     return Calibrated(layers.clusters, layers.fits, layers.pivots, layers.refit, calibration)
 
 
-def _record_fields(config: dict, new_config: dict, shape: SwitchHeadShape, c: Calibrated, settings: dict,
-                   output_files: list[str]) -> dict:
-    """surgery.json's fields for a SwitchHead conversion."""
+def _record_fields(config: dict, new_config: dict, shape: SwitchHeadShape, c: Calibrated, settings: dict) -> dict:
+    """surgery.json's fields of a SwitchHead conversion (after the envelope every record has)."""
     fits, clusters, pattern = c.fits, c.clusters, settings["pattern"]
     return {
         "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
@@ -291,7 +287,4 @@ def _record_fields(config: dict, new_config: dict, shape: SwitchHeadShape, c: Ca
         "new_parameters": [f"{pattern}.v_router.weight", f"{pattern}.o_router.weight"],
         "added_parameters": 2 * shape.layers * shape.new_heads * shape.experts * shape.hidden,
         "seed": settings["seed"],
-        "dtype": settings["dtype"] or "auto",
-        "output_files": output_files,
-        "seconds": round(time.time() - settings["start"], 3),
     }

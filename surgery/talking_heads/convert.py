@@ -209,32 +209,26 @@ def convert_to_talking_heads(src: Source, out: Path, options: "TalkingHeadsOptio
 
     start = time.time()
 
-    def record_fields(output_files: list[str]) -> dict:
-        return {
-            "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
-                             "architectures": new_config["architectures"], "dropped_heads": dropped_heads},
-            "heads": shape.heads,
-            "kv_heads": {"before": shape.kv_heads, "after": shape.kv_heads},
-            "head_dim": shape.head_dim,
-            "layers": shape.layers,
-            "logits_mixing": shape.logits_mixing,
-            "weights_mixing": shape.weights_mixing,
-            "heads_logits": shape.heads_logits,
-            "heads_weights": shape.heads_weights,
-            "init": INIT_NOTE,
-            "exact_at_init": shape.exact,
-            "seed": None,
-            "chunk_size": chunk_size,
-            "dtype": dtype or "auto",
-            "new_parameters": [f"{modules[0]}.talking_heads.{n}".replace(".0.", ".{layer}.", 1)
-                            for n, on in (("logits_mix", shape.logits_mixing), ("weights_mix", shape.weights_mixing)) if on],
-            "added_parameters": shape.layers * shape.params_per_layer,
-            "mix_macs_per_query_key_per_layer": shape.mix_macs_per_query_key,
-            "output_files": output_files,
-            "seconds": round(time.time() - start, 3),
-        }
-
-    return write_conversion(src, reader, out, planned, new_config, "talking-heads", record_fields,
+    fields = {
+        "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
+                         "architectures": new_config["architectures"], "dropped_heads": dropped_heads},
+        "heads": shape.heads,
+        "kv_heads": {"before": shape.kv_heads, "after": shape.kv_heads},
+        "head_dim": shape.head_dim,
+        "layers": shape.layers,
+        "logits_mixing": shape.logits_mixing,
+        "weights_mixing": shape.weights_mixing,
+        "heads_logits": shape.heads_logits,
+        "heads_weights": shape.heads_weights,
+        "init": INIT_NOTE,
+        "exact_at_init": shape.exact,
+        "seed": None,
+        "chunk_size": chunk_size,
+        "new_parameters": [f"{modules[0]}.talking_heads.{n}".replace(".0.", ".{layer}.", 1)
+                           for n, on in (("logits_mix", shape.logits_mixing), ("weights_mix", shape.weights_mixing)) if on],
+        "added_parameters": shape.layers * shape.params_per_layer,
+        "mix_macs_per_query_key_per_layer": shape.mix_macs_per_query_key,
+    }
+    return write_conversion(src, reader, out, planned, new_config, "talking-heads", fields, dtype=dtype, start=start,
                             force=writing["force"], progress=progress, max_shard_bytes=writing["max_shard_bytes"],
-                            code_dir=Path(__file__).parent,
-                            code_files=CODE_FILES)
+                            code_dir=Path(__file__).parent, code_files=CODE_FILES)
