@@ -27,6 +27,7 @@ from surgery.checking.compare import compare_models
 from surgery.checkpoint.source import resolve_source
 from surgery.data import load_texts, token_stream
 from surgery.kv.aligned import convert_aligned
+from surgery.kv.kind import GQAOptions
 from surgery.runtime import load_model, load_tokenizer
 
 
@@ -80,8 +81,9 @@ def main() -> None:
         for name, calib, mode in (("chat", calib_chat, "auto"), ("plain", calib_plain, "off")):
             start = time.time()
             out = tmp / f"mqa-{name}"
-            convert_aligned(src, out, kv_heads=args.kv_heads, calib=str(calib), calib_tokens=args.calib_tokens,
-                            progress=False, chat_template=mode)
+            options = GQAOptions(kv_heads=args.kv_heads, merge="aligned", calib=[str(calib)],
+                                 calib_tokens=args.calib_tokens, chat_template=mode)
+            convert_aligned(src, out, options, progress=False)
             seconds = time.time() - start
             results[name] = {"convert_s": round(seconds, 1), **evaluate(src_model, out, held)}
             print(f"calibrated on {name} text ({seconds:.0f}s)", flush=True)

@@ -75,11 +75,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-check-") as tmp:
         converted = args.converted
         if converted is None:
-            from surgery.kv.convert import KVOptions, convert_to_kv_heads
+            from surgery.kv.convert import convert_to_kv_heads
+            from surgery.kv.kind import MQAOptions
             from surgery.checkpoint.source import resolve_source
 
             converted = str(Path(tmp) / "mqa")
-            convert_to_kv_heads(resolve_source("smollm2"), Path(converted), KVOptions(kv_heads=1), progress=False)
+            convert_to_kv_heads(resolve_source("smollm2"), Path(converted), MQAOptions(), progress=False)
         both = run_child("both", args, converted)
         sequential = run_child("sequential", args, converted)
     worst = max(abs(sequential[k] - both[k]) / max(abs(both[k]), 1e-30) for k in METRICS)

@@ -38,7 +38,9 @@ import transformers as tf
 
 from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
+from surgery.switchhead.kind import SwitchHeadOptions
 from surgery.talking_heads import convert_to_talking_heads
+from surgery.talking_heads.kind import TalkingHeadsOptions
 from surgery.testing import tiny_models as tm
 from surgery.testing.host_syncs import count_host_syncs, graph_breaks
 from surgery.testing.switchhead_loop import loop_outputs, loop_values
@@ -80,11 +82,12 @@ def smollm2_sized(folder: Path) -> Path:
 
 def converted(source: Path, kind: str, out: Path):
     if kind == "talking-heads":
-        convert_to_talking_heads(resolve_source(str(source)), out, progress=False)
+        convert_to_talking_heads(resolve_source(str(source)), out, TalkingHeadsOptions(), progress=False)
     else:
         heads = 3 if "smol" in source.name else 2  # SmolLM2's 9 heads: 3 x 3; the tiny Llama's 8: 2 x 4
-        convert_to_switchhead(resolve_source(str(source)), out, heads=heads, experts=9 // 3 if heads == 3 else 4,
-                              topk=2, calib_tokens=1024, progress=False)
+        options = SwitchHeadOptions(heads=heads, experts=9 // 3 if heads == 3 else 4, topk=2, calib=["pydoc"],
+                                    calib_tokens=1024)
+        convert_to_switchhead(resolve_source(str(source)), out, options, progress=False)
     return tf.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from surgery import arch
 from surgery.checkpoint.source import resolve_source
-from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import convert_to_kv_heads
+from surgery.kv.kind import GQAOptions
 from surgery.testing import tiny_models as tm
 from surgery.testing.aligned import aligned, heldout_ids, kl_to_source, rotated_copy_heads
 from surgery.testing.tiny_models import tiny
@@ -28,7 +29,7 @@ from surgery.testing.tiny_models import tiny
 def measure(src: Path, work: Path, family: str, kv: int) -> dict[str, tuple[float, float]]:
     ids = heldout_ids()
     out = {}
-    convert_to_kv_heads(resolve_source(str(src)), work / "mean", KVOptions(kv_heads=kv), progress=False, force=True)
+    convert_to_kv_heads(resolve_source(str(src)), work / "mean", GQAOptions(kv_heads=kv, force=True), progress=False)
     out["mean pooling"] = kl_to_source(src, work / "mean", ids)
     spec = arch.find_spec(family)
     try:

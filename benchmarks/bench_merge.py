@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 
-from surgery.kv.kind import METHODS  # noqa: E402
+from surgery.kv.kind import METHODS, GQAOptions  # noqa: E402
 from surgery.checking.compare import compare_models  # noqa: E402
-from surgery.kv.convert import KVOptions, convert_to_kv_heads  # noqa: E402
+from surgery.kv.convert import convert_to_kv_heads  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402
 from surgery.kv.aligned import convert_aligned  # noqa: E402
 from surgery.calibration.text import pydoc_documents_used  # noqa: E402
@@ -73,9 +73,10 @@ def convert(method: str, src, out: Path, kv_heads: int, calib_tokens: int) -> di
     wall, cpu = time.time(), cpu_seconds()
     with PeakMemory() as mem, threads(compute_threads()):
         if method == "aligned":
-            record = convert_aligned(src, out, kv_heads=kv_heads, calib_tokens=calib_tokens, progress=False)
+            options = GQAOptions(kv_heads=kv_heads, merge="aligned", calib=["pydoc"], calib_tokens=calib_tokens)
+            record = convert_aligned(src, out, options, progress=False)
         else:
-            record = convert_to_kv_heads(src, out, KVOptions(kv_heads=kv_heads, method=method), progress=False)
+            record = convert_to_kv_heads(src, out, GQAOptions(kv_heads=kv_heads, merge=method), progress=False)
     return {"record": record, "wall_s": time.time() - wall, "cpu_s": cpu_seconds() - cpu, "peak_added_bytes": mem.added}
 
 

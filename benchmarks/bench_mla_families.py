@@ -30,6 +30,7 @@ import transformers as tf
 from surgery.checkpoint.source import resolve_source
 from surgery.data import pydoc_texts
 from surgery.mla import convert_to_mla
+from surgery.mla.kind import MLAOptions
 from surgery.testing.tiny_models import TOKENS, char_tokenizer
 
 CONTEXT = 128
@@ -115,8 +116,8 @@ def main() -> None:
             for rank in args.ranks:
                 for absorb in (True, False):
                     out = Path(tmp) / f"{family}-{rank}-{absorb}"
-                    record = convert_to_mla(resolve_source(str(src)), out, kv_rank=rank, calib="pydoc",
-                                            calib_tokens=args.calib_tokens, progress=False, absorb=absorb)
+                    options = MLAOptions(kv_rank=rank, calib=["pydoc"], calib_tokens=args.calib_tokens)
+                    record = convert_to_mla(resolve_source(str(src)), out, options, progress=False, absorb=absorb)
                     row = evaluate(src, out, held_out)
                     row["absorption"] = record["mla"]["absorption"]["relative_residual"]
                     rows[f"rank {rank}, {'absorbed' if absorb else 'dropped'}"] = row

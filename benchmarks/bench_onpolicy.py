@@ -47,11 +47,12 @@ def python_source(path: Path) -> Path:
 
 def student(work: Path) -> Path:
     from surgery.checkpoint.source import resolve_source
-    from surgery.kv.convert import KVOptions, convert_to_kv_heads
+    from surgery.kv.convert import convert_to_kv_heads
+    from surgery.kv.kind import MQAOptions
 
     out = work / "mqa-mean"
     if not (out / "surgery.json").exists():
-        convert_to_kv_heads(resolve_source("smollm2"), out, KVOptions(kv_heads=1), progress=False, force=True)
+        convert_to_kv_heads(resolve_source("smollm2"), out, MQAOptions(force=True), progress=False)
     return out
 
 

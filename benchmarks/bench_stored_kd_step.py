@@ -49,7 +49,8 @@ def main() -> None:
 
     from surgery.checkpoint.source import resolve_source
     from surgery.data import pydoc_texts
-    from surgery.kv.convert import KVOptions, convert_to_kv_heads
+    from surgery.kv.convert import convert_to_kv_heads
+    from surgery.kv.kind import MQAOptions
     from surgery.training.losses import kd_loss, lm_loss
     from surgery.training.stored_kd import stored_kd_loss
     from surgery.training.teacher_pass import top_k_of
@@ -59,7 +60,7 @@ def main() -> None:
     source = resolve_source("smollm2")
     mqa = work / "smollm2-mqa"
     if not (mqa / "surgery.json").exists():
-        convert_to_kv_heads(source, mqa, KVOptions(kv_heads=1), progress=False, force=True)
+        convert_to_kv_heads(source, mqa, MQAOptions(force=True), progress=False)
     student = tf.AutoModelForCausalLM.from_pretrained(mqa, dtype=torch.float32).train()
     teacher = tf.AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32).eval()
     teacher.requires_grad_(False)

@@ -99,11 +99,13 @@ def main() -> None:
     converted = args.converted
     if converted is None:
         from surgery.switchhead import convert_to_switchhead
+        from surgery.switchhead.kind import SwitchHeadOptions
 
         tmp = tempfile.TemporaryDirectory(prefix="bench-switchhead-")
         converted = Path(tmp.name) / "switchhead"
-        convert_to_switchhead(source, converted, heads=args.heads, experts=args.experts, topk=args.topk,
-                              calib_tokens=args.calib_tokens, progress=False)
+        options = SwitchHeadOptions(heads=args.heads, experts=args.experts, topk=args.topk, calib=["pydoc"],
+                                    calib_tokens=args.calib_tokens)
+        convert_to_switchhead(source, converted, options, progress=False)
     sh = json.loads((converted / "config.json").read_text())["switchhead"]
     models = {"source": load(source.folder, device, False), "switchhead": load(converted, device, True)}
     vocab = models["source"].config.vocab_size

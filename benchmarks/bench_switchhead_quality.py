@@ -32,10 +32,12 @@ from surgery.checking.options import CheckOptions  # noqa: E402
 from surgery.data import pydoc_texts  # noqa: E402
 from surgery.checkpoint.source import resolve_source  # noqa: E402
 from surgery.switchhead import convert_to_switchhead  # noqa: E402
+from surgery.switchhead.kind import SwitchHeadOptions  # noqa: E402
 
 OPTIONS = {"k2": {}, "k1": {"topk": 1}, "k3": {"topk": 3}, "free": {"respect_kv_groups": False},
            "medoid": {"qk_merge": "medoid"},
            "norefit": {"refit": False}, "srcin": {"calib_inputs": "source"}}
+ABLATIONS = ("respect_kv_groups", "qk_merge", "refit", "calib_inputs")  # convert_to_switchhead's own arguments
 
 
 def variant_options(spec: str) -> dict:
@@ -63,7 +65,9 @@ def main() -> None:
         out, options = a.work / f"sh-{spec}", variant_options(spec)
         start = time.time()
         if not (out / "surgery.json").exists():
-            convert_to_switchhead(src, out, calib_tokens=a.calib_tokens, force=True, progress=False, **options)
+            ablations = {k: options.pop(k) for k in ABLATIONS if k in options}
+            kind_options = SwitchHeadOptions(calib=["pydoc"], calib_tokens=a.calib_tokens, force=True, **options)
+            convert_to_switchhead(src, out, kind_options, progress=False, **ablations)
         seconds = time.time() - start
         report = compare_checkpoints(src, resolve_source(str(out)), pydoc_texts(),
                                      CheckOptions(tokens=a.tokens, trust_remote_code=True), progress=False)

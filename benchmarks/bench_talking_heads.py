@@ -154,6 +154,7 @@ def main() -> None:
 
     from surgery.checkpoint.source import resolve_source
     from surgery.talking_heads import convert_to_talking_heads
+    from surgery.talking_heads.kind import TalkingHeadsOptions
 
     device = args.device
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
@@ -162,7 +163,8 @@ def main() -> None:
         converted = args.converted
         if converted is None:
             converted = Path(tmp) / "smollm2-th"
-            convert_to_talking_heads(resolve_source("smollm2"), converted, chunk_size=args.chunk_size, progress=False)
+            convert_to_talking_heads(resolve_source("smollm2"), converted, TalkingHeadsOptions(chunk_size=args.chunk_size),
+                                     progress=False)
         if args.threads:
             torch.set_num_threads(args.threads)
         print(f"SmolLM2-135M, {device} {dtype}, {torch.get_num_threads()} threads, batch 1; "

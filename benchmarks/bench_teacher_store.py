@@ -112,14 +112,15 @@ def main() -> None:
     a = p.parse_args()
 
     from surgery.checkpoint.source import resolve_source
-    from surgery.kv.convert import KVOptions, convert_to_kv_heads
+    from surgery.kv.convert import convert_to_kv_heads
+    from surgery.kv.kind import MQAOptions
 
     work = a.work or Path(tempfile.mkdtemp(prefix="bench-teacher-store-"))
     work.mkdir(parents=True, exist_ok=True)
     source = resolve_source("smollm2")
     mqa = work / "smollm2-mqa"
     if not mqa.exists():
-        convert_to_kv_heads(source, mqa, KVOptions(kv_heads=1), progress=False)
+        convert_to_kv_heads(source, mqa, MQAOptions(), progress=False)
     other = python_source_text(work)
     data = ["--data", "pydoc", "--tokens", a.tokens, "--seq-len", a.seq_len, "--batch-tokens", a.batch_tokens,
             "--micro-batch", a.micro_batch, "--eval-tokens", a.eval_tokens, "--seed", 0, "--precision", "fp32"]

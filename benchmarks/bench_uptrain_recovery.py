@@ -41,17 +41,21 @@ def convert(kind: str, src, out: Path) -> None:
     if (out / "surgery.json").exists():
         return
     if kind == "mean":
-        from surgery.kv.convert import KVOptions, convert_to_kv_heads
+        from surgery.kv.convert import convert_to_kv_heads
+        from surgery.kv.kind import MQAOptions
 
-        convert_to_kv_heads(src, out, KVOptions(kv_heads=1, method="mean"), force=True, progress=False)
+        convert_to_kv_heads(src, out, MQAOptions(force=True), progress=False)
     elif kind == "aligned":
         from surgery.kv.aligned import convert_aligned
+        from surgery.kv.kind import MQAOptions
 
-        convert_aligned(src, out, kv_heads=1, force=True, progress=False)
+        convert_aligned(src, out, MQAOptions(merge="aligned", calib=["pydoc"], force=True), progress=False)
     elif kind == "switchhead":
         from surgery.switchhead import convert_to_switchhead
+        from surgery.switchhead.kind import SwitchHeadOptions
 
-        convert_to_switchhead(src, out, heads=3, experts=3, topk=2, force=True, progress=False)
+        convert_to_switchhead(src, out, SwitchHeadOptions(heads=3, experts=3, topk=2, calib=["pydoc"], force=True),
+                              progress=False)
     else:
         sys.exit(f"unknown conversion {kind!r}; choose from {', '.join(LABELS)}")
 

@@ -7,14 +7,14 @@ from pathlib import Path
 from .checking.compare import compare_checkpoints, tolerance
 from .checking.options import CheckOptions
 from .checking.report_tables import print_report
-from .kv.convert import KVOptions, convert_to_kv_heads
+from .kv.convert import convert_to_kv_heads
 from .data import pydoc_texts
 from .errors import SurgeryError
 from .inspection import inspect_checkpoint, print_inspection
 from .checkpoint.record import read_record
 from .checkpoint.source import CACHE_DIR, resolve_source
 from .kinds import find_kind
-from .kv.kind import MQA
+from .kv.kind import MQA, MQAOptions
 from .logs import get_logger
 
 log = get_logger(__name__)
@@ -45,7 +45,7 @@ def run_demo(out: Path, tokens: int = 4096, force: bool = False) -> dict:
     log.info(f"source: {SOURCE_NOTE} (cache: {CACHE_DIR / 'gguf'})")
     source = resolve_source("smollm2")
     log.info(f"  the dequantized source takes {folder_bytes(source.folder) / 1e6:.0f} MB in {source.folder}")
-    record = convert_to_kv_heads(source, out, KVOptions(kv_heads=1), force=replace)
+    record = convert_to_kv_heads(source, out, MQAOptions(force=replace))
     log.info(f"converted to MQA (3 -> 1 K/V heads, mean pooling) in {record['seconds']:.1f}s -> {out} "
           f"({folder_bytes(out) / 1e6:.0f} MB)")
     converted = resolve_source(str(out))

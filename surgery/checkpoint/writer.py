@@ -1,7 +1,8 @@
 """Write a converted checkpoint folder, atomically: the planned tensors in shards, config.json, the source's side
 files (tokenizer, generation config), the modeling code a custom kind carries, and surgery.json — a header naming
-the toolkit, the kind and the source (with the sha256 of its shards), the converter's own fields, the sha256 of the
-modeling code copied ("code_sha256", see surgery/trust.py), where the output runs ("runs_in", surgery/runs_in.py) and
+the toolkit, the kind and the source (with the sha256 of its shards), the output's dtype, the files written and the
+conversion's seconds (the envelope every record has), then the converter's own fields, the sha256 of the modeling code
+copied ("code_sha256", see surgery/trust.py), where the output runs ("runs_in", surgery/runs_in.py) and
 the sha256 of every file written."""
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 from pathlib import Path
-from typing import Callable
 
 from .atomic import atomic_output_dir
 from ..errors import SurgeryError
@@ -22,13 +23,14 @@ from ..threads import threads
 
 
 def write_conversion(source: Source, reader: CheckpointReader, out: Path, planned: list[PlannedTensor],
-                     new_config: dict, kind: str, record_fields: Callable[[list[str]], dict], *, force: bool,
+                     new_config: dict, kind: str, fields: dict, *, dtype: str | None, start: float, force: bool,
                      progress: bool, max_shard_bytes: int, code_dir: Path | None = None,
                      code_files: tuple[str, ...] = ()) -> dict:
     """Write `out` and return its surgery.json record.
 
-    `record_fields(output_files)` gives the converter's fields of the record (after the header); it is called once
-    everything but surgery.json is written, with the names of the files written (shards and code files). The
+    The record is the envelope every conversion's has (the header, `dtype` the output's dtype, None: "auto", the
+    files written (shards and code files) and the seconds since `start`, when the conversion began) followed by
+    `fields`, the converter's own; then where the output runs, the modeling code's and every file's sha256. The
     source's shards are hashed in a thread while the tensors are written; the writing is I/O-bound, so it runs with
     one torch thread (more would only spin against the copy and hash threads)."""
     code_files = tuple(code_files)
@@ -61,7 +63,8 @@ def write_conversion(source: Source, reader: CheckpointReader, out: Path, planne
             why = f": {failed[0]}" if failed else ""
             raise SurgeryError(f"cannot hash the source's weight files{why}")
         code_files = code_files + tuple(source_code)
-        record = {**new_record(kind, source, hashes), **record_fields(files + list(code_files))}
+        record = {**new_record(kind, source, hashes), "dtype": dtype or "auto", "output_files": files + list(code_files),
+                  "seconds": round(time.time() - start, 3), **fields}
         runs_in = record_for(kind, new_config.get("model_type"))  # where it runs, and how that is known
         if runs_in:
             record["runs_in"] = runs_in

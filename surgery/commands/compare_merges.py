@@ -12,13 +12,14 @@ import time
 from pathlib import Path
 
 from ..checking.compare import compare_models
-from ..kv.convert import KVOptions, convert_to_kv_heads
+from ..kv.convert import convert_to_kv_heads
 from ..data import load_texts, token_stream
 from ..errors import SurgeryError
 from ..checkpoint.source import Source, resolve_source
 from ..calibration.text import pydoc_documents_used
 from ..runtime import compute_threads, context_length, is_causal_lm, load_model, load_tokenizer, pick_device, threads
-from ..kv.kind import METHODS
+from ..kinds import options_for
+from ..kv.kind import ALIGNED, METHODS
 from ..kv.aligned.convert import convert_aligned
 
 
@@ -44,6 +45,9 @@ def compare_merges(source: Source, kv_heads: int, methods: tuple[str, ...] = MET
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise SurgeryError(f"unknown merge method(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(METHODS)}")
+    calibration = dict(calib=[calib], calib_tokens=calib_tokens, device=device)  # the aligned merge's
+    merges = {m: options_for("gqa", kv_heads=kv_heads, merge=m, seed=seed, **(calibration if m == ALIGNED else {}))
+              for m in methods}  # each method's options, checked before any work
     tokenizer = load_tokenizer(source)
     overlap = None
     if data == "pydoc" and calib == "pydoc" and "aligned" in methods:
@@ -64,12 +68,8 @@ def compare_merges(source: Source, kv_heads: int, methods: tuple[str, ...] = MET
             out = Path(tmp) / method
             start = time.time()
             with threads(compute_threads()):  # the plain converter drops to one thread for its I/O
-                if method == "aligned":
-                    record = convert_aligned(source, out, kv_heads=kv_heads, calib=calib, calib_tokens=calib_tokens,
-                                             seed=seed, progress=progress, device=device)
-                else:
-                    record = convert_to_kv_heads(source, out, KVOptions(kv_heads=kv_heads, method=method, seed=seed),
-                                                 progress=progress)
+                convert = convert_aligned if method == ALIGNED else convert_to_kv_heads
+                record = convert(source, out, merges[method], progress=progress)
             seconds = time.time() - start
             with threads(compute_threads()):
                 model = load_model(resolve_source(str(out)), dev, "float32")

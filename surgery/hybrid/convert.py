@@ -135,27 +135,26 @@ def convert_to_hybrid(src: Source, out: Path, options: "HybridOptions", progress
     new_config = target_config(config, sizes, chosen, conv_kernel, dtype)
     replaced = [i for i in range(layers) if i not in chosen]
 
-    def record_fields(output_files: list[str]) -> dict:
-        hybrid = {"attention_layers": chosen, "mixer_layers": replaced, "asked": attention_layers.describe(),
-                  "layers": layers, "target_model_type": new_config["model_type"],
-                  "mixer": {"n_heads": sizes["heads"], "n_groups": sizes["heads"], "d_head": sizes["head_dim"],
-                            "d_state": sizes["head_dim"], "d_conv": conv_kernel},
-                  "init": {"map": "C<-q_proj, B<-k_proj (K/V heads repeated per query head), x<-v_proj, "
-                                  "out_proj<-o_proj", "conv1d": "identity (last tap 1)", "dt": init.DT,
-                           "A": -1.0 / context, "D": 0.0, "x_scale": init.X_SCALE,
-                           "gate": f"every z row {init.GATE_SCALE} x the mean direction of the layer's normed input",
-                           "norm_weight": "least squares per channel: the normed mixer output onto the source attention's "
-                                          "output before o_proj"},
-                  "gate_open": {str(i): round(stats[i].gate_open, 4) for i in replaced if i in stats}}
-        if scores is not None:
-            hybrid["scores"] = [round(s, 6) for s in scores]
-        record = {"dtype": dtype or "auto", "architecture": {"spec": config["model_type"],
-                                                             "target_model_type": new_config["model_type"]},
-                  "hybrid": hybrid, "output_files": output_files, "seconds": round(time.time() - start, 3)}
-        if replaced:
-            record["new_parameters"] = ["model.layers.{layer}.mamba.*"]
-        return record | ({"calibration": calibration} if calibration else {})
+    hybrid = {"attention_layers": chosen, "mixer_layers": replaced, "asked": attention_layers.describe(),
+              "layers": layers, "target_model_type": new_config["model_type"],
+              "mixer": {"n_heads": sizes["heads"], "n_groups": sizes["heads"], "d_head": sizes["head_dim"],
+                        "d_state": sizes["head_dim"], "d_conv": conv_kernel},
+              "init": {"map": "C<-q_proj, B<-k_proj (K/V heads repeated per query head), x<-v_proj, "
+                              "out_proj<-o_proj", "conv1d": "identity (last tap 1)", "dt": init.DT,
+                       "A": -1.0 / context, "D": 0.0, "x_scale": init.X_SCALE,
+                       "gate": f"every z row {init.GATE_SCALE} x the mean direction of the layer's normed input",
+                       "norm_weight": "least squares per channel: the normed mixer output onto the source attention's "
+                                      "output before o_proj"},
+              "gate_open": {str(i): round(stats[i].gate_open, 4) for i in replaced if i in stats}}
+    if scores is not None:
+        hybrid["scores"] = [round(s, 6) for s in scores]
+    fields = {"architecture": {"spec": config["model_type"], "target_model_type": new_config["model_type"]},
+              "hybrid": hybrid}
+    if replaced:
+        fields["new_parameters"] = ["model.layers.{layer}.mamba.*"]
+    if calibration:
+        fields["calibration"] = calibration
 
     return write_conversion(src, reader, out, plan(reader, sizes, chosen, conv_kernel, context, stats, dtype),
-                            new_config, KIND, record_fields, force=force, progress=progress,
+                            new_config, KIND, fields, dtype=dtype, start=start, force=force, progress=progress,
                             max_shard_bytes=max_shard_bytes)

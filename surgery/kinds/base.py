@@ -154,6 +154,16 @@ class CalibrationOptions(PrecisionOptions):
                                  f"{instead}, or leave {s.flag(name)} out)")
 
 
+def require_size(options: CliModel, s, kind: str, name: str, rule: str = "must be at least 1") -> None:
+    """The rule on a kind's size option that has no default (gqa's kv_heads, mla's kv_rank, swa's window): given,
+    and at least 1 (`rule`: the words of the refusal). `s`: the caller's spelling (flags or recipe keys)."""
+    value = getattr(options, name)
+    if value is None:
+        raise ValueError(f"{s.kind(kind)} needs {s.options([name])}")
+    if value < 1:
+        raise ValueError(f"{s.flag(name)} {rule}, got {value}")
+
+
 class QueryRefitOptions(CliModel):
     """The query refit's sampling (aligned merge, MLA): after the keys change, q_proj is regressed onto the queries
     that best reproduce the source's attention logits at sampled positions of every calibration window."""

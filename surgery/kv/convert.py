@@ -10,7 +10,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -24,23 +24,8 @@ from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, DTYPES, PlannedTensor
 from .refusals import PLAIN_LABEL, PLAIN_REFUSES
 
-
-@dataclass(frozen=True)
-class KVOptions:
-    kv_heads: int  # G, the number of K/V heads after conversion
-    method: str = "mean"
-    seed: int = 0
-    dtype: str | None = None  # None keeps each tensor's dtype
-    max_shard_bytes: int = 5_000_000_000
-    allow_pickle: bool = False
-
-    def __post_init__(self):
-        if self.method not in POOL_METHODS:
-            raise SurgeryError(f"unknown pooling method {self.method!r}; choose from {', '.join(POOL_METHODS)}")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise SurgeryError(f"bad dtype {self.dtype!r}; choose from auto, {', '.join(DTYPES)}")
-        if self.kv_heads < 1:
-            raise SurgeryError(f"--kv-heads must be at least 1, got {self.kv_heads}")
+if TYPE_CHECKING:
+    from .kind import KVMergeOptions
 
 
 @dataclass(frozen=True)
@@ -102,13 +87,17 @@ def target_config(spec: ArchSpec, config: dict, shape: HeadShape, dtype: str | N
 
 
 class KVPlanner:
-    """Builds the output tensor plan for one checkpoint."""
+    """Builds the output tensor plan for one checkpoint: K/V heads pooled by `method` (one of POOL_METHODS), written
+    as `options` (the kind's options model, surgery/kv/kind.py) asks."""
 
-    def __init__(self, reader: CheckpointReader, spec: ArchSpec, config: dict, shape: HeadShape, options: KVOptions):
+    def __init__(self, reader: CheckpointReader, spec: ArchSpec, config: dict, shape: HeadShape,
+                 options: "KVMergeOptions", method: str):
         self.reader, self.spec, self.config, self.shape, self.options = reader, spec, config, shape, options
+        self.method = method
+        self.dtype = options.write_kwargs()["dtype"]  # None keeps each tensor's dtype
         self.in_layout = qkv_layout(spec, config)
         self.out_layout = self._out_layout()
-        self.out_dtype = DTYPES.get(options.dtype) if options.dtype else None
+        self.out_dtype = DTYPES.get(self.dtype) if self.dtype else None
         self._shapes: dict[tuple, tuple[int, ...]] = {}
         # K norms with a weight per K/V head lose heads with them (one weight per head_dim is shared: kept)
         per_head = spec.has_qk_norm(config) and spec.qk_norm in (QKNorm.WHOLE, QKNorm.PER_HEAD)
@@ -125,11 +114,11 @@ class KVPlanner:
 
     def _pool(self, t: torch.Tensor, layer: int, role: str) -> torch.Tensor:
         gen = None if t.is_meta else self._generator(layer, role)
-        return pool_heads(t, self.shape.head_dim, self.shape.groups, self.options.method, gen)
+        return pool_heads(t, self.shape.head_dim, self.shape.groups, self.method, gen)
 
     def _pool_norm(self, t: torch.Tensor) -> torch.Tensor:
         """A K norm with a weight per K/V head (over the whole projection or per head): pooled like the heads."""
-        method = "mean" if self.options.method == "random" else self.options.method
+        method = "mean" if self.method == "random" else self.method
         return pool_heads(t.reshape(-1), self.shape.head_dim, self.shape.groups, method).reshape(-1, *t.shape[1:])
 
     def _pool_fused(self, t: torch.Tensor, layer: int) -> torch.Tensor:
@@ -235,46 +224,47 @@ class KVPlanner:
         ]
 
 
-def convert_to_kv_heads(source: Source, out: Path, options: KVOptions, force: bool = False, progress: bool = True) -> dict:
-    """Convert `source` to `options.kv_heads` K/V heads, writing a standard checkpoint to `out`."""
+def convert_to_kv_heads(source: Source, out: Path, options: "KVMergeOptions", progress: bool = True) -> dict:
+    """Convert `source` to `options.groups` K/V heads by the plain merge `options.merge` (mean, first or random),
+    writing a standard checkpoint to `out`. `options` is the kind's options model (surgery/kv/kind.py), validated
+    where it was built: this checks only what needs the source's config."""
+    if options.merge not in POOL_METHODS:
+        raise SurgeryError(f"unknown pooling method {options.merge!r}; choose from {', '.join(POOL_METHODS)} (the "
+                           "aligned merge is surgery.kv.aligned.convert_aligned)")
     config = source.config
     spec = spec_for(config, PLAIN_LABEL, PLAIN_REFUSES)
-    shape = head_shape(spec, config, options.kv_heads)
+    shape = head_shape(spec, config, options.groups)
     reader = CheckpointReader(source.folder, allow_pickle=options.allow_pickle)
-    planner = KVPlanner(reader, spec, config, shape, options)
-    return write_converted(source, out, planner, force=force, progress=progress)
+    planner = KVPlanner(reader, spec, config, shape, options, options.merge)
+    return write_converted(source, out, planner, progress=progress)
 
 
-def write_converted(source: Source, out: Path, planner: KVPlanner, force: bool = False, progress: bool = True,
-                    method: str | None = None, extra: dict | None = None, start: float | None = None) -> dict:
+def write_converted(source: Source, out: Path, planner: KVPlanner, progress: bool = True, method: str | None = None,
+                    extra: dict | None = None, start: float | None = None) -> dict:
     """Write `planner`'s checkpoint, config.json, side files and surgery.json atomically to `out`.
 
     Other merge methods reuse this writer: `method` names them in the record, `extra` is merged into the
     record, `start` is when their work began (for the record's `seconds`)."""
     reader, spec, config, shape, options = planner.reader, planner.spec, planner.config, planner.shape, planner.options
-    method = method or options.method
-    new_config = target_config(spec, config, shape, options.dtype)
+    method = method or planner.method
+    written = options.write_kwargs()
+    new_config = target_config(spec, config, shape, written["dtype"])
     planned = planner.plan()
 
     start = time.time() if start is None else start
 
-    def record_fields(output_files: list[str]) -> dict:
-        fields = {
-            "method": method,
-            "seed": options.seed if method == "random" else None,
-            "dtype": options.dtype or "auto",
-            "architecture": {"spec": spec.name, "target_model_type": new_config.get("model_type")},
-            "heads": shape.heads,
-            "head_dim": shape.head_dim,
-            "kv_heads": {"before": shape.kv_heads, "after": shape.groups},
-            "stored_kv_heads": shape.heads if planner.out_layout == QKVLayout.INTERLEAVED else shape.groups,
-            "groups": planner.group_record(),
-            "output_files": output_files,
-            "seconds": round(time.time() - start, 3),
-        }
-        if planner.out_layout == QKVLayout.INTERLEAVED and shape.groups != shape.heads:
-            fields["note"] = spec.notes
-        return fields | (extra or {})
-
+    fields = {
+        "method": method,
+        "seed": options.seed if method == "random" else None,
+        "architecture": {"spec": spec.name, "target_model_type": new_config.get("model_type")},
+        "heads": shape.heads,
+        "head_dim": shape.head_dim,
+        "kv_heads": {"before": shape.kv_heads, "after": shape.groups},
+        "stored_kv_heads": shape.heads if planner.out_layout == QKVLayout.INTERLEAVED else shape.groups,
+        "groups": planner.group_record(),
+    }
+    if planner.out_layout == QKVLayout.INTERLEAVED and shape.groups != shape.heads:
+        fields["note"] = spec.notes
     return write_conversion(source, reader, out, planned, new_config, "mqa" if shape.groups == 1 else "gqa",
-                            record_fields, force=force, progress=progress, max_shard_bytes=options.max_shard_bytes)
+                            fields | (extra or {}), dtype=written["dtype"], start=start, force=written["force"],
+                            progress=progress, max_shard_bytes=written["max_shard_bytes"])

@@ -10,7 +10,7 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..arch import Feature
 from ..options import option, spelling
-from ..kinds.base import CalibrationOptions, Kind, QueryRefitOptions, WriteOptions
+from ..kinds.base import CalibrationOptions, Kind, QueryRefitOptions, WriteOptions, require_size
 from .refusals import ALIGNED_LABEL, ALIGNED_REFUSES, PLAIN_LABEL, PLAIN_REFUSES
 
 ALIGNED = "aligned"  # the calibrated merge; the others are surgery.kv.pool's POOL_METHODS (tests/test_registry.py)
@@ -76,11 +76,7 @@ class MQAOptions(KVMergeOptions):
 class GQAOptions(KVMergeOptions):
     @model_validator(mode="after")
     def _heads_given(self, info: ValidationInfo):
-        s = spelling(info, type(self))
-        if self.kv_heads is None:
-            raise ValueError(f"{s.kind('gqa')} needs {s.options(['kv_heads'])}")
-        if self.kv_heads < 1:
-            raise ValueError(f"{s.flag('kv_heads')} must be at least 1, got {self.kv_heads}")
+        require_size(self, spelling(info, type(self)), "gqa", "kv_heads")
         return self
 
 
@@ -92,24 +88,13 @@ class KVMerge(Kind):
         return options.merge == ALIGNED
 
     def convert(self, source, out: Path, options: KVMergeOptions) -> dict:
-        common = options.write_kwargs()
         if options.merge == ALIGNED:
             from .aligned import convert_aligned
-            from .aligned.pipeline import MergeOptions
-            from ..fitting.refit import QueryRefit
 
-            merge = MergeOptions(groups=options.groups, assign=options.grouping == "similarity",
-                                 refit_v=options.refit_values, query=QueryRefit(samples=options.query_samples),
-                                 chunk_windows=options.calib_chunk)
-            return convert_aligned(source, out, kv_heads=options.groups, calib=options.calib,
-                                   calib_tokens=options.calib_tokens, calib_window=options.calib_window,
-                                   device=options.device, precision=options.precision, options=merge,
-                                   chat_template=options.chat_template, **common)
-        from .convert import KVOptions, convert_to_kv_heads
+            return convert_aligned(source, out, options)
+        from .convert import convert_to_kv_heads
 
-        force = common.pop("force")
-        return convert_to_kv_heads(source, out, KVOptions(kv_heads=options.groups, method=options.merge, **common),
-                                   force=force)
+        return convert_to_kv_heads(source, out, options)
 
     def summary(self, record: dict, options: KVMergeOptions) -> str:
         kv = record["kv_heads"]

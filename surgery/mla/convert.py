@@ -15,6 +15,7 @@ import dataclasses
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,7 +23,7 @@ from ..arch import spec_for
 from ..checkpoint.atomic import check_output_path
 from ..calibration.chunks import chunk_windows
 from ..calibration.store import LayerStore
-from ..calibration.text import calibration_text, context_of, WINDOW
+from ..calibration.text import calibration_text, context_of
 from ..errors import SurgeryError
 from ..checkpoint.writer import write_conversion
 from ..precision import calibrating, resolve_precision
@@ -37,7 +38,9 @@ from .factor import MLAWeights, SourceAttention, mla_layer
 from .families import MLAFamily, mla_family, rotating_layers
 from .refusals import KIND, REFUSES
 
-QUERY_SAMPLES = QueryRefit().samples  # the aligned merge's default (`--query-samples`)
+if TYPE_CHECKING:
+    from .kind import MLAOptions
+
 LATENT_EPS = 1e-6  # transformers' DeepseekV3 kv_a_layernorm epsilon (fixed; vLLM and llama.cpp read rms_norm_eps)
 ATTENTION = ("q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
 
@@ -369,29 +372,31 @@ def _mla_record(shape: Shape, kept: list[int], stride: int, theta: float, share:
             "latent_loss": round(sum(v[1] for v in losses.values()) / n, 6)}
 
 
-def _record(shape: Shape, spec, text, dev, dtype, seed, output_files, calib_seconds, seconds,
-            precision: str = "fp32") -> dict:
+def _record(shape: Shape, spec, text, dev, seed, calib_seconds, precision: str = "fp32") -> dict:
     """surgery.json's converter fields beside `mla`."""
-    return {"dtype": dtype or "auto", "architecture": {"spec": spec.name, "target_model_type": "deepseek_v3"},
+    return {"architecture": {"spec": spec.name, "target_model_type": "deepseek_v3"},
             "heads": shape.heads, "head_dim": shape.head_dim, "kv_heads": {"before": shape.kv_heads},
             "calibration": text.record() | {"device": str(dev), "precision": precision,
                                             "seconds": round(calib_seconds, 3),
                                             "streaming": "layer by layer from the checkpoint (float32)"},
-            "output_files": output_files, "seed": seed, "seconds": round(seconds, 3)}
+            "seed": seed}
 
 
-def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None = None,
-                   calib: str | list[str] = "pydoc", calib_tokens: int = 8192, calib_window: int = WINDOW,
-                   calib_chunk: int | None = None, force: bool = False, dtype: str | None = None,
-                   max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
-                   progress: bool = True, device: str = "auto", query_samples: int = QUERY_SAMPLES,
-                   precision: str = "auto", chat_template: str = "auto", absorb: bool = True) -> dict:
-    """Convert `src` into a DeepSeek-V3 (MLA) checkpoint at `out` with latent rank `kv_rank` and `rope_dim` rotary
-    dims per head (default: head_dim), calibrating in chunks of `calib_chunk` windows (default: the rule of
-    surgery/calibration/chunks.py); `query_samples` positions per window for the query refit (0: none); the
-    calibration's forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64.
-    `absorb` False (a measurement baseline): an approximate family's biases and q/k norms are dropped instead of
-    absorbed (surgery/mla/absorb.py); the refits still fit the source's own logits and outputs."""
+def convert_to_mla(src: Source, out: Path, options: "MLAOptions", progress: bool = True, *, absorb: bool = True,
+                   refit_queries: bool = True) -> dict:
+    """Convert `src` into a DeepSeek-V3 (MLA) checkpoint at `out` with latent rank `options.kv_rank` and
+    `options.rope_dim` rotary dims per head (default: head_dim); `options` is the kind's options model
+    (surgery/mla/kind.py), validated where it was built: this checks only what needs the source's config.
+    Calibration runs in chunks of `calib_chunk` windows (default: the rule of surgery/calibration/chunks.py), with
+    `query_samples` positions per window for the query refit; its forward passes compute in `precision`
+    (surgery/precision.py), its statistics in float32/64. Measurement baselines: `absorb` False drops an approximate
+    family's biases and q/k norms instead of absorbing them (surgery/mla/absorb.py; the refits still fit the
+    source's own logits and outputs); `refit_queries` False runs no query refit."""
+    o = options
+    kv_rank, rope_dim, seed = o.kv_rank, o.rope_dim, o.seed
+    query_samples = o.query_samples if refit_queries else 0
+    writing = o.write_kwargs()
+    dtype, force, max_shard_bytes = writing["dtype"], writing["force"], writing["max_shard_bytes"]
     start = time.time()
     config = src.config
     spec = spec_for(config, KIND, REFUSES)
@@ -401,9 +406,9 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         raise SurgeryError(f"mla reads fused q/k/v rows [q | k | v] only, not {spec.qkv_layout(config).value}")
     shape = Shape(spec, config, kv_rank, rope_dim)
     check_output_path(out, force, source=src.folder)
-    dev = pick_device(device)
-    resolved = resolve_precision(precision, dev)
-    reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
+    dev = pick_device(o.device)
+    resolved = resolve_precision(o.precision, dev)
+    reader = CheckpointReader(src.folder, allow_pickle=o.allow_pickle)
     bias_names: dict[tuple[int, str], str] = {}
     names = _projection_names(reader, spec, shape.layers, family, bias_names)
     norm_names = _qk_norm_names(reader, spec, config) if family is not None and family.qk_norm else {}
@@ -447,9 +452,9 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     rotates = rotating_layers(family, config, shape.layers)
     inv_freq = source_frequencies(src.folder, shape.rotary_dims)
     strides = rope_strides(inv_freq, shape.rope_dim, source_theta(config))
-    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window,
-                            chat_template=chat_template)
-    chunk = chunk_windows(config, int(text.windows.shape[1]), requested=calib_chunk)
+    text = calibration_text(o.calib, load_tokenizer(src), o.calib_tokens, context_of(config), window=o.calib_window,
+                            chat_template=o.chat_template)
+    chunk = chunk_windows(config, int(text.windows.shape[1]), requested=o.calib_chunk)
     out_dtype = getattr(torch, dtype) if dtype else None
     losses: dict[int, tuple[float, float]] = {}
     fields = ("q_proj", "kv_a", "kv_a_norm", "kv_b", "o_proj")
@@ -493,20 +498,16 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
         if fold.hidden_act:  # the MLP rewritten as a gated one (Arcee's relu^2 = relu(up x) * (up x))
             new_config["hidden_act"] = fold.hidden_act
 
-        def record_fields(output_files: list[str]) -> dict:
-            mla = _mla_record(shape, kept, stride, theta, share, losses, query_samples)
-            mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
-            mla |= _family_record(family, absorbing, absorb, residuals)
-            if absorbing and absorb:  # per projection, each layer's ridge (null: the plain fold won on held-out rows)
-                mla["absorption"]["ridges"] = {p: [ridges[i][p] for i in sorted(ridges)] for p in "qkv"}
-            if not all(rotates):
-                mla["layers_without_rope"] = [i for i, r in enumerate(rotates) if not r]
-            if fold != BodyFold():
-                mla["folded"] = dataclasses.asdict(fold)  # the family's constants, in the weights they scale
-            record = _record(shape, spec, text, dev, dtype, seed, output_files, calib_seconds, time.time() - start,
-                             resolved)
-            record["calibration"]["chunk_windows"] = chunk
-            return record | {"mla": mla}
-
-        return write_conversion(src, reader, out, planner.plan(), new_config, KIND, record_fields, force=force,
-                                progress=progress, max_shard_bytes=max_shard_bytes)
+        mla = _mla_record(shape, kept, stride, theta, share, losses, query_samples)
+        mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
+        mla |= _family_record(family, absorbing, absorb, residuals)
+        if absorbing and absorb:  # per projection, each layer's ridge (null: the plain fold won on held-out rows)
+            mla["absorption"]["ridges"] = {p: [ridges[i][p] for i in sorted(ridges)] for p in "qkv"}
+        if not all(rotates):
+            mla["layers_without_rope"] = [i for i, r in enumerate(rotates) if not r]
+        if fold != BodyFold():
+            mla["folded"] = dataclasses.asdict(fold)  # the family's constants, in the weights they scale
+        record = _record(shape, spec, text, dev, seed, calib_seconds, resolved)
+        record["calibration"]["chunk_windows"] = chunk
+        return write_conversion(src, reader, out, planner.plan(), new_config, KIND, record | {"mla": mla}, dtype=dtype,
+                                start=start, force=force, progress=progress, max_shard_bytes=max_shard_bytes)

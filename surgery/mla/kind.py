@@ -10,7 +10,7 @@ from typing import ClassVar
 from pydantic import ValidationInfo, model_validator
 
 from ..options import option, spelling
-from ..kinds.base import AttentionShape, CalibrationOptions, Kind, QueryRefitOptions, WriteOptions
+from ..kinds.base import AttentionShape, CalibrationOptions, Kind, QueryRefitOptions, WriteOptions, require_size
 from .families import verdict_text
 from .refusals import REFUSES
 
@@ -32,10 +32,7 @@ class MLAOptions(CalibrationOptions, QueryRefitOptions, MLAFields):
     @model_validator(mode="after")
     def _sizes(self, info: ValidationInfo):
         s = spelling(info, type(self))
-        if self.kv_rank is None:
-            raise ValueError(f"{s.kind('mla')} needs {s.options(['kv_rank'])}")
-        if self.kv_rank < 1:
-            raise ValueError(f"{s.flag('kv_rank')} must be positive, got {self.kv_rank}")
+        require_size(self, s, "mla", "kv_rank", rule="must be positive")
         if self.rope_dim is not None and (self.rope_dim < 2 or self.rope_dim % 2):
             raise ValueError(f"{s.flag('rope_dim')} must be even and at least 2 (RoPE rotates pairs), got "
                              f"{self.rope_dim}")
@@ -49,11 +46,7 @@ class MLA(Kind):
     def convert(self, source, out: Path, options: MLAOptions) -> dict:
         from . import convert_to_mla
 
-        return convert_to_mla(source, out, kv_rank=options.kv_rank, rope_dim=options.rope_dim, calib=options.calib,
-                              calib_tokens=options.calib_tokens, calib_window=options.calib_window,
-                              calib_chunk=options.calib_chunk, query_samples=options.query_samples,
-                              device=options.device, precision=options.precision,
-                              chat_template=options.chat_template, **options.write_kwargs())
+        return convert_to_mla(source, out, options)
 
     def calibration_estimate(self, config: dict, options: MLAOptions, *, dtype: str, device: str, throughput=None):
         from ..estimate import estimate_calibrated

@@ -203,21 +203,20 @@ def convert_to_swa(src: Source, out: Path, options: "SWAOptions", progress: bool
     types = layer_types(layers, chosen)
     new_config = target_config(config, window, types, dtype, sinks)
 
-    def record_fields(output_files: list[str]) -> dict:
-        swa = {"window": window, "global_layers": chosen, "asked": global_layers.describe(), "layers": layers,
-               "target_model_type": new_config["model_type"]}
-        if global_layers.auto:
-            swa["layer_score"] = layer_score
-        if scores is not None:
-            swa["scores"] = [round(s, 6) for s in scores]
-        record = {"dtype": dtype or "auto", "architecture": {"spec": config["model_type"],
-                                                             "target_model_type": new_config["model_type"]},
-                  "swa": swa, "output_files": output_files, "seconds": round(time.time() - start, 3)}
-        if sinks:
-            swa["sinks"] = {"init": SINK_INIT, "per": "query head and layer"}
-            record["new_parameters"] = [SINK_NAMES]
-        return record | ({"calibration": calibration} if calibration else {})
+    swa = {"window": window, "global_layers": chosen, "asked": global_layers.describe(), "layers": layers,
+           "target_model_type": new_config["model_type"]}
+    if global_layers.auto:
+        swa["layer_score"] = layer_score
+    if scores is not None:
+        swa["scores"] = [round(s, 6) for s in scores]
+    fields = {"architecture": {"spec": config["model_type"], "target_model_type": new_config["model_type"]},
+              "swa": swa}
+    if sinks:
+        swa["sinks"] = {"init": SINK_INIT, "per": "query head and layer"}
+        fields["new_parameters"] = [SINK_NAMES]
+    if calibration:
+        fields["calibration"] = calibration
 
     planned = plan(reader, dtype) + (sink_tensors(config, reader, dtype) if sinks else [])
-    return write_conversion(src, reader, out, planned, new_config, KIND, record_fields, force=force,
-                            progress=progress, max_shard_bytes=max_shard_bytes)
+    return write_conversion(src, reader, out, planned, new_config, KIND, fields, dtype=dtype, start=start,
+                            force=force, progress=progress, max_shard_bytes=max_shard_bytes)

@@ -11,7 +11,7 @@ from typing import ClassVar, Literal
 from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..options import option, spelling
-from ..kinds.base import CalibrationOptions, Kind, WriteOptions
+from ..kinds.base import CalibrationOptions, Kind, WriteOptions, require_size
 from .layers import GlobalLayers, parse_global_layers
 from .refusals import REFUSES
 
@@ -54,10 +54,7 @@ class SWAOptions(CalibrationOptions, SWAFields):
     @model_validator(mode="after")
     def _rules(self, info: ValidationInfo):
         s = spelling(info, type(self))
-        if self.window is None:
-            raise ValueError(f"{s.kind('swa')} needs {s.options(['window'])}")
-        if self.window < 1:
-            raise ValueError(f"{s.flag('window')} must be at least 1, got {self.window}")
+        require_size(self, s, "swa", "window")
         if self.parsed_global_layers.auto:
             return self
         self.refuse_calibration_options(s, f"{s.flag('global_layers')} {self.global_layers}",

@@ -11,6 +11,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,7 +19,7 @@ from ..checkpoint.atomic import check_output_path
 from ..calibration.store import LayerStore
 from ..calibration.stream import open_stream
 from ..calibration.chunks import chunk_windows
-from ..calibration.text import calibration_text, context_of, WINDOW
+from ..calibration.text import calibration_text, context_of
 from ..checkpoint.writer import write_conversion
 from ..errors import SurgeryError
 from ..arch import attention_shape
@@ -31,6 +32,9 @@ from .layers import calibrate_layers
 from .cluster import cluster_heads, kv_mapping, within_cost
 from .families import Family, attention_tensors, biases, check_attention_shapes, family_for, read_attention
 from .refit import RIDGE
+
+if TYPE_CHECKING:
+    from .kind import SwitchHeadOptions
 
 QK_MERGES = ("medoid", "mean")
 LAYER_INPUTS = {
@@ -156,65 +160,59 @@ def layer_pattern(family: Family, module: str) -> str:
     return re.sub(r"(?<=\.)0(?=\.|$)", "*", family.out_name(module), count=1)
 
 
-def convert_to_switchhead(src: Source, out: Path, *, heads: int, experts: int, topk: int,
-                          calib: str | list[str] = "pydoc", calib_tokens: int = 8192, calib_window: int = WINDOW,
-                          calib_chunk: int | None = None, force: bool = False, dtype: str | None = None, max_shard_bytes: int = 5_000_000_000,
-                          allow_pickle: bool = False, seed: int = 0, progress: bool = True,
+def convert_to_switchhead(src: Source, out: Path, options: "SwitchHeadOptions", progress: bool = True, *,
                           respect_kv_groups: bool = True, qk_merge: str = "mean", refit: bool = True,
-                          ridge: float = RIDGE, device: str = "auto", calib_inputs: str = "converted",
-                          precision: str = "auto", chat_template: str = "auto") -> dict:
-    """Convert every self-attention layer of `src` into SwitchHead attention with H=`heads` heads of E=`experts`
-    experts, k=`topk` selected per token; write the checkpoint to `out`. Returns the surgery.json record.
+                          ridge: float = RIDGE, calib_inputs: str = "converted") -> dict:
+    """Convert every self-attention layer of `src` into SwitchHead attention with H=`options.heads` heads of
+    E=`options.experts` experts, k=`options.topk` selected per token; write the checkpoint to `out`. Returns the
+    surgery.json record. `options` is the kind's options model (surgery/switchhead/kind.py), validated where it was
+    built: this checks only what needs the source's config.
 
     `seed` is recorded but nothing is random: calibration, clustering and initialisation are deterministic.
     Ablations: `respect_kv_groups=False` clusters a GQA source's heads freely (see cluster.py); `qk_merge="medoid"`
     takes the medoid member's query and key instead of the members' mean; `refit=False` keeps the members' own
     output projections (see refit.py; `ridge` is its pull toward them); `calib_inputs="source"` calibrates every
     layer on the source's own hidden states instead of the converted layers' (see layers.py). The calibration's
-    forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64."""
-    _check_options(dtype, calib_tokens, qk_merge, calib_inputs)
+    forward passes compute in `options.precision` (surgery/precision.py), its statistics in float32/64."""
+    _check_ablations(qk_merge, calib_inputs)
+    o = options
+    writing = o.write_kwargs()
+    dtype, force, max_shard_bytes = writing["dtype"], writing["force"], writing["max_shard_bytes"]
     check_output_path(out, force, source=src.folder)
     config = src.config
     family = family_for(config)
-    shape = switchhead_shape(config, heads, experts, topk)
-    reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
+    shape = switchhead_shape(config, o.heads, o.experts, o.topk)
+    reader = CheckpointReader(src.folder, allow_pickle=o.allow_pickle)
     names = attention_tensors(reader, family)
     check_attention_shapes(reader, family, names, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.hidden)
     mode = kv_mapping(shape.heads, shape.kv_heads, shape.new_heads, respect_kv_groups)
     out_dtype = DTYPES.get(dtype) if dtype else None
-    pick_device(device)  # a bad --device fails before any work
+    pick_device(o.device)  # a bad --device fails before any work
     start = time.time()
 
-    if experts == 1:  # one source head per head: no choice to make, nothing to calibrate; exact
+    if o.experts == 1:  # one source head per head: no choice to make, nothing to calibrate; exact
         clusters = [cluster_heads(None, shape.heads, shape.kv_heads, shape.new_heads, mode)] * shape.layers
         builder = LayerBuilder(reader, family, names, shape, clusters, None, out_dtype)
         calibrated = Calibrated(clusters)
     else:
         builder = LayerBuilder(reader, family, names, shape, [], None, out_dtype)
-        calibrated = _calibrate(src, reader, out, builder, mode, calib, calib_tokens, calib_window, calib_chunk,
-                                qk_merge, refit, ridge, device, progress, start, calib_inputs, precision,
-                                chat_template=chat_template)
+        calibrated = _calibrate(src, reader, out, builder, mode, o, qk_merge, refit, ridge, progress, start,
+                                calib_inputs)
     planned = builder.plan(out_dtype)
     new_config = target_config(config, family, shape, dtype, builder.biases())
-    settings = {"mode": mode, "qk_merge": qk_merge, "ridge": ridge, "seed": seed, "dtype": dtype, "start": start,
+    settings = {"mode": mode, "qk_merge": qk_merge, "ridge": ridge, "seed": o.seed,
                 "pattern": layer_pattern(family, names[0]["module"])}
-
-    def record_fields(output_files: list[str]) -> dict:
-        return _record_fields(config, new_config, shape, calibrated, settings, output_files)
-
-    record = write_conversion(src, reader, out, planned, new_config, "switchhead", record_fields, force=force,
-                              progress=progress, max_shard_bytes=max_shard_bytes, code_dir=Path(__file__).parent,
-                              code_files=CODE_FILES)
+    fields = _record_fields(config, new_config, shape, calibrated, settings)
+    record = write_conversion(src, reader, out, planned, new_config, "switchhead", fields, dtype=dtype, start=start,
+                              force=force, progress=progress, max_shard_bytes=max_shard_bytes,
+                              code_dir=Path(__file__).parent, code_files=CODE_FILES)
     if builder.tensors is not None:
         builder.tensors.close()
     return record
 
 
-def _check_options(dtype: str | None, calib_tokens: int, qk_merge: str, calib_inputs: str) -> None:
-    if dtype is not None and dtype not in DTYPES:
-        raise SurgeryError(f"bad dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
-    if calib_tokens < 1:
-        raise SurgeryError(f"--calib-tokens must be at least 1, got {calib_tokens}")
+def _check_ablations(qk_merge: str, calib_inputs: str) -> None:
+    """The ablations' arguments (the kind's options are checked by their model)."""
     if qk_merge not in QK_MERGES:
         raise SurgeryError(f"unknown query/key merge {qk_merge!r}; choose from {', '.join(QK_MERGES)}")
     if calib_inputs not in LAYER_INPUTS:
@@ -233,19 +231,19 @@ class Calibrated:
 
 
 def _calibrate(src: Source, reader: CheckpointReader, out: Path, builder: LayerBuilder, mode: str,
-               calib: str | list[str], calib_tokens: int, calib_window: int, calib_chunk: int | None, qk_merge: str,
-               refit: bool, ridge: float, device: str, progress: bool, start: float, inputs: str,
-               precision: str = "auto", chat_template: str = "auto") -> Calibrated:
-    """Stream the source layer by layer over the calibration text: head distances and clusters, router fits and the
-    output refit per layer; the new tensors go into a layer store the builder serves."""
-    dev = pick_device(device)
-    resolved = resolve_precision(precision, dev)
-    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(src.config), window=calib_window,
-                            chat_template=chat_template)
+               o: "SwitchHeadOptions", qk_merge: str, refit: bool, ridge: float, progress: bool, start: float,
+               inputs: str) -> Calibrated:
+    """Stream the source layer by layer over the calibration text (as the options `o` ask): head distances and
+    clusters, router fits and the output refit per layer; the new tensors go into a layer store the builder
+    serves."""
+    dev = pick_device(o.device)
+    resolved = resolve_precision(o.precision, dev)
+    text = calibration_text(o.calib, load_tokenizer(src), o.calib_tokens, context_of(src.config),
+                            window=o.calib_window, chat_template=o.chat_template)
     builder.tensors = LayerStore(out)  # removes itself when closed, dropped on an error, or at exit
     stream = open_stream(src.folder, reader, dev, attn_implementation="eager")
     stream.spill_into(builder.tensors.scratch("residual"), out)
-    chunk = chunk_windows(src.config, int(text.windows.shape[1]), requested=calib_chunk, eager=True)
+    chunk = chunk_windows(src.config, int(text.windows.shape[1]), requested=o.calib_chunk, eager=True)
     with calibrating(resolved, dev):
         layers = calibrate_layers(stream, builder, text.windows, mode, qk_merge, refit, ridge, progress,
                                   chunk_windows=chunk, inputs=inputs)
@@ -261,9 +259,8 @@ def _calibrate(src: Source, reader: CheckpointReader, out: Path, builder: LayerB
     return Calibrated(layers.clusters, layers.fits, layers.pivots, layers.refit, calibration)
 
 
-def _record_fields(config: dict, new_config: dict, shape: SwitchHeadShape, c: Calibrated, settings: dict,
-                   output_files: list[str]) -> dict:
-    """surgery.json's fields for a SwitchHead conversion."""
+def _record_fields(config: dict, new_config: dict, shape: SwitchHeadShape, c: Calibrated, settings: dict) -> dict:
+    """surgery.json's fields of a SwitchHead conversion (after the envelope every record has)."""
     fits, clusters, pattern = c.fits, c.clusters, settings["pattern"]
     return {
         "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
@@ -290,7 +287,4 @@ def _record_fields(config: dict, new_config: dict, shape: SwitchHeadShape, c: Ca
         "new_parameters": [f"{pattern}.v_router.weight", f"{pattern}.o_router.weight"],
         "added_parameters": 2 * shape.layers * shape.new_heads * shape.experts * shape.hidden,
         "seed": settings["seed"],
-        "dtype": settings["dtype"] or "auto",
-        "output_files": output_files,
-        "seconds": round(time.time() - settings["start"], 3),
     }

@@ -37,11 +37,7 @@ class SwitchHead(Kind):
     def convert(self, source, out: Path, options: SwitchHeadOptions) -> dict:
         from . import convert_to_switchhead
 
-        return convert_to_switchhead(source, out, heads=options.heads, experts=options.experts, topk=options.topk,
-                                     calib=options.calib, calib_tokens=options.calib_tokens,
-                                     calib_window=options.calib_window, calib_chunk=options.calib_chunk,
-                                     device=options.device, precision=options.precision,
-                                     chat_template=options.chat_template, **options.write_kwargs())
+        return convert_to_switchhead(source, out, options)
 
     def calibration_estimate(self, config: dict, options: SwitchHeadOptions, *, dtype: str, device: str,
                              throughput=None):

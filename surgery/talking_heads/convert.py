@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from ..arch import attention_shape
 from ..checkpoint.source import Source
 from ..checkpoint.tensors import CheckpointReader, DTYPES, PlannedTensor
 from .families import Family, family_for
+
+if TYPE_CHECKING:
+    from .kind import TalkingHeadsOptions
 
 CODE_FILES = ("configuration_talking_heads.py", "modeling_talking_heads.py")
 INIT_NOTE = (
@@ -182,55 +186,49 @@ def target_config(config: dict, family: Family, shape: TalkingHeadsShape, chunk_
     return new, dropped
 
 
-def convert_to_talking_heads(src: Source, out: Path, *, logits_mixing: bool = True, weights_mixing: bool = True,
-                             heads_logits: int | None = None, heads_weights: int | None = None,
-                             chunk_size: int = 512, force: bool = False, dtype: str | None = None,
-                             max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
-                             progress: bool = True) -> dict:
+def convert_to_talking_heads(src: Source, out: Path, options: "TalkingHeadsOptions", progress: bool = True) -> dict:
     """Rewrite every self-attention layer of `src` into talking-heads attention; write the checkpoint to `out`.
+    `options` is the kind's options model (surgery/talking_heads/kind.py), validated where it was built: this checks
+    only what needs the source's config, and the chunk size.
 
     The mixing matrices are initialized deterministically (`seed` is not used), so that the converted model
     computes the source function; see INIT_NOTE for what other head counts do. Returns the surgery.json record.
     """
-    if dtype is not None and dtype not in DTYPES:
-        raise SurgeryError(f"bad dtype {dtype!r}; choose from auto, {', '.join(DTYPES)}")
+    o = options
+    writing = o.write_kwargs()
+    dtype, chunk_size = writing["dtype"], o.chunk_size
     if chunk_size < 0:
         raise SurgeryError(f"--chunk-size must be 0 (no chunking) or positive, got {chunk_size}")
     config = src.config
     family = family_for(config)
-    shape = talking_heads_shape(config, logits_mixing, weights_mixing, heads_logits, heads_weights)
-    reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
+    shape = talking_heads_shape(config, o.logits_mixing, o.weights_mixing, o.heads_logits, o.heads_weights)
+    reader = CheckpointReader(src.folder, allow_pickle=o.allow_pickle)
     modules = attention_modules(reader, family, shape)
     planned = plan_tensors(reader, modules, shape, DTYPES.get(dtype) if dtype else None)
     new_config, dropped_heads = target_config(config, family, shape, chunk_size, dtype)
 
     start = time.time()
 
-    def record_fields(output_files: list[str]) -> dict:
-        return {
-            "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
-                             "architectures": new_config["architectures"], "dropped_heads": dropped_heads},
-            "heads": shape.heads,
-            "kv_heads": {"before": shape.kv_heads, "after": shape.kv_heads},
-            "head_dim": shape.head_dim,
-            "layers": shape.layers,
-            "logits_mixing": shape.logits_mixing,
-            "weights_mixing": shape.weights_mixing,
-            "heads_logits": shape.heads_logits,
-            "heads_weights": shape.heads_weights,
-            "init": INIT_NOTE,
-            "exact_at_init": shape.exact,
-            "seed": None,
-            "chunk_size": chunk_size,
-            "dtype": dtype or "auto",
-            "new_parameters": [f"{modules[0]}.talking_heads.{n}".replace(".0.", ".{layer}.", 1)
-                            for n, on in (("logits_mix", shape.logits_mixing), ("weights_mix", shape.weights_mixing)) if on],
-            "added_parameters": shape.layers * shape.params_per_layer,
-            "mix_macs_per_query_key_per_layer": shape.mix_macs_per_query_key,
-            "output_files": output_files,
-            "seconds": round(time.time() - start, 3),
-        }
-
-    return write_conversion(src, reader, out, planned, new_config, "talking-heads", record_fields, force=force,
-                            progress=progress, max_shard_bytes=max_shard_bytes, code_dir=Path(__file__).parent,
-                            code_files=CODE_FILES)
+    fields = {
+        "architecture": {"source_model_type": config.get("model_type"), "target_model_type": new_config["model_type"],
+                         "architectures": new_config["architectures"], "dropped_heads": dropped_heads},
+        "heads": shape.heads,
+        "kv_heads": {"before": shape.kv_heads, "after": shape.kv_heads},
+        "head_dim": shape.head_dim,
+        "layers": shape.layers,
+        "logits_mixing": shape.logits_mixing,
+        "weights_mixing": shape.weights_mixing,
+        "heads_logits": shape.heads_logits,
+        "heads_weights": shape.heads_weights,
+        "init": INIT_NOTE,
+        "exact_at_init": shape.exact,
+        "seed": None,
+        "chunk_size": chunk_size,
+        "new_parameters": [f"{modules[0]}.talking_heads.{n}".replace(".0.", ".{layer}.", 1)
+                           for n, on in (("logits_mix", shape.logits_mixing), ("weights_mix", shape.weights_mixing)) if on],
+        "added_parameters": shape.layers * shape.params_per_layer,
+        "mix_macs_per_query_key_per_layer": shape.mix_macs_per_query_key,
+    }
+    return write_conversion(src, reader, out, planned, new_config, "talking-heads", fields, dtype=dtype, start=start,
+                            force=writing["force"], progress=progress, max_shard_bytes=writing["max_shard_bytes"],
+                            code_dir=Path(__file__).parent, code_files=CODE_FILES)

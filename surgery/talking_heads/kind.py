@@ -45,10 +45,7 @@ class TalkingHeads(Kind):
     def convert(self, source, out: Path, options: TalkingHeadsOptions) -> dict:
         from . import convert_to_talking_heads
 
-        return convert_to_talking_heads(source, out, logits_mixing=options.logits_mixing,
-                                        weights_mixing=options.weights_mixing, heads_logits=options.heads_logits,
-                                        heads_weights=options.heads_weights, chunk_size=options.chunk_size,
-                                        **options.write_kwargs())
+        return convert_to_talking_heads(source, out, options)
 
     def attention_macs(self, shape: AttentionShape, config: dict, record: dict, context: int) -> dict:
         # mixing the logits (h_k x h) and the weights (h x h_v) costs h_k*h + h*h_v per query-key pair

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from surgery.checkpoint.source import resolve_source
 from surgery.kv.aligned import convert_aligned
+from surgery.kv.kind import GQAOptions
 from surgery.testing import tiny_models as tm
 from surgery.testing.tiny_models import char_tokenizer, make_tiny
 
@@ -34,8 +35,11 @@ def kl_to_source(src: Path, dst: Path, ids: torch.Tensor) -> tuple[float, float]
     return (la.exp() * (la - lb)).sum(-1).mean().item(), (a - b).abs().max().item()
 
 
-def aligned(src: Path, out: Path, kv_heads: int, **kw) -> dict:
-    return convert_aligned(resolve_source(str(src)), out, kv_heads=kv_heads, calib_tokens=CALIB, progress=False, **kw)
+def aligned(src: Path, out: Path, kv_heads: int, merge=None, **kw) -> dict:
+    """`src` merged into `kv_heads` by the aligned merge on CALIB pydoc tokens; `kw`: more of the kind's options,
+    `merge`: the merge pipeline's own settings (surgery.kv.aligned.pipeline.MergeOptions)."""
+    options = GQAOptions(kv_heads=kv_heads, merge="aligned", calib=["pydoc"], calib_tokens=CALIB, **kw)
+    return convert_aligned(resolve_source(str(src)), out, options, progress=False, merge=merge)
 
 
 # which head dims transformers' rotary embedding pairs up, per family (from each modeling file's rotate function)

@@ -22,6 +22,8 @@ from surgery.calibration import capture
 from surgery.kv.aligned.convert import convert_aligned
 from surgery.kv.aligned.pipeline import MergeOptions, _ModelMerge, merge_model
 from surgery.mla.convert import convert_to_mla
+from surgery.mla.kind import MLAOptions
+from surgery.kv.kind import MQAOptions
 
 
 def test_spilled_chunks_read_back_exactly_and_their_folder_goes(tmp_path):
@@ -80,10 +82,10 @@ def test_chunked_spilled_merge_equals_one_chunk_in_memory(targets, tmp_path):
 def test_spilling_conversions_leave_nothing_and_match(tmp_path, monkeypatch):
     src = tm.tiny("llama", tmp_path / "src")
     source = resolve_source(str(src))
-    common = dict(calib_tokens=256, calib_window=32, progress=False, device="cpu")
-    convert_to_mla(source, tmp_path / "mla-ram", kv_rank=8, **common)
+    common = dict(calib=["pydoc"], calib_tokens=256, calib_window=32, device="cpu")
+    convert_to_mla(source, tmp_path / "mla-ram", MLAOptions(kv_rank=8, **common), progress=False)
     monkeypatch.setenv("SURGERY_RESIDUAL_RAM_MB", "0")
-    convert_to_mla(source, tmp_path / "mla-disk", kv_rank=8, **common)
+    convert_to_mla(source, tmp_path / "mla-disk", MLAOptions(kv_rank=8, **common), progress=False)
     a, b = load_file(tmp_path / "mla-ram/model.safetensors"), load_file(tmp_path / "mla-disk/model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -98,7 +100,7 @@ def test_spilling_conversions_leave_nothing_and_match(tmp_path, monkeypatch):
 
     monkeypatch.setattr(_ModelMerge, "merge_layer", failing)
     with pytest.raises(RuntimeError, match="middle"):
-        convert_aligned(source, tmp_path / "mqa", kv_heads=1, **common)
+        convert_aligned(source, tmp_path / "mqa", MQAOptions(merge="aligned", **common), progress=False)
     assert spilled[0] and spilled[0][0].startswith("stream")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mla-disk", "mla-ram", "src"]
 

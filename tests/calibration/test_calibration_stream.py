@@ -115,11 +115,12 @@ def test_switchhead_record_and_no_leftovers(tmp_path):
     leaves nothing beside the output (the layer store is removed)."""
     from surgery.calibration.text import PYDOC_SPLIT
     from surgery.switchhead import convert_to_switchhead
+    from surgery.switchhead.kind import SwitchHeadOptions
     from surgery.testing.tiny_models import tiny
 
     src = tiny("llama", tmp_path / "src")
-    record = convert_to_switchhead(resolve_source(str(src)), tmp_path / "sh", heads=2, experts=4, topk=2,
-                                   calib_tokens=512, progress=False, device="cpu")
+    options = SwitchHeadOptions(heads=2, experts=4, topk=2, calib=["pydoc"], calib_tokens=512, device="cpu")
+    record = convert_to_switchhead(resolve_source(str(src)), tmp_path / "sh", options, progress=False)
     calib = record["calibration"]
     assert calib["split"] == PYDOC_SPLIT and calib["tokens"] == 512 and calib["device"] == "cpu"
     tok = tf.AutoTokenizer.from_pretrained(src)

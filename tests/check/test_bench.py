@@ -40,11 +40,12 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A tiny Llama (8 query heads, 4 K/V heads) and its MQA conversion."""
-    from surgery.kv.convert import KVOptions, convert_to_kv_heads
+    from surgery.kv.convert import convert_to_kv_heads
+    from surgery.kv.kind import MQAOptions
 
     root = tmp_path_factory.mktemp("bench")
     tm.make_tiny("llama", root / "llama")
-    convert_to_kv_heads(resolve_source(str(root / "llama")), root / "mqa", KVOptions(kv_heads=1), progress=False)
+    convert_to_kv_heads(resolve_source(str(root / "llama")), root / "mqa", MQAOptions(), progress=False)
     return root / "llama", root / "mqa"
 
 
@@ -96,10 +97,11 @@ def test_bench_json_has_every_field_and_ratios_come_from_the_rounds(pair, tmp_pa
 
 def test_bench_custom_code_needs_trust_remote_code(pair, tmp_path):
     from surgery.talking_heads import convert_to_talking_heads
+    from surgery.talking_heads.kind import TalkingHeadsOptions
 
     src, _ = pair
     th = tmp_path / "th"
-    convert_to_talking_heads(resolve_source(str(src)), th, progress=False)
+    convert_to_talking_heads(resolve_source(str(src)), th, TalkingHeadsOptions(), progress=False)
     code = th / "modeling_talking_heads.py"  # edited: no longer the toolkit's own code, so only the flag runs it
     code.write_text(code.read_text() + "\n# edited\n")
     result = surgery("bench", src, th, "--context", "8", "--new", "2", "--rounds", "1")
@@ -245,12 +247,13 @@ def test_copied_tokenizer_config_loads_in_transformers_4_and_5(tmp_path):
 
 
 def test_converted_output_has_a_portable_tokenizer_config(pair, tmp_path):
-    from surgery.kv.convert import KVOptions, convert_to_kv_heads
+    from surgery.kv.convert import convert_to_kv_heads
+    from surgery.kv.kind import GQAOptions
 
     src, _ = pair
     (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "TokenizersBackend"}))
     try:
-        convert_to_kv_heads(resolve_source(str(src)), tmp_path / "out", KVOptions(kv_heads=2), progress=False)
+        convert_to_kv_heads(resolve_source(str(src)), tmp_path / "out", GQAOptions(kv_heads=2), progress=False)
     finally:
         (src / "tokenizer_config.json").unlink()
     out = tmp_path / "out"

@@ -24,7 +24,8 @@ from surgery.runtime import load_model
 from surgery.checking import generate as gen
 from surgery.checking.overlap import document_sha256
 from surgery.checking.spill import SpillStore
-from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import convert_to_kv_heads
+from surgery.kv.kind import GQAOptions, MQAOptions
 from surgery.data import pydoc_texts, token_stream
 from surgery.errors import SurgeryError
 from surgery.publish.card import generation_section, positions_section
@@ -47,10 +48,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("check")
     paired_llama(root / "src")
     src = resolve_source(str(root / "src"))
-    convert_to_kv_heads(src, root / "exact", KVOptions(kv_heads=2), progress=False)
+    convert_to_kv_heads(src, root / "exact", GQAOptions(kv_heads=2), progress=False)
     tm.make_tiny("llama", root / "other", seed=3)  # unpaired K/V heads: merging them is lossy
     char_tokenizer(root / "other")
-    convert_to_kv_heads(resolve_source(str(root / "other")), root / "lossy", KVOptions(kv_heads=2), progress=False)
+    convert_to_kv_heads(resolve_source(str(root / "other")), root / "lossy", GQAOptions(kv_heads=2), progress=False)
     return {"root": root, "src": root / "src", "exact": root / "exact", "other": root / "other", "lossy": root / "lossy"}
 
 
@@ -514,7 +515,7 @@ def test_the_model_card_has_a_row_per_text(models, tmp_path):
 @pytest.mark.slow
 def test_smollm2_mqa_sequential_check_matches_both_models_at_once(tmp_path):
     source = resolve_source("smollm2")
-    convert_to_kv_heads(source, tmp_path / "mqa", KVOptions(kv_heads=1), progress=False)
+    convert_to_kv_heads(source, tmp_path / "mqa", MQAOptions(), progress=False)
     report = compare_checkpoints(source, resolve_source(str(tmp_path / "mqa")), pydoc_texts(),
                                  CheckOptions(tokens=2048, seq_len=512, batch_size=2, device="cpu"), progress=False,
                                  spill_bytes=0)

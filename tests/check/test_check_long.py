@@ -18,7 +18,8 @@ from surgery.checking.options import CheckOptions
 from surgery.checkpoint.source import resolve_source
 from surgery.data import Document, load_texts, pydoc_texts, stdlib_files
 from surgery.errors import SurgeryError
-from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import convert_to_kv_heads
+from surgery.kv.kind import GQAOptions
 from surgery.testing import tiny_models as tm
 from surgery.testing.tiny_models import char_tokenizer
 
@@ -36,7 +37,7 @@ def models(tmp_path_factory) -> dict[str, Path]:
     config.intermediate_size = 112  # no activation as wide as the vocabulary but the logits
     tf.AutoModelForCausalLM.from_config(config).save_pretrained(root / "src")
     char_tokenizer(root / "src")
-    convert_to_kv_heads(resolve_source(str(root / "src")), root / "lossy", KVOptions(kv_heads=2), progress=False)
+    convert_to_kv_heads(resolve_source(str(root / "src")), root / "lossy", GQAOptions(kv_heads=2), progress=False)
     return {"src": root / "src", "lossy": root / "lossy"}
 
 

@@ -20,7 +20,8 @@ from surgery.testing.tiny_models import char_tokenizer
 from surgery.checking.compare import compare_checkpoints
 from surgery.checking.options import CheckOptions
 from surgery.checking.tasks import parse_eval_tasks, rows
-from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import convert_to_kv_heads
+from surgery.kv.kind import MQAOptions
 from surgery.data import pydoc_texts
 from surgery.errors import SurgeryError
 from surgery.publish.card import tasks_section
@@ -85,7 +86,7 @@ def pair(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tasks")
     tm.make_tiny("llama", root / "src", seed=5)
     char_tokenizer(root / "src")
-    convert_to_kv_heads(resolve_source(str(root / "src")), root / "mqa", KVOptions(kv_heads=1), progress=False)
+    convert_to_kv_heads(resolve_source(str(root / "src")), root / "mqa", MQAOptions(), progress=False)
     return {"src": root / "src", "mqa": root / "mqa", "tasks": write_tasks(root / "tasks")}
 
 

@@ -13,10 +13,13 @@ import pytest
 import torch
 
 from surgery.testing import tiny_models as tm
-from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import convert_to_kv_heads
+from surgery.kv.kind import GQAOptions, MQAOptions
 from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
+from surgery.switchhead.kind import SwitchHeadOptions
 from surgery.talking_heads import convert_to_talking_heads
+from surgery.talking_heads.kind import TalkingHeadsOptions
 from surgery.testing.tiny_models import char_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -91,13 +94,14 @@ def convert(kind: str, src: dict, out: Path) -> None:
     given = resolve_source(str(src["folder"]))
     config = src["config"]
     if kind == "gqa-same":  # as many K/V heads as the source: exact
-        convert_to_kv_heads(given, out, KVOptions(kv_heads=tm.kv_heads_of(config)), progress=False)
+        convert_to_kv_heads(given, out, GQAOptions(kv_heads=tm.kv_heads_of(config)), progress=False)
     elif kind == "mqa":
-        convert_to_kv_heads(given, out, KVOptions(kv_heads=1), progress=False)
+        convert_to_kv_heads(given, out, MQAOptions(), progress=False)
     elif kind == "talking-heads":  # identity mixing at init: exact
-        convert_to_talking_heads(given, out, progress=False)
+        convert_to_talking_heads(given, out, TalkingHeadsOptions(), progress=False)
     elif kind == "switchhead":  # one expert per head: exact
-        convert_to_switchhead(given, out, heads=config.num_attention_heads, experts=1, topk=1, progress=False)
+        convert_to_switchhead(given, out, SwitchHeadOptions(heads=config.num_attention_heads, experts=1, topk=1),
+                              progress=False)
     else:
         raise ValueError(kind)
 

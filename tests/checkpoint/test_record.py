@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from surgery.testing import tiny_models as tm
-from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import convert_to_kv_heads
+from surgery.kv.kind import MQAOptions
 from surgery.checkpoint.record import local_source_folder, public_name, public_record, read_record, read_record_or_empty
 from surgery.checkpoint.source import resolve_source
 
@@ -17,7 +18,7 @@ def test_public_record_holds_no_machine_paths(tmp_path):
     src = tmp_path / "my-llama"
     tm.make_tiny("llama", src)
     out = tmp_path / "out"
-    convert_to_kv_heads(resolve_source(str(src)), out, KVOptions(kv_heads=1))
+    convert_to_kv_heads(resolve_source(str(src)), out, MQAOptions())
     record = read_record(out)
     # The full record still finds the source on this machine (uptrain's default teacher, the card's columns).
     assert local_source_folder(record) == src
@@ -43,7 +44,7 @@ def test_converted_side_files_hold_no_machine_keys(tmp_path):
                                                            "is_local": True, "local_files_only": False,
                                                            "name_or_path": str(src), "model_max_length": 128}))
     out = tmp_path / "out"
-    convert_to_kv_heads(resolve_source(str(src)), out, KVOptions(kv_heads=1))
+    convert_to_kv_heads(resolve_source(str(src)), out, MQAOptions())
     tok = json.loads((out / "tokenizer_config.json").read_text())
     assert tok == {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 128}
     assert "_model_name_or_path" not in json.loads((out / "config.json").read_text())
@@ -107,7 +108,7 @@ def test_verify_record_names_a_changed_file(tmp_path):
 
     src = tmp_path / "src"
     tm.make_tiny("llama", src)
-    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "o", KVOptions(kv_heads=1))
+    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "o", MQAOptions())
     record = read_record(tmp_path / "o")
     config = tmp_path / "o" / "config.json"
     config.write_text(config.read_text() + " ")  # one byte more
@@ -122,7 +123,7 @@ def test_a_mistyped_record_is_one_error_naming_the_field(tmp_path):
 
     src = tmp_path / "src"
     tm.make_tiny("llama", src)
-    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "o", KVOptions(kv_heads=1))
+    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "o", MQAOptions())
     path = tmp_path / "o" / "surgery.json"
     record = json.loads(path.read_text())
     for field, value, named in (("kind", [], "kind"), ("source", {"shards_sha256": {"a": 1}}, "source.shards_sha256"),

@@ -17,6 +17,7 @@ def exported(tmp_path_factory):
     from surgery.checkpoint.source import resolve_source
     from surgery.commands.export import export_checkpoint
     from surgery.mla import convert_to_mla
+    from surgery.mla.kind import MLAOptions
     from surgery.swa.convert import convert_to_swa
     from surgery.swa.kind import SWAOptions
 
@@ -36,8 +37,8 @@ def exported(tmp_path_factory):
         weights[name] = torch.randn(weights[name].shape, generator=g) + 1.0
     save_file(weights, folders["sinks"] / "model.safetensors", metadata={"format": "pt"})
     folders["mla"] = root / "mla"
-    convert_to_mla(resolve_source(str(tiny)), folders["mla"], kv_rank=32, rope_dim=8, calib_tokens=512,
-                   progress=False)
+    convert_to_mla(resolve_source(str(tiny)), folders["mla"],
+                   MLAOptions(kv_rank=32, rope_dim=8, calib=["pydoc"], calib_tokens=512), progress=False)
     files = {}
     for kind, folder in folders.items():
         files[kind] = root / f"{kind}.gguf"

@@ -18,12 +18,15 @@ from surgery.testing.tiny_models import char_tokenizer
 from surgery import arch
 from surgery.arch import ArchSpec, register, unregister
 from surgery.kinds import spec_for, support_labels, support_markdown
-from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import convert_to_kv_heads
+from surgery.kv.kind import GQAOptions, MQAOptions
 from surgery.errors import SurgeryError
 from surgery.kv.aligned import convert_aligned
 from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
+from surgery.switchhead.kind import SwitchHeadOptions
 from surgery.talking_heads import convert_to_talking_heads
+from surgery.talking_heads.kind import TalkingHeadsOptions
 
 REPO = Path(__file__).resolve().parents[2]
 NEW_TYPE = "seed_oss"  # a Llama-like family transformers has and the registry does not
@@ -62,30 +65,32 @@ def test_one_entry_registers_a_family_for_every_kind(seed_oss, tmp_path):
     folder, source = seed_oss
     src = resolve_source(str(folder))
     with pytest.raises(SurgeryError, match="unsupported architecture 'seed_oss'"):
-        convert_to_kv_heads(src, tmp_path / "refused", KVOptions(kv_heads=1), progress=False)
+        convert_to_kv_heads(src, tmp_path / "refused", MQAOptions(), progress=False)
 
     register(ArchSpec(NEW_TYPE))  # the whole of it
 
     assert f"| {NEW_TYPE} |" in support_markdown()
     # MQA/GQA, mean: exact at G = source K/V heads; G = 1 pools each K head with the mean of the source's
-    convert_to_kv_heads(src, tmp_path / "same", KVOptions(kv_heads=2), progress=False)
+    convert_to_kv_heads(src, tmp_path / "same", GQAOptions(kv_heads=2), progress=False)
     assert max_diff(source, tm.load(tmp_path / "same")) <= 1e-5
-    convert_to_kv_heads(src, tmp_path / "mqa", KVOptions(kv_heads=1), progress=False)
+    convert_to_kv_heads(src, tmp_path / "mqa", MQAOptions(), progress=False)
     k_src, k_out = source.model.layers[1].self_attn.k_proj, tm.load(tmp_path / "mqa").model.layers[1].self_attn.k_proj
     torch.testing.assert_close(k_out.weight, k_src.weight.view(2, 16, -1).mean(0), rtol=0, atol=1e-6)
     torch.testing.assert_close(k_out.bias, k_src.bias.view(2, 16).mean(0), rtol=0, atol=1e-6)
     # aligned merge: exact at G = source K/V heads, and it runs the calibrated merge at G = 1
-    convert_aligned(src, tmp_path / "aligned-same", kv_heads=2, calib_tokens=512, progress=False)
+    convert_aligned(src, tmp_path / "aligned-same", GQAOptions(kv_heads=2, merge="aligned", calib=["pydoc"], calib_tokens=512),
+                    progress=False)
     assert max_diff(source, tm.load(tmp_path / "aligned-same")) <= 1e-5
-    record = convert_aligned(src, tmp_path / "aligned", kv_heads=1, calib_tokens=512, progress=False)
+    record = convert_aligned(src, tmp_path / "aligned", MQAOptions(merge="aligned", calib=["pydoc"], calib_tokens=512),
+                             progress=False)
     assert record["kv_heads"] == {"before": 2, "after": 1} and record["calibration"]["tokens"] == 512
     # talking-heads: identity mixing is exact, with classes made for the new family
-    convert_to_talking_heads(src, tmp_path / "th", progress=False)
+    convert_to_talking_heads(src, tmp_path / "th", TalkingHeadsOptions(), progress=False)
     th = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "th", trust_remote_code=True, dtype=torch.float32).eval()
     assert type(th).__name__ == "TalkingHeadsSeedOssForCausalLM" and th.config.model_type == "talking_heads_seed_oss"
     assert max_diff(source, th) <= 1e-5
     # SwitchHead with one expert per head is exact
-    convert_to_switchhead(src, tmp_path / "sh", heads=4, experts=1, topk=1, progress=False)
+    convert_to_switchhead(src, tmp_path / "sh", SwitchHeadOptions(heads=4, experts=1, topk=1), progress=False)
     sh = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "sh", trust_remote_code=True, dtype=torch.float32).eval()
     assert type(sh).__name__ == "SwitchHeadSeedOssForCausalLM"
     assert max_diff(source, sh) <= 1e-4

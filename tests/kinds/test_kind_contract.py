@@ -17,7 +17,8 @@ from surgery.testing import tiny_models as tm
 def _toy_kind():
     """A kind written as a contributor would: pools K/V heads like gqa, records itself as "toy", and claims a
     paged runtime (vLLM) caches half of what transformers does (a claim only the kind can make)."""
-    from surgery.kv.convert import KVOptions, convert_to_kv_heads
+    from surgery.kv.convert import convert_to_kv_heads
+    from surgery.kv.kind import GQAOptions
     from surgery.kinds import Kind, WriteOptions
     from surgery.checkpoint.record import read_record, write_record
 
@@ -26,8 +27,8 @@ def _toy_kind():
 
     class Toy(Kind):
         def convert(self, source, out, options):
-            convert_to_kv_heads(source, out, KVOptions(kv_heads=2, dtype=None, max_shard_bytes=options.max_shard_bytes),
-                                force=options.force, progress=False)
+            convert_to_kv_heads(source, out, GQAOptions(kv_heads=2, max_shard_size=options.max_shard_size,
+                                                        force=options.force), progress=False)
             record = read_record(out) | {"kind": self.name}
             write_record(out, record)
             return record

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from surgery.testing import tiny_models as tm
 from surgery.testing.aligned import CALIB, ROTARY_PAIRING, aligned, heldout_ids, kl_to_source, rotated_copy_heads
 from surgery.testing.tiny_models import char_tokenizer, tiny
-from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import convert_to_kv_heads
+from surgery.kv.kind import GQAOptions, MQAOptions
 from surgery.kv.aligned import convert_aligned
 from surgery.kv.aligned.pipeline import MergeOptions
 from surgery.checkpoint.source import resolve_source
@@ -46,7 +47,7 @@ def test_aligned_beats_mean_pooling(arch, tmp_path):
     src = tiny(arch, tmp_path / "src")
     g = TARGET[arch]
     record = aligned(src, tmp_path / "aligned", g)
-    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", KVOptions(kv_heads=g), progress=False)
+    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", GQAOptions(kv_heads=g), progress=False)
     ids = heldout_ids()
     kl_aligned, _ = kl_to_source(src, tmp_path / "aligned", ids)
     kl_mean, _ = kl_to_source(src, tmp_path / "mean", ids)
@@ -84,7 +85,7 @@ def test_similar_heads_are_grouped_and_queries_permuted(tmp_path):
     assert record["groups"][0]["source_kv_heads"] == [0, 2]
     _, diff = kl_to_source(src, tmp_path / "out", heldout_ids(windows=2))
     assert diff < 1e-3, diff
-    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", KVOptions(kv_heads=2), progress=False)
+    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", GQAOptions(kv_heads=2), progress=False)
     _, mean_diff = kl_to_source(src, tmp_path / "mean", heldout_ids(windows=2))
     assert mean_diff > 100 * diff
 
@@ -102,7 +103,7 @@ def test_keys_equal_up_to_rope_commuting_maps_merge_exactly(arch, tmp_path):
     assert record["merge"]["key_loss"] < 1e-6, record["merge"]
     _, diff = kl_to_source(src, tmp_path / "out", heldout_ids(windows=2))
     assert diff < 1e-5, diff  # the query and output refits keep it exact (Cohere2's global layer has no RoPE)
-    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", KVOptions(kv_heads=kv), progress=False)
+    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", GQAOptions(kv_heads=kv), progress=False)
     _, mean_diff = kl_to_source(src, tmp_path / "mean", heldout_ids(windows=2))
     assert mean_diff > 100 * diff, (mean_diff, diff)
 
@@ -119,7 +120,7 @@ def test_layers_without_rope_are_merged_as_such(arch, targets, tmp_path):
     else:
         rotates = [kind == "sliding_attention" for kind in config.layer_types]
     assert True in rotates and False in rotates  # the tiny model has both kinds
-    record = aligned(src, tmp_path / "out", 1, options=MergeOptions(groups=1, targets=targets))
+    record = aligned(src, tmp_path / "out", 1, merge=MergeOptions(groups=1, targets=targets))
     head_dim = config.hidden_size // config.num_attention_heads  # full rotary in both families
     assert record["merge"]["layer_rotary_dims"] == [head_dim if r else 0 for r in rotates]
 
@@ -181,7 +182,7 @@ def test_calib_window_cuts_the_calibration_text_into_windows_of_that_length(tmp_
     q = next(n for n in a if n.endswith("layers.0.self_attn.q_proj.weight"))  # refitted under the windows' attention
     assert a[q].shape == b[q].shape and not torch.allclose(a[q], b[q])
     # both are fitted merges: each is far closer to the source than mean pooling on held-out text
-    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", KVOptions(kv_heads=1), progress=False)
+    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", MQAOptions(), progress=False)
     ids = heldout_ids()
     kl_mean, _ = kl_to_source(src, tmp_path / "mean", ids)
     for name in ("long", "short"):

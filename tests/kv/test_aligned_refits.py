@@ -136,7 +136,8 @@ def test_value_refit_lowers_the_head_output_error_and_keeps_exact_values():
 def test_aligned_merge_with_key_and_value_refits(tmp_path):
     """The refits inside the whole aligned conversion (tiny Llama): G = source K/V heads stays exact, 4 -> 1 stays far
     closer to the source than mean pooling, and surgery.json says which refits ran."""
-    from surgery.kv.convert import KVOptions, convert_to_kv_heads
+    from surgery.kv.convert import convert_to_kv_heads
+    from surgery.kv.kind import MQAOptions
     from surgery.kv.aligned.pipeline import MergeOptions
     from surgery.checkpoint.source import resolve_source
     from surgery.testing.aligned import aligned, heldout_ids, kl_to_source
@@ -144,11 +145,11 @@ def test_aligned_merge_with_key_and_value_refits(tmp_path):
 
     src = tiny("llama", tmp_path / "src")
     opts = MergeOptions(groups=1, refit_k=True, refit_rounds=2, refit_v=True)
-    record = aligned(src, tmp_path / "same", 4, options=opts)
+    record = aligned(src, tmp_path / "same", 4, merge=opts)
     assert kl_to_source(src, tmp_path / "same", heldout_ids(windows=2))[1] <= 1e-5
-    record = aligned(src, tmp_path / "mqa", 1, options=opts)
+    record = aligned(src, tmp_path / "mqa", 1, merge=opts)
     assert record["merge"]["key_refit"] == {"rounds": 2} and record["merge"]["value_refit"] is True
-    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", KVOptions(kv_heads=1), progress=False)
+    convert_to_kv_heads(resolve_source(str(src)), tmp_path / "mean", MQAOptions(), progress=False)
     ids = heldout_ids()
     assert kl_to_source(src, tmp_path / "mqa", ids)[0] < 0.5 * kl_to_source(src, tmp_path / "mean", ids)[0]
 

@@ -11,6 +11,7 @@ from surgery.checking.compare import compare_models
 from surgery.runtime import load_model, load_tokenizer
 from surgery.data import pydoc_texts, token_stream
 from surgery.kv.aligned import convert_aligned
+from surgery.kv.kind import GQAOptions, MQAOptions
 from surgery.calibration.text import calibration_text, pydoc_documents_used
 from surgery.commands.compare_merges import heldout_documents
 from surgery.checkpoint.source import resolve_source
@@ -35,13 +36,14 @@ def test_calibration_never_reads_the_held_out_text(smollm2):
 
 @pytest.mark.slow
 def test_mqa_within_three_times_source_perplexity_and_gqa3_exact(smollm2, tmp_path):
-    record = convert_aligned(smollm2, tmp_path / "mqa", kv_heads=1, progress=False)
+    record = convert_aligned(smollm2, tmp_path / "mqa", MQAOptions(merge="aligned", calib=["pydoc"]), progress=False)
     assert record["kv_heads"] == {"before": 3, "after": 1}
     ids = token_stream(pydoc_texts(), load_tokenizer(smollm2), 16384)
     source = load_model(smollm2, torch.device("cpu"), "float32")
     merged = load_model(resolve_source(str(tmp_path / "mqa")), torch.device("cpu"), "float32")
     report = compare_models(source, merged, ids, 1024, 4, causal=True)
     assert report["ppl_converted"] <= 3 * report["ppl_source"], report
-    convert_aligned(smollm2, tmp_path / "gqa3", kv_heads=3, progress=False)
+    convert_aligned(smollm2, tmp_path / "gqa3", GQAOptions(kv_heads=3, merge="aligned", calib=["pydoc"]),
+                    progress=False)
     same = load_model(resolve_source(str(tmp_path / "gqa3")), torch.device("cpu"), "float32")
     assert compare_models(source, same, ids[:2048], 1024, 2, causal=True)["max_abs_diff"] == 0.0

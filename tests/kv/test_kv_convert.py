@@ -9,14 +9,15 @@ import pytest
 import torch
 
 from surgery.testing import tiny_models as tm
-from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import convert_to_kv_heads
+from surgery.kv.kind import GQAOptions
 from surgery.checkpoint.source import resolve_source
 
 ARCHS = list(tm.ARCHS)
 
 
 def convert(src, out, **kw):
-    return convert_to_kv_heads(resolve_source(str(src)), out, KVOptions(**kw), progress=False)
+    return convert_to_kv_heads(resolve_source(str(src)), out, GQAOptions(**kw), progress=False)
 
 
 def kv_projections(model, layer: int):
@@ -115,13 +116,13 @@ def test_gqa_groups_are_consecutive_heads(arch, tmp_path):
 
 def test_first_and_random_methods(tmp_path):
     src = tm.make_tiny("llama", tmp_path / "src")
-    convert(tmp_path / "src", tmp_path / "first", kv_heads=2, method="first")
+    convert(tmp_path / "src", tmp_path / "first", kv_heads=2, merge="first")
     k_src, k_first = kv_projections(src, 1)[0], kv_projections(tm.load(tmp_path / "first"), 1)[0]
     torch.testing.assert_close(k_first, k_src[[0, 2]], rtol=0, atol=0)
 
-    convert(tmp_path / "src", tmp_path / "r0", kv_heads=2, method="random", seed=0)
-    convert(tmp_path / "src", tmp_path / "r0b", kv_heads=2, method="random", seed=0)
-    convert(tmp_path / "src", tmp_path / "r1", kv_heads=2, method="random", seed=1)
+    convert(tmp_path / "src", tmp_path / "r0", kv_heads=2, merge="random", seed=0)
+    convert(tmp_path / "src", tmp_path / "r0b", kv_heads=2, merge="random", seed=0)
+    convert(tmp_path / "src", tmp_path / "r1", kv_heads=2, merge="random", seed=1)
     r0, r0b, r1 = (kv_projections(tm.load(tmp_path / n), 1)[0] for n in ("r0", "r0b", "r1"))
     torch.testing.assert_close(r0, r0b, rtol=0, atol=0)  # seeded
     assert not torch.equal(r0, r1)
@@ -131,7 +132,7 @@ def test_first_and_random_methods(tmp_path):
 
 def test_sharded_output_and_dtype(tmp_path):
     src = tm.make_tiny("qwen2", tmp_path / "src")
-    convert(tmp_path / "src", tmp_path / "out", kv_heads=2, max_shard_bytes=20_000)
+    convert(tmp_path / "src", tmp_path / "out", kv_heads=2, max_shard_size="20000")
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
     assert len(shards) > 3 and all((tmp_path / "out" / s).exists() for s in shards)
@@ -180,7 +181,7 @@ def test_pickle_checkpoint_needs_allow_pickle(tmp_path):
         convert(tmp_path / "src", tmp_path / "out", kv_heads=2)
     assert not (tmp_path / "out").exists()
     convert_to_kv_heads(resolve_source(str(tmp_path / "src")), tmp_path / "out",
-                        KVOptions(kv_heads=4, allow_pickle=True), progress=False)
+                        GQAOptions(kv_heads=4, allow_pickle=True), progress=False)
     ids = tm.sample_ids()
     assert (tm.logits(src, ids) - tm.logits(tm.load(tmp_path / "out"), ids)).abs().max().item() == 0
 

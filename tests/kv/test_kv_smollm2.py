@@ -12,7 +12,8 @@ import torch
 
 from surgery.checking.compare import compare_models
 from surgery.runtime import load_model
-from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import convert_to_kv_heads
+from surgery.kv.kind import GQAOptions
 from surgery.data import pydoc_texts, token_stream
 from surgery.checkpoint.source import embedded_smollm2_gguf, resolve_source
 
@@ -39,7 +40,7 @@ def test_dequantized_source_is_a_plain_checkpoint(smollm2):
 
 
 def test_three_kv_heads_reproduce_source_exactly(smollm2, tokens, tmp_path):
-    convert_to_kv_heads(smollm2, tmp_path / "gqa3", KVOptions(kv_heads=3), progress=False)
+    convert_to_kv_heads(smollm2, tmp_path / "gqa3", GQAOptions(kv_heads=3), progress=False)
     a = load_model(smollm2, torch.device("cpu"), "float32")
     b = load_model(resolve_source(str(tmp_path / "gqa3")), torch.device("cpu"), "float32")
     report = compare_models(a, b, tokens, seq_len=256, batch_size=4, causal=True)

@@ -26,8 +26,12 @@ def tiny_llama(folder, kv_heads: int, head_dim: int = 16, seed: int = 0, family:
     return folder
 
 
-def convert(src, out, rank: int, **kw):
+def convert(src, out, rank: int, absorb: bool = True, refit_queries: bool = True, **kw):
+    """`src` converted to MLA of latent rank `rank` on CALIB pydoc tokens; `kw`: more of the kind's options."""
     from surgery.mla import convert_to_mla
+    from surgery.mla.kind import MLAOptions
     from surgery.checkpoint.source import resolve_source
 
-    return convert_to_mla(resolve_source(str(src)), out, kv_rank=rank, calib_tokens=CALIB, progress=False, **kw)
+    options = MLAOptions(kv_rank=rank, calib=["pydoc"], calib_tokens=CALIB, **kw)
+    return convert_to_mla(resolve_source(str(src)), out, options, progress=False, absorb=absorb,
+                          refit_queries=refit_queries)

@@ -112,7 +112,7 @@ def test_query_refit_brings_held_out_logits_closer_to_the_source(tmp_path):
     reference = tm.logits(model, ids).log_softmax(-1)
     kl = {}
     for samples in (0, 128):
-        record = convert(src, tmp_path / f"q{samples}", rank=128, query_samples=samples)
+        record = convert(src, tmp_path / f"q{samples}", rank=128, refit_queries=samples > 0)  # 128: the default
         out = tf.AutoModelForCausalLM.from_pretrained(tmp_path / f"q{samples}", dtype=torch.float32).eval()
         kl[samples] = float(torch.nn.functional.kl_div(tm.logits(out, ids).log_softmax(-1), reference,
                                                        log_target=True, reduction="batchmean"))

@@ -57,8 +57,10 @@ def test_layer_flops_match_torch_on_the_real_conversion(tmp_path, kv_heads, rope
     torch does not count, come on top)."""
     from surgery.estimate import layer_shape
     from surgery.mla.cost import frequency_pass, mla_layer_flops, mla_layer_products
-    from surgery.mla.convert import QUERY_SAMPLES
+    from surgery.mla.kind import MLAOptions
     from surgery.checkpoint.source import resolve_source
+
+    samples = MLAOptions.model_fields["query_samples"].default  # what the converter runs by default
 
     src = tiny_llama(tmp_path / "src", kv_heads=kv_heads)
     config = resolve_source(str(src)).config
@@ -69,10 +71,10 @@ def test_layer_flops_match_torch_on_the_real_conversion(tmp_path, kv_heads, rope
     window = min(CALIB, config["max_position_embeddings"])
     scored = frequency_pass(config, s.head_dim, rope)
     assert scored == (rope_dim is not None)  # default RoPE over the tiny head: a choice only for fewer dims
-    per_layer = mla_layer_products(s, rank, rope, CALIB, window, scored, QUERY_SAMPLES)
+    per_layer = mla_layer_products(s, rank, rope, CALIB, window, scored, samples)
     assert counted.float32 == pytest.approx(s.layers * per_layer.float32, rel=0.02)
     assert counted.float64 == pytest.approx(s.layers * per_layer.float64, rel=0.02)
-    total = mla_layer_flops(s, rank, rope, CALIB, window, scored, QUERY_SAMPLES)
+    total = mla_layer_flops(s, rank, rope, CALIB, window, scored, samples)
     assert total.float32 == per_layer.float32 and total.float64 > per_layer.float64
 
 

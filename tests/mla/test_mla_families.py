@@ -121,7 +121,7 @@ def test_approximate_family_beats_dropping_its_terms(tmp_path, family):
     kl = {}
     for absorb in (True, False):
         out = tmp_path / f"absorb{absorb}"
-        record = convert(src, out, rank=32, absorb=absorb, query_samples=0)
+        record = convert(src, out, rank=32, absorb=absorb, refit_queries=False)
         kl[absorb] = _held_out_kl(src, out, ids)
         mla = record["mla"]
         assert mla["family"]["verdict"] == APPROXIMATE

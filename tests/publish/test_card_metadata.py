@@ -22,11 +22,12 @@ def converted(tmp_path_factory):
     data, and a real check report of it against its source."""
     from surgery.checking.compare import compare_models
     from surgery.checkpoint.source import resolve_source
-    from surgery.kv.convert import KVOptions, convert_to_kv_heads
+    from surgery.kv.convert import convert_to_kv_heads
+    from surgery.kv.kind import MQAOptions
 
     root = tmp_path_factory.mktemp("card")
     tm.make_tiny("llama", root / "src")
-    convert_to_kv_heads(resolve_source(str(root / "src")), root / "mqa", KVOptions(kv_heads=1), progress=False)
+    convert_to_kv_heads(resolve_source(str(root / "src")), root / "mqa", MQAOptions(), progress=False)
     record_path = root / "mqa" / "surgery.json"
     record = json.loads(record_path.read_text())
     record["source"]["spec"] = "someone/model"

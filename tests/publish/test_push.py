@@ -55,12 +55,13 @@ def big_llama(folder: Path, vocab: int = 32768) -> None:
 def converted(tmp_path_factory):
     """A real MQA conversion (three shards and an index: two of 16 MiB, one small) with its output hashes recorded, and a real check report."""
     from surgery.checking.compare import compare_models
-    from surgery.kv.convert import KVOptions, convert_to_kv_heads
+    from surgery.kv.convert import convert_to_kv_heads
+    from surgery.kv.kind import MQAOptions
     from surgery.checkpoint.source import resolve_source
 
     root = tmp_path_factory.mktemp("push")
     big_llama(root / "src")
-    convert_to_kv_heads(resolve_source(str(root / "src")), root / "mqa", KVOptions(kv_heads=1, max_shard_bytes=10_000_000),
+    convert_to_kv_heads(resolve_source(str(root / "src")), root / "mqa", MQAOptions(max_shard_size="10000000"),
                         progress=False)  # the converter records its output's sha256 (surgery.checkpoint.record.write_record)
     a, b = tm.load(root / "src"), tm.load(root / "mqa")
     ids = torch.randint(0, 32768, (1, 64), generator=torch.Generator().manual_seed(0))
@@ -211,8 +212,9 @@ def test_card_with_custom_code(converted, tmp_path):
     from surgery.publish.card import build_card
     from surgery.checkpoint.source import resolve_source
     from surgery.talking_heads import convert_to_talking_heads
+    from surgery.talking_heads.kind import TalkingHeadsOptions
 
-    convert_to_talking_heads(resolve_source(str(converted / "src")), tmp_path / "th", progress=False)
+    convert_to_talking_heads(resolve_source(str(converted / "src")), tmp_path / "th", TalkingHeadsOptions(), progress=False)
     v = validate_folder(tmp_path / "th")
     assert v.custom_code and v.code_files
     card = build_card(v, "alice/tiny-th")

@@ -19,6 +19,7 @@ from surgery.testing import tiny_models as tm
 from surgery.errors import SurgeryError
 from surgery.inspection import inspect_checkpoint
 from surgery.checkpoint.source import resolve_source
+from surgery.kinds import options_for
 from surgery.switchhead import convert_to_switchhead
 from surgery.switchhead.cluster import balanced_clusters
 from surgery.switchhead.modeling_switchhead import SwitchHeadAttention, expert_outputs, expert_values
@@ -43,9 +44,16 @@ def llama(tmp_path_factory, tokenizer):
     return folder
 
 
+ABLATIONS = ("respect_kv_groups", "qk_merge", "refit", "ridge", "calib_inputs")  # convert_to_switchhead's own
+
+
 def convert(src: Path, out: Path, heads: int, experts: int, topk: int, **kw) -> dict:
-    return convert_to_switchhead(resolve_source(str(src)), out, heads=heads, experts=experts, topk=topk,
-                                 calib_tokens=kw.pop("calib_tokens", 1024), progress=False, **kw)
+    """`src` as SwitchHead on 1024 pydoc tokens unless told; `kw`: more of the kind's options (their rules raise
+    SurgeryError, as for any library caller) and the converter's ablations."""
+    ablations = {k: kw.pop(k) for k in ABLATIONS if k in kw}
+    options = options_for("switchhead", heads=heads, experts=experts, topk=topk, calib=kw.pop("calib", ["pydoc"]),
+                          calib_tokens=kw.pop("calib_tokens", 1024), **kw)
+    return convert_to_switchhead(resolve_source(str(src)), out, options, progress=False, **ablations)
 
 
 def load(folder: Path, **kw):
@@ -447,7 +455,7 @@ def test_cli_refuses_bad_head_counts(llama, tmp_path):
     (dict(heads=4, experts=2, topk=3), "--topk must lie between 1 and --experts 2"),
     (dict(heads=0, experts=8, topk=1), "--heads and --experts must be at least 1"),
     (dict(heads=4, experts=2, topk=1, calib="/nonexistent/x.txt"), "does not exist"),
-    (dict(heads=4, experts=2, topk=1, dtype="int8"), "bad dtype"),
+    (dict(heads=4, experts=2, topk=1, dtype="int8"), "Input should be 'auto', 'float32'"),
     (dict(heads=4, experts=2, topk=1, calib_inputs="teacher"), "unknown calibration inputs 'teacher'"),
 ])
 def test_bad_options(llama, tmp_path, kw, message):

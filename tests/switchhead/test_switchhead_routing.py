@@ -12,6 +12,7 @@ import transformers as tf
 
 from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
+from surgery.switchhead.kind import SwitchHeadOptions
 from surgery.switchhead import modeling_switchhead as msh
 from surgery.testing import tiny_models as tm
 from surgery.testing.host_syncs import count_host_syncs, graph_breaks
@@ -88,8 +89,8 @@ def routed(tmp_path_factory):
     """A tiny Llama converted to H=2 heads of E=4 experts, k=2 selected."""
     folder = tmp_path_factory.mktemp("routing")
     tm.tiny("llama", folder / "src")
-    convert_to_switchhead(resolve_source(str(folder / "src")), folder / "sh", heads=2, experts=4, topk=2,
-                          calib_tokens=512, progress=False)
+    convert_to_switchhead(resolve_source(str(folder / "src")), folder / "sh",
+                          SwitchHeadOptions(heads=2, experts=4, topk=2, calib=["pydoc"], calib_tokens=512), progress=False)
     return tf.AutoModelForCausalLM.from_pretrained(folder / "sh", trust_remote_code=True, dtype=torch.float32).eval()
 
 

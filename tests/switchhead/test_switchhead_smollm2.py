@@ -13,6 +13,9 @@ from surgery.data import pydoc_texts, token_stream
 from surgery.inspection import inspect_checkpoint
 from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
+from surgery.switchhead.kind import SwitchHeadOptions
+
+THREE_OF_THREE = SwitchHeadOptions(heads=3, experts=3, topk=2, calib=["pydoc"], calib_tokens=4096)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,7 @@ def compare(smollm2, folder, tokens) -> dict:
 
 def test_nine_heads_of_one_expert_reproduce_smollm2(smollm2, tokens, tmp_path):
     out = tmp_path / "sh9"
-    record = convert_to_switchhead(smollm2, out, heads=9, experts=1, topk=1, progress=False)
+    record = convert_to_switchhead(smollm2, out, SwitchHeadOptions(heads=9, experts=1, topk=1), progress=False)
     assert record["clusters"][0] == [[m] for m in range(9)]
     report = compare(smollm2, out, tokens)
     assert report["max_abs_diff"] <= 1e-4 and report["top1_agreement"] == 1.0
@@ -42,7 +45,7 @@ def test_nine_heads_of_one_expert_reproduce_smollm2(smollm2, tokens, tmp_path):
 @pytest.mark.slow
 def test_three_heads_of_three_experts(smollm2, tokens, tmp_path):
     out = tmp_path / "sh332"
-    record = convert_to_switchhead(smollm2, out, heads=3, experts=3, topk=2, calib_tokens=4096, progress=False)
+    record = convert_to_switchhead(smollm2, out, THREE_OF_THREE, progress=False)
     # within-groups: each cluster is one K/V group's three query heads, so the keys and values stay exact
     assert record["kv_mapping"]["mode"] == "within-groups"
     assert all(layer == [[0, 1, 2], [3, 4, 5], [6, 7, 8]] for layer in record["clusters"])
@@ -53,8 +56,7 @@ def test_three_heads_of_three_experts(smollm2, tokens, tmp_path):
     assert report["ppl_converted"] < 8 * report["ppl_source"]
     assert record["calibration"]["layer_inputs"].startswith("each layer is calibrated on the hidden states of the layers")
     on_source = tmp_path / "sh332-source-inputs"
-    convert_to_switchhead(smollm2, on_source, heads=3, experts=3, topk=2, calib_tokens=4096, progress=False,
-                          calib_inputs="source")
+    convert_to_switchhead(smollm2, on_source, THREE_OF_THREE, progress=False, calib_inputs="source")
     assert report["ppl_converted"] < 0.9 * compare(smollm2, on_source, tokens)["ppl_converted"]
     src, dst = inspect_checkpoint(smollm2.folder), inspect_checkpoint(out)
     assert dst["kv_cache_bytes_per_token"] == src["kv_cache_bytes_per_token"]

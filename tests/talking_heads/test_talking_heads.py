@@ -20,6 +20,7 @@ from surgery.errors import SurgeryError
 from surgery.inspection import inspect_checkpoint
 from surgery.checkpoint.source import resolve_source
 from surgery.talking_heads import convert_to_talking_heads
+from surgery.talking_heads.kind import TalkingHeadsOptions
 from surgery.talking_heads.modeling_talking_heads import TalkingHeadsMixing, talking_heads_attention
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,7 +73,7 @@ def load_converted(folder: Path, arch: str, **kwargs):
 
 
 def convert(src: Path, out: Path, **options):
-    return convert_to_talking_heads(resolve_source(str(src)), out, progress=False, **options)
+    return convert_to_talking_heads(resolve_source(str(src)), out, TalkingHeadsOptions(**options), progress=False)
 
 
 def batch(length: int = 20, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ import transformers as tf
 
 from surgery.checkpoint.source import resolve_source
 from surgery.talking_heads import convert_to_talking_heads
+from surgery.talking_heads.kind import TalkingHeadsOptions
 from surgery.talking_heads import modeling_talking_heads as mth
 from surgery.testing import tiny_models as tm
 from surgery.testing.host_syncs import count_host_syncs, graph_breaks
@@ -66,7 +67,8 @@ def test_the_device_path_gives_the_same_outputs_without_host_syncs(grouped, monk
 
 def test_a_converted_model_on_the_device_path_is_the_source_function_without_syncs_or_graph_breaks(tmp_path):
     tm.make_tiny("llama", tmp_path / "src")
-    convert_to_talking_heads(resolve_source(str(tmp_path / "src")), tmp_path / "th", chunk_size=7, progress=False)
+    convert_to_talking_heads(resolve_source(str(tmp_path / "src")), tmp_path / "th", TalkingHeadsOptions(chunk_size=7),
+                             progress=False)
     source = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32,
                                                      attn_implementation="eager").eval()
     model = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "th", dtype=torch.float32, trust_remote_code=True).eval()

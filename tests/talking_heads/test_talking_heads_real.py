@@ -18,6 +18,7 @@ from surgery.checking.options import CheckOptions
 from surgery.data import pydoc_texts, token_stream
 from surgery.checkpoint.source import Source, resolve_source
 from surgery.talking_heads import convert_to_talking_heads
+from surgery.talking_heads.kind import TalkingHeadsOptions
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def smollm2_th(smollm2, tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2") / "th"
-    record = convert_to_talking_heads(smollm2, out, chunk_size=48, progress=False)
+    record = convert_to_talking_heads(smollm2, out, TalkingHeadsOptions(chunk_size=48), progress=False)
     return out, record
 
 
@@ -55,7 +56,7 @@ def test_smollm2_logits_and_greedy_generation_match_the_source(smollm2, smollm2_
 
 
 def test_minilm_last_hidden_states_match_the_source(minilm, tmp_path):
-    convert_to_talking_heads(minilm, tmp_path / "th", chunk_size=5, progress=False)
+    convert_to_talking_heads(minilm, tmp_path / "th", TalkingHeadsOptions(chunk_size=5), progress=False)
     config = json.loads((tmp_path / "th" / "config.json").read_text())
     assert config["architectures"] == ["TalkingHeadsBertModel"]
     tokenizer = AutoTokenizer.from_pretrained(minilm.folder)

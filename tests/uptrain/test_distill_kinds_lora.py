@@ -35,19 +35,21 @@ def other(tokenizer, tmp_path_factory):
 def switchhead(other, tmp_path_factory):
     """`other` as SwitchHead, 2 heads of 2 experts, top-1 (its own modeling code and KV cache)."""
     from surgery.switchhead import convert_to_switchhead
+    from surgery.switchhead.kind import SwitchHeadOptions
 
     out = tmp_path_factory.mktemp("kinds") / "switchhead"
-    convert_to_switchhead(resolve_source(str(other)), out, heads=2, experts=2, topk=1, calib_tokens=1024,
-                          progress=False, device="cpu")
+    options = SwitchHeadOptions(heads=2, experts=2, topk=1, calib=["pydoc"], calib_tokens=1024, device="cpu")
+    convert_to_switchhead(resolve_source(str(other)), out, options, progress=False)
     return out
 
 
 @pytest.fixture(scope="module")
 def talking_heads(other, tmp_path_factory):
     from surgery.talking_heads import convert_to_talking_heads
+    from surgery.talking_heads.kind import TalkingHeadsOptions
 
     out = tmp_path_factory.mktemp("kinds") / "talking-heads"
-    convert_to_talking_heads(resolve_source(str(other)), out, progress=False)
+    convert_to_talking_heads(resolve_source(str(other)), out, TalkingHeadsOptions(), progress=False)
     return out
 
 
@@ -141,9 +143,11 @@ def test_an_mla_conversion_distils_from_the_store_and_on_policy(other, tiny, sto
     """MLA (a deepseek_v3 checkpoint, trained in its latent-scaled training form): from the store with no teacher,
     and on-policy (the training form generates with its own latent KV cache)."""
     from surgery.mla.convert import convert_to_mla
+    from surgery.mla.kind import MLAOptions
 
     mla = tmp_path / "mla"
-    convert_to_mla(resolve_source(str(other)), mla, kv_rank=8, calib_tokens=512, progress=False, device="cpu")
+    convert_to_mla(resolve_source(str(other)), mla, MLAOptions(kv_rank=8, calib=["pydoc"], calib_tokens=512, device="cpu"),
+                   progress=False)
     stored = run(mla, tmp_path / "stored", teacher_logprobs=str(store))
     assert stored["teacher"] is None and len(kd := kd_losses(tmp_path / "stored")) == 2 and kd[1] < kd[0]
     on = run(mla, tmp_path / "on", on_policy=1.0, gen_tokens=8, gen_temperature=0.0, teacher=str(tiny))

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 import transformers as tf
 from safetensors.torch import load_file
 
-from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import convert_to_kv_heads
+from surgery.kv.kind import MQAOptions
 from surgery.checkpoint.source import resolve_source
 from surgery.training import UptrainOptions, uptrain
 from surgery.training.losses import kd_loss, lm_loss
@@ -45,7 +46,7 @@ def trained(tiny, tmp_path_factory):
 def tiny_mqa(trained, tmp_path_factory):
     """The trained tiny model converted to MQA by mean pooling: surgery.json names it as the source."""
     out = tmp_path_factory.mktemp("uptrain") / "tiny-mqa"
-    convert_to_kv_heads(resolve_source(str(trained[0])), out, KVOptions(kv_heads=1), progress=False)
+    convert_to_kv_heads(resolve_source(str(trained[0])), out, MQAOptions(), progress=False)
     return out
 
 

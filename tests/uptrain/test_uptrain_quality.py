@@ -9,7 +9,8 @@ import torch
 import transformers as tf
 from safetensors.torch import load_file
 
-from surgery.kv.convert import KVOptions, convert_to_kv_heads
+from surgery.kv.convert import convert_to_kv_heads
+from surgery.kv.kind import MQAOptions
 from surgery.errors import SurgeryError
 from surgery.checkpoint.source import resolve_source
 from surgery.training import UptrainOptions, uptrain
@@ -20,7 +21,7 @@ from surgery.testing.pydoc_llama import FAST, make_model, metrics
 def mqa(tiny, tmp_path_factory):
     """`tiny` (4 query heads, 2 K/V heads) pooled to 1 K/V head: surgery.json names `tiny` as its source."""
     out = tmp_path_factory.mktemp("quality") / "mqa"
-    convert_to_kv_heads(resolve_source(str(tiny)), out, KVOptions(kv_heads=1), progress=False)
+    convert_to_kv_heads(resolve_source(str(tiny)), out, MQAOptions(), progress=False)
     return out
 
 
@@ -214,9 +215,10 @@ def test_align_keeps_the_old_weights_of_a_layer_whose_validation_error_rose(mqa,
 def test_align_and_lora_work_on_a_talking_heads_conversion(tiny, tmp_path):
     pytest.importorskip("peft")
     from surgery.talking_heads import convert_to_talking_heads
+    from surgery.talking_heads.kind import TalkingHeadsOptions
 
     th = tmp_path / "th"
-    convert_to_talking_heads(resolve_source(str(tiny)), th, progress=False)
+    convert_to_talking_heads(resolve_source(str(tiny)), th, TalkingHeadsOptions(), progress=False)
     rec = run(th, tmp_path / "o", stage="align,kd", tokens=512 * 3, align_tokens=1024, align_lr=3e-3, lora_rank=2)
     assert rec["lora"]["modules"] == 2 * 4 and len(rec["align"]["layers"]) == 2
     # The conversion starts exact (identity mixing): nothing to align, and no layer is made worse.

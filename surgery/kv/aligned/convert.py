@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,9 +18,9 @@ from ...checkpoint.atomic import check_output_path
 from ...calibration.chunks import chunk_windows
 from ...calibration.store import LayerStore
 from ...calibration.stream import LayerProgress, open_stream
-from ...calibration.text import CalibrationText, calibration_text, context_of, WINDOW
-from ..convert import KVOptions, KVPlanner, head_shape, target_config, write_converted
-from ...errors import SurgeryError
+from ...calibration.text import CalibrationText, calibration_text, context_of
+from ..convert import KVPlanner, head_shape, target_config, write_converted
+from ...fitting.refit import QueryRefit
 from ...fused_qkv import join_qkv
 from ..pool import repeat_heads
 from ...checkpoint.source import Source
@@ -32,13 +33,16 @@ from .params import AttnParams
 from .pipeline import MergeOptions, merge_model
 from ..refusals import ALIGNED_LABEL, ALIGNED_REFUSES
 
+if TYPE_CHECKING:
+    from ..kind import KVMergeOptions
+
 
 class AlignedPlanner(KVPlanner):
     """The plain converter's plan, with every attention projection taken from the merged layers."""
 
     def __init__(self, reader, spec, config, shape, options, layers: LayerStore | None,
                  groupings: list[list[list[int]]] | None):
-        super().__init__(reader, spec, config, shape, options)
+        super().__init__(reader, spec, config, shape, options, "mean")  # the non-merged tensors: as the mean merge
         self.layers, self.groupings = layers, groupings
 
     def _params(self, layer: int) -> AttnParams:
@@ -96,48 +100,49 @@ class AlignedPlanner(KVPlanner):
         return out
 
 
-def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[str] = "pydoc",
-                    calib_tokens: int = 8192, calib_window: int = WINDOW, force: bool = False, dtype: str | None = None,
-                    max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
-                    progress: bool = True, options: MergeOptions | None = None, device: str = "auto",
-                    precision: str = "auto", chat_template: str = "auto") -> dict:
-    """Merge `src`'s K/V heads into `kv_heads` with calibration, writing a standard checkpoint to `out`; the
-    calibration's forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64."""
+def merge_options(options: "KVMergeOptions") -> MergeOptions:
+    """The merge pipeline's settings that the kind's options choose (the rest at MergeOptions' defaults)."""
+    return MergeOptions(groups=options.groups, assign=options.grouping == "similarity", refit_v=options.refit_values,
+                        query=QueryRefit(samples=options.query_samples), chunk_windows=options.calib_chunk)
+
+
+def convert_aligned(src: Source, out: Path, options: "KVMergeOptions", progress: bool = True,
+                    merge: MergeOptions | None = None) -> dict:
+    """Merge `src`'s K/V heads into `options.groups` with calibration, writing a standard checkpoint to `out`;
+    `options` is the kind's options model (surgery/kv/kind.py), validated where it was built: this checks only what
+    needs the source's config. The calibration's forward passes compute in `options.precision`
+    (surgery/precision.py), its statistics in float32/64. `merge` (ablations and measurements): the merge pipeline's
+    own settings instead of those `options` chooses (merge_options)."""
     start = time.time()
     config = src.config
+    kv_heads, written = options.groups, options.write_kwargs()
     spec = spec_for(config, ALIGNED_LABEL, ALIGNED_REFUSES)
     shape = head_shape(spec, config, kv_heads)
-    kv_options = KVOptions(kv_heads=kv_heads, method="mean", seed=seed, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                           allow_pickle=allow_pickle)
-    target_config(spec, config, shape, dtype)  # refuses what has no target before any work
-    check_output_path(out, force, source=src.folder)
-    reader = CheckpointReader(src.folder, allow_pickle=allow_pickle)
-    KVPlanner(reader, spec, config, shape, kv_options)._validate_layers()
-    if calib_tokens < 1:
-        raise SurgeryError(f"--calib-tokens must be positive, got {calib_tokens}")
-    pick_device(device)  # a bad --device fails before any work
+    target_config(spec, config, shape, written["dtype"])  # refuses what has no target before any work
+    check_output_path(out, options.force, source=src.folder)
+    reader = CheckpointReader(src.folder, allow_pickle=options.allow_pickle)
+    KVPlanner(reader, spec, config, shape, options, "mean")._validate_layers()
+    pick_device(options.device)  # a bad --device fails before any work
     if shape.groups == shape.kv_heads:  # nothing to merge: the output is the source, exactly
-        planner = AlignedPlanner(reader, spec, config, shape, kv_options, None, None)
+        planner = AlignedPlanner(reader, spec, config, shape, options, None, None)
         extra = {"calibration": None, "merge": {"note": "no K/V heads to merge; the output equals the source"}}
-        return write_converted(src, out, planner, force=force, progress=progress, method="aligned", extra=extra,
-                               start=start)
+        return write_converted(src, out, planner, progress=progress, method="aligned", extra=extra, start=start)
 
-    opts = replace(options or MergeOptions(groups=kv_heads), groups=kv_heads, seed=seed)
-    dev = pick_device(device)
-    resolved = resolve_precision(precision, dev)
-    text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window,
-                            chat_template=chat_template)
+    opts = replace(merge or merge_options(options), groups=kv_heads, seed=options.seed)
+    dev = pick_device(options.device)
+    resolved = resolve_precision(options.precision, dev)
+    text = calibration_text(options.calib, load_tokenizer(src), options.calib_tokens, context_of(config),
+                            window=options.calib_window, chat_template=options.chat_template)
     opts = replace(opts, chunk_windows=chunk_windows(config, int(text.windows.shape[1]), requested=opts.chunk_windows))
     calib_start = time.time()
     with LayerStore(out) as store:
         with calibrating(resolved, dev):
             result = _calibrate_and_merge(src, reader, spec, config, shape, text.windows, opts, dev, store, progress)
-        extra = _merge_record(text, result, opts, shape, seed, time.time() - calib_start, dev)
+        extra = _merge_record(text, result, opts, shape, options.seed, time.time() - calib_start, dev)
         extra["calibration"]["precision"] = resolved
         groupings = [r.groups for r in result.reports]
-        planner = AlignedPlanner(reader, spec, config, shape, kv_options, store, groupings)
-        return write_converted(src, out, planner, force=force, progress=progress, method="aligned", extra=extra,
-                               start=start)
+        planner = AlignedPlanner(reader, spec, config, shape, options, store, groupings)
+        return write_converted(src, out, planner, progress=progress, method="aligned", extra=extra, start=start)
 
 
 def _calibrate_and_merge(src: Source, reader: CheckpointReader, spec, config: dict, shape, windows: torch.Tensor,
