@@ -7,7 +7,8 @@ already converted). Two refits then make the attention *output*, not the weights
   logits against the merged keys is solved for, weighting each key by the source's attention probability
   (a second-order approximation of the KL between the two attention distributions, with a free per-row
   offset since softmax ignores one); q_proj's rows are then regressed onto those queries (after undoing
-  the rotation), regularised toward the folded queries on all calibration tokens;
+  the rotation), regularised toward the folded queries on all calibration tokens (each head's data weighed against
+  that pull by its weight, when the heads are weighted: `--retrieval-weight`'s retrieval heads fit more closely);
 - output: o_proj is refit by ridge regression from the converted per-head outputs to the source attention
   output.
 """
@@ -143,8 +144,10 @@ class QueryFit:
     same samples and sums the same products: memory is one batch's tensors whatever the number of windows."""
 
     def __init__(self, shape: RefitShape, length: int, groups: list[list[int]], pairs: RotaryPairs, scaling: float,
-                 softcap: float | None, opts: QueryRefit, generator: torch.Generator, device: torch.device):
+                 softcap: float | None, opts: QueryRefit, generator: torch.Generator, device: torch.device,
+                 head_weights: torch.Tensor | None = None):
         self.shape, self.length, self.groups, self.pairs = shape, length, groups, pairs
+        self.head_weights = head_weights  # [H] each query head's weight on its samples (None: 1 each)
         self.scaling, self.softcap, self.opts, self.generator = scaling, softcap, opts, generator
         din = shape.din
         f64 = dict(dtype=torch.float64, device=device)
@@ -200,6 +203,8 @@ class QueryFit:
         c = self.opts.prior * self.samples / (self.windows * self.length)
         ridge = self.opts.weight_ridge * torch.diagonal(xtx).mean().clamp_min(1e-12)
         rows = q_rows.reshape(heads, head_dim, din)
+        if self.head_weights is not None:
+            return self._solve_weighted(xtx, xtx_all, xty, c, ridge, rows)
         for h in range(heads):
             rows_h = rows[h].T.double()
             xty[h] += c * (xtx_all @ rows_h) + ridge * rows_h
@@ -210,6 +215,19 @@ class QueryFit:
         fitted = torch.empty(heads, head_dim, din, dtype=torch.float32, device=xtx.device)
         for h in range(heads):
             fitted[h] = torch.linalg.lu_solve(lu, pivots, xty[h]).T.float()
+        return fitted.reshape(heads * head_dim, din)
+
+    def _solve_weighted(self, xtx, xtx_all, xty, c, ridge, rows) -> torch.Tensor:
+        """Head h's samples weigh a_h against the same pull: (a_h xtx + prior) W_h = a_h xty_h + prior rows_h^T, one
+        factorisation per head."""
+        heads, head_dim, din = self.shape.heads, self.shape.head_dim, self.shape.din
+        prior = c * xtx_all
+        prior.diagonal().add_(ridge)
+        fitted = torch.empty(heads, head_dim, din, dtype=torch.float32, device=xtx.device)
+        for h in range(heads):
+            a = float(self.head_weights[h])
+            rows_h = rows[h].T.double()
+            fitted[h] = torch.linalg.solve(a * xtx + prior, a * xty[h] + prior @ rows_h).T.float()
         return fitted.reshape(heads * head_dim, din)
 
 

@@ -3,6 +3,7 @@ activation-aware, calibrated layer by layer). The output is a standard checkpoin
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -10,7 +11,7 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..arch import Feature
 from ..options import option, spelling
-from ..kinds.base import CalibrationOptions, Kind, QueryRefitOptions, WriteOptions
+from ..kinds.base import CalibrationOptions, Kind, QueryRefitOptions, RetrievalMixOptions, WriteOptions
 from .refusals import ALIGNED_LABEL, ALIGNED_REFUSES, PLAIN_LABEL, PLAIN_REFUSES
 
 ALIGNED = "aligned"  # the calibrated merge; the others are surgery.kv.pool's POOL_METHODS (tests/test_registry.py)
@@ -42,9 +43,14 @@ class KVMergeFields(WriteOptions):
         False, "--refit-values", "[aligned] Also refit the merged values so that each query head reproduces its "
         "source head's output under the converted attention (holds one hidden x hidden float64 matrix per query head: "
         "about 4 GB on Llama-3-8B).", group=GROUP)
+    retrieval_weight: float = option(
+        0.0, "--retrieval-weight", "[aligned] Weigh each query head in the merge (its queries' energy), the key refit "
+        "and the query refit by 1 + B x its retrieval score / the layer's mean score, the score being the attention "
+        "its answer positions put on the needle on the --calib-retrieval-mix examples (recorded in surgery.json); 0: "
+        "every head weighs the same.", metavar="B", group=GROUP)
 
 
-class KVMergeOptions(CalibrationOptions, QueryRefitOptions, KVMergeFields):
+class KVMergeOptions(CalibrationOptions, RetrievalMixOptions, QueryRefitOptions, KVMergeFields):
     @property
     def groups(self) -> int:
         """K/V heads after conversion."""
@@ -56,11 +62,25 @@ class KVMergeOptions(CalibrationOptions, QueryRefitOptions, KVMergeFields):
         if self.merge == ALIGNED:
             return self
         s = spelling(info, type(self))
+        if self.retrieval_weight:
+            raise ValueError(f"{s.flag('retrieval_weight')} weighs the aligned merge's heads: it does nothing for the "
+                             f"{self.merge} merge (use {s.flag('merge')} aligned)")
         if self.refit_values:
             raise ValueError(f"{s.flag('refit_values')} refits the aligned merge's values: it does nothing for the "
                              f"{self.merge} merge (use {s.flag('merge')} aligned)")
         self.refuse_calibration_options(s, f"the {self.merge} merge", f"{s.flag('merge')} aligned",
-                                        more=("query_samples", "grouping"))
+                                        more=("query_samples", "grouping", "calib_retrieval_mix"))
+        return self
+
+    @model_validator(mode="after")
+    def _retrieval_weight(self, info: ValidationInfo):
+        """The head weights need scores, which only the retrieval examples give."""
+        s = spelling(info, type(self))
+        if not (math.isfinite(self.retrieval_weight) and self.retrieval_weight >= 0):
+            raise ValueError(f"{s.flag('retrieval_weight')} must be a finite number >= 0, got {self.retrieval_weight}")
+        if self.retrieval_weight and self.merge == ALIGNED and not self.calib_retrieval_mix:
+            raise ValueError(f"{s.flag('retrieval_weight')} weighs heads by their retrieval scores, measured on "
+                             f"retrieval examples: give {s.flag('calib_retrieval_mix')} P > 0 too")
         return self
 
 
@@ -100,11 +120,12 @@ class KVMerge(Kind):
 
             merge = MergeOptions(groups=options.groups, assign=options.grouping == "similarity",
                                  refit_v=options.refit_values, query=QueryRefit(samples=options.query_samples),
-                                 chunk_windows=options.calib_chunk)
+                                 chunk_windows=options.calib_chunk, retrieval_weight=options.retrieval_weight)
             return convert_aligned(source, out, kv_heads=options.groups, calib=options.calib,
                                    calib_tokens=options.calib_tokens, calib_window=options.calib_window,
                                    device=options.device, precision=options.precision, options=merge,
-                                   chat_template=options.chat_template, **common)
+                                   chat_template=options.chat_template,
+                                   calib_retrieval_mix=options.calib_retrieval_mix, **common)
         from .convert import KVOptions, convert_to_kv_heads
 
         force = common.pop("force")

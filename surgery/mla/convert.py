@@ -385,13 +385,15 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
                    calib_chunk: int | None = None, force: bool = False, dtype: str | None = None,
                    max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
                    progress: bool = True, device: str = "auto", query_samples: int = QUERY_SAMPLES,
-                   precision: str = "auto", chat_template: str = "auto", absorb: bool = True) -> dict:
+                   precision: str = "auto", chat_template: str = "auto", absorb: bool = True,
+                   calib_retrieval_mix: float = 0.0) -> dict:
     """Convert `src` into a DeepSeek-V3 (MLA) checkpoint at `out` with latent rank `kv_rank` and `rope_dim` rotary
     dims per head (default: head_dim), calibrating in chunks of `calib_chunk` windows (default: the rule of
     surgery/calibration/chunks.py); `query_samples` positions per window for the query refit (0: none); the
     calibration's forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64.
     `absorb` False (a measurement baseline): an approximate family's biases and q/k norms are dropped instead of
-    absorbed (surgery/mla/absorb.py); the refits still fit the source's own logits and outputs."""
+    absorbed (surgery/mla/absorb.py); the refits still fit the source's own logits and outputs.
+    `calib_retrieval_mix`: the fraction of calibration windows replaced by retrieval examples (from `seed`)."""
     start = time.time()
     config = src.config
     spec = spec_for(config, KIND, REFUSES)
@@ -448,7 +450,7 @@ def convert_to_mla(src: Source, out: Path, *, kv_rank: int, rope_dim: int | None
     inv_freq = source_frequencies(src.folder, shape.rotary_dims)
     strides = rope_strides(inv_freq, shape.rope_dim, source_theta(config))
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window,
-                            chat_template=chat_template)
+                            chat_template=chat_template, retrieval_mix=calib_retrieval_mix, seed=seed)
     chunk = chunk_windows(config, int(text.windows.shape[1]), requested=calib_chunk)
     out_dtype = getattr(torch, dtype) if dtype else None
     losses: dict[int, tuple[float, float]] = {}

@@ -10,7 +10,8 @@ from typing import ClassVar
 from pydantic import ValidationInfo, model_validator
 
 from ..options import option, spelling
-from ..kinds.base import AttentionShape, CalibrationOptions, Kind, QueryRefitOptions, WriteOptions
+from ..kinds.base import (AttentionShape, CalibrationOptions, Kind, QueryRefitOptions, RetrievalMixOptions,
+                          WriteOptions)
 from .families import verdict_text
 from .refusals import REFUSES
 
@@ -28,7 +29,7 @@ class MLAFields(WriteOptions):
         "head_dim; default head_dim).", metavar="D", group=GROUP)
 
 
-class MLAOptions(CalibrationOptions, QueryRefitOptions, MLAFields):
+class MLAOptions(CalibrationOptions, RetrievalMixOptions, QueryRefitOptions, MLAFields):
     @model_validator(mode="after")
     def _sizes(self, info: ValidationInfo):
         s = spelling(info, type(self))
@@ -53,7 +54,8 @@ class MLA(Kind):
                               calib_tokens=options.calib_tokens, calib_window=options.calib_window,
                               calib_chunk=options.calib_chunk, query_samples=options.query_samples,
                               device=options.device, precision=options.precision,
-                              chat_template=options.chat_template, **options.write_kwargs())
+                              chat_template=options.chat_template,
+                              calib_retrieval_mix=options.calib_retrieval_mix, **options.write_kwargs())
 
     def calibration_estimate(self, config: dict, options: MLAOptions, *, dtype: str, device: str, throughput=None):
         from ..estimate import estimate_calibrated

@@ -100,9 +100,11 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[
                     calib_tokens: int = 8192, calib_window: int = WINDOW, force: bool = False, dtype: str | None = None,
                     max_shard_bytes: int = 5_000_000_000, allow_pickle: bool = False, seed: int = 0,
                     progress: bool = True, options: MergeOptions | None = None, device: str = "auto",
-                    precision: str = "auto", chat_template: str = "auto") -> dict:
+                    precision: str = "auto", chat_template: str = "auto", calib_retrieval_mix: float = 0.0) -> dict:
     """Merge `src`'s K/V heads into `kv_heads` with calibration, writing a standard checkpoint to `out`; the
-    calibration's forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64."""
+    calibration's forward passes compute in `precision` (surgery/precision.py), its statistics in float32/64. A
+    fraction `calib_retrieval_mix` of the calibration windows are retrieval examples (from `seed`), on which every
+    layer's query heads are scored (and weighted, with `options.retrieval_weight`)."""
     start = time.time()
     config = src.config
     spec = spec_for(config, ALIGNED_LABEL, ALIGNED_REFUSES)
@@ -126,12 +128,13 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[
     dev = pick_device(device)
     resolved = resolve_precision(precision, dev)
     text = calibration_text(calib, load_tokenizer(src), calib_tokens, context_of(config), window=calib_window,
-                            chat_template=chat_template)
+                            chat_template=chat_template, retrieval_mix=calib_retrieval_mix, seed=seed)
     opts = replace(opts, chunk_windows=chunk_windows(config, int(text.windows.shape[1]), requested=opts.chunk_windows))
     calib_start = time.time()
     with LayerStore(out) as store:
         with calibrating(resolved, dev):
-            result = _calibrate_and_merge(src, reader, spec, config, shape, text.windows, opts, dev, store, progress)
+            result = _calibrate_and_merge(src, reader, spec, config, shape, text.windows, opts, dev, store, progress,
+                                          text.retrieval)
         extra = _merge_record(text, result, opts, shape, seed, time.time() - calib_start, dev)
         extra["calibration"]["precision"] = resolved
         groupings = [r.groups for r in result.reports]
@@ -141,7 +144,8 @@ def convert_aligned(src: Source, out: Path, *, kv_heads: int, calib: str | list[
 
 
 def _calibrate_and_merge(src: Source, reader: CheckpointReader, spec, config: dict, shape, windows: torch.Tensor,
-                         opts: MergeOptions, device: torch.device, store: LayerStore, progress: bool):
+                         opts: MergeOptions, device: torch.device, store: LayerStore, progress: bool,
+                         retrieval=None):
     """Stream the source layer by layer on `device`, merge each layer, and keep its exported tensors in `store`."""
     with threads(compute_threads() if device.type == "cpu" else torch.get_num_threads()):
         stream = open_stream(src.folder, reader, device, attn_implementation="sdpa")
@@ -154,7 +158,7 @@ def _calibrate_and_merge(src: Source, reader: CheckpointReader, spec, config: di
 
         with LayerProgress("calibrate + merge", len(stream), progress) as bar:
             return merge_model(stream, spec, config, shape.heads, shape.kv_heads, shape.head_dim, windows, opts,
-                               progress=lambda i, m: bar.update(), keep=keep)
+                               progress=lambda i, m: bar.update(), keep=keep, retrieval=retrieval)
 
 
 def _merge_record(text: CalibrationText, result, opts: MergeOptions, shape, seed: int, seconds: float,
@@ -194,6 +198,11 @@ def _merge_record(text: CalibrationText, result, opts: MergeOptions, shape, seed
         },
         "seed": seed,
     }
+    if result.head_scores is not None:  # --calib-retrieval-mix: each layer's query heads scored on its examples
+        extra["merge"]["retrieval_heads"] = {
+            "score": "attention mass from the answer-predicting positions on the needle's value tokens, mean over the "
+                     "retrieval windows, per layer and source query head",
+            "weight": opts.retrieval_weight, "scores": result.head_scores}
     layer_rot = [r.rotary_dims for r in result.reports]
     if any(r != rot for r in layer_rot):  # some layers without RoPE (their keys merge by any linear map)
         extra["merge"]["layer_rotary_dims"] = layer_rot
