@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+import json
+
 from surgery.calibration.retrieval import head_weights, needle_attention
 from surgery.calibration.text import calibration_text
 from surgery.errors import SurgeryError
 from surgery.retrieval_mix import TASKS
+from surgery.testing.pydoc_llama import make_model
 
 WINDOW = 1024
 
@@ -74,3 +77,25 @@ def test_head_weights_are_one_plus_b_times_the_score_over_its_mean():
     assert head_weights(torch.zeros(4), 2.0) is None
     w = head_weights(scores, 2.0)
     assert torch.allclose(w, 1 + 2 * scores.double() / 0.2) and float(w.mean()) == pytest.approx(3.0)
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tmp_path_factory, tokenizer):
+    """The tiny pydoc Llama with a context of 1,024: room for the retrieval examples."""
+    return make_model(tmp_path_factory.mktemp("long-tiny") / "src", tokenizer, positions=WINDOW)
+
+
+def test_mla_refuses_a_bad_fraction_before_any_work(long_tiny, tmp_path, cli):
+    code, _, err = cli("convert", long_tiny, "--to", "mla", "--kv-rank", "16", "--out", tmp_path / "bad",
+                       "--calib-retrieval-mix", "-0.1")
+    assert code == 2 and "--calib-retrieval-mix must lie in [0, 1], got -0.1" in err and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow  # ~25 s: MLA's query refit on windows of 1,024
+def test_mla_calibrates_on_the_mixed_windows(long_tiny, tmp_path, cli):
+    src = long_tiny
+    code, _, err = cli("convert", src, "--to", "mla", "--kv-rank", "16", "--out", tmp_path / "o", "--calib", "pydoc",
+                       "--calib-tokens", 2 * WINDOW, "--calib-window", WINDOW, "--calib-retrieval-mix", "0.5")
+    assert code == 0, err
+    mix = json.loads((tmp_path / "o" / "surgery.json").read_text())["calibration"]["retrieval_mix"]
+    assert mix["fraction"] == 0.5 and mix["windows"] == 1 and mix["of"] == 2

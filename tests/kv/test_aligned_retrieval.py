@@ -146,8 +146,3 @@ def test_bad_retrieval_options_are_refused_in_one_line(flags, message, long_tiny
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
 
-
-def test_the_mla_kind_takes_the_mix_and_refuses_a_bad_one(long_tiny, tmp_path, cli):
-    code, _, err = cli("convert", long_tiny, "--to", "mla", "--kv-rank", "16", "--out", tmp_path / "o",
-                       "--calib-retrieval-mix", "-0.1")
-    assert code == 2 and "--calib-retrieval-mix must lie in [0, 1], got -0.1" in err and not (tmp_path / "o").exists()
