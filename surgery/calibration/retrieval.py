@@ -11,7 +11,9 @@ value tokens: the tokens the answer copies (Wu et al. 2024's retrieval heads, Du
 heads do the long-range lookups). `HeadScores` sums, per query head, the softmax attention mass those positions put
 on the needle's value positions, averaged over the answer positions and the examples: a number in [0, 1] per head,
 1 for a head that looks only at the needle while answering. `head_weights` turns a layer's scores into the fits'
-per-head weights, 1 + B * score_h / mean score (B = `--retrieval-weight`; all ones for B = 0 or no scores).
+per-head weights, 1 + B * score_h (B = `--retrieval-weight`; all ones for B = 0 or no scores). The scores are not
+divided by the layer's mean: in a layer where no head retrieves (scores ~0.01) that would blow noise up to weights of
+~1 + B, as large as a real retrieval head's elsewhere.
 """
 
 from __future__ import annotations
@@ -115,11 +117,10 @@ class HeadScores:
 
 
 def head_weights(scores: torch.Tensor | None, strength: float) -> torch.Tensor | None:
-    """[H] the fits' weight of each query head, 1 + strength * score_h / mean score; None (every head weighs 1, the
-    fits as without scores) when `strength` is 0, there are no scores, or no head attends to the needles."""
+    """[H] the fits' weight of each query head, 1 + strength * score_h (scores in [0, 1]); None (every head weighs 1,
+    the fits as without scores) when `strength` is 0, there are no scores, or no head attends to the needles."""
     if not strength or scores is None:
         return None
-    mean = float(scores.mean())
-    if not mean > 0:
+    if not float(scores.max()) > 0:
         return None
-    return (1 + strength * scores.double() / mean)
+    return 1 + strength * scores.double()

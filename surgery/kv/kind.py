@@ -43,11 +43,19 @@ class KVMergeFields(WriteOptions):
         False, "--refit-values", "[aligned] Also refit the merged values so that each query head reproduces its "
         "source head's output under the converted attention (holds one hidden x hidden float64 matrix per query head: "
         "about 4 GB on Llama-3-8B).", group=GROUP)
+    refit_keys: bool = option(
+        False, "--refit-keys", "[aligned] Also refit the merged keys against the source's attention logits (from all "
+        "the group's converted queries) before the query refit.", group=GROUP)
     retrieval_weight: float = option(
         0.0, "--retrieval-weight", "[aligned] Weigh each query head in the merge (its queries' energy), the key refit "
-        "and the query refit by 1 + B x its retrieval score / the layer's mean score, the score being the attention "
-        "its answer positions put on the needle on the --calib-retrieval-mix examples (recorded in surgery.json); 0: "
-        "every head weighs the same.", metavar="B", group=GROUP)
+        "and the query refit by 1 + B x its retrieval score (in [0, 1]: the attention its answer positions put on the "
+        "needle on the --calib-retrieval-mix examples, recorded in surgery.json); 0: every head weighs the same.",
+        metavar="B", group=GROUP)
+    retrieval_rows_weight: float = option(
+        1.0, "--retrieval-rows-weight", "[aligned, with --calib-retrieval-mix] On each retrieval example the query "
+        "refit also fits the answer positions' rows and the key refit (--refit-keys) the needle's positions, each row "
+        "weighing W sampled rows (1: as any row; larger: a handful of rows against the thousands sampled; 0: only the "
+        "random samples).", metavar="W", group=GROUP)
 
 
 class KVMergeOptions(CalibrationOptions, RetrievalMixOptions, QueryRefitOptions, KVMergeFields):
@@ -65,9 +73,13 @@ class KVMergeOptions(CalibrationOptions, RetrievalMixOptions, QueryRefitOptions,
         if self.retrieval_weight:
             raise ValueError(f"{s.flag('retrieval_weight')} weighs the aligned merge's heads: it does nothing for the "
                              f"{self.merge} merge (use {s.flag('merge')} aligned)")
-        if self.refit_values:
-            raise ValueError(f"{s.flag('refit_values')} refits the aligned merge's values: it does nothing for the "
-                             f"{self.merge} merge (use {s.flag('merge')} aligned)")
+        for name, what in (("refit_values", "values"), ("refit_keys", "keys")):
+            if getattr(self, name):
+                raise ValueError(f"{s.flag(name)} refits the aligned merge's {what}: it does nothing for the "
+                                 f"{self.merge} merge (use {s.flag('merge')} aligned)")
+        if "retrieval_rows_weight" in self.model_fields_set:
+            raise ValueError(f"{s.flag('retrieval_rows_weight')} weighs the aligned merge's refit rows: it does "
+                             f"nothing for the {self.merge} merge (use {s.flag('merge')} aligned)")
         self.refuse_calibration_options(s, f"the {self.merge} merge", f"{s.flag('merge')} aligned",
                                         more=("query_samples", "grouping", "calib_retrieval_mix"))
         return self
@@ -81,6 +93,12 @@ class KVMergeOptions(CalibrationOptions, RetrievalMixOptions, QueryRefitOptions,
         if self.retrieval_weight and self.merge == ALIGNED and not self.calib_retrieval_mix:
             raise ValueError(f"{s.flag('retrieval_weight')} weighs heads by their retrieval scores, measured on "
                              f"retrieval examples: give {s.flag('calib_retrieval_mix')} P > 0 too")
+        w = self.retrieval_rows_weight
+        if not (math.isfinite(w) and w >= 0):
+            raise ValueError(f"{s.flag('retrieval_rows_weight')} must be a finite number >= 0, got {w}")
+        if "retrieval_rows_weight" in self.model_fields_set and self.merge == ALIGNED and not self.calib_retrieval_mix:
+            raise ValueError(f"{s.flag('retrieval_rows_weight')} weighs the retrieval examples' answer and needle "
+                             f"rows: give {s.flag('calib_retrieval_mix')} P > 0 too")
         return self
 
 
@@ -119,8 +137,10 @@ class KVMerge(Kind):
             from ..fitting.refit import QueryRefit
 
             merge = MergeOptions(groups=options.groups, assign=options.grouping == "similarity",
-                                 refit_v=options.refit_values, query=QueryRefit(samples=options.query_samples),
-                                 chunk_windows=options.calib_chunk, retrieval_weight=options.retrieval_weight)
+                                 refit_v=options.refit_values, refit_k=options.refit_keys,
+                                 query=QueryRefit(samples=options.query_samples), chunk_windows=options.calib_chunk,
+                                 retrieval_weight=options.retrieval_weight,
+                                 retrieval_rows_weight=options.retrieval_rows_weight)
             return convert_aligned(source, out, kv_heads=options.groups, calib=options.calib,
                                    calib_tokens=options.calib_tokens, calib_window=options.calib_window,
                                    device=options.device, precision=options.precision, options=merge,

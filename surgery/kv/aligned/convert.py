@@ -202,7 +202,9 @@ def _merge_record(text: CalibrationText, result, opts: MergeOptions, shape, seed
         extra["merge"]["retrieval_heads"] = {
             "score": "attention mass from the answer-predicting positions on the needle's value tokens, mean over the "
                      "retrieval windows, per layer and source query head",
-            "weight": opts.retrieval_weight, "scores": result.head_scores}
+            "weight": opts.retrieval_weight, "head_weight": "1 + weight x score",
+            # the answer (query refit) and needle (key refit) positions' rows, each weighing this many sampled rows
+            "rows_weight": opts.retrieval_rows_weight, "scores": result.head_scores}
     layer_rot = [r.rotary_dims for r in result.reports]
     if any(r != rot for r in layer_rot):  # some layers without RoPE (their keys merge by any linear map)
         extra["merge"]["layer_rotary_dims"] = layer_rot

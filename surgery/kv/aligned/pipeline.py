@@ -55,9 +55,12 @@ class MergeOptions:
     key: KeyRefit = field(default_factory=KeyRefit)
     value: ValueRefit = field(default_factory=ValueRefit)
     seed: int = 0
-    # each query head weighs 1 + retrieval_weight * score / mean score in the merge and the key and query refits, its
-    # score the attention it puts on the needle on the retrieval windows (surgery/calibration/retrieval.py); 0: alike
+    # each query head weighs 1 + retrieval_weight * score in the merge and the key and query refits, its score the
+    # attention it puts on the needle on the retrieval windows (surgery/calibration/retrieval.py); 0: alike
     retrieval_weight: float = 0.0
+    # on the retrieval windows, the answer positions join the query refit's rows and the needle positions the key
+    # refit's, each weighing this many sampled rows (0: only the random samples, as on plain text)
+    retrieval_rows_weight: float = 1.0
 
 
 @dataclass
@@ -146,6 +149,7 @@ class _Layer:
 class _Chunk:
     """One chunk's converted attention input and what the refits read off it."""
 
+    index: int  # the chunk's index (its retrieval windows: `_ModelMerge.probes`)
     call: capture.AttentionCall
     x: torch.Tensor  # [n, L, din] augmented with 1 for q/k/v biases
     source: capture.AttentionRun | None  # the source attention's run (the targets), when asked for
@@ -235,7 +239,7 @@ class _ModelMerge:
                 src = a if self.opts.targets == "local" else capture.attention_input(
                     w.layer, la.attention, la.in_module, fetch(self.src_h[i]), call)
                 run = capture.run_attention(w.src_attention, w.src_out, src)
-            chunk = _Chunk(a, augment(a.x, w.qkv_bias), run)
+            chunk = _Chunk(i, a, augment(a.x, w.qkv_bias), run)
             if rotary and w.pos is not None and w.pairs.frequencies:
                 cos, sin = hf_cos_sin(a.kwargs["position_embeddings"], w.pairs)
                 chunk.cos, chunk.sin = cos.expand(a.x.shape[0], -1, -1), sin.expand(a.x.shape[0], -1, -1)
@@ -338,15 +342,23 @@ class _ModelMerge:
             q_src, k_src = c.source.record.queries[0], c.source.record.keys[0]
             return (c.x, q_src, k_src, *projected(c), c.cos, c.sin)
 
+        def answers(c: _Chunk):  # the query refit's extra rows: the chunk's retrieval windows' answer positions
+            return [(i, p.answers) for i, p in self.probes.get(c.index, [])]
+
+        def needles(c: _Chunk):  # the key refit's: their needle positions
+            return [(i, p.needle) for i, p in self.probes.get(c.index, [])]
+
+        rows = opts.retrieval_rows_weight
         if w.refit_q:
             for _ in range(opts.refit_rounds if opts.refit_k else 1):
                 if opts.refit_k:
                     fit = fit_pass(lambda s, dev: KeyFit(s, length, pairs, w.scaling, w.softcap, opts.key, self.gen,
-                                                         dev, w.head_weights), lambda f, c: f.add(*qk_args(c)))
+                                                         dev, w.head_weights, rows),
+                                   lambda f, c: f.add(*qk_args(c), rows=needles(c)))
                     params.k = fit.solve(params.k)
                 fit = fit_pass(lambda s, dev: QueryFit(s, length, merged.groups, pairs, w.scaling, w.softcap,
-                                                       opts.query, self.gen, dev, w.head_weights),
-                               lambda f, c: f.add(*qk_args(c)))
+                                                       opts.query, self.gen, dev, w.head_weights, rows),
+                               lambda f, c: f.add(*qk_args(c), rows=answers(c)))
                 params.q = fit.solve(params.q)
         if w.refit_v:
             fit = fit_pass(lambda s, dev: ValueFit(s, length, w.scaling, w.softcap, opts.value, self.gen, dev),
