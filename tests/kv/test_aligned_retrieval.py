@@ -146,3 +146,66 @@ def test_bad_retrieval_options_are_refused_in_one_line(flags, message, long_tiny
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "o").exists()
 
+
+
+ANSWER, NEEDLE = L - 1, [3, 4]  # window 1's answer row and needle positions (the probes' `answers` / `needle`)
+
+
+def _rows_fit(fit: str, weight: float, rows, p: AttnParams, x: torch.Tensor, pairs, merged, args):
+    """The key or query refit with 4 random samples a window and `rows` extra ones weighing `weight`."""
+    g = torch.Generator().manual_seed(0)
+    groups = [[0, 1, 2]]
+    shape = refit_shape(x, args[1], args[4], groups)
+    if fit == "key":
+        f = KeyFit(shape, L, pairs, D ** -0.5, None, KeyRefit(samples=4), g, x.device, None, weight)
+        f.add(*args, rows=rows)
+        return f.solve(merged)
+    f = QueryFit(shape, L, groups, pairs, D ** -0.5, None, QueryRefit(samples=4, top_k=8), g, x.device, None, weight)
+    f.add(*args, rows=rows)
+    return f.solve(p.q)
+
+
+@pytest.mark.parametrize("fit", ["key", "query"])
+def test_retrieval_rows_enter_the_refit_and_without_them_it_is_unchanged(fit):
+    """The answer row (query refit) / the needle's rows (key refit) of a retrieval window: with W > 0 the fit moves
+    toward reproducing the source there; with no rows, or W = 0, the same tensors as without the option."""
+    from surgery.fitting.refit import ideal_queries
+    from surgery.kv.aligned.keyrefit import ideal_keys
+
+    p, _, x = _layer(2)
+    pairs, merged, args = _refit_inputs(p, x)
+    cos, sin = args[5], args[6]
+    positions = [ANSWER] if fit == "query" else NEEDLE
+    rows = [(1, positions)]
+    plain = _rows_fit(fit, 0.0, None, p, x, pairs, merged, args)
+    for weight, extra in ((0.0, rows), (50.0, None), (50.0, [])):  # no rows or W = 0: byte-identical
+        assert torch.equal(_rows_fit(fit, weight, extra, p, x, pairs, merged, args), plain)
+    fitted = {w: _rows_fit(fit, w, rows, p, x, pairs, merged, args) for w in (1.0, 50.0)}
+    assert not torch.equal(fitted[1.0], plain)
+    at = torch.tensor(positions)
+    q_src, k_src, q_cv, k_cv = (t[1:2] for t in args[1:5])
+    if fit == "query":
+        # the source's attention at the answer row (every head) against the converted one with the refit queries
+        def kl(q_rows):
+            q = project_heads(x[1:2], q_rows, D, cos[1:2], sin[1:2], pairs)[0, :, ANSWER]  # [H, D]
+            k = k_cv[0].repeat_interleave(R, dim=0)[:, :ANSWER + 1]  # [H, L', D] the merged key
+            src = torch.log_softmax(D ** -0.5 * (q_src[0, :, ANSWER, None] * k_src[0].repeat_interleave(R, dim=0)
+                                                 [:, :ANSWER + 1]).sum(-1), -1)
+            cv = torch.log_softmax(D ** -0.5 * (q[:, None] * k).sum(-1), -1)
+            return float((src.exp() * (src - cv)).sum(-1).mean())
+        before, one, many = kl(plain), kl(fitted[1.0]), kl(fitted[50.0])  # 0.030, 0.024, 0.019 at writing
+        assert many < one < before, (before, one, many)
+        # the target it moved toward: the ideal queries at the answer row
+        ideal = ideal_queries(q_src, k_src[:, torch.arange(H) // R], q_cv, k_cv[:, 0], D ** -0.5, None, at,
+                              QueryRefit(top_k=8))[0, :, 0]
+        dist = lambda rows: float((project_heads(x[1:2], rows, D, cos[1:2], sin[1:2], pairs)[0, :, ANSWER]  # noqa
+                                   - ideal).norm())
+        assert dist(fitted[50.0]) < dist(plain)
+    else:
+        # the merged key at the needle's positions against the key that best reproduces the source's logits there
+        ideal = ideal_keys(q_src[0], k_src[0, torch.arange(H) // R], q_cv[0], k_cv[0, 0], D ** -0.5, None, at,
+                           KeyRefit())
+        dist = lambda rows: float((project_heads(x[1:2], rows, D, cos[1:2], sin[1:2], pairs)[0, 0, at]  # noqa
+                                   - ideal).norm())
+        before, one, many = dist(plain), dist(fitted[1.0]), dist(fitted[50.0])
+        assert many < one < before and many < 0.5 * before, (before, one, many)
