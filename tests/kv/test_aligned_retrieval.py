@@ -111,7 +111,9 @@ def _convert(src, out, weight: float, mix: float = 0.5) -> tuple[dict, dict]:
     return record, load_file(out / "model.safetensors")
 
 
-def test_a_mixed_calibration_scores_the_heads_and_the_weight_changes_the_merge(long_tiny, tmp_path):
+def test_a_mixed_calibration_scores_the_heads_and_the_weight_changes_the_merge(long_tiny, tmp_path, cli):
+    from safetensors.torch import load_file
+
     record, plain = _convert(long_tiny, tmp_path / "b0", 0.0)
     weighted_record, weighted = _convert(long_tiny, tmp_path / "b4", 4.0)
     mix = record["calibration"]["retrieval_mix"]
@@ -127,6 +129,32 @@ def test_a_mixed_calibration_scores_the_heads_and_the_weight_changes_the_merge(l
     assert all(torch.isfinite(t).all() for t in weighted.values())
     others = [n for n in plain if ".self_attn." not in n]
     assert all(torch.equal(plain[n], weighted[n]) for n in others)
+    # the answer / needle rows (default W = 1) reach the refits: W = 0 (from the command line, with --refit-keys)
+    # converts otherwise
+    assert heads["rows_weight"] == 1.0 and record["merge"]["key_refit"] == {"rounds": 1}
+    code, _, err = cli("convert", long_tiny, "--to", "mqa", "--merge", "aligned", "--calib", "pydoc", "--calib-tokens",
+                       2 * WINDOW, "--calib-window", WINDOW, "--calib-retrieval-mix", "0.5", "--seed", "1",
+                       "--refit-keys", "--retrieval-rows-weight", "0", "--out", tmp_path / "w0")
+    assert code == 0, err
+    no_rows = json.loads((tmp_path / "w0" / "surgery.json").read_text())["merge"]
+    assert no_rows["key_refit"] == {"rounds": 1} and no_rows["retrieval_heads"]["rows_weight"] == 0.0
+    assert no_rows["retrieval_heads"]["scores"] == scores
+    no_rows_tensors = load_file(tmp_path / "w0" / "model.safetensors")
+    assert any(not torch.equal(plain[n], no_rows_tensors[n]) for n in attention)
+
+
+def test_without_retrieval_windows_the_rows_weight_changes_nothing(tmp_path):
+    """P = 0: no answer or needle rows, so any W converts byte for byte as today (key refit on)."""
+    from surgery.testing.tiny_models import tiny
+
+    src = tiny("llama", tmp_path / "src")
+    outs = []
+    for w in (1.0, 50.0):
+        out = tmp_path / f"w{w:g}"
+        convert_aligned(resolve_source(str(src)), out, kv_heads=1, calib="pydoc", calib_tokens=256, progress=False,
+                        options=MergeOptions(groups=1, refit_k=True, retrieval_rows_weight=w))
+        outs.append((out / "model.safetensors").read_bytes())
+    assert outs[0] == outs[1]
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -139,6 +167,14 @@ def test_a_mixed_calibration_scores_the_heads_and_the_weight_changes_the_merge(l
     (["--merge", "mean", "--calib-retrieval-mix", "0.5"], "--calib-retrieval-mix does nothing for the mean merge"),
     (["--merge", "mean", "--retrieval-weight", "1"], "--retrieval-weight weighs the aligned merge's heads: it does "
                                                      "nothing for the mean merge"),
+    (["--calib-retrieval-mix", "0.5", "--retrieval-rows-weight", "-1"], "--retrieval-rows-weight must be a finite "
+                                                                        "number >= 0, got -1"),
+    (["--retrieval-rows-weight", "5"], "--retrieval-rows-weight weighs the retrieval examples' answer and needle "
+                                       "rows: give --calib-retrieval-mix P > 0 too"),
+    (["--merge", "mean", "--retrieval-rows-weight", "5"], "--retrieval-rows-weight weighs the aligned merge's refit "
+                                                          "rows: it does nothing for the mean merge"),
+    (["--merge", "mean", "--refit-keys"], "--refit-keys refits the aligned merge's keys: it does nothing for the "
+                                          "mean merge"),
 ])
 def test_bad_retrieval_options_are_refused_in_one_line(flags, message, long_tiny, tmp_path, cli):
     args = ["--merge", "aligned", "--calib", "pydoc", *flags] if flags[0] != "--merge" else flags
