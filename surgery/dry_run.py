@@ -65,5 +65,15 @@ def convert_dry_run(src: Source, kind, options) -> dict:
             "seconds": _sig(est.seconds), "layers": est.layers, "tokens": est.tokens, "device": est.device,
             "chunk_windows": est.chunk_windows,
             "flops_per_layer": asdict(est.flops_per_layer), "throughput": asdict(est.throughput),
-            "memory_terms": est.memory, "calib": texts, "lines": [head, f"calibration text: {' + '.join(texts)}",
+            "memory_terms": est.memory, "calib": texts, "lines": [head, f"calibration text: {' + '.join(texts)}{_retrieval_note(options)}",
                                                                     *est.lines()]}
+
+
+def _retrieval_note(options) -> str:
+    """The calibration line's note on --calib-retrieval-mix (and --retrieval-weight), when given."""
+    mix = getattr(options, "calib_retrieval_mix", 0.0)
+    if not mix:
+        return ""
+    weight = getattr(options, "retrieval_weight", 0.0)
+    return (f" ({mix:g} of the windows retrieval examples"
+            + (f"; retrieval heads weighted, B = {weight:g}" if weight else "") + ")")

@@ -34,7 +34,7 @@ LAYERS = [
                     "surgery.units", "surgery.dtypes", "surgery.model_types", "surgery.precision", "surgery.threads",
                     "surgery.logs", "surgery.layer_choice"]),
     ("checkpoint I/O", ["surgery.checkpoint", "surgery.trust", "surgery.data", "surgery.chat",
-                        "surgery.retrieval_tasks", "surgery.runs_in"]),
+                        "surgery.retrieval_tasks", "surgery.retrieval_mix", "surgery.runs_in"]),
     ("runtime", ["surgery.runtime"]),
     ("architecture", ["surgery.arch"]),
     ("conversions", ["surgery.calibration", "surgery.fitting", "surgery.fused_qkv", "surgery.estimate",

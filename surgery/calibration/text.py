@@ -5,7 +5,8 @@ whole documents from the LAST one backwards, so the two never share a document a
 evaluation tokens fit in pydoc's ~113k tokens (SmolLM2 tokenizer). Any other source is read from its start.
 Each document that contributed tokens is recorded by the sha256 of its text (`documents_sha256`), so that
 `check` can warn when its evaluation text overlaps what calibrated the model. Several sources (`--calib A --calib B`)
-mix domains: each gives an equal share of the windows, read as it would be alone.
+mix domains: each gives an equal share of the windows, read as it would be alone. `--calib-retrieval-mix P` replaces a
+fraction P of the windows by retrieval examples built from their own text (surgery/calibration/retrieval.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class CalibrationText:
     mixture: list[dict] | None = None  # several texts: each one's share ({"data", "tokens", "windows"})
     data_commits: dict[str, str | None] | None = None  # each hub dataset's resolved commit (surgery/data.py)
     chat: dict | None = None  # the conversations read from a messages column, and how (surgery.chat.chat_record)
+    retrieval: list | None = None  # the windows holding retrieval examples (calibration.retrieval.RetrievalWindow)
+    retrieval_record: dict | None = None  # what surgery.json records of --calib-retrieval-mix
 
     @property
     def tokens(self) -> int:
@@ -48,7 +51,8 @@ class CalibrationText:
                   "window_length": int(self.windows.shape[1]), "documents_sha256": self.documents_sha256}
         return (record | ({"mixture": self.mixture} if self.mixture else {})
                 | ({"data_commits": self.data_commits} if self.data_commits else {})
-                | ({"chat": self.chat} if self.chat else {}))
+                | ({"chat": self.chat} if self.chat else {})
+                | ({"retrieval_mix": self.retrieval_record} if self.retrieval_record else {}))
 
 
 def calibration_texts(spec: str, text_field: str = "text", chat=None):
@@ -67,8 +71,11 @@ def context_of(config: dict) -> int | None:
 
 
 def calibration_text(spec: str | Sequence[str], tokenizer, tokens: int, context: int | None,
-                     text_field: str = "text", window: int = WINDOW, chat_template: str = "auto") -> CalibrationText:
-    """`tokens` calibration tokens of `spec` as [N, L] windows (L = `window`, or the context when shorter).
+                     text_field: str = "text", window: int = WINDOW, chat_template: str = "auto",
+                     retrieval_mix: float = 0.0, seed: int = 0) -> CalibrationText:
+    """`tokens` calibration tokens of `spec` as [N, L] windows (L = `window`, or the context when shorter), a
+    fraction `retrieval_mix` of them replaced by retrieval examples chosen and drawn from `seed` (refused in one line,
+    before any text is read, when the windows are too short for them).
 
     Several specs mix domains: each gives an equal share of the N windows (the first ones one more when N does not
     divide), read as that spec alone would be (pydoc from its last document, anything else from its start).
@@ -84,10 +91,14 @@ def calibration_text(spec: str | Sequence[str], tokenizer, tokens: int, context:
     if window < 2:
         raise SurgeryError(f"--calib-window must be at least 2, got {window}")
     length = min(window, context or window, tokens)
+    if retrieval_mix:
+        from .retrieval import calibration_mix
+
+        calibration_mix(retrieval_mix, seed, tokenizer, length)  # a bad fraction, too short windows: refused now
     if len(specs) == 1:
         text = _windows(specs[0], tokenizer, tokens, length, text_field, chat)
         text.chat = chat_record(chat)
-        return text
+        return _with_retrieval(text, tokenizer, retrieval_mix, seed)
     n = tokens // length
     if n < len(specs):
         raise SurgeryError(f"--calib-tokens {tokens} makes fewer windows of {length} than the {len(specs)} "
@@ -98,10 +109,23 @@ def calibration_text(spec: str | Sequence[str], tokenizer, tokens: int, context:
     if short is not None:
         raise SurgeryError(f"calibration data {short.data} gave only {short.tokens} token(s), less than one window "
                            f"of {length}")
-    return CalibrationText(torch.cat([p.windows for p in parts]), " + ".join(specs), "mixture: " + "; ".join(
+    text = CalibrationText(torch.cat([p.windows for p in parts]), " + ".join(specs), "mixture: " + "; ".join(
         f"{p.data}: {p.split}" for p in parts), [h for p in parts for h in p.documents_sha256],
         [{"data": p.data, "tokens": p.tokens, "windows": int(p.windows.shape[0])} for p in parts],
         {k: v for p in parts for k, v in (p.data_commits or {}).items()} or None, chat_record(chat))
+    return _with_retrieval(text, tokenizer, retrieval_mix, seed)
+
+
+def _with_retrieval(text: CalibrationText, tokenizer, fraction: float, seed: int) -> CalibrationText:
+    """`text` with a fraction `fraction` of its windows replaced by retrieval examples (unchanged at 0)."""
+    if not fraction:
+        return text
+    from .retrieval import calibration_mix, mix_record, mix_windows
+
+    mix = calibration_mix(fraction, seed, tokenizer, int(text.windows.shape[1]))  # the text may give shorter windows
+    text.windows, text.retrieval = mix_windows(text.windows, mix)
+    text.retrieval_record = mix_record(mix, int(text.windows.shape[0]), text.retrieval)
+    return text
 
 
 def _windows(spec: str, tokenizer, tokens: int, length: int, text_field: str, chat=None) -> CalibrationText:

@@ -7,7 +7,10 @@ already converted). Two refits then make the attention *output*, not the weights
   logits against the merged keys is solved for, weighting each key by the source's attention probability
   (a second-order approximation of the KL between the two attention distributions, with a free per-row
   offset since softmax ignores one); q_proj's rows are then regressed onto those queries (after undoing
-  the rotation), regularised toward the folded queries on all calibration tokens;
+  the rotation), regularised toward the folded queries on all calibration tokens (each head's data weighed against
+  that pull by its weight, when the heads are weighted: `--retrieval-weight`'s retrieval heads fit more closely);
+  on a retrieval window (`--calib-retrieval-mix`) the answer positions' rows join the sampled ones, each weighing
+  `--retrieval-rows-weight` sampled rows (an answer position the random sample also drew counts in both);
 - output: o_proj is refit by ridge regression from the converted per-head outputs to the source attention
   output.
 """
@@ -143,8 +146,11 @@ class QueryFit:
     same samples and sums the same products: memory is one batch's tensors whatever the number of windows."""
 
     def __init__(self, shape: RefitShape, length: int, groups: list[list[int]], pairs: RotaryPairs, scaling: float,
-                 softcap: float | None, opts: QueryRefit, generator: torch.Generator, device: torch.device):
+                 softcap: float | None, opts: QueryRefit, generator: torch.Generator, device: torch.device,
+                 head_weights: torch.Tensor | None = None, rows_weight: float = 0.0):
         self.shape, self.length, self.groups, self.pairs = shape, length, groups, pairs
+        self.head_weights = head_weights  # [H] each query head's weight on its samples (None: 1 each)
+        self.rows_weight = rows_weight  # each of `add`'s extra rows against one sampled row (0: none are added)
         self.scaling, self.softcap, self.opts, self.generator = scaling, softcap, opts, generator
         din = shape.din
         f64 = dict(dtype=torch.float64, device=device)
@@ -155,8 +161,12 @@ class QueryFit:
         self.positions: torch.Tensor | None = None
 
     def add(self, x: torch.Tensor, q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor,
-            cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
-        """The next windows (refit_queries's arguments for them)."""
+            cos: torch.Tensor | None, sin: torch.Tensor | None,
+            rows: list[tuple[int, list[int]]] | None = None) -> None:
+        """The next windows (refit_queries's arguments for them). `rows`: (window index among these windows, query
+        positions) whose ideal queries are fitted too, beside the shared random sample, each row weighing
+        `rows_weight` times a sampled one (a retrieval window's answer positions: the rows that must find the
+        needle); they leave the random draws, and the prior's scale (the sample count), as they are."""
         n_win, lo = x.shape[0], 0
         while lo < n_win:
             offset = self.windows % self.opts.chunk
@@ -166,18 +176,33 @@ class QueryFit:
             hi = min(n_win, lo + self.opts.chunk - offset)
             sl = slice(lo, hi)
             self._add(x[sl], q_src[sl], k_src[sl], q_cv[sl], k_cv[sl], None if cos is None else cos[sl],
-                      None if sin is None else sin[sl])
+                      None if sin is None else sin[sl], self.positions)
             self.windows += hi - lo
             lo = hi
+        if not self.rows_weight:
+            return
+        for i, positions in rows or ():
+            if not positions:
+                continue
+            sl = slice(i, i + 1)
+            self._add(x[sl], q_src[sl], k_src[sl], q_cv[sl], k_cv[sl], None if cos is None else cos[sl],
+                      None if sin is None else sin[sl], torch.tensor(sorted(set(positions)), device=x.device),
+                      self.rows_weight)
 
-    def _add(self, x, q_src, k_src, q_cv, k_cv, cos, sin) -> None:
-        s, positions, din = self.shape, self.positions, self.shape.din
+    def _add(self, x, q_src, k_src, q_cv, k_cv, cos, sin, positions, weight: float | None = None) -> None:
+        """The products of `positions` in every one of these windows; `weight` (None: the sampled rows, counted)
+        scales extra rows' products."""
+        s, din = self.shape, self.shape.din
         r, head_dim = s.per_kv, s.head_dim
-        xa = x.reshape(-1, din).float()
-        self.xtx_all += (xa.T @ xa).double()
+        if weight is None:
+            xa = x.reshape(-1, din).float()
+            self.xtx_all += (xa.T @ xa).double()
         xs = x[:, positions].reshape(-1, din).float()
-        self.xtx += (xs.T @ xs).double()
-        self.samples += xs.shape[0]
+        if weight is None:
+            self.xtx += (xs.T @ xs).double()
+            self.samples += xs.shape[0]
+        else:
+            self.xtx += weight * (xs.T @ xs).double()
         for members in self.groups:
             hs = torch.tensor([j * r + i for j in members for i in range(r)], device=x.device)
             target = ideal_queries(q_src[:, hs], k_src[:, hs // r], q_cv[:, hs], k_cv[:, members[0]],
@@ -186,8 +211,8 @@ class QueryFit:
                 target = rotate(target, cos[:, None, positions], sin[:, None, positions], self.pairs, inverse=True)
             # index_add_, not xty[hs] += ...: the same float64 sums without a gathered copy of xty and a sum the
             # size of it (hs is every head of an MQA merge: 2 x 134 MB on Llama-3-8B)
-            self.xty.index_add_(0, hs, torch.einsum("tx,htd->hxd", xs,
-                                                    target.transpose(0, 1).reshape(len(hs), -1, head_dim)).double())
+            products = torch.einsum("tx,htd->hxd", xs, target.transpose(0, 1).reshape(len(hs), -1, head_dim)).double()
+            self.xty.index_add_(0, hs, products if weight is None else weight * products)
 
     def solve(self, q_rows: torch.Tensor) -> torch.Tensor:
         """New q_proj rows [H*D, d_in] (the accumulated sums are consumed)."""
@@ -200,6 +225,8 @@ class QueryFit:
         c = self.opts.prior * self.samples / (self.windows * self.length)
         ridge = self.opts.weight_ridge * torch.diagonal(xtx).mean().clamp_min(1e-12)
         rows = q_rows.reshape(heads, head_dim, din)
+        if self.head_weights is not None:
+            return self._solve_weighted(xtx, xtx_all, xty, c, ridge, rows)
         for h in range(heads):
             rows_h = rows[h].T.double()
             xty[h] += c * (xtx_all @ rows_h) + ridge * rows_h
@@ -210,6 +237,19 @@ class QueryFit:
         fitted = torch.empty(heads, head_dim, din, dtype=torch.float32, device=xtx.device)
         for h in range(heads):
             fitted[h] = torch.linalg.lu_solve(lu, pivots, xty[h]).T.float()
+        return fitted.reshape(heads * head_dim, din)
+
+    def _solve_weighted(self, xtx, xtx_all, xty, c, ridge, rows) -> torch.Tensor:
+        """Head h's samples weigh a_h against the same pull: (a_h xtx + prior) W_h = a_h xty_h + prior rows_h^T, one
+        factorisation per head."""
+        heads, head_dim, din = self.shape.heads, self.shape.head_dim, self.shape.din
+        prior = c * xtx_all
+        prior.diagonal().add_(ridge)
+        fitted = torch.empty(heads, head_dim, din, dtype=torch.float32, device=xtx.device)
+        for h in range(heads):
+            a = float(self.head_weights[h])
+            rows_h = rows[h].T.double()
+            fitted[h] = torch.linalg.solve(a * xtx + prior, a * xty[h] + prior @ rows_h).T.float()
         return fitted.reshape(heads * head_dim, din)
 
 

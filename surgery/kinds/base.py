@@ -14,6 +14,7 @@ A kind is one `Kind` object in the registry (surgery/kinds/__init__.py):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -162,6 +163,26 @@ def require_size(options: CliModel, s, kind: str, name: str, rule: str = "must b
         raise ValueError(f"{s.kind(kind)} needs {s.options([name])}")
     if value < 1:
         raise ValueError(f"{s.flag(name)} {rule}, got {value}")
+
+
+class RetrievalMixOptions(CliModel):
+    """Retrieval examples among the calibration windows (aligned merge, MLA): a fraction of the windows replaced by
+    synthetic retrieval examples built from their own text (surgery/calibration/retrieval.py), so that the fits see
+    queries that copy from far back."""
+
+    GROUP: ClassVar[str] = "retrieval calibration (aligned merge, mla)"
+    calib_retrieval_mix: float = option(
+        0.0, "--calib-retrieval-mix", "[aligned, mla] Fraction P (0..1) of the calibration windows replaced by "
+        "synthetic retrieval examples (passkey, single- and multi-key needles, variable tracking) built from the "
+        "window's own text, chosen and drawn from --seed; 0: plain text. Each task's question and needles must fit "
+        "in half a --calib-window.", metavar="P", group=GROUP)
+
+    @field_validator("calib_retrieval_mix")
+    @classmethod
+    def _fraction(cls, v: float, info: ValidationInfo) -> float:
+        if not (math.isfinite(v) and 0 <= v <= 1):
+            raise ValueError(f"{spelling(info, cls).flag('calib_retrieval_mix')} must lie in [0, 1], got {v}")
+        return v
 
 
 class QueryRefitOptions(CliModel):

@@ -3,6 +3,7 @@ activation-aware, calibrated layer by layer). The output is a standard checkpoin
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -10,7 +11,7 @@ from pydantic import ValidationInfo, field_validator, model_validator
 
 from ..arch import Feature
 from ..options import option, spelling
-from ..kinds.base import CalibrationOptions, Kind, QueryRefitOptions, WriteOptions, require_size
+from ..kinds.base import CalibrationOptions, Kind, QueryRefitOptions, RetrievalMixOptions, WriteOptions, require_size
 from .refusals import ALIGNED_LABEL, ALIGNED_REFUSES, PLAIN_LABEL, PLAIN_REFUSES
 
 ALIGNED = "aligned"  # the calibrated merge; the others are surgery.kv.pool's POOL_METHODS (tests/test_registry.py)
@@ -42,9 +43,22 @@ class KVMergeFields(WriteOptions):
         False, "--refit-values", "[aligned] Also refit the merged values so that each query head reproduces its "
         "source head's output under the converted attention (holds one hidden x hidden float64 matrix per query head: "
         "about 4 GB on Llama-3-8B).", group=GROUP)
+    refit_keys: bool = option(
+        False, "--refit-keys", "[aligned] Also refit the merged keys against the source's attention logits (from all "
+        "the group's converted queries) before the query refit.", group=GROUP)
+    retrieval_weight: float = option(
+        0.0, "--retrieval-weight", "[aligned] Weigh each query head in the merge (its queries' energy), the key refit "
+        "and the query refit by 1 + B x its retrieval score (in [0, 1]: the attention its answer positions put on the "
+        "needle on the --calib-retrieval-mix examples, recorded in surgery.json); 0: every head weighs the same.",
+        metavar="B", group=GROUP)
+    retrieval_rows_weight: float = option(
+        1.0, "--retrieval-rows-weight", "[aligned, with --calib-retrieval-mix] On each retrieval example the query "
+        "refit also fits the answer positions' rows and the key refit (--refit-keys) the needle's positions, each row "
+        "weighing W sampled rows (1: as any row; larger: a handful of rows against the thousands sampled; 0: only the "
+        "random samples).", metavar="W", group=GROUP)
 
 
-class KVMergeOptions(CalibrationOptions, QueryRefitOptions, KVMergeFields):
+class KVMergeOptions(CalibrationOptions, RetrievalMixOptions, QueryRefitOptions, KVMergeFields):
     @property
     def groups(self) -> int:
         """K/V heads after conversion."""
@@ -56,11 +70,35 @@ class KVMergeOptions(CalibrationOptions, QueryRefitOptions, KVMergeFields):
         if self.merge == ALIGNED:
             return self
         s = spelling(info, type(self))
-        if self.refit_values:
-            raise ValueError(f"{s.flag('refit_values')} refits the aligned merge's values: it does nothing for the "
+        if self.retrieval_weight:
+            raise ValueError(f"{s.flag('retrieval_weight')} weighs the aligned merge's heads: it does nothing for the "
                              f"{self.merge} merge (use {s.flag('merge')} aligned)")
+        for name, what in (("refit_values", "values"), ("refit_keys", "keys")):
+            if getattr(self, name):
+                raise ValueError(f"{s.flag(name)} refits the aligned merge's {what}: it does nothing for the "
+                                 f"{self.merge} merge (use {s.flag('merge')} aligned)")
+        if "retrieval_rows_weight" in self.model_fields_set:
+            raise ValueError(f"{s.flag('retrieval_rows_weight')} weighs the aligned merge's refit rows: it does "
+                             f"nothing for the {self.merge} merge (use {s.flag('merge')} aligned)")
         self.refuse_calibration_options(s, f"the {self.merge} merge", f"{s.flag('merge')} aligned",
-                                        more=("query_samples", "grouping"))
+                                        more=("query_samples", "grouping", "calib_retrieval_mix"))
+        return self
+
+    @model_validator(mode="after")
+    def _retrieval_weight(self, info: ValidationInfo):
+        """The head weights need scores, which only the retrieval examples give."""
+        s = spelling(info, type(self))
+        if not (math.isfinite(self.retrieval_weight) and self.retrieval_weight >= 0):
+            raise ValueError(f"{s.flag('retrieval_weight')} must be a finite number >= 0, got {self.retrieval_weight}")
+        if self.retrieval_weight and self.merge == ALIGNED and not self.calib_retrieval_mix:
+            raise ValueError(f"{s.flag('retrieval_weight')} weighs heads by their retrieval scores, measured on "
+                             f"retrieval examples: give {s.flag('calib_retrieval_mix')} P > 0 too")
+        w = self.retrieval_rows_weight
+        if not (math.isfinite(w) and w >= 0):
+            raise ValueError(f"{s.flag('retrieval_rows_weight')} must be a finite number >= 0, got {w}")
+        if "retrieval_rows_weight" in self.model_fields_set and self.merge == ALIGNED and not self.calib_retrieval_mix:
+            raise ValueError(f"{s.flag('retrieval_rows_weight')} weighs the retrieval examples' answer and needle "
+                             f"rows: give {s.flag('calib_retrieval_mix')} P > 0 too")
         return self
 
 

@@ -391,7 +391,8 @@ def convert_to_mla(src: Source, out: Path, options: "MLAOptions", progress: bool
     `query_samples` positions per window for the query refit; its forward passes compute in `precision`
     (surgery/precision.py), its statistics in float32/64. Measurement baselines: `absorb` False drops an approximate
     family's biases and q/k norms instead of absorbing them (surgery/mla/absorb.py; the refits still fit the
-    source's own logits and outputs); `refit_queries` False runs no query refit."""
+    source's own logits and outputs); `refit_queries` False runs no query refit. A fraction
+    `options.calib_retrieval_mix` of the calibration windows are retrieval examples (from the seed)."""
     o = options
     kv_rank, rope_dim, seed = o.kv_rank, o.rope_dim, o.seed
     query_samples = o.query_samples if refit_queries else 0
@@ -453,7 +454,7 @@ def convert_to_mla(src: Source, out: Path, options: "MLAOptions", progress: bool
     inv_freq = source_frequencies(src.folder, shape.rotary_dims)
     strides = rope_strides(inv_freq, shape.rope_dim, source_theta(config))
     text = calibration_text(o.calib, load_tokenizer(src), o.calib_tokens, context_of(config), window=o.calib_window,
-                            chat_template=o.chat_template)
+                            chat_template=o.chat_template, retrieval_mix=o.calib_retrieval_mix, seed=seed)
     chunk = chunk_windows(config, int(text.windows.shape[1]), requested=o.calib_chunk)
     out_dtype = getattr(torch, dtype) if dtype else None
     losses: dict[int, tuple[float, float]] = {}

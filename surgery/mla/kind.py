@@ -10,7 +10,8 @@ from typing import ClassVar
 from pydantic import ValidationInfo, model_validator
 
 from ..options import option, spelling
-from ..kinds.base import AttentionShape, CalibrationOptions, Kind, QueryRefitOptions, WriteOptions, require_size
+from ..kinds.base import (AttentionShape, CalibrationOptions, Kind, QueryRefitOptions, RetrievalMixOptions,
+                          WriteOptions, require_size)
 from .families import verdict_text
 from .refusals import REFUSES
 
@@ -28,7 +29,7 @@ class MLAFields(WriteOptions):
         "head_dim; default head_dim).", metavar="D", group=GROUP)
 
 
-class MLAOptions(CalibrationOptions, QueryRefitOptions, MLAFields):
+class MLAOptions(CalibrationOptions, RetrievalMixOptions, QueryRefitOptions, MLAFields):
     @model_validator(mode="after")
     def _sizes(self, info: ValidationInfo):
         s = spelling(info, type(self))

@@ -75,10 +75,10 @@ def recorded_layers(monkeypatch, folder, kv_to: int, ids=None) -> list[tuple]:
     seen = []
     original = pipeline.merge_layer
 
-    def recording(p, sigma, kv_heads, head_dim, groups, pairs, fold_queries=True, assign=True):
+    def recording(p, sigma, kv_heads, head_dim, groups, pairs, fold_queries=True, assign=True, head_weights=None):
         seen.append((AttnParams(p.q.clone(), p.k.clone(), p.v.clone(), p.o.clone(), None, p.qkv_bias), sigma.clone(),
                      kv_heads, head_dim, groups, pairs, fold_queries))
-        return original(p, sigma, kv_heads, head_dim, groups, pairs, fold_queries, assign)
+        return original(p, sigma, kv_heads, head_dim, groups, pairs, fold_queries, assign, head_weights)
 
     monkeypatch.setattr(pipeline, "merge_layer", recording)
     result = merged_layers(open_stream(folder, CheckpointReader(folder), "cpu", "sdpa"), folder, kv_to, ids)

@@ -103,7 +103,9 @@ class AlignedPlanner(KVPlanner):
 def merge_options(options: "KVMergeOptions") -> MergeOptions:
     """The merge pipeline's settings that the kind's options choose (the rest at MergeOptions' defaults)."""
     return MergeOptions(groups=options.groups, assign=options.grouping == "similarity", refit_v=options.refit_values,
-                        query=QueryRefit(samples=options.query_samples), chunk_windows=options.calib_chunk)
+                        refit_k=options.refit_keys, query=QueryRefit(samples=options.query_samples),
+                        chunk_windows=options.calib_chunk, retrieval_weight=options.retrieval_weight,
+                        retrieval_rows_weight=options.retrieval_rows_weight)
 
 
 def convert_aligned(src: Source, out: Path, options: "KVMergeOptions", progress: bool = True,
@@ -111,8 +113,10 @@ def convert_aligned(src: Source, out: Path, options: "KVMergeOptions", progress:
     """Merge `src`'s K/V heads into `options.groups` with calibration, writing a standard checkpoint to `out`;
     `options` is the kind's options model (surgery/kv/kind.py), validated where it was built: this checks only what
     needs the source's config. The calibration's forward passes compute in `options.precision`
-    (surgery/precision.py), its statistics in float32/64. `merge` (ablations and measurements): the merge pipeline's
-    own settings instead of those `options` chooses (merge_options)."""
+    (surgery/precision.py), its statistics in float32/64. A fraction `options.calib_retrieval_mix` of the
+    calibration windows are retrieval examples (from `options.seed`), on which every layer's query heads are scored
+    (and weighted, with `retrieval_weight`). `merge` (ablations and measurements): the merge pipeline's own settings
+    instead of those `options` chooses (merge_options)."""
     start = time.time()
     config = src.config
     kv_heads, written = options.groups, options.write_kwargs()
@@ -132,12 +136,14 @@ def convert_aligned(src: Source, out: Path, options: "KVMergeOptions", progress:
     dev = pick_device(options.device)
     resolved = resolve_precision(options.precision, dev)
     text = calibration_text(options.calib, load_tokenizer(src), options.calib_tokens, context_of(config),
-                            window=options.calib_window, chat_template=options.chat_template)
+                            window=options.calib_window, chat_template=options.chat_template,
+                            retrieval_mix=options.calib_retrieval_mix, seed=options.seed)
     opts = replace(opts, chunk_windows=chunk_windows(config, int(text.windows.shape[1]), requested=opts.chunk_windows))
     calib_start = time.time()
     with LayerStore(out) as store:
         with calibrating(resolved, dev):
-            result = _calibrate_and_merge(src, reader, spec, config, shape, text.windows, opts, dev, store, progress)
+            result = _calibrate_and_merge(src, reader, spec, config, shape, text.windows, opts, dev, store, progress,
+                                          text.retrieval)
         extra = _merge_record(text, result, opts, shape, options.seed, time.time() - calib_start, dev)
         extra["calibration"]["precision"] = resolved
         groupings = [r.groups for r in result.reports]
@@ -146,7 +152,8 @@ def convert_aligned(src: Source, out: Path, options: "KVMergeOptions", progress:
 
 
 def _calibrate_and_merge(src: Source, reader: CheckpointReader, spec, config: dict, shape, windows: torch.Tensor,
-                         opts: MergeOptions, device: torch.device, store: LayerStore, progress: bool):
+                         opts: MergeOptions, device: torch.device, store: LayerStore, progress: bool,
+                         retrieval=None):
     """Stream the source layer by layer on `device`, merge each layer, and keep its exported tensors in `store`."""
     with threads(compute_threads() if device.type == "cpu" else torch.get_num_threads()):
         stream = open_stream(src.folder, reader, device, attn_implementation="sdpa")
@@ -159,7 +166,7 @@ def _calibrate_and_merge(src: Source, reader: CheckpointReader, spec, config: di
 
         with LayerProgress("calibrate + merge", len(stream), progress) as bar:
             return merge_model(stream, spec, config, shape.heads, shape.kv_heads, shape.head_dim, windows, opts,
-                               progress=lambda i, m: bar.update(), keep=keep)
+                               progress=lambda i, m: bar.update(), keep=keep, retrieval=retrieval)
 
 
 def _merge_record(text: CalibrationText, result, opts: MergeOptions, shape, seed: int, seconds: float,
@@ -199,6 +206,13 @@ def _merge_record(text: CalibrationText, result, opts: MergeOptions, shape, seed
         },
         "seed": seed,
     }
+    if result.head_scores is not None:  # --calib-retrieval-mix: each layer's query heads scored on its examples
+        extra["merge"]["retrieval_heads"] = {
+            "score": "attention mass from the answer-predicting positions on the needle's value tokens, mean over the "
+                     "retrieval windows, per layer and source query head",
+            "weight": opts.retrieval_weight, "head_weight": "1 + weight x score",
+            # the answer (query refit) and needle (key refit) positions' rows, each weighing this many sampled rows
+            "rows_weight": opts.retrieval_rows_weight, "scores": result.head_scores}
     layer_rot = [r.rotary_dims for r in result.reports]
     if any(r != rot for r in layer_rot):  # some layers without RoPE (their keys merge by any linear map)
         extra["merge"]["layer_rotary_dims"] = layer_rot

@@ -140,9 +140,17 @@ class GroupMerge:
     value_loss: float
 
 
+def weighted_queries(queries: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """queries [n, r, D, d_in] scaled by sqrt(weights [n, r]): their energies, the keys' fit's weights, scaled by the
+    weights (the queries themselves when there are none)."""
+    return queries if weights is None else queries * weights.sqrt().to(queries.dtype)[:, :, None, None]
+
+
 def merge_group(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, o_heads: torch.Tensor,
-                sigma: torch.Tensor, pairs: RotaryPairs, fold_queries: bool = True) -> GroupMerge:
-    """Merge one group. keys/values [n, D, d_in]; queries [n, r, D, d_in]; o_heads [n, r, d, D] (o_proj slices).
+                sigma: torch.Tensor, pairs: RotaryPairs, fold_queries: bool = True,
+                query_weights: torch.Tensor | None = None) -> GroupMerge:
+    """Merge one group. keys/values [n, D, d_in]; queries [n, r, D, d_in]; o_heads [n, r, d, D] (o_proj slices);
+    query_weights [n, r]: each query head's weight in the keys' fit (None: 1 each).
 
     fold_queries=False (architectures with per-head q/k norms, where nothing can be folded through the
     norm): the merged key is the members' mean and the queries stay as they are.
@@ -160,7 +168,7 @@ def merge_group(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
     key = torch.empty_like(keys[0])
     losses = []
     if pairs.frequencies:
-        stats = complex_stats(keys, queries, sigma, pairs)
+        stats = complex_stats(keys, weighted_queries(queries, query_weights), sigma, pairs)
         rot, alpha, rot_loss = merge_rotary(keys, stats, pairs)
         f = pairs.frequencies
         key[pairs.a], key[pairs.b] = rot[:f], rot[f:]
@@ -170,7 +178,8 @@ def merge_group(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
     if pairs.rest.numel():
         rest = pairs.rest
         q_rest = queries[:, :, rest]  # [n, r, p, d_in]
-        metric = torch.einsum("jrpx,xy,jrqy->jpq", q_rest, sigma, q_rest)
+        q_metric = weighted_queries(queries, query_weights)[:, :, rest]
+        metric = torch.einsum("jrpx,xy,jrqy->jpq", q_metric, sigma, q_metric)
         merged, maps, rest_loss = merge_linear(keys[:, rest], metric, sigma)
         key[rest] = merged
         for j in range(n):

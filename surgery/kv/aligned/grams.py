@@ -36,9 +36,10 @@ def _rows_gram(rows: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
 
 
 def head_grams(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, sigma: torch.Tensor,
-               pairs: RotaryPairs, fold: bool = True) -> HeadGrams:
+               pairs: RotaryPairs, fold: bool = True, query_weights: torch.Tensor | None = None) -> HeadGrams:
     """q [KV, r, D, d_in], k/v [KV, D, d_in], o [KV, r, d, D] (layer.merge_layer's split, any float dtype: the
-    products are float64), sigma [d_in, d_in] float64."""
+    products are float64), sigma [d_in, d_in] float64; query_weights [KV, r] each query head's weight (as
+    fit.merge_group's)."""
     kv, r, head_dim, din = q.shape
     values = _rows_gram(v.reshape(-1, din).double(), sigma)
     value_roots = sym_sqrt(torch.stack([torch.einsum("rdi,rdk->ik", o[j].double(), o[j].double()) for j in range(kv)]))
@@ -48,7 +49,10 @@ def head_grams(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
         energy_rows = []
         metrics = []
         for j in range(kv):  # one head's queries at a time (float64): [r D, d_in] products with sigma
-            qj = q[j].reshape(-1, din).double()
+            qj = q[j].double()
+            if query_weights is not None:
+                qj = qj * query_weights[j].sqrt().to(qj)[:, None, None]
+            qj = qj.reshape(-1, din)
             qs = qj @ sigma
             e = (qs * qj).sum(-1).reshape(r, head_dim)  # diag(Q sigma Q^T)
             energy_rows.append((e[:, pairs.a] + e[:, pairs.b]).sum(0))

@@ -8,8 +8,11 @@ the rotated key that best reproduces the source's logits from *all* the group's 
 where t is the source's logit (its own query against its own key head), s the softmax scaling, c_hm the per-query
 offset softmax ignores (the source-probability-weighted mean of t - converted logit over row m), w the source's
 attention probability plus a uniform share over the visible queries (so that logits the source gives little weight
-keep in check too), and kappa0 the current merged key. k_proj's rows are then regressed onto those keys (after
-undoing the rotation at each key's position), regularised toward the current rows on all calibration tokens.
+keep in check too), times the query head's weight when the heads are weighted (`--retrieval-weight`: retrieval heads
+count more), and kappa0 the current merged key. k_proj's rows are then regressed onto those keys (after
+undoing the rotation at each key's position), regularised toward the current rows on all calibration tokens. On a
+retrieval window (`--calib-retrieval-mix`) the needle's value positions join the window's sampled key positions, each
+weighing `--retrieval-rows-weight` sampled rows.
 
 The queries only enter as the converted model computes them, so alternating this with the query refit
 (`refit.refit_queries`) descends the same logit objective from both sides. A group of one head is not refit (its key
@@ -37,9 +40,11 @@ class KeyRefit:
 
 @torch.no_grad()
 def ideal_keys(q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor, scaling: float,
-               softcap: float | None, positions: torch.Tensor, opts: KeyRefit) -> torch.Tensor:
+               softcap: float | None, positions: torch.Tensor, opts: KeyRefit,
+               head_weights: torch.Tensor | None = None) -> torch.Tensor:
     """One window. q_src [R, L, D] the group's source queries, k_src [R, L, D] the source key each of them used,
-    q_cv [R, L, D] the converted queries, k_cv [L, D] the merged key; positions [M] key positions -> [M, D]."""
+    q_cv [R, L, D] the converted queries, k_cv [L, D] the merged key; positions [M] key positions -> [M, D];
+    head_weights [R] each query head's weight (None: 1 each)."""
     heads, length, head_dim = q_src.shape
     dev = q_src.device
     positions = positions.to(dev)
@@ -53,6 +58,8 @@ def ideal_keys(q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_c
     seen = causal[:, positions].float()  # [L(m), M]
     share = seen / seen.sum(0, keepdim=True).clamp_min(1)
     w = prob[:, :, positions] + opts.uniform * share  # [R, L, M]
+    if head_weights is not None:
+        w = w * head_weights.to(w)[:, None, None]
     resid = (target - offset)[:, :, positions]  # [R, L, M]
     gram = torch.einsum("hmd,hmn,hme->nde", qs, w, qs).double()  # [M, D, D]
     rhs = torch.einsum("hmd,hmn->nd", qs, w * resid).double()  # [M, D]
@@ -68,8 +75,11 @@ class KeyFit:
     one batch's tensors whatever the number of windows."""
 
     def __init__(self, shape: RefitShape, length: int, pairs: RotaryPairs, scaling: float, softcap: float | None,
-                 opts: KeyRefit, generator: torch.Generator, device: torch.device):
+                 opts: KeyRefit, generator: torch.Generator, device: torch.device,
+                 head_weights: torch.Tensor | None = None, rows_weight: float = 0.0):
         self.shape, self.length, self.pairs = shape, length, pairs
+        self.head_weights = head_weights  # [H] each query head's weight (None: 1 each)
+        self.rows_weight = rows_weight  # each of `add`'s extra rows against one sampled row (0: none are added)
         self.scaling, self.softcap, self.opts, self.generator = scaling, softcap, opts, generator
         din = shape.din
         f64 = dict(dtype=torch.float64, device=device)
@@ -79,11 +89,16 @@ class KeyFit:
         self.samples = self.windows = 0
 
     def add(self, x: torch.Tensor, q_src: torch.Tensor, k_src: torch.Tensor, q_cv: torch.Tensor, k_cv: torch.Tensor,
-            cos: torch.Tensor | None, sin: torch.Tensor | None) -> None:
-        """The next windows (refit_keys's arguments for them)."""
+            cos: torch.Tensor | None, sin: torch.Tensor | None,
+            rows: list[tuple[int, list[int]]] | None = None) -> None:
+        """The next windows (refit_keys's arguments for them). `rows`: (window index among these windows, key
+        positions) whose ideal keys are fitted too, beside the window's random sample, each weighing `rows_weight`
+        times a sampled one (a retrieval window's needle positions: the keys the answer must find); they leave the
+        random draws, and the prior's scale (the sample count), as they are."""
         if not self.shape.fit:
             return
-        r, m = self.shape.per_kv, min(self.opts.samples, self.length)
+        m = min(self.opts.samples, self.length)
+        extra = {i: positions for i, positions in rows or () if positions} if self.rows_weight else {}
         for i in range(x.shape[0]):
             xa = x[i].float()
             self.xtx_all += (xa.T @ xa).double()
@@ -91,14 +106,26 @@ class KeyFit:
             xs = xa[positions]
             self.xtx += (xs.T @ xs).double()
             self.samples += m
-            for g, members in enumerate(self.shape.fit):
-                hs = torch.tensor([j * r + h for j in members for h in range(r)], device=x.device)
-                target = ideal_keys(q_src[i, hs], k_src[i, hs // r], q_cv[i, hs], k_cv[i, members[0]], self.scaling,
-                                    self.softcap, positions, self.opts)  # [M, D]
-                if cos is not None and self.pairs.frequencies:
-                    target = rotate(target, cos[i, positions], sin[i, positions], self.pairs, inverse=True)
-                self.xty[g] += (xs.T @ target).double()
+            self._window(i, xs, positions, q_src, k_src, q_cv, k_cv, cos, sin)
+            if i in extra:
+                positions = torch.tensor(sorted(set(extra[i])), device=x.device)
+                xs = xa[positions]
+                self.xtx += self.rows_weight * (xs.T @ xs).double()
+                self._window(i, xs, positions, q_src, k_src, q_cv, k_cv, cos, sin, self.rows_weight)
         self.windows += x.shape[0]
+
+    def _window(self, i, xs, positions, q_src, k_src, q_cv, k_cv, cos, sin, weight: float | None = None) -> None:
+        """Window i's ideal keys at `positions` (inputs xs) into each group's right-hand side (`weight`: extra rows)."""
+        r = self.shape.per_kv
+        for g, members in enumerate(self.shape.fit):
+            hs = torch.tensor([j * r + h for j in members for h in range(r)], device=xs.device)
+            weights = None if self.head_weights is None else self.head_weights[hs.cpu()]
+            target = ideal_keys(q_src[i, hs], k_src[i, hs // r], q_cv[i, hs], k_cv[i, members[0]], self.scaling,
+                                self.softcap, positions, self.opts, weights)  # [M, D]
+            if cos is not None and self.pairs.frequencies:
+                target = rotate(target, cos[i, positions], sin[i, positions], self.pairs, inverse=True)
+            products = (xs.T @ target).double()
+            self.xty[g] += products if weight is None else weight * products
 
     def solve(self, k_rows: torch.Tensor) -> torch.Tensor:
         """New k_proj rows [KV*D, d_in] (every slot of a group holds the group's refit key)."""

@@ -38,20 +38,23 @@ def group_blocks(p: AttnParams, kv: int, head_dim: int):
 
 
 def merge_layer(p: AttnParams, sigma: torch.Tensor, kv_heads: int, head_dim: int, groups: int,
-                pairs: RotaryPairs, fold_queries: bool = True, assign: bool = True) -> LayerMerge:
-    """p (float32 or float64), sigma in float64 -> merged params (float32), source-shaped.
+                pairs: RotaryPairs, fold_queries: bool = True, assign: bool = True,
+                head_weights: torch.Tensor | None = None) -> LayerMerge:
+    """p (float32 or float64), sigma in float64 -> merged params (float32), source-shaped. `head_weights` [H]: each
+    query head's weight in the keys' fit and the grouping's score (its queries' energy scaled by it; None: 1 each).
 
     The fits run in float64 on one group's heads at a time (converted on the way in: exact), and each merged head is
     written straight into the float32 result: the layer's attention is never held in float64 whole."""
     q, k, v, o = group_blocks(p, kv_heads, head_dim)
+    weights = None if head_weights is None else head_weights.double().reshape(kv_heads, -1).to(q.device)  # [KV, r]
 
     def merged(members):
         idx = list(members)
         return merge_group(k[idx].double(), v[idx].double(), q[idx].double(), o[idx].double(), sigma, pairs,
-                           fold_queries)
+                           fold_queries, None if weights is None else weights[idx])
 
     if assign and searched(kv_heads, groups):  # candidates scored from per-head products computed once (grams.py)
-        grams = head_grams(q, k, v, o, sigma, pairs, fold_queries)
+        grams = head_grams(q, k, v, o, sigma, pairs, fold_queries, weights)
         grouping = assign_groups(lambda members: group_loss(grams, members), kv_heads, groups)
         del grams
     else:
@@ -80,14 +83,16 @@ def merge_layer(p: AttnParams, sigma: torch.Tensor, kv_heads: int, head_dim: int
 
 
 def merge_loss(p: AttnParams, sigma: torch.Tensor, kv_heads: int, head_dim: int, pairs: RotaryPairs,
-               fold_queries: bool = True):
+               fold_queries: bool = True, head_weights: torch.Tensor | None = None):
     """The grouping search's score measured by merging each candidate group (fit.merge_group, d_in x d_in products
     every time): the reference `grams.group_loss` is tested and benchmarked against."""
     q, k, v, o = group_blocks(p, kv_heads, head_dim)
+    weights = None if head_weights is None else head_weights.double().reshape(kv_heads, -1)
 
     def cost(members) -> float:
         idx = list(members)
-        m = merge_group(k[idx].double(), v[idx].double(), q[idx].double(), o[idx].double(), sigma, pairs, fold_queries)
+        m = merge_group(k[idx].double(), v[idx].double(), q[idx].double(), o[idx].double(), sigma, pairs, fold_queries,
+                        None if weights is None else weights[idx])
         key = 0.0 if m.key_loss != m.key_loss else m.key_loss  # NaN when keys are not fitted
         return key + m.value_loss
 

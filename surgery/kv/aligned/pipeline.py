@@ -23,6 +23,7 @@ from ...calibration.chunks import chunk_windows
 from ...calibration.stream import LayerStream, run_layer
 from ...runtime import threads
 from ...calibration import capture
+from ...calibration.retrieval import HeadScores, RetrievalWindow, chunk_probes, head_weights
 from .layer import LayerMerge, merge_layer
 from .params import AttnParams, LayerAttention
 from .keyrefit import KeyFit, KeyRefit
@@ -54,6 +55,12 @@ class MergeOptions:
     key: KeyRefit = field(default_factory=KeyRefit)
     value: ValueRefit = field(default_factory=ValueRefit)
     seed: int = 0
+    # each query head weighs 1 + retrieval_weight * score in the merge and the key and query refits, its score the
+    # attention it puts on the needle on the retrieval windows (surgery/calibration/retrieval.py); 0: alike
+    retrieval_weight: float = 0.0
+    # on the retrieval windows, the answer positions join the query refit's rows and the needle positions the key
+    # refit's, each weighing this many sampled rows (0: only the random samples, as on plain text)
+    retrieval_rows_weight: float = 1.0
 
 
 @dataclass
@@ -71,6 +78,7 @@ class MergeResult:
     reports: list[LayerReport]
     seconds: float
     stages: dict = field(default_factory=dict)  # seconds spent per stage (wall clock)
+    head_scores: list[list[float]] | None = None  # per layer, per query head: the retrieval score (retrieval windows)
 
 
 def _has_qk_norm(attention: torch.nn.Module) -> bool:
@@ -88,12 +96,14 @@ def project_heads(x: torch.Tensor, rows: torch.Tensor, head_dim: int, cos, sin, 
 
 @torch.no_grad()
 def merge_model(stream: LayerStream, spec: ArchSpec, config: dict, heads: int, kv_heads: int, head_dim: int,
-                windows: torch.Tensor, opts: MergeOptions, progress=None, keep=None) -> MergeResult:
+                windows: torch.Tensor, opts: MergeOptions, progress=None, keep=None,
+                retrieval: list[RetrievalWindow] | None = None) -> MergeResult:
     """Merge the layers `stream` serves (float32 on its device, attention instrumented by `capture.instrument`);
     windows [N, L] token ids. `keep(index, params, report)` receives each layer's merged params as soon as they
-    are final (else they are collected in the result)."""
+    are final (else they are collected in the result). `retrieval`: the windows holding retrieval examples, on
+    which each layer's heads are scored (and weighted, with `opts.retrieval_weight`)."""
     start = time.time()
-    merger = _ModelMerge(stream, spec, config, heads, kv_heads, head_dim, windows, opts)
+    merger = _ModelMerge(stream, spec, config, heads, kv_heads, head_dim, windows, opts, retrieval)
     out_layers, reports = [], []
     for index, path, layer in stream.layers():
         merged, params, report = merger.merge_layer(index, path, layer)
@@ -106,7 +116,8 @@ def merge_model(stream: LayerStream, spec: ArchSpec, config: dict, heads: int, k
             progress(index, merged)
         del merged, params  # not alive through the next layer's merge
     stages = {k: round(v, 2) for k, v in merger.stages.items()}
-    return MergeResult(out_layers, reports, time.time() - start, stages)
+    scores = merger.scores.record() if merger.probes else None
+    return MergeResult(out_layers, reports, time.time() - start, stages, scores)
 
 
 @dataclass
@@ -131,12 +142,14 @@ class _Layer:
     pairs: RotaryPairs | None = None
     scaling: float | None = None
     softcap: float | None = None
+    head_weights: torch.Tensor | None = None  # [H] float64, each query head's weight in the fits (None: all 1)
 
 
 @dataclass
 class _Chunk:
     """One chunk's converted attention input and what the refits read off it."""
 
+    index: int  # the chunk's index (its retrieval windows: `_ModelMerge.probes`)
     call: capture.AttentionCall
     x: torch.Tensor  # [n, L, din] augmented with 1 for q/k/v biases
     source: capture.AttentionRun | None  # the source attention's run (the targets), when asked for
@@ -157,12 +170,15 @@ class _ModelMerge:
     converted layer's attention runs again in the converted pass instead of reusing the output refit's run."""
 
     def __init__(self, stream: LayerStream, spec: ArchSpec, config: dict, heads: int, kv_heads: int, head_dim: int,
-                 windows: torch.Tensor, opts: MergeOptions):
+                 windows: torch.Tensor, opts: MergeOptions, retrieval: list[RetrievalWindow] | None = None):
         self.stream, self.spec, self.opts = stream, spec, opts
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.layout = qkv_layout(spec, config)
         self.conv1d = spec.conv1d_pattern is not None
-        self.chunks = list(windows.split(chunk_windows(config, int(windows.shape[-1]), requested=opts.chunk_windows)))
+        per_chunk = chunk_windows(config, int(windows.shape[-1]), requested=opts.chunk_windows)
+        self.chunks = list(windows.split(per_chunk))
+        self.probes = chunk_probes(retrieval or [], per_chunk)  # chunk -> its retrieval windows
+        self.scores = HeadScores()
         self.rotary_model = any(name.endswith("rotary_emb") for name, _ in stream.model.named_modules())
         self.gen = torch.Generator().manual_seed(opts.seed)
         self.stages: dict[str, float] = {}
@@ -223,7 +239,7 @@ class _ModelMerge:
                 src = a if self.opts.targets == "local" else capture.attention_input(
                     w.layer, la.attention, la.in_module, fetch(self.src_h[i]), call)
                 run = capture.run_attention(w.src_attention, w.src_out, src)
-            chunk = _Chunk(a, augment(a.x, w.qkv_bias), run)
+            chunk = _Chunk(i, a, augment(a.x, w.qkv_bias), run)
             if rotary and w.pos is not None and w.pairs.frequencies:
                 cos, sin = hf_cos_sin(a.kwargs["position_embeddings"], w.pairs)
                 chunk.cos, chunk.sin = cos.expand(a.x.shape[0], -1, -1), sin.expand(a.x.shape[0], -1, -1)
@@ -233,9 +249,11 @@ class _ModelMerge:
         """1. The converted attention input's second moments (float64 sums over the chunks), the rotary pairs the
         layer rotates, and the source's softmax scaling and softcap."""
         sigma, count = None, 0
-        for chunk in self._chunks(w):
+        for i, chunk in enumerate(self._chunks(w)):
             if w.first is None:
                 w.first = chunk.call
+            if i in self.probes:
+                self._score_heads(w, i, chunk.call)
             flat = chunk.x.reshape(-1, chunk.x.shape[-1])
             part = (flat.T @ flat).double()
             sigma = part if sigma is None else sigma.add_(part)
@@ -251,7 +269,19 @@ class _ModelMerge:
         w.softcap = run.record.softcap
         if w.folded and w.pairs.frequencies and not self._rotates(w, run):
             w.pairs = rotary_pairs(self.head_dim, 0)  # a layer without RoPE: keys merge by any linear map
+        w.head_weights = head_weights(self.scores.layer(w.index), self.opts.retrieval_weight)
         return sigma / count
+
+    def _score_heads(self, w: _Layer, i: int, call: capture.AttentionCall) -> None:
+        """The source attention's retrieval scores on chunk i's retrieval windows (on the input the refits' targets
+        come from: the converted stream's with `targets="local"`, the source stream's with "source")."""
+        la = w.la
+        if self.opts.targets != "local":
+            call = capture.attention_input(w.layer, la.attention, la.in_module, self.stream.fetch(self.src_h[i]),
+                                           self.calls[i][w.index])
+        rec = capture.run_attention(w.src_attention, w.src_out, call).record
+        scaling = rec.scaling if rec.scaling is not None else self.head_dim ** -0.5
+        self.scores.add(w.index, rec.queries[0], rec.keys[0], scaling, rec.softcap, self.probes[i])
 
     def _first_source_call(self, w: _Layer) -> capture.AttentionCall:
         if self.opts.targets == "local":
@@ -277,7 +307,7 @@ class _ModelMerge:
         """2. Assignment, key and value fits, maps folded into q and o (float64, from the input's second moments)."""
         with threads(1):  # float64 one group at a time, inside
             merged = merge_layer(w.source, sigma, self.kv_heads, self.head_dim, self.opts.groups, w.pairs, w.folded,
-                                 self.opts.assign)
+                                 self.opts.assign, head_weights=w.head_weights)
         w.source_o = w.source.o if w.refit_v else None
         w.source = None  # the refits read the source attention's copy: one layer's attention params, not two
         return merged
@@ -312,14 +342,23 @@ class _ModelMerge:
             q_src, k_src = c.source.record.queries[0], c.source.record.keys[0]
             return (c.x, q_src, k_src, *projected(c), c.cos, c.sin)
 
+        def answers(c: _Chunk):  # the query refit's extra rows: the chunk's retrieval windows' answer positions
+            return [(i, p.answers) for i, p in self.probes.get(c.index, [])]
+
+        def needles(c: _Chunk):  # the key refit's: their needle positions
+            return [(i, p.needle) for i, p in self.probes.get(c.index, [])]
+
+        rows = opts.retrieval_rows_weight
         if w.refit_q:
             for _ in range(opts.refit_rounds if opts.refit_k else 1):
                 if opts.refit_k:
                     fit = fit_pass(lambda s, dev: KeyFit(s, length, pairs, w.scaling, w.softcap, opts.key, self.gen,
-                                                         dev), lambda f, c: f.add(*qk_args(c)))
+                                                         dev, w.head_weights, rows),
+                                   lambda f, c: f.add(*qk_args(c), rows=needles(c)))
                     params.k = fit.solve(params.k)
                 fit = fit_pass(lambda s, dev: QueryFit(s, length, merged.groups, pairs, w.scaling, w.softcap,
-                                                       opts.query, self.gen, dev), lambda f, c: f.add(*qk_args(c)))
+                                                       opts.query, self.gen, dev, w.head_weights, rows),
+                               lambda f, c: f.add(*qk_args(c), rows=answers(c)))
                 params.q = fit.solve(params.q)
         if w.refit_v:
             fit = fit_pass(lambda s, dev: ValueFit(s, length, w.scaling, w.softcap, opts.value, self.gen, dev),

@@ -1,0 +1,136 @@
+"""A fraction P of a run's windows replaced by synthetic retrieval examples (passkey, single- and multi-key needles,
+variable tracking: surgery/retrieval_tasks.py) built from the window's own text, so that a converted model trains
+(uptrain's `--retrieval-mix P`, surgery/training/retrieval_mix.py) or is calibrated (a calibrated conversion's
+`--calib-retrieval-mix P`, surgery/calibration/text.py) on finding what was said far back, in the user's domain.
+
+One window, one example. The window's tokens are the haystack and the window length the example's length: the
+needles go in at sentence boundaries of its first tokens, and its end is replaced by the question and the answer
+(`make_examples(task, tokenizer, seq_len, DEPTHS, seed, haystack_tokens=window)`, one of its DEPTHS needle depths).
+
+Which windows. Window g of the run's global order (training: g = (align steps + step) * B + rank * B/W + i, as a
+stored teacher pass numbers them, surgery/training/stored_kd.py; calibration: the window's index) is an example when floor((g + 1) P + u) > floor(g P + u), u in
+[0, 1) from --seed: every stretch of n windows holds floor(n P) or ceil(n P) examples. Its task, needle depth and
+numbers come from a generator seeded by (--seed, g). So the choice depends on nothing but the seed and the window's
+place: a resumed run, every process, and `surgery teacher` (which must see exactly the windows the run trains on)
+agree, in packed and streamed data alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+
+import torch
+
+from .errors import SurgeryError
+from .retrieval_tasks import Example, make_examples
+
+TASKS = ("passkey", "niah_single", "niah_multikey", "variable_tracking")
+DEPTHS = 8  # needle depths an example may take: (j + 0.5) / DEPTHS of the haystack
+
+
+def _rng(seed: int, *parts) -> random.Random:
+    key = "/".join(map(str, ("retrieval-mix", seed, *parts)))
+    return random.Random(int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little"))
+
+
+class RetrievalMix:
+    """The retrieval examples of a run with fraction `fraction`, `seed` and windows of `seq_len` tokens."""
+
+    def __init__(self, fraction: float, seed: int, tokenizer, seq_len: int, flag: str = "--retrieval-mix",
+                 length_flag: str = "--seq-len"):
+        if not (math.isfinite(fraction) and 0 <= fraction <= 1):
+            raise SurgeryError(f"{flag} must lie in [0, 1], got {fraction}")
+        self.fraction, self.seed, self.tokenizer, self.seq_len = fraction, seed, tokenizer, seq_len
+        self.flag, self.length_flag = flag, length_flag  # how the errors name the option and the window length
+        self.offset = _rng(seed).random()
+
+    @classmethod
+    def of(cls, o, tokenizer) -> "RetrievalMix | None":
+        """The mix of a run's options `o` (UptrainOptions), its windows checked long enough; None when it is off."""
+        if not o.retrieval_mix:
+            return None
+        mix = cls(o.retrieval_mix, o.seed, tokenizer, o.seq_len)
+        mix.check_length()
+        return mix
+
+    def check_length(self) -> None:
+        """Every task's instruction, needles, question and answer take at most half a window (the rest of it is the
+        haystack, and an example's own numbers and names, which vary, still fit): else one line, before the model
+        loads."""
+        for task in TASKS:
+            if not self._fits(task, self.seq_len // 2):
+                enough = next((n for n in (self.seq_len * 2 ** k for k in range(1, 8)) if self._fits(task, n // 2)),
+                              None)
+                raise SurgeryError(f"{self.flag}: {self.length_flag} {self.seq_len} is too short for {task} examples "
+                                   f"(their question and needles must fit in half a window)"
+                                   + (f"; {self.length_flag} {enough} is enough" if enough else ""))
+
+    def _fits(self, task: str, length: int) -> bool:
+        try:
+            make_examples(task, self.tokenizer, length, 2, seed=self.seed)
+        except SurgeryError:
+            return False
+        return True
+
+    def count(self, n: int) -> int:
+        """Retrieval examples among the run's first `n` windows."""
+        return math.floor(n * self.fraction + self.offset) - math.floor(self.offset)
+
+    def chosen(self, g: int) -> bool:
+        """Whether window `g` of the run's order is a retrieval example."""
+        return self.count(g + 1) > self.count(g)
+
+    def example(self, g: int, window: list[int]) -> Example:
+        """Window `g`'s retrieval example (surgery.retrieval_tasks.Example), `window` its haystack."""
+        rng = _rng(self.seed, g)
+        task, depth, seed = rng.choice(TASKS), rng.randrange(DEPTHS), rng.randrange(1 << 62)
+        return make_examples(task, self.tokenizer, self.seq_len, DEPTHS, seed=seed, haystack_tokens=window)[depth]
+
+    def apply(self, windows: torch.Tensor, first: int) -> torch.Tensor:
+        """`windows` [n, seq_len], the run's windows first .. first+n-1, with the chosen ones replaced by their
+        examples (a new tensor when any is; same dtype)."""
+        picked = [i for i in range(windows.shape[0]) if self.chosen(first + i)]
+        if not picked:
+            return windows
+        out = windows.clone()
+        for i in picked:
+            out[i] = torch.tensor(self.example(first + i, windows[i].tolist()).ids, dtype=windows.dtype)
+        return out
+
+    def record(self, windows: int) -> dict:
+        """What surgery.json records of the mix, for a run of `windows` windows."""
+        return {"fraction": self.fraction, "tasks": list(TASKS), "windows": self.count(windows), "of": windows}
+
+
+def mixed(mix: RetrievalMix | None, windows: torch.Tensor, first: int) -> torch.Tensor:
+    """`windows` (the run's windows first ..) with the retrieval examples of `mix` in (unchanged without one)."""
+    return windows if mix is None else mix.apply(windows, first)
+
+
+def _occurrences(ids: list[int], seq: list[int], end: int) -> list[int]:
+    """Start offsets of `seq` in ids[:end]."""
+    n = len(seq)
+    return [i for i in range(end - n + 1) if ids[i:i + n] == seq] if n else []
+
+
+def answer_positions(example: Example) -> list[int]:
+    """The positions whose next token is one of the answer's: the positions that predict the answer."""
+    return list(range(example.answer_start - 1, example.length - 1))
+
+
+def needle_positions(example: Example) -> list[int]:
+    """Where the needles' values (the tokens the answer copies) stand in the example's text before its question: every
+    occurrence of each answer item's tokens (without its leading separator token when the item's tokens are found only
+    so, as a tokenizer may merge the separator with what precedes it in the needle). Sorted, without repeats; empty
+    when no item is found."""
+    ids, end = example.ids, example.answer_start
+    found: set[int] = set()
+    for item in example.items:
+        for seq in (item, item[1:]):
+            starts = _occurrences(ids, seq, end)
+            if starts:
+                found.update(s + j for s in starts for j in range(len(seq)))
+                break
+    return sorted(found)
