@@ -223,11 +223,12 @@ def inspect(checkpoints, context, as_json, allow_pickle):
 def export(checkpoint, out, dtype, force, revision, allow_pickle):
     """Write CHECKPOINT as a GGUF file that llama.cpp runs with the same function.
 
-    Sources and MQA/GQA outputs of Llama bodies as arch llama, swa outputs as granite_swa (identity multipliers,
-    no sinks, the per-layer window pattern), MLA outputs as deepseek2 (kv_b split for llama.cpp's absorbed
-    attention), hybrid outputs (bamba) as granitehybrid (mixers padded with zero heads to llama.cpp's inner size),
-    the tokenizer included; streamed one tensor at a time. Anything else (custom code, other families,
-    scaled RoPE, biases) is refused before a byte is written.
+    Sources and MQA/GQA outputs of Llama bodies as arch llama, of Qwen2 and Qwen3 bodies as qwen2 (q/k/v biases)
+    and qwen3 (q/k norms), swa outputs as granite_swa (identity multipliers, no sinks, the per-layer window
+    pattern), MLA outputs as deepseek2 (kv_b split for llama.cpp's absorbed attention), hybrid outputs (bamba) as
+    granitehybrid (mixers padded with zero heads to llama.cpp's inner size), the tokenizer included; streamed one
+    tensor at a time. Anything else (custom code, other families, scaled RoPE, a Qwen sliding window that bites,
+    unmapped biases) is refused before a byte is written.
     """
     from surgery.api import export as export_checkpoint
 

@@ -42,6 +42,7 @@ T_TALKING = "tests/talking_heads/test_talking_heads.py::test_converted_model_com
 T_SWITCH = "tests/switchhead/test_switchhead.py::test_one_expert_per_head_reproduces_the_source"
 T_LLAMA_CPP_TINY = "tests/export/test_export_llama_cpp.py::test_tiny_kinds_compute_the_same_logits_in_llama_cpp"
 T_LLAMA_CPP_SMOLLM2 = "tests/export/test_export_llama_cpp.py::test_smollm2_kinds_in_llama_cpp_at_2048_tokens"
+T_LLAMA_CPP_QWEN = "tests/export/test_export_qwen.py::test_qwen_files_compute_the_same_logits_in_llama_cpp"
 T_HYBRID = "tests/hybrid/test_hybrid.py::test_every_layer_kept_computes_the_source_function_as_a_standard_bamba"
 T_LLAMA_CPP_HYBRID = "tests/export/test_export_hybrid.py::test_hybrid_computes_the_same_logits_in_llama_cpp"
 T_LLAMA_CPP_HYBRID_SMOLLM2 = "tests/export/test_export_hybrid.py::test_smollm2_hybrid_in_llama_cpp_at_2048_tokens"
@@ -96,12 +97,20 @@ ROWS: tuple[Row, ...] = (
                               "arch llama; SmolLM2's source and MQA output at 2,048 tokens"),
         "vllm": read("yes", VLLM_REGISTRY, "LlamaForCausalLM and MistralForCausalLM map to llama.py"),
     }, example={"model_type": "llama"}),
-    Row((SOURCE, "mqa", "gqa"), (), "other families (Qwen2/3, Gemma, Phi-3, GPT-2, ...)", {
+    Row((SOURCE, "mqa", "gqa"), ("qwen2", "qwen3"), "Qwen2 and Qwen3 bodies", {
+        "transformers": verified("yes", T_KV, "loads with plain from_pretrained"),
+        "llama.cpp": verified("yes", T_LLAMA_CPP_QWEN,
+                              "arch qwen2 (q/k/v biases) and qwen3 (q/k norms), NEOX RoPE; tiny sources and their "
+                              "MQA outputs; a sliding window that bites is refused"),
+        "vllm": read("yes", VLLM_REGISTRY, "Qwen2ForCausalLM and Qwen3ForCausalLM map to qwen2.py and qwen3.py"),
+    }, example={"model_type": "qwen2"}),
+    Row((SOURCE, "mqa", "gqa"), (), "other families (Gemma, Phi-3, GPT-2, ...)", {
         "transformers": verified("yes", T_KV, "every family of surgery/testing/tiny_models.py, plain from_pretrained"),
-        "llama.cpp": verified("refused", T_EXPORT_REFUSALS, "the exporter maps Llama bodies and MLA outputs only"),
+        "llama.cpp": verified("refused", T_EXPORT_REFUSALS,
+                              "the exporter maps Llama, Mistral, Qwen2 and Qwen3 bodies and MLA outputs only"),
         "vllm": read("yes", VLLM_REGISTRY, "the registry maps each family's class to its own module (VLLM_CLASSES); "
                                            "not checked further"),
-    }, example={"model_type": "qwen2"}),
+    }, example={"model_type": "gemma"}),
     Row(("swa",), ("ministral",), "Llama and Mistral bodies (ministral)", {
         "transformers": verified("yes", T_SWA),
         "llama.cpp": verified("yes", f"{T_LLAMA_CPP_SMOLLM2}; {T_LLAMA_CPP_TINY}",

@@ -143,8 +143,8 @@ def convert(source: Source, out: PathLike | None = None, options: ConvertOptions
 def export(checkpoint: Source, gguf: PathLike, *, dtype: str = "f32", force: bool = False,
            allow_pickle: bool = False, revision: str | None = None) -> Path:
     """Write a checkpoint as a GGUF file that llama.cpp runs with the same function (as `surgery export --gguf`):
-    Llama bodies and their MQA/GQA outputs as `llama`, `swa` outputs as `granite_swa`, MLA outputs as `deepseek2`,
-    the tokenizer included, streamed one tensor at a time into a temporary file renamed into place.
+    Llama bodies and their MQA/GQA outputs as `llama`, Qwen2 and Qwen3 bodies and theirs as `qwen2` and `qwen3`,
+    `swa` outputs as `granite_swa`, MLA outputs as `deepseek2`, the tokenizer included, streamed one tensor at a time into a temporary file renamed into place.
 
     Args:
         checkpoint: A folder, hub id, `.gguf` file, `smollm2`, a result or a loaded model.

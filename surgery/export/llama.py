@@ -71,10 +71,14 @@ def output_tensors(weights: Weights, config: dict, final_norm: str) -> list[GGUF
     return tensors
 
 
-def attention_tensors(weights: Weights, p: str, b: str, heads: int, kv_heads: int) -> list[GGUFTensor]:
-    """Layer prefix `p`'s Llama attention as GGUF block `b`'s (q and k rows permuted to llama.cpp's RoPE layout)."""
-    return [weights.tensor(b + "attn_q.weight", p + "self_attn.q_proj.weight", lambda w: permute_rows(w, heads)),
-            weights.tensor(b + "attn_k.weight", p + "self_attn.k_proj.weight", lambda w: permute_rows(w, kv_heads)),
+def attention_tensors(weights: Weights, p: str, b: str, heads: int, kv_heads: int,
+                      permute: bool = True) -> list[GGUFTensor]:
+    """Layer prefix `p`'s Llama attention as GGUF block `b`'s: q and k rows permuted to llama.cpp's NORM RoPE layout
+    (interleaved pairs), or kept in transformers' rotate-half order where not `permute` (the NEOX RoPE of qwen2/3)."""
+    q = (lambda w: permute_rows(w, heads)) if permute else None
+    k = (lambda w: permute_rows(w, kv_heads)) if permute else None
+    return [weights.tensor(b + "attn_q.weight", p + "self_attn.q_proj.weight", q),
+            weights.tensor(b + "attn_k.weight", p + "self_attn.k_proj.weight", k),
             weights.tensor(b + "attn_v.weight", p + "self_attn.v_proj.weight"),
             weights.tensor(b + "attn_output.weight", p + "self_attn.o_proj.weight")]
 

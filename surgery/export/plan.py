@@ -10,24 +10,29 @@ from ..errors import SurgeryError
 from .weights import ExportPlan, Weights
 
 
-SUPPORTED = "llama, mistral, ministral (swa outputs), deepseek_v3 (MLA outputs) and bamba (hybrid outputs)"
+SUPPORTED = (
+    "llama, mistral, qwen2, qwen3, ministral (swa outputs), deepseek_v3 (MLA outputs) and bamba (hybrid outputs)")
 
 
 def module_for(model_type: str | None):
     """The architecture module that maps `model_type`, or None."""
-    from . import deepseek2, granitehybrid, llama
+    from . import deepseek2, granitehybrid, llama, qwen
 
-    return next((m for m in (llama, deepseek2, granitehybrid) if model_type in m.MODEL_TYPES), None)
+    return next((m for m in (llama, qwen, deepseek2, granitehybrid) if model_type in m.MODEL_TYPES), None)
 
 
 def refuse_before_loading(config: dict) -> None:
-    """The refusals that need the config alone: custom code, a model_type no module maps (the module that maps
-    it refuses what its GGUF architecture would compute otherwise when it plans, before any tensor is read)."""
+    """The refusals that need the config alone: custom code, a model_type no module maps, and, for a module that has
+    `refuse_before_loading` (qwen), what it refuses from the config (the others refuse what their GGUF architecture
+    would compute otherwise when they plan, before any tensor is read)."""
     if config.get("auto_map"):
         raise SurgeryError("cannot export a checkpoint with custom code (auto_map in config.json: talking-heads, "
                            "SwitchHead): llama.cpp has no architecture that computes it")
     model_type = config.get("model_type")
-    if module_for(model_type) is not None:
+    module = module_for(model_type)
+    if module is not None:
+        if hasattr(module, "refuse_before_loading"):
+            module.refuse_before_loading(config)
         return
     if config.get("layer_types") and any(t == "sliding_attention" for t in config["layer_types"]):
         raise SurgeryError(f"cannot export a {model_type} checkpoint with sliding-window layers: no GGUF "

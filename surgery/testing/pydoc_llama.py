@@ -51,3 +51,17 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(folder / "model.safetensors")
+
+
+def make_family_model(folder: Path, tokenizer, arch: str, seed: int = 0) -> Path:
+    """A tiny random model of family `arch` (surgery/testing/tiny_models.py's, biases and norms that count) for
+    `tokenizer` (its vocabulary and eos, 256 positions), saved with it: a family's model whose tokenizer `surgery
+    export` can write."""
+    from surgery.testing.tiny_models import make_tiny
+
+    eos = tokenizer.eos_token_id
+    make_tiny(arch, folder, seed=seed, config_overrides={"vocab_size": len(tokenizer), "eos_token_id": eos,
+                                                         "bos_token_id": eos, "pad_token_id": None,
+                                                         "max_position_embeddings": 256})
+    tokenizer.save_pretrained(folder)
+    return folder

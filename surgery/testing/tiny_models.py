@@ -88,10 +88,13 @@ def kv_heads_of(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def make_tiny(arch: str, folder: Path, seed: int = 0, **save_kwargs):
-    """A randomly initialised model of `arch`, with non-trivial biases, saved to `folder`."""
+def make_tiny(arch: str, folder: Path, seed: int = 0, config_overrides: dict | None = None, **save_kwargs):
+    """A randomly initialised model of `arch` (its config with `config_overrides` set: another tokenizer's
+    vocab_size and token ids), with non-trivial biases, saved to `folder`."""
     torch.manual_seed(seed)
     config = ARCHS[arch]()
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
     if arch == "qwen2":
         config.attention_bias = True
 
