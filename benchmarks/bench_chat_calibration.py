@@ -27,7 +27,7 @@ from surgery.checking.compare import compare_models
 from surgery.checkpoint.source import resolve_source
 from surgery.data import load_texts, token_stream
 from surgery.kv.aligned import convert_aligned
-from surgery.kv.kind import GQAOptions
+from surgery.kv.options import GQAOptions
 from surgery.runtime import load_model, load_tokenizer
 
 

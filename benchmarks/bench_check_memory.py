@@ -76,7 +76,7 @@ def main() -> None:
         converted = args.converted
         if converted is None:
             from surgery.kv.convert import convert_to_kv_heads
-            from surgery.kv.kind import MQAOptions
+            from surgery.kv.options import MQAOptions
             from surgery.checkpoint.source import resolve_source
 
             converted = str(Path(tmp) / "mqa")

@@ -20,7 +20,7 @@ from pathlib import Path
 from surgery import arch
 from surgery.checkpoint.source import resolve_source
 from surgery.kv.convert import convert_to_kv_heads
-from surgery.kv.kind import GQAOptions
+from surgery.kv.options import GQAOptions
 from surgery.testing import tiny_models as tm
 from surgery.testing.aligned import aligned, heldout_ids, kl_to_source, rotated_copy_heads
 from surgery.testing.tiny_models import tiny

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 
-from surgery.kv.kind import METHODS, GQAOptions  # noqa: E402
+from surgery.kv.options import METHODS, GQAOptions  # noqa: E402
 from surgery.checking.compare import compare_models  # noqa: E402
 from surgery.kv.convert import convert_to_kv_heads  # noqa: E402
 from surgery.data import pydoc_texts, token_stream  # noqa: E402

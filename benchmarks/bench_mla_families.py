@@ -30,7 +30,7 @@ import transformers as tf
 from surgery.checkpoint.source import resolve_source
 from surgery.data import pydoc_texts
 from surgery.mla import convert_to_mla
-from surgery.mla.kind import MLAOptions
+from surgery.mla.options import MLAOptions
 from surgery.testing.tiny_models import TOKENS, char_tokenizer
 
 CONTEXT = 128

@@ -48,7 +48,7 @@ def python_source(path: Path) -> Path:
 def student(work: Path) -> Path:
     from surgery.checkpoint.source import resolve_source
     from surgery.kv.convert import convert_to_kv_heads
-    from surgery.kv.kind import MQAOptions
+    from surgery.kv.options import MQAOptions
 
     out = work / "mqa-mean"
     if not (out / "surgery.json").exists():

@@ -50,7 +50,7 @@ def main() -> None:
     from surgery.checkpoint.source import resolve_source
     from surgery.data import pydoc_texts
     from surgery.kv.convert import convert_to_kv_heads
-    from surgery.kv.kind import MQAOptions
+    from surgery.kv.options import MQAOptions
     from surgery.training.losses import kd_loss, lm_loss
     from surgery.training.stored_kd import stored_kd_loss
     from surgery.training.teacher_pass import top_k_of

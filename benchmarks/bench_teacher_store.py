@@ -113,7 +113,7 @@ def main() -> None:
 
     from surgery.checkpoint.source import resolve_source
     from surgery.kv.convert import convert_to_kv_heads
-    from surgery.kv.kind import MQAOptions
+    from surgery.kv.options import MQAOptions
 
     work = a.work or Path(tempfile.mkdtemp(prefix="bench-teacher-store-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -42,12 +42,12 @@ def convert(kind: str, src, out: Path) -> None:
         return
     if kind == "mean":
         from surgery.kv.convert import convert_to_kv_heads
-        from surgery.kv.kind import MQAOptions
+        from surgery.kv.options import MQAOptions
 
         convert_to_kv_heads(src, out, MQAOptions(force=True), progress=False)
     elif kind == "aligned":
         from surgery.kv.aligned import convert_aligned
-        from surgery.kv.kind import MQAOptions
+        from surgery.kv.options import MQAOptions
 
         convert_aligned(src, out, MQAOptions(merge="aligned", calib=["pydoc"], force=True), progress=False)
     elif kind == "switchhead":

@@ -18,7 +18,7 @@ from surgery.commands.uptrain import UptrainArgs
 from surgery.dtypes import DTYPE_NAMES
 from surgery.errors import SurgeryError
 from surgery.kinds import get_kind, kind_names
-from surgery.kv.kind import METHODS, KVMergeOptions
+from surgery.kv.options import METHODS, KVMergeOptions
 from surgery.precision import PrecisionOptions
 
 

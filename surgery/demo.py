@@ -14,7 +14,8 @@ from .inspection import inspect_checkpoint, print_inspection
 from .checkpoint.record import read_record
 from .checkpoint.source import CACHE_DIR, resolve_source
 from .kinds import find_kind
-from .kv.kind import MQA, MQAOptions
+from .kv.kind import MQA
+from .kv.options import MQAOptions
 from .logs import get_logger
 
 log = get_logger(__name__)

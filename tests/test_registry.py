@@ -26,8 +26,8 @@ PACKAGE = REPO / "surgery"
 # in another layer than its package); and no two of the package's folders and top-level modules import each other
 # (test_no_import_circles_between_folders).
 # Data flows: checkpoint in -> architecture spec -> kind -> checkpoint out -> check / uptrain -> hub.
-# The conversion packages: one per kind (its converter, and its kind.py that the registry imports); none imports
-# another's modules (test_conversion_packages_never_import_each_other).
+# The conversion packages: one per kind (its converter, its kind.py that the registry imports and its options.py, the
+# options models that both read); none imports another's modules (test_conversion_packages_never_import_each_other).
 CONVERSION_PACKAGES = ("kv", "mla", "swa", "switchhead", "talking_heads", "hybrid")
 LAYERS = [
     ("foundation", ["surgery", "surgery.version", "surgery.errors", "surgery.options", "surgery.progress", "surgery.solve",
@@ -39,7 +39,8 @@ LAYERS = [
     ("architecture", ["surgery.arch"]),
     ("conversions", ["surgery.calibration", "surgery.fitting", "surgery.fused_qkv", "surgery.estimate",
                      *(f"surgery.{k}" for k in CONVERSION_PACKAGES)]),
-    ("kinds", ["surgery.kinds", *(f"surgery.{k}.kind" for k in CONVERSION_PACKAGES)]),  # each package's kind.py
+    ("kinds", ["surgery.kinds", *(f"surgery.{k}.{m}" for k in CONVERSION_PACKAGES  # each package's kind.py and
+                                  for m in ("kind", "options"))]),  # options.py (its converter reads them typed)
     ("checkpoint users", ["surgery.checking", "surgery.inspection", "surgery.bench", "surgery.export",
                           "surgery.dry_run", "surgery.demo", "surgery.publish", "surgery.training",
                           "surgery.memory_estimate"]),
@@ -155,8 +156,11 @@ def test_no_import_circles():
 def folder_imports(modules: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
     """The import graph between the package's folders and top-level modules (`surgery.kv.aligned.fit` is
     `surgery.kv`); the package itself (`surgery/__init__.py`, its face: version and API) is left out."""
-    def unit(m: str) -> str:  # a kind package's kind.py (surgery/<kind>/kind.py) belongs to the registry's room
-        return "surgery.kinds" if m.endswith(".kind") and m.count(".") == 2 else ".".join(m.split(".")[:2])
+    def unit(m: str) -> str:  # a kind package's kind.py and options.py (surgery/<kind>/{kind,options}.py) belong to
+        parts = m.split(".")  # the registry's room
+        if len(parts) == 3 and parts[1] in CONVERSION_PACKAGES and parts[2] in ("kind", "options"):
+            return "surgery.kinds"
+        return ".".join(parts[:2])
 
     graph: dict[str, set[str]] = {}
     for m, names in (modules if modules is not None else _modules()).items():
@@ -289,6 +293,7 @@ def test_only_the_command_line_imports_surgery_cli():
 def test_recipes_and_kinds_do_not_import_click():
     """Recipes validate YAML into the options models and call the library: click is the command line's business."""
     for path in [*(PACKAGE / "recipes").glob("*.py"), *(PACKAGE / "kinds").glob("*.py"), *PACKAGE.glob("*/kind.py"),
+                 *(PACKAGE / k / "options.py" for k in CONVERSION_PACKAGES if (PACKAGE / k / "options.py").exists()),
                  PACKAGE / "options.py"]:
         tree = ast.parse(path.read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -558,9 +563,9 @@ def test_a_required_field_is_a_required_option(args, message, capsys, tmp_path, 
 
 
 def test_merge_method_names_are_the_pooling_methods_and_aligned():
-    """The command line's, a recipe's and compare-merges' merge methods (kv/kind.py) are the library's pooling
+    """The command line's, a recipe's and compare-merges' merge methods (kv/options.py) are the library's pooling
     methods (kv/pool.py) plus the aligned merge: one list, the other its subset."""
-    from surgery.kv.kind import METHODS
+    from surgery.kv.options import METHODS
     from surgery.kv.pool import POOL_METHODS
 
     assert METHODS == (*POOL_METHODS, "aligned")

@@ -19,7 +19,7 @@ from ..checkpoint.source import Source, resolve_source
 from ..calibration.text import pydoc_documents_used
 from ..runtime import compute_threads, context_length, is_causal_lm, load_model, load_tokenizer, pick_device, threads
 from ..kinds import options_for
-from ..kv.kind import ALIGNED, METHODS
+from ..kv.options import ALIGNED, METHODS
 from ..kv.aligned.convert import convert_aligned
 
 

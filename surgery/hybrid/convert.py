@@ -23,7 +23,7 @@ from .family import KIND, check_family, output_name, target_config
 from .layers import AttentionLayers, evenly_spaced, top_layers
 
 if TYPE_CHECKING:
-    from .kind import HybridOptions
+    from .options import HybridOptions
 
 CALIB_WINDOW = 512  # calibration windows' length (capped by the context)
 SCORE = ("how far replacing the layer's attention by its initialised mixer moves the residual stream: the squared "
@@ -88,7 +88,7 @@ def plan(reader: CheckpointReader, sizes: dict, attention: list[int], conv_kerne
 
 def convert_to_hybrid(src: Source, out: Path, options: "HybridOptions", progress: bool = True) -> dict:
     """Write `src` as a Bamba hybrid to `out`: `options.attention_layers` keep their attention, the others become
-    Mamba-2 mixers initialised from it. `options` is the kind's options model (surgery/hybrid/kind.py), validated
+    Mamba-2 mixers initialised from it. `options` is the kind's options model (surgery/hybrid/options.py), validated
     where it was built; this checks only what needs the source's config. The mixers' statistics (and `auto`'s
     scores) come from `calib_tokens` calibration tokens in windows of `calib_window` (when given; else 512, capped
     by the context)."""

@@ -2,10 +2,11 @@
 
 `surgery convert`'s options (surgery/cli.py), a recipe's `convert:` step (surgery/recipes), the dry-run estimates,
 `surgery inspect` and the model card all ask the registry instead of naming kinds. To add a kind, give its package a
-kind.py like surgery/kv/kind.py or surgery/swa/kind.py (an options model deriving from WriteOptions, base.py here,
-with the kind's rules as validators, and a Kind with its `convert` and cost model) and list it in `_builtin_kinds`
-below (or `register` it at run time): the command line gains its flags and `--to` choice, recipes accept its fields,
-the estimates and inspect use its cost model, and `convert --list` and `spec_for` its refusals.
+kind.py and an options.py like surgery/swa/kind.py and surgery/swa/options.py (an options model deriving from
+WriteOptions, base.py here, with the kind's rules as validators, read by the kind and the converter; and a Kind with
+its `convert` and cost model) and list it in `_builtin_kinds` below (or `register` it at run time): the command line
+gains its flags and `--to` choice, recipes accept its fields, the estimates and inspect use its cost model, and
+`convert --list` and `spec_for` its refusals.
 
 `convert_options_model()` is the flat model of the `convert` command and of a recipe's convert step: `to` plus the
 union of every kind's fields (a field two kinds share, like `calib`, must be declared alike). Validating it

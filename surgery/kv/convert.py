@@ -25,7 +25,7 @@ from ..checkpoint.tensors import CheckpointReader, DTYPES, PlannedTensor
 from .refusals import PLAIN_LABEL, PLAIN_REFUSES
 
 if TYPE_CHECKING:
-    from .kind import KVMergeOptions
+    from .options import KVMergeOptions
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def target_config(spec: ArchSpec, config: dict, shape: HeadShape, dtype: str | N
 
 class KVPlanner:
     """Builds the output tensor plan for one checkpoint: K/V heads pooled by `method` (one of POOL_METHODS), written
-    as `options` (the kind's options model, surgery/kv/kind.py) asks."""
+    as `options` (the kind's options model, surgery/kv/options.py) asks."""
 
     def __init__(self, reader: CheckpointReader, spec: ArchSpec, config: dict, shape: HeadShape,
                  options: "KVMergeOptions", method: str):
@@ -226,7 +226,7 @@ class KVPlanner:
 
 def convert_to_kv_heads(source: Source, out: Path, options: "KVMergeOptions", progress: bool = True) -> dict:
     """Convert `source` to `options.groups` K/V heads by the plain merge `options.merge` (mean, first or random),
-    writing a standard checkpoint to `out`. `options` is the kind's options model (surgery/kv/kind.py), validated
+    writing a standard checkpoint to `out`. `options` is the kind's options model (surgery/kv/options.py), validated
     where it was built: this checks only what needs the source's config."""
     if options.merge not in POOL_METHODS:
         raise SurgeryError(f"unknown pooling method {options.merge!r}; choose from {', '.join(POOL_METHODS)} (the "

@@ -39,7 +39,7 @@ from .families import MLAFamily, mla_family, rotating_layers
 from .refusals import KIND, REFUSES
 
 if TYPE_CHECKING:
-    from .kind import MLAOptions
+    from .options import MLAOptions
 
 LATENT_EPS = 1e-6  # transformers' DeepseekV3 kv_a_layernorm epsilon (fixed; vLLM and llama.cpp read rms_norm_eps)
 ATTENTION = ("q_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
@@ -386,7 +386,7 @@ def convert_to_mla(src: Source, out: Path, options: "MLAOptions", progress: bool
                    refit_queries: bool = True) -> dict:
     """Convert `src` into a DeepSeek-V3 (MLA) checkpoint at `out` with latent rank `options.kv_rank` and
     `options.rope_dim` rotary dims per head (default: head_dim); `options` is the kind's options model
-    (surgery/mla/kind.py), validated where it was built: this checks only what needs the source's config.
+    (surgery/mla/options.py), validated where it was built: this checks only what needs the source's config.
     Calibration runs in chunks of `calib_chunk` windows (default: the rule of surgery/calibration/chunks.py), with
     `query_samples` positions per window for the query refit; its forward passes compute in `precision`
     (surgery/precision.py), its statistics in float32/64. Measurement baselines: `absorb` False drops an approximate

@@ -5,39 +5,11 @@ surgery/mla/."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
 
-from pydantic import ValidationInfo, model_validator
-
-from ..options import option, spelling
-from ..kinds.base import (AttentionShape, CalibrationOptions, Kind, QueryRefitOptions, RetrievalMixOptions,
-                          WriteOptions, require_size)
+from ..kinds.base import AttentionShape, Kind
 from .families import verdict_text
+from .options import MLAOptions
 from .refusals import REFUSES
-
-
-class MLAFields(WriteOptions):
-    """MLA's own options (MLAOptions adds calibration's after them)."""
-
-    GROUP: ClassVar[str] = "mla"
-    kv_rank: int | None = option(
-        None, "--kv-rank", "[mla] Rank of the cached latent (kv_lora_rank): at most 2 x K/V heads x head_dim, the "
-        "source's keys and values (that rank reproduces the source's values and no-position keys).", metavar="R",
-        group=GROUP)
-    rope_dim: int | None = option(
-        None, "--rope-dim", "[mla] Rotary dims of the one rope key every head shares (qk_rope_head_dim; even, at most "
-        "head_dim; default head_dim).", metavar="D", group=GROUP)
-
-
-class MLAOptions(CalibrationOptions, RetrievalMixOptions, QueryRefitOptions, MLAFields):
-    @model_validator(mode="after")
-    def _sizes(self, info: ValidationInfo):
-        s = spelling(info, type(self))
-        require_size(self, s, "mla", "kv_rank", rule="must be positive")
-        if self.rope_dim is not None and (self.rope_dim < 2 or self.rope_dim % 2):
-            raise ValueError(f"{s.flag('rope_dim')} must be even and at least 2 (RoPE rotates pairs), got "
-                             f"{self.rope_dim}")
-        return self
 
 
 class MLA(Kind):

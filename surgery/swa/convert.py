@@ -35,7 +35,7 @@ from .layers import GlobalLayers, evenly_spaced, layer_types, top_layers
 from .refusals import KIND, REFUSES
 
 if TYPE_CHECKING:
-    from .kind import SWAOptions
+    from .options import SWAOptions
 
 ARCHITECTURES = {"ministral": "MinistralForCausalLM", "granite_swa": "GraniteSWAForCausalLM"}
 SINKS_TARGET = "granite_swa"  # the standard type that carries per-head sinks beside per-layer windows
@@ -150,7 +150,7 @@ def plan(reader: CheckpointReader, dtype: str | None) -> list[PlannedTensor]:
 
 def convert_to_swa(src: Source, out: Path, options: "SWAOptions", progress: bool = True) -> dict:
     """Write `src` with sliding-window attention of `options.window` tokens on every layer but the global ones to
-    `out`; `options` is the kind's options model (surgery/swa/kind.py), validated once where it was built: this reads
+    `out`; `options` is the kind's options model (surgery/swa/options.py), validated once where it was built: this reads
     it and checks only what needs the source's config. `auto` scores the layers on `calib_tokens` calibration tokens
     in windows of `calib_window` (when given; else 4 W, capped by the context), by `layer_score`: "cost" (what
     windowing each layer costs, surgery/swa/cost.py) or "mass" (attention mass beyond the window,

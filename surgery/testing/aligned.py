@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from surgery.checkpoint.source import resolve_source
 from surgery.kv.aligned import convert_aligned
-from surgery.kv.kind import GQAOptions
+from surgery.kv.options import GQAOptions
 from surgery.testing import tiny_models as tm
 from surgery.testing.tiny_models import char_tokenizer, make_tiny
 

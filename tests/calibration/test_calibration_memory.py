@@ -22,8 +22,8 @@ from surgery.calibration import capture
 from surgery.kv.aligned.convert import convert_aligned
 from surgery.kv.aligned.pipeline import MergeOptions, _ModelMerge, merge_model
 from surgery.mla.convert import convert_to_mla
-from surgery.mla.kind import MLAOptions
-from surgery.kv.kind import MQAOptions
+from surgery.mla.options import MLAOptions
+from surgery.kv.options import MQAOptions
 
 
 def test_spilled_chunks_read_back_exactly_and_their_folder_goes(tmp_path):

@@ -41,7 +41,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) 
 def pair(tmp_path_factory):
     """A tiny Llama (8 query heads, 4 K/V heads) and its MQA conversion."""
     from surgery.kv.convert import convert_to_kv_heads
-    from surgery.kv.kind import MQAOptions
+    from surgery.kv.options import MQAOptions
 
     root = tmp_path_factory.mktemp("bench")
     tm.make_tiny("llama", root / "llama")
@@ -248,7 +248,7 @@ def test_copied_tokenizer_config_loads_in_transformers_4_and_5(tmp_path):
 
 def test_converted_output_has_a_portable_tokenizer_config(pair, tmp_path):
     from surgery.kv.convert import convert_to_kv_heads
-    from surgery.kv.kind import GQAOptions
+    from surgery.kv.options import GQAOptions
 
     src, _ = pair
     (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "TokenizersBackend"}))

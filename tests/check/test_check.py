@@ -25,7 +25,7 @@ from surgery.checking import generate as gen
 from surgery.checking.overlap import document_sha256
 from surgery.checking.spill import SpillStore
 from surgery.kv.convert import convert_to_kv_heads
-from surgery.kv.kind import GQAOptions, MQAOptions
+from surgery.kv.options import GQAOptions, MQAOptions
 from surgery.data import pydoc_texts, token_stream
 from surgery.errors import SurgeryError
 from surgery.publish.card import generation_section, positions_section

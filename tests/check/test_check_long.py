@@ -19,7 +19,7 @@ from surgery.checkpoint.source import resolve_source
 from surgery.data import Document, load_texts, pydoc_texts, stdlib_files
 from surgery.errors import SurgeryError
 from surgery.kv.convert import convert_to_kv_heads
-from surgery.kv.kind import GQAOptions
+from surgery.kv.options import GQAOptions
 from surgery.testing import tiny_models as tm
 from surgery.testing.tiny_models import char_tokenizer
 

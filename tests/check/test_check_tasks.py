@@ -21,7 +21,7 @@ from surgery.checking.compare import compare_checkpoints
 from surgery.checking.options import CheckOptions
 from surgery.checking.tasks import parse_eval_tasks, rows
 from surgery.kv.convert import convert_to_kv_heads
-from surgery.kv.kind import MQAOptions
+from surgery.kv.options import MQAOptions
 from surgery.data import pydoc_texts
 from surgery.errors import SurgeryError
 from surgery.publish.card import tasks_section

@@ -14,7 +14,7 @@ import torch
 
 from surgery.testing import tiny_models as tm
 from surgery.kv.convert import convert_to_kv_heads
-from surgery.kv.kind import GQAOptions, MQAOptions
+from surgery.kv.options import GQAOptions, MQAOptions
 from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
 from surgery.switchhead.kind import SwitchHeadOptions

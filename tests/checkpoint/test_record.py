@@ -9,7 +9,7 @@ from pathlib import Path
 
 from surgery.testing import tiny_models as tm
 from surgery.kv.convert import convert_to_kv_heads
-from surgery.kv.kind import MQAOptions
+from surgery.kv.options import MQAOptions
 from surgery.checkpoint.record import local_source_folder, public_name, public_record, read_record, read_record_or_empty
 from surgery.checkpoint.source import resolve_source
 

@@ -17,9 +17,9 @@ def exported(tmp_path_factory):
     from surgery.checkpoint.source import resolve_source
     from surgery.commands.export import export_checkpoint
     from surgery.mla import convert_to_mla
-    from surgery.mla.kind import MLAOptions
+    from surgery.mla.options import MLAOptions
     from surgery.swa.convert import convert_to_swa
-    from surgery.swa.kind import SWAOptions
+    from surgery.swa.options import SWAOptions
 
     from surgery.testing.pydoc_llama import make_model, make_tokenizer
 

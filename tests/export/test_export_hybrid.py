@@ -33,7 +33,7 @@ def hybrid(tmp_path_factory):
     from surgery.checkpoint.source import resolve_source
     from surgery.commands.export import export_checkpoint
     from surgery.hybrid import convert_to_hybrid
-    from surgery.hybrid.kind import HybridOptions
+    from surgery.hybrid.options import HybridOptions
     from surgery.testing.pydoc_llama import make_model, make_tokenizer
 
     root = tmp_path_factory.mktemp("export-hybrid")

@@ -30,7 +30,7 @@ def mixed(llama, tmp_path_factory):
     """The tiny Llama with layer 1 kept and layer 0 a mixer (converted once per module)."""
     from surgery.checkpoint.source import resolve_source
     from surgery.hybrid import convert_to_hybrid
-    from surgery.hybrid.kind import HybridOptions
+    from surgery.hybrid.options import HybridOptions
 
     out = tmp_path_factory.mktemp("hybrid-mixed") / "o"
     convert_to_hybrid(resolve_source(str(llama)), out,

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from surgery.checkpoint.source import resolve_source
 from surgery.errors import SurgeryError
 from surgery.hybrid import convert_to_hybrid
-from surgery.hybrid.kind import HybridOptions
+from surgery.hybrid.options import HybridOptions
 from surgery.testing.pydoc_llama import FAST, make_model
 from surgery.training import UptrainOptions, uptrain
 

@@ -19,7 +19,7 @@ from surgery import arch
 from surgery.arch import ArchSpec, register, unregister
 from surgery.kinds import spec_for, support_labels, support_markdown
 from surgery.kv.convert import convert_to_kv_heads
-from surgery.kv.kind import GQAOptions, MQAOptions
+from surgery.kv.options import GQAOptions, MQAOptions
 from surgery.errors import SurgeryError
 from surgery.kv.aligned import convert_aligned
 from surgery.checkpoint.source import resolve_source

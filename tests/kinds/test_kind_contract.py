@@ -18,7 +18,7 @@ def _toy_kind():
     """A kind written as a contributor would: pools K/V heads like gqa, records itself as "toy", and claims a
     paged runtime (vLLM) caches half of what transformers does (a claim only the kind can make)."""
     from surgery.kv.convert import convert_to_kv_heads
-    from surgery.kv.kind import GQAOptions
+    from surgery.kv.options import GQAOptions
     from surgery.kinds import Kind, WriteOptions
     from surgery.checkpoint.record import read_record, write_record
 

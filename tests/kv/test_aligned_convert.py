@@ -17,7 +17,7 @@ from surgery.testing import tiny_models as tm
 from surgery.testing.aligned import CALIB, ROTARY_PAIRING, aligned, heldout_ids, kl_to_source, rotated_copy_heads
 from surgery.testing.tiny_models import char_tokenizer, tiny
 from surgery.kv.convert import convert_to_kv_heads
-from surgery.kv.kind import GQAOptions, MQAOptions
+from surgery.kv.options import GQAOptions, MQAOptions
 from surgery.kv.aligned import convert_aligned
 from surgery.kv.aligned.pipeline import MergeOptions
 from surgery.checkpoint.source import resolve_source

@@ -137,7 +137,7 @@ def test_aligned_merge_with_key_and_value_refits(tmp_path):
     """The refits inside the whole aligned conversion (tiny Llama): G = source K/V heads stays exact, 4 -> 1 stays far
     closer to the source than mean pooling, and surgery.json says which refits ran."""
     from surgery.kv.convert import convert_to_kv_heads
-    from surgery.kv.kind import MQAOptions
+    from surgery.kv.options import MQAOptions
     from surgery.kv.aligned.pipeline import MergeOptions
     from surgery.checkpoint.source import resolve_source
     from surgery.testing.aligned import aligned, heldout_ids, kl_to_source
@@ -180,7 +180,7 @@ def test_query_samples_default_is_one_number():
     """The CLI's --query-samples default (a literal: the kinds import no torch at start-up), the library's QueryRefit
     default and the estimate's cost model must agree."""
     from surgery.estimate import QUERY_SAMPLES
-    from surgery.kv.kind import KVMergeOptions
+    from surgery.kv.options import KVMergeOptions
     from surgery.fitting.refit import QueryRefit
 
     assert KVMergeOptions.model_fields["query_samples"].default == QueryRefit.samples == QUERY_SAMPLES

@@ -15,7 +15,7 @@ from surgery.fitting.refit import QueryFit, QueryRefit
 from surgery.fitting.rotary import rotary_pairs
 from surgery.fitting.shape import refit_shape
 from surgery.kv.aligned import convert_aligned
-from surgery.kv.kind import MQAOptions
+from surgery.kv.options import MQAOptions
 from surgery.kv.aligned.grams import group_loss, head_grams
 from surgery.kv.aligned.keyrefit import KeyFit, KeyRefit
 from surgery.kv.aligned.layer import group_blocks, merge_layer, merge_loss

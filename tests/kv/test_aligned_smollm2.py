@@ -11,7 +11,7 @@ from surgery.checking.compare import compare_models
 from surgery.runtime import load_model, load_tokenizer
 from surgery.data import pydoc_texts, token_stream
 from surgery.kv.aligned import convert_aligned
-from surgery.kv.kind import GQAOptions, MQAOptions
+from surgery.kv.options import GQAOptions, MQAOptions
 from surgery.calibration.text import calibration_text, pydoc_documents_used
 from surgery.commands.compare_merges import heldout_documents
 from surgery.checkpoint.source import resolve_source

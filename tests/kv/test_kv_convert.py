@@ -10,7 +10,7 @@ import torch
 
 from surgery.testing import tiny_models as tm
 from surgery.kv.convert import convert_to_kv_heads
-from surgery.kv.kind import GQAOptions
+from surgery.kv.options import GQAOptions
 from surgery.checkpoint.source import resolve_source
 
 ARCHS = list(tm.ARCHS)

@@ -13,7 +13,7 @@ import torch
 from surgery.checking.compare import compare_models
 from surgery.runtime import load_model
 from surgery.kv.convert import convert_to_kv_heads
-from surgery.kv.kind import GQAOptions
+from surgery.kv.options import GQAOptions
 from surgery.data import pydoc_texts, token_stream
 from surgery.checkpoint.source import embedded_smollm2_gguf, resolve_source
 

@@ -29,7 +29,7 @@ def tiny_llama(folder, kv_heads: int, head_dim: int = 16, seed: int = 0, family:
 def convert(src, out, rank: int, absorb: bool = True, refit_queries: bool = True, **kw):
     """`src` converted to MLA of latent rank `rank` on CALIB pydoc tokens; `kw`: more of the kind's options."""
     from surgery.mla import convert_to_mla
-    from surgery.mla.kind import MLAOptions
+    from surgery.mla.options import MLAOptions
     from surgery.checkpoint.source import resolve_source
 
     options = MLAOptions(kv_rank=rank, calib=["pydoc"], calib_tokens=CALIB, **kw)

@@ -57,7 +57,7 @@ def test_layer_flops_match_torch_on_the_real_conversion(tmp_path, kv_heads, rope
     torch does not count, come on top)."""
     from surgery.estimate import layer_shape
     from surgery.mla.cost import frequency_pass, mla_layer_flops, mla_layer_products
-    from surgery.mla.kind import MLAOptions
+    from surgery.mla.options import MLAOptions
     from surgery.checkpoint.source import resolve_source
 
     samples = MLAOptions.model_fields["query_samples"].default  # what the converter runs by default

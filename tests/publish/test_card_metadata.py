@@ -23,7 +23,7 @@ def converted(tmp_path_factory):
     from surgery.checking.compare import compare_models
     from surgery.checkpoint.source import resolve_source
     from surgery.kv.convert import convert_to_kv_heads
-    from surgery.kv.kind import MQAOptions
+    from surgery.kv.options import MQAOptions
 
     root = tmp_path_factory.mktemp("card")
     tm.make_tiny("llama", root / "src")

@@ -56,7 +56,7 @@ def converted(tmp_path_factory):
     """A real MQA conversion (three shards and an index: two of 16 MiB, one small) with its output hashes recorded, and a real check report."""
     from surgery.checking.compare import compare_models
     from surgery.kv.convert import convert_to_kv_heads
-    from surgery.kv.kind import MQAOptions
+    from surgery.kv.options import MQAOptions
     from surgery.checkpoint.source import resolve_source
 
     root = tmp_path_factory.mktemp("push")

@@ -143,7 +143,7 @@ def test_an_mla_conversion_distils_from_the_store_and_on_policy(other, tiny, sto
     """MLA (a deepseek_v3 checkpoint, trained in its latent-scaled training form): from the store with no teacher,
     and on-policy (the training form generates with its own latent KV cache)."""
     from surgery.mla.convert import convert_to_mla
-    from surgery.mla.kind import MLAOptions
+    from surgery.mla.options import MLAOptions
 
     mla = tmp_path / "mla"
     convert_to_mla(resolve_source(str(other)), mla, MLAOptions(kv_rank=8, calib=["pydoc"], calib_tokens=512, device="cpu"),

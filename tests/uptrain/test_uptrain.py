@@ -18,7 +18,7 @@ import transformers as tf
 from safetensors.torch import load_file
 
 from surgery.kv.convert import convert_to_kv_heads
-from surgery.kv.kind import MQAOptions
+from surgery.kv.options import MQAOptions
 from surgery.checkpoint.source import resolve_source
 from surgery.training import UptrainOptions, uptrain
 from surgery.training.losses import kd_loss, lm_loss

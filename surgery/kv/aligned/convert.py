@@ -34,7 +34,7 @@ from .pipeline import MergeOptions, merge_model
 from ..refusals import ALIGNED_LABEL, ALIGNED_REFUSES
 
 if TYPE_CHECKING:
-    from ..kind import KVMergeOptions
+    from ..options import KVMergeOptions
 
 
 class AlignedPlanner(KVPlanner):
@@ -111,7 +111,7 @@ def merge_options(options: "KVMergeOptions") -> MergeOptions:
 def convert_aligned(src: Source, out: Path, options: "KVMergeOptions", progress: bool = True,
                     merge: MergeOptions | None = None) -> dict:
     """Merge `src`'s K/V heads into `options.groups` with calibration, writing a standard checkpoint to `out`;
-    `options` is the kind's options model (surgery/kv/kind.py), validated where it was built: this checks only what
+    `options` is the kind's options model (surgery/kv/options.py), validated where it was built: this checks only what
     needs the source's config. The calibration's forward passes compute in `options.precision`
     (surgery/precision.py), its statistics in float32/64. A fraction `options.calib_retrieval_mix` of the
     calibration windows are retrieval examples (from `options.seed`), on which every layer's query heads are scored
