@@ -38,6 +38,32 @@ def test_shipped_recipes_validate_and_plan(recipe):
         assert all(row["memory"] for row in plan["steps"] if row["name"] != "push")
 
 
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_shipped_recipes_steps_are_command_lines_that_parse_back(recipe, tmp_path):
+    """Each convert, check and uptrain step of a shipped recipe runs as the command line the plan shows: its flags
+    parse, as the command's own (surgery cli), back into the step's options (retrieval calibration, retrieval checks,
+    ...), the runner's own values (--force, --out, the teacher step's store) aside."""
+    import click
+
+    import surgery.cli as cli
+    from surgery.clickgen import parse_options
+    from surgery.recipes import load_recipe
+    from surgery.recipes.runner import command_line, plan_steps
+    from surgery.recipes.schema import _command_models
+
+    r = load_recipe(recipe)
+    for ps in plan_steps(r, tmp_path / "out"):
+        if ps.kind not in ("convert", "check", "uptrain"):
+            continue
+        model, owned = _command_models()[ps.kind]
+        name, *args = command_line(r, ps)
+        ctx = cli.cli.commands[name].make_context(name, args, parent=click.Context(cli.cli, info_name="surgery"))
+        with ctx:
+            parsed = parse_options(model, dict(ctx.params))
+        skip = {*owned, "name", "accelerate", *(["teacher_logprobs"] if ps.store is not None else [])}
+        assert parsed.model_dump(exclude=skip) == ps.step.options.model_dump(exclude=skip), (recipe.stem, ps.name)
+
+
 def test_gpu_recipes_dry_run_from_the_cli():
     """No GPU and no 16 GB download here: the plan is sized from the shipped config.json of each source."""
     result = surgery("run", REPO / "recipes" / "llama3-8b-gqa2.yaml", "--dry-run")
