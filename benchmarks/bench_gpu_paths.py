@@ -38,9 +38,9 @@ import transformers as tf
 
 from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
-from surgery.switchhead.kind import SwitchHeadOptions
+from surgery.switchhead.options import SwitchHeadOptions
 from surgery.talking_heads import convert_to_talking_heads
-from surgery.talking_heads.kind import TalkingHeadsOptions
+from surgery.talking_heads.options import TalkingHeadsOptions
 from surgery.testing import tiny_models as tm
 from surgery.testing.host_syncs import count_host_syncs, graph_breaks
 from surgery.testing.switchhead_loop import loop_outputs, loop_values

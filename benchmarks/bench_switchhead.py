@@ -99,7 +99,7 @@ def main() -> None:
     converted = args.converted
     if converted is None:
         from surgery.switchhead import convert_to_switchhead
-        from surgery.switchhead.kind import SwitchHeadOptions
+        from surgery.switchhead.options import SwitchHeadOptions
 
         tmp = tempfile.TemporaryDirectory(prefix="bench-switchhead-")
         converted = Path(tmp.name) / "switchhead"

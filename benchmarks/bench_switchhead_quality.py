@@ -32,7 +32,7 @@ from surgery.checking.options import CheckOptions  # noqa: E402
 from surgery.data import pydoc_texts  # noqa: E402
 from surgery.checkpoint.source import resolve_source  # noqa: E402
 from surgery.switchhead import convert_to_switchhead  # noqa: E402
-from surgery.switchhead.kind import SwitchHeadOptions  # noqa: E402
+from surgery.switchhead.options import SwitchHeadOptions  # noqa: E402
 
 OPTIONS = {"k2": {}, "k1": {"topk": 1}, "k3": {"topk": 3}, "free": {"respect_kv_groups": False},
            "medoid": {"qk_merge": "medoid"},

@@ -154,7 +154,7 @@ def main() -> None:
 
     from surgery.checkpoint.source import resolve_source
     from surgery.talking_heads import convert_to_talking_heads
-    from surgery.talking_heads.kind import TalkingHeadsOptions
+    from surgery.talking_heads.options import TalkingHeadsOptions
 
     device = args.device
     dtype = "bfloat16" if device.startswith("cuda") else "float32"

@@ -52,7 +52,7 @@ def convert(kind: str, src, out: Path) -> None:
         convert_aligned(src, out, MQAOptions(merge="aligned", calib=["pydoc"], force=True), progress=False)
     elif kind == "switchhead":
         from surgery.switchhead import convert_to_switchhead
-        from surgery.switchhead.kind import SwitchHeadOptions
+        from surgery.switchhead.options import SwitchHeadOptions
 
         convert_to_switchhead(src, out, SwitchHeadOptions(heads=3, experts=3, topk=2, calib=["pydoc"], force=True),
                               progress=False)

@@ -34,7 +34,7 @@ import numpy as np
 from ..errors import SurgeryError
 from .gguf_file import GGUFTensor
 from .llama import attention_tensors, mlp_tensors, output_tensors
-from .weights import ExportPlan, Weights, llama_attention_keys
+from .weights import ExportPlan, Weights, activation_refusal, attention_sizes, llama_attention_keys
 
 MODEL_TYPES = ("bamba",)
 ARCH = "granitehybrid"
@@ -80,8 +80,9 @@ def attention_layers(config: dict) -> list[int]:
 def refusal(config: dict) -> str | None:
     """Why llama.cpp's granitehybrid would compute something else than this bamba config (or cannot hold it), or
     None."""
-    if config.get("hidden_act", "silu") != "silu":
-        return f"hidden_act {config['hidden_act']!r} (llama.cpp's granitehybrid MLP is SiLU-gated)"
+    why = activation_refusal(config, "granitehybrid MLP")
+    if why:
+        return why
     for key in ("attention_bias", "mlp_bias", "mamba_proj_bias"):
         if _get(config, key):
             return f"{key} is set (llama.cpp's granitehybrid has no place for these biases; the exporter writes none)"
@@ -172,9 +173,7 @@ def plan(config: dict, weights: Weights) -> ExportPlan:
         raise SurgeryError(f"cannot export this bamba checkpoint: {why}")
     s = mixer_sizes(config)
     attention = attention_layers(config)
-    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or s["hidden"] // heads
+    layers, heads, kv_heads, head_dim = attention_sizes(config)
     mixers = layers - len(attention)
     a = ARCH if mixers else "llama"  # every layer attention: Llama's function (granitehybrid aborts on no state)
     keys = llama_attention_keys(a, config, kv_heads, head_dim, 1e-5)

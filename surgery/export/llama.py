@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import SurgeryError
 from .gguf_file import GGUFTensor
-from .weights import ExportPlan, Weights, llama_attention_keys
+from .weights import ExportPlan, Weights, activation_refusal, attention_sizes, llama_attention_keys
 
 MODEL_TYPES = ("llama", "mistral", "ministral", "granite_swa")
 SINK_OFF = -1e30  # a sink logit that takes no weight in any softmax
@@ -45,8 +45,9 @@ def sliding_layers(config: dict) -> tuple[int | None, list[bool]]:
 
 def refusal(config: dict) -> str | None:
     """Why the Llama layer llama.cpp runs would compute something else than this config's, or None."""
-    if config.get("hidden_act", "silu") != "silu":
-        return f"hidden_act {config['hidden_act']!r} (llama.cpp's Llama layer is SiLU-gated)"
+    why = activation_refusal(config, "Llama layer")
+    if why:
+        return why
     for key in ("attention_bias", "mlp_bias"):
         if config.get(key):
             return f"{key} is set (the exporter writes Llama layers without biases)"
@@ -95,10 +96,7 @@ def plan(config: dict, weights: Weights) -> ExportPlan:
     why = refusal(config)
     if why:
         raise SurgeryError(f"cannot export this {config['model_type']} checkpoint: {why}")
-    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    hidden = config["hidden_size"]
-    head_dim = config.get("head_dim") or hidden // heads
+    layers, heads, kv_heads, head_dim = attention_sizes(config)
     window, sliding = sliding_layers(config)
     own_sinks = config["model_type"] == "granite_swa"  # its multipliers and sinks are the checkpoint's
     arch = "granite_swa" if any(sliding) or own_sinks else "llama"

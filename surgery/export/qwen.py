@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from ..errors import SurgeryError
 from .llama import attention_tensors, mlp_tensors, output_tensors
-from .weights import ExportPlan, Weights, llama_attention_keys, rope_theta
+from .weights import ExportPlan, Weights, activation_refusal, attention_sizes, llama_attention_keys, rope_theta
 
 MODEL_TYPES = ("qwen2", "qwen3")
 
@@ -48,8 +48,9 @@ def refusal(config: dict) -> str | None:
     if sliding and (context is None or int(window) < int(context)):
         return (f"sliding-window layers (window {window} on layers {sliding}): llama.cpp's {model_type} attends to "
                 f"every past token (llama.cpp's own converter silently drops the window); serve it with transformers")
-    if config.get("hidden_act", "silu") != "silu":
-        return f"hidden_act {config['hidden_act']!r} (llama.cpp's {model_type} layer is SiLU-gated)"
+    why = activation_refusal(config, f"{model_type} layer")
+    if why:
+        return why
     if model_type == "qwen3" and config.get("attention_bias"):
         return "attention_bias is set (the exporter writes Qwen3 attention without biases)"
     return None
@@ -64,9 +65,7 @@ def refuse_before_loading(config: dict) -> None:
 def plan(config: dict, weights: Weights) -> ExportPlan:
     a = config["model_type"]
     refuse_before_loading(config)
-    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    layers, heads, kv_heads, head_dim = attention_sizes(config)
     keys = llama_attention_keys(a, config, kv_heads, head_dim, 1e-6)
     tensors = output_tensors(weights, config, "model.norm.weight")
     for i in range(layers):

@@ -1,5 +1,6 @@
-"""What the architecture modules share: the plan of one GGUF file (its architecture, metadata and tensors) and the
-checkpoint's tensors, read lazily, each one a plan uses named (a tensor no plan names is refused)."""
+"""What the architecture modules share: the plan of one GGUF file (its architecture, metadata and tensors), the
+checkpoint's tensors, read lazily, each one a plan uses named (a tensor no plan names is refused), and what they read
+alike from a config (RoPE base, attention sizes, the SiLU-gated MLP's refusal, the body's metadata keys)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,21 @@ def rope_theta(config: dict) -> float:
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise SurgeryError("cannot export a checkpoint with partial rotary embeddings")
     return float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
+
+
+def attention_sizes(config: dict) -> tuple[int, int, int, int]:
+    """(layers, query heads, K/V heads, head_dim) of a Llama-style attention config: K/V heads default to the query
+    heads, head_dim to hidden_size / heads."""
+    layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    return layers, heads, kv_heads, config.get("head_dim") or config["hidden_size"] // heads
+
+
+def activation_refusal(config: dict, layer: str) -> str | None:
+    """Why llama.cpp's SiLU-gated `layer` ("Llama layer", ...) would compute something else than this config's MLP
+    (another hidden_act), or None."""
+    act = config.get("hidden_act", "silu")
+    return None if act == "silu" else f"hidden_act {act!r} (llama.cpp's {layer} is SiLU-gated)"
 
 
 def body_keys(arch: str, config: dict, head_count_kv: int) -> dict:

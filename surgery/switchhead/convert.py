@@ -34,7 +34,7 @@ from .families import Family, attention_tensors, biases, check_attention_shapes,
 from .refit import RIDGE
 
 if TYPE_CHECKING:
-    from .kind import SwitchHeadOptions
+    from .options import SwitchHeadOptions
 
 QK_MERGES = ("medoid", "mean")
 LAYER_INPUTS = {
@@ -165,7 +165,7 @@ def convert_to_switchhead(src: Source, out: Path, options: "SwitchHeadOptions", 
                           ridge: float = RIDGE, calib_inputs: str = "converted") -> dict:
     """Convert every self-attention layer of `src` into SwitchHead attention with H=`options.heads` heads of
     E=`options.experts` experts, k=`options.topk` selected per token; write the checkpoint to `out`. Returns the
-    surgery.json record. `options` is the kind's options model (surgery/switchhead/kind.py), validated where it was
+    surgery.json record. `options` is the kind's options model (surgery/switchhead/options.py), validated where it was
     built: this checks only what needs the source's config.
 
     `seed` is recorded but nothing is random: calibration, clustering and initialisation are deterministic.

@@ -4,30 +4,12 @@ are selected per token, fitted to the source's attention on calibration text. Sh
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
-
-from pydantic import ValidationInfo, model_validator
 
 from ..errors import SurgeryError
 from ..model_types import CONVERTED_PREFIXES
-from ..options import option, spelling
-from ..kinds.base import AttentionShape, CalibrationOptions, Kind, WriteOptions
+from ..kinds.base import AttentionShape, Kind
+from .options import SwitchHeadOptions
 from .refusals import REFUSES
-
-
-class SwitchHeadOptions(CalibrationOptions, WriteOptions):
-    GROUP: ClassVar[str] = "switchhead"
-    heads: int | None = option(None, "--heads", "[switchhead] Attention heads after conversion (H).", metavar="H",
-                               group=GROUP)
-    experts: int | None = option(None, "--experts", "[switchhead] Experts per head (E).", metavar="E", group=GROUP)
-    topk: int | None = option(None, "--topk", "[switchhead] Experts selected per token (k).", metavar="K", group=GROUP)
-
-    @model_validator(mode="after")
-    def _sizes_given(self, info: ValidationInfo):
-        if None in (self.heads, self.experts, self.topk):
-            s = spelling(info, type(self))
-            raise ValueError(f"{s.kind('switchhead')} needs {s.options(['heads', 'experts', 'topk'])}")
-        return self
 
 
 class SwitchHead(Kind):

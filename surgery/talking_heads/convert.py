@@ -23,7 +23,7 @@ from ..checkpoint.tensors import CheckpointReader, DTYPES, PlannedTensor
 from .families import Family, family_for
 
 if TYPE_CHECKING:
-    from .kind import TalkingHeadsOptions
+    from .options import TalkingHeadsOptions
 
 CODE_FILES = ("configuration_talking_heads.py", "modeling_talking_heads.py")
 INIT_NOTE = (
@@ -188,7 +188,7 @@ def target_config(config: dict, family: Family, shape: TalkingHeadsShape, chunk_
 
 def convert_to_talking_heads(src: Source, out: Path, options: "TalkingHeadsOptions", progress: bool = True) -> dict:
     """Rewrite every self-attention layer of `src` into talking-heads attention; write the checkpoint to `out`.
-    `options` is the kind's options model (surgery/talking_heads/kind.py), validated where it was built: this checks
+    `options` is the kind's options model (surgery/talking_heads/options.py), validated where it was built: this checks
     only what needs the source's config, and the chunk size.
 
     The mixing matrices are initialized deterministically (`seed` is not used), so that the converted model

@@ -41,8 +41,8 @@ from .optimizer import group_lr, lr_at
 from .options import UptrainOptions
 from .output import finish
 from .progress import Progress
-from .recipe_data import Data, check_stream, setup_data
-from .recipe_setup import (Heads, Inputs, Models, Run, Training, read_inputs, setup_environment, setup_heads,
+from .recipe_data import check_stream, setup_data
+from .recipe_setup import (Data, Heads, Inputs, Models, Run, Training, read_inputs, setup_environment, setup_heads,
                            setup_models, setup_run, setup_training)
 from .retrieval_mix import mixed
 from .state import Checkpoints

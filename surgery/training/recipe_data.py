@@ -1,33 +1,21 @@
-"""The data stage of an uptraining run (loop.py's `setup`): `setup_data` -> `Data`, the training and held-out
-windows, packed up front (data.py) or streamed (stream.py), and the key a resumed run must find again."""
+"""The data stage of an uptraining run (loop.py's `setup`): `setup_data` -> `Data` (recipe_setup.py, beside the
+other stages' results), the training and held-out windows, packed up front (data.py) or streamed (stream.py), and
+the key a resumed run must find again."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.sha256 import sha256_file
 from ..errors import SurgeryError
-from .data import DATA_CACHE, PackedData, cache_key, pack, pack_held_out, read_cache, write_cache
+from .data import DATA_CACHE, cache_key, pack, pack_held_out, read_cache, write_cache
 from .options import UptrainOptions
+from .recipe_setup import Data, Run
 from .run_folder import start_run_dir
 
 if TYPE_CHECKING:
     from ..chat import ChatFormat
-    from .recipe_setup import Run
-    from .stream import StreamedData
-
-
-@dataclass(frozen=True)
-class Data:
-    """The run's windows (`windows`: packed up front, or streamed as the steps need them; the held-out ones in
-    memory either way), the key a resumed run must find again (sources, files, tokenizer, lengths), and the packed
-    cache's sha256 (streamed: '')."""
-
-    windows: PackedData | StreamedData
-    key: str
-    sha256: str
 
 
 def check_stream(o: UptrainOptions, world: int) -> None:

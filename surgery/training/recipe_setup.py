@@ -2,8 +2,9 @@
 needs and returns a small frozen dataclass: `read_inputs` -> `Inputs` (the source, its record, the objective),
 `setup_run` -> `Run` (the processes and the batch split; the output and run folders checked), `setup_models` ->
 `Models` (tokenizer, student, teacher), `setup_training` -> `Training` (trainable parameters, optimizer, accelerate's
-preparation, the resumed state) with the prepared `Models`, `setup_heads` -> `Heads`. The data stage is
-recipe_data.py. Nothing is written before the inputs prove good."""
+preparation, the resumed state) with the prepared `Models`, `setup_heads` -> `Heads`. The data stage
+(`setup_data` -> `Data`) is recipe_data.py; every stage's result, `Data` too, is defined here. Nothing is written
+before the inputs prove good."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from ..kinds import check_checkpoint, find_kind
 from . import lora, model_io
 from .accelerator import precision_of, rank_zero_loads, shard_teacher, teacher_dtype
 from .align import check_alignable
-from .data import DATA_CACHE
+from .data import DATA_CACHE, PackedData
 from .heads import OutputHead
 from .losses import identity, Objective
 from .metrics import MetricsLog
@@ -39,8 +40,8 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
     from ..chat import ChatFormat
-    from .recipe_data import Data
     from .retrieval_mix import RetrievalMix
+    from .stream import StreamedData
     from .teacher_store import TeacherStore
 
 
@@ -138,6 +139,17 @@ class Models:
     out_dtype: torch.dtype
     teacher: torch.nn.Module | None
     store: TeacherStore | None
+
+
+@dataclass(frozen=True)
+class Data:
+    """The data stage's result (recipe_data.py's `setup_data`): the run's windows (`windows`: packed up front, or
+    streamed as the steps need them; the held-out ones in memory either way), the key a resumed run must find again
+    (sources, files, tokenizer, lengths), and the packed cache's sha256 (streamed: '')."""
+
+    windows: PackedData | StreamedData
+    key: str
+    sha256: str
 
 
 @dataclass(frozen=True)

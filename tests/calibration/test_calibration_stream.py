@@ -115,7 +115,7 @@ def test_switchhead_record_and_no_leftovers(tmp_path):
     leaves nothing beside the output (the layer store is removed)."""
     from surgery.calibration.text import PYDOC_SPLIT
     from surgery.switchhead import convert_to_switchhead
-    from surgery.switchhead.kind import SwitchHeadOptions
+    from surgery.switchhead.options import SwitchHeadOptions
     from surgery.testing.tiny_models import tiny
 
     src = tiny("llama", tmp_path / "src")

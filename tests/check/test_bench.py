@@ -97,7 +97,7 @@ def test_bench_json_has_every_field_and_ratios_come_from_the_rounds(pair, tmp_pa
 
 def test_bench_custom_code_needs_trust_remote_code(pair, tmp_path):
     from surgery.talking_heads import convert_to_talking_heads
-    from surgery.talking_heads.kind import TalkingHeadsOptions
+    from surgery.talking_heads.options import TalkingHeadsOptions
 
     src, _ = pair
     th = tmp_path / "th"

@@ -17,9 +17,9 @@ from surgery.kv.convert import convert_to_kv_heads
 from surgery.kv.options import GQAOptions, MQAOptions
 from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
-from surgery.switchhead.kind import SwitchHeadOptions
+from surgery.switchhead.options import SwitchHeadOptions
 from surgery.talking_heads import convert_to_talking_heads
-from surgery.talking_heads.kind import TalkingHeadsOptions
+from surgery.talking_heads.options import TalkingHeadsOptions
 from surgery.testing.tiny_models import char_tokenizer
 
 pytestmark = pytest.mark.slow

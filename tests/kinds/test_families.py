@@ -24,9 +24,9 @@ from surgery.errors import SurgeryError
 from surgery.kv.aligned import convert_aligned
 from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
-from surgery.switchhead.kind import SwitchHeadOptions
+from surgery.switchhead.options import SwitchHeadOptions
 from surgery.talking_heads import convert_to_talking_heads
-from surgery.talking_heads.kind import TalkingHeadsOptions
+from surgery.talking_heads.options import TalkingHeadsOptions
 
 REPO = Path(__file__).resolve().parents[2]
 NEW_TYPE = "seed_oss"  # a Llama-like family transformers has and the registry does not

@@ -212,7 +212,7 @@ def test_card_with_custom_code(converted, tmp_path):
     from surgery.publish.card import build_card
     from surgery.checkpoint.source import resolve_source
     from surgery.talking_heads import convert_to_talking_heads
-    from surgery.talking_heads.kind import TalkingHeadsOptions
+    from surgery.talking_heads.options import TalkingHeadsOptions
 
     convert_to_talking_heads(resolve_source(str(converted / "src")), tmp_path / "th", TalkingHeadsOptions(), progress=False)
     v = validate_folder(tmp_path / "th")

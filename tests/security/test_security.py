@@ -199,11 +199,11 @@ def test_inspect_reads_pickles_only_with_allow_pickle_and_never_runs_them(tmp_pa
 def convert_tiny(kind: str, src: Path, out: Path) -> dict:
     if kind == "talking-heads":
         from surgery.talking_heads import convert_to_talking_heads
-        from surgery.talking_heads.kind import TalkingHeadsOptions
+        from surgery.talking_heads.options import TalkingHeadsOptions
 
         return convert_to_talking_heads(resolve_source(str(src)), out, TalkingHeadsOptions(), progress=False)
     from surgery.switchhead import convert_to_switchhead
-    from surgery.switchhead.kind import SwitchHeadOptions
+    from surgery.switchhead.options import SwitchHeadOptions
 
     options = SwitchHeadOptions(heads=4, experts=2, topk=1, calib=["pydoc"], calib_tokens=512)
     return convert_to_switchhead(resolve_source(str(src)), out, options, progress=False)

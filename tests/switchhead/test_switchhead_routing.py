@@ -12,7 +12,7 @@ import transformers as tf
 
 from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
-from surgery.switchhead.kind import SwitchHeadOptions
+from surgery.switchhead.options import SwitchHeadOptions
 from surgery.switchhead import modeling_switchhead as msh
 from surgery.testing import tiny_models as tm
 from surgery.testing.host_syncs import count_host_syncs, graph_breaks

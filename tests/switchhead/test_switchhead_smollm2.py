@@ -13,7 +13,7 @@ from surgery.data import pydoc_texts, token_stream
 from surgery.inspection import inspect_checkpoint
 from surgery.checkpoint.source import resolve_source
 from surgery.switchhead import convert_to_switchhead
-from surgery.switchhead.kind import SwitchHeadOptions
+from surgery.switchhead.options import SwitchHeadOptions
 
 THREE_OF_THREE = SwitchHeadOptions(heads=3, experts=3, topk=2, calib=["pydoc"], calib_tokens=4096)
 

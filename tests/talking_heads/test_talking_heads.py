@@ -20,7 +20,7 @@ from surgery.errors import SurgeryError
 from surgery.inspection import inspect_checkpoint
 from surgery.checkpoint.source import resolve_source
 from surgery.talking_heads import convert_to_talking_heads
-from surgery.talking_heads.kind import TalkingHeadsOptions
+from surgery.talking_heads.options import TalkingHeadsOptions
 from surgery.talking_heads.modeling_talking_heads import TalkingHeadsMixing, talking_heads_attention
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ import transformers as tf
 
 from surgery.checkpoint.source import resolve_source
 from surgery.talking_heads import convert_to_talking_heads
-from surgery.talking_heads.kind import TalkingHeadsOptions
+from surgery.talking_heads.options import TalkingHeadsOptions
 from surgery.talking_heads import modeling_talking_heads as mth
 from surgery.testing import tiny_models as tm
 from surgery.testing.host_syncs import count_host_syncs, graph_breaks

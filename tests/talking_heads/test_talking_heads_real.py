@@ -18,7 +18,7 @@ from surgery.checking.options import CheckOptions
 from surgery.data import pydoc_texts, token_stream
 from surgery.checkpoint.source import Source, resolve_source
 from surgery.talking_heads import convert_to_talking_heads
-from surgery.talking_heads.kind import TalkingHeadsOptions
+from surgery.talking_heads.options import TalkingHeadsOptions
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -35,7 +35,7 @@ def other(tokenizer, tmp_path_factory):
 def switchhead(other, tmp_path_factory):
     """`other` as SwitchHead, 2 heads of 2 experts, top-1 (its own modeling code and KV cache)."""
     from surgery.switchhead import convert_to_switchhead
-    from surgery.switchhead.kind import SwitchHeadOptions
+    from surgery.switchhead.options import SwitchHeadOptions
 
     out = tmp_path_factory.mktemp("kinds") / "switchhead"
     options = SwitchHeadOptions(heads=2, experts=2, topk=1, calib=["pydoc"], calib_tokens=1024, device="cpu")
@@ -46,7 +46,7 @@ def switchhead(other, tmp_path_factory):
 @pytest.fixture(scope="module")
 def talking_heads(other, tmp_path_factory):
     from surgery.talking_heads import convert_to_talking_heads
-    from surgery.talking_heads.kind import TalkingHeadsOptions
+    from surgery.talking_heads.options import TalkingHeadsOptions
 
     out = tmp_path_factory.mktemp("kinds") / "talking-heads"
     convert_to_talking_heads(resolve_source(str(other)), out, TalkingHeadsOptions(), progress=False)

@@ -215,7 +215,7 @@ def test_align_keeps_the_old_weights_of_a_layer_whose_validation_error_rose(mqa,
 def test_align_and_lora_work_on_a_talking_heads_conversion(tiny, tmp_path):
     pytest.importorskip("peft")
     from surgery.talking_heads import convert_to_talking_heads
-    from surgery.talking_heads.kind import TalkingHeadsOptions
+    from surgery.talking_heads.options import TalkingHeadsOptions
 
     th = tmp_path / "th"
     convert_to_talking_heads(resolve_source(str(tiny)), th, TalkingHeadsOptions(), progress=False)
