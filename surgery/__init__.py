@@ -5,8 +5,8 @@
     result = surgery.convert("smollm2", "smollm2-gqa", to="gqa", kv_heads=1)
     report = surgery.check("smollm2", result, tokens=4096)
 
-The functions (`convert`, `check`, `inspect`, `export`, `uptrain`, `teacher`, `push`, `run_recipe`) and their
-result types live in surgery.api and are loaded on first use: `import surgery` imports neither torch nor transformers.
+The functions (`convert`, `check`, `inspect`, `export`, `uptrain`, `snapshot`, `teacher`, `push`, `run_recipe`) and
+their result types live in surgery.api and are loaded on first use: `import surgery` imports neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any
 from .errors import SurgeryError
 from .version import __version__
 
-_API = ("check", "convert", "export", "inspect", "model_card", "push", "run_recipe", "teacher", "uptrain",
-        "CheckReport", "ConversionResult", "Estimate", "InspectReport", "PushResult", "RecipePlan", "RecipeResult",
-        "TeacherStore", "UptrainResult")
+_API = ("check", "convert", "export", "inspect", "model_card", "push", "run_recipe", "snapshot", "teacher",
+        "uptrain", "CheckReport", "ConversionResult", "Estimate", "InspectReport", "PushResult", "RecipePlan",
+        "RecipeResult", "TeacherStore", "UptrainResult")
 
 __all__ = ["SurgeryError", "__version__", *_API]
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ loads them
     from .api import (CheckReport, ConversionResult, Estimate, InspectReport, PushResult, RecipePlan, RecipeResult,
                       TeacherStore, UptrainResult, check, convert, export, inspect, model_card, push, run_recipe,
-                      teacher, uptrain)
+                      snapshot, teacher, uptrain)
 
 
 def __getattr__(name: str) -> Any:

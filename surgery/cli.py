@@ -13,6 +13,7 @@ from surgery.version import __version__
 from surgery.clickgen import GroupedCommand, click_option, model_options, parse_options
 from surgery.commands.check import CheckOptions
 from surgery.commands.push import PushOptions
+from surgery.commands.snapshot import SnapshotOptions
 from surgery.commands.teacher import TEACHER_OPTIONS, TeacherArgs
 from surgery.commands.uptrain import UptrainArgs
 from surgery.dtypes import DTYPE_NAMES
@@ -338,6 +339,26 @@ def uptrain(model, out, dry_run, **kw):
     if out is None:
         _fail("uptrain needs --out (the output folder) unless --dry-run")
     uptrain_checkpoint(model, out, options)
+
+
+@cli.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Output checkpoint folder (written "
+              "atomically).")
+@model_options(SnapshotOptions)
+def snapshot(run_dir, out, **values):
+    """Write one checkpoint an uptraining run kept as a model folder, like the run's output at that step.
+
+    RUN_DIR is the run folder of `surgery uptrain ... --save-every N --keep-run-dir` (OUT.run, or --run-dir). The
+    step's files must match its manifest (sha256); its weights go into the run's input model (LoRA adapters merged,
+    FSDP shards gathered) and are written in the input's dtype and tensor names, with its config, tokenizer and
+    code, uptrain_metrics.jsonl up to the step and surgery.json's "uptraining" record naming the run, the step, the
+    tokens seen and whether the schedule had ended there. For a recovery curve: one `surgery check` per step.
+    """
+    from surgery.api import snapshot as snapshot_run
+
+    options = parse_options(SnapshotOptions, values)
+    snapshot_run(run_dir, out, **options.model_dump())  # its line ("wrote OUT: step N ...") is the API's log line
 
 
 @cli.command()

@@ -313,6 +313,33 @@ def uptrain(model: Source, out: PathLike | None = None, options: UptrainArgs | N
     return UptrainResult.read(Path(out))
 
 
+def snapshot(run_dir: PathLike, out: PathLike, **options: Any) -> UptrainResult:
+    """Write one checkpoint an uptraining run kept (`uptrain(..., save_every=N, keep_run_dir=True)`) as a model folder
+    like the run's output, as `surgery snapshot RUN_DIR --out OUT` does: the input model's files and record, the
+    step's weights in the input's dtype (LoRA adapters merged), and an `uptraining` record naming the step.
+
+    Args:
+        run_dir: The run folder (`OUT.run`, or the run's `run_dir`).
+        out: The output folder (written atomically).
+        **options: Any option of `surgery snapshot` by its field name (`step=` a step number or `"latest"`,
+            `force=`, `trust_remote_code=`, `max_shard_size=`).
+
+    Returns:
+        The written folder: its record (`record["uptraining"]["snapshot"]` names the step), metrics up to the step
+        and `.load()`.
+
+    Raises:
+        SurgeryError: a folder that is no run folder, a missing or damaged step, an existing `out` without `force`.
+    """
+    from ..commands.snapshot import SnapshotOptions, snapshot_step
+
+    run_dir = path_argument(run_dir, "run_dir", "snapshot")
+    parsed = validate_options(SnapshotOptions, dict(options))
+    out = _output_folder(out, "snapshot", parsed.force)
+    log.info(snapshot_step(run_dir, out, parsed))
+    return UptrainResult.read(Path(out))
+
+
 def push(folder: PathLike | ConversionResult | UptrainResult, repo_id: str, *,
          check_reports: Sequence[PathLike | CheckReport] = (), json_out: PathLike | None = None,
          **options: Any) -> PushResult:

@@ -6,6 +6,7 @@ holds it.
 - `convert.py`  `surgery convert`: options from the registry of kinds (surgery/kinds), the conversion, the dry run.
 - `check.py`    `surgery check`: the comparison (its options model is surgery/checking/options.py) and its report.
 - `uptrain.py`  `surgery uptrain`: options model and the training run.
+- `snapshot.py` `surgery snapshot`: a step of an uptraining run folder as a model folder.
 - `teacher.py`  `surgery teacher`: a teacher's stored log-probs for a run's windows.
 - `push.py`     `surgery push`: options model and the upload.
 - `export.py`   `surgery export`: a checkpoint as a GGUF file.

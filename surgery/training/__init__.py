@@ -20,6 +20,7 @@
 - `optimizer.py` AdamW and the learning-rate schedule; `evaluation.py` held-out loss and perplexity.
 - `run_folder.py` the run folder checked and started; `finite.py` the stop at a number that is not finite.
 - `output.py`   the final write-out: checkpoint, surgery.json's "uptraining" record, metrics and plot.
+- `snapshot.py` one kept checkpoint of a run (`--keep-run-dir`) written as the output would have been at that step.
 
 Contract with the converters: `surgery.json` may list the parameters a conversion introduced, which is what
 `--train new` trains (and `--train attention` trains on top of the attention projections):

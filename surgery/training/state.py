@@ -242,6 +242,18 @@ def damage(folder: Path, rank: int | None = None) -> str | None:
     return None
 
 
+def read_model_file(file: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's model tensors (`model.safetensors`, or a process's `model-rankR.safetensors`) by name, each tied
+    weight stored once under its first name and given back under its aliases too (the same tensor)."""
+    from safetensors import safe_open
+
+    with safe_open(file, "pt") as f:
+        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+        model_state = {k: f.get_tensor(k) for k in f.keys()}
+    model_state.update({alias: model_state[target] for alias, target in aliases.items()})
+    return model_state
+
+
 def _local(t):
     """A DTensor's local shard (FSDP2 parameters and their AdamW states); any other value as it is."""
     return t.to_local() if hasattr(t, "to_local") and hasattr(t, "placements") else t
@@ -471,10 +483,7 @@ class Checkpoints:
     def _read_whole(self, path: Path) -> tuple[dict, dict]:
         from safetensors import safe_open
 
-        with safe_open(path / "model.safetensors", "pt") as f:
-            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-            model_state = {k: f.get_tensor(k) for k in f.keys()}
-        model_state.update({alias: model_state[target] for alias, target in aliases.items()})
+        model_state = read_model_file(path / "model.safetensors")
         with safe_open(path / "optimizer.safetensors", "pt") as f:
             optim_state = _optimizer_state({k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {})
         return model_state, optim_state
@@ -484,10 +493,7 @@ class Checkpoints:
         from safetensors import safe_open
 
         model_file, optim_file, _ = shard_files(self.acc.process_index)
-        with safe_open(path / model_file, "pt") as f:
-            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-            model_state = {k: f.get_tensor(k) for k in f.keys()}
-        model_state.update({alias: model_state[target] for alias, target in aliases.items()})
+        model_state = read_model_file(path / model_file)
         with safe_open(path / optim_file, "pt") as f:
             optim_state = _optimizer_state({k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {})
         return model_state, optim_state
