@@ -216,7 +216,7 @@ def write_snapshot(run_dir: Path, step: int | str, out: Path, force: bool = Fals
     """Write checkpoint `step` of `run_dir` as the model folder `out`; returns its "uptraining" record."""
     found = find_step(run_dir, step)
     source = found.source
-    check_output_path(out, force, source=source.folder, inputs=[("run folder", found.run_dir)])
+    check_output_path(out, force, source=source.folder, inputs=[("run", found.run_dir)])
     side_files(source.folder)  # the files the output copies: refused now, not after the load
     model_io.shipped_code_files(source.folder)
     if found.run.get("lora_rank"):

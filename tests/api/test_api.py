@@ -58,7 +58,7 @@ def test_import_surgery_imports_no_torch_until_a_function_runs():
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.parametrize("name", ["check", "inspect", "uptrain", "convert", "push", "teacher"])
+@pytest.mark.parametrize("name", ["check", "inspect", "uptrain", "convert", "push", "teacher", "snapshot"])
 def test_no_module_shares_an_api_functions_name(name):
     """`import surgery.X` cannot rebind the function `surgery.X` to a module: no module or package of that name
     exists, so the import fails plainly and `surgery.X` stays the one function everywhere."""
@@ -295,6 +295,7 @@ def test_push_uploads_with_a_check_report_object_in_the_card(tiny, tmp_path):
     ("check", {"json_out", "source", "converted"}),
     ("uptrain", {"out", "dry_run", "model"}),
     ("push", {"folder", "check_reports", "json_out"}),
+    ("snapshot", {"run_dir", "out"}),
 ])
 def test_the_api_takes_the_options_the_command_line_lists(command, own):
     """One source of truth: every option of `surgery COMMAND` is a keyword of surgery.COMMAND, under its field name,
@@ -303,9 +304,11 @@ def test_the_api_takes_the_options_the_command_line_lists(command, own):
     from surgery.commands.check import CheckOptions
     from surgery.commands.convert import options_model
     from surgery.commands.push import PushOptions
+    from surgery.commands.snapshot import SnapshotOptions
     from surgery.commands.uptrain import UptrainArgs
 
-    model = {"convert": options_model(), "check": CheckOptions, "uptrain": UptrainArgs, "push": PushOptions}[command]
+    model = {"convert": options_model(), "check": CheckOptions, "uptrain": UptrainArgs, "push": PushOptions,
+             "snapshot": SnapshotOptions}[command]
     params = {p.name for p in cli.commands[command].params if p.expose_value} - own
     assert params == set(model.model_fields)
     with pytest.raises(surgery.SurgeryError, match="^unknown option 'not_an_option'"):

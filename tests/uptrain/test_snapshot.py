@@ -116,13 +116,18 @@ def test_refusals_are_one_line_and_write_nothing(two_steps, tmp_path, cli):
     assert not target.exists()
     target.mkdir()
     assert "already exists (use --force" in refused(cli, run_dir, "--out", target)
-    assert "is the run folder folder" in refused(cli, run_dir, "--out", run_dir, "--force")
+    assert "is the run folder; choose another --out" in refused(cli, run_dir, "--out", run_dir, "--force")
+    assert "is inside the run folder" in refused(cli, run_dir, "--out", run_dir / "inside")
     copy = tmp_path / "copy.run"
     shutil.copytree(run_dir, copy)
     (copy / "metrics.jsonl").unlink()
     (copy / "metrics.jsonl").symlink_to(run_dir / "metrics.jsonl")
     assert "holds a symbolic link metrics.jsonl" in refused(cli, copy, "--out", tmp_path / "y")
     (copy / "metrics.jsonl").unlink()
+    saved = (copy / "run.json").read_text()
+    (copy / "run.json").write_text(json.dumps(json.loads(saved) | {"model": str(tmp_path / "gone")}))
+    assert "input model" in refused(cli, copy, "--out", tmp_path / "y")  # its config and tokenizer are gone
+    (copy / "run.json").write_text(saved)
     weights_file = copy / "checkpoints" / "step-00000002" / "model.safetensors"
     data = bytearray(weights_file.read_bytes())
     data[-1] ^= 1
