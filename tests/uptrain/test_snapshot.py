@@ -149,3 +149,15 @@ def test_a_lora_run_s_step_is_merged_as_its_output_is(tiny, tmp_path, cli):
     code, _, err = cli("snapshot", tmp_path / "lora.run", "--out", tmp_path / "snap")
     assert code == 0, err
     assert same(weights(tmp_path / "snap"), weights(out)) and not same(weights(out), weights(tiny))
+
+
+def test_the_python_api_writes_the_same_folder(two_steps, tmp_path):
+    import surgery
+
+    out, run_dir = two_steps
+    result = surgery.snapshot(run_dir, tmp_path / "api", step=1)
+    assert result.uptraining["snapshot"]["step"] == 1 and [m["step"] for m in result.metrics] == [0, 1]
+    saved = read_model_file(run_dir / "checkpoints" / "step-00000001" / "model.safetensors")
+    assert all(torch.equal(t, saved[k]) for k, t in weights(result.folder).items())
+    with pytest.raises(surgery.SurgeryError, match="--step takes a step number or latest"):
+        surgery.snapshot(run_dir, tmp_path / "api2", step="first")
