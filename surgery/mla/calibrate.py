@@ -235,4 +235,3 @@ def _retrieval_pass(retrieval: RetrievalCalibration, spec, layer, index: int) ->
         retrieval.see(index, i, a.x, lambda: capture.run_attention(attention, out_module, a).record)
 
     return seen
-
