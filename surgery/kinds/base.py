@@ -185,6 +185,26 @@ class RetrievalMixOptions(CliModel):
         return v
 
 
+class RetrievalWeightOptions(CliModel):
+    """The retrieval heads' and rows' weights in a calibrated fit (aligned merge, MLA), from the scores measured on the
+    --calib-retrieval-mix examples (surgery/calibration/retrieval.py). Each kind says where they enter its fit and
+    refuses them without the examples (surgery/kv/options.py, surgery/mla/options.py)."""
+
+    GROUP: ClassVar[str] = "retrieval calibration (aligned merge, mla)"
+    retrieval_weight: float = option(
+        0.0, "--retrieval-weight", "[aligned, mla, with --calib-retrieval-mix] Weigh each query head by 1 + B x its "
+        "retrieval score (in [0, 1]: the attention its answer positions put on the needle on the retrieval "
+        "examples, recorded in surgery.json): in the aligned merge its queries' energy, the key refit and the query "
+        "refit; in mla the rope key's split, the latent's metric (its keys' and values' share of the rank) and the "
+        "query refit. 0: every head weighs the same.", metavar="B", group=GROUP)
+    retrieval_rows_weight: float = option(
+        1.0, "--retrieval-rows-weight", "[aligned, mla, with --calib-retrieval-mix] Weigh the retrieval examples' "
+        "answer and needle positions: in the aligned merge the query refit also fits the answer positions' rows and "
+        "the key refit (--refit-keys) the needle's, each row weighing W sampled rows (0: only the random samples); in "
+        "mla the needle's rows count W times in the keys' and values' second moments and the answer's in the "
+        "queries' (the factorisation's statistics; 1: as any row).", metavar="W", group=GROUP)
+
+
 class QueryRefitOptions(CliModel):
     """The query refit's sampling (aligned merge, MLA): after the keys change, q_proj is regressed onto the queries
     that best reproduce the source's attention logits at sampled positions of every calibration window."""

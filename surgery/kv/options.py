@@ -9,7 +9,8 @@ from typing import ClassVar, Literal
 
 from pydantic import ValidationInfo, model_validator
 
-from ..kinds.base import CalibrationOptions, QueryRefitOptions, RetrievalMixOptions, WriteOptions, require_size
+from ..kinds.base import (CalibrationOptions, QueryRefitOptions, RetrievalMixOptions, RetrievalWeightOptions,
+                          WriteOptions, require_size)
 from ..options import option, spelling
 
 ALIGNED = "aligned"  # the calibrated merge; the others are surgery.kv.pool's POOL_METHODS (tests/test_registry.py)
@@ -44,19 +45,10 @@ class KVMergeFields(WriteOptions):
     refit_keys: bool = option(
         False, "--refit-keys", "[aligned] Also refit the merged keys against the source's attention logits (from all "
         "the group's converted queries) before the query refit.", group=GROUP)
-    retrieval_weight: float = option(
-        0.0, "--retrieval-weight", "[aligned] Weigh each query head in the merge (its queries' energy), the key refit "
-        "and the query refit by 1 + B x its retrieval score (in [0, 1]: the attention its answer positions put on the "
-        "needle on the --calib-retrieval-mix examples, recorded in surgery.json); 0: every head weighs the same.",
-        metavar="B", group=GROUP)
-    retrieval_rows_weight: float = option(
-        1.0, "--retrieval-rows-weight", "[aligned, with --calib-retrieval-mix] On each retrieval example the query "
-        "refit also fits the answer positions' rows and the key refit (--refit-keys) the needle's positions, each row "
-        "weighing W sampled rows (1: as any row; larger: a handful of rows against the thousands sampled; 0: only the "
-        "random samples).", metavar="W", group=GROUP)
 
 
-class KVMergeOptions(CalibrationOptions, RetrievalMixOptions, QueryRefitOptions, KVMergeFields):
+class KVMergeOptions(CalibrationOptions, RetrievalMixOptions, RetrievalWeightOptions, QueryRefitOptions,
+                     KVMergeFields):
     @property
     def groups(self) -> int:
         """K/V heads after conversion."""

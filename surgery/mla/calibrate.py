@@ -10,6 +10,9 @@
    the converted attention (`MLAGeometry.attend`, DeepSeek's computation) then runs on x, o_proj is refit by ridge
    regression onto the source layer's attention output on that x (the aligned merge's `OutputFit`), and the
    converted layer's output feeds the next layer.
+   With retrieval examples among the windows (`retrieval`, surgery/mla/retrieval.py), the second moments' pass also
+   scores the source heads on them and sums their needle and answer rows; the layer's `FitWeights` then reach the
+   factorisation (`build`) and the query refit's head weights.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from ..fitting.rotary import RotaryPairs
 from ..fitting.shape import refit_shape
 from ..runtime import threads
 from .factor import MLAWeights, SourceAttention, frequency_scores
+from .retrieval import RetrievalCalibration
 
 O_RIDGE = 0.1  # the aligned merge's output-refit ridge (relative to the Gram's mean diagonal)
 
@@ -100,15 +104,18 @@ def _inputs(stream, spec, layer, index, hidden, calls):
         yield capture.attention_input(layer, attention, in_module, stream.fetch(hidden[i]), calls[i][index])
 
 
-def _second_moments(acalls, observer=None) -> torch.Tensor:
-    """E[x x^T] of the attention input; `observer` (None, or what has `add(rows)`) sees every chunk's rows too."""
+def _second_moments(acalls, observer=None, chunk_seen: Callable | None = None) -> torch.Tensor:
+    """E[x x^T] of the attention input; `observer` (None, or what has `add(rows)`) sees every chunk's rows too, and
+    `chunk_seen(i, a)` (None: nothing) every chunk's attention call."""
     sigma, count = None, 0
-    for a in acalls:
+    for i, a in enumerate(acalls):
         flat = a.x.reshape(-1, a.x.shape[-1]).double()
         sigma = flat.T @ flat if sigma is None else sigma + flat.T @ flat
         count += flat.shape[0]
         if observer is not None:
             observer.add(flat)
+        if chunk_seen is not None:
+            chunk_seen(i, a)
         del a, flat  # before the next chunk is computed: one chunk alive at a time
     return sigma / count  # on the stream's device: the factorisation runs there
 
@@ -132,12 +139,13 @@ def frequency_scores_pass(folder, reader, spec, windows: torch.Tensor, device: t
 
 
 def _refit_q(stream, spec, layer, index, hidden, calls, weights: MLAWeights, geometry: MLAGeometry,
-             opts: QueryRefit, generator: torch.Generator) -> torch.Tensor:
+             opts: QueryRefit, generator: torch.Generator, head_weights: torch.Tensor | None = None) -> torch.Tensor:
     """q_proj refit as the aligned merge's (`QueryFit`): at sampled positions of every window, each head's query that
     best reproduces the source head's attention logits against the head's MLA keys (no-position keys through the
     latent, the shared rope key), weighted by the source's attention probabilities; q_proj regressed onto those
     queries (rope dims un-rotated), pulled toward the factorisation's. The MLA keys enter at the source's logit scale
-    (DeepSeek's softmax scale over the source's), so the queries come out in MLA's own space."""
+    (DeepSeek's softmax scale over the source's), so the queries come out in MLA's own space. `head_weights` [H]
+    (None: 1 each): each head's samples weigh that much against the pull (the retrieval heads')."""
     attention, _, out_module = _modules(spec, layer)
     heads, groups = geometry.heads, [[h] for h in range(geometry.heads)]
     fit = None
@@ -152,7 +160,7 @@ def _refit_q(stream, spec, layer, index, hidden, calls, weights: MLAWeights, geo
             cos, sin = (t.float().expand(n, length, -1) for t in geometry.rotary(length, a.x.device))
             if fit is None:
                 fit = QueryFit(refit_shape(a.x, query, key, groups), length, groups, geometry.pairs(), record.scaling,
-                               record.softcap, opts, generator, a.x.device)
+                               record.softcap, opts, generator, a.x.device, head_weights)
             fit.add(a.x, q_src, k_src, query, key, cos, sin)
             del a, record, q_src, k_src, query, key  # before the next chunk is computed
         q = fit.solve(weights.q_proj.to(stream.device, torch.float32))
@@ -179,8 +187,10 @@ def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.devi
                  build: Callable[[int, torch.Tensor], MLAWeights], geometry: MLAGeometry, keep: Callable,
                  refit_q: QueryRefit | None = None, refit_o: bool = True, seed: int = 0,
                  chunk_windows: int = MAX_WINDOWS, progress: bool = True, store=None,
-                 observer: Callable[[int], object] | None = None) -> None:
-    """Convert every layer on the converted stream: `build(index, sigma)` gives the layer's MLA weights,
+                 observer: Callable[[int], object] | None = None,
+                 retrieval: RetrievalCalibration | None = None) -> None:
+    """Convert every layer on the converted stream: `build(index, sigma)` gives the layer's MLA weights (with
+    `retrieval`, the retrieval windows' scores and weights: `build(index, sigma, fit_weights)` when they change it),
     `keep(index, weights)` receives the final weights; `observer(index)` (None: nothing) is handed the layer's
     attention input rows while sigma is summed (surgery/mla/absorb.py's moments). Each step is a pass over the
     chunks (second moments, query refit, output refit, converted pass): past the residual stream, memory is one
@@ -194,11 +204,16 @@ def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.devi
                 # one layer's weights on the stream's device while its passes run (they multiply the device's
                 # activations; the refits solve there too), handed to `keep` on the host
                 seen = observer(index) if observer is not None else None
-                weights = build(index, _second_moments(_inputs(stream, spec, layer, index, hidden, calls), seen))
+                chunk_seen = None if retrieval is None else _retrieval_pass(retrieval, spec, layer, index)
+                sigma = _second_moments(_inputs(stream, spec, layer, index, hidden, calls), seen, chunk_seen)
+                fit = None if retrieval is None else retrieval.weights(index, sigma)
+                weights = build(index, sigma) if fit is None else build(index, sigma, fit)
+                del sigma, fit
                 weights = weights.to(stream.device)
                 if refit_q is not None:
+                    heads = None if retrieval is None else retrieval.head_weights(index, stream.device)
                     weights.q_proj = _refit_q(stream, spec, layer, index, hidden, calls, weights, geometry, refit_q,
-                                              generator)
+                                              generator, heads)
                 if refit_o:
                     weights.o_proj = _refit_o(stream, spec, layer, index, hidden, calls, weights, geometry)
                 o_proj = weights.o_proj.to(stream.device, torch.float32)
@@ -209,3 +224,14 @@ def convert_pass(folder, reader, spec, windows: torch.Tensor, device: torch.devi
                     del a, out  # before the next chunk is computed
                 keep(index, weights.to("cpu"))
                 bar.update()
+
+
+def _retrieval_pass(retrieval: RetrievalCalibration, spec, layer, index: int) -> Callable:
+    """The second moments' per-chunk hook: the chunk's rows and, on a chunk holding retrieval windows, the source
+    attention's record for the heads' scores."""
+    attention, _, out_module = _modules(spec, layer)
+
+    def seen(i: int, a) -> None:
+        retrieval.see(index, i, a.x, lambda: capture.run_attention(attention, out_module, a).record)
+
+    return seen

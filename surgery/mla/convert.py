@@ -34,9 +34,10 @@ from ..fitting.refit import QueryRefit
 from .absorb import AbsorptionMoments, SourceProjections
 from .body import BodyFold
 from .calibrate import MLAGeometry, convert_pass, frequency_scores_pass
-from .factor import MLAWeights, SourceAttention, mla_layer
+from .factor import FitWeights, MLAWeights, SourceAttention, mla_layer
 from .families import MLAFamily, mla_family, rotating_layers
 from .refusals import KIND, REFUSES
+from .retrieval import RetrievalCalibration
 
 if TYPE_CHECKING:
     from .options import MLAOptions
@@ -392,7 +393,9 @@ def convert_to_mla(src: Source, out: Path, options: "MLAOptions", progress: bool
     (surgery/precision.py), its statistics in float32/64. Measurement baselines: `absorb` False drops an approximate
     family's biases and q/k norms instead of absorbing them (surgery/mla/absorb.py; the refits still fit the
     source's own logits and outputs); `refit_queries` False runs no query refit. A fraction
-    `options.calib_retrieval_mix` of the calibration windows are retrieval examples (from the seed)."""
+    `options.calib_retrieval_mix` of the calibration windows are retrieval examples (from the seed), on which every
+    layer's query heads are scored (and the factorisation and query refit weighted, with `retrieval_weight` and
+    `retrieval_rows_weight`: surgery/mla/retrieval.py)."""
     o = options
     kv_rank, rope_dim, seed = o.kv_rank, o.rope_dim, o.seed
     query_samples = o.query_samples if refit_queries else 0
@@ -469,7 +472,7 @@ def convert_to_mla(src: Source, out: Path, options: "MLAOptions", progress: bool
         kept, stride, theta, share = choose_frequencies(scores, strides, shape.rope_dim, inv_freq,
                                                         int(text.windows.shape[1]))
 
-        def build(i: int, sigma: torch.Tensor) -> MLAWeights:
+        def build(i: int, sigma: torch.Tensor, fit: FitWeights | None = None) -> MLAWeights:
             # on the calibration device (float64; priced there by the dry run), where the layer's passes use it
             source = read_layer(i)
             if i in moments:
@@ -477,17 +480,19 @@ def convert_to_mla(src: Source, out: Path, options: "MLAOptions", progress: bool
                 if absorb:
                     source.q, source.k, source.v = fitted["q"], fitted["k"], fitted["v"]
             w = mla_layer(source, sigma, kept if rotates[i] else [], spec.rotary_pairs, shape.rank, scaling,
-                          LATENT_EPS, rope_dim=shape.rope_dim)
+                          LATENT_EPS, rope_dim=shape.rope_dim, weights=fit)
             losses[i] = (w.rope_loss, w.latent_loss)
             return w
 
         def keep(i: int, w: MLAWeights) -> None:
             store.put(i, {f: getattr(w, f).float() for f in fields})
 
+        retrieval = (RetrievalCalibration(text.retrieval, chunk, o.retrieval_weight, o.retrieval_rows_weight)
+                     if text.retrieval else None)
         geometry = MLAGeometry(shape.heads, shape.head_dim, shape.rope_dim, shape.head_dim, theta, LATENT_EPS)
         convert_pass(src.folder, reader, spec, text.windows, dev, build, geometry, keep, chunk_windows=chunk,
                      refit_q=QueryRefit(samples=query_samples) if query_samples else None, seed=seed,
-                     progress=progress, store=store, observer=observer)
+                     progress=progress, store=store, observer=observer, retrieval=retrieval)
         calib_seconds = time.time() - calib_start
 
         def layer_weights(i: int) -> MLAWeights:
@@ -501,6 +506,8 @@ def convert_to_mla(src: Source, out: Path, options: "MLAOptions", progress: bool
 
         mla = _mla_record(shape, kept, stride, theta, share, losses, query_samples)
         mla["source_rms_norm_eps"] = config.get("rms_norm_eps")
+        if retrieval is not None:  # --calib-retrieval-mix: each layer's query heads scored on its examples
+            mla["retrieval_heads"] = retrieval.record()
         mla |= _family_record(family, absorbing, absorb, residuals)
         if absorbing and absorb:  # per projection, each layer's ridge (null: the plain fold won on held-out rows)
             mla["absorption"]["ridges"] = {p: [ridges[i][p] for i in sorted(ridges)] for p in "qkv"}

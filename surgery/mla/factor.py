@@ -16,6 +16,16 @@ of the queries that read them and each group's value rows by o_proj's metric, ea
 total (relative errors of logits and outputs count alike). Solution: U_R, the top R eigenvectors of
 M W Sigma W^T M; A = U_R^T M W, B = M^-1 U_R.
 
+Retrieval weights (`FitWeights`, from surgery/mla/retrieval.py; None: every head and row weighs the same, the
+computation above unchanged). Each query head h weighs a_h = 1 + B x its retrieval score in the two places the
+factorisation reads the queries: its energy in the rope split's per-group weight (so the shared rope key leans toward
+the retrieval heads' keys) and its term of the group's key metric sum_h a_h q_h Sigma_q q_h^T (and o_proj's value
+metric sum_h a_h o_h o_h^T), so the latent's rank goes to the directions the retrieval heads read and write; the
+blocks' normalisation then shares the fixed total between groups by these weighted metrics. The statistics can
+up-weight the retrieval examples' rows: Sigma_k (keys' and values' inputs: the needle positions counted W times)
+is the data term of both fits, Sigma_q (queries' inputs: the answer positions counted W times) their query
+metrics; the latent's scale (kv_a_layernorm's linear regime) stays on the plain Sigma of every token.
+
 Everything runs on the device of its inputs (the calibration's, CUDA included): every tensor made here is made there.
 On CUDA, eigh may return eigenvectors of other signs (phases) than the CPU's; the attention function is the same (B A
 and the rope query-key products do not depend on them), so conversions made on two devices compare by logits, not
@@ -60,6 +70,16 @@ class MLAWeights:
         return MLAWeights(*(t.to(device) for t in tensors), self.rope_loss, self.latent_loss)
 
 
+@dataclass(frozen=True)
+class FitWeights:
+    """One layer's retrieval weighting of the factorisation: each query head's weight [h] (None: 1 each), and the
+    second moments of the keys' and the queries' inputs with the retrieval rows up-weighted (None: the plain sigma)."""
+
+    heads: torch.Tensor | None = None
+    key_sigma: torch.Tensor | None = None
+    query_sigma: torch.Tensor | None = None
+
+
 def pair_rows(head_dim: int, pairs: str, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the real and imaginary part of each rotary frequency inside one head: (i, i + d/2) or (2i, 2i+1)."""
     i = torch.arange(head_dim // 2, device=device)
@@ -88,12 +108,17 @@ def frequency_scores(src: SourceAttention, sigma: torch.Tensor, pairs: str) -> t
     return score / score.sum().clamp_min(1e-300)
 
 
-def _rope_split(qc_f: torch.Tensor, kc_f: torch.Tensor, sigma: torch.Tensor, group: torch.Tensor):
+def _rope_split(qc_f: torch.Tensor, kc_f: torch.Tensor, sigma: torch.Tensor, group: torch.Tensor,
+                weights: FitWeights | None = None):
     """One frequency: qc_f [h, H], kc_f [kv, H] complex rows -> (rope key row [H], rope query rows [h, H], residual
-    key rows [kv, H], relative loss)."""
+    key rows [kv, H], relative loss). `sigma`: the keys' input moments; `weights`: the heads' weights and the queries'
+    input moments."""
     s = sigma.to(torch.complex128)
     cov = kc_f @ s @ kc_f.conj().T  # E[k k^H]
-    q_energy = torch.einsum("hi,ij,hj->h", qc_f, s, qc_f.conj()).real
+    qs = s if weights is None or weights.query_sigma is None else weights.query_sigma.to(torch.complex128)
+    q_energy = torch.einsum("hi,ij,hj->h", qc_f, qs, qc_f.conj()).real
+    if weights is not None and weights.heads is not None:
+        q_energy = q_energy * weights.heads.to(q_energy)
     weight = torch.zeros(kc_f.shape[0], dtype=torch.float64, device=kc_f.device).index_add_(0, group, q_energy)
     weight = weight + 1e-12 * weight.max().clamp_min(1e-300)
     root = weight.sqrt().to(torch.complex128)
@@ -107,7 +132,8 @@ def _rope_split(qc_f: torch.Tensor, kc_f: torch.Tensor, sigma: torch.Tensor, gro
     return z, a.conj()[group][:, None] * qc_f, residual, loss
 
 
-def split_rope(src: SourceAttention, sigma: torch.Tensor, kept: list[int], pairs: str):
+def split_rope(src: SourceAttention, sigma: torch.Tensor, kept: list[int], pairs: str,
+               weights: FitWeights | None = None):
     """The rope key [D_r, H] (DeepSeek's interleaved pairs), rope queries [h, D_r, H], the no-position keys
     [kv, d, H] (source layout) and the mean relative loss of the shared rope key over the kept frequencies."""
     h, kv, d = src.heads, src.kv_heads, src.head_dim
@@ -120,7 +146,7 @@ def split_rope(src: SourceAttention, sigma: torch.Tensor, kept: list[int], pairs
     losses = []
     for i, f in enumerate(kept):
         z, qr, residual, loss = _rope_split(torch.complex(q[:, re[f]], q[:, im[f]]),
-                                            torch.complex(k[:, re[f]], k[:, im[f]]), sigma, group)
+                                            torch.complex(k[:, re[f]], k[:, im[f]]), sigma, group, weights)
         rope_k[2 * i], rope_k[2 * i + 1] = z.real, z.imag
         rope_q[:, 2 * i], rope_q[:, 2 * i + 1] = qr.real, qr.imag
         k[:, re[f]], k[:, im[f]] = residual.real, residual.imag
@@ -135,22 +161,28 @@ def _root(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (vecs * vals.sqrt()) @ vecs.T, (vecs / vals.sqrt()) @ vecs.T
 
 
-def factor_latent(nope_k: torch.Tensor, src: SourceAttention, sigma: torch.Tensor, rank: int):
+def factor_latent(nope_k: torch.Tensor, src: SourceAttention, sigma: torch.Tensor, rank: int,
+                  weights: FitWeights | None = None):
     """Joint rank-`rank` factorisation of the no-position keys [kv, d, H] and values: A [R, H], B [(2*kv*d), R]
-    (rows: every group's keys, then every group's values) and the relative loss in the weighting metric."""
+    (rows: every group's keys, then every group's values) and the relative loss in the weighting metric. `sigma`:
+    the keys' and values' input moments; `weights`: the heads' weights in the metrics and the queries' moments."""
     h, kv, d = src.heads, src.kv_heads, src.head_dim
     per = h // kv
     q, o = _heads(src.q, h, d), src.o.T.reshape(h, d, -1)
+    qs = sigma if weights is None or weights.query_sigma is None else weights.query_sigma
+    a = None if weights is None or weights.heads is None else [float(v) for v in weights.heads]
     blocks, inverses, rows = [], [], []
     for part in ("k", "v"):
         metrics = []
         for g in range(kv):
             heads = range(g * per, (g + 1) * per)
             if part == "k":
-                metric = sum(q[j] @ sigma @ q[j].T for j in heads)
+                metric = (sum(q[j] @ qs @ q[j].T for j in heads) if a is None else
+                          sum(a[j] * (q[j] @ qs @ q[j].T) for j in heads))
                 w = nope_k[g]
             else:
-                metric = sum(o[j] @ o[j].T for j in heads)
+                metric = (sum(o[j] @ o[j].T for j in heads) if a is None else
+                          sum(a[j] * (o[j] @ o[j].T) for j in heads))
                 w = _heads(src.v, kv, d)[g]
             metrics.append((metric, w))
         total = sum(float(torch.trace(m @ w @ sigma @ w.T)) for m, w in metrics)
@@ -171,7 +203,7 @@ def factor_latent(nope_k: torch.Tensor, src: SourceAttention, sigma: torch.Tenso
 
 def mla_layer(src: SourceAttention, sigma: torch.Tensor, kept: list[int], pairs: str, rank: int,
               source_scaling: float, eps: float, latent_energy: float = 1e-4,
-              rope_dim: int | None = None) -> MLAWeights:
+              rope_dim: int | None = None, weights: FitWeights | None = None) -> MLAWeights:
     """DeepSeek-V3 attention weights for one layer (see the module docstring).
 
     The softmax scale (d + D_r)^-0.5 that DeepSeek applies is folded into the queries (the source used
@@ -182,10 +214,14 @@ def mla_layer(src: SourceAttention, sigma: torch.Tensor, kept: list[int], pairs:
 
     `rope_dim` (default 2 x the kept frequencies): the model's rope dims, of which the rows past the kept
     frequencies are zero: a layer without RoPE (SmolLM3's no_rope_layers) keeps none, every key dimension goes
-    through the latent and its rope query and key are zero."""
+    through the latent and its rope query and key are zero.
+
+    `weights` (None: none): the retrieval weighting of both fits (the module docstring); the latent's scale reads
+    the plain `sigma`."""
     h, kv, d = src.heads, src.kv_heads, src.head_dim
-    rope_k, rope_q, nope_k, rope_loss = split_rope(src, sigma, kept, pairs)
-    a, b, latent_loss = factor_latent(nope_k, src, sigma, rank)
+    key_sigma = sigma if weights is None or weights.key_sigma is None else weights.key_sigma
+    rope_k, rope_q, nope_k, rope_loss = split_rope(src, key_sigma, kept, pairs, weights)
+    a, b, latent_loss = factor_latent(nope_k, src, key_sigma, rank, weights)
     d_rope = 2 * len(kept) if rope_dim is None else rope_dim
     if d_rope > rope_k.shape[0]:  # zero rope rows: no position for this layer's keys
         rope_k = torch.cat([rope_k, rope_k.new_zeros(d_rope - rope_k.shape[0], rope_k.shape[1])])
