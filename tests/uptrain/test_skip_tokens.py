@@ -72,6 +72,9 @@ def test_a_continued_run_is_warned_then_skips_and_records_it(tiny, cli, tmp_path
     record = json.loads((tmp_path / "c" / "surgery.json").read_text())["uptraining"]
     assert record["skip_tokens"] == 512 and record["tokens"] == 512
     assert json.loads((tmp_path / "c.run" / "run.json").read_text())["skip_tokens"] == 512
+    code, _, err = cli("uptrain", tmp_path / "a", "--out", tmp_path / "c", *flags, "--data", "pydoc", "--resume",
+                       "--force")  # a resume must repeat the skip
+    assert code == 2 and "skip_tokens: 512 -> 0" in err
     # continuing c without --skip-tokens: its input was trained on the tokens 512..1024
     code, _, err = cli("uptrain", tmp_path / "c", "--out", tmp_path / "d", *flags, "--data", "pydoc")
     warned = [line for line in err.splitlines() if "--skip-tokens" in line]
