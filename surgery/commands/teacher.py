@@ -12,7 +12,8 @@ from ..options import CliModel, at_least_one, option
 from ..training.options import UptrainArgs
 
 # uptrain's options that fix the training windows, and the teacher's run (its precision, temperature, batch, output)
-TEACHER_OPTIONS = ("data", "data_weights", "data_mode", "data_workers", "data_epochs", "tokens", "text_field",
+TEACHER_OPTIONS = ("data", "data_weights", "data_mode", "data_workers", "data_epochs", "tokens", "skip_tokens",
+                   "text_field",
                    "txt_unit", "streaming", "chat_template", "retrieval_mix", "seq_len", "batch_tokens", "micro_batch", "eval_tokens",
                    "seed", "temperature", "trust_teacher_code", "precision", "force")
 

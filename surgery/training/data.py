@@ -2,7 +2,9 @@
 
 The first documents form the held-out split (whole documents, at least `eval_tokens` tokens, cut to whole
 windows; when no document follows them, a single file read whole, the split ends inside the last one, whose rest
-is trained on); the rest form the training split, read only as far as the run needs. Training windows are visited
+is trained on); the rest form the training split, read only as far as the run needs. `skip_tokens` (--skip-tokens,
+continuing a run on fresh text) drops the training split's first tokens: its windows start right after them, the
+held-out split stays as it was. Training windows are visited
 in a seeded random order, a fresh one each epoch when the run needs more tokens than the data holds.
 A second held-out text (`--eval-data`, typically of another domain than the training text) is packed the same way
 from its own first documents: it tells recovery from adaptation to the training text's domain, which the first
@@ -108,8 +110,9 @@ def _eos(tokenizer) -> int:
 
 
 def pack(texts: Iterable[str], tokenizer, seq_len: int, eval_tokens: int, train_tokens: int, seed: int = 0,
-         masked: bool = False) -> PackedData:
-    """Tokenize documents until the held-out split has `eval_tokens` and the training split `train_tokens`;
+         masked: bool = False, skip_tokens: int = 0) -> PackedData:
+    """Tokenize documents until the held-out split has `eval_tokens` and the training split `train_tokens` after
+    its first `skip_tokens` (dropped: the windows start at token `skip_tokens` of the training split);
     `masked` (--loss-on assistant): also each training token's mask (`_masked_documents`; EOS after a conversation
     is 0, after other text 1)."""
     eos = _eos(tokenizer)
@@ -126,7 +129,7 @@ def pack(texts: Iterable[str], tokenizer, seq_len: int, eval_tokens: int, train_
         if masked:
             masks[split].append(np.asarray(mask + [mask[-1] if mask and min(mask) == 1 else 0], dtype=np.uint8))
         have[split] += len(ids) + 1
-        if have["train"] >= train_tokens + seq_len:
+        if have["train"] >= skip_tokens + train_tokens + seq_len:
             break
     if documents == 0:
         raise SurgeryError("the data holds no text")
@@ -139,7 +142,16 @@ def pack(texts: Iterable[str], tokenizer, seq_len: int, eval_tokens: int, train_
         have = {"eval": eval_need, "train": int(flat.size) - eval_need}
     if have["eval"] < eval_need:
         raise SurgeryError(f"the data holds only {have['eval']} tokens, fewer than --eval-tokens {eval_tokens}")
+    if skip_tokens:
+        parts["train"] = [np.concatenate(parts["train"])[skip_tokens:]] if parts["train"] else []
+        if masked:
+            masks["train"] = [np.concatenate(masks["train"])[skip_tokens:]] if masks["train"] else []
     train = _windows(parts["train"], seq_len)
+    if train.shape[0] == 0 and skip_tokens:
+        raise SurgeryError(
+            f"no training data left: the data's {have['eval'] + have['train']} tokens give {have['train']} after the "
+            f"{eval_need} held out, {max(0, have['train'] - skip_tokens)} after --skip-tokens {skip_tokens} (need at "
+            f"least --seq-len {seq_len}); lower --skip-tokens")
     if train.shape[0] == 0:
         raise SurgeryError(
             f"no training data left: the data's {have['eval'] + have['train']} tokens give "

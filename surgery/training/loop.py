@@ -41,7 +41,7 @@ from .optimizer import group_lr, lr_at
 from .options import UptrainOptions
 from .output import finish
 from .progress import Progress
-from .recipe_data import check_stream, setup_data
+from .recipe_data import check_stream, setup_data, warn_rereading
 from .recipe_setup import (Data, Heads, Inputs, Models, Run, Training, read_inputs, setup_environment, setup_heads,
                            setup_models, setup_run, setup_training)
 from .retrieval_mix import mixed
@@ -89,6 +89,8 @@ def setup(o: UptrainOptions) -> UptrainRecipe:
         acc = make_accelerator(o.precision, o.trackers, o.run_dir / TB_DIR)
         main = acc.is_main_process
         run = setup_run(o, inputs, acc)
+        if run.main:
+            warn_rereading(o, inputs.record)
         check_stream(o, run.world)
         models = setup_models(o, inputs, run)
         data = setup_data(o, run, models.tokenizer, models.chat)

@@ -34,12 +34,12 @@ TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_to
                    "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
                    "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data", "data_weights",
                    "data_mode", "txt_unit", "chat_template", "loss_on", "teacher_logprobs", "retrieval_mix",
-                   "new_lr")
+                   "new_lr", "skip_tokens")
 # Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
 # (TRAJECTORY_DEFAULTS, below the options).
 LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode", "txt_unit",
                          "chat_template", "loss_on", "teacher_logprobs", "kd_beta", "on_policy", "gen_tokens",
-                         "gen_temperature", "retrieval_mix", "new_lr")
+                         "gen_temperature", "retrieval_mix", "new_lr", "skip_tokens")
 # --data-epochs is not among them: it changes nothing before a source runs dry, so a run stopped by a dry source
 # resumes with a higher one.
 PACKED_TOKENS = 1 << 22  # --data-mode auto: runs of at most this many training tokens (16 MiB of windows) are packed
@@ -98,6 +98,10 @@ class UptrainArgs(PrecisionOptions):
     data_epochs: int = option(1, "--data-epochs", "[stream] Passes a source may make over its documents; one that "
                               "runs dry sooner stops the run.")
     tokens: int = option(None, "--tokens", "Training tokens (rounded up to whole steps).", required=True)
+    skip_tokens: int = option(
+        0, "--skip-tokens", "Start the training split after its first N tokens (the held-out split stays the same): "
+        "continuing a run on fresh text, skip the tokens it trained on (its surgery.json's uptraining tokens). "
+        "[packed data]", metavar="N")
     text_field: str = option("text", "--text-field", "Column holding the text in tabular data.")
     txt_unit: Literal["paragraph", "line", "file"] = option(
         "paragraph", "--txt-unit", "What one document of a local .txt file is: a paragraph (text between blank "
@@ -240,6 +244,8 @@ def check_rules(o, s) -> None:
     if o.data_mode == "packed" and (len(o.data) > 1 or o.data_workers not in (0, "auto")):
         raise ValueError(f"{s.flag('data_mode')} packed reads one text in this process: several {s.flag('data')} or "
                          f"{s.flag('data_workers')} need {s.flag('data_mode')} stream")
+    if o.skip_tokens and o.data_mode == "stream":
+        raise ValueError(f"{s.flag('skip_tokens')} reads packed data: not with {s.flag('data_mode')} stream")
     if o.loss_on == "assistant" and o.data_mode == "stream":
         raise ValueError(f"{s.flag('loss_on')} assistant reads packed data: not with {s.flag('data_mode')} stream")
     try:
@@ -253,7 +259,7 @@ def check_rules(o, s) -> None:
                  "progress_every", "kd_beta", "on_policy", "gen_temperature", "retrieval_mix"):
         if not math.isfinite(getattr(o, name)):
             raise ValueError(f"{s.flag(name)} must be a finite number, got {getattr(o, name)}")
-    for name in ("eval_tokens", "eval_every", "save_every", "weight_decay", "max_grad_norm", "hidden_weight"):
+    for name in ("eval_tokens", "skip_tokens", "eval_every", "save_every", "weight_decay", "max_grad_norm", "hidden_weight"):
         if getattr(o, name) is not None and getattr(o, name) < 0:
             raise ValueError(f"{s.flag(name)} must not be negative, got {getattr(o, name)}")
     if o.new_lr is not None and not (math.isfinite(o.new_lr) and o.new_lr > 0):

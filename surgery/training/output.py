@@ -80,6 +80,7 @@ def uptraining_record(o: UptrainOptions, objective: Objective, rows: list[dict],
         **({"chat_template": o.chat_template} if o.chat_template != "auto" else {}),  # (other records unchanged)
         **({"loss_on": o.loss_on} if o.loss_on != "all" else {}),
         "tokens": o.total_steps * o.batch_tokens,
+        **({"skip_tokens": o.skip_tokens} if o.skip_tokens else {}),  # the training split's first tokens, unread
         "stage": o.stage,
         "steps": o.steps,
         "kd_tokens": o.steps * o.batch_tokens,

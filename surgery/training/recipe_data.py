@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..checkpoint.sha256 import sha256_file
 from ..errors import SurgeryError
+from ..logs import get_logger
 from .data import DATA_CACHE, cache_key, pack, pack_held_out, read_cache, write_cache
 from .options import UptrainOptions
 from .recipe_setup import Data, Run
@@ -16,6 +17,28 @@ from .run_folder import start_run_dir
 
 if TYPE_CHECKING:
     from ..chat import ChatFormat
+
+log = get_logger(__name__)
+
+
+def tokens_trained_on(record: dict, data) -> int | None:
+    """How far into the training split of text `data` the input model (its surgery.json `record`) was trained: its
+    "uptraining" record's skipped plus trained tokens (a snapshot's: the tokens seen), when that record read `data`;
+    else None."""
+    up = record.get("uptraining")
+    if not isinstance(up, dict) or up.get("data") != data or not isinstance(up.get("tokens"), int):
+        return None
+    skipped = up.get("skip_tokens", (up.get("run_options") or {}).get("skip_tokens", 0))
+    return up["tokens"] + (skipped if isinstance(skipped, int) else 0)
+
+
+def warn_rereading(o: UptrainOptions, record: dict) -> None:
+    """One warning when the input was uptrained on this run's --data and no --skip-tokens is given: the run would
+    read again the windows the input trained on."""
+    seen = tokens_trained_on(record, o.data_spec)
+    if seen and not o.skip_tokens and not o.resume:
+        log.warning(f"the input model was trained on the first {seen} training tokens of this --data: this run "
+                    f"reads them again; add --skip-tokens {seen} to train on fresh text")
 
 
 def check_stream(o: UptrainOptions, world: int) -> None:
@@ -34,6 +57,9 @@ def setup_data(o: UptrainOptions, run: Run, tokenizer: Any, chat: ChatFormat) ->
     if o.loss_on == "assistant" and o.streamed:
         raise SurgeryError("--loss-on assistant reads packed data: this run would stream its data (several --data, "
                            "--data-workers, or more than --data-mode auto packs); use --data-mode packed")
+    if o.skip_tokens and o.streamed:
+        raise SurgeryError("--skip-tokens reads packed data: this run would stream its data (several --data, "
+                           "--data-workers, or more than --data-mode auto packs); use --data-mode packed")
     if not o.streamed:
         return _packed(o, run, tokenizer, chat)
     data = _streamed(o, run, tokenizer, chat)
@@ -43,20 +69,27 @@ def setup_data(o: UptrainOptions, run: Run, tokenizer: Any, chat: ChatFormat) ->
     return data
 
 
+def packed_key(o: UptrainOptions, tokenizer: Any) -> str:
+    """The key of the packed data cache (data.py's `read_cache`): what fixes the windows packed."""
+    return cache_key(data=o.data_spec, text_field=o.text_field, **o.txt_key(), seq_len=o.seq_len,
+                     eval_tokens=o.eval_tokens, **({"eval_data": o.eval_data} if o.eval_data is not None else {}),
+                     train_tokens=o.total_steps * o.sequences_per_step * o.seq_len, vocab=len(tokenizer),
+                     eos=tokenizer.eos_token_id, tokenizer=type(tokenizer).__name__, **_chat_key(o),
+                     **({"skip_tokens": o.skip_tokens} if o.skip_tokens else {}))  # (other runs' keys unchanged)
+
+
 def _packed(o: UptrainOptions, run: Run, tokenizer: Any, chat: ChatFormat) -> Data:
     """Packed training and held-out windows: the main process packs them and caches them for the others (and
     for resuming; the checkpoint records the cache's sha256, which a resumed run must find again)."""
     train_tokens = o.total_steps * o.sequences_per_step * o.seq_len
-    key = cache_key(data=o.data_spec, text_field=o.text_field, **o.txt_key(), seq_len=o.seq_len, eval_tokens=o.eval_tokens,
-                    **({"eval_data": o.eval_data} if o.eval_data is not None else {}),
-                    train_tokens=train_tokens, vocab=len(tokenizer), eos=tokenizer.eos_token_id,
-                    tokenizer=type(tokenizer).__name__, **_chat_key(o))
+    key = packed_key(o, tokenizer)
 
     def build():
         from ..data import load_texts
 
         data = pack(load_texts(o.data[0], o.text_field, o.streaming, o.txt_unit, chat), tokenizer, o.seq_len,
-                    o.eval_tokens, train_tokens, seed=o.seed, masked=o.loss_on == "assistant")
+                    o.eval_tokens, train_tokens, seed=o.seed, masked=o.loss_on == "assistant",
+                    skip_tokens=o.skip_tokens)
         if o.loss_on == "assistant" and not chat.read.get("conversations"):  # every token would count
             raise SurgeryError(f"--loss-on assistant: the data holds no conversation (no 'messages' column "
                                "read), so it has no assistant turns to train on; use --loss-on all")

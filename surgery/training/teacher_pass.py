@@ -49,6 +49,8 @@ def training_windows(o: UptrainOptions, tokenizer, workers: int, processes: int 
 def _data_windows(o: UptrainOptions, tokenizer, workers: int, processes: int) -> Iterator[torch.Tensor]:
     """training_windows as the data path reads them, before any retrieval example goes in."""
     total = o.total_steps * o.sequences_per_step
+    if o.streamed and o.skip_tokens:
+        raise SurgeryError("--skip-tokens reads packed data: these options would stream it; use --data-mode packed")
     if o.streamed:
         from .stream import StreamedData
         from .stream_held_out import hold_out
@@ -87,7 +89,7 @@ def _data_windows(o: UptrainOptions, tokenizer, workers: int, processes: int) ->
     chat = ChatFormat(o.chat_template, tokenizer)  # conversations rendered as the run renders them
     train_tokens = o.total_steps * o.sequences_per_step * o.seq_len
     data = pack(load_texts(o.data[0], o.text_field, o.streaming, o.txt_unit, chat), tokenizer, o.seq_len, o.eval_tokens,
-                train_tokens, seed=o.seed)
+                train_tokens, seed=o.seed, skip_tokens=o.skip_tokens)
     for start in range(0, total, o.micro_batch):
         yield data.train[data.window_indices(start, min(o.micro_batch, total - start))].long()
 

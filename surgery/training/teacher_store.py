@@ -77,6 +77,8 @@ def windows_spec(o, tokenizer, readers: int) -> dict:
         spec["txt_unit"] = o.txt_unit
     if o.chat_template != "auto":  # how a messages column is rendered (surgery/chat.py)
         spec["chat_template"] = o.chat_template
+    if o.skip_tokens:  # the training split's first tokens skipped (--skip-tokens, packed data)
+        spec["skip_tokens"] = o.skip_tokens
     if o.retrieval_mix:  # the windows replaced by retrieval examples (surgery/training/retrieval_mix.py)
         spec["retrieval_mix"] = o.retrieval_mix
     if o.streamed:
@@ -92,8 +94,8 @@ SPEC_FLAGS = {"data": "--data", "data_weights": "--data-weights", "text_field": 
               "seed": "--seed", "mode": "--data-mode", "readers": "processes x --data-workers",
               "data_epochs": "--data-epochs", "train_tokens": "--tokens / --batch-tokens (packed data)",
               "sources": "the data's files", "eos": "the tokenizer's EOS",
-              "chat_template": "--chat-template", "retrieval_mix": "--retrieval-mix"}
-SPEC_DEFAULTS = {"retrieval_mix": 0.0}  # a field a spec leaves out at its default (older stores have none)
+              "chat_template": "--chat-template", "retrieval_mix": "--retrieval-mix", "skip_tokens": "--skip-tokens"}
+SPEC_DEFAULTS = {"retrieval_mix": 0.0, "skip_tokens": 0}  # a field a spec leaves out at its default (older stores)
 
 
 def spec_difference(stored: dict, run: dict) -> str | None:
