@@ -28,7 +28,7 @@ from . import lora, model_io
 from .metrics import read_metrics
 from .plot import plot_metrics
 from .run_folder import check_no_links
-from .state import MANIFEST, PER_PROCESS, STEP_DIR, Manifest, RunStateFile, damage, read_model_file, shard_files
+from .state import MANIFEST, PER_PROCESS, Manifest, RunStateFile, damage, read_model_file, shard_files, step_folders
 
 log = get_logger(__name__)
 
@@ -52,10 +52,7 @@ class Step:
 
 def steps_of(run_dir: Path) -> list[tuple[int, Path]]:
     """The complete checkpoints of a run folder (`checkpoints/step-NNNNNNNN`), oldest first."""
-    folder = Path(run_dir) / "checkpoints"
-    if not folder.is_dir():
-        return []
-    return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
+    return step_folders(Path(run_dir) / "checkpoints")
 
 
 def read_run(run_dir: Path) -> dict:

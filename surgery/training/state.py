@@ -314,6 +314,13 @@ def _hashes(paths: list[Path]) -> dict:
     return {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in paths}
 
 
+def step_folders(checkpoints: Path) -> list[tuple[int, Path]]:
+    """The step checkpoints in a run's `checkpoints` folder (`step-NNNNNNNN`), oldest first: (step, folder)."""
+    if not checkpoints.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in checkpoints.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir())
+
+
 class Checkpoints:
     def __init__(self, run_dir: Path, keep_last: int, accelerator, per_process: bool | None = None):
         """`per_process`: save each process's shards (the default under FSDP) or gather the whole model to the main
@@ -327,10 +334,7 @@ class Checkpoints:
         self.per_process = self.sharded if per_process is None else per_process
 
     def steps(self) -> list[tuple[int, Path]]:
-        if not self.dir.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.dir.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-        return sorted(found)
+        return step_folders(self.dir)
 
     def latest(self) -> Path | None:
         steps = self.steps()
