@@ -38,7 +38,7 @@ import torch
 
 from .arch import attention_shape
 from .dtypes import DTYPE_BYTES
-from .kv.aligned.assign import MAX_GROUPS_SCORED, MAX_PARTITIONS, partition_count
+from .kv.aligned.assign import exhaustive
 
 # The share of the probe's matmul rate a calibration reaches overall (its other work: reading and casting the layer,
 # norms, softmax, rotary, small eigendecompositions, Python). Measured once, on the Qwen2.5-3B layout (2 layers,
@@ -203,7 +203,7 @@ def group_evaluations(kv_heads: int, groups: int, assign: bool = True) -> list[i
     final = [n] * groups
     if n == 1 or groups == 1 or not assign:
         return final
-    if math.comb(kv_heads, n) <= MAX_GROUPS_SCORED and partition_count(kv_heads, groups) <= MAX_PARTITIONS:
+    if exhaustive(kv_heads, groups):
         return [n] * math.comb(kv_heads, n) + final  # every n-subset lies in some balanced partition
     scored, free = [], kv_heads  # greedy: each group grows from its first free head, trying every free head
     for _ in range(groups):

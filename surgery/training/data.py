@@ -147,15 +147,12 @@ def pack(texts: Iterable[str], tokenizer, seq_len: int, eval_tokens: int, train_
         if masked:
             masks["train"] = [np.concatenate(masks["train"])[skip_tokens:]] if masks["train"] else []
     train = _windows(parts["train"], seq_len)
-    if train.shape[0] == 0 and skip_tokens:
+    if train.shape[0] == 0:
+        skipped = (f", {max(0, have['train'] - skip_tokens)} after --skip-tokens {skip_tokens}" if skip_tokens else "")
         raise SurgeryError(
             f"no training data left: the data's {have['eval'] + have['train']} tokens give {have['train']} after the "
-            f"{eval_need} held out, {max(0, have['train'] - skip_tokens)} after --skip-tokens {skip_tokens} (need at "
-            f"least --seq-len {seq_len}); lower --skip-tokens")
-    if train.shape[0] == 0:
-        raise SurgeryError(
-            f"no training data left: the data's {have['eval'] + have['train']} tokens give "
-            f"{have['train']} after the {eval_need} held out (need at least --seq-len {seq_len}); lower --eval-tokens")
+            f"{eval_need} held out{skipped} (need at least --seq-len {seq_len}); lower "
+            f"{'--skip-tokens' if skip_tokens else '--eval-tokens'}")
     return PackedData(train=train, eval=_windows(parts["eval"], seq_len)[: eval_need // seq_len], seed=seed,
                       train_mask=_windows(masks["train"], seq_len, np.uint8) if masked else None)
 

@@ -16,7 +16,7 @@ from pydantic import PrivateAttr, ValidationError, ValidationInfo, field_validat
 from ..checkpoint.atomic import check_apart
 from ..errors import SurgeryError
 from ..general_text import resolve_texts
-from ..options import CliModel, Texts, cli_meta, option, spelling, texts_rule
+from ..options import Texts, cli_meta, option, spelling, texts_rule
 from ..precision import PrecisionOptions
 
 LOSSES = ("auto", "lm", "kd", "mix")
@@ -380,6 +380,19 @@ def stages_of(stage: str) -> tuple[str, ...] | None:
     return stages
 
 
+def stage_steps(tokens: int, batch_tokens: int, stages, align_tokens: int | None) -> tuple[int, int]:
+    """(the align stage's optimizer steps, the end-to-end stage's) of --tokens in steps of --batch-tokens: align alone
+    takes every step, with kd it takes --align-tokens (default a quarter of --tokens), its windows first."""
+    total = -(-tokens // batch_tokens)
+    if "align" not in stages:
+        return 0, total
+    if "kd" not in stages:
+        return total, 0
+    share = align_tokens if align_tokens is not None else tokens // 4
+    align = min(-(-share // batch_tokens), total)
+    return align, total - align
+
+
 class UptrainOptions(UptrainArgs):
     """One run, as the library takes it: `uptrain(UptrainOptions(model=..., out=..., tokens=..., ...))`. A broken
     rule raises SurgeryError, worded as the command line's."""
@@ -449,21 +462,21 @@ class UptrainOptions(UptrainArgs):
     def align_steps(self) -> int:
         """The align stage's share of --tokens, in whole optimizer steps of --batch-tokens (its windows are the
         first of the training order; the end-to-end stage reads the windows after them)."""
-        if "align" not in self.stages:
-            return 0
-        if "kd" not in self.stages:
-            return -(-self.tokens // self.batch_tokens)
-        share = self.align_tokens if self.align_tokens is not None else self.tokens // 4
-        return min(-(-share // self.batch_tokens), self.total_steps)
+        return stage_steps(self.tokens, self.batch_tokens, self.stages, self.align_tokens)[0]
 
     @property
     def total_steps(self) -> int:
         return -(-self.tokens // self.batch_tokens)
 
     @property
+    def train_tokens(self) -> int:
+        """The tokens the run's windows hold: every step's sequences of --seq-len (--tokens rounded up)."""
+        return self.total_steps * self.sequences_per_step * self.seq_len
+
+    @property
     def steps(self) -> int:
         """Optimizer steps of the end-to-end stage."""
-        return self.total_steps - self.align_steps if "kd" in self.stages else 0
+        return stage_steps(self.tokens, self.batch_tokens, self.stages, self.align_tokens)[1]
 
     @property
     def eval_interval(self) -> int:

@@ -54,12 +54,10 @@ def check_stream(o: UptrainOptions, world: int) -> None:
 def setup_data(o: UptrainOptions, run: Run, tokenizer: Any, chat: ChatFormat) -> Data:
     """The training and held-out windows: packed up front (small runs, data.py) or streamed (stream.py). A fresh run
     starts its run folder here, once the data proved good."""
-    if o.loss_on == "assistant" and o.streamed:
-        raise SurgeryError("--loss-on assistant reads packed data: this run would stream its data (several --data, "
-                           "--data-workers, or more than --data-mode auto packs); use --data-mode packed")
-    if o.skip_tokens and o.streamed:
-        raise SurgeryError("--skip-tokens reads packed data: this run would stream its data (several --data, "
-                           "--data-workers, or more than --data-mode auto packs); use --data-mode packed")
+    for flag, asked in (("--loss-on assistant", o.loss_on == "assistant"), ("--skip-tokens", bool(o.skip_tokens))):
+        if asked and o.streamed:
+            raise SurgeryError(f"{flag} reads packed data: this run would stream its data (several --data, "
+                               "--data-workers, or more than --data-mode auto packs); use --data-mode packed")
     if not o.streamed:
         return _packed(o, run, tokenizer, chat)
     data = _streamed(o, run, tokenizer, chat)
@@ -73,7 +71,7 @@ def packed_key(o: UptrainOptions, tokenizer: Any) -> str:
     """The key of the packed data cache (data.py's `read_cache`): what fixes the windows packed."""
     return cache_key(data=o.data_spec, text_field=o.text_field, **o.txt_key(), seq_len=o.seq_len,
                      eval_tokens=o.eval_tokens, **({"eval_data": o.eval_data} if o.eval_data is not None else {}),
-                     train_tokens=o.total_steps * o.sequences_per_step * o.seq_len, vocab=len(tokenizer),
+                     train_tokens=o.train_tokens, vocab=len(tokenizer),
                      eos=tokenizer.eos_token_id, tokenizer=type(tokenizer).__name__, **_chat_key(o),
                      **({"skip_tokens": o.skip_tokens} if o.skip_tokens else {}))  # (other runs' keys unchanged)
 
@@ -81,17 +79,16 @@ def packed_key(o: UptrainOptions, tokenizer: Any) -> str:
 def _packed(o: UptrainOptions, run: Run, tokenizer: Any, chat: ChatFormat) -> Data:
     """Packed training and held-out windows: the main process packs them and caches them for the others (and
     for resuming; the checkpoint records the cache's sha256, which a resumed run must find again)."""
-    train_tokens = o.total_steps * o.sequences_per_step * o.seq_len
     key = packed_key(o, tokenizer)
 
     def build():
         from ..data import load_texts
 
         data = pack(load_texts(o.data[0], o.text_field, o.streaming, o.txt_unit, chat), tokenizer, o.seq_len,
-                    o.eval_tokens, train_tokens, seed=o.seed, masked=o.loss_on == "assistant",
+                    o.eval_tokens, o.train_tokens, seed=o.seed, masked=o.loss_on == "assistant",
                     skip_tokens=o.skip_tokens)
         if o.loss_on == "assistant" and not chat.read.get("conversations"):  # every token would count
-            raise SurgeryError(f"--loss-on assistant: the data holds no conversation (no 'messages' column "
+            raise SurgeryError("--loss-on assistant: the data holds no conversation (no 'messages' column "
                                "read), so it has no assistant turns to train on; use --loss-on all")
         if o.loss_on == "assistant" and data.train_mask is not None and not data.train_mask[:, 1:].any():
             raise SurgeryError("--loss-on assistant: no conversation of the training data has an assistant turn "

@@ -26,6 +26,7 @@ from ..loaders import read_json, read_model
 from ..logs import get_logger
 from . import lora, model_io
 from .metrics import read_metrics
+from .options import stage_steps
 from .plot import plot_metrics
 from .run_folder import check_no_links
 from .state import MANIFEST, PER_PROCESS, Manifest, RunStateFile, damage, read_model_file, shard_files, step_folders
@@ -173,16 +174,10 @@ def load_step(step: Step, tensors: dict[str, torch.Tensor], trusted: bool = Fals
 
 
 def schedule_steps(run: dict) -> tuple[int, int]:
-    """(the align stage's steps, the end-to-end stage's steps) of a run's options, as UptrainOptions counts them."""
-    total = -(-run["tokens"] // run["batch_tokens"])
-    stages = str(run.get("stage") or "kd").split(",")
-    if "align" not in stages:
-        return 0, total
-    if "kd" not in stages:
-        return total, 0
-    share = run["align_tokens"] if run.get("align_tokens") is not None else run["tokens"] // 4
-    align = min(-(-share // run["batch_tokens"]), total)
-    return align, total - align
+    """(the align stage's steps, the end-to-end stage's steps) of a run's recorded options, as UptrainOptions counts
+    them."""
+    return stage_steps(run["tokens"], run["batch_tokens"], str(run.get("stage") or "kd").split(","),
+                       run.get("align_tokens"))
 
 
 def snapshot_record(step: Step, rows: list[dict]) -> dict:

@@ -87,9 +87,8 @@ def _data_windows(o: UptrainOptions, tokenizer, workers: int, processes: int) ->
     from .data import pack
 
     chat = ChatFormat(o.chat_template, tokenizer)  # conversations rendered as the run renders them
-    train_tokens = o.total_steps * o.sequences_per_step * o.seq_len
     data = pack(load_texts(o.data[0], o.text_field, o.streaming, o.txt_unit, chat), tokenizer, o.seq_len, o.eval_tokens,
-                train_tokens, seed=o.seed, skip_tokens=o.skip_tokens)
+                o.train_tokens, seed=o.seed, skip_tokens=o.skip_tokens)
     for start in range(0, total, o.micro_batch):
         yield data.train[data.window_indices(start, min(o.micro_batch, total - start))].long()
 

@@ -86,7 +86,7 @@ def windows_spec(o, tokenizer, readers: int) -> dict:
 
         return {"mode": "stream", **spec, "readers": readers, "data_epochs": o.data_epochs,
                 "sources": fingerprint(resolve_sources(o.data, o.weights))}
-    return {"mode": "packed", **spec, "train_tokens": o.total_steps * o.sequences_per_step * o.seq_len}
+    return {"mode": "packed", **spec, "train_tokens": o.train_tokens}
 
 
 SPEC_FLAGS = {"data": "--data", "data_weights": "--data-weights", "text_field": "--text-field", "txt_unit":

@@ -37,6 +37,12 @@ def _partitions(heads: tuple[int, ...], n: int):
             yield [group, *tail]
 
 
+def exhaustive(kv_heads: int, groups: int) -> bool:
+    """Whether the search scores every balanced partition (few enough heads), else grows the groups greedily."""
+    n = kv_heads // groups
+    return math.comb(kv_heads, n) <= MAX_GROUPS_SCORED and partition_count(kv_heads, groups) <= MAX_PARTITIONS
+
+
 def searched(kv_heads: int, groups: int) -> bool:
     """Whether there is a choice to make (else the consecutive grouping is the only balanced one)."""
     return kv_heads // groups > 1 and groups > 1
@@ -56,7 +62,7 @@ def assign_groups(cost: Callable[[tuple[int, ...]], float], kv_heads: int, group
         return cache[key]
 
     heads = tuple(range(kv_heads))
-    if math.comb(kv_heads, n) <= MAX_GROUPS_SCORED and partition_count(kv_heads, groups) <= MAX_PARTITIONS:
+    if exhaustive(kv_heads, groups):
         best, best_cost = None, math.inf
         for part in _partitions(heads, n):  # the consecutive partition comes first
             total = sum(c(g) for g in part)
