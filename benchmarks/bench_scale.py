@@ -196,7 +196,8 @@ def group_merge(layout: str, repeats: int = 2) -> dict:
     (the default) a layer runs C(K, K/G) + G of them: for the 8B, 8 -> 2 K/V heads, 72."""
     import torch
 
-    from surgery.estimate import group_evaluations, group_merge_flops, layer_shape, probe_throughput
+    from surgery.estimate import layer_shape, probe_throughput
+    from surgery.kv.cost import group_evaluations, group_merge_flops
     from surgery.kv.aligned.fit import merge_group
     from surgery.fitting.rotary import rotary_pairs
     from surgery.runtime import threads
@@ -238,7 +239,8 @@ def grouping_search(layout: str, full_max: int = 12, sample: int = 2) -> dict | 
 
     import torch
 
-    from surgery.estimate import group_evaluations, layer_shape, probe_throughput, search_flops
+    from surgery.estimate import layer_shape, probe_throughput
+    from surgery.kv.cost import group_evaluations, search_flops
     from surgery.kv.aligned.assign import assign_groups, searched
     from surgery.kv.aligned.grams import group_loss, head_grams
     from surgery.kv.aligned.layer import group_blocks, merge_loss

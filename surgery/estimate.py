@@ -9,19 +9,9 @@ once the embedding step is done, so they and a layer are never resident together
 
 Time per layer is the layer's floating-point work, counted from the shapes and the algorithm (below), divided by
 the device's matmul throughput measured on the spot (`probe_throughput`: about one second of float32 and float64
-matrix products). The counts follow the code they estimate:
-
-- aligned merge (surgery/kv/aligned/pipeline.py): the source attention on the converted stream (targets: once per
-  refit pass over the chunks, as the pipeline recomputes it instead of holding it), the converted attention (output
-  refit, and again in the converted pass) and the converted layer's MLP, in float32; the layer input's second moment;
-  the query refit (ideal queries at sampled positions, its normal equations); the output refit; and in float64 the
-  group merges (surgery/kv/aligned/fit.py), once per group the assignment search scores (surgery/kv/aligned/assign.py) plus
-  once per final group. Each group merge costs about 2 d_in² D (s r + 4 s + 2) flops for s members and fully
-  rotary heads (products with the d_in x d_in second moment dominate).
-- SwitchHead (surgery/switchhead/layers.py, calibrate.py, refit.py): the source attention over the calibration
-  tokens (eager; statistics; the layer's forward stops after it), the attention-map Gram, the router fits' normal equations, then the SwitchHead
-  attention on the source attention's calls (recomputed: the source attention once more) and the output refit's
-  normal equations, then the converted layer's pass (the next layer's inputs).
+matrix products). Each kind counts its own work beside its code (its `cost.py`: surgery/kv/cost.py,
+surgery/switchhead/cost.py, surgery/mla/cost.py, surgery/swa/cost.py, surgery/hybrid/cost.py), from the shared
+pieces here (`LayerShape`, `Flops`, `attention_flops`, `mlp_flops`).
 The float32 and float64 work at the probe's rates, divided by `EFFICIENCY` (the rest of the work, measured once),
 gives the CPU seconds per layer, whatever the machine's load, and the wall seconds per layer at the load of the
 moment of the probe (a machine shared with other jobs gives a long run a different share than a one-second probe).
@@ -29,7 +19,6 @@ moment of the probe (a machine shared with other jobs gives a long run a differe
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -38,7 +27,6 @@ import torch
 
 from .arch import attention_shape
 from .dtypes import DTYPE_BYTES
-from .kv.aligned.assign import exhaustive
 
 # The share of the probe's matmul rate a calibration reaches overall (its other work: reading and casting the layer,
 # norms, softmax, rotary, small eigendecompositions, Python). Measured once, on the Qwen2.5-3B layout (2 layers,
@@ -155,152 +143,9 @@ def mlp_flops(s: LayerShape, tokens: int) -> float:
     return 2 * tokens * s.mlp_matrices * s.hidden * s.intermediate
 
 
-_attention, _mlp = attention_flops, mlp_flops  # the names this module's counts used before
-
-
-def group_merge_flops(s: LayerShape, members: int) -> float:
-    """float64 work of merging `members` K/V heads into one (surgery/kv/aligned/fit.py merge_group)."""
-    if members <= 1:
-        return 0.0
-    din, d, r, rot = s.hidden + s.qkv_bias, s.head_dim, s.heads // s.kv_heads, s.rotary
-    n = members
-    # products with sigma, in rows of d_in: values (whitened stack, member energies, least-squares maps: 3n + 2
-    # heads), keys' rotary part (n R rows, and the attached queries' energies n r R), keys' other dims (the queries'
-    # metric n r (d - R), then the same linear merge as the values: (3n + 2)(d - R))
-    sigma_products = 2 * din * din * (d * (3 * n + 2) + n * rot + n * r * d + (3 * n + 2) * (d - rot))
-    stacked = 2 * (members * d) ** 2 * din + 9 * (members * d) ** 3  # whitened members' covariance and its eigh
-    o_gram = 2 * members * r * s.hidden * d * d
-    return sigma_products + stacked + o_gram
-
-
-def head_grams_flops(s: LayerShape) -> float:
-    """float64 work of the grouping search's per-layer products (surgery/kv/aligned/grams.py head_grams): the K, V and Q
-    rows times sigma, the K and V Grams, the o_proj Grams and their square roots."""
-    din, d, kv = s.hidden + s.qkv_bias, s.head_dim, s.kv_heads
-    rows = 2 * kv * d + s.heads * d
-    return 2 * din * din * rows + 2 * 2 * (kv * d) ** 2 * din + 2 * s.heads * s.hidden * d * d + 9 * kv * d**3
-
-
-def group_score_flops(s: LayerShape, members: int) -> float:
-    """float64 work of scoring one candidate group from those products (grams.group_loss): the whitened values'
-    covariance and its eigenvalues (and the same for the non-rotary key dims)."""
-    nd = members * s.head_dim
-    rest = members * (s.head_dim - s.rotary)
-    return 6 * nd**3 + 6 * rest**3 + 9 * members**3 * s.rotary
-
-
-def search_flops(s: LayerShape, groups: int) -> float:
-    """float64 work of the grouping search (--grouping similarity) for one layer; 0 when there is no choice."""
-    scored = group_evaluations(s.kv_heads, groups)[:-groups]
-    if not scored:
-        return 0.0
-    return head_grams_flops(s) + sum(group_score_flops(s, n) for n in scored)
-
-
-def group_evaluations(kv_heads: int, groups: int, assign: bool = True) -> list[int]:
-    """Sizes of the groups the assignment search scores for one layer, then the final groups (merged)."""
-    n = kv_heads // groups
-    final = [n] * groups
-    if n == 1 or groups == 1 or not assign:
-        return final
-    if exhaustive(kv_heads, groups):
-        return [n] * math.comb(kv_heads, n) + final  # every n-subset lies in some balanced partition
-    scored, free = [], kv_heads  # greedy: each group grows from its first free head, trying every free head
-    for _ in range(groups):
-        free -= 1
-        for size in range(2, n + 1):
-            scored += [size] * free
-            free -= 1
-    return scored + final
-
-
-def aligned_layer_flops(s: LayerShape, kv_out: int, tokens: int, window: int = DEFAULT_WINDOW,
-                        assign: bool = True, query_samples: int = QUERY_SAMPLES, refit_values: bool = False) -> Flops:
-    """Work of one layer of the aligned merge (local targets, query and output refits, optionally the value refit)."""
-    f = Flops()
-    grouped = s.kv_heads // kv_out > 1
-    din, hd = s.hidden + s.qkv_bias, s.heads * s.head_dim
-    windows = max(1, tokens // window)
-    f.float32 += 2 * tokens * din * din  # second moment of the attention input
-    if grouped:
-        # the source attention on the converted stream (targets), recomputed in every refit pass over the chunks
-        passes = 2 + refit_values  # the query refit's, the value refit's, the output refit's
-        f.float32 += passes * attention_flops(s, tokens, window)
-        # query refit: converted queries/keys, input Grams, ideal queries at sampled positions, right-hand sides
-        samples = windows * min(query_samples, window)
-        e = s.head_dim + 1
-        f.float32 += 2 * tokens * din * (s.heads + s.kv_heads) * s.head_dim + 2 * tokens * din * din
-        f.float32 += 2 * samples * din * din + 2 * samples * din * hd
-        f.float32 += kv_out * 2 * windows * window * window * e + s.heads * 6 * samples * window * e
-        f.float64 += 2 / 3 * din**3 + 2 * din * din * hd
-        # output refit: the converted attention, its Gram and the solve
-        f.float32 += attention_flops(s, tokens, window) + 2 * tokens * hd * hd + 2 * tokens * hd * s.hidden
-        f.float64 += 2 / 3 * (hd + 1) ** 3 + 2 * hd * hd * s.hidden
-        f.float32 += attention_flops(s, tokens, window)  # the converted pass runs the converted attention again
-        if refit_values:  # per head: z = attention-weighted inputs at the sampled positions, their Gram, CG solves
-            f.float32 += 2 * samples * window * din * s.heads + 2 * samples * din * din * s.heads
-            f.float64 += 40 * 4 * s.heads * s.head_dim * din * din  # at most 40 CG steps (fewer when converged)
-    else:
-        f.float32 += attention_flops(s, tokens, window)
-    f.float32 += mlp_flops(s, tokens)  # the converted pass through the layer's MLP
-    f.float64 += sum(group_merge_flops(s, n) for n in group_evaluations(s.kv_heads, kv_out, assign=False))
-    if assign:
-        f.float64 += search_flops(s, kv_out)
-    return f
-
-
-def switchhead_layer_flops(s: LayerShape, heads: int, experts: int, topk: int, tokens: int,
-                           window: int = DEFAULT_WINDOW) -> Flops:
-    """Work of one layer of the SwitchHead calibration (statistics pass, router fits, output-expert refit)."""
-    f = Flops()
-    d, h = s.hidden, s.heads
-    # statistics: the source attention (the layer's forward stops after it), values, per-head output energies,
-    # attention-map Gram, input moments
-    f.float32 += attention_flops(s, tokens, window) + 2 * tokens * d * s.kv_heads * s.head_dim + 4 * tokens * h * s.head_dim**2
-    f.float32 += 2 * h * h * tokens * window + 2 * tokens * d * d + 4 * tokens * d * h
-    f.float64 += 2 / 3 * d**3 + 4 * d * d * h
-    if experts > 1:
-        feats = heads * experts * s.head_dim
-        # refit on the source attention's calls, recomputed chunk by chunk (the source attention again), the
-        # SwitchHead attention, the features' Gram and the solve
-        f.float32 += attention_flops(s, tokens, window)
-        attention = (2 * tokens * d * heads * s.head_dim * (2 + topk) + 4 * tokens * d * heads * experts
-                     + 4 * tokens * window * heads * s.head_dim)
-        f.float32 += attention + 2 * tokens * feats * feats + 2 * tokens * d * feats
-        f.float64 += 2 / 3 * feats**3 + 2 * feats * feats * d
-        # the converted layer's pass that gives the next layer its inputs: the SwitchHead attention again
-        f.float32 += attention
-    f.float32 += mlp_flops(s, tokens)  # the MLP, once: in that converted pass
-    return f
-
-
 def largest_layer_tensor(s: LayerShape) -> int:
     """Elements of a decoder layer's largest matrix (read from the checkpoint one at a time)."""
     return max(s.hidden * s.intermediate, s.hidden * s.heads * s.head_dim, s.hidden * (s.heads + 2 * s.kv_heads) * s.head_dim)
-
-
-def output_expert_fit_bytes(s: LayerShape) -> int:
-    """float64 matrices of an output-expert refit alive at once (not counted by the streaming model): the features'
-    Gram and its LU (a copy), the targets' cross products, W; W0 in float32."""
-    f, d = s.heads * s.head_dim, s.hidden
-    return 8 * (2 * f * f + 2 * d * f) + 4 * d * f
-
-
-def fit_bytes(s: LayerShape, refit_values: bool = False) -> int:
-    """float64 matrices of the aligned merge's fits alive at once (not counted by the streaming model), as the code
-    builds them (in place: no identity matrices, priors or transposed copies), and the source attention's copy."""
-    din, hd, d = s.hidden + s.qkv_bias, s.heads * s.head_dim, s.hidden
-    # the query refit: two input Grams (one becomes the LU) and the right-hand sides, float32 solution; the output
-    # refit: the heads' Gram (its own LU), right-hand sides and solution, float32 copy. The merge before them holds
-    # sigma and one group's heads in float64 (less).
-    # each chunk's right-hand-side product in float32 and its float64 cast come on top of the query refit's sums
-    query = 8 * (2 * din * din + hd * din) + 4 * hd * din + 12 * hd * din
-    output = 8 * ((hd + 1) ** 2 + 2 * (hd + 1) * d) + 4 * (hd + 1) * d
-    value = 8 * (s.heads * din * din + 2 * hd * din) if refit_values else 0  # every query head's input Gram
-    # the source attention's float32 copy (the refits' targets, recomputed chunk by chunk) and the merged params
-    # (source-shaped, float32) live through the layer
-    source_copy = 4 * (din * (hd + 2 * s.kv_heads * s.head_dim) + d * hd)
-    return max(query, output, value) + 2 * source_copy
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ class KVMerge(Kind):
     def calibration_estimate(self, config: dict, options: KVMergeOptions, *, dtype: str, device: str, throughput=None):
         if not self.calibrates(options):
             return None
-        from ..estimate import CalibratedCost, aligned_layer_flops, estimate_calibrated, fit_bytes
+        from ..estimate import CalibratedCost, estimate_calibrated
+        from .cost import aligned_layer_flops, fit_bytes
 
         assign = options.grouping == "similarity"
         cost = CalibratedCost(

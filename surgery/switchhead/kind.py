@@ -25,7 +25,8 @@ class SwitchHead(Kind):
                              throughput=None):
         if not self.calibrates(options):
             return None
-        from ..estimate import CalibratedCost, estimate_calibrated, output_expert_fit_bytes, switchhead_layer_flops
+        from ..estimate import CalibratedCost, estimate_calibrated
+        from .cost import output_expert_fit_bytes, switchhead_layer_flops
 
         cost = CalibratedCost(
             "switchhead",

@@ -10,8 +10,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from surgery.testing import tiny_models as tm
-from surgery.estimate import (LayerShape, Throughput, group_evaluations, group_merge_flops,
-                              group_score_flops, head_grams_flops, layer_shape, probe_throughput)
+from surgery.estimate import LayerShape, Throughput, layer_shape, probe_throughput
+from surgery.kv.cost import group_evaluations, group_merge_flops, group_score_flops, head_grams_flops
 from surgery.kv.aligned.grams import head_grams
 from surgery.kv.aligned.assign import assign_groups
 from surgery.kv.aligned.fit import merge_group
@@ -131,7 +131,8 @@ def test_convert_dry_run_prints_the_estimate_and_writes_nothing(tmp_path, capsys
 def test_aligned_options_move_the_estimate_as_their_work_does():
     """--query-samples and --refit-values reach the cost model: more sampled queries cost more time, the value
     refit holds one hidden x hidden float64 matrix per query head (Llama-3-8B: 32 x 4096^2 x 8 bytes = 4.3 GB)."""
-    from surgery.estimate import aligned_layer_flops, fit_bytes, layer_shape
+    from surgery.estimate import layer_shape
+    from surgery.kv.cost import aligned_layer_flops, fit_bytes
 
     s = layer_shape(LLAMA_8B)
     base = aligned_layer_flops(s, 2, 1024)
