@@ -51,11 +51,6 @@ class Step:
     source: Source
 
 
-def steps_of(run_dir: Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints of a run folder (`checkpoints/step-NNNNNNNN`), oldest first."""
-    return step_folders(Path(run_dir) / "checkpoints")
-
-
 def read_run(run_dir: Path) -> dict:
     """run.json of an uptraining run folder; anything else is refused in one line (nothing followed outside it)."""
     run_dir = Path(run_dir)
@@ -77,7 +72,7 @@ def find_step(run_dir: Path, step: int | str) -> Step:
     is read: a missing step names the steps there are."""
     run_dir = Path(run_dir)
     run = read_run(run_dir)
-    steps = steps_of(run_dir)
+    steps = step_folders(run_dir / "checkpoints")  # (step, folder), oldest first
     if not steps:
         raise SurgeryError(f"{run_dir} holds no checkpoint (uptrain keeps them with --save-every N --keep-run-dir)")
     if step == LATEST:
