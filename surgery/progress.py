@@ -39,6 +39,15 @@ def format_seconds(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
+def format_rate(rate: float, unit: str) -> str:
+    """`812 tokens/s`, `2.5 layer/s`, or `23s each` where one unit takes longer than a second ("-" before any)."""
+    if rate >= 10:
+        return f"{rate:,.0f} {unit}/s"
+    if rate >= 1:
+        return f"{rate:.1f} {unit}/s"
+    return f"{format_seconds(1 / rate)} each" if rate > 0 else f"- {unit}/s"
+
+
 def interval_from_env() -> float:
     from .options import env_number
 
@@ -109,7 +118,7 @@ class Progress:
         eta = (self.total - self.done) / rate if rate > 0 else math.inf
         percent = 100 * self.done / self.total if self.total else 100.0
         return (f"{self.desc}: {self.done:,}/{self.total:,} {self.unit} ({percent:.0f}%), "
-                f"{rate:,.0f} {self.unit}/s, ETA {format_seconds(eta)}")
+                f"{format_rate(rate, self.unit)}, ETA {format_seconds(eta)}")
 
     def write(self, line: str) -> None:
         """A message between progress updates (above the bar on a terminal); nothing when progress is off."""

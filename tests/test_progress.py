@@ -5,7 +5,7 @@ import io
 
 import tqdm
 
-from surgery.progress import Progress
+from surgery.progress import Progress, format_rate
 from surgery.training.progress import Progress as UptrainProgress
 
 
@@ -81,3 +81,14 @@ def test_layer_and_teacher_progress_are_the_same_implementation(monkeypatch, cap
     with LayerProgress("calibrate", 3) as bar:
         bar.update()
         assert bar.bar is None and not bar.plain
+
+
+def test_slow_units_show_seconds_each_and_the_eta_counts_what_is_left(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    p = Progress(30, "score layers", unit="layer", enabled=False)
+    p.start -= 100.0  # 100 s ago
+    p.done = 4  # 25 s each: the rate rounds to 0 layer/s, which said nothing
+    line = p.line(now=p.start + 100.0)
+    assert line == "score layers: 4/30 layer (13%), 25s each, ETA 10m50s"
+    assert format_rate(812.4, "tokens") == "812 tokens/s" and format_rate(2.54, "layer") == "2.5 layer/s"
+    assert format_rate(0.0, "layer") == "- layer/s"

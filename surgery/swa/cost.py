@@ -141,7 +141,9 @@ def windowing_costs(folder, reader, probe: Probe, device, window: int, chunk_win
     length = int(probe.ids.shape[1])
     keep, todo = set(global_layers), set(candidates)
     branches: dict[int, object] = {}
-    with Progress(len(stream), desc, enabled=progress, unit="layer") as bar:
+    # Work grows along the stack (each layer runs every branch opened below it), so the bar counts layer passes.
+    passes = [1 + sum(c < i for c in todo) + (i in todo) for i in range(len(stream))]
+    with Progress(sum(passes), desc, enabled=progress, unit="layer passes") as bar:
         for index, _, layer in stream.layers():
             def call(i, windowed):
                 c = calls[i][index]
@@ -158,7 +160,7 @@ def windowing_costs(folder, reader, probe: Probe, device, window: int, chunk_win
                 branches[index] = new
             for i in range(len(chunks)):
                 base[i] = stream.stash(run_layer(layer, stream.fetch(base[i]), call(i, mode)))
-            bar.update(1)
+            bar.update(passes[index])
 
     def measure(residual) -> tuple[float, float]:
         answer, nll = 0.0, 0.0
