@@ -39,4 +39,4 @@ if [ ${#CPU[@]} -eq 0 ] && compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH="$REPO:$SITE${PYTHONPATH#$REPO}"
 fi
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-exec "$PYTHON" benchmarks/gpu/steps.py run --out "$DIR" "${CPU[@]}" "${ONLY[@]}"
+exec "$PYTHON" benchmarks/gpu/driver.py run --out "$DIR" "${CPU[@]}" "${ONLY[@]}"

@@ -4,7 +4,7 @@ and its driver's isolation of steps (a hang is killed at its limit, a failure re
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 import os
@@ -16,16 +16,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS_PY = REPO / "benchmarks" / "gpu" / "steps.py"
+GPU = REPO / "benchmarks" / "gpu"
 KINDS = ("mqa", "gqa", "aligned", "mla", "talking-heads", "switchhead")
 BENCHED = ("mqa", "gqa", "mla", "switchhead", "talking-heads")
 
 
-def load_steps():
-    spec = importlib.util.spec_from_file_location("gpu_run_steps", STEPS_PY)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load_driver(monkeypatch):
+    """benchmarks/gpu/driver.py as its script sees itself: its folder first on sys.path, `steps` beside it."""
+    monkeypatch.syspath_prepend(str(GPU))
+    for name in ("steps", "driver"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module("driver")
 
 
 def finite(figures: dict, *keys: str) -> None:
@@ -34,8 +35,8 @@ def finite(figures: dict, *keys: str) -> None:
         assert isinstance(value, (int, float)) and math.isfinite(value), (key, value)
 
 
-def test_a_hanging_step_is_killed_at_its_limit_and_a_failing_one_recorded_while_others_run(tmp_path):
-    steps = load_steps()
+def test_a_hanging_step_is_killed_at_its_limit_and_a_failing_one_recorded_while_others_run(tmp_path, monkeypatch):
+    driver = load_driver(monkeypatch)
     (tmp_path / "figures").mkdir()
 
     def hang(ctx):
@@ -44,19 +45,19 @@ def test_a_hanging_step_is_killed_at_its_limit_and_a_failing_one_recorded_while_
     def boom(ctx):
         raise ValueError("a planted failure")
 
-    steps.STEPS |= {"hang": (hang,), "boom": (boom,), "fine": (lambda ctx: {"answer": 42.0},)}
+    driver.STEPS |= {"hang": (hang,), "boom": (boom,), "fine": (lambda ctx: {"answer": 42.0},)}
     start = time.monotonic()
-    hung = steps.run_child("hang", tmp_path, True, 2.0)
+    hung = driver.run_child("hang", tmp_path, True, 2.0)
     assert hung["status"] == "timeout" and time.monotonic() - start < 20
-    failed = steps.run_child("boom", tmp_path, True, 30.0)
+    failed = driver.run_child("boom", tmp_path, True, 30.0)
     assert failed["status"] == "failed" and "ValueError: a planted failure" in "\n".join(failed["log_tail"])
-    assert steps.run_child("fine", tmp_path, True, 30.0) == {"status": "passed", "seconds": pytest.approx(
-        steps.run_child("fine", tmp_path, True, 30.0)["seconds"], abs=30), "figures": {"answer": 42.0}}
-    spawned = steps.run_child("device", tmp_path, True, 300.0, fork=False)  # the fallback: a new interpreter
+    assert driver.run_child("fine", tmp_path, True, 30.0) == {"status": "passed", "seconds": pytest.approx(
+        driver.run_child("fine", tmp_path, True, 30.0)["seconds"], abs=30), "figures": {"answer": 42.0}}
+    spawned = driver.run_child("device", tmp_path, True, 300.0, fork=False)  # the fallback: a new interpreter
     assert spawned["status"] == "passed" and spawned["figures"]["device"] == "cpu", spawned
-    text = steps.summary({"mode": "cpu", "device": {}, "total_s": 1.0, "passed": 1,
-                          "steps": {"hang": hung | {"timeout_s": 2.0}, "fine": {"status": "passed", "seconds": 0.1,
-                                                                               "timeout_s": 30, "figures": {"a": 1}}}})
+    text = driver.summary({"mode": "cpu", "device": {}, "total_s": 1.0, "passed": 1,
+                           "steps": {"hang": hung | {"timeout_s": 2.0}, "fine": {"status": "passed", "seconds": 0.1,
+                                                                                "timeout_s": 30, "figures": {"a": 1}}}})
     assert "| hang | timeout |" in text and "| a | 1 |" in text
 
 
