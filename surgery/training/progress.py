@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 
 from ..progress import Progress as _Progress
+from ..progress import format_rate
 
 
 def duration(seconds: float) -> str:
@@ -42,5 +43,5 @@ class Progress(_Progress):
         rate = self.rate(now) * self.tokens_per_step
         left = (self.total - self.done) * self.tokens_per_step / rate if rate > 0 else float("inf")
         return (f"uptrain: step {self.done}/{self.total}, {self.done * self.tokens_per_step:,}/"
-                f"{self.total * self.tokens_per_step:,} tokens, {rate:,.0f} tokens/s, ETA {duration(left)}, "
+                f"{self.total * self.tokens_per_step:,} tokens, {format_rate(rate, 'tokens')}, ETA {duration(left)}, "
                 f"loss {self.loss:.4f}" + (f"; {self.data_line()}" if self.data_line else ""))
