@@ -92,3 +92,8 @@ def test_slow_units_show_seconds_each_and_the_eta_counts_what_is_left(monkeypatc
     assert line == "score layers: 4/30 layer (13%), 25s each, ETA 10m50s"
     assert format_rate(812.4, "tokens") == "812 tokens/s" and format_rate(2.54, "layer") == "2.5 layer/s"
     assert format_rate(0.0, "layer") == "- layer/s"
+    steps = UptrainProgress(16, 0, 2048, enabled=False)  # uptraining's line, hours formatted as every other's
+    steps.start -= 4000.0
+    steps.done, steps.loss = 4, 1.25
+    assert steps.line(now=steps.start + 4000.0) == (
+        "uptrain: step 4/16, 8,192/32,768 tokens, 2.0 tokens/s, ETA 3h20m, loss 1.2500")

@@ -7,16 +7,7 @@ from __future__ import annotations
 import sys
 
 from ..progress import Progress as _Progress
-from ..progress import format_rate
-
-
-def duration(seconds: float) -> str:
-    if seconds == float("inf"):
-        return "?"
-    seconds = int(round(seconds))
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+from ..progress import format_rate, format_seconds
 
 
 class Progress(_Progress):
@@ -43,5 +34,5 @@ class Progress(_Progress):
         rate = self.rate(now) * self.tokens_per_step
         left = (self.total - self.done) * self.tokens_per_step / rate if rate > 0 else float("inf")
         return (f"uptrain: step {self.done}/{self.total}, {self.done * self.tokens_per_step:,}/"
-                f"{self.total * self.tokens_per_step:,} tokens, {format_rate(rate, 'tokens')}, ETA {duration(left)}, "
+                f"{self.total * self.tokens_per_step:,} tokens, {format_rate(rate, 'tokens')}, ETA {format_seconds(left)}, "
                 f"loss {self.loss:.4f}" + (f"; {self.data_line()}" if self.data_line else ""))
