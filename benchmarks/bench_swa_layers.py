@@ -11,7 +11,8 @@ Each choice is one `surgery convert smollm2 --to swa` (cached in WORK/CHOICE): `
 never reads. Every model (the source once) scores the same examples (surgery/checking/retrieval.py: one
 teacher-forced pass each, the answers' logits only); accuracy per cell with its 95% Wilson interval, the answers'
 mean log-probability, and the KV cache at the longest length relative to the source's. Scores are cached in
-WORK/scores-NAME.json, so a rerun only scores what is new.
+WORK/scores-NAME.json by task and length: a rerun scores a model again only where its file lacks one of the plan's
+cells (60 examples a cell are not the 20 of another run), and keeps the file's other cells.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import json
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -66,14 +68,20 @@ def plan(a, tokenizer) -> RetrievalPlan:
 
 def scores(name: str, folder, a, the_plan) -> list[dict]:
     cache = a.work / f"scores-{name.replace(':', '_').replace(',', '-')}.json"
-    if cache.exists():
-        return json.loads(cache.read_text())
+    cells = {(task, n) for task in a.tasks for n in a.lengths}
+    kept = []  # a cached file's other cells, kept beside this plan's
+    if cache.exists():  # reused where it holds every cell of this plan (its examples depend on task and length only)
+        rows = json.loads(cache.read_text())
+        held = Counter((r["task"], r["length"]) for r in rows)
+        if all(held[c] == a.samples for c in cells):
+            return [r for r in rows if (r["task"], r["length"]) in cells]
+        kept = [r for r in rows if (r["task"], r["length"]) not in cells]
     source = resolve_source(str(folder))
     model = load_model(source, torch.device("cpu"), "float32")
     start = time.time()
     rows = score_retrieval(model, the_plan, torch.device("cpu"), progress=False)
     print(f"  {name}: scored {len(rows)} examples in {time.time() - start:.0f} s", flush=True)
-    cache.write_text(json.dumps(rows))
+    cache.write_text(json.dumps(kept + rows))
     return rows
 
 
