@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from surgery.checking.retrieval import RetrievalPlan, score_retrieval
-from surgery.checking.retrieval_report import wilson
+from surgery.checking.retrieval_report import by_depth, wilson
 from surgery.checkpoint.source import resolve_source
 from surgery.data import load_texts
 from surgery.retrieval_tasks import make_examples
@@ -129,6 +129,11 @@ def main() -> None:
     for name, rows in results.items():
         print(f"| {name} | {layers[name]} | " + " | ".join(cell(rows, t, n) for t in a.tasks for n in a.lengths)
               + " |")
+    print("\nhits by needle depth (thirds of the haystack; 0: its start, the farthest from the question)")
+    for name, rows in results.items():
+        print(f"  {name}: " + "; ".join(
+            f"{t} @ {n} " + " ".join(f"{b['hits_converted']:g}/{b['n']}" for b in by_depth(t, n, rows, rows))
+            for t in a.tasks for n in a.lengths))
 
 
 if __name__ == "__main__":

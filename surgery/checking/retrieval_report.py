@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 MODELS = ("source", "converted")
+DEPTH_BINS = 3  # needle depth in thirds of the haystack: 0 is its start, the farthest from the question
 INTERVAL = ("95% Wilson score interval; trials: the cell's examples (a multi-item example counts the share of its "
             "items it retrieved as a fractional hit, which keeps the interval conservative)")
 
@@ -56,11 +57,27 @@ def compare_retrieval_scores(plan, source: list[dict], converted: list[dict]) ->
               **plan.about,
               "accuracy": {task: {str(n): cell(task, n) for n in plan.lengths} for task in plan.tasks},
               "mean": {str(n): cell(None, n) for n in plan.lengths},
+              "by_depth": {task: {str(n): by_depth(task, n, source, converted) for n in plan.lengths}
+                           for task in plan.tasks},
               "interval": INTERVAL,
               "scoring": "teacher-forced greedy exact match per answer item (RULER's string match), one forward pass"}
     if plan.window:
         report |= {"window": plan.window, "lengths_in_windows": [round(n / plan.window, 3) for n in plan.lengths]}
     return report
+
+
+def by_depth(task: str, n: int, source: list[dict], converted: list[dict]) -> list[dict]:
+    """One task and length's hits per third of needle depth (the needle's place in the haystack: 0 at its start, the
+    farthest from the question), for both models: where a converted model loses its needles."""
+    def pick(rows, b):
+        return [r for r in rows if r["task"] == task and r["length"] == n
+                and min(DEPTH_BINS - 1, int(r["depth"] * DEPTH_BINS)) == b]
+    bins = []
+    for b in range(DEPTH_BINS):
+        rows = {"source": pick(source, b), "converted": pick(converted, b)}
+        bins.append({"depth": [round(b / DEPTH_BINS, 4), round((b + 1) / DEPTH_BINS, 4)], "n": len(rows["source"])}
+                    | {f"hits_{m}": round(sum(r["score"] for r in rows[m]), 6) for m in MODELS})
+    return bins
 
 
 def _percent(x: float) -> str:
@@ -94,6 +111,24 @@ def print_table(report: dict, console) -> None:
     rows = [(t, report["accuracy"][t]) for t in report["tasks"]] + [("mean", report["mean"])]
     for name, cells in rows:
         table.add_row(name, *(cell_text(cells[str(n)]) for n in report["lengths"]))
+    console.print(table)
+    if report.get("by_depth"):
+        print_depth_table(report, console)
+
+
+def print_depth_table(report: dict, console) -> None:
+    """Hits by needle depth, source / converted, one row per task and length."""
+    from rich.table import Table
+
+    table = Table(title="retrieval hits by needle depth (share of the haystack before the needle; 0: its start, the "
+                        "farthest from the question), source / converted")
+    table.add_column("task @ length", overflow="fold")
+    for b in range(DEPTH_BINS):
+        table.add_column(f"{100 * b // DEPTH_BINS}-{100 * (b + 1) // DEPTH_BINS}%", justify="right")
+    for task, cells in report["by_depth"].items():
+        for n, bins in cells.items():
+            table.add_row(f"{task} @ {length_label(report, int(n))}",
+                          *(f"{c['hits_source']:g}/{c['n']} / {c['hits_converted']:g}/{c['n']}" for c in bins))
     console.print(table)
 
 

@@ -76,6 +76,20 @@ def test_the_table_prints_each_cell_with_its_interval_and_the_plot_shades_them()
     assert plot(report)[:4] == b"\x89PNG"
 
 
+def test_hits_by_needle_depth_show_where_the_converted_model_loses_its_needles():
+    from rich.console import Console
+
+    source = _rows("niah_single", 2048, [1.0] * 18)
+    converted = _rows("niah_single", 2048, [0.0, 1.0] * 3 + [1.0] * 11 + [0.0])  # misses far back, and one near
+    report = compare_retrieval_scores(_plan(["niah_single"], [2048], 18, window=256), source, converted)
+    bins = report["by_depth"]["niah_single"]["2048"]
+    assert [b["depth"] for b in bins] == [[0.0, 0.3333], [0.3333, 0.6667], [0.6667, 1.0]]
+    assert [(b["n"], b["hits_source"], b["hits_converted"]) for b in bins] == [(6, 6, 3), (6, 6, 6), (6, 6, 5)]
+    out = io.StringIO()
+    print_table(report, Console(file=out, width=240))
+    assert "niah_single @ 2048 (8w)" in out.getvalue() and "6/6 / 3/6" in out.getvalue()
+
+
 def test_lengths_in_windows_resolve_against_the_window():
     assert parse_lengths("2w,4w,8w") == ("2w", "4w", "8w") and parse_lengths("512, 4w,") == (512, "4w")
     assert parse_lengths("w,0.5w") == ("w", "0.5w") and parse_lengths((512, "2W")) == (512, "2w")
