@@ -1,6 +1,7 @@
 """The report of `check --retrieval` (scored in surgery/checking/retrieval.py): accuracy per task and length for
 both models, with the counts behind it and a 95% Wilson score interval for each cell (`wilson`), printed as a table,
-written in --json (`retrieval`) and drawn by --plot.
+written in --json (`retrieval`) and drawn by --plot; and the hits by needle depth (`by_depth`, thirds of the
+haystack) under it, which show where a converted model loses its needles.
 
 The interval's trials are the cell's examples (n = --retrieval-samples per task and length; the mean row pools the
 tasks' examples). A single-item task's example is a hit or a miss; a multi-item example (variable_tracking's five
