@@ -13,6 +13,11 @@ teacher-forced pass each, the answers' logits only); accuracy per cell with its 
 mean log-probability, and the KV cache at the longest length relative to the source's. Scores are cached in
 WORK/scores-NAME.json by task and length: a rerun scores a model again only where its file lacks one of the plan's
 cells (60 examples a cell are not the 20 of another run), and keeps the file's other cells.
+
+`--metric string` scores the same examples as RULER does (`string_match_all`): a hit where the answer's text stands
+anywhere in the model's greedy continuation of the prompt (the answer's tokens + 4 new tokens; RULER allows 128),
+one generation per example, several times the cost of the default `exact` metric (the toolkit's: every answer token
+the argmax, teacher-forced, from the first one on). Its scores are cached in WORK/string-NAME.json.
 """
 
 from __future__ import annotations
@@ -66,8 +71,26 @@ def plan(a, tokenizer) -> RetrievalPlan:
     return RetrievalPlan.of(a.tasks, a.lengths, a.samples, "text", examples)
 
 
+@torch.no_grad()
+def string_match(model, tokenizer, the_plan) -> list[dict]:
+    """RULER's string_match_all on a greedy continuation of the answer's length + 4 tokens, one example at a time;
+    `score` the share of the answer's items whose text stands in it, `exact` 1 where it starts with the answer."""
+    rows = []
+    for e in the_plan.examples():
+        k = e.length - e.answer_start
+        ids = torch.tensor([e.ids[:e.answer_start]])
+        new = model.generate(input_ids=ids, max_new_tokens=k + 4, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)[0, e.answer_start:].tolist()
+        said = tokenizer.decode(new).lower()
+        items = [tokenizer.decode(item).strip().lower() for item in e.items]
+        rows.append({"task": e.task, "length": e.length, "depth": e.depth,
+                     "score": sum(item in said for item in items) / len(items),
+                     "exact": float(new[:k] == e.ids[e.answer_start:]), "logprob": 0.0, "said": said})
+    return rows
+
+
 def scores(name: str, folder, a, the_plan) -> list[dict]:
-    cache = a.work / f"scores-{name.replace(':', '_').replace(',', '-')}.json"
+    cache = a.work / f"{'scores' if a.metric == 'exact' else 'string'}-{name.replace(':', '_').replace(',', '-')}.json"
     cells = {(task, n) for task in a.tasks for n in a.lengths}
     kept = []  # a cached file's other cells, kept beside this plan's
     if cache.exists():  # reused where it holds every cell of this plan (its examples depend on task and length only)
@@ -79,7 +102,10 @@ def scores(name: str, folder, a, the_plan) -> list[dict]:
     source = resolve_source(str(folder))
     model = load_model(source, torch.device("cpu"), "float32")
     start = time.time()
-    rows = score_retrieval(model, the_plan, torch.device("cpu"), progress=False)
+    if a.metric == "exact":
+        rows = score_retrieval(model, the_plan, torch.device("cpu"), progress=False)
+    else:
+        rows = string_match(model, load_tokenizer(source), the_plan)
     print(f"  {name}: scored {len(rows)} examples in {time.time() - start:.0f} s", flush=True)
     cache.write_text(json.dumps(kept + rows))
     return rows
@@ -103,6 +129,9 @@ def main() -> None:
     ap.add_argument("--tasks", default="niah_single,niah_multikey")
     ap.add_argument("--haystack", default="/usr/share/vim/vim90/doc/usr_*.txt")
     ap.add_argument("--calib-tokens", type=int, default=8192)
+    ap.add_argument("--metric", choices=("exact", "string"), default="exact",
+                    help="exact: every answer token the argmax, teacher-forced (the toolkit's); string: RULER's "
+                         "string_match_all on a greedy continuation")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     a.lengths = [int(n) for n in a.lengths.split(",")]
@@ -122,7 +151,8 @@ def main() -> None:
                           else ",".join(str(i) for i, t in enumerate(types) if t == "full_attention"))
     cache = (a.count + (30 - a.count) * a.window / max(a.lengths)) / 30
     print(f"\nsmollm2 -> swa W={a.window}, {a.count} global layers (KV cache at {max(a.lengths)}: {cache:.2f}x); "
-          f"haystack {a.haystack} (held out); {a.samples} examples a cell; hits [95% Wilson] (answer mean log-prob)")
+          f"haystack {a.haystack} (held out); {a.samples} examples a cell; hits ({a.metric} match) [95% Wilson] "
+          f"(answer mean log-prob; 0 for string)")
     header = "| choice | global layers | " + " | ".join(f"{t} @ {n}" for t in a.tasks for n in a.lengths) + " |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
