@@ -1,5 +1,6 @@
 """Draw the `swa` retrieval recipe's 8 W needles against KD tokens from its results JSON (60 examples a cell):
-hits with 95% Wilson intervals against the source's, and the hits by needle depth (thirds of the haystack). More
+hits with 95% Wilson intervals against the source's, the hits by needle depth (thirds of the haystack), and RULER's
+string match where the JSON has it (`string_match_sixty_a_cell`). More
 than one JSON draws one curve each (their `label`; the source's line from the first), the figure beside the last.
 
     python benchmarks/plot_swa_recipe_curve.py benchmarks/results/swa-retrieval-recipe-224k-smollm2-2026-11-30.json
@@ -44,6 +45,11 @@ def main(paths: list[Path]) -> Path:
             far = [data[k][cell]["by_depth_thirds"][0] for k in steps]
             ax.plot(tokens, [100 * f / (n / 3) for f in far], "s:", color=color, markersize=3, alpha=0.7,
                     label=f"{label}: needle in the first third")
+            string = run.get("string_match_sixty_a_cell", {})  # RULER's string match, where it was scored
+            steps = [k for k in string if k != "source" and cell in string[k]]
+            if steps:
+                ax.plot([int(k.rstrip("k")) for k in steps], [100 * string[k][cell]["hits"] / n for k in steps], "^-",
+                        color=color, label=f"{label}: RULER's string match")
         ax.set_xticks(sorted(ticks), [f"{t}k" for t in sorted(ticks)])
         ax.set_ylim(0, 105)
         ax.set_title(title, fontsize=9)
