@@ -85,12 +85,13 @@ def string_match(model, tokenizer, the_plan) -> list[dict]:
         items = [tokenizer.decode(item).strip().lower() for item in e.items]
         rows.append({"task": e.task, "length": e.length, "depth": e.depth,
                      "score": sum(item in said for item in items) / len(items),
-                     "exact": float(new[:k] == e.ids[e.answer_start:]), "logprob": 0.0, "said": said})
+                     "exact": float(new[:k] == e.ids[e.answer_start:]), "said": said})
     return rows
 
 
-def scores(name: str, folder, a, the_plan) -> list[dict]:
-    cache = a.work / f"{'scores' if a.metric == 'exact' else 'string'}-{name.replace(':', '_').replace(',', '-')}.json"
+def scores(name: str, folder, a, the_plan, tokenizer) -> list[dict]:
+    kind = "scores" if a.metric == "exact" else "string"
+    cache = a.work / f"{kind}-{name.replace(':', '_').replace(',', '-')}.json"
     cells = {(task, n) for task in a.tasks for n in a.lengths}
     kept = []  # a cached file's other cells, kept beside this plan's
     if cache.exists():  # reused where it holds every cell of this plan (its examples depend on task and length only)
@@ -105,7 +106,7 @@ def scores(name: str, folder, a, the_plan) -> list[dict]:
     if a.metric == "exact":
         rows = score_retrieval(model, the_plan, torch.device("cpu"), progress=False)
     else:
-        rows = string_match(model, load_tokenizer(source), the_plan)
+        rows = string_match(model, tokenizer, the_plan)  # the plan's own tokenizer: every model here is SmolLM2's
     print(f"  {name}: scored {len(rows)} examples in {time.time() - start:.0f} s", flush=True)
     cache.write_text(json.dumps(kept + rows))
     return rows
@@ -114,8 +115,9 @@ def scores(name: str, folder, a, the_plan) -> list[dict]:
 def cell(rows, task, n) -> str:
     hits = [r["score"] for r in rows if r["task"] == task and r["length"] == n]
     lo, hi = wilson(sum(hits), len(hits))
-    lp = [r["logprob"] for r in rows if r["task"] == task and r["length"] == n]
-    return f"{sum(hits):.0f}/{len(hits)} [{100 * lo:.0f}-{100 * hi:.0f}%] ({sum(lp) / len(lp):.2f})"
+    lp = [r["logprob"] for r in rows if r["task"] == task and r["length"] == n and "logprob" in r]
+    mean = f" ({sum(lp) / len(lp):.2f})" if lp else ""  # the string metric generates: no answer log-probability
+    return f"{sum(hits):.0f}/{len(hits)} [{100 * lo:.0f}-{100 * hi:.0f}%]{mean}"
 
 
 def main() -> None:
@@ -141,18 +143,18 @@ def main() -> None:
     src = resolve_source("smollm2")
     tokenizer = load_tokenizer(src)
     the_plan = plan(a, tokenizer)
-    results = {"source": scores("source", src.folder, a, the_plan)}
+    results = {"source": scores("source", src.folder, a, the_plan, tokenizer)}
     layers = {"source": "all 30"}
     for choice in choices:
         folder = convert(choice, a)
-        results[choice] = scores(choice.replace("/", "_"), folder, a, the_plan)
+        results[choice] = scores(choice.replace("/", "_"), folder, a, the_plan, tokenizer)
         types = json.loads((folder / "config.json").read_text()).get("layer_types")  # none: every layer global (mqa, mla)
         layers[choice] = ("all" if types is None
                           else ",".join(str(i) for i, t in enumerate(types) if t == "full_attention"))
     cache = (a.count + (30 - a.count) * a.window / max(a.lengths)) / 30
     print(f"\nsmollm2 -> swa W={a.window}, {a.count} global layers (KV cache at {max(a.lengths)}: {cache:.2f}x); "
           f"haystack {a.haystack} (held out); {a.samples} examples a cell; hits ({a.metric} match) [95% Wilson] "
-          f"(answer mean log-prob; 0 for string)")
+          f"(answer mean log-prob, exact only)")
     header = "| choice | global layers | " + " | ".join(f"{t} @ {n}" for t in a.tasks for n in a.lengths) + " |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
