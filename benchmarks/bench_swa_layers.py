@@ -17,7 +17,9 @@ cells (60 examples a cell are not the 20 of another run), and keeps the file's o
 `--metric string` scores the same examples as RULER does (`string_match_all`): a hit where the answer's text stands
 anywhere in the model's greedy continuation of the prompt (the answer's tokens + 4 new tokens; RULER allows 128),
 one generation per example, several times the cost of the default `exact` metric (the toolkit's: every answer token
-the argmax, teacher-forced, from the first one on). Its scores are cached in WORK/string-NAME.json.
+the argmax, teacher-forced, from the first one on); the same scoring as `check --retrieval-metric string`
+(surgery/checking/retrieval.py), whose rows keep the exact hit and the log-probability beside it. Its scores are
+cached in WORK/string-NAME.json.
 """
 
 from __future__ import annotations
@@ -68,28 +70,10 @@ def plan(a, tokenizer) -> RetrievalPlan:
         if len(hay) > 200_000:
             break
     examples = [e for task in a.tasks for n in a.lengths for e in make_examples(task, tokenizer, n, a.samples, 0, hay)]
-    return RetrievalPlan.of(a.tasks, a.lengths, a.samples, "text", examples)
+    return RetrievalPlan.of(a.tasks, a.lengths, a.samples, "text", examples, metric=a.metric, tokenizer=tokenizer)
 
 
-@torch.no_grad()
-def string_match(model, tokenizer, the_plan) -> list[dict]:
-    """RULER's string_match_all on a greedy continuation of the answer's length + 4 tokens, one example at a time;
-    `score` the share of the answer's items whose text stands in it, `exact` 1 where it starts with the answer."""
-    rows = []
-    for e in the_plan.examples():
-        k = e.length - e.answer_start
-        ids = torch.tensor([e.ids[:e.answer_start]])
-        new = model.generate(input_ids=ids, max_new_tokens=k + 4, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id)[0, e.answer_start:].tolist()
-        said = tokenizer.decode(new).lower()
-        items = [tokenizer.decode(item).strip().lower() for item in e.items]
-        rows.append({"task": e.task, "length": e.length, "depth": e.depth,
-                     "score": sum(item in said for item in items) / len(items),
-                     "exact": float(new[:k] == e.ids[e.answer_start:]), "said": said})
-    return rows
-
-
-def scores(name: str, folder, a, the_plan, tokenizer) -> list[dict]:
+def scores(name: str, folder, a, the_plan) -> list[dict]:
     kind = "scores" if a.metric == "exact" else "string"
     cache = a.work / f"{kind}-{name.replace(':', '_').replace(',', '-')}.json"
     cells = {(task, n) for task in a.tasks for n in a.lengths}
@@ -103,10 +87,8 @@ def scores(name: str, folder, a, the_plan, tokenizer) -> list[dict]:
     source = resolve_source(str(folder))
     model = load_model(source, torch.device("cpu"), "float32")
     start = time.time()
-    if a.metric == "exact":
-        rows = score_retrieval(model, the_plan, torch.device("cpu"), progress=False)
-    else:
-        rows = string_match(model, tokenizer, the_plan)  # the plan's own tokenizer: every model here is SmolLM2's
+    rows = score_retrieval(model, the_plan, torch.device("cpu"), progress=False)  # string: decoded by the plan's
+    # own tokenizer (every model here is SmolLM2's)
     print(f"  {name}: scored {len(rows)} examples in {time.time() - start:.0f} s", flush=True)
     cache.write_text(json.dumps(kept + rows))
     return rows
@@ -116,7 +98,7 @@ def cell(rows, task, n) -> str:
     hits = [r["score"] for r in rows if r["task"] == task and r["length"] == n]
     lo, hi = wilson(sum(hits), len(hits))
     lp = [r["logprob"] for r in rows if r["task"] == task and r["length"] == n and "logprob" in r]
-    mean = f" ({sum(lp) / len(lp):.2f})" if lp else ""  # the string metric generates: no answer log-probability
+    mean = f" ({sum(lp) / len(lp):.2f})" if lp else ""  # string rows scored before the metric moved into the package carry none
     return f"{sum(hits):.0f}/{len(hits)} [{100 * lo:.0f}-{100 * hi:.0f}%]{mean}"
 
 
@@ -143,11 +125,11 @@ def main() -> None:
     src = resolve_source("smollm2")
     tokenizer = load_tokenizer(src)
     the_plan = plan(a, tokenizer)
-    results = {"source": scores("source", src.folder, a, the_plan, tokenizer)}
+    results = {"source": scores("source", src.folder, a, the_plan)}
     layers = {"source": "all 30"}
     for choice in choices:
         folder = convert(choice, a)
-        results[choice] = scores(choice.replace("/", "_"), folder, a, the_plan, tokenizer)
+        results[choice] = scores(choice.replace("/", "_"), folder, a, the_plan)
         types = json.loads((folder / "config.json").read_text()).get("layer_types")  # none: every layer global (mqa, mla)
         layers[choice] = ("all" if types is None
                           else ",".join(str(i) for i, t in enumerate(types) if t == "full_attention"))

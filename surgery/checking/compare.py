@@ -358,7 +358,7 @@ def plan_check(source: Source, converted: Source, texts: Iterable[str], r: Check
         retrieval_plan = plan_retrieval(
             r.retrieval, r.retrieval_lengths, r.retrieval_samples, r.retrieval_haystack, tok, ctx,
             min(r.seq_len, ctx or r.seq_len), ids, batch=r.retrieval_batch, window=window, no_window=no_window,
-            text_name=name, text_given=r.text_given)
+            text_name=name, text_given=r.text_given, metric=r.retrieval_metric)
     return CheckPlan(source, converted, dev, r.dtype, (trust_a, trust_b), causal,
                      vocab_size(config_a) if causal else hidden_size(config_a), source_attention, tok, tokenizer_note,
                      checked, r.batch_size, prompts, r.generate, n_layer_windows,

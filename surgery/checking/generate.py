@@ -78,8 +78,13 @@ def check_lengths(prompts: list[Prompt], new_tokens: int, context: int | None) -
 
 @torch.no_grad()
 def greedy(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """(batch, new_tokens) argmax continuations of `prompt` (batch, length), with the model's KV cache."""
-    out = model(input_ids=prompt, use_cache=True)
+    """(batch, new_tokens) argmax continuations of `prompt` (batch, length), with the model's KV cache; the prompt's
+    pass keeps its last position's logits only (`logits_to_keep`, where the model takes it): never a whole prompt
+    of vocabulary logits."""
+    try:
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    except TypeError:
+        out = model(input_ids=prompt, use_cache=True)
     past, keyword = returned_cache(out), cache_keyword(model)
     token = out.logits[:, -1].argmax(-1)
     tokens = [token]

@@ -67,6 +67,11 @@ class CheckOptions(PrecisionOptions):
     retrieval_batch: int = option(4, "--retrieval-batch", "With --retrieval: examples per forward pass (all of one "
                                                           "task and length, so equally long; at most 32,768 tokens a "
                                                           "pass).")
+    retrieval_metric: Literal["exact", "string"] = option(
+        "exact", "--retrieval-metric", "With --retrieval: what counts as retrieved. exact: every answer token the "
+        "model's argmax, teacher-forced (one pass; what greedy decoding writes first); string: RULER's "
+        "string_match_all, the answer's text anywhere in a greedy continuation of its length + 4 tokens (one "
+        "generation per example besides the pass: slower; the report keeps the exact hits beside it).")
     plot: str | None = option(None, "--plot", "With --retrieval: write a PNG of accuracy against length here.",
                               path="file")
     tokenizer: Literal["source", "converted"] | None = option(
@@ -145,7 +150,8 @@ class CheckOptions(PrecisionOptions):
         return self.data != type(self).model_fields["data"].default
 
 
-RETRIEVAL_ONLY = ("retrieval_lengths", "retrieval_samples", "retrieval_haystack", "retrieval_batch")
+RETRIEVAL_ONLY = ("retrieval_lengths", "retrieval_samples", "retrieval_haystack", "retrieval_batch",
+                  "retrieval_metric")
 
 
 def _refused_as_value(rule, value):

@@ -12,6 +12,13 @@ retrieved (one item: 0 or 1), as RULER's string-match scores; the mean log-proba
 The examples of one task and length all have exactly that length, so they go through the model `batch` at a time,
 stacked, no padding (at most MAX_BATCH_TOKENS tokens a pass), and score as they do one by one.
 
+`--retrieval-metric string` scores as RULER does (`string_match_all`): an item counts where its text (lower-cased,
+stripped) stands anywhere in the model's greedy continuation of the prompt, the answer's length + EXTRA_TOKENS new
+tokens (RULER allows 128; fewer where the context ends), one generation per example (those of a batch with equally
+long prompts together). It forgives what the exact metric counts as a miss though the answer is there: a model that
+writes the needle's own form ("is: 1234567.") or a space more. The teacher-forced pass runs too, so every row keeps
+the exact score (`exact`) and the log-probability beside the string score; `said` is the continuation's text.
+
 The examples are built once before any model is loaded, so bad input stops the check before the first load, and
 built again, one task and length at a time, while each model is scored: memory holds one rung's examples, never the
 whole ladder's (tasks x samples x lengths: millions of token ids at 128k).
@@ -27,9 +34,12 @@ import torch
 from ..errors import SurgeryError
 from ..progress import Progress
 from ..retrieval_tasks import Example, make_examples
+from .generate import greedy
 from .retrieval_spec import check_length, default_lengths, parse_lengths, parse_retrieval_tasks, resolve_lengths
 
 MAX_BATCH_TOKENS = 32768  # tokens of one batched pass: 4 examples at 8k, one at 32k and beyond
+METRICS = ("exact", "string")
+EXTRA_TOKENS = 4  # the string metric's new tokens beyond the answer's length
 
 
 @dataclass
@@ -43,21 +53,26 @@ class RetrievalPlan:
     batch: int = 4  # examples of one task and length per forward pass (MAX_BATCH_TOKENS at most)
     window: int | None = None  # the converted model's sliding window, where --retrieval-lengths counted in it
     about: dict = field(default_factory=dict)  # what the report says of the haystack (its text, its tokens)
+    metric: str = "exact"  # METRICS: what `score` counts
+    tokenizer: object = None  # decodes the string metric's continuations and answers
+    context: int | None = None  # the model's context: the string metric generates no further
 
     def examples(self) -> Iterator[Example]:
         return iter(self.build())
 
     @classmethod
     def of(cls, tasks: list[str], lengths: list[int], samples: int, haystack: str,
-           examples: list[Example], batch: int = 4) -> "RetrievalPlan":
+           examples: list[Example], batch: int = 4, metric: str = "exact", tokenizer=None,
+           context: int | None = None) -> "RetrievalPlan":
         """A plan of examples already built (tests, benchmarks)."""
-        return cls(tasks, lengths, samples, haystack, lambda: examples, sum(e.length for e in examples), batch)
+        return cls(tasks, lengths, samples, haystack, lambda: examples, sum(e.length for e in examples), batch,
+                   metric=metric, tokenizer=tokenizer, context=context)
 
 
 def plan_retrieval(spec: str, lengths: Sequence[int | str] | None, samples: int, haystack: str, tokenizer,
                    context: int | None, longest: int, text_ids: torch.Tensor | None, seed: int = 0, *,
                    batch: int = 4, window: int | None = None, no_window: str = "", text_name: str = "",
-                   text_given: bool = True) -> RetrievalPlan:
+                   text_given: bool = True, metric: str = "exact") -> RetrievalPlan:
     """Every example of the check, checked against the model's context and the haystack text. `lengths`: parsed
     entries (`parse_lengths`; "kw" counts in `window`, the converted model's sliding window, `no_window` saying why
     there is none); None: the default ladder up to `longest`. `haystack` auto is the text when the user gave one
@@ -89,7 +104,7 @@ def plan_retrieval(spec: str, lengths: Sequence[int | str] | None, samples: int,
 
     tokens = sum(e.length for e in build())  # every example built once now: bad input fails before any model
     return RetrievalPlan(tasks, lengths, samples, haystack, build, tokens, batch, window if in_windows else None,
-                         about)
+                         about, metric, tokenizer, context)
 
 
 @torch.no_grad()
@@ -141,14 +156,41 @@ def _score_batch(model, examples: list[Example], device: torch.device) -> list[d
 
 
 @torch.no_grad()
+def _string_match(model, examples: list[Example], rows: list[dict], plan: RetrievalPlan,
+                  device: torch.device) -> None:
+    """RULER's string_match_all on each example's greedy continuation: `score` becomes the share of its items whose
+    text stands in it, the teacher-forced score moves to `exact`, and `said` keeps the continuation's text."""
+    tok = plan.tokenizer
+    groups: dict[int, list[int]] = {}
+    for i, e in enumerate(examples):  # equally long prompts generate together (no padding)
+        groups.setdefault(e.answer_start, []).append(i)
+    for start, members in groups.items():
+        k = max(examples[i].length - start for i in members)
+        new = k + EXTRA_TOKENS if plan.context is None else max(k, min(k + EXTRA_TOKENS, plan.context - start))
+        prompt = torch.tensor([examples[i].ids[:start] for i in members], device=device)
+        for i, said in zip(members, greedy(model, prompt, new).tolist()):
+            text = tok.decode(said, skip_special_tokens=True)
+            items = [tok.decode(item, skip_special_tokens=True).strip().lower() for item in examples[i].items]
+            rows[i] |= {"exact": rows[i]["score"], "said": text,
+                        "score": sum(item in text.lower() for item in items) / len(items)}
+
+
+@torch.no_grad()
 def score_retrieval(model, plan: RetrievalPlan, device: torch.device, progress: bool = True,
           desc: str = "retrieval") -> list[dict]:
-    """Per example: its task, length, depth, the share of its items retrieved (`score`), how many items it has
-    and the answer's mean log-probability."""
+    """Per example: its task, length, depth, the share of its items retrieved (`score`, by the plan's metric), how
+    many items it has and the answer's mean log-probability (with the string metric also `exact` and `said`)."""
+    if plan.metric not in METRICS:
+        raise SurgeryError(f"--retrieval-metric: {plan.metric!r} is not one of {', '.join(METRICS)}")
+    if plan.metric == "string" and plan.tokenizer is None:
+        raise SurgeryError("--retrieval-metric string decodes the continuations: the plan needs a tokenizer")
     rows = []
     with Progress(plan.tokens, desc, enabled=progress) as bar:
         for group in batches(plan.examples(), plan.samples, plan.batch):
-            rows += _score_batch(model, group, device)
+            scored = _score_batch(model, group, device)
+            if plan.metric == "string":
+                _string_match(model, group, scored, plan, device)
+            rows += scored
             bar.update(sum(e.length for e in group))
             del group  # nothing of this rung stays while the next one is built
     return rows

@@ -17,6 +17,9 @@ import math
 
 MODELS = ("source", "converted")
 DEPTH_BINS = 3  # needle depth in thirds of the haystack: 0 is its start, the farthest from the question
+SCORING = {"exact": "teacher-forced greedy exact match per answer item (every token the argmax), one forward pass",
+           "string": "RULER's string_match_all: an item's text anywhere in the greedy continuation of the answer's "
+                     "length + 4 tokens; exact_hits_*: the teacher-forced exact match of the same examples"}
 INTERVAL = ("95% Wilson score interval; trials: the cell's examples (a multi-item example counts the share of its "
             "items it retrieved as a fractional hit, which keeps the interval conservative)")
 
@@ -44,6 +47,8 @@ def _cell(rows: dict[str, list[dict]]) -> dict:
         cell |= {model: hits / n, f"hits_{model}": round(hits, 6), f"ci_low_{model}": low, f"ci_high_{model}": high,
                  f"items_{model}": round(sum(r["score"] * r.get("items", 1) for r in rows[model])),
                  f"logprob_{model}": sum(r["logprob"] for r in rows[model]) / n}
+        if rows[model] and all("exact" in r for r in rows[model]):  # scored by string match: the exact hits beside
+            cell[f"exact_hits_{model}"] = round(sum(r["exact"] for r in rows[model]), 6)
     return cell
 
 
@@ -60,8 +65,7 @@ def compare_retrieval_scores(plan, source: list[dict], converted: list[dict]) ->
               "mean": {str(n): cell(None, n) for n in plan.lengths},
               "by_depth": {task: {str(n): by_depth(task, n, source, converted) for n in plan.lengths}
                            for task in plan.tasks},
-              "interval": INTERVAL,
-              "scoring": "teacher-forced greedy exact match per answer item (RULER's string match), one forward pass"}
+              "interval": INTERVAL, "metric": plan.metric, "scoring": SCORING[plan.metric]}
     if plan.window:
         report |= {"window": plan.window, "lengths_in_windows": [round(n / plan.window, 3) for n in plan.lengths]}
     return report
@@ -91,6 +95,11 @@ def cell_text(cell: dict) -> str:
                       for m in MODELS)
 
 
+def exact_text(cell: dict) -> str:
+    """A string-matched cell's teacher-forced exact hits, source / converted: '17/20 / 12/20'."""
+    return " / ".join(f"{cell[f'exact_hits_{m}']:g}/{cell['n']}" for m in MODELS)
+
+
 def length_label(report: dict, n: int, sep: str = " ") -> str:
     """A length as tokens, and as a multiple of the window where the lengths were given in it: '2048 (4w)'."""
     if not report.get("window"):
@@ -103,7 +112,8 @@ def print_table(report: dict, console) -> None:
 
     window = f", w = {report['window']} tokens" if report.get("window") else ""
     text = f" {report['haystack_text']}" if report.get("haystack_text") else ""
-    table = Table(title=f"retrieval accuracy by length (tokens{window}), source / converted with 95% Wilson "
+    metric = "RULER's string match" if report.get("metric") == "string" else "exact match"
+    table = Table(title=f"retrieval accuracy by length (tokens{window}), {metric}, source / converted with 95% Wilson "
                         f"intervals ({report['samples']} examples per task and length, {report['haystack']}{text} "
                         "haystack)")
     table.add_column("task", overflow="fold")
@@ -112,6 +122,8 @@ def print_table(report: dict, console) -> None:
     rows = [(t, report["accuracy"][t]) for t in report["tasks"]] + [("mean", report["mean"])]
     for name, cells in rows:
         table.add_row(name, *(cell_text(cells[str(n)]) for n in report["lengths"]))
+        if all("exact_hits_source" in cells[str(n)] for n in report["lengths"]):
+            table.add_row(f"  {name}, exact hits", *(exact_text(cells[str(n)]) for n in report["lengths"]))
     console.print(table)
     if report.get("by_depth"):
         print_depth_table(report, console)
@@ -167,7 +179,8 @@ def plot(report: dict, title: str = "") -> bytes:
         ax.axis("off")
     axes[0][0].set_ylabel("accuracy (%)")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(title or "retrieval accuracy by context length", fontsize=10)
+    metric = " (RULER's string match)" if report.get("metric") == "string" else ""
+    fig.suptitle(title or f"retrieval accuracy{metric} by context length", fontsize=10)
     fig.supxlabel(f"context length (tokens; shaded: 95% Wilson interval, {report['samples']} examples per task)",
                   fontsize=8)
     fig.tight_layout()

@@ -69,7 +69,8 @@ def test_default_lengths_double_up_to_the_window():
 def test_check_reports_retrieval_by_length_with_a_plot(smollm2, tmp_path, cli):
     code, out, err = cli("check", smollm2.folder, smollm2.folder, "--tokens", "256", "--seq-len", "256",
                          "--retrieval", "passkey,niah_multikey", "--retrieval-lengths", "256,384",
-                         "--retrieval-samples", "1", "--json", tmp_path / "r.json", "--plot", tmp_path / "r.png")
+                         "--retrieval-samples", "1", "--retrieval-metric", "string", "--json", tmp_path / "r.json",
+                         "--plot", tmp_path / "r.png")
     assert code == 0, err
     r = json.loads((tmp_path / "r.json").read_text())["retrieval"]
     assert r["tasks"] == ["passkey", "niah_multikey"] and r["lengths"] == [256, 384]
@@ -79,9 +80,10 @@ def test_check_reports_retrieval_by_length_with_a_plot(smollm2, tmp_path, cli):
             assert cell["source"] == cell["converted"]  # the same model twice
             assert cell["n"] == 1 and (cell["ci_low_source"], cell["ci_high_source"]) == \
                 (cell["ci_low_converted"], cell["ci_high_converted"])
+            assert cell["exact_hits_source"] == cell["exact_hits_converted"] <= cell["hits_source"]  # string >= exact
     assert r["haystack"] == "noise" and "window" not in r  # the default text: the noise; lengths in tokens
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG" and "retrieval accuracy by length" in out
-    assert "95% Wilson" in out and "] / " in out
+    assert "95% Wilson" in out and "] / " in out and r["metric"] == "string" and "exact hits" in out
 
 
 @pytest.mark.parametrize("args, message", [
@@ -92,6 +94,7 @@ def test_check_reports_retrieval_by_length_with_a_plot(smollm2, tmp_path, cli):
      "fewer than the longest retrieval length 1024"),
     (["--plot", "p.png"], "--plot draws the retrieval accuracy: it needs --retrieval"),
     (["--retrieval-samples", "2"], "need --retrieval TASKS"),
+    (["--retrieval", "passkey", "--retrieval-metric", "fuzzy"], "'fuzzy' is not one of 'exact', 'string'"),
 ])
 def test_bad_retrieval_input_is_one_line_before_any_model(args, message, smollm2, tmp_path, cli, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -1,15 +1,18 @@
 """`check --retrieval` scores the examples of one task and length stacked in batches (they are all as long): the
-same hits and log-probabilities as one by one, still only the answers' logits, never a batch across two rungs; and
-on a text haystack each sample reads its own stretch of the text."""
+same hits and log-probabilities as one by one, still only the answers' logits, never a batch across two rungs; on a
+text haystack each sample reads its own stretch of the text; and `--retrieval-metric string` scores as RULER does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from surgery.errors import SurgeryError
+
+from surgery.checking.generate import greedy
 from surgery.checking.retrieval import (MAX_BATCH_TOKENS, RetrievalPlan, batches, plan_retrieval,
                                         score_retrieval)
-from surgery.retrieval_tasks import make_examples, text_start
+from surgery.retrieval_tasks import Example, make_examples, text_start
 from surgery.testing.pydoc_llama import make_model
 
 
@@ -90,3 +93,30 @@ def test_needles_stand_at_their_depths_spread_over_the_haystack(tokenizer):
                                                   add_special_tokens=False)["input_ids"])
         fill = question - intro - len(needle)  # the haystack's tokens
         assert e.depth == (i + 0.5) / samples and abs((at - intro) / fill - e.depth) < 0.02, (i, at, fill)
+
+
+@torch.no_grad()
+def test_the_string_metric_finds_the_answer_anywhere_in_the_greedy_continuation(model, tokenizer):
+    """RULER's string match on the model's own greedy continuation of one prompt: an answer it writes first is a hit
+    by both metrics; the same answer written one token late (after something else, as a model writes "is: N") a
+    string hit and an exact miss; text it never writes a miss by both. The exact score and the log-probability stay
+    in each row, the same as the exact metric's."""
+    base = make_examples("niah_single", tokenizer, 256, 1)[0]
+    prompt = base.ids[:base.answer_start]
+    said = greedy(model, torch.tensor([prompt]), 3 + 4)[0].tolist()
+    assert said[:3] != said[1:4]  # the late answer differs from the first one (else the case tests nothing)
+    written = tokenizer.decode(said, skip_special_tokens=True).lower()
+    text = lambda ids: tokenizer.decode(ids, skip_special_tokens=True).strip().lower()
+    absent = next(t for t in range(tokenizer.vocab_size) if text([t] * 3) and text([t] * 3) not in written)
+    answers = {"first": said[:3], "late": said[1:4], "absent": [absent] * 3}
+    examples = [Example("niah_single", len(prompt) + 3, 0.5, prompt + a, [a]) for a in answers.values()]
+    args = (["niah_single"], [len(prompt) + 3], 3, "noise", examples)
+    string = score_retrieval(model, RetrievalPlan.of(*args, batch=3, metric="string", tokenizer=tokenizer),
+                             torch.device("cpu"), progress=False)
+    exact = score_retrieval(model, RetrievalPlan.of(*args, batch=3), torch.device("cpu"), progress=False)
+    assert [r["score"] for r in string] == [1.0, 1.0, 0.0]
+    assert [r["exact"] for r in string] == [r["score"] for r in exact] == [1.0, 0.0, 0.0]
+    assert [r["logprob"] for r in string] == pytest.approx([r["logprob"] for r in exact], abs=1e-5)
+    assert all(r["said"] == tokenizer.decode(said, skip_special_tokens=True) for r in string)
+    with pytest.raises(SurgeryError, match="needs a tokenizer"):
+        score_retrieval(model, RetrievalPlan.of(*args, metric="string"), torch.device("cpu"), progress=False)
