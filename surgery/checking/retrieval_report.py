@@ -179,10 +179,10 @@ def plot(report: dict, title: str = "") -> bytes:
         ax.axis("off")
     axes[0][0].set_ylabel("accuracy (%)")
     axes[0][0].legend(fontsize=7)
-    metric = " (RULER's string match)" if report.get("metric") == "string" else ""
-    fig.suptitle(title or f"retrieval accuracy{metric} by context length", fontsize=10)
-    fig.supxlabel(f"context length (tokens; shaded: 95% Wilson interval, {report['samples']} examples per task)",
-                  fontsize=8)
+    fig.suptitle(title or "retrieval accuracy by context length", fontsize=10)
+    metric = "RULER's string match" if report.get("metric") == "string" else "exact match"
+    fig.supxlabel(f"context length (tokens; {metric}; shaded: 95% Wilson interval, {report['samples']} examples per "
+                  "task)", fontsize=8)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
