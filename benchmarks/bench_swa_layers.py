@@ -87,8 +87,8 @@ def scores(name: str, folder, a, the_plan) -> list[dict]:
     source = resolve_source(str(folder))
     model = load_model(source, torch.device("cpu"), "float32")
     start = time.time()
-    rows = score_retrieval(model, the_plan, torch.device("cpu"), progress=False)  # string: decoded by the plan's
-    # own tokenizer (every model here is SmolLM2's)
+    # the string metric decodes with the plan's own tokenizer: every model here is SmolLM2's
+    rows = score_retrieval(model, the_plan, torch.device("cpu"), progress=False)
     print(f"  {name}: scored {len(rows)} examples in {time.time() - start:.0f} s", flush=True)
     cache.write_text(json.dumps(kept + rows))
     return rows

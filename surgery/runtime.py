@@ -122,6 +122,15 @@ def cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
+def forward_keeping(model, ids: torch.Tensor, keep: int, **kwargs):
+    """`model(input_ids=ids, **kwargs)` keeping the logits of the last `keep` positions only (`logits_to_keep`)
+    where the model takes it; a model that does not returns its whole logits, for the caller to slice."""
+    try:
+        return model(input_ids=ids, logits_to_keep=keep, **kwargs)
+    except TypeError:
+        return model(input_ids=ids, **kwargs)
+
+
 def returned_cache(output):
     """The KV cache a forward with use_cache=True returned, under either name."""
     cache = getattr(output, "cache", None)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SurgeryError
-from ..runtime import cache_keyword, returned_cache
+from ..runtime import cache_keyword, forward_keeping, returned_cache
 
 PROMPT_TOKENS = 32
 TEXT_PROMPTS = 8
@@ -81,10 +81,7 @@ def greedy(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
     """(batch, new_tokens) argmax continuations of `prompt` (batch, length), with the model's KV cache; the prompt's
     pass keeps its last position's logits only (`logits_to_keep`, where the model takes it): never a whole prompt
     of vocabulary logits."""
-    try:
-        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-    except TypeError:
-        out = model(input_ids=prompt, use_cache=True)
+    out = forward_keeping(model, prompt, 1, use_cache=True)
     past, keyword = returned_cache(out), cache_keyword(model)
     token = out.logits[:, -1].argmax(-1)
     tokens = [token]

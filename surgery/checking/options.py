@@ -14,7 +14,7 @@ from ..dtypes import DTYPE_NAMES
 from ..errors import SurgeryError
 from ..options import Texts, at_least_one, option, spelling, texts_rule
 from ..precision import PrecisionOptions, check_dtype
-from .retrieval_spec import check_length, parse_lengths, parse_retrieval_tasks
+from .retrieval_spec import EXTRA_TOKENS, check_length, parse_lengths, parse_retrieval_tasks
 
 
 class CheckOptions(PrecisionOptions):
@@ -70,8 +70,8 @@ class CheckOptions(PrecisionOptions):
     retrieval_metric: Literal["exact", "string"] = option(
         "exact", "--retrieval-metric", "With --retrieval: what counts as retrieved. exact: every answer token the "
         "model's argmax, teacher-forced (one pass; what greedy decoding writes first); string: RULER's "
-        "string_match_all, the answer's text anywhere in a greedy continuation of its length + 4 tokens (one "
-        "generation per example besides the pass: slower; the report keeps the exact hits beside it).")
+        f"string_match_all, the answer's text anywhere in a greedy continuation of its length + {EXTRA_TOKENS} "
+        "tokens (one generation per example besides the pass: slower; the report keeps the exact hits beside it).")
     plot: str | None = option(None, "--plot", "With --retrieval: write a PNG of accuracy against length here.",
                               path="file")
     tokenizer: Literal["source", "converted"] | None = option(

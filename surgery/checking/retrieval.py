@@ -34,12 +34,12 @@ import torch
 from ..errors import SurgeryError
 from ..progress import Progress
 from ..retrieval_tasks import Example, make_examples
+from ..runtime import forward_keeping
 from .generate import greedy
-from .retrieval_spec import check_length, default_lengths, parse_lengths, parse_retrieval_tasks, resolve_lengths
+from .retrieval_spec import (EXTRA_TOKENS, METRICS, check_length, default_lengths, parse_lengths,
+                             parse_retrieval_tasks, resolve_lengths)
 
 MAX_BATCH_TOKENS = 32768  # tokens of one batched pass: 4 examples at 8k, one at 32k and beyond
-METRICS = ("exact", "string")
-EXTRA_TOKENS = 4  # the string metric's new tokens beyond the answer's length
 
 
 @dataclass
@@ -111,11 +111,7 @@ def plan_retrieval(spec: str, lengths: Sequence[int | str] | None, samples: int,
 def _answer_logits(model, ids: torch.Tensor, keep: int) -> torch.Tensor:
     """The logits of the last `keep` positions of examples [B, L] (the model's own `logits_to_keep` where it takes
     it; else its whole logits, sliced): [B, keep, vocabulary], float32."""
-    try:
-        out = model(input_ids=ids, logits_to_keep=keep, use_cache=False)
-    except TypeError:
-        out = model(input_ids=ids, use_cache=False)
-    return out.logits[:, -keep:].float()
+    return forward_keeping(model, ids, keep, use_cache=False).logits[:, -keep:].float()
 
 
 def batches(examples: Iterable[Example], samples: int, batch: int) -> Iterator[list[Example]]:

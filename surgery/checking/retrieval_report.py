@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import math
 
+from .retrieval_spec import EXTRA_TOKENS, METRICS
+
 MODELS = ("source", "converted")
 DEPTH_BINS = 3  # needle depth in thirds of the haystack: 0 is its start, the farthest from the question
 SCORING = {"exact": "teacher-forced greedy exact match per answer item (every token the argmax), one forward pass",
            "string": "RULER's string_match_all: an item's text anywhere in the greedy continuation of the answer's "
-                     "length + 4 tokens; exact_hits_*: the teacher-forced exact match of the same examples"}
+                     f"length + {EXTRA_TOKENS} tokens; exact_hits_*: the teacher-forced exact match of the same "
+                     "examples"}
 INTERVAL = ("95% Wilson score interval; trials: the cell's examples (a multi-item example counts the share of its "
             "items it retrieved as a fractional hit, which keeps the interval conservative)")
 
@@ -100,6 +103,11 @@ def exact_text(cell: dict) -> str:
     return " / ".join(f"{cell[f'exact_hits_{m}']:g}/{cell['n']}" for m in MODELS)
 
 
+def metric_name(report: dict) -> str:
+    """What scored the report's hits, in words (a report written before --retrieval-metric: the exact match)."""
+    return METRICS[report.get("metric", "exact")]
+
+
 def length_label(report: dict, n: int, sep: str = " ") -> str:
     """A length as tokens, and as a multiple of the window where the lengths were given in it: '2048 (4w)'."""
     if not report.get("window"):
@@ -112,8 +120,7 @@ def print_table(report: dict, console) -> None:
 
     window = f", w = {report['window']} tokens" if report.get("window") else ""
     text = f" {report['haystack_text']}" if report.get("haystack_text") else ""
-    metric = "RULER's string match" if report.get("metric") == "string" else "exact match"
-    table = Table(title=f"retrieval accuracy by length (tokens{window}), {metric}, source / converted with 95% Wilson "
+    table = Table(title=f"retrieval accuracy by length (tokens{window}), {metric_name(report)}, source / converted with 95% Wilson "
                         f"intervals ({report['samples']} examples per task and length, {report['haystack']}{text} "
                         "haystack)")
     table.add_column("task", overflow="fold")
@@ -180,8 +187,7 @@ def plot(report: dict, title: str = "") -> bytes:
     axes[0][0].set_ylabel("accuracy (%)")
     axes[0][0].legend(fontsize=7)
     fig.suptitle(title or "retrieval accuracy by context length", fontsize=10)
-    metric = "RULER's string match" if report.get("metric") == "string" else "exact match"
-    fig.supxlabel(f"context length (tokens; {metric}; shaded: 95% Wilson interval, {report['samples']} examples per "
+    fig.supxlabel(f"context length (tokens; {metric_name(report)}; shaded: 95% Wilson interval, {report['samples']} examples per "
                   "task)", fontsize=8)
     fig.tight_layout()
     buffer = io.BytesIO()

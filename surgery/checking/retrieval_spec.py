@@ -14,6 +14,8 @@ from ..retrieval_tasks import TASKS
 FIRST_LENGTH = 512
 MIN_LENGTH = 64  # tokens: the shortest retrieval example
 _LENGTH = re.compile(r"(\d+)|(\d+(?:\.\d+)?|\.\d+)?w")
+METRICS = {"exact": "exact match", "string": "RULER's string match"}  # --retrieval-metric: its name in the reports
+EXTRA_TOKENS = 4  # the string metric's new tokens beyond the answer's length (RULER allows 128)
 LENGTHS_FORM = "comma-separated token counts or multiples of the converted model's sliding window (e.g. 512,2w,4w)"
 
 

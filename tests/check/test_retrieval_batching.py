@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from surgery.errors import SurgeryError
-
 from surgery.checking.generate import greedy
 from surgery.checking.retrieval import (MAX_BATCH_TOKENS, RetrievalPlan, batches, plan_retrieval,
                                         score_retrieval)
+from surgery.errors import SurgeryError
 from surgery.retrieval_tasks import Example, make_examples, text_start
 from surgery.testing.pydoc_llama import make_model
 
