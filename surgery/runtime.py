@@ -116,19 +116,23 @@ def windows(ids: torch.Tensor, seq_len: int, what: str = "the data") -> torch.Te
 # ---- the KV cache keyword -----------------------------------------------------------------------------------------
 # transformers 5.24 renamed `past_key_values` to `cache` (the old name still works, with a warning, until 5.40);
 # earlier 5.x know only the old name.
+def takes_keyword(model, name: str) -> bool:
+    """Whether the model's class names `name` among its forward's parameters (the class's forward: a compiled
+    instance forward hides its signature)."""
+    return name in inspect.signature(type(model).forward).parameters
+
+
 def cache_keyword(model) -> str:
-    """`cache` where the model's class takes it, else `past_key_values` (the class's forward: a compiled instance
-    forward hides its signature)."""
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    """`cache` where the model's class takes it, else `past_key_values`."""
+    return "cache" if takes_keyword(model, "cache") else "past_key_values"
 
 
 def forward_keeping(model, ids: torch.Tensor, keep: int, **kwargs):
     """`model(input_ids=ids, **kwargs)` keeping the logits of the last `keep` positions only (`logits_to_keep`)
-    where the model takes it; a model that does not returns its whole logits, for the caller to slice."""
-    try:
+    where the model's class takes it; a model that does not returns its whole logits, for the caller to slice."""
+    if takes_keyword(model, "logits_to_keep"):
         return model(input_ids=ids, logits_to_keep=keep, **kwargs)
-    except TypeError:
-        return model(input_ids=ids, **kwargs)
+    return model(input_ids=ids, **kwargs)
 
 
 def returned_cache(output):

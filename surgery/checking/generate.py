@@ -93,14 +93,20 @@ def greedy(model, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
     return torch.stack(tokens, dim=1)
 
 
-def _by_length(prompts: list[Prompt], batch_size: int):
-    """Batches of prompt indices, every batch of one prompt length (so no padding is needed)."""
-    by_length: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_length.setdefault(len(p.ids), []).append(i)
-    for indices in by_length.values():
+def same_key_batches(keys: list, batch_size: int):
+    """Batches of indices into `keys`, every batch of one key (a prompt length: no padding needed), at most
+    `batch_size` long."""
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    for indices in groups.values():
         for start in range(0, len(indices), batch_size):
             yield indices[start:start + batch_size]
+
+
+def _by_length(prompts: list[Prompt], batch_size: int):
+    """Batches of prompt indices, every batch of one prompt length."""
+    return same_key_batches([len(p.ids) for p in prompts], batch_size)
 
 
 def continue_prompts(model, prompts: list[Prompt], new_tokens: int, batch_size: int, device: torch.device,

@@ -35,7 +35,7 @@ from ..errors import SurgeryError
 from ..progress import Progress
 from ..retrieval_tasks import Example, make_examples
 from ..runtime import forward_keeping
-from .generate import greedy
+from .generate import greedy, same_key_batches
 from .retrieval_spec import (EXTRA_TOKENS, METRICS, check_length, default_lengths, parse_lengths,
                              parse_retrieval_tasks, resolve_lengths)
 
@@ -157,10 +157,8 @@ def _string_match(model, examples: list[Example], rows: list[dict], plan: Retrie
     """RULER's string_match_all on each example's greedy continuation: `score` becomes the share of its items whose
     text stands in it, the teacher-forced score moves to `exact`, and `said` keeps the continuation's text."""
     tok = plan.tokenizer
-    groups: dict[int, list[int]] = {}
-    for i, e in enumerate(examples):  # equally long prompts generate together (no padding)
-        groups.setdefault(e.answer_start, []).append(i)
-    for start, members in groups.items():
+    for members in same_key_batches([e.answer_start for e in examples], len(examples)):  # one prompt length each
+        start = examples[members[0]].answer_start
         k = max(examples[i].length - start for i in members)
         new = k + EXTRA_TOKENS if plan.context is None else max(k, min(k + EXTRA_TOKENS, plan.context - start))
         prompt = torch.tensor([examples[i].ids[:start] for i in members], device=device)

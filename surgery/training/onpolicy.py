@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import inspect
 import time
 from fractions import Fraction
 
 import torch
 
-from ..runtime import cache_keyword, returned_cache
+from ..runtime import cache_keyword, forward_keeping, returned_cache
 
 
 class OnPolicy:
@@ -94,14 +93,13 @@ def generate(model, prompt: torch.Tensor, new_tokens: int, temperature: float = 
     that returns none reads the whole sequence at each token): the
     argmax at temperature 0 (what `model.generate(do_sample=False)` writes, without stopping at end-of-text), else a
     sample of softmax(logits / temperature) drawn from `generator`."""
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
-    out = model(input_ids=prompt, use_cache=True, **keep)
+    out = forward_keeping(model, prompt, 1, use_cache=True)
     cache, keyword = returned_cache(out), cache_keyword(model)
     token = pick(out.logits[:, -1], temperature, generator)
     tokens = [token]
     for _ in range(new_tokens - 1):
         if cache is None:  # a model that keeps no KV cache: the next token from the whole sequence so far
-            out = model(input_ids=torch.cat([prompt, torch.stack(tokens, dim=1)], dim=1), use_cache=False, **keep)
+            out = forward_keeping(model, torch.cat([prompt, torch.stack(tokens, dim=1)], dim=1), 1, use_cache=False)
         else:
             out = model(input_ids=token[:, None], use_cache=True, **{keyword: cache})
             cache = returned_cache(out)
