@@ -39,10 +39,11 @@ class RetrievalMix:
     """The retrieval examples of a run with fraction `fraction`, `seed` and windows of `seq_len` tokens."""
 
     def __init__(self, fraction: float, seed: int, tokenizer, seq_len: int, flag: str = "--retrieval-mix",
-                 length_flag: str = "--seq-len"):
+                 length_flag: str = "--seq-len", answer_weight: float = 1.0):
         if not (math.isfinite(fraction) and 0 <= fraction <= 1):
             raise SurgeryError(f"{flag} must lie in [0, 1], got {fraction}")
         self.fraction, self.seed, self.tokenizer, self.seq_len = fraction, seed, tokenizer, seq_len
+        self.answer_weight = answer_weight  # how much each position predicting an answer token counts in a loss
         self.flag, self.length_flag = flag, length_flag  # how the errors name the option and the window length
         self.offset = _rng(seed).random()
 
@@ -51,7 +52,7 @@ class RetrievalMix:
         """The mix of a run's options `o` (UptrainOptions), its windows checked long enough; None when it is off."""
         if not o.retrieval_mix:
             return None
-        mix = cls(o.retrieval_mix, o.seed, tokenizer, o.seq_len)
+        mix = cls(o.retrieval_mix, o.seed, tokenizer, o.seq_len, answer_weight=o.retrieval_answer_weight)
         mix.check_length()
         return mix
 
@@ -91,22 +92,45 @@ class RetrievalMix:
     def apply(self, windows: torch.Tensor, first: int) -> torch.Tensor:
         """`windows` [n, seq_len], the run's windows first .. first+n-1, with the chosen ones replaced by their
         examples (a new tensor when any is; same dtype)."""
-        picked = [i for i in range(windows.shape[0]) if self.chosen(first + i)]
+        return self.replace(windows, first)[0]
+
+    def replace(self, windows: torch.Tensor, first: int) -> tuple[torch.Tensor, dict[int, Example]]:
+        """`apply`'s windows, and the examples that replaced them by row."""
+        picked = {i: self.example(first + i, windows[i].tolist())
+                  for i in range(windows.shape[0]) if self.chosen(first + i)}
         if not picked:
-            return windows
+            return windows, picked
         out = windows.clone()
-        for i in picked:
-            out[i] = torch.tensor(self.example(first + i, windows[i].tolist()).ids, dtype=windows.dtype)
-        return out
+        for i, example in picked.items():
+            out[i] = torch.tensor(example.ids, dtype=windows.dtype)
+        return out, picked
+
+    def weighted(self, windows: torch.Tensor, first: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`apply`'s windows and the losses' position weights [n, seq_len]: `answer_weight` at the positions that
+        predict a retrieval example's answer (`answer_positions`), 1 elsewhere; None when every weight is 1."""
+        out, picked = self.replace(windows, first)
+        if self.answer_weight == 1 or not picked:
+            return out, None
+        weights = torch.ones(windows.shape, dtype=torch.float32)
+        for i, example in picked.items():
+            weights[i, answer_positions(example)] = self.answer_weight
+        return out, weights
 
     def record(self, windows: int) -> dict:
         """What surgery.json records of the mix, for a run of `windows` windows."""
-        return {"fraction": self.fraction, "tasks": list(TASKS), "windows": self.count(windows), "of": windows}
+        return ({"fraction": self.fraction, "tasks": list(TASKS), "windows": self.count(windows), "of": windows}
+                | ({"answer_weight": self.answer_weight} if self.answer_weight != 1 else {}))
 
 
 def mixed(mix: RetrievalMix | None, windows: torch.Tensor, first: int) -> torch.Tensor:
     """`windows` (the run's windows first ..) with the retrieval examples of `mix` in (unchanged without one)."""
     return windows if mix is None else mix.apply(windows, first)
+
+
+def mixed_weighted(mix: RetrievalMix | None, windows: torch.Tensor, first: int
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`mixed`'s windows and their position weights (RetrievalMix.weighted; None without a mix or weights)."""
+    return (windows, None) if mix is None else mix.weighted(windows, first)
 
 
 def _occurrences(ids: list[int], seq: list[int], end: int) -> list[int]:

@@ -44,7 +44,7 @@ from .progress import Progress
 from .recipe_data import check_stream, setup_data, warn_rereading
 from .recipe_setup import (Data, Heads, Inputs, Models, Run, Training, read_inputs, setup_environment, setup_heads,
                            setup_models, setup_run, setup_training)
-from .retrieval_mix import mixed
+from .retrieval_mix import mixed, mixed_weighted
 from .state import Checkpoints
 from .trackers import TB_DIR, finish_trackers
 
@@ -220,7 +220,8 @@ class UptrainRecipe:
             group["lr"] = group_lr(group, step, o)
         batch = self.data.windows.step_batch(o.align_steps + step, o.sequences_per_step, acc.process_index, world)
         share = o.sequences_per_step // world  # this process's windows of the step, in the run's global order
-        batch = mixed(models.mix, batch, (o.align_steps + step) * o.sequences_per_step + acc.process_index * share)
+        batch, positions = mixed_weighted(models.mix, batch,
+                                          (o.align_steps + step) * o.sequences_per_step + acc.process_index * share)
         masks, weights = self._step_masks(step)
         if models.store is not None:  # the stored teacher pass of these windows, taken by the micro-steps in turn
             from .stored_kd import first_window
@@ -235,6 +236,8 @@ class UptrainRecipe:
             mask = masks[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device) if masks is not None else None
             weight = weights[m] if weights is not None else None
             generated = None
+            if positions is not None:  # --retrieval-answer-weight: the answers' positions count more
+                generated = {"position_weights": positions[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device)}
             if on_policy is not None and on_policy.generates(step * accum + m):
                 g = on_policy.generator(step, m, acc.process_index, acc.device)
                 ids, generated, seconds = on_policy.rollout(generating_model(acc.unwrap_model(models.model)), ids, g,
@@ -283,8 +286,8 @@ class UptrainRecipe:
                     mask: torch.Tensor | None = None, generated: dict | None = None) -> tuple[torch.Tensor, dict]:
         """Forward and backward of one micro-batch (gradients synchronised on the step's last one only), its loss
         scaled by `weight` (default 1 / accumulation steps); returns its detached loss and loss parts (unscaled).
-        `mask`: the tokens the losses count (--loss-on assistant). `generated`: the loss masks of a micro-batch the
-        student wrote (onpolicy.py)."""
+        `mask`: the tokens the losses count (--loss-on assistant). `generated`: the objective's other weights: the
+        loss masks of a micro-batch the student wrote (onpolicy.py), or the position weights of --retrieval-answer-weight."""
         acc, model, teacher = self.run.acc, self.models.model, self.models.teacher
         objective, heads = self.inputs.objective, self.heads
         sync = contextlib.nullcontext() if last else acc.no_sync(model)

@@ -46,12 +46,14 @@ def identity(x: torch.Tensor) -> torch.Tensor:
 
 
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = identity,
-            mask: torch.Tensor | None = None, ignore: torch.Tensor | None = None) -> torch.Tensor:
+            mask: torch.Tensor | None = None, ignore: torch.Tensor | None = None,
+            weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy of logits [B, T, V] for ids [B, T] (T-1 targets per sequence), in chunks of
     positions. The targets are shifted (the last position ignored) rather than the logits sliced, which would copy them.
     `project`: given the final hidden states [B, T, H] instead of logits, the output projection (surgery/training/heads.py).
     `mask` [B, T] (--loss-on assistant): only targets whose token is marked count. `ignore` [B, T]: positions whose
-    target is not counted (the student's own generated tokens, onpolicy.py)."""
+    target is not counted (the student's own generated tokens, onpolicy.py). `weights` [B, T]: how much each
+    position's term counts in the sum (--retrieval-answer-weight), the mean still over the counted targets."""
     targets = F.pad(ids[:, 1:] if mask is None else ids[:, 1:].masked_fill(~mask[:, 1:], -100), (0, 1), value=-100)
     if ignore is not None:
         targets = targets.masked_fill(ignore, -100)
@@ -60,6 +62,11 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = ident
 
     def nll_sum(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(project(x).float(), t, ignore_index=-100, reduction="sum")
+
+    def weighted_sum(x: torch.Tensor, t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (F.cross_entropy(project(x).float(), t, ignore_index=-100, reduction="none") * w).sum()
+    if weights is not None:
+        return _chunked_sum(weighted_sum, logits.flatten(0, 1), targets, weights.flatten().float()) / counted
     return _chunked_sum(nll_sum, logits.flatten(0, 1), targets) / counted
 
 
@@ -141,15 +148,18 @@ class Objective:
                  project: Projection = identity, project_teacher: Projection = identity,
                  states: tuple[torch.Tensor, ...] | None = None, teacher_states: tuple[torch.Tensor, ...] | None = None,
                  mask: torch.Tensor | None = None, kd_weights: torch.Tensor | None = None,
-                 lm_ignore: torch.Tensor | None = None):
+                 lm_ignore: torch.Tensor | None = None, position_weights: torch.Tensor | None = None):
         """(loss, parts): the loss to minimise and its terms, detached, for logging. `project` / `project_teacher`:
         the output projections when `logits` / `teacher_logits` are final hidden states (see `lm_loss`).
         `states` / `teacher_states`: both models' hidden states, for the hidden-state term (over every position).
         `mask` (--loss-on assistant): the LM and KD terms count only the marked tokens' predictions. `kd_weights` /
-        `lm_ignore`: the positions a micro-batch with generated sequences counts (surgery/training/onpolicy.py)."""
+        `lm_ignore`: the positions a micro-batch with generated sequences counts (surgery/training/onpolicy.py).
+        `position_weights` [B, T]: how much each position counts in the LM and KD means (--retrieval-answer-weight)."""
         parts: dict[str, torch.Tensor] = {}
+        if position_weights is not None:
+            kd_weights = position_weights / position_weights.numel()  # the mean over positions, weighted
         if self.kind in ("lm", "mix"):
-            parts["lm"] = lm_loss(logits, ids, project, mask=mask, ignore=lm_ignore)
+            parts["lm"] = lm_loss(logits, ids, project, mask=mask, ignore=lm_ignore, weights=position_weights)
         if self.kind in ("kd", "mix"):
             parts["kd"] = kd_loss(logits, teacher_logits, self.temperature, project, project_teacher,
                                   self.divergence, mask=mask, beta=self.beta, weights=kd_weights)

@@ -34,12 +34,12 @@ TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_to
                    "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
                    "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data", "data_weights",
                    "data_mode", "txt_unit", "chat_template", "loss_on", "teacher_logprobs", "retrieval_mix",
-                   "new_lr", "skip_tokens")
+                   "retrieval_answer_weight", "new_lr", "skip_tokens")
 # Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
 # (TRAJECTORY_DEFAULTS, below the options).
 LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode", "txt_unit",
                          "chat_template", "loss_on", "teacher_logprobs", "kd_beta", "on_policy", "gen_tokens",
-                         "gen_temperature", "retrieval_mix", "new_lr", "skip_tokens")
+                         "gen_temperature", "retrieval_mix", "new_lr", "skip_tokens", "retrieval_answer_weight")
 # --data-epochs is not among them: it changes nothing before a source runs dry, so a run stopped by a dry source
 # resumes with a higher one.
 PACKED_TOKENS = 1 << 22  # --data-mode auto: runs of at most this many training tokens (16 MiB of windows) are packed
@@ -146,6 +146,11 @@ class UptrainArgs(PrecisionOptions):
         "the window's own text (passkey, single- and multi-key needles, variable tracking: needles hidden in it, the "
         "question and the answer at its end), chosen by --seed and the window's place, so `surgery teacher` sees the "
         "same windows. 0: off.", metavar="P")
+    retrieval_answer_weight: float = option(
+        1.0, "--retrieval-answer-weight", "[--retrieval-mix] How much each position that predicts a retrieval "
+        "example's answer counts in the losses (LM, KD, stored KD), against 1 for every other position: an example's "
+        "answer is a few tokens of a window of --seq-len, so its retrieval signal is that small a share of the loss "
+        "unless weighted.", metavar="K")
     hidden_weight: float = option(0.0, "--hidden-weight", "Add this weight times every layer's hidden-state cosine "
                                   "distance to the teacher's (same depth and width) to the loss; 0: off.")
     train: Literal[TRAIN] = option(
@@ -256,7 +261,7 @@ def check_rules(o, s) -> None:
         if getattr(o, name) < 1:
             raise ValueError(f"{s.flag(name)} must be at least 1, got {getattr(o, name)}")
     for name in ("lr", "weight_decay", "max_grad_norm", "temperature", "kd_weight", "hidden_weight", "min_lr_ratio",
-                 "progress_every", "kd_beta", "on_policy", "gen_temperature", "retrieval_mix"):
+                 "progress_every", "kd_beta", "on_policy", "gen_temperature", "retrieval_mix", "retrieval_answer_weight"):
         if not math.isfinite(getattr(o, name)):
             raise ValueError(f"{s.flag(name)} must be a finite number, got {getattr(o, name)}")
     for name in ("eval_tokens", "skip_tokens", "eval_every", "save_every", "weight_decay", "max_grad_norm", "hidden_weight"):
@@ -369,6 +374,13 @@ def check_retrieval_mix_rules(o, s) -> None:
     if o.retrieval_mix and o.on_policy:
         raise ValueError(f"{flag}: the student would write over a retrieval example's question and answer: not "
                          f"with {s.flag('on_policy')}")
+    weight = s.flag("retrieval_answer_weight")
+    if not o.retrieval_answer_weight > 0:
+        raise ValueError(f"{weight} must be positive, got {o.retrieval_answer_weight}")
+    if o.retrieval_answer_weight != 1 and not o.retrieval_mix:
+        raise ValueError(f"{weight} weighs the answers of {flag}'s examples: it needs {flag} above 0")
+    if o.retrieval_answer_weight != 1 and stages_of(o.stage) == ("align",):
+        raise ValueError(f"{weight} weighs the end-to-end losses: {s.flag('stage')} align has none")
 
 
 def stages_of(stage: str) -> tuple[str, ...] | None:

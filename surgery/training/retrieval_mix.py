@@ -4,6 +4,6 @@ calibration's `--calib-retrieval-mix` builds the same ones; this module is what 
 
 from __future__ import annotations
 
-from ..retrieval_mix import DEPTHS, TASKS, RetrievalMix, mixed
+from ..retrieval_mix import DEPTHS, TASKS, RetrievalMix, mixed, mixed_weighted
 
-__all__ = ["DEPTHS", "TASKS", "RetrievalMix", "mixed"]
+__all__ = ["DEPTHS", "TASKS", "RetrievalMix", "mixed", "mixed_weighted"]

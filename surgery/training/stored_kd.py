@@ -45,22 +45,25 @@ def bucket_log_probs(student: torch.Tensor, ids: torch.Tensor, logprobs: torch.T
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """Σ a (log a - log b), a bucket of zero mass (log a = -inf) adding nothing (nor a NaN gradient)."""
+    """Σ a (log a - log b) over the buckets of each row [n], a bucket of zero mass (log a = -inf) adding nothing (nor
+    a NaN gradient)."""
     live = log_a > -math.inf
     safe_a = torch.where(live, log_a, torch.zeros_like(log_a))
     return torch.where(live, safe_a.exp() * (safe_a - torch.where(live, log_b, torch.zeros_like(log_b))),
-                       torch.zeros_like(log_a)).sum()
+                       torch.zeros_like(log_a)).sum(-1)
 
 
 def stored_kd_loss(student_logits: torch.Tensor, targets: StoredTargets, temperature: float = 1.0,
                    project: Projection = identity, divergence: str = "forward",
-                   mask: torch.Tensor | None = None, beta: float = 0.5) -> torch.Tensor:
+                   mask: torch.Tensor | None = None, beta: float = 0.5,
+                   weights: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over positions of T² · D over the K+1 buckets (module docstring); `student_logits` [B, L, V] (or hidden
     states with `project`), `targets` the stored pass of the same B windows. In chunks of positions, as kd_loss.
     `mask` [B, L] (--loss-on assistant): only the positions predicting a marked token count, as in kd_loss. `beta`:
-    jsd's (GKD's generalized JSD, surgery/training/divergence.py)."""
+    jsd's (GKD's generalized JSD, surgery/training/divergence.py). `weights` [B, L]: how much each position counts in
+    the mean (--retrieval-answer-weight)."""
 
-    def divergence_sum(s, ids, lp, tail):
+    def divergence_rows(s, ids, lp, tail):
         log_s, log_t = bucket_log_probs(s, ids, lp, tail, temperature, project)
         if divergence == "forward":
             return _kl(log_t, log_s)
@@ -73,6 +76,12 @@ def stored_kd_loss(student_logits: torch.Tensor, targets: StoredTargets, tempera
         log_m = torch.logaddexp(log_t + math.log(beta), log_s + math.log1p(-beta))
         return beta * _kl(log_t, log_m) + (1 - beta) * _kl(log_s, log_m)
 
+    def divergence_sum(s, ids, lp, tail):
+        return divergence_rows(s, ids, lp, tail).sum()
+
+    def weighted_sum(s, w, ids, lp, tail):
+        return (divergence_rows(s, ids, lp, tail) * w).sum()
+
     s = student_logits.flatten(0, 1)
     t = [targets.ids.flatten(0, 1), targets.logprobs.flatten(0, 1), targets.tail.flatten(0, 1)]
     if mask is not None:
@@ -80,7 +89,11 @@ def stored_kd_loss(student_logits: torch.Tensor, targets: StoredTargets, tempera
         if not keep.any():  # nothing to distill in this micro-batch: a zero that still reaches every parameter used
             return student_logits.sum() * 0.0
         s, t = s[keep], [x[keep] for x in t]
-    return _chunked_sum(divergence_sum, s, *t) / s.shape[0] * (temperature * temperature)
+    if weights is not None:
+        total = _chunked_sum(weighted_sum, s, weights.flatten().float(), *t)
+    else:
+        total = _chunked_sum(divergence_sum, s, *t)
+    return total / s.shape[0] * (temperature * temperature)
 
 
 @dataclass(frozen=True)
@@ -99,7 +112,8 @@ class StoredObjective(Objective):
             self.queued.append(targets[i:i + micro_batch])
 
     def __call__(self, logits, ids, teacher_logits=None, project: Projection = identity,
-                 project_teacher: Projection = identity, states=None, teacher_states=None, mask=None):
+                 project_teacher: Projection = identity, states=None, teacher_states=None, mask=None,
+                 position_weights=None):
         if not self.queued:
             raise RuntimeError("stored KD: no stored windows queued for this micro-batch")
         targets = self.queued.popleft()
@@ -111,8 +125,9 @@ class StoredObjective(Objective):
         if self.kind == "mix":
             from .losses import lm_loss
 
-            parts["lm"] = lm_loss(logits, ids, project, mask)
-        parts["kd"] = stored_kd_loss(logits, targets, self.temperature, project, self.divergence, mask, self.beta)
+            parts["lm"] = lm_loss(logits, ids, project, mask, weights=position_weights)
+        parts["kd"] = stored_kd_loss(logits, targets, self.temperature, project, self.divergence, mask, self.beta,
+                                     weights=position_weights)
         loss = parts["kd"] if self.kind == "kd" else self.kd_weight * parts["kd"] + (1 - self.kd_weight) * parts["lm"]
         return loss, {k: v.detach() for k, v in parts.items()}
 

@@ -125,3 +125,27 @@ def test_a_streamed_store_for_two_processes_holds_each_process_s_windows_in_step
     with pytest.raises(SurgeryError, match="processes x --data-workers: store 2, run 1"):
         open_for_run(one, student, tokenizer, world=1)
     assert open_for_run(one, student, tokenizer, world=2).windows == store.windows
+
+
+@pytest.mark.parametrize("divergence", ["forward", "reverse", "jsd"])
+def test_position_weights_count_each_position_so_many_times_in_every_loss(divergence):
+    """--retrieval-answer-weight's position weights: all ones are the plain means; a weight K at some positions adds
+    (K - 1) times those positions' terms (each loss is linear in the weights), in the LM, the live and the stored KD
+    terms alike, through the objective as the loop calls it."""
+    from surgery.training.losses import Objective, lm_loss
+
+    s, t = logits(2)
+    ids = torch.randint(0, 13, (2, 6), generator=torch.Generator().manual_seed(3))
+    stored = StoredTargets(*top_k_of(t, 4), torch.zeros(2))
+    ones = torch.ones(2, 6, dtype=torch.float64)
+    some = torch.zeros(2, 6, dtype=torch.float64)
+    some[0, 2], some[1, 4] = 1, 1  # two answer positions
+    losses = {"lm": lambda w: lm_loss(s, ids, weights=w),
+              "kd": lambda w: Objective("kd", divergence=divergence)(s, ids, t, position_weights=w)[0],
+              "stored": lambda w: stored_kd_loss(s, stored, divergence=divergence, weights=w)}
+    plain = {"lm": lm_loss(s, ids), "kd": kd_loss(s, t, divergence=divergence),
+             "stored": stored_kd_loss(s, stored, divergence=divergence)}
+    for name, loss in losses.items():
+        assert loss(ones).item() == pytest.approx(plain[name].item(), rel=1e-6)
+        assert loss(ones + 7 * some).item() == pytest.approx((loss(ones) + 7 * loss(some)).item(), rel=1e-6)
+        assert loss(some).item() > 0 and loss(ones + 7 * some).item() > plain[name].item()

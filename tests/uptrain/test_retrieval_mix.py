@@ -74,6 +74,16 @@ def test_a_retrieval_window_is_one_training_window_of_its_own_text_with_the_answ
     unchosen = next(g for g in range(100, 112) if not mix.chosen(g))
     one = windows[:1]
     assert mix.apply(one, first=unchosen) is one  # nothing chosen: the windows as they were
+    same, weights = mix.weighted(windows, first=100)
+    assert torch.equal(same, out) and weights is None  # weight 1: no weights
+    heavy = RetrievalMix(0.5, 3, tokenizer, SEQ, answer_weight=8.0)
+    same, weights = heavy.weighted(windows, first=100)
+    assert torch.equal(same, out) and weights.shape == windows.shape
+    for i in range(len(windows)):  # 8 at the positions predicting an answer token (answer_start - 1 .. SEQ - 2)
+        start = mix.example(100 + i, windows[i].tolist()).answer_start if i in chosen else SEQ
+        expected = torch.ones(SEQ)
+        expected[start - 1:SEQ - 1] = 8.0
+        assert torch.equal(weights[i], expected)
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +113,10 @@ def test_teacher_pass_and_uptrain_mix_the_same_windows_and_a_mismatch_is_refused
 
     assert torch.equal(load_file(store / manifest["shards"][0]["file"])["window_hash"], window_hash(mixed))
     # the run checks every window it trains on against the store's hash: it trains on exactly these
+    # (the answers weighted: the stored KD term with position weights; the weights change no window)
     rec = uptrain(UptrainOptions(model=str(student), out=tmp_path / "o", teacher_logprobs=str(store), data_mode=mode,
-                                 **RUN))
-    assert rec["retrieval_mix"] == {"fraction": 0.5, "tasks": list(TASKS), "windows": 2, "of": 4}
+                                 retrieval_answer_weight=16.0, **RUN))
+    assert rec["retrieval_mix"] == {"fraction": 0.5, "tasks": list(TASKS), "windows": 2, "of": 4, "answer_weight": 16.0}
     with pytest.raises(SurgeryError, match=r"other training windows \(--retrieval-mix: store 0.5, run 0.0\)"):
         uptrain(UptrainOptions(model=str(student), out=tmp_path / "o2", teacher_logprobs=str(store), data_mode=mode,
                                **(RUN | dict(retrieval_mix=0.0))))
@@ -118,6 +129,12 @@ def test_bad_mixes_are_refused_in_one_line(teacher, student, tokenizer, monkeypa
         assert "--retrieval-mix must" in uptrain_error(monkeypatch, capsys, *base, "--retrieval-mix", bad)
     assert "not with --loss-on assistant" in uptrain_error(monkeypatch, capsys, *base, "--loss-on", "assistant")
     assert "not with --on-policy" in uptrain_error(monkeypatch, capsys, *base, "--on-policy", "0.5")
+    assert "--retrieval-answer-weight must be positive" in uptrain_error(monkeypatch, capsys, *base,
+                                                                        "--retrieval-answer-weight", "0")
+    plain = [student, "--out", tmp_path / "o", "--teacher", teacher,
+             *cli_args({k: v for k, v in RUN.items() if k != "retrieval_mix"})]
+    assert "it needs --retrieval-mix above 0" in uptrain_error(monkeypatch, capsys, *plain,
+                                                               "--retrieval-answer-weight", "4")
     short = uptrain_error(monkeypatch, capsys, *base, "--seq-len", 64, "--batch-tokens", 512)
     assert "--retrieval-mix: --seq-len 64 is too short for" in short and "is enough" in short
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.run").exists()
