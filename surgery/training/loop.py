@@ -235,15 +235,17 @@ class UptrainRecipe:
             ids = batch[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device)
             mask = masks[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device) if masks is not None else None
             weight = weights[m] if weights is not None else None
-            generated = None
+            loss_weights = None  # the objective's position weights, if any
             if positions is not None:  # --retrieval-answer-weight: the answers' positions count more
-                generated = {"position_weights": positions[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device)}
+                rows = positions[m * o.micro_batch : (m + 1) * o.micro_batch]
+                loss_weights = {"position_weights": rows.to(acc.device)}
             if on_policy is not None and on_policy.generates(step * accum + m):
                 g = on_policy.generator(step, m, acc.process_index, acc.device)
-                ids, generated, seconds = on_policy.rollout(generating_model(acc.unwrap_model(models.model)), ids, g,
+                ids, loss_weights, seconds = on_policy.rollout(generating_model(acc.unwrap_model(models.model)), ids, g,
                                                             acc.autocast)
                 gen_seconds += seconds
-            loss, parts = self._micro_step(ids, last=m == accum - 1, weight=weight, mask=mask, generated=generated)
+            loss, parts = self._micro_step(ids, last=m == accum - 1, weight=weight, mask=mask,
+                                           loss_weights=loss_weights)
             loss_sum += loss / accum if weight is None else loss * weight
             for k, v in parts.items():
                 parts_sum[k] = parts_sum.get(k, 0) + (v / accum if weight is None else v * weight)
@@ -283,11 +285,11 @@ class UptrainRecipe:
         return masks, [c * world / total for c in counts]
 
     def _micro_step(self, ids: torch.Tensor, last: bool, weight: float | None = None,
-                    mask: torch.Tensor | None = None, generated: dict | None = None) -> tuple[torch.Tensor, dict]:
+                    mask: torch.Tensor | None = None, loss_weights: dict | None = None) -> tuple[torch.Tensor, dict]:
         """Forward and backward of one micro-batch (gradients synchronised on the step's last one only), its loss
         scaled by `weight` (default 1 / accumulation steps); returns its detached loss and loss parts (unscaled).
-        `mask`: the tokens the losses count (--loss-on assistant). `generated`: the objective's other weights: the
-        loss masks of a micro-batch the student wrote (onpolicy.py), or the position weights of --retrieval-answer-weight."""
+        `mask`: the tokens the losses count (--loss-on assistant). `loss_weights`: the objective's other weights: the
+        loss masks of a micro-batch the student wrote (onpolicy.py), or --retrieval-answer-weight's position weights."""
         acc, model, teacher = self.run.acc, self.models.model, self.models.teacher
         objective, heads = self.inputs.objective, self.heads
         sync = contextlib.nullcontext() if last else acc.no_sync(model)
@@ -303,7 +305,7 @@ class UptrainRecipe:
                 loss, parts = objective(out.logits, ids, t_out.logits if t_out is not None else None,
                                         *heads.projections, states=out.hidden_states if states else None,
                                         teacher_states=t_out.hidden_states if states else None,
-                                        mask=mask, **(generated or {}))
+                                        mask=mask, **(loss_weights or {}))
             acc.backward(loss / self.run.accum if weight is None else loss * weight)
         del out, t_out
         return loss.detach(), parts

@@ -261,7 +261,8 @@ def check_rules(o, s) -> None:
         if getattr(o, name) < 1:
             raise ValueError(f"{s.flag(name)} must be at least 1, got {getattr(o, name)}")
     for name in ("lr", "weight_decay", "max_grad_norm", "temperature", "kd_weight", "hidden_weight", "min_lr_ratio",
-                 "progress_every", "kd_beta", "on_policy", "gen_temperature", "retrieval_mix", "retrieval_answer_weight"):
+                 "progress_every", "kd_beta", "on_policy", "gen_temperature", "retrieval_mix",
+                 "retrieval_answer_weight"):
         if not math.isfinite(getattr(o, name)):
             raise ValueError(f"{s.flag(name)} must be a finite number, got {getattr(o, name)}")
     for name in ("eval_tokens", "skip_tokens", "eval_every", "save_every", "weight_decay", "max_grad_norm", "hidden_weight"):

@@ -181,14 +181,14 @@ def test_generated_tokens_are_what_the_step_trains_on(tiny, teacher, tmp_path, m
     seen = []
     original = UptrainRecipe._micro_step
 
-    def spy(self, ids, last, generated=None, **kw):
+    def spy(self, ids, last, loss_weights=None, **kw):
         student = self.run.acc.unwrap_model(self.models.model)
         was = student.training
         student.eval()
         greedy = generate(student, ids[:, :-16], 16)
         student.train(was)
-        seen.append((ids.clone(), greedy, generated))
-        return original(self, ids, last, generated=generated, **kw)
+        seen.append((ids.clone(), greedy, loss_weights))
+        return original(self, ids, last, loss_weights=loss_weights, **kw)
 
     monkeypatch.setattr(UptrainRecipe, "_micro_step", spy)
     rec = run(tiny, tmp_path / "o", loss="kd", teacher=str(teacher), tokens=512 * 2, on_policy=1.0, gen_tokens=16,
