@@ -3,7 +3,6 @@ continuation of a window's prompt, the teacher scores it, KD counts the generate
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from pathlib import Path
