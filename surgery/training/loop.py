@@ -235,7 +235,7 @@ class UptrainRecipe:
             ids = batch[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device)
             mask = masks[m * o.micro_batch : (m + 1) * o.micro_batch].to(acc.device) if masks is not None else None
             weight = weights[m] if weights is not None else None
-            loss_weights = None  # the objective's position weights, if any
+            loss_weights = None  # the objective's per-position masks or weights, if any
             if positions is not None:  # --retrieval-answer-weight: the answers' positions count more
                 rows = positions[m * o.micro_batch : (m + 1) * o.micro_batch]
                 loss_weights = {"position_weights": rows.to(acc.device)}

@@ -53,22 +53,28 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor, project: Projection = ident
     `project`: given the final hidden states [B, T, H] instead of logits, the output projection (surgery/training/heads.py).
     `mask` [B, T] (--loss-on assistant): only targets whose token is marked count. `ignore` [B, T]: positions whose
     target is not counted (the student's own generated tokens, onpolicy.py). `weights` [B, T]: how much each
-    position's term counts in the sum (--retrieval-answer-weight), the mean still over the counted targets."""
+    position's term counts (--retrieval-answer-weight): the sum of weight x term over the counted targets, divided by
+    their number (all ones: the plain mean), the convention of every loss here."""
     targets = F.pad(ids[:, 1:] if mask is None else ids[:, 1:].masked_fill(~mask[:, 1:], -100), (0, 1), value=-100)
     if ignore is not None:
         targets = targets.masked_fill(ignore, -100)
     targets = targets.flatten()
     counted = (targets != -100).sum().clamp(min=1)
 
-    def nll_sum(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(project(x).float(), t, ignore_index=-100, reduction="sum")
+    def nll(x: torch.Tensor, t: torch.Tensor, *w: torch.Tensor) -> torch.Tensor:
+        if not w:
+            return F.cross_entropy(project(x).float(), t, ignore_index=-100, reduction="sum")
+        return (F.cross_entropy(project(x).float(), t, ignore_index=-100, reduction="none") * w[0]).sum()
+    return _chunked_sum(nll, logits.flatten(0, 1), targets, *weight_args(weights)) / counted
 
-    def weighted_sum(x: torch.Tensor, t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return (F.cross_entropy(project(x).float(), t, ignore_index=-100, reduction="none") * w).sum()
-    if weights is not None:
-        return _chunked_sum(weighted_sum, logits.flatten(0, 1), targets, weights.flatten().float()) / counted
-    return _chunked_sum(nll_sum, logits.flatten(0, 1), targets) / counted
 
+def weight_args(weights: torch.Tensor | None, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """The losses' `weights` [B, T] as the extra argument of their chunk function: flattened (the kept positions
+    only), float32; none when there are none, so the unweighted path runs its summed kernel."""
+    if weights is None:
+        return ()
+    w = weights.flatten().float()
+    return (w if keep is None else w[keep],)
 
 
 def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
@@ -81,8 +87,7 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
     teacher's likeliest tokens, MiniLLM), or jsd, GKD's generalized Jensen-Shannon divergence with `beta`
     (0.5: the symmetric one, ½ KL(p_t ‖ m) + ½ KL(p_s ‖ m), m = ½ (p_t + p_s)). `project` / `project_teacher`: as
     for `lm_loss`, when hidden states are given instead of logits. `mask` [B, T] (--loss-on assistant): only the
-    positions predicting a marked token count. `weights` [B, T]: a weighted sum over positions instead of the mean
-    (on-policy distillation counts generated positions only: surgery/training/onpolicy.py)."""
+    positions predicting a marked token count. `weights` [B, T]: how much each position counts, as in `lm_loss`."""
     check_divergence(divergence, beta)
 
     def log_probs(s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,21 +96,19 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperat
             log_t = F.log_softmax(project_teacher(t).float() / temperature, dim=-1)
         return log_s, log_t
 
-    def summed(s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return divergence_sum(*log_probs(s, t), divergence, beta)
-
-    def weighted(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return (divergence_per_position(*log_probs(s, t), divergence, beta) * w).sum()
+    def term(s: torch.Tensor, t: torch.Tensor, *w: torch.Tensor) -> torch.Tensor:
+        if not w:
+            return divergence_sum(*log_probs(s, t), divergence, beta)
+        return (divergence_per_position(*log_probs(s, t), divergence, beta) * w[0]).sum()
 
     s, t = student_logits.flatten(0, 1), teacher_logits.flatten(0, 1)
+    keep = None
     if mask is not None:
         keep = F.pad(mask[:, 1:], (0, 1), value=False).flatten()
         if not keep.any():  # nothing to distill in this micro-batch: a zero that still reaches every parameter used
             return student_logits.sum() * 0.0
         s, t = s[keep], t[keep]
-    if weights is not None:
-        return _chunked_sum(weighted, s, t, weights.flatten().float()) * (temperature * temperature)
-    return _chunked_sum(summed, s, t) / s.shape[0] * (temperature * temperature)
+    return _chunked_sum(term, s, t, *weight_args(weights, keep)) / s.shape[0] * (temperature * temperature)
 
 
 def hidden_state_loss(student_states: tuple[torch.Tensor, ...], teacher_states: tuple[torch.Tensor, ...]
@@ -147,22 +150,22 @@ class Objective:
     def __call__(self, logits: torch.Tensor, ids: torch.Tensor, teacher_logits: torch.Tensor | None = None,
                  project: Projection = identity, project_teacher: Projection = identity,
                  states: tuple[torch.Tensor, ...] | None = None, teacher_states: tuple[torch.Tensor, ...] | None = None,
-                 mask: torch.Tensor | None = None, kd_weights: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None, kd_mask: torch.Tensor | None = None,
                  lm_ignore: torch.Tensor | None = None, position_weights: torch.Tensor | None = None):
         """(loss, parts): the loss to minimise and its terms, detached, for logging. `project` / `project_teacher`:
         the output projections when `logits` / `teacher_logits` are final hidden states (see `lm_loss`).
         `states` / `teacher_states`: both models' hidden states, for the hidden-state term (over every position).
-        `mask` (--loss-on assistant): the LM and KD terms count only the marked tokens' predictions. `kd_weights` /
-        `lm_ignore`: the positions a micro-batch with generated sequences counts (surgery/training/onpolicy.py).
+        `mask` (--loss-on assistant): the LM and KD terms count only the marked tokens' predictions. `kd_mask` /
+        `lm_ignore`: the tokens whose predictions the KD term counts / the positions the LM term leaves out, in a
+        micro-batch the student wrote the end of (surgery/training/onpolicy.py).
         `position_weights` [B, T]: how much each position counts in the LM and KD means (--retrieval-answer-weight)."""
         parts: dict[str, torch.Tensor] = {}
-        if position_weights is not None:
-            kd_weights = position_weights / position_weights.numel()  # the mean over positions, weighted
+        kd_mask = mask if kd_mask is None else (kd_mask if mask is None else mask & kd_mask)
         if self.kind in ("lm", "mix"):
             parts["lm"] = lm_loss(logits, ids, project, mask=mask, ignore=lm_ignore, weights=position_weights)
         if self.kind in ("kd", "mix"):
             parts["kd"] = kd_loss(logits, teacher_logits, self.temperature, project, project_teacher,
-                                  self.divergence, mask=mask, beta=self.beta, weights=kd_weights)
+                                  self.divergence, mask=kd_mask, beta=self.beta, weights=position_weights)
         if self.kind == "mix":
             loss = self.kd_weight * parts["kd"] + (1 - self.kd_weight) * parts["lm"]
         else:

@@ -57,7 +57,7 @@ class OnPolicy:
     def rollout(self, model, ids: torch.Tensor, generator: torch.Generator, autocast=contextlib.nullcontext
                 ) -> tuple[torch.Tensor, dict, float]:
         """(ids, masks, seconds): the windows `ids` [B, T] with their last gen_tokens tokens replaced by the student's
-        continuation of the rest; the loss masks (`Objective`'s kd_weights and lm_ignore); the seconds generating
+        continuation of the rest; the loss masks (`Objective`'s kd_mask and lm_ignore); the seconds generating
         took. `model`: the student itself (not a DDP wrapper), `autocast`: the run's autocast context."""
         batch, length = ids.shape
         prompt_len = length - self.gen_tokens
@@ -77,13 +77,12 @@ class OnPolicy:
 
 
 def masks(batch: int, length: int, prompt_len: int, device) -> dict:
-    """The loss masks of a micro-batch of generated continuations: kd_weights [B, T], 1 / (B x generated tokens) at
-    the positions whose next token was generated (prompt_len - 1 .. length - 2), 0 elsewhere, so the KD term is the
-    mean over those positions; lm_ignore [B, T], True at the same positions (their targets are the student's own)."""
-    generated = torch.zeros(batch, length, dtype=torch.bool, device=device)
-    generated[:, prompt_len - 1 : length - 1] = True
-    weights = generated.float() / (batch * (length - prompt_len))
-    return {"kd_weights": weights, "lm_ignore": generated}
+    """The loss masks of a micro-batch of generated continuations (`Objective`'s): kd_mask [B, T], True at the
+    generated tokens (prompt_len .. length - 1), so the KD term is the mean over the positions predicting them;
+    lm_ignore [B, T], True at those positions (prompt_len - 1 .. length - 2: their targets are the student's own)."""
+    tokens = torch.zeros(batch, length, dtype=torch.bool, device=device)
+    tokens[:, prompt_len:] = True
+    return {"kd_mask": tokens, "lm_ignore": torch.roll(tokens, -1, dims=1)}
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SurgeryError
-from .losses import Objective, Projection, _chunked_sum, identity
+from .losses import Objective, Projection, _chunked_sum, identity, weight_args
 from .teacher_store import StoredTargets, TeacherStore, spec_difference, tokenizer_identity, window_hash, windows_spec
 
 
@@ -60,8 +60,8 @@ def stored_kd_loss(student_logits: torch.Tensor, targets: StoredTargets, tempera
     """Mean over positions of T² · D over the K+1 buckets (module docstring); `student_logits` [B, L, V] (or hidden
     states with `project`), `targets` the stored pass of the same B windows. In chunks of positions, as kd_loss.
     `mask` [B, L] (--loss-on assistant): only the positions predicting a marked token count, as in kd_loss. `beta`:
-    jsd's (GKD's generalized JSD, surgery/training/divergence.py). `weights` [B, L]: how much each position counts in
-    the mean (--retrieval-answer-weight)."""
+    jsd's (GKD's generalized JSD, surgery/training/divergence.py). `weights` [B, L]: how much each position counts, as in
+    losses.lm_loss (--retrieval-answer-weight)."""
 
     def divergence_rows(s, ids, lp, tail):
         log_s, log_t = bucket_log_probs(s, ids, lp, tail, temperature, project)
@@ -76,24 +76,19 @@ def stored_kd_loss(student_logits: torch.Tensor, targets: StoredTargets, tempera
         log_m = torch.logaddexp(log_t + math.log(beta), log_s + math.log1p(-beta))
         return beta * _kl(log_t, log_m) + (1 - beta) * _kl(log_s, log_m)
 
-    def divergence_sum(s, ids, lp, tail):
-        return divergence_rows(s, ids, lp, tail).sum()
-
-    def weighted_sum(s, w, ids, lp, tail):
-        return (divergence_rows(s, ids, lp, tail) * w).sum()
+    def term(s, ids, lp, tail, *w):
+        rows = divergence_rows(s, ids, lp, tail)
+        return (rows * w[0]).sum() if w else rows.sum()
 
     s = student_logits.flatten(0, 1)
     t = [targets.ids.flatten(0, 1), targets.logprobs.flatten(0, 1), targets.tail.flatten(0, 1)]
+    keep = None
     if mask is not None:
         keep = torch.nn.functional.pad(mask[:, 1:], (0, 1), value=False).flatten()
         if not keep.any():  # nothing to distill in this micro-batch: a zero that still reaches every parameter used
             return student_logits.sum() * 0.0
         s, t = s[keep], [x[keep] for x in t]
-    if weights is not None:
-        total = _chunked_sum(weighted_sum, s, weights.flatten().float(), *t)
-    else:
-        total = _chunked_sum(divergence_sum, s, *t)
-    return total / s.shape[0] * (temperature * temperature)
+    return _chunked_sum(term, s, *t, *weight_args(weights, keep)) / s.shape[0] * (temperature * temperature)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from surgery.testing.pydoc_llama import FAST, make_model, metrics, weights
 from surgery.training import UptrainOptions, uptrain
 from surgery.training.divergence import divergence_per_position
 from surgery.training.loop import UptrainRecipe
-from surgery.training.losses import kd_loss
+from surgery.training.losses import Objective, kd_loss
 from surgery.training.onpolicy import OnPolicy, generate, masks
 
 
@@ -95,18 +95,19 @@ def test_jsd_at_half_is_symmetric_and_the_ends_approach_forward_and_reverse_kl()
 
 @pytest.mark.parametrize("divergence", ["forward", "reverse", "jsd"])
 def test_weighted_kd_counts_only_the_weighted_positions(divergence):
-    """`weights` [B, T]: the weighted sum of the per-position divergences; positions of weight 0 get no gradient."""
+    """`weights` [B, T]: the weighted sum of the per-position divergences over their number (ones: the mean);
+    positions of weight 0 get no gradient."""
     a, b = logits_pair(3)
     w = torch.zeros(a.shape[:2])
-    w[:, 12:19] = 1 / (2 * 7)
+    w[:, 12:19] = 3.0
     x = a.clone().requires_grad_()
     got = kd_loss(x, b, divergence=divergence, beta=0.3 if divergence == "jsd" else 0.5, weights=w)
     got.backward()
     per = divergence_per_position(F.log_softmax(a.flatten(0, 1), -1), F.log_softmax(b.flatten(0, 1), -1), divergence,
                                   0.3 if divergence == "jsd" else 0.5).view(2, -1)
-    assert got.item() == pytest.approx(per[:, 12:19].mean().item(), rel=1e-5)
+    assert got.item() == pytest.approx(3 * per[:, 12:19].sum().item() / per.numel(), rel=1e-5)
     assert x.grad[:, :12].abs().sum() == 0 and x.grad[:, 19:].abs().sum() == 0 and x.grad[:, 12:19].abs().sum() > 0
-    uniform = torch.full(a.shape[:2], 1 / a.shape[0] / a.shape[1])  # every position: the mean
+    uniform = torch.ones(a.shape[:2])  # every position once: the mean
     assert kd_loss(a, b, divergence=divergence, weights=uniform).item() == pytest.approx(
         kd_loss(a, b, divergence=divergence).item(), rel=1e-5)
 
@@ -168,7 +169,15 @@ def test_sampling_is_a_function_of_the_generator_and_the_schedule_is_exact(tiny)
 def test_masks_cover_the_positions_that_predict_generated_tokens():
     m = masks(2, 10, 6, "cpu")
     assert m["lm_ignore"].tolist() == [[False] * 5 + [True] * 4 + [False]] * 2
-    assert m["kd_weights"].sum().item() == pytest.approx(1.0) and (m["kd_weights"] > 0).equal(m["lm_ignore"])
+    assert m["kd_mask"].tolist() == [[False] * 6 + [True] * 4] * 2
+    # the KD term: the mean divergence over the positions predicting generated tokens, the LM term the other targets'
+    a, b = logits_pair(5)
+    ids = torch.randint(0, a.shape[-1], (2, 10), generator=torch.Generator().manual_seed(1))
+    loss, parts = Objective("mix", kd_weight=0.5)(a[:, :10], ids, b[:, :10], **m)
+    per = divergence_per_position(F.log_softmax(a[:, :10].flatten(0, 1), -1), F.log_softmax(b[:, :10].flatten(0, 1), -1))
+    assert parts["kd"].item() == pytest.approx(per.view(2, 10)[:, 5:9].mean().item(), rel=1e-5)
+    nll = F.cross_entropy(a[:, :9].flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view(2, 9)
+    assert parts["lm"].item() == pytest.approx(nll[:, :5].mean().item(), rel=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------- training
@@ -196,7 +205,7 @@ def test_generated_tokens_are_what_the_step_trains_on(tiny, teacher, tmp_path, m
     for ids, greedy, m in seen:
         assert torch.equal(ids[:, -16:], greedy)
         assert m["lm_ignore"][:, 47:63].all() and m["lm_ignore"].sum() == ids.shape[0] * 16
-        assert torch.equal(m["kd_weights"] > 0, m["lm_ignore"])
+        assert m["kd_mask"][:, -16:].all() and torch.equal(m["kd_mask"][:, 1:], m["lm_ignore"][:, :-1])
     rows = [r for r in metrics(tmp_path / "o") if "loss" in r]
     assert all(0 < r["gen_share"] < 1 and r["gen_s"] > 0 for r in rows)
     assert rec["on_policy"]["fraction"] == 1.0 and rec["on_policy"]["gen_tokens"] == 16
