@@ -10,7 +10,8 @@ Each choice is one `surgery convert smollm2 --to swa` (cached in WORK/CHOICE): `
 (`list:3,4,5`), or an existing checkpoint (`path:FOLDER`, e.g. a conversion after uptraining). Calibration reads pydoc (--calib-tokens); the haystacks are the --haystack text, which calibration
 never reads. Every model (the source once) scores the same examples (surgery/checking/retrieval.py: one
 teacher-forced pass each, the answers' logits only); accuracy per cell with its 95% Wilson interval, the answers'
-mean log-probability, and the KV cache at the longest length relative to the source's. Scores are cached in
+mean log-probability and its gap to the source's over the same examples (paired, 95% t), and the KV cache at the
+longest length relative to the source's. Scores are cached in
 WORK/scores-NAME.json by task and length: a rerun scores a model again only where its file lacks one of the plan's
 cells (60 examples a cell are not the 20 of another run), and keeps the file's other cells.
 
@@ -34,7 +35,7 @@ from pathlib import Path
 import torch
 
 from surgery.checking.retrieval import RetrievalPlan, score_retrieval
-from surgery.checking.retrieval_report import by_depth, wilson
+from surgery.checking.retrieval_report import by_depth, paired_gap, wilson
 from surgery.checkpoint.source import resolve_source
 from surgery.data import load_texts
 from surgery.retrieval_tasks import make_examples
@@ -94,14 +95,20 @@ def scores(name: str, folder, a, the_plan) -> list[dict]:
     return rows
 
 
-def cell(rows, task, n) -> str:
+def cell(rows, task, n, source=None) -> str:
+    """A model's hits in one cell with their interval, exact hits and mean answer log-probability; with `source`,
+    also the answers' log-probability minus the source's over the same examples, with its 95% t interval."""
     picked = [r for r in rows if r["task"] == task and r["length"] == n]
     hits = [r["score"] for r in picked]
     lo, hi = wilson(sum(hits), len(hits))
     lp = [r["logprob"] for r in picked if "logprob" in r]
     mean = f" ({sum(lp) / len(lp):.2f})" if lp else ""  # string rows cached by the bench's own metric carry none
     exact = f" exact {sum(r['exact'] for r in picked):.0f}" if all("exact" in r for r in picked) else ""
-    return f"{sum(hits):.0f}/{len(hits)} [{100 * lo:.0f}-{100 * hi:.0f}%]{exact}{mean}"
+    gap = ""
+    if source is not None and lp and len(lp) == len(picked):
+        pair = paired_gap([r for r in source if r["task"] == task and r["length"] == n], picked)
+        gap = f" {pair[0]:+.2f} [{pair[1]:+.2f}, {pair[2]:+.2f}]" if pair else ""
+    return f"{sum(hits):.0f}/{len(hits)} [{100 * lo:.0f}-{100 * hi:.0f}%]{exact}{mean}{gap}"
 
 
 def main() -> None:
@@ -138,12 +145,14 @@ def main() -> None:
     cache = (a.count + (30 - a.count) * a.window / max(a.lengths)) / 30
     print(f"\nsmollm2 -> swa W={a.window}, {a.count} global layers (KV cache at {max(a.lengths)}: {cache:.2f}x); "
           f"haystack {a.haystack} (held out); {a.samples} examples a cell; hits ({a.metric} match) [95% Wilson] "
-          f"(answer mean log-prob; string: also the same examples' exact hits)")
+          f"(answer mean log-prob; string: also the same examples' exact hits); after it, the answers' log-prob "
+          f"minus the source's over the same examples [95% t]")
     header = "| choice | global layers | " + " | ".join(f"{t} @ {n}" for t in a.tasks for n in a.lengths) + " |"
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for name, rows in results.items():
-        print(f"| {name} | {layers[name]} | " + " | ".join(cell(rows, t, n) for t in a.tasks for n in a.lengths)
+        source = None if name == "source" else results["source"]
+        print(f"| {name} | {layers[name]} | " + " | ".join(cell(rows, t, n, source) for t in a.tasks for n in a.lengths)
               + " |")
     print("\nhits by needle depth (thirds of the haystack; 0: its start, the farthest from the question)")
     for name, rows in results.items():

@@ -1,7 +1,9 @@
 """The report of `check --retrieval` (scored in surgery/checking/retrieval.py): accuracy per task and length for
 both models, with the counts behind it and a 95% Wilson score interval for each cell (`wilson`), printed as a table,
 written in --json (`retrieval`) and drawn by --plot; and the hits by needle depth (`by_depth`, thirds of the
-haystack) under it, which show where a converted model loses its needles.
+haystack) under it, which show where a converted model loses its needles; and the answers' log-probability gap,
+converted minus source over the same examples with a 95% Student t interval (`paired_gap`), which tells a converted
+model from its source where the hits are too few to (a weak source at long context, a short run).
 
 The interval's trials are the cell's examples (n = --retrieval-samples per task and length; the mean row pools the
 tasks' examples). A single-item task's example is a hit or a miss; a multi-item example (variable_tracking's five
@@ -23,6 +25,12 @@ SCORING = {"exact": "teacher-forced greedy exact match per answer item (every to
            "string": "RULER's string_match_all: an item's text anywhere in the greedy continuation of the answer's "
                      f"length + {EXTRA_TOKENS} tokens; exact_hits_*: the teacher-forced exact match of the same "
                      "examples"}
+GAP = ("the answers' mean log-probability per token, converted minus source, example by example (both models score the "
+       "same examples), averaged over the cell with its 95% Student t interval: more sensitive than the hits where "
+       "few examples or a weak source leave the counts small")
+# Student's t two-sided 95% quantiles for 1..30 degrees of freedom; beyond, the Cornish-Fisher expansion (error < 1e-4)
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 INTERVAL = ("95% Wilson score interval; trials: the cell's examples (a multi-item example counts the share of its "
             "items it retrieved as a fractional hit, which keeps the interval conservative)")
 
@@ -40,6 +48,35 @@ def wilson(hits: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def t975(dof: int) -> float:
+    """Student's t two-sided 95% quantile for `dof` degrees of freedom (at least 1)."""
+    if dof < 1:
+        raise ValueError(f"a t quantile needs at least one degree of freedom, got {dof}")
+    if dof <= len(T975):
+        return T975[dof - 1]
+    z = 1.959964
+    return (z + (z ** 3 + z) / (4 * dof) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * dof ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * dof ** 3))
+
+
+def paired_gap(source: list[dict], converted: list[dict]) -> tuple[float, float, float] | None:
+    """The mean of converted minus source answer log-probability over the same examples, and its 95% t interval
+    (mean, low, high); None for fewer than two examples. Rows pair by position and must be the same examples."""
+    if len(source) != len(converted):
+        raise ValueError(f"paired rows differ in number: {len(source)} source, {len(converted)} converted")
+    for s, c in zip(source, converted):
+        if (s["task"], s["length"], s["depth"]) != (c["task"], c["length"], c["depth"]):
+            raise ValueError(f"rows do not pair: {s['task']}@{s['length']} depth {s['depth']} against "
+                             f"{c['task']}@{c['length']} depth {c['depth']}")
+    if len(source) < 2:
+        return None
+    d = [c["logprob"] - s["logprob"] for s, c in zip(source, converted)]
+    mean = sum(d) / len(d)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1))
+    half = t975(len(d) - 1) * sd / math.sqrt(len(d))
+    return mean, mean - half, mean + half
+
+
 def _cell(rows: dict[str, list[dict]]) -> dict:
     """One cell's accuracy, counts, interval and mean answer log-probability for both models."""
     n = len(rows["source"])
@@ -52,6 +89,9 @@ def _cell(rows: dict[str, list[dict]]) -> dict:
                  f"logprob_{model}": sum(r["logprob"] for r in rows[model]) / n}
         if rows[model] and all("exact" in r for r in rows[model]):  # scored by string match: the exact hits beside
             cell[f"exact_hits_{model}"] = round(sum(r["exact"] for r in rows[model]), 6)
+    gap = paired_gap(rows["source"], rows["converted"])
+    if gap:
+        cell |= dict(zip(("logprob_gap", "logprob_gap_low", "logprob_gap_high"), gap))
     return cell
 
 
@@ -68,7 +108,7 @@ def compare_retrieval_scores(plan, source: list[dict], converted: list[dict]) ->
               "mean": {str(n): cell(None, n) for n in plan.lengths},
               "by_depth": {task: {str(n): by_depth(task, n, source, converted) for n in plan.lengths}
                            for task in plan.tasks},
-              "interval": INTERVAL, "metric": plan.metric, "scoring": SCORING[plan.metric]}
+              "interval": INTERVAL, "logprob_gap": GAP, "metric": plan.metric, "scoring": SCORING[plan.metric]}
     if plan.window:
         report |= {"window": plan.window, "lengths_in_windows": [round(n / plan.window, 3) for n in plan.lengths]}
     return report
@@ -103,6 +143,11 @@ def exact_text(cell: dict) -> str:
     return " / ".join(f"{cell[f'exact_hits_{m}']:g}/{cell['n']}" for m in MODELS)
 
 
+def gap_text(cell: dict) -> str:
+    """The paired answer log-probability gap, converted minus source, with its interval: '-0.46 [-0.58, -0.34]'."""
+    return f"{cell['logprob_gap']:+.2f} [{cell['logprob_gap_low']:+.2f}, {cell['logprob_gap_high']:+.2f}]"
+
+
 def metric_name(report: dict) -> str:
     """What scored the report's hits, in words (a report written before --retrieval-metric: the exact match)."""
     return METRICS[report.get("metric", "exact")]
@@ -131,6 +176,9 @@ def print_table(report: dict, console) -> None:
         table.add_row(name, *(cell_text(cells[str(n)]) for n in report["lengths"]))
         if all("exact_hits_source" in cells[str(n)] for n in report["lengths"]):
             table.add_row(f"  {name}, exact hits", *(exact_text(cells[str(n)]) for n in report["lengths"]))
+        if all("logprob_gap" in cells[str(n)] for n in report["lengths"]):
+            table.add_row(f"  {name}, answers' log-prob, converted - source (paired, 95% t)",
+                          *(gap_text(cells[str(n)]) for n in report["lengths"]))
     console.print(table)
     if report.get("by_depth"):
         print_depth_table(report, console)

@@ -9,7 +9,8 @@ import pytest
 
 from surgery.checking.retrieval import RetrievalPlan
 from surgery.checking.retrieval_spec import parse_lengths, resolve_lengths
-from surgery.checking.retrieval_report import cell_text, compare_retrieval_scores, plot, print_table, wilson
+from surgery.checking.retrieval_report import (cell_text, compare_retrieval_scores, paired_gap, plot, print_table,
+                                               t975, wilson)
 from surgery.errors import SurgeryError
 
 
@@ -101,3 +102,34 @@ def test_lengths_in_windows_resolve_against_the_window():
             parse_lengths(bad)
     with pytest.raises(SurgeryError, match="w is the converted model's sliding window, and m has no sliding window"):
         resolve_lengths(parse_lengths("512,2w"), None, "m has no sliding window")
+
+
+def test_t_quantiles_match_the_published_table_and_the_expansion_joins_it():
+    # Student (1908) / Fisher & Yates' table, two-sided 95%: 12.706 at 1, 2.093 at 19, 2.021 at 40, 1.984 at 100
+    assert (t975(1), t975(19)) == (12.706, 2.093)
+    assert t975(40) == pytest.approx(2.0211, abs=2e-4) and t975(100) == pytest.approx(1.9840, abs=2e-4)
+    assert t975(31) < t975(30) and abs(t975(31) - 2.0395) < 2e-4  # the expansion continues the table
+    with pytest.raises(ValueError):
+        t975(0)
+
+
+def test_the_paired_log_prob_gap_uses_the_same_examples_and_its_t_interval():
+    from rich.console import Console
+
+    source = _rows("niah_single", 2048, [1.0] * 4)
+    converted = [dict(r, logprob=r["logprob"] + d) for r, d in zip(source, (-0.2, -0.4, -0.6, -0.8))]
+    mean, low, high = paired_gap(source, converted)
+    half = 3.182 * (0.2581989 / 2)  # t at 3 dof times the differences' sd over sqrt(4)
+    assert (mean, low, high) == pytest.approx((-0.5, -0.5 - half, -0.5 + half), abs=1e-5)
+    assert paired_gap(source[:1], converted[:1]) is None  # one example has no spread
+    with pytest.raises(ValueError, match="rows do not pair"):
+        paired_gap(source, converted[::-1])
+    with pytest.raises(ValueError, match="differ in number"):
+        paired_gap(source, converted[:3])
+    report = compare_retrieval_scores(_plan(["niah_single"], [2048], 4, window=256), source, converted)
+    cell = report["accuracy"]["niah_single"]["2048"]
+    assert (cell["logprob_gap"], cell["logprob_gap_low"], cell["logprob_gap_high"]) == pytest.approx((mean, low, high))
+    assert report["mean"]["2048"]["logprob_gap"] == pytest.approx(-0.5) and "Student t" in report["logprob_gap"]
+    out = io.StringIO()
+    print_table(report, Console(file=out, width=240))
+    assert f"{mean:+.2f} [{low:+.2f}, {high:+.2f}]" in out.getvalue()
