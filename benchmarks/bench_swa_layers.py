@@ -152,8 +152,8 @@ def main() -> None:
     print("|" + "---|" * (header.count("|") - 1))
     for name, rows in results.items():
         source = None if name == "source" else results["source"]
-        print(f"| {name} | {layers[name]} | " + " | ".join(cell(rows, t, n, source) for t in a.tasks for n in a.lengths)
-              + " |")
+        cells = " | ".join(cell(rows, t, n, source) for t in a.tasks for n in a.lengths)
+        print(f"| {name} | {layers[name]} | {cells} |")
     print("\nhits by needle depth (thirds of the haystack; 0: its start, the farthest from the question)")
     for name, rows in results.items():
         print(f"  {name}: " + "; ".join(

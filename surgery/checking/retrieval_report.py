@@ -3,7 +3,7 @@ both models, with the counts behind it and a 95% Wilson score interval for each 
 written in --json (`retrieval`) and drawn by --plot; and the hits by needle depth (`by_depth`, thirds of the
 haystack) under it, which show where a converted model loses its needles; and the answers' log-probability gap,
 converted minus source over the same examples with a 95% Student t interval (`paired_gap`), which tells a converted
-model from its source where the hits are too few to (a weak source at long context, a short run).
+model from its source where the hits are too few to tell them apart (a weak source at long context, a short run).
 
 The interval's trials are the cell's examples (n = --retrieval-samples per task and length; the mean row pools the
 tasks' examples). A single-item task's example is a hit or a miss; a multi-item example (variable_tracking's five
@@ -59,13 +59,18 @@ def t975(dof: int) -> float:
             + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * dof ** 3))
 
 
+def same_example(a: dict, b: dict) -> bool:
+    """Whether two score rows are the same example (task, length and needle depth)."""
+    return (a["task"], a["length"], a["depth"]) == (b["task"], b["length"], b["depth"])
+
+
 def paired_gap(source: list[dict], converted: list[dict]) -> tuple[float, float, float] | None:
     """The mean of converted minus source answer log-probability over the same examples, and its 95% t interval
     (mean, low, high); None for fewer than two examples. Rows pair by position and must be the same examples."""
     if len(source) != len(converted):
         raise ValueError(f"paired rows differ in number: {len(source)} source, {len(converted)} converted")
     for s, c in zip(source, converted):
-        if (s["task"], s["length"], s["depth"]) != (c["task"], c["length"], c["depth"]):
+        if not same_example(s, c):
             raise ValueError(f"rows do not pair: {s['task']}@{s['length']} depth {s['depth']} against "
                              f"{c['task']}@{c['length']} depth {c['depth']}")
     if len(source) < 2:
@@ -89,7 +94,8 @@ def _cell(rows: dict[str, list[dict]]) -> dict:
                  f"logprob_{model}": sum(r["logprob"] for r in rows[model]) / n}
         if rows[model] and all("exact" in r for r in rows[model]):  # scored by string match: the exact hits beside
             cell[f"exact_hits_{model}"] = round(sum(r["exact"] for r in rows[model]), 6)
-    gap = paired_gap(rows["source"], rows["converted"])
+    paired = len(rows["source"]) == len(rows["converted"]) and all(map(same_example, rows["source"], rows["converted"]))
+    gap = paired_gap(rows["source"], rows["converted"]) if paired else None  # rows from elsewhere: no gap, no error
     if gap:
         cell |= dict(zip(("logprob_gap", "logprob_gap_low", "logprob_gap_high"), gap))
     return cell

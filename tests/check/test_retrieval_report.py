@@ -126,6 +126,8 @@ def test_the_paired_log_prob_gap_uses_the_same_examples_and_its_t_interval():
         paired_gap(source, converted[::-1])
     with pytest.raises(ValueError, match="differ in number"):
         paired_gap(source, converted[:3])
+    shuffled = compare_retrieval_scores(_plan(["niah_single"], [2048], 4), source, converted[::-1])
+    assert "logprob_gap" not in shuffled["accuracy"]["niah_single"]["2048"]  # rows that do not pair: no gap, no error
     report = compare_retrieval_scores(_plan(["niah_single"], [2048], 4, window=256), source, converted)
     cell = report["accuracy"]["niah_single"]["2048"]
     assert (cell["logprob_gap"], cell["logprob_gap_low"], cell["logprob_gap_high"]) == pytest.approx((mean, low, high))
