@@ -59,20 +59,23 @@ def t975(dof: int) -> float:
             + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * dof ** 3))
 
 
-def same_example(a: dict, b: dict) -> bool:
-    """Whether two score rows are the same example (task, length and needle depth)."""
-    return (a["task"], a["length"], a["depth"]) == (b["task"], b["length"], b["depth"])
+def unpaired(source: list[dict], converted: list[dict]) -> str | None:
+    """Why two lists of score rows are not the same examples in the same order (task, length, needle depth), or
+    None where they are."""
+    if len(source) != len(converted):
+        return f"paired rows differ in number: {len(source)} source, {len(converted)} converted"
+    for s, c in zip(source, converted):
+        if (s["task"], s["length"], s["depth"]) != (c["task"], c["length"], c["depth"]):
+            return (f"rows do not pair: {s['task']}@{s['length']} depth {s['depth']} against "
+                    f"{c['task']}@{c['length']} depth {c['depth']}")
+    return None
 
 
 def paired_gap(source: list[dict], converted: list[dict]) -> tuple[float, float, float] | None:
     """The mean of converted minus source answer log-probability over the same examples, and its 95% t interval
     (mean, low, high); None for fewer than two examples. Rows pair by position and must be the same examples."""
-    if len(source) != len(converted):
-        raise ValueError(f"paired rows differ in number: {len(source)} source, {len(converted)} converted")
-    for s, c in zip(source, converted):
-        if not same_example(s, c):
-            raise ValueError(f"rows do not pair: {s['task']}@{s['length']} depth {s['depth']} against "
-                             f"{c['task']}@{c['length']} depth {c['depth']}")
+    if why := unpaired(source, converted):
+        raise ValueError(why)
     if len(source) < 2:
         return None
     d = [c["logprob"] - s["logprob"] for s, c in zip(source, converted)]
@@ -94,8 +97,8 @@ def _cell(rows: dict[str, list[dict]]) -> dict:
                  f"logprob_{model}": sum(r["logprob"] for r in rows[model]) / n}
         if rows[model] and all("exact" in r for r in rows[model]):  # scored by string match: the exact hits beside
             cell[f"exact_hits_{model}"] = round(sum(r["exact"] for r in rows[model]), 6)
-    paired = len(rows["source"]) == len(rows["converted"]) and all(map(same_example, rows["source"], rows["converted"]))
-    gap = paired_gap(rows["source"], rows["converted"]) if paired else None  # rows from elsewhere: no gap, no error
+    gap = (None if unpaired(rows["source"], rows["converted"])  # rows from elsewhere: no gap, no error
+           else paired_gap(rows["source"], rows["converted"]))
     if gap:
         cell |= dict(zip(("logprob_gap", "logprob_gap_low", "logprob_gap_high"), gap))
     return cell
