@@ -105,8 +105,9 @@ def cell(rows, task, n, source=None) -> str:
     mean = f" ({sum(lp) / len(lp):.2f})" if lp else ""  # string rows cached by the bench's own metric carry none
     exact = f" exact {sum(r['exact'] for r in picked):.0f}" if all("exact" in r for r in picked) else ""
     gap = ""
-    if source is not None and lp and len(lp) == len(picked):
-        pair = paired_gap([r for r in source if r["task"] == task and r["length"] == n], picked)
+    theirs = [r for r in source if r["task"] == task and r["length"] == n] if source is not None else []
+    if theirs and all("logprob" in r for r in theirs + picked):  # string rows of older runs carry none
+        pair = paired_gap(theirs, picked)
         gap = f" {pair[0]:+.2f} [{pair[1]:+.2f}, {pair[2]:+.2f}]" if pair else ""
     return f"{sum(hits):.0f}/{len(hits)} [{100 * lo:.0f}-{100 * hi:.0f}%]{exact}{mean}{gap}"
 
