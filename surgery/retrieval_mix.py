@@ -6,6 +6,10 @@ variable tracking: surgery/retrieval_tasks.py) built from the window's own text,
 One window, one example. The window's tokens are the haystack and the window length the example's length: the
 needles go in at sentence boundaries of its first tokens, and its end is replaced by the question and the answer
 (`make_examples(task, tokenizer, seq_len, DEPTHS, seed, haystack_tokens=window)`, one of its DEPTHS needle depths).
+With `questions` K > 1 (uptrain's `--retrieval-questions`) the window holds K examples in one haystack
+(`make_packed`, RULER's multi-query needles over every task): each its own task and needle depth, the K questions and
+answers in turn at its end. A long window costs the same forward pass whatever it holds, and a single answer is a
+few of its tokens: K answers a window give the run K times the retrieval examples at the distances it trains at.
 
 Which windows. Window g of the run's global order (training: g = (align steps + step) * B + rank * B/W + i, as a
 stored teacher pass numbers them, surgery/training/stored_kd.py; calibration: the window's index) is an example when floor((g + 1) P + u) > floor(g P + u), u in
@@ -24,7 +28,7 @@ import random
 import torch
 
 from .errors import SurgeryError
-from .retrieval_tasks import Example, make_examples
+from .retrieval_tasks import Example, Packed, make_examples, make_packed
 
 TASKS = ("passkey", "niah_single", "niah_multikey", "variable_tracking")
 DEPTHS = 8  # needle depths an example may take: (j + 0.5) / DEPTHS of the haystack
@@ -39,10 +43,13 @@ class RetrievalMix:
     """The retrieval examples of a run with fraction `fraction`, `seed` and windows of `seq_len` tokens."""
 
     def __init__(self, fraction: float, seed: int, tokenizer, seq_len: int, flag: str = "--retrieval-mix",
-                 length_flag: str = "--seq-len", answer_weight: float = 1.0):
+                 length_flag: str = "--seq-len", answer_weight: float = 1.0, questions: int = 1):
         if not (math.isfinite(fraction) and 0 <= fraction <= 1):
             raise SurgeryError(f"{flag} must lie in [0, 1], got {fraction}")
+        if questions < 1:
+            raise SurgeryError(f"--retrieval-questions must be at least 1, got {questions}")
         self.fraction, self.seed, self.tokenizer, self.seq_len = fraction, seed, tokenizer, seq_len
+        self.questions = questions  # examples (questions) in each retrieval window
         self.answer_weight = answer_weight  # how much each position predicting an answer token counts in a loss
         self.flag, self.length_flag = flag, length_flag  # how the errors name the option and the window length
         self.offset = _rng(seed).random()
@@ -52,25 +59,42 @@ class RetrievalMix:
         """The mix of a run's options `o` (UptrainOptions), its windows checked long enough; None when it is off."""
         if not o.retrieval_mix:
             return None
-        mix = cls(o.retrieval_mix, o.seed, tokenizer, o.seq_len, answer_weight=o.retrieval_answer_weight)
+        mix = cls(o.retrieval_mix, o.seed, tokenizer, o.seq_len, answer_weight=o.retrieval_answer_weight,
+                  questions=o.retrieval_questions)
         mix.check_length()
         return mix
 
     def check_length(self) -> None:
-        """Every task's instruction, needles, question and answer take at most half a window (the rest of it is the
-        haystack, and an example's own numbers and names, which vary, still fit): else one line, before the model
-        loads."""
-        for task in TASKS:
-            if not self._fits(task, self.seq_len // 2):
-                enough = next((n for n in (self.seq_len * 2 ** k for k in range(1, 8)) if self._fits(task, n // 2)),
+        """Every task's instruction, needles, question and answer (with `questions` K > 1: K of them, of any tasks)
+        take at most half a window (the rest of it is the haystack, and an example's own numbers and names, which
+        vary, still fit): else one line, before the model loads."""
+        for asked in self._widest():
+            if not self._fits(asked, self.seq_len // 2):
+                enough = next((n for n in (self.seq_len * 2 ** k for k in range(1, 8)) if self._fits(asked, n // 2)),
                               None)
-                raise SurgeryError(f"{self.flag}: {self.length_flag} {self.seq_len} is too short for {task} examples "
-                                   f"(their question and needles must fit in half a window)"
+                what = (f"{asked[0]} examples" if self.questions == 1 else
+                        f"{self.questions} questions a window (--retrieval-questions), as {', '.join(asked)}")
+                raise SurgeryError(f"{self.flag}: {self.length_flag} {self.seq_len} is too short for {what} (their "
+                                   f"questions and needles must fit in half a window)"
                                    + (f"; {self.length_flag} {enough} is enough" if enough else ""))
 
-    def _fits(self, task: str, length: int) -> bool:
+    def _widest(self) -> list[list[str]]:
+        """The task lists whose fit check_length checks: each task alone, or for K questions K of each task (the pass
+        key once, the others after it) and the four tasks in turn."""
+        k = self.questions
+        if k == 1:
+            return [[task] for task in TASKS]
+        others = [t for t in TASKS if t != "passkey"]
+        return ([[t] * k for t in others] + [["passkey"] + [t] * (k - 1) for t in others]
+                + [["passkey"] + [others[i % len(others)] for i in range(k - 1)]])
+
+    def _fits(self, tasks: list[str], length: int) -> bool:
         try:
-            make_examples(task, self.tokenizer, length, 2, seed=self.seed)
+            if len(tasks) == 1:
+                make_examples(tasks[0], self.tokenizer, length, 2, seed=self.seed)
+            else:
+                make_packed(self.tokenizer, length, [(t, (i + 0.5) / len(tasks)) for i, t in enumerate(tasks)],
+                            seed=self.seed)
         except SurgeryError:
             return False
         return True
@@ -83,18 +107,25 @@ class RetrievalMix:
         """Whether window `g` of the run's order is a retrieval example."""
         return self.count(g + 1) > self.count(g)
 
-    def example(self, g: int, window: list[int]) -> Example:
-        """Window `g`'s retrieval example (surgery.retrieval_tasks.Example), `window` its haystack."""
+    def example(self, g: int, window: list[int]) -> Example | Packed:
+        """Window `g`'s retrieval example (surgery.retrieval_tasks.Example; with `questions` > 1 a Packed one of that
+        many, each its own task and depth, the pass key at most once), `window` its haystack."""
         rng = _rng(self.seed, g)
-        task, depth, seed = rng.choice(TASKS), rng.randrange(DEPTHS), rng.randrange(1 << 62)
-        return make_examples(task, self.tokenizer, self.seq_len, DEPTHS, seed=seed, haystack_tokens=window)[depth]
+        if self.questions == 1:
+            task, depth, seed = rng.choice(TASKS), rng.randrange(DEPTHS), rng.randrange(1 << 62)
+            return make_examples(task, self.tokenizer, self.seq_len, DEPTHS, seed=seed, haystack_tokens=window)[depth]
+        asked: list[tuple[str, float]] = []
+        for _ in range(self.questions):
+            task = rng.choice([t for t in TASKS if t != "passkey" or all(a != "passkey" for a, _ in asked)])
+            asked.append((task, (rng.randrange(DEPTHS) + 0.5) / DEPTHS))
+        return make_packed(self.tokenizer, self.seq_len, asked, seed=rng.randrange(1 << 62), haystack_tokens=window)
 
     def apply(self, windows: torch.Tensor, first: int) -> torch.Tensor:
         """`windows` [n, seq_len], the run's windows first .. first+n-1, with the chosen ones replaced by their
         examples (a new tensor when any is; same dtype)."""
         return self.replace(windows, first)[0]
 
-    def replace(self, windows: torch.Tensor, first: int) -> tuple[torch.Tensor, dict[int, Example]]:
+    def replace(self, windows: torch.Tensor, first: int) -> tuple[torch.Tensor, dict[int, Example | Packed]]:
         """`apply`'s windows, and the examples that replaced them by row."""
         picked = {i: self.example(first + i, windows[i].tolist())
                   for i in range(windows.shape[0]) if self.chosen(first + i)}
@@ -119,6 +150,7 @@ class RetrievalMix:
     def record(self, windows: int) -> dict:
         """What surgery.json records of the mix, for a run of `windows` windows."""
         return ({"fraction": self.fraction, "tasks": list(TASKS), "windows": self.count(windows), "of": windows}
+                | ({"questions": self.questions} if self.questions != 1 else {})
                 | ({"answer_weight": self.answer_weight} if self.answer_weight != 1 else {}))
 
 
@@ -139,8 +171,11 @@ def _occurrences(ids: list[int], seq: list[int], end: int) -> list[int]:
     return [i for i in range(end - n + 1) if ids[i:i + n] == seq] if n else []
 
 
-def answer_positions(example: Example) -> list[int]:
-    """The positions whose next token is one of the answer's: the positions that predict the answer."""
+def answer_positions(example: Example | Packed) -> list[int]:
+    """The positions whose next token is one of the answer's (a packed example's: any of its answers'): the positions
+    that predict the answer."""
+    if isinstance(example, Packed):
+        return [p for start, end in example.answers for p in range(start - 1, end - 1)]
     return list(range(example.answer_start - 1, example.length - 1))
 
 

@@ -47,6 +47,7 @@ class Parts:
     needles: list[tuple[float, str]]
     question: str
     items: list[str]
+    keys: tuple[str, ...] = ()  # the words its needles are keyed by (niah): no other example of a window may take them
 
 
 def _number(rng: random.Random, digits: int) -> str:
@@ -61,8 +62,8 @@ def _passkey(rng, depth):
                  "\nWhat is the pass key? The pass key is", [f" {key}"])
 
 
-def _niah(rng, depth, keys: int):
-    words = rng.sample(WORDS, keys)
+def _niah(rng, depth, keys: int, avoid: frozenset = frozenset()):
+    words = rng.sample([w for w in WORDS if w not in avoid], keys)
     values = [_number(rng, 7) for _ in words]
     target = 0
     depths = [depth] + [(depth + (i + 1) / keys) % 1.0 for i in range(keys - 1)]  # distractors spread around it
@@ -71,10 +72,10 @@ def _niah(rng, depth, keys: int):
     return Parts("Some special magic numbers are hidden within the following text. Make sure to memorize them. I "
                  "will quiz you about the numbers afterwards.\n", needles,
                  f"\nWhat is the special magic number for {w} mentioned in the provided text? The special magic "
-                 f"number for {w} mentioned in the provided text is", [f" {values[target]}"])
+                 f"number for {w} mentioned in the provided text is", [f" {values[target]}"], tuple(words))
 
 
-def _variable_tracking(rng, depth, hops: int = 4):
+def _variable_tracking(rng, depth, avoid=frozenset(), hops: int = 4):
     names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)) for _ in range(hops + 1)]
     value = _number(rng, 5)
     chain = [f" VAR {names[0]} = {value}."] + [f" VAR {names[i + 1]} = VAR {names[i]}." for i in range(hops)]
@@ -86,8 +87,10 @@ def _variable_tracking(rng, depth, hops: int = 4):
                  f"assigned the value {value}, they are:", [f" {n}" for n in names])
 
 
-TASK_PARTS = {"passkey": _passkey, "niah_single": lambda rng, d: _niah(rng, d, 1),
-              "niah_multikey": lambda rng, d: _niah(rng, d, 4), "variable_tracking": _variable_tracking}
+TASK_PARTS = {"passkey": lambda rng, d, avoid=frozenset(): _passkey(rng, d),
+              "niah_single": lambda rng, d, avoid=frozenset(): _niah(rng, d, 1, avoid),
+              "niah_multikey": lambda rng, d, avoid=frozenset(): _niah(rng, d, 4, avoid),
+              "variable_tracking": _variable_tracking}  # task -> (rng, depth, words to avoid) -> Parts
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -100,29 +103,81 @@ def _boundaries(tokenizer, haystack: list[int]) -> list[int]:
     return [i + 1 for i, p in enumerate(pieces) if p and p.rstrip("Ġ▁ ").endswith((".", "\n", "Ċ", "<0x0A>"))]
 
 
-def _assemble(task: str, tokenizer, parts: Parts, length: int, depth: float, haystack: list[int]) -> Example:
-    intro, question = _encode(tokenizer, parts.intro), _encode(tokenizer, parts.question)
-    needles = sorted((d, _encode(tokenizer, text)) for d, text in parts.needles)
-    items = [_encode(tokenizer, item) for item in parts.items]
-    fill = length - len(intro) - len(question) - sum(len(n) for _, n in needles) - sum(len(i) for i in items)
+def _fill(task: str, length: int, fixed: int, haystack: list[int]) -> int:
+    """Tokens of haystack an example of `length` holds beside its `fixed` tokens (instruction, needles, questions,
+    answers); one line when there is no room or too little haystack."""
+    fill = length - fixed
     if fill < 1:
         raise SurgeryError(f"--retrieval-lengths: {length} tokens is too short for {task}: its instruction, question, "
-                           f"needles and answer alone take {length - fill}")
+                           f"needles and answer alone take {fixed}")
     if len(haystack) < fill:
         raise SurgeryError(f"the haystack text has {len(haystack)} tokens: too short for {task} at {length} tokens "
                            f"(it needs {fill}); give a longer text or use the noise haystack")
-    hay = haystack[:fill]
-    marks = _boundaries(tokenizer, hay) or list(range(fill + 1))
+    return fill
+
+
+def _body(tokenizer, hay: list[int], needles: list[tuple[float, list[int]]]) -> list[int]:
+    """`hay` with the needles (depth, ids) inserted at the sentence boundaries nearest their depths, in depth order."""
+    marks = _boundaries(tokenizer, hay) or list(range(len(hay) + 1))
     body, at = [], 0
-    for d, needle in needles:
-        want = round(d * fill)
+    for d, needle in sorted(needles):
+        want = round(d * len(hay))
         cut = min((m for m in marks if m >= at), key=lambda m: abs(m - want), default=at)
         body += hay[at:cut] + needle
         at = cut
-    body += hay[at:]
-    ids = intro + body + question + [t for item in items for t in item]
+    return body + hay[at:]
+
+
+def _assemble(task: str, tokenizer, parts: Parts, length: int, depth: float, haystack: list[int]) -> Example:
+    intro, question = _encode(tokenizer, parts.intro), _encode(tokenizer, parts.question)
+    needles = [(d, _encode(tokenizer, text)) for d, text in parts.needles]
+    items = [_encode(tokenizer, item) for item in parts.items]
+    fill = _fill(task, length, len(intro) + len(question) + sum(len(n) for _, n in needles)
+                 + sum(len(i) for i in items), haystack)
+    ids = intro + _body(tokenizer, haystack[:fill], needles) + question + [t for item in items for t in item]
     assert len(ids) == length, (task, len(ids), length)
     return Example(task, length, depth, ids, items)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Several retrieval examples in one haystack (RULER's multi-query needles, over every task): every example's
+    needles hidden in it, then each example's question followed by its answer, in turn."""
+
+    tasks: list[str]
+    length: int  # tokens, every answer included
+    ids: list[int]
+    answers: list[tuple[int, int]]  # example i's answer: ids[start:end]
+
+
+def make_packed(tokenizer, length: int, questions: list[tuple[str, float]], seed: int,
+                haystack_tokens: list[int] | None = None) -> Packed:
+    """One example of `length` tokens asking `questions` ((task, needle depth) each) of one haystack: the window's
+    text (`haystack_tokens`, read from its start) or RULER's noise. The instructions of its tasks (each once) open it;
+    no two questions share a needle's key word, and at most one asks for the pass key (the only one it could mean)."""
+    tasks = [t for t, _ in questions]
+    if not tasks or any(t not in TASK_PARTS for t in tasks) or tasks.count("passkey") > 1:
+        raise SurgeryError(f"a packed retrieval example asks 1 or more of {', '.join(TASK_PARTS)} (the pass key at "
+                           f"most once), got {tasks}")
+    rng, used, parts = random.Random(f"{seed}/packed/{length}"), frozenset(), []
+    for task, depth in questions:
+        parts.append(TASK_PARTS[task](rng, depth, used))
+        used |= set(parts[-1].keys)
+    intro = [t for text in dict.fromkeys(p.intro for p in parts) for t in _encode(tokenizer, text)]
+    needles = [(d, _encode(tokenizer, text)) for p in parts for d, text in p.needles]
+    asked = [(_encode(tokenizer, p.question), [t for item in p.items for t in _encode(tokenizer, item)])
+             for p in parts]
+    name = f"{len(tasks)} questions ({', '.join(dict.fromkeys(tasks))})"
+    fill = _fill(name, length, len(intro) + sum(len(n) for _, n in needles) + sum(len(q) + len(a) for q, a in asked),
+                 noise_haystack(tokenizer, length) if haystack_tokens is None else haystack_tokens)
+    hay = noise_haystack(tokenizer, fill) if haystack_tokens is None else haystack_tokens[:fill]
+    ids, answers = intro + _body(tokenizer, hay, needles), []
+    for question, answer in asked:
+        ids += question
+        answers.append((len(ids), len(ids) + len(answer)))
+        ids += answer
+    assert len(ids) == length, (tasks, len(ids), length)
+    return Packed(tasks, length, ids, answers)
 
 
 def noise_haystack(tokenizer, tokens: int) -> list[int]:

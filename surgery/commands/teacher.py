@@ -13,9 +13,9 @@ from ..training.options import UptrainArgs
 
 # uptrain's options that fix the training windows, and the teacher's run (its precision, temperature, batch, output)
 TEACHER_OPTIONS = ("data", "data_weights", "data_mode", "data_workers", "data_epochs", "tokens", "skip_tokens",
-                   "text_field",
-                   "txt_unit", "streaming", "chat_template", "retrieval_mix", "seq_len", "batch_tokens", "micro_batch", "eval_tokens",
-                   "seed", "temperature", "trust_teacher_code", "precision", "force")
+                   "text_field", "txt_unit", "streaming", "chat_template", "retrieval_mix", "retrieval_questions",
+                   "seq_len", "batch_tokens", "micro_batch", "eval_tokens", "seed", "temperature", "trust_teacher_code",
+                   "precision", "force")
 
 # those that fix the windows and their order (the store's windows spec, surgery/training/teacher_store.py) and the
 # temperature it holds the teacher at: a store serves only runs with the same values (a recipe's teacher step takes

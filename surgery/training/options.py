@@ -34,12 +34,13 @@ TRAJECTORY_KEYS = ("model", "data", "text_field", "tokens", "seq_len", "batch_to
                    "min_lr_ratio", "warmup_steps", "weight_decay", "max_grad_norm", "seed", "stage", "align_tokens",
                    "align_epochs", "align_lr", "lora_rank", "lora_alpha", "lora_targets", "eval_data", "data_weights",
                    "data_mode", "txt_unit", "chat_template", "loss_on", "teacher_logprobs", "retrieval_mix",
-                   "retrieval_answer_weight", "new_lr", "skip_tokens")
+                   "retrieval_answer_weight", "new_lr", "skip_tokens", "retrieval_questions")
 # Keys added to TRAJECTORY_KEYS after runs were saved without them: such a run had the option's default behaviour
 # (TRAJECTORY_DEFAULTS, below the options).
 LATER_TRAJECTORY_KEYS = ("hidden_weight", "kd_divergence", "eval_data", "data_weights", "data_mode", "txt_unit",
                          "chat_template", "loss_on", "teacher_logprobs", "kd_beta", "on_policy", "gen_tokens",
-                         "gen_temperature", "retrieval_mix", "new_lr", "skip_tokens", "retrieval_answer_weight")
+                         "gen_temperature", "retrieval_mix", "new_lr", "skip_tokens", "retrieval_answer_weight",
+                         "retrieval_questions")
 # --data-epochs is not among them: it changes nothing before a source runs dry, so a run stopped by a dry source
 # resumes with a higher one.
 PACKED_TOKENS = 1 << 22  # --data-mode auto: runs of at most this many training tokens (16 MiB of windows) are packed
@@ -151,6 +152,11 @@ class UptrainArgs(PrecisionOptions):
         "example's answer counts in the losses (LM, KD, stored KD), against 1 for every other position: an example's "
         "answer is a few tokens of a window of --seq-len, so its retrieval signal is that small a share of the loss "
         "unless weighted.", metavar="K")
+    retrieval_questions: int = option(
+        1, "--retrieval-questions", "[--retrieval-mix] Retrieval examples in each retrieval window: K needles (each its "
+        "own task and depth, in one haystack of the window's text) and K questions answered in turn at its end "
+        "(RULER's multi-query needles). A window costs the same forward pass whatever it holds: K > 1 gives the run "
+        "K times the examples at the distances it trains at.", metavar="K")
     hidden_weight: float = option(0.0, "--hidden-weight", "Add this weight times every layer's hidden-state cosine "
                                   "distance to the teacher's (same depth and width) to the loss; 0: off.")
     train: Literal[TRAIN] = option(
@@ -380,6 +386,11 @@ def check_retrieval_mix_rules(o, s) -> None:
         raise ValueError(f"{weight} must be positive, got {o.retrieval_answer_weight}")
     if o.retrieval_answer_weight != 1 and not o.retrieval_mix:
         raise ValueError(f"{weight} weighs the answers of {flag}'s examples: it needs {flag} above 0")
+    questions = s.flag("retrieval_questions")
+    if o.retrieval_questions < 1:
+        raise ValueError(f"{questions} must be at least 1, got {o.retrieval_questions}")
+    if o.retrieval_questions != 1 and not o.retrieval_mix:
+        raise ValueError(f"{questions} sets how many examples each of {flag}'s windows holds: it needs {flag} above 0")
     if o.retrieval_answer_weight != 1 and stages_of(o.stage) == ("align",):
         raise ValueError(f"{weight} weighs the end-to-end losses: {s.flag('stage')} align has none")
 

@@ -129,5 +129,6 @@ def retrieval_record(o: UptrainOptions) -> dict:
     """--retrieval-mix in the record: the fraction, the tasks and how many of the run's windows were examples."""
     from .retrieval_mix import RetrievalMix
 
-    return RetrievalMix(o.retrieval_mix, o.seed, None, o.seq_len, answer_weight=o.retrieval_answer_weight).record(
+    return RetrievalMix(o.retrieval_mix, o.seed, None, o.seq_len, answer_weight=o.retrieval_answer_weight,
+                        questions=o.retrieval_questions).record(
         o.total_steps * o.sequences_per_step)

@@ -81,6 +81,8 @@ def windows_spec(o, tokenizer, readers: int) -> dict:
         spec["skip_tokens"] = o.skip_tokens
     if o.retrieval_mix:  # the windows replaced by retrieval examples (surgery/training/retrieval_mix.py)
         spec["retrieval_mix"] = o.retrieval_mix
+        if o.retrieval_questions != 1:  # examples a retrieval window holds
+            spec["retrieval_questions"] = o.retrieval_questions
     if o.streamed:
         from .stream_sources import fingerprint, resolve_sources
 
@@ -94,8 +96,9 @@ SPEC_FLAGS = {"data": "--data", "data_weights": "--data-weights", "text_field": 
               "seed": "--seed", "mode": "--data-mode", "readers": "processes x --data-workers",
               "data_epochs": "--data-epochs", "train_tokens": "--tokens / --batch-tokens (packed data)",
               "sources": "the data's files", "eos": "the tokenizer's EOS",
-              "chat_template": "--chat-template", "retrieval_mix": "--retrieval-mix", "skip_tokens": "--skip-tokens"}
-SPEC_DEFAULTS = {"retrieval_mix": 0.0, "skip_tokens": 0}  # a field a spec leaves out at its default (older stores)
+              "chat_template": "--chat-template", "retrieval_mix": "--retrieval-mix", "skip_tokens": "--skip-tokens",
+              "retrieval_questions": "--retrieval-questions"}
+SPEC_DEFAULTS = {"retrieval_mix": 0.0, "skip_tokens": 0, "retrieval_questions": 1}  # a field a spec leaves out at its default (older stores)
 
 
 def spec_difference(stored: dict, run: dict) -> str | None:

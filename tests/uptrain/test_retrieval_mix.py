@@ -14,7 +14,9 @@ from surgery.testing.pydoc_llama import FAST, make_model
 from surgery.training import UptrainOptions, uptrain
 from surgery.training.retrieval_mix import TASKS, RetrievalMix
 from surgery.training.teacher_pass import teacher_pass, training_windows
-from surgery.training.teacher_store import window_hash
+from surgery.retrieval_mix import answer_positions
+from surgery.retrieval_tasks import Packed, make_packed
+from surgery.training.teacher_store import spec_difference, window_hash, windows_spec
 
 from inprocess import cli_args, uptrain_error
 
@@ -86,6 +88,49 @@ def test_a_retrieval_window_is_one_training_window_of_its_own_text_with_the_answ
         assert torch.equal(weights[i], expected)
 
 
+LONG = 4 * SEQ  # windows long enough for four questions of this tokenizer's (long) tokens
+
+
+def test_a_packed_window_asks_its_questions_of_its_own_text_in_turn(tokenizer):
+    from surgery.data import load_texts
+    from surgery.training.data import pack
+
+    windows = pack(load_texts("pydoc"), tokenizer, LONG, 0, 4 * LONG).train[:4]
+    mix = RetrievalMix(1.0, 5, tokenizer, LONG, questions=4, answer_weight=8.0)
+    mix.check_length()
+    out, weights = mix.weighted(windows, first=10)
+    assert torch.equal(out, RetrievalMix(1.0, 5, tokenizer, LONG, questions=4).apply(windows.clone(), first=10))
+    tasks = []
+    for i in range(len(windows)):
+        example = mix.example(10 + i, windows[i].tolist())
+        assert isinstance(example, Packed) and out[i].tolist() == example.ids and example.length == LONG
+        assert len(example.answers) == 4 and example.answers[-1][1] == LONG  # the last answer ends the window
+        assert all(a[1] < b[0] for a, b in zip(example.answers, example.answers[1:]))  # a question between answers
+        assert example.tasks.count("passkey") <= 1
+        assert _shares_a_run(out[i].tolist(), windows[i].tolist(), 64)  # the haystack: the window's own text
+        before = tokenizer.decode(example.ids[:example.answers[0][0]])  # the text before the first answer
+        for start, end in example.answers:  # every answer's words were said before any question is answered
+            assert all(word in before for word in tokenizer.decode(example.ids[start:end]).split())
+        expected = torch.ones(LONG)
+        expected[answer_positions(example)] = 8.0
+        assert torch.equal(weights[i], expected) and int((expected == 8).sum()) == sum(e - s for s, e in
+                                                                                      example.answers)
+        tasks += example.tasks
+    assert set(tasks) == set(TASKS)
+    assert mix.record(10)["questions"] == 4 and "questions" not in RetrievalMix(1.0, 5, None, LONG).record(10)
+    with pytest.raises(SurgeryError, match="the pass key at most once"):
+        make_packed(tokenizer, LONG, [("passkey", 0.2), ("passkey", 0.7)], seed=0)
+    with pytest.raises(SurgeryError, match="--seq-len 1024 is too short for 4 questions a window .*is enough"):
+        RetrievalMix(0.5, 0, tokenizer, SEQ, questions=4).check_length()
+    # a store's windows hold as many questions as the run's
+    o = UptrainOptions(model="unused", out=Path("unused"), **(RUN | dict(seq_len=LONG, batch_tokens=LONG, tokens=4 * LONG,
+                                                                       retrieval_questions=4)))
+    spec = windows_spec(o, tokenizer, 1)
+    assert spec["retrieval_questions"] == 4
+    assert spec_difference(windows_spec(o.model_copy(update={"retrieval_questions": 1}), tokenizer, 1), spec) == \
+        "--retrieval-questions: store 1, run 4"
+
+
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory, tokenizer):
     """The tiny Llama with positions for windows of 1,024."""
@@ -135,6 +180,10 @@ def test_bad_mixes_are_refused_in_one_line(teacher, student, tokenizer, monkeypa
              *cli_args({k: v for k, v in RUN.items() if k != "retrieval_mix"})]
     assert "it needs --retrieval-mix above 0" in uptrain_error(monkeypatch, capsys, *plain,
                                                                "--retrieval-answer-weight", "4")
+    assert "--retrieval-questions must be at least 1" in uptrain_error(monkeypatch, capsys, *base,
+                                                                       "--retrieval-questions", "0")
+    assert "it needs --retrieval-mix above 0" in uptrain_error(monkeypatch, capsys, *plain, "--retrieval-questions", "2")
+    assert "too short for 8 questions a window" in uptrain_error(monkeypatch, capsys, *base, "--retrieval-questions", "8")
     short = uptrain_error(monkeypatch, capsys, *base, "--seq-len", 64, "--batch-tokens", 512)
     assert "--retrieval-mix: --seq-len 64 is too short for" in short and "is enough" in short
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.run").exists()
@@ -153,8 +202,10 @@ def test_a_recipe_takes_the_mix_for_its_uptrain_step_and_the_teacher_step_that_s
     from surgery.recipes.plan import build_plan
 
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "llama3-8b-gqa2-stored-teacher.yaml"
-    plan = build_plan(load_recipe(recipe, ["uptrain.retrieval_mix=0.25"]), tmp_path / "plan")
+    plan = build_plan(load_recipe(recipe, ["uptrain.retrieval_mix=0.25", "uptrain.retrieval_questions=3"]),
+                      tmp_path / "plan")
     commands = {r["name"]: r["command"] for r in plan["steps"]}
-    assert "--retrieval-mix 0.25" in commands["teacher"] and "--retrieval-mix 0.25" in commands["uptrain"]
+    for flag in ("--retrieval-mix 0.25", "--retrieval-questions 3"):  # the store's windows are the run's
+        assert flag in commands["teacher"] and flag in commands["uptrain"]
     with pytest.raises(SurgeryError, match=r"uptrain: retrieval_mix must lie in \[0, 1\], got 2"):
         load_recipe(recipe, ["uptrain.retrieval_mix=2"])
