@@ -54,7 +54,7 @@ def _number(rng: random.Random, digits: int) -> str:
     return str(rng.randrange(10 ** (digits - 1), 10 ** digits))
 
 
-def _passkey(rng, depth):
+def _passkey(rng, depth, avoid=frozenset()):
     key = _number(rng, 5)
     return Parts("There is an important piece of information hidden inside a lot of irrelevant text. Find it and "
                  "memorize it. I will quiz you about it afterwards.\n",
@@ -87,7 +87,7 @@ def _variable_tracking(rng, depth, avoid=frozenset(), hops: int = 4):
                  f"assigned the value {value}, they are:", [f" {n}" for n in names])
 
 
-TASK_PARTS = {"passkey": lambda rng, d, avoid=frozenset(): _passkey(rng, d),
+TASK_PARTS = {"passkey": _passkey,
               "niah_single": lambda rng, d, avoid=frozenset(): _niah(rng, d, 1, avoid),
               "niah_multikey": lambda rng, d, avoid=frozenset(): _niah(rng, d, 4, avoid),
               "variable_tracking": _variable_tracking}  # task -> (rng, depth, words to avoid) -> Parts
@@ -168,10 +168,10 @@ def make_packed(tokenizer, length: int, questions: list[tuple[str, float]], seed
     asked = [(_encode(tokenizer, p.question), [t for item in p.items for t in _encode(tokenizer, item)])
              for p in parts]
     name = f"{len(tasks)} questions ({', '.join(dict.fromkeys(tasks))})"
+    haystack = noise_haystack(tokenizer, length) if haystack_tokens is None else haystack_tokens
     fill = _fill(name, length, len(intro) + sum(len(n) for _, n in needles) + sum(len(q) + len(a) for q, a in asked),
-                 noise_haystack(tokenizer, length) if haystack_tokens is None else haystack_tokens)
-    hay = noise_haystack(tokenizer, fill) if haystack_tokens is None else haystack_tokens[:fill]
-    ids, answers = intro + _body(tokenizer, hay, needles), []
+                 haystack)
+    ids, answers = intro + _body(tokenizer, haystack[:fill], needles), []
     for question, answer in asked:
         ids += question
         answers.append((len(ids), len(ids) + len(answer)))

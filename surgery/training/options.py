@@ -153,8 +153,8 @@ class UptrainArgs(PrecisionOptions):
         "answer is a few tokens of a window of --seq-len, so its retrieval signal is that small a share of the loss "
         "unless weighted.", metavar="K")
     retrieval_questions: int = option(
-        1, "--retrieval-questions", "[--retrieval-mix] Retrieval examples in each retrieval window: K needles (each its "
-        "own task and depth, in one haystack of the window's text) and K questions answered in turn at its end "
+        1, "--retrieval-questions", "[--retrieval-mix] Retrieval examples in each retrieval window: K needles (each "
+        "its own task and depth, in one haystack of the window's text) and K questions answered in turn at its end "
         "(RULER's multi-query needles). A window costs the same forward pass whatever it holds: K > 1 gives the run "
         "K times the examples at the distances it trains at.", metavar="K")
     hidden_weight: float = option(0.0, "--hidden-weight", "Add this weight times every layer's hidden-state cosine "

@@ -98,7 +98,8 @@ SPEC_FLAGS = {"data": "--data", "data_weights": "--data-weights", "text_field": 
               "sources": "the data's files", "eos": "the tokenizer's EOS",
               "chat_template": "--chat-template", "retrieval_mix": "--retrieval-mix", "skip_tokens": "--skip-tokens",
               "retrieval_questions": "--retrieval-questions"}
-SPEC_DEFAULTS = {"retrieval_mix": 0.0, "skip_tokens": 0, "retrieval_questions": 1}  # a field a spec leaves out at its default (older stores)
+# a field a spec leaves out at its default (older stores)
+SPEC_DEFAULTS = {"retrieval_mix": 0.0, "skip_tokens": 0, "retrieval_questions": 1}
 
 
 def spec_difference(stored: dict, run: dict) -> str | None:
