@@ -63,7 +63,8 @@ def main(paths: list[Path]) -> Path:
         top.grid(alpha=0.3)
         bottom.grid(alpha=0.3)
         top.legend(fontsize=6, loc="upper left")
-        bottom.set_xticks([0, 131, 163, 246], ["0", "131k", "163k", "246k"], fontsize=7, rotation=45)
+        ticks = sorted({t for t, _ in RUNS.values()})
+        bottom.set_xticks(ticks, [f"{t}k" if t else "0" for t in ticks], fontsize=7, rotation=45)
     axes[0][0].set_ylabel("hits (%), 95% Wilson")
     axes[1][0].set_ylabel("answers' log-prob - source's\n(nats/token, 95% t)")
     fig.supxlabel("KD tokens at 8,192 a window (SmolLM2-135M -> swa W 1,024, nine global layers; needles in Vim's "
